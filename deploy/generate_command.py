@@ -1,0 +1,72 @@
+"""``raylm generate``: stream a completion of one prompt to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from model import DEFAULT_MODEL, IncrementalDetokenizer, ModelError, SimpleSampling, SingleSequenceGenerator
+from model import load_model, make_mesh
+from model.chat_template import ChatTemplateError
+from model.compilation_cache import enable_compilation_cache
+
+
+def add_generate_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("generate", help="generate a completion for one prompt")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file or HF checkpoint dir")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (local devices)")
+    p.set_defaults(run=run_generate)
+
+
+@contextmanager
+def _step(message: str) -> Iterator[None]:
+    """Say what is happening on stderr, and how long it took, so stdout stays the text."""
+    print(f"{message} ...", end="", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    yield
+    print(f" done in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    try:
+        sampling = SimpleSampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        enable_compilation_cache()
+        with _step(f"loading {args.model} ({args.dtype})"):
+            model = load_model(args.model, args.dtype)
+            generator = SingleSequenceGenerator(model.config, model.params, mesh=make_mesh(args.tp))
+        tokenizer = model.tokenizer
+        if args.chat:
+            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        else:
+            prompt_ids = tokenizer.encode(args.prompt)
+        detok = IncrementalDetokenizer(tokenizer)
+        stream = generator.generate(prompt_ids, args.max_tokens, sampling, sorted(model.config.eos_token_ids))
+        with _step(f"compiling and prefilling {len(prompt_ids)} prompt tokens"):
+            first = next(stream, None)
+        start, count = time.perf_counter(), 0
+        for token in itertools.chain([] if first is None else [first], stream):
+            count += 1
+            if token not in model.config.eos_token_ids:
+                sys.stdout.write(detok.add([token]))
+                sys.stdout.flush()
+        sys.stdout.write(detok.finish() + "\n")
+        elapsed = time.perf_counter() - start
+        print(f"[{count} tokens, {count / max(elapsed, 1e-9):.1f} tokens/s]", file=sys.stderr)
+        return 0
+    except (ModelError, ChatTemplateError, ValueError) as err:
+        print(f"\nerror: {err}", file=sys.stderr)
+        return 2

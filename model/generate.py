@@ -1,0 +1,127 @@
+"""The reference single-request generation loop: prefill the prompt, then decode one token a step.
+
+It uses the same paged forward pass as the engine, with a trivially allocated block table
+(blocks 1..n for the one sequence), so it doubles as the exactness reference for the
+batched engine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from model.attention import KVCache
+from model.config import ModelConfig
+from model.errors import PromptTooLongError
+from model.forward import decode, prefill
+from model.params import ModelParams
+from model.sampling import SimpleSampling, sample_token
+from model.sharding import kv_pool_sharding, make_mesh, shard_params
+
+MIN_PREFILL_BUCKET = 16
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def check_prompt_fits(config: ModelConfig, prompt_len: int, max_tokens: int) -> None:
+    """Raise a PromptTooLongError with the numbers when the request cannot fit the context."""
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    limit = config.max_position_embeddings
+    if prompt_len + max_tokens > limit:
+        raise PromptTooLongError(
+            f"prompt has {prompt_len} tokens and {max_tokens} new tokens were requested, "
+            f"{prompt_len + max_tokens} in all, but the model's context is {limit} tokens; "
+            "shorten the prompt or lower max_tokens"
+        )
+
+
+class SingleSequenceGenerator:
+    """Greedy or sampled generation for one sequence at a time, optionally tensor-parallel."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: ModelParams,
+        mesh: Mesh | None = None,
+        block_size: int = 16,
+        kv_dtype: jnp.dtype | None = None,
+    ):
+        self.config = config
+        self.mesh = mesh or make_mesh(1)
+        self.params = shard_params(params, config, self.mesh)
+        self.block_size = block_size
+        self.kv_dtype = kv_dtype or params.embed.dtype
+
+    def _new_kv(self, num_blocks: int) -> KVCache:
+        c = self.config
+        return KVCache.zeros(
+            c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_dtype,
+            kv_pool_sharding(c, self.mesh),
+        )
+
+    def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
+        """float32 logits ``[len(prompt), V]`` for every prompt position (for reference checks)."""
+        n = len(prompt_ids)
+        check_prompt_fits(self.config, n, 0)
+        width = next_power_of_two(math.ceil(n / self.block_size))
+        tokens, positions = self._padded_prompt(prompt_ids)
+        logits, _ = prefill(
+            self.params, self._new_kv(width + 1), tokens, positions,
+            jnp.arange(1, width + 1, dtype=jnp.int32)[None], jnp.array([n], jnp.int32),
+            config=self.config, all_logits=True,
+        )
+        return np.asarray(logits[0, :n])
+
+    def _padded_prompt(self, prompt_ids: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+        n = len(prompt_ids)
+        bucket = max(MIN_PREFILL_BUCKET, next_power_of_two(n))
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :n] = prompt_ids
+        return jnp.asarray(tokens), jnp.arange(bucket, dtype=jnp.int32)[None]
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        sampling: SimpleSampling = SimpleSampling(temperature=0.0),
+        stop_token_ids: Sequence[int] = (),
+    ) -> Iterator[int]:
+        """Yield up to ``max_tokens`` new ids, stopping after any of ``stop_token_ids``."""
+        n = len(prompt_ids)
+        check_prompt_fits(self.config, n, max_tokens)
+        if max_tokens <= 0:
+            return
+        width = next_power_of_two(math.ceil((n + max_tokens) / self.block_size))
+        kv = self._new_kv(width + 1)
+        block_table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]
+        tokens, positions = self._padded_prompt(prompt_ids)
+        logits, kv = prefill(
+            self.params, kv, tokens, positions, block_table, jnp.array([n], jnp.int32), config=self.config
+        )
+        key = jax.random.key(sampling.seed if sampling.seed is not None else np.random.randint(2**31))
+        stops = set(stop_token_ids)
+        for step in range(max_tokens):
+            if sampling.greedy:
+                token = int(jnp.argmax(logits[0]))
+            else:
+                key, sub = jax.random.split(key)
+                token = int(sample_token(
+                    logits[0], sub, jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
+                    jnp.float32(sampling.top_p),
+                ))
+            yield token
+            if token in stops or step == max_tokens - 1:
+                return
+            position = n + step
+            logits, kv = decode(
+                self.params, kv, jnp.array([token], jnp.int32), jnp.array([position], jnp.int32),
+                block_table, jnp.array([position + 1], jnp.int32), config=self.config,
+            )

@@ -1,0 +1,125 @@
+"""Load a llama.cpp GGUF file: metadata -> ModelConfig, tensors dequantized -> ModelParams.
+
+Every tensor type the ``gguf`` package can dequantize is accepted. llama.cpp's converter
+permutes the Q/K projection rows of llama-arch models for its interleaved RoPE; we undo
+that here so the same rotate-half RoPE serves HF and GGUF checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+from gguf.quants import dequantize
+
+from model.config import ModelConfig
+from model.errors import ModelLoadError, UnsupportedModelError
+from model.params import ModelParams
+from model.weights import build_params
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def gguf_tensor_name(hf_name: str) -> str | None:
+    """The GGUF name of the tensor HF calls ``hf_name`` (None if GGUF has no equivalent)."""
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    match = _LAYER_RE.fullmatch(hf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"blk.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's ``permute`` of Q/K rows (interleaved pairs -> rotate-half halves)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+class GGUFFile:
+    """A parsed GGUF file: decoded metadata fields and lazily dequantized tensors."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"GGUF file {self.path} not found")
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+        except Exception as err:  # gguf raises ValueError/struct.error/IndexError on junk
+            raise ModelLoadError(f"cannot read {self.path} as GGUF: {err}") from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    @cached_property
+    def fields(self) -> dict[str, Any]:
+        """Metadata as plain Python values (strings, numbers, lists)."""
+        return {name: field.contents() for name, field in self._reader.fields.items()}
+
+    def tensor(self, name: str) -> np.ndarray | None:
+        """Dequantized float32 tensor in numpy (= HF ``[out, in]``) layout, or None if absent."""
+        info = self._tensors.get(name)
+        if info is None:
+            return None
+        try:
+            array = dequantize(info.data, info.tensor_type)
+        except NotImplementedError:
+            raise UnsupportedModelError(
+                f"{self.path}: tensor {name!r} uses GGML type {info.tensor_type.name}, "
+                "which the gguf package cannot dequantize"
+            ) from None
+        shape = tuple(int(d) for d in reversed(info.shape))
+        return np.asarray(array, dtype=np.float32).reshape(shape)
+
+    def config(self) -> ModelConfig:
+        """ModelConfig from metadata; embeddings are tied when the file has no output matrix."""
+        config = ModelConfig.from_gguf_fields(self.fields, str(self.path))
+        return dataclasses.replace(config, tie_word_embeddings="output.weight" not in self._tensors)
+
+
+def load_gguf_checkpoint(
+    path: str | Path, dtype: jnp.dtype = jnp.float32
+) -> tuple[ModelConfig, ModelParams]:
+    """Read config and (dequantized) weights of a llama/qwen2 GGUF file."""
+    file = GGUFFile(path)
+    config = file.config()
+    permuted = config.architecture == "llama"
+
+    def get(hf_name: str) -> np.ndarray | None:
+        name = gguf_tensor_name(hf_name)
+        array = None if name is None else file.tensor(name)
+        if array is not None and permuted:
+            if hf_name.endswith("q_proj.weight"):
+                array = unpermute_qk(array, config.num_heads)
+            elif hf_name.endswith("k_proj.weight"):
+                array = unpermute_qk(array, config.num_kv_heads)
+        return array
+
+    return config, build_params(config, get, str(file.path), dtype)

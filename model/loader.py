@@ -1,0 +1,68 @@
+"""One entry point to load any supported checkpoint: config, params and tokenizer together."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+from model.errors import ModelLoadError
+from model.gguf_loader import GGUFFile, load_gguf_checkpoint
+from model.params import ModelParams
+from model.registry import resolve_model_path
+from model.safetensors_loader import load_safetensors_checkpoint
+from model.tokenizer import Tokenizer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """What a model replica needs: hyper-parameters, weights on device, tokenizer."""
+
+    name: str
+    path: Path
+    config: ModelConfig
+    params: ModelParams
+    tokenizer: Tokenizer
+
+
+def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    return dtype
+
+
+def load_checkpoint(path: str | Path, dtype: str | jnp.dtype = "float32") -> tuple[ModelConfig, ModelParams]:
+    """Weights and config of a ``.gguf`` file or an HF safetensors directory."""
+    path = Path(path)
+    if path.is_dir():
+        return load_safetensors_checkpoint(path, parse_dtype(dtype))
+    if path.suffix == ".gguf":
+        return load_gguf_checkpoint(path, parse_dtype(dtype))
+    raise ModelLoadError(f"{path} is neither an HF checkpoint directory nor a .gguf file")
+
+
+def load_tokenizer(path: str | Path, config: ModelConfig | None = None) -> Tokenizer:
+    """The tokenizer stored with a checkpoint (tokenizer.json, or the GGUF's vocab)."""
+    path = Path(path)
+    extra_eos = config.eos_token_ids if config else ()
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path, extra_eos_ids=extra_eos)
+    file = GGUFFile(path)
+    return Tokenizer.from_gguf_fields(file.fields, str(path))
+
+
+def load_model(name_or_path: str | Path, dtype: str | jnp.dtype = "float32") -> LoadedModel:
+    """Resolve a registry name or path and load everything a replica needs."""
+    path = resolve_model_path(name_or_path)
+    config, params = load_checkpoint(path, dtype)
+    tokenizer = load_tokenizer(path, config)
+    config = dataclasses.replace(
+        config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | tokenizer.eos_token_ids))
+    )
+    return LoadedModel(str(name_or_path), path, config, params, tokenizer)

@@ -1,0 +1,109 @@
+"""Tensor parallelism: one rules table maps logical axis names onto a ``tp`` mesh axis.
+
+Attention heads, KV heads and the MLP hidden dimension are split over ``tp``; everything
+else is replicated. jit then inserts the collectives. With one device every spec is
+trivially replicated, so the single-device path is the same code.
+
+When ``tp`` does not divide the KV head count but is a multiple of it, KV heads are
+replicated (as vLLM does) and only query heads are split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from model.config import ModelConfig
+from model.errors import UnsupportedModelError
+from model.params import KV_POOL_AXES, LAYER_AXES, MODEL_AXES, LayerParams, ModelParams
+
+TP_AXIS = "tp"
+
+# Logical axis -> mesh axis (None = replicated). The one place sharding is decided.
+DEFAULT_RULES: Mapping[str, str | None] = {
+    "vocab": None,
+    "embed": None,
+    "layers": None,
+    "heads": TP_AXIS,
+    "kv_heads": TP_AXIS,
+    "head_dim": None,
+    "mlp": TP_AXIS,
+    "blocks": None,
+    "block_slot": None,
+}
+
+
+def make_mesh(tp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh named ``tp`` over the first ``tp`` local devices."""
+    devices = list(devices if devices is not None else jax.local_devices())
+    if tp < 1 or tp > len(devices):
+        raise ValueError(
+            f"tensor parallel size {tp} needs {tp} devices but {len(devices)} are visible; "
+            "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N"
+        )
+    return Mesh(np.array(devices[:tp]), (TP_AXIS,))
+
+
+def rules_for(config: ModelConfig, tp: int) -> dict[str, str | None]:
+    """The rules table specialised to a model: checks divisibility, replicates KV heads if needed."""
+    rules = dict(DEFAULT_RULES)
+    if tp == 1:
+        return rules
+    if config.num_heads % tp:
+        divisors = [d for d in range(1, config.num_heads + 1) if config.num_heads % d == 0]
+        raise UnsupportedModelError(
+            f"tensor parallel size {tp} does not divide num_attention_heads={config.num_heads}; "
+            f"choose tp from {divisors}"
+        )
+    if config.intermediate_size % tp:
+        raise UnsupportedModelError(
+            f"tensor parallel size {tp} does not divide intermediate_size={config.intermediate_size}"
+        )
+    if config.num_kv_heads % tp:
+        if tp % config.num_kv_heads:
+            raise UnsupportedModelError(
+                f"tensor parallel size {tp} neither divides nor is a multiple of "
+                f"num_key_value_heads={config.num_kv_heads}"
+            )
+        rules["kv_heads"] = None  # replicate KV heads, split only query heads
+    return rules
+
+
+def spec_for(axes: Sequence[str], rules: Mapping[str, str | None]) -> PartitionSpec:
+    """PartitionSpec for an array whose dimensions carry the logical names ``axes``."""
+    return PartitionSpec(*(rules[a] for a in axes))
+
+
+def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> ModelParams:
+    """A ModelParams-shaped tree of NamedShardings (None where the field is absent)."""
+    rules = rules_for(config, mesh.shape[TP_AXIS])
+
+    def named(axes: Sequence[str], leaf: object) -> NamedSharding | None:
+        return None if leaf is None else NamedSharding(mesh, spec_for(axes, rules))
+
+    layers = LayerParams(
+        **{
+            f.name: named(LAYER_AXES[f.name], getattr(params.layers, f.name))
+            for f in dataclasses.fields(LayerParams)
+        }
+    )
+    return ModelParams(
+        embed=named(MODEL_AXES["embed"], params.embed),
+        layers=layers,
+        final_norm=named(MODEL_AXES["final_norm"], params.final_norm),
+        lm_head=named(MODEL_AXES["lm_head"], params.lm_head),
+    )
+
+
+def shard_params(params: ModelParams, config: ModelConfig, mesh: Mesh) -> ModelParams:
+    """Place every parameter on ``mesh`` according to the rules table."""
+    return jax.device_put(params, param_shardings(params, config, mesh))
+
+
+def kv_pool_sharding(config: ModelConfig, mesh: Mesh) -> NamedSharding:
+    """Sharding of a ``[layers, blocks, block_size, kv_heads, head_dim]`` KV array."""
+    return NamedSharding(mesh, spec_for(KV_POOL_AXES, rules_for(config, mesh.shape[TP_AXIS])))

@@ -1,0 +1,96 @@
+"""Tiny random HF checkpoints the tests write themselves (no hub downloads).
+
+Each builder saves a randomly initialised transformers model plus a small byte-level BPE
+``tokenizer.json``, and returns the directory; the same torch model is the reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+TINY_VOCAB = 320
+
+TINY_BASE: dict[str, Any] = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    # Larger than HF's 0.02 default so logits are O(1-10) and a wrong weight cannot hide.
+    initializer_range=0.2,
+)
+
+# name -> (config class, extra config kwargs)
+TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
+    "llama-gqa": (transformers.LlamaConfig, dict(rope_theta=10000.0, tie_word_embeddings=False)),
+    "llama-tied": (transformers.LlamaConfig, dict(rope_theta=10000.0, tie_word_embeddings=True)),
+    "llama3-rope": (
+        transformers.LlamaConfig,
+        dict(
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "llama-linear-rope": (
+        transformers.LlamaConfig, dict(rope_theta=10000.0, rope_scaling=dict(rope_type="linear", factor=2.0))
+    ),
+    "mistral": (transformers.MistralConfig, dict(rope_theta=1e6, sliding_window=None, head_dim=32)),
+    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1e6, tie_word_embeddings=True)),
+}
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. 0123456789",
+    "def main():\n    print('hello, world')\n",
+    "Paris is the capital of France; Berlin is the capital of Germany.",
+]
+
+
+def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> Tokenizer:
+    """A byte-level BPE trained on a few sentences, with <unk>/<s>/</s> at ids 0/1/2."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer)
+    return tokenizer
+
+
+def build_tiny_checkpoint(variant: str, directory: Path, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:
+    """Write ``variant`` as an HF checkpoint into ``directory``; return (dir, torch model)."""
+    config_cls, extra = TINY_VARIANTS[variant]
+    config = config_cls(**{**TINY_BASE, **extra, **overrides})
+    torch.manual_seed(seed)
+    model_cls = {
+        transformers.LlamaConfig: transformers.LlamaForCausalLM,
+        transformers.MistralConfig: transformers.MistralForCausalLM,
+        transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
+    }[config_cls]
+    model = model_cls(config).eval().to(torch.float32)
+    # Random init leaves norms at 1 and biases at 0; perturb them so loading errors show.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    tiny_tokenizer(config.vocab_size).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    return directory, model

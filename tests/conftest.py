@@ -1,0 +1,58 @@
+"""Shared fixtures. Two host devices are forced before JAX starts so TP=2 runs on CPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from model import DEFAULT_MODEL, LoadedModel, load_model, resolve_model_path  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def bundled_path():
+    return resolve_model_path(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def bundled_model() -> LoadedModel:
+    """The bundled SmolLM2 GGUF, dequantized to float32, loaded once per test session."""
+    return load_model(DEFAULT_MODEL, "float32")
+
+
+@pytest.fixture(scope="session")
+def hf_bundled_tokenizer(bundled_path):
+    """HF transformers' own reading of the bundled GGUF's tokenizer: the reference.
+
+    transformers' GGUF converter ignores ``tokenizer.ggml.pre`` and always pre-tokenizes
+    with plain ByteLevel. Upstream SmolLM2's tokenizer.json (and llama.cpp's "smollm"
+    pre-tokenizer) first isolate every digit, which changes e.g. "a  1": ["a", "ĠĠ", "1"]
+    instead of ["a", "Ġ", "Ġ1"->"Ġ","1"]. We restore the upstream pre-tokenizer; vocab,
+    merges, special tokens and chat template stay as transformers read them.
+    """
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_path.parent, gguf_file=bundled_path.name)
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_bundled_model(bundled_path):
+    """HF transformers (torch, float32) on the same GGUF weights: the logits reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        bundled_path.parent, gguf_file=bundled_path.name, dtype=torch.float32
+    )
+    return model.eval()

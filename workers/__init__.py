@@ -1,0 +1,1 @@
+"""One model replica: scheduler, model runner, sampler, engine loop and the Ray Serve worker deployment."""
