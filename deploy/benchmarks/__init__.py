@@ -1,0 +1,1 @@
+"""Benchmarks that print numbers (never timed unit tests)."""

@@ -1,0 +1,135 @@
+"""Single-replica model speed: compile times, 512-token prefill and single-stream decode.
+
+Runs the bundled model in float32 and bfloat16 in one process and, when llama.cpp's
+``llama-bench`` has been built by ``../shared/peers/llama-server.sh build``, runs
+``llama-bench -p 512 -n 128 -t <cores>`` on the F16 GGUF and prints our ratios to it.
+
+    python -m deploy.benchmarks.model_bench [--model NAME] [--prompt-len 512] [--decode-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model import DEFAULT_MODEL, KVCache, SingleSequenceGenerator, decode, load_model, prefill
+
+PEERS = Path(os.environ.get("PEERS", Path.home() / ".cache" / "raylm-peers"))
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` (which must block until its result is ready)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_dtype(model_name: str, dtype: str, prompt_len: int, decode_tokens: int) -> dict[str, float]:
+    model = load_model(model_name, dtype)
+    config, params = model.config, model.params
+    block_size = 16
+    width = 1 << math.ceil(math.log2(math.ceil((prompt_len + decode_tokens) / block_size)))
+    kv = KVCache.zeros(config.num_layers, width + 1, block_size, config.num_kv_heads, config.head_dim,
+                       params.embed.dtype)
+    table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]
+    rng = np.random.RandomState(0)
+    tokens = jnp.asarray(rng.randint(100, config.vocab_size, size=(1, prompt_len)), jnp.int32)
+    positions = jnp.arange(prompt_len, dtype=jnp.int32)[None]
+    lens = jnp.array([prompt_len], jnp.int32)
+
+    start = time.perf_counter()
+    prefill_exe = prefill.lower(params, kv, tokens, positions, table, lens, config=config).compile()
+    prefill_compile = time.perf_counter() - start
+    one = jnp.zeros((1,), jnp.int32)
+    start = time.perf_counter()
+    decode.lower(params, kv, one, one, table, lens, config=config).compile()
+    decode_compile = time.perf_counter() - start
+
+    state = {"kv": kv}
+
+    def run_prefill():
+        logits, state["kv"] = prefill_exe(params, state["kv"], tokens, positions, table, lens)
+        logits.block_until_ready()
+
+    run_prefill()
+    prefill_s = _timed(run_prefill, 5)
+
+    # Single stream through the reference loop (host argmax each step, as a user would see it).
+    generator = SingleSequenceGenerator(config, params)
+    prompt = tokens[0, :128].tolist()
+    list(generator.generate(prompt, 4))  # compile this bucket
+    stream = generator.generate(prompt, decode_tokens + 1)
+    next(stream)
+    start = time.perf_counter()
+    count = sum(1 for _ in stream)
+    decode_s = time.perf_counter() - start
+    return {
+        "prefill_compile_s": prefill_compile,
+        "decode_compile_s": decode_compile,
+        "prefill_tok_s": prompt_len / prefill_s,
+        "decode_tok_s": count / decode_s,
+    }
+
+
+def llama_bench(prompt_len: int, decode_tokens: int) -> dict[str, float] | None:
+    """pp/tg tokens/s of llama.cpp on the F16 copy of the bundled model, if it was built."""
+    binary = next(PEERS.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-bench"), None)
+    model = PEERS / "SmolLM2-135M-Instruct.F16.gguf"
+    if binary is None or not model.is_file():
+        return None
+    out = subprocess.run(
+        [str(binary), "-m", str(model), "-p", str(prompt_len), "-n", str(decode_tokens), "-t",
+         str(os.cpu_count()), "-o", "json"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    rows = json.loads(out)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt_len and r["n_gen"] == 0)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] == decode_tokens and r["n_prompt"] == 0)
+    return {"prefill_tok_s": pp, "decode_tok_s": tg}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    args = parser.parse_args()
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores, model {args.model}")
+    results = {d: bench_dtype(args.model, d, args.prompt_len, args.decode_tokens) for d in ("float32", "bfloat16")}
+    peer = llama_bench(args.prompt_len, args.decode_tokens)
+    print(f"{'':24}{'float32':>12}{'bfloat16':>12}" + (f"{'llama.cpp F16':>15}" if peer else ""))
+    for key, label in [
+        ("prefill_compile_s", "prefill compile (s)"),
+        ("decode_compile_s", "decode compile (s)"),
+        ("prefill_tok_s", f"prefill pp{args.prompt_len} (tok/s)"),
+        ("decode_tok_s", f"decode tg{args.decode_tokens} (tok/s)"),
+    ]:
+        row = f"{label:24}{results['float32'][key]:12.2f}{results['bfloat16'][key]:12.2f}"
+        if peer and key in peer:
+            row += f"{peer[key]:15.2f}"
+        print(row)
+    if peer:
+        for key in ("prefill_tok_s", "decode_tok_s"):
+            ratios = ", ".join(f"{d} {results[d][key] / peer[key]:.2f}x" for d in results)
+            print(f"ratio to llama.cpp F16, {key}: {ratios}")
+    elif shutil.which("cmake"):
+        print("llama.cpp not built: run ../shared/peers/llama-server.sh build to compare")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The installed ``raylm`` console script, run as a user would."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+RAYLM = str(Path(sys.executable).parent / "raylm")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([RAYLM, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_paris():
+    result = _run(
+        "generate", "--model", "smollm2-135m-instruct", "--prompt", "The capital of France is",
+        "--max-tokens", "8", "--temperature", "0",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "loading smollm2-135m-instruct" in result.stderr and "tokens/s" in result.stderr
+
+
+def test_generate_chat(tmp_path):
+    result = _run("generate", "--prompt", "Say hello.", "--chat", "--max-tokens", "12", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+
+
+def test_bad_model_is_a_clear_error(tmp_path):
+    result = _run("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi")
+    assert result.returncode == 2
+    assert "error: model" in result.stderr and "Traceback" not in result.stderr

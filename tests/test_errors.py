@@ -1,0 +1,102 @@
+"""Bad checkpoints and requests raise errors that name the file, tensor and shapes involved."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from model import (
+    ModelLoadError, PromptTooLongError, SingleSequenceGenerator, UnsupportedModelError, load_checkpoint,
+    load_model, load_tokenizer, parse_dtype,
+)
+from tests.checkpoints import build_tiny_checkpoint
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path / "ckpt")
+    return path
+
+
+def _edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_unknown_name_or_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="neither a known name .*smollm2-135m-instruct"):
+        load_model(tmp_path / "does-not-exist")
+
+
+def test_directory_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match=r"empty/config.json not found"):
+        load_checkpoint(tmp_path / "empty")
+
+
+def test_truncated_safetensors(checkpoint):
+    file = checkpoint / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"model.safetensors.*truncated"):
+        load_checkpoint(checkpoint)
+
+
+def test_wrong_architecture(checkpoint):
+    _edit_config(checkpoint, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel.*config.json.*LlamaForCausalLM"):
+        load_checkpoint(checkpoint)
+
+
+def test_missing_tensor(checkpoint):
+    file = checkpoint / "model.safetensors"
+    tensors = load_file(str(file))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(file))
+    with pytest.raises(ModelLoadError, match=r"'model.layers.1.mlp.up_proj.weight' is missing \(expected shape \(128, 64\)\)"):
+        load_checkpoint(checkpoint)
+
+
+def test_shape_mismatch(checkpoint):
+    _edit_config(checkpoint, intermediate_size=96)
+    with pytest.raises(
+        ModelLoadError, match=r"ckpt: tensor 'model.layers.0.mlp.gate_proj.weight' has shape \(128, 64\), expected \(96, 64\)"
+    ):
+        load_checkpoint(checkpoint)
+
+
+def test_unsupported_rope_scaling(checkpoint):
+    _edit_config(checkpoint, rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None)
+    with pytest.raises(UnsupportedModelError, match="rope_scaling type 'yarn'"):
+        load_checkpoint(checkpoint)
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 10)
+    with pytest.raises(ModelLoadError, match=r"cannot read .*model.gguf as GGUF"):
+        load_checkpoint(bad)
+
+
+def test_missing_tokenizer(checkpoint):
+    (checkpoint / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="tokenizer.json not found"):
+        load_tokenizer(checkpoint)
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="unsupported dtype 'float8'"):
+        parse_dtype("float8")
+
+
+def test_prompt_longer_than_context(checkpoint):
+    generator = SingleSequenceGenerator(*load_checkpoint(checkpoint))
+    with pytest.raises(PromptTooLongError, match=r"prompt has 600 tokens .* 610 in all, .* context is 512 tokens"):
+        next(generator.generate([5] * 600, 10))
+    with pytest.raises(PromptTooLongError, match="prompt has 500 tokens and 20 new tokens"):
+        next(generator.generate([5] * 500, 20))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        next(generator.generate([], 5))

@@ -1,0 +1,49 @@
+"""TP=2 over two forced host devices gives the logits and tokens of TP=1."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from model import SingleSequenceGenerator, UnsupportedModelError, load_checkpoint, make_mesh
+from model.sharding import rules_for
+from tests.checkpoints import build_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (XLA_FLAGS set in conftest)")
+
+
+@pytest.mark.parametrize(
+    "variant,overrides",
+    [
+        ("llama-gqa", {}),  # 4 heads / 2 KV heads: both split
+        ("qwen2", {}),  # biases split with their heads
+        ("llama-gqa", {"num_key_value_heads": 1}),  # 1 KV head: replicated, query heads split
+    ],
+)
+def test_tp2_equals_tp1(tmp_path, variant, overrides):
+    path, _ = build_tiny_checkpoint(variant, tmp_path / variant, **overrides)
+    config, params = load_checkpoint(path)
+    ids = np.random.RandomState(3).randint(3, 320, size=40).tolist()
+    tp1 = SingleSequenceGenerator(config, params, mesh=make_mesh(1))
+    tp2 = SingleSequenceGenerator(config, params, mesh=make_mesh(2))
+    wq = tp2.params.layers.wq
+    assert len(wq.sharding.device_set) == 2 and wq.addressable_shards[0].data.shape[2] == config.num_heads // 2
+    np.testing.assert_allclose(tp2.prompt_logits(ids), tp1.prompt_logits(ids), atol=1e-5, rtol=1e-5)
+    assert list(tp2.generate(ids, 24)) == list(tp1.generate(ids, 24))
+
+
+def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path):
+    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path / "m", num_key_value_heads=1)
+    config, _ = load_checkpoint(path)
+    assert rules_for(config, 2)["kv_heads"] is None and rules_for(config, 2)["heads"] == "tp"
+
+
+def test_tp_must_divide_heads(bundled_model):
+    with pytest.raises(UnsupportedModelError, match=r"does not divide num_attention_heads=9; choose tp from \[1, 3, 9\]"):
+        rules_for(bundled_model.config, 2)
+
+
+def test_tp_larger_than_devices():
+    with pytest.raises(ValueError, match="needs 64 devices"):
+        make_mesh(64)
