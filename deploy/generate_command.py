@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from model import DEFAULT_MODEL, IncrementalDetokenizer, ModelError, SimpleSampling, SingleSequenceGenerator
-from model import load_model, make_mesh
+from model import DEFAULT_MODEL, ModelError, load_model
 from model.chat_template import ChatTemplateError
 from model.compilation_cache import enable_compilation_cache
+from workers import EngineArgs, LLMEngine, SamplingParams
 
 
 def add_generate_parser(commands: argparse._SubParsersAction) -> None:
@@ -41,31 +40,42 @@ def _step(message: str) -> Iterator[None]:
 
 def run_generate(args: argparse.Namespace) -> int:
     try:
-        sampling = SimpleSampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        if args.max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            seed=args.seed,
+        )
         enable_compilation_cache()
         with _step(f"loading {args.model} ({args.dtype})"):
             model = load_model(args.model, args.dtype)
-            generator = SingleSequenceGenerator(model.config, model.params, mesh=make_mesh(args.tp))
         tokenizer = model.tokenizer
         if args.chat:
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
         else:
             prompt_ids = tokenizer.encode(args.prompt)
-        detok = IncrementalDetokenizer(tokenizer)
-        stream = generator.generate(prompt_ids, args.max_tokens, sampling, sorted(model.config.eos_token_ids))
+        block_size = EngineArgs.block_size
+        engine = LLMEngine(
+            model,
+            EngineArgs(
+                dtype=args.dtype, tensor_parallel_size=args.tp, max_num_seqs=1,
+                num_kv_blocks=2 + -(-(len(prompt_ids) + args.max_tokens) // block_size),
+            ),
+        )
+        engine.add_request("cli", prompt_ids, params)
         with _step(f"compiling and prefilling {len(prompt_ids)} prompt tokens"):
-            first = next(stream, None)
+            outputs = engine.step()
         start, count = time.perf_counter(), 0
-        for token in itertools.chain([] if first is None else [first], stream):
-            count += 1
-            if token not in model.config.eos_token_ids:
-                sys.stdout.write(detok.add([token]))
+        while True:
+            for out in outputs:
+                completion = out.outputs[0]
+                count = len(completion.token_ids)
+                sys.stdout.write(completion.text_delta)
                 sys.stdout.flush()
-        sys.stdout.write(detok.finish() + "\n")
+            if not engine.has_unfinished_requests():
+                break
+            outputs = engine.step()
+        sys.stdout.write("\n")
         elapsed = time.perf_counter() - start
-        print(f"[{count} tokens, {count / max(elapsed, 1e-9):.1f} tokens/s]", file=sys.stderr)
+        print(f"[{count} tokens, {max(count - 1, 0) / max(elapsed, 1e-9):.1f} tokens/s after the first]", file=sys.stderr)
         return 0
     except (ModelError, ChatTemplateError, ValueError) as err:
         print(f"\nerror: {err}", file=sys.stderr)

@@ -1,0 +1,46 @@
+"""The device KV pool: sized from a block count or a memory budget, sharded by KV heads."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from model import KVCache, ModelConfig
+from model.sharding import kv_pool_sharding
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
+    """K and V of one block across all layers."""
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+def blocks_for_budget(
+    config: ModelConfig, block_size: int, dtype: jnp.dtype, memory_bytes: int | None, memory_fraction: float,
+    device: jax.Device | None = None,
+) -> int:
+    """Pool size: ``memory_bytes`` if given; on accelerators a fraction of free memory; else 2 GiB."""
+    device = device or jax.local_devices()[0]
+    if memory_bytes is None:
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if stats and "bytes_limit" in stats:
+            memory_bytes = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * memory_fraction)
+        else:
+            memory_bytes = DEFAULT_CPU_KV_BYTES
+    blocks = memory_bytes // bytes_per_block(config, block_size, dtype)
+    if blocks < 2:
+        raise ValueError(
+            f"a KV budget of {memory_bytes} bytes holds {blocks} blocks of {block_size} tokens; "
+            f"one block needs {bytes_per_block(config, block_size, dtype)} bytes: raise the budget"
+        )
+    return int(blocks)
+
+
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, mesh: Mesh) -> KVCache:
+    """A zeroed pool of ``num_blocks`` (block 0 = null block), KV heads split over ``tp``."""
+    return KVCache.zeros(
+        config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype,
+        kv_pool_sharding(config, mesh),
+    )

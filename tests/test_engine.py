@@ -1,0 +1,198 @@
+"""The batching engine against the single-request reference loop, plus its output semantics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model import SingleSequenceGenerator, load_model
+from workers import LLM, SamplingParams
+from tests.checkpoints import build_tiny_checkpoint
+
+NUM_PROMPTS = 32
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("engine") / "m")
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    return SingleSequenceGenerator(tiny.config, tiny.params)
+
+
+@pytest.fixture(scope="module")
+def workload(reference):
+    """32 prompts of 1..300 tokens and their greedy continuations from the reference loop."""
+    rng = np.random.RandomState(0)
+    lengths = [1, 2, 15, 16, 17, 300] + rng.randint(1, 301, size=NUM_PROMPTS - 6).tolist()
+    prompts = [rng.randint(3, 320, size=n).tolist() for n in lengths]
+    return prompts, [list(reference.generate(p, NEW_TOKENS)) for p in prompts]
+
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _run(llm: LLM, prompts, params=GREEDY):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_no_leak(llm: LLM):
+    stats = llm.engine.stats()
+    assert stats["num_used_blocks"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_usable_blocks"]
+
+
+ENGINE_CONFIGS = {
+    "default": dict(),
+    "no-prefix-cache": dict(enable_prefix_caching=False),
+    "no-chunked-prefill": dict(enable_chunked_prefill=False, max_num_batched_tokens=512),
+    "multi-step-8": dict(num_scheduler_steps=8),
+    "small-batches": dict(max_num_seqs=5, max_num_batched_tokens=48),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_CONFIGS))
+def test_greedy_equals_reference(tiny, workload, name):
+    prompts, expected = workload
+    llm = LLM(tiny, max_model_len=512, num_kv_blocks=800, **ENGINE_CONFIGS[name])
+    assert _run(llm, prompts) == expected
+    _assert_no_leak(llm)
+
+
+def test_greedy_exact_under_preemption(tiny, workload):
+    prompts, expected = workload
+    llm = LLM(tiny, max_model_len=512, num_kv_blocks=40, max_num_batched_tokens=64)
+    assert _run(llm, prompts) == expected
+    assert llm.engine.stats()["num_preemptions"] > 0
+    _assert_no_leak(llm)
+
+
+def test_greedy_exact_with_prefix_cache_hits(tiny, workload):
+    prompts, expected = workload
+    llm = LLM(tiny, max_model_len=512, num_kv_blocks=800)
+    assert _run(llm, prompts) == expected
+    hits_before = llm.engine.stats()["prefix_hits"]
+    # Same prompts again, plus shared-prefix variants: served from cached blocks, same tokens.
+    assert _run(llm, prompts) == expected
+    assert llm.engine.stats()["prefix_hits"] > hits_before
+    _assert_no_leak(llm)
+
+
+def test_n_greedy_forks_share_prompt_and_match(tiny, workload, reference):
+    prompts, expected = workload
+    llm = LLM(tiny, max_model_len=512, num_kv_blocks=800)
+    params = SamplingParams(n=3, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for prompt, want in zip(prompts[2:6], expected[2:6]):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert all(c.token_ids == want for c in out.outputs)
+    _assert_no_leak(llm)
+
+
+def test_n_sampled_completions_differ(tiny):
+    llm = LLM(tiny, max_model_len=512, num_kv_blocks=200)
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], SamplingParams(n=3, max_tokens=16, seed=3))
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    _assert_no_leak(llm)
+
+
+def test_seeded_request_is_batch_independent(tiny, workload):
+    prompts, _ = workload
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    llm = LLM(tiny, max_model_len=512, num_kv_blocks=800)
+    alone = _run(llm, [prompts[7]], params)[0]
+    others = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
+    mixed = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:16]] + [{"prompt_token_ids": prompts[7]}],
+        [others] * 16 + [params],
+    )
+    assert mixed[-1].outputs[0].token_ids == alone
+    assert _run(llm, [prompts[7]], params)[0] == alone
+
+
+def test_max_and_min_tokens_and_stop_token_ids(tiny, workload):
+    prompts, expected = workload
+    llm = LLM(tiny, max_model_len=512, num_kv_blocks=200)
+    out = llm.generate([{"prompt_token_ids": prompts[3]}], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == expected[3][:5] and out[0].outputs[0].finish_reason == "length"
+
+    # The token greedy emits third ends generation there ...
+    stop_token = expected[3][2]
+    first = expected[3].index(stop_token)
+    out = llm.generate([{"prompt_token_ids": prompts[3]}], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_token]))
+    completion = out[0].outputs[0]
+    assert completion.token_ids == expected[3][: first + 1]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop_token
+    # ... but not before min_tokens: it is banned from sampling until then.
+    out = llm.generate(
+        [{"prompt_token_ids": prompts[3]}],
+        SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_token], min_tokens=first + 3),
+    )
+    tokens = out[0].outputs[0].token_ids
+    assert stop_token not in tokens[: first + 3] and len(tokens) >= first + 3
+    _assert_no_leak(llm)
+
+
+def test_stop_strings_cut_text(bundled_model):
+    llm = LLM(bundled_model, max_model_len=512, num_kv_blocks=200)
+    prompt = "List the days of the week, one per line:"
+    base = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].outputs[0]
+    text = base.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = text.index(stop)
+    out = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop, "\u2603"]))
+    completion = out[0].outputs[0]
+    assert completion.text == text[:cut] and completion.finish_reason == "stop" and completion.stop_reason == stop
+    out = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=stop,
+                                                include_stop_str_in_output=True))
+    assert out[0].outputs[0].text == text[: cut + len(stop)]
+    _assert_no_leak(llm)
+
+
+def test_logprobs_match_float64_recomputation(tiny, reference, workload):
+    prompts, _ = workload
+    llm = LLM(tiny, max_model_len=512, num_kv_blocks=200)
+    prompt = prompts[4]
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0.8, seed=5, logprobs=5))
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == len(completion.token_ids) == 6
+    total = 0.0
+    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        assert token in entry and len(entry) <= 6
+        top5 = sorted(entry.values(), reverse=True)[:5]
+        assert sum(np.exp(top5)) <= 1.0 + 1e-5
+        logits = reference.prompt_logits(prompt + completion.token_ids[:i])[-1].astype(np.float64)
+        log_softmax = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+        assert entry[token] == pytest.approx(log_softmax[token], abs=1e-4)
+        total += entry[token]
+    assert completion.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def test_chat_and_string_prompts(bundled_model):
+    llm = LLM(bundled_model, max_model_len=512, num_kv_blocks=200)
+    outs = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(max_tokens=16, temperature=0))
+    assert "Paris" in outs[0].outputs[0].text and outs[0].outputs[0].finish_reason in ("stop", "length")
+    (out,) = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
+    assert "Paris" in out.outputs[0].text
+
+
+def test_bad_requests(tiny):
+    from model import PromptTooLongError
+    from workers import SamplingParamsError
+
+    llm = LLM(tiny, max_model_len=128, num_kv_blocks=64)
+    with pytest.raises(PromptTooLongError, match="maximum context is 128"):
+        llm.generate([{"prompt_token_ids": [5] * 120}], SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([{"prompt_token_ids": [5, 100000]}])
+    with pytest.raises(SamplingParamsError, match="top_p must be in"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(TypeError, match="unknown engine argument"):
+        LLM(tiny, max_num_sequences=3)
+    _assert_no_leak(llm)

@@ -1,0 +1,135 @@
+"""Asyncio front of the engine: a background thread steps it; callers stream per-request outputs.
+
+The engine is not thread-safe, so every mutation (add, abort) is handed to the engine
+thread through a command queue and applied between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from model import LoadedModel
+from workers.engine import LLMEngine, make_engine
+from workers.outputs import RequestOutput
+from workers.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    """``async for out in engine.generate(prompt, params, request_id)`` streams deltas."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = threading.Event()
+        self.last_step_time: float | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="raylm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model: str | LoadedModel, **engine_args: Any) -> "AsyncEngine":
+        return cls(make_engine(model, **engine_args))
+
+    # -- engine thread ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        import time
+
+        while not self._stopped.is_set():
+            try:
+                block = not self.engine.has_unfinished_requests()
+                command = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+                command()
+                while True:
+                    self._commands.get_nowait()()
+            except queue.Empty:
+                pass
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except BaseException as err:  # a broken engine must fail requests, not hang them
+                    self.error = err
+                    for request_id in list(self.engine.requests):
+                        self.engine.abort(request_id)
+                        self._deliver(request_id, err)
+                    continue
+                self.last_step_time = time.monotonic()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+
+    # -- public API ---------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream this request's outputs; cancelling the iteration aborts it and frees its blocks."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = (loop, outputs)
+        added: asyncio.Future = loop.create_future()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt if isinstance(prompt, str) else list(prompt), params, priority)
+                loop.call_soon_threadsafe(added.set_result, None)
+            except BaseException as err:
+                loop.call_soon_threadsafe(added.set_exception, err)
+
+        finished = False
+        try:
+            self._submit(add)
+            await added
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request from outside its stream (e.g. the router saw a disconnect)."""
+        done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+
+        def command() -> None:
+            self.engine.abort(request_id)
+            loop.call_soon_threadsafe(done.set_result, None)
+
+        self._submit(command)
+        await done
+        target = self._streams.pop(request_id, None)
+        if target is not None:
+            target[1].put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    async def stats(self) -> dict:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._submit(lambda: loop.call_soon_threadsafe(done.set_result, self.engine.stats()))
+        return await done
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=10)

@@ -1,0 +1,115 @@
+"""Per-sequence block tables over the shared ``BlockPool``: prefix-cache reuse, growth, COW, release.
+
+The pool only counts blocks; this class knows which blocks a sequence holds, which of
+them are full (and so hashable and shareable), and when a write would land in a block
+another sequence still reads (copy-on-write after a fork).
+"""
+
+from __future__ import annotations
+
+from cache import BlockPool, hash_block
+from workers.sequence import Sequence
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    """Allocates and frees the KV blocks of sequences; records block copies for the runner."""
+
+    def __init__(self, pool: BlockPool, cache_salt: str = ""):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.salt = cache_salt
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) device copies before next step
+
+    # -- prefix cache ---------------------------------------------------------------------
+    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        """Make ``seq.block_hashes`` cover its first ``num_blocks`` full blocks of known tokens."""
+        bs = self.block_size
+        ids = None
+        while len(seq.block_hashes) < num_blocks:
+            ids = ids or seq.all_ids
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(hash_block(parent, ids[i * bs : (i + 1) * bs], self.salt))
+
+    def reuse_cached_prefix(self, seq: Sequence) -> int:
+        """Take the longest cached prefix of ``seq``'s known tokens into use; return tokens reused.
+
+        At least the last known token is always recomputed (its logits are needed), so a
+        fully cached sequence reuses all but its last block.
+        """
+        if not self.pool.enable_prefix_caching or seq.block_ids:
+            return 0
+        usable = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, usable)
+        hits = self.pool.find_cached_prefix(seq.block_hashes[:usable])
+        if hits:
+            self.pool.touch(hits)
+            seq.block_ids = list(hits)
+        seq.num_computed_tokens = seq.num_committed_blocks = len(hits)
+        seq.num_computed_tokens *= self.block_size
+        return seq.num_computed_tokens
+
+    def commit_computed_blocks(self, seq: Sequence) -> None:
+        """Register hashes of blocks that are now full of computed tokens (future prefix hits)."""
+        if not self.pool.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        self._extend_hashes(seq, full)
+        for i in range(seq.num_committed_blocks, full):
+            self.pool.cache_full_block(seq.block_ids[i], seq.block_hashes[i])
+        seq.num_committed_blocks = max(seq.num_committed_blocks, full)
+
+    # -- growth -----------------------------------------------------------------------------
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to allocate so ``seq`` can write ``num_new_tokens`` more tokens (COW included)."""
+        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        new = max(0, total - len(seq.block_ids))
+        return new + len(self._shared_targets(seq, num_new_tokens))
+
+    def _shared_targets(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Indices of held blocks that the next write touches while another sequence shares them."""
+        if num_new_tokens <= 0:
+            return []
+        first = seq.num_computed_tokens // self.block_size
+        last = min(len(seq.block_ids), blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size))
+        return [i for i in range(first, last) if self.pool.ref_count(seq.block_ids[i]) > 1]
+
+    def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.pool.num_free_blocks
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give ``seq`` room for ``num_new_tokens`` more tokens; caller checked ``can_grow``."""
+        for i in self._shared_targets(seq, num_new_tokens):
+            (fresh,) = self.pool.allocate(1)
+            self.pending_copies.append((seq.block_ids[i], fresh))
+            self.pool.free([seq.block_ids[i]])
+            seq.block_ids[i] = fresh
+        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        if total > len(seq.block_ids):
+            seq.block_ids.extend(self.pool.allocate(total - len(seq.block_ids)))
+
+    # -- sharing and release ----------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share the parent's computed prompt; it recomputes only the last prompt token."""
+        upto = len(parent.prompt_ids) - 1
+        shared = parent.block_ids[: blocks_for(upto, self.block_size)]
+        self.pool.incref(shared)
+        child.block_ids = list(shared)
+        child.block_hashes = list(parent.block_hashes[: upto // self.block_size])
+        child.num_computed_tokens = upto
+        child.num_committed_blocks = upto // self.block_size
+
+    def free(self, seq: Sequence) -> None:
+        """Return all of ``seq``'s blocks (they stay reusable as cached prefix until evicted)."""
+        if seq.block_ids:
+            self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = seq.num_committed_blocks = 0
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies

@@ -1,0 +1,225 @@
+"""The engine loop of one replica: add requests, step (schedule -> run -> process outputs), abort.
+
+Synchronous and single-threaded on purpose; ``AsyncEngine`` drives it from a background
+thread and ``LLM`` from a plain loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Iterable, Sequence as Seq
+
+from cache import BlockPool
+from cache.kv_arrays import allocate_kv_cache, blocks_for_budget
+from model import LoadedModel, PromptTooLongError, make_mesh, parse_dtype
+from workers.block_manager import BlockManager
+from workers.engine_args import EngineArgs
+from workers.output_processor import append_token, request_output
+from workers.runner import ModelRunner
+from workers.sampler import SampleResult
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler, SchedulerConfig
+from workers.outputs import RequestOutput
+from workers.sequence import Sequence
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclasses.dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model replica (possibly tensor-parallel)."""
+
+    def __init__(self, model: LoadedModel, args: EngineArgs = EngineArgs(), progress=None):
+        self.model = model
+        self.args = args
+        self.config = model.config
+        self.tokenizer = model.tokenizer
+        self.max_model_len = min(self.config.max_position_embeddings, args.max_model_len or DEFAULT_MAX_MODEL_LEN)
+        self.eos_ids = frozenset(self.config.eos_token_ids)
+        mesh = make_mesh(args.tensor_parallel_size)
+        kv_dtype = parse_dtype(args.kv_cache_dtype or args.dtype)
+        num_blocks = args.num_kv_blocks or blocks_for_budget(
+            self.config, args.block_size, kv_dtype, args.kv_cache_memory_bytes, args.kv_cache_memory_fraction
+        )
+        self.pool = BlockPool(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
+        self.blocks = BlockManager(self.pool, cache_salt=f"{model.name}:{args.dtype}")
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                policy=args.scheduling_policy,
+                num_scheduler_steps=args.num_scheduler_steps,
+            ),
+            self.blocks,
+        )
+        self.runner = ModelRunner(
+            self.config, model.params, allocate_kv_cache(self.config, num_blocks, args.block_size, kv_dtype, mesh),
+            mesh, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len, eos_ids=self.eos_ids,
+        )
+        if args.warmup:
+            self.runner.warmup(args.num_scheduler_steps, progress or (lambda x: x))
+        self.requests: dict[str, RequestState] = {}
+        self._seeds = random.Random(args.seed)
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request; raises ValueError (e.g. PromptTooLongError) if it can never run."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(prompt_ids, params)
+        max_tokens = self.max_model_len - len(prompt_ids)
+        if params.max_tokens is not None:
+            max_tokens = params.max_tokens
+        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
+        seqs = [
+            Sequence.create(
+                request_id, i, prompt_ids, params, (base_seed + i * 1_000_003) % 2**32, max_tokens, priority,
+                self.tokenizer,
+            )
+            for i in range(params.n)
+        ]
+        seqs[0].forks = seqs[1:]
+        self.requests[request_id] = RequestState(request_id, text, prompt_ids, seqs, time.monotonic())
+        self.scheduler.add(seqs[0])
+
+    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        want = n + (params.max_tokens or 1)
+        if want > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens and {params.max_tokens or 1} new tokens were requested, {want} in all, "
+                f"but the maximum context is {self.max_model_len} tokens; shorten the prompt or lower max_tokens"
+            )
+        if not self.args.enable_chunked_prefill and n > self.args.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens but max_num_batched_tokens is {self.args.max_num_batched_tokens} and "
+                "chunked prefill is off; enable chunked prefill or raise the budget"
+            )
+        blocks_needed = -(-(n + 1) // self.args.block_size)
+        if blocks_needed > self.pool.num_usable_blocks:
+            raise PromptTooLongError(
+                f"prompt needs {blocks_needed} KV blocks but the pool holds {self.pool.num_usable_blocks}"
+            )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output, if it existed."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.remove(seq)
+        return request_output(state, final=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling round; returns the outputs of requests that made progress."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        now = time.monotonic()
+        self.runner.copy_blocks(plan.block_copies)
+        samples: dict[int, list[SampleResult]] = {}
+        if plan.prefills:
+            samples.update(self.runner.prefill(plan.prefills))
+        if plan.decodes:
+            samples.update(self.runner.decode(plan.decodes, plan.num_decode_steps))
+
+        touched: dict[str, RequestState] = {}
+        for chunk in plan.prefills:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.num_prompt_tokens += chunk.num_tokens
+            seq.first_scheduled_time = seq.first_scheduled_time or now
+            self._consume(seq, samples.get(seq.seq_id, []))
+            touched[seq.request_id] = self.requests[seq.request_id]
+        for seq in plan.decodes:
+            seq.num_computed_tokens += 1  # the fed-back last token; further steps count in _consume
+            seq.first_scheduled_time = seq.first_scheduled_time or now
+            self._consume(seq, samples[seq.seq_id])
+            touched[seq.request_id] = self.requests[seq.request_id]
+
+        outputs = []
+        for state in touched.values():
+            outputs.append(request_output(state, final=state.finished))
+            if state.finished:
+                del self.requests[state.request_id]
+        return outputs
+
+    def _consume(self, seq: Sequence, results: Iterable[SampleResult]) -> None:
+        """Apply sampled tokens (all but the first feed back one computed token each)."""
+        for i, result in enumerate(results):
+            if i > 0:
+                seq.num_computed_tokens += 1
+            append_token(seq, result, self.eos_ids)
+            self.num_generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            if seq.forks:
+                for child in seq.forks:
+                    self.blocks.fork(seq, child)
+                    self.scheduler.add(child)
+                seq.forks = []
+            if seq.finished:
+                break
+        if seq.finished:
+            self.scheduler.remove(seq)
+        else:
+            self.blocks.commit_computed_blocks(seq)
+
+    # -- introspection -----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        pool = self.pool.stats()
+        return {
+            **pool,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generated_tokens,
+        }
+
+
+def make_engine(model: str | LoadedModel, **engine_args) -> LLMEngine:
+    """Load ``model`` (name, path or LoadedModel) and build an engine with ``engine_args``."""
+    from model import load_model
+
+    args = EngineArgs.from_kwargs(**engine_args)
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, args.dtype)
+    return LLMEngine(loaded, args)
+

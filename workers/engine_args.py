@@ -1,0 +1,44 @@
+"""Engine settings (the knobs a user passes to ``LLM(...)`` or the deploy YAML), validated."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    """Everything that shapes one model replica besides the model itself."""
+
+    dtype: str = "float32"
+    kv_cache_dtype: str | None = None  # default: the model dtype
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # exact pool size; else sized from the memory budget
+    kv_cache_memory_bytes: int | None = None  # CPU budget (default 2 GiB) / explicit budget
+    kv_cache_memory_fraction: float = 0.8  # of free device memory, on accelerators
+    max_model_len: int | None = None  # default: min(model context, 4096)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    num_scheduler_steps: int = 1
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    seed: int = 0  # seeds the per-request seeds of requests that give none
+    warmup: bool = False  # compile every shape bucket at start-up
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")

@@ -1,0 +1,84 @@
+"""Offline batch inference, shaped like vLLM's ``LLM`` so switching is an import change."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Mapping, Sequence, Union
+
+from model import LoadedModel, Tokenizer
+from workers.engine import make_engine
+from workers.outputs import RequestOutput
+from workers.sampling_params import SamplingParams
+
+PromptInput = Union[str, Mapping[str, Any]]
+Messages = Sequence[Mapping[str, Any]]
+
+
+class LLM:
+    """``LLM(model=..., dtype=..., **engine_args)``; ``generate`` and ``chat`` run to completion."""
+
+    def __init__(self, model: str | LoadedModel, dtype: str = "float32", **engine_args: Any):
+        self.engine = make_engine(model, dtype=dtype, **engine_args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (strings or ``{"prompt_token_ids": [...]}``); results in input order."""
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, _prompt_of(prompt), p, priority[i] if priority else 0)
+            ids.append(request_id)
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = [
+            {"prompt_token_ids": tokenizer.encode_chat(c, add_generation_prompt)} for c in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+        finally:
+            for request_id in pending:
+                self.engine.abort(request_id)
+        return [final[r] for r in request_ids]
+
+
+def _prompt_of(prompt: PromptInput) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")

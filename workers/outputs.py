@@ -1,0 +1,39 @@
+"""What the engine hands back per request, shaped like vLLM's ``RequestOutput``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# One position's logprobs: token id -> logprob (the sampled token always included).
+TokenLogprobs = dict[int, float]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request (cumulative; ``*_delta`` for streaming)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    text_delta: str = ""
+    token_ids_delta: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's state after an engine step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0

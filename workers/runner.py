@@ -1,0 +1,239 @@
+"""Runs scheduled work on the device: jitted prefill and (multi-step) decode over shape buckets.
+
+Shapes are static inside jit, so batch sizes, chunk lengths and block-table widths are
+rounded up to powers of two (buckets). Each (kind, bucket, sampling variant) is one XLA
+program; ``warmup`` compiles them ahead of traffic and the persistent compilation cache
+keeps them across restarts. Sampling runs inside the same program as the forward pass, so
+only token ids (and requested logprobs) come back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from model import KVCache, ModelConfig, ModelParams, forward, shard_params
+from workers.sampler import SampleResult, SamplingBatch, advance, build_sampling_batch, logprobs_bucket, sample
+from workers.scheduler import ScheduledChunk
+from workers.sequence import Sequence
+
+MIN_TOKEN_BUCKET = 16
+MIN_BATCH_BUCKET = 4
+MIN_WIDTH_BUCKET = 8
+
+
+def bucket(n: int, minimum: int, maximum: int) -> int:
+    """Smallest power of two >= n (at least ``minimum``), capped at ``maximum``."""
+    return min(maximum, max(minimum, 1 << max(0, math.ceil(math.log2(max(1, n))))))
+
+
+def power_buckets(minimum: int, maximum: int) -> list[int]:
+    out, b = [], bucket(1, minimum, maximum)
+    while True:
+        out.append(b)
+        if b >= maximum:
+            return out
+        b = min(maximum, b * 2)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "num_logprobs", "with_penalties"),
+    donate_argnames=("kv",),
+)
+def _prefill_program(params, kv, tokens, positions, block_tables, context_lens, sbatch, *, config,
+                     num_logprobs, with_penalties):
+    logits, kv = forward(params, config, tokens, positions, kv, block_tables, context_lens)
+    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "num_steps", "num_logprobs", "with_penalties"),
+    donate_argnames=("kv",),
+)
+def _decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, *, config, num_steps,
+                    num_logprobs, with_penalties):
+    """``num_steps`` decode steps with sampling in one call; rows stop writing at ``limits``."""
+
+    def step(carry, _):
+        kv, tokens, positions, sbatch = carry
+        context_lens = jnp.where(positions < limits, positions + 1, 0)
+        logits, kv = forward(params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens)
+        result = sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties)
+        return (kv, result.tokens, positions + 1, advance(sbatch, result.tokens)), result
+
+    (kv, *_), results = jax.lax.scan(step, (kv, tokens, positions, sbatch), None, length=num_steps)
+    return results, kv
+
+
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def _copy_blocks(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    return KVCache(kv.k.at[:, dst].set(kv.k[:, src]), kv.v.at[:, dst].set(kv.v[:, src]))
+
+
+class ModelRunner:
+    """Owns the weights and the device KV pool of one replica and executes scheduler output."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: ModelParams,
+        kv: KVCache,
+        mesh: Mesh,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_ids: frozenset[int],
+    ):
+        self.config = config
+        self.mesh = mesh
+        self.params = shard_params(params, config, mesh)
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.eos_ids = eos_ids
+        self.max_batch = bucket(max_num_seqs, MIN_BATCH_BUCKET, 1 << 30)
+        self.max_tokens_bucket = bucket(max_num_batched_tokens, MIN_TOKEN_BUCKET, 1 << 30)
+        self.max_width = bucket(math.ceil(max_model_len / self.block_size), MIN_WIDTH_BUCKET, 1 << 30)
+
+    # -- host-side batch assembly -------------------------------------------------------------------
+    def _block_table(self, seqs: list[Sequence], rows: int, width: int) -> np.ndarray:
+        table = np.zeros((rows, width), np.int32)
+        for r, seq in enumerate(seqs):
+            table[r, : len(seq.block_ids)] = seq.block_ids
+        return table
+
+    def _sampling(self, seqs: list[Sequence], rows: int) -> tuple[SamplingBatch, dict]:
+        params = [s.params for s in seqs]
+        with_penalties = any(p.uses_penalties for p in params)
+        sbatch = build_sampling_batch(
+            [(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids) for s in seqs],
+            rows, self.config.vocab_size, self.eos_ids, with_penalties,
+        )
+        flags = dict(num_logprobs=logprobs_bucket(params), with_penalties=with_penalties)
+        return sbatch, flags
+
+    # -- execution ------------------------------------------------------------------------------------
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src, dst = zip(*copies)
+            n = bucket(len(copies), 1, max(self.max_batch, len(copies)))
+            # Pad with null-block self copies so the program count stays logarithmic.
+            src_arr = np.zeros(n, np.int32)
+            dst_arr = np.zeros(n, np.int32)
+            src_arr[: len(src)], dst_arr[: len(dst)] = src, dst
+            self.kv = _copy_blocks(self.kv, src_arr, dst_arr)
+
+    def prefill(self, chunks: list[ScheduledChunk]) -> dict[int, list[SampleResult]]:
+        """Compute prompt chunks, a row each, one call per chunk-length bucket (bounded padding).
+
+        Returns the sample of each row whose chunk reaches its sequence's last known token.
+        """
+        groups: dict[int, list[ScheduledChunk]] = {}
+        for chunk in chunks:
+            groups.setdefault(bucket(chunk.num_tokens, MIN_TOKEN_BUCKET, self.max_tokens_bucket), []).append(chunk)
+        out: dict[int, list[SampleResult]] = {}
+        for length, group in sorted(groups.items()):
+            rows_cap = max(1, self.max_tokens_bucket // length)
+            for i in range(0, len(group), rows_cap):
+                out.update(self._prefill_group(group[i : i + rows_cap], length))
+        return out
+
+    def _prefill_group(self, chunks: list[ScheduledChunk], length: int) -> dict[int, list[SampleResult]]:
+        rows = bucket(len(chunks), 1, self.max_batch)
+        seqs = [c.seq for c in chunks]
+        width = bucket(max(len(s.block_ids) for s in seqs), MIN_WIDTH_BUCKET, self.max_width)
+        tokens = np.zeros((rows, length), np.int32)
+        positions = np.zeros((rows, length), np.int32)
+        context = np.zeros(rows, np.int32)
+        for r, chunk in enumerate(chunks):
+            start, n = chunk.seq.num_computed_tokens, chunk.num_tokens
+            tokens[r, :n] = chunk.seq.all_ids[start : start + n]
+            positions[r] = np.arange(start, start + length)
+            context[r] = start + n
+        sbatch, flags = self._sampling(seqs, rows)
+        result, self.kv = _prefill_program(
+            self.params, self.kv, tokens, positions, self._block_table(seqs, rows, width), context, sbatch,
+            config=self.config, **flags,
+        )
+        result = jax.device_get(result)
+        return {c.seq.seq_id: [_row(result, r)] for r, c in enumerate(chunks) if c.samples}
+
+    def decode(self, seqs: list[Sequence], num_steps: int) -> dict[int, list[SampleResult]]:
+        """``num_steps`` tokens for each sequence (fewer where its allocation ends)."""
+        rows = bucket(len(seqs), MIN_BATCH_BUCKET, self.max_batch)
+        width = bucket(max(len(s.block_ids) for s in seqs), MIN_WIDTH_BUCKET, self.max_width)
+        tokens = np.zeros(rows, np.int32)
+        positions = np.zeros(rows, np.int32)
+        limits = np.zeros(rows, np.int32)
+        for r, seq in enumerate(seqs):
+            tokens[r] = seq.token_at(seq.num_tokens - 1)
+            positions[r] = seq.num_tokens - 1
+            limits[r] = min(len(seq.block_ids) * self.block_size, seq.num_tokens - 1 + num_steps)
+        sbatch, flags = self._sampling(seqs, rows)
+        results, self.kv = _decode_program(
+            self.params, self.kv, tokens, positions, self._block_table(seqs, rows, width), limits, sbatch,
+            config=self.config, num_steps=num_steps, **flags,
+        )
+        results = jax.device_get(results)
+        out = {}
+        for r, seq in enumerate(seqs):
+            steps = int(limits[r] - positions[r])
+            out[seq.seq_id] = [_row(jax.tree_util.tree_map(lambda a: a[i], results), r) for i in range(steps)]
+        return out
+
+    # -- warm-up ---------------------------------------------------------------------------------------
+    def warmup_shapes(self, num_scheduler_steps: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Every (kind, bucket) the engine can hit when no request asks for logprobs or penalties."""
+        widths = power_buckets(MIN_WIDTH_BUCKET, self.max_width)
+        shapes: list[tuple[str, tuple[int, ...]]] = []
+        for rows, length, width in itertools.product(
+            power_buckets(1, self.max_batch), power_buckets(MIN_TOKEN_BUCKET, self.max_tokens_bucket), widths
+        ):
+            if rows <= max(1, self.max_tokens_bucket // length):
+                shapes.append(("prefill", (rows, length, width)))
+        for steps in sorted({1, num_scheduler_steps}):
+            for rows, width in itertools.product(power_buckets(MIN_BATCH_BUCKET, self.max_batch), widths):
+                shapes.append(("decode", (rows, width, steps)))
+        shapes += [("copy", (n,)) for n in power_buckets(1, self.max_batch)]
+        return shapes
+
+    def warmup(self, num_scheduler_steps: int, progress: Callable[[Iterable], Iterable] = lambda x: x) -> int:
+        """Compile every bucket ahead of traffic (writes only to the null block). Returns the count."""
+        shapes = self.warmup_shapes(num_scheduler_steps)
+        for kind, dims in progress(shapes):
+            self._compile(kind, dims)
+        return len(shapes)
+
+    def _compile(self, kind: str, dims: tuple[int, ...]) -> None:
+        rows = dims[0]
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        if kind == "copy":
+            self.kv = _copy_blocks(self.kv, zeros(rows), zeros(rows))
+            return
+        sbatch = build_sampling_batch([], rows, self.config.vocab_size, self.eos_ids, False)
+        flags = dict(num_logprobs=0, with_penalties=False)
+        if kind == "prefill":
+            _, length, width = dims
+            _, self.kv = _prefill_program(
+                self.params, self.kv, zeros(rows, length), zeros(rows, length), zeros(rows, width), zeros(rows),
+                sbatch, config=self.config, **flags,
+            )
+        else:
+            _, width, steps = dims
+            _, self.kv = _decode_program(
+                self.params, self.kv, zeros(rows), zeros(rows), zeros(rows, width), zeros(rows), sbatch,
+                config=self.config, num_steps=steps, **flags,
+            )
+
+
+def _row(result: SampleResult, r: int) -> SampleResult:
+    return SampleResult(*(np.asarray(a)[r] for a in result))

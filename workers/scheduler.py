@@ -1,0 +1,168 @@
+"""Continuous batching: each step, decide which tokens of which sequences the model computes.
+
+Running sequences go first (decodes, then unfinished prompt chunks), then waiting ones
+are admitted while sequence slots, the token budget and KV blocks allow. Long prompts
+are split into chunks so they never stall the decodes (chunked prefill). When blocks run
+out, the lowest-priority, latest-arrived running sequence is preempted: its blocks are
+freed and it later recomputes everything it had (its full blocks are likely still in the
+prefix cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from workers.block_manager import BlockManager
+from workers.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority"
+    num_scheduler_steps: int = 1  # decode steps per engine step when no prompt is being computed
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.num_scheduler_steps < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and num_scheduler_steps must be >= 1")
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last known token, so its logits give the next token."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    prefills: list[ScheduledChunk]
+    decodes: list[Sequence]
+    num_decode_steps: int
+    block_copies: list[tuple[int, int]]
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    """Owns the waiting and running queues; the engine feeds it sequences and results."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def _by_priority(self) -> bool:
+        return self.config.policy == "priority"
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, victim: Sequence, preempted: list[Sequence]) -> None:
+        self.running.remove(victim)
+        self.blocks.free(victim)
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(victim)
+        preempted.append(victim)
+
+    def _victim(self) -> Sequence:
+        return max(self.running, key=lambda s: s.order_key(self._by_priority))
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        prefills: list[ScheduledChunk] = []
+        decodes: list[Sequence] = []
+        preempted: list[Sequence] = []
+        any_prefill = any(s.is_prefilling for s in self.running) or bool(self.waiting)
+        steps = 1 if any_prefill else cfg.num_scheduler_steps
+
+        # 1. Running sequences, most important first; preempt from the back when blocks run out.
+        self.running.sort(key=lambda s: s.order_key(self._by_priority))
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if seq not in self.running or budget <= 0:
+                continue
+            if seq.is_prefilling:
+                want = min(seq.num_uncomputed_tokens, budget)
+                if want < seq.num_uncomputed_tokens and not cfg.enable_chunked_prefill:
+                    continue
+            else:
+                want = min(steps, seq.max_tokens - len(seq.output_ids)) if steps > 1 else 1
+            while not self.blocks.can_grow(seq, want):
+                victim = self._victim()
+                self._preempt(victim, preempted)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            self.blocks.grow(seq, want)
+            scheduled.add(seq.seq_id)
+            if seq.is_prefilling:
+                prefills.append(ScheduledChunk(seq, want))
+                budget -= want
+            else:
+                decodes.append(seq)
+                budget -= 1
+
+        # 2. Admit waiting sequences in policy order while slots, budget and blocks allow.
+        self.waiting.sort(key=lambda s: s.order_key(self._by_priority))
+        admitted: list[Sequence] = []
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_num_seqs:
+                break
+            if seq in preempted:
+                break  # do not re-admit what this step just evicted
+            self.blocks.reuse_cached_prefix(seq)
+            want = min(seq.num_uncomputed_tokens, budget)
+            if want < seq.num_uncomputed_tokens and not cfg.enable_chunked_prefill:
+                self.blocks.free(seq)
+                break
+            if not self.blocks.can_grow(seq, want):
+                self.blocks.free(seq)
+                break
+            self.blocks.grow(seq, want)
+            seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
+            admitted.append(seq)
+            budget -= want
+            if want > 1 or seq.is_prefilling:
+                prefills.append(ScheduledChunk(seq, want))
+            else:
+                decodes.append(seq)
+        for seq in admitted:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+        if prefills:
+            steps = 1
+        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), preempted)
