@@ -61,7 +61,7 @@ class BlockPool:
         block_ids = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
-            pass
+            self._evict(block_id)
             self._ref[block_id] = 1
             block_ids.append(block_id)
         self._num_used += n
@@ -171,7 +171,7 @@ class BlockPool:
         returns True (vLLM's signature, where the reset can be refused).
         """
         for block_id in self._free:
-            pass
+            self._evict(block_id)
         return True
 
     # -- accounting -----------------------------------------------------------------

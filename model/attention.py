@@ -77,15 +77,17 @@ def paged_attention(
     includes the K/V just written for this step). Returns ``[B, S, H, Dh]``.
     """
     B, S, H, Dh = q.shape
-    k = k_pool[layer][block_tables]  # [B, P, bs, KVH, Dh]
-    v = v_pool[layer][block_tables]
+    k = k_pool[layer, block_tables]  # [B, P, bs, KVH, Dh], one gather (no layer-slice copy)
+    v = v_pool[layer, block_tables]
     P, bs, KVH = k.shape[1], k.shape[2], k.shape[3]
-    k = k.reshape(B, P * bs, KVH, Dh)
-    v = v.reshape(B, P * bs, KVH, Dh)
-    qg = q.reshape(B, S, KVH, H // KVH, Dh)
+    # (batch, kv_head) leading, keys next: XLA CPU's batched dot is ~8x faster on this layout
+    # than on the gathered one, which is worth one transposing copy.
+    k = k.transpose(0, 3, 1, 2, 4).reshape(B, KVH, P * bs, Dh)
+    v = v.transpose(0, 3, 1, 2, 4).reshape(B, KVH, P * bs, Dh)
+    qg = q.reshape(B, S, KVH, H // KVH, Dh).transpose(0, 2, 3, 1, 4).reshape(B, KVH, -1, Dh)  # [B,KVH,G*S,Dh]
 
-    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (Dh**-0.5)
+    scores = jnp.einsum("bkqd,bktd->bkqt", qg, k, preferred_element_type=jnp.float32)
+    scores = scores.reshape(B, KVH, H // KVH, S, P * bs) * (Dh**-0.5)
     key_pos = jnp.arange(P * bs)
     mask = (
         (key_pos[None, None, :] <= positions[:, :, None])
@@ -93,6 +95,7 @@ def paged_attention(
         & valid[:, :, None]
     )  # [B, S, T]
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, KVH, -1, P * bs)
+    out = jnp.einsum("bkqt,bktd->bkqd", probs, v, preferred_element_type=jnp.float32)
+    out = out.reshape(B, KVH, H // KVH, S, Dh).transpose(0, 3, 1, 2, 4)
     return out.reshape(B, S, H, Dh).astype(q.dtype)

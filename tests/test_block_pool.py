@@ -161,7 +161,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert self.pool.num_used_blocks == 0
 
 
-BlockPoolMachine.TestCase.settings = settings(database=None, max_examples=150, stateful_step_count=40, deadline=None)
+BlockPoolMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 TestBlockPoolStateful = BlockPoolMachine.TestCase
 
 

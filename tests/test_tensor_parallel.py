@@ -29,7 +29,7 @@ def test_tp2_equals_tp1(tmp_path, variant, overrides):
     tp2 = SingleSequenceGenerator(config, params, mesh=make_mesh(2))
     wq = tp2.params.layers.wq
     assert len(wq.sharding.device_set) == 2 and wq.addressable_shards[0].data.shape[2] == config.num_heads // 2
-    np.testing.assert_allclose(tp2.prompt_logits(ids), tp1.prompt_logits(ids), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(tp2.prompt_logits(ids), tp1.prompt_logits(ids), atol=1e-4, rtol=1e-5)
     assert list(tp2.generate(ids, 24)) == list(tp1.generate(ids, 24))
 
 
