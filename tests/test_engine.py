@@ -45,6 +45,7 @@ def _assert_no_leak(llm: LLM):
     stats = llm.engine.stats()
     assert stats["num_used_blocks"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
     assert stats["num_free_blocks"] == stats["num_usable_blocks"]
+    assert stats["tokens_stored"] == stats["token_capacity"] == 0
 
 
 ENGINE_CONFIGS = {
@@ -53,6 +54,7 @@ ENGINE_CONFIGS = {
     "no-chunked-prefill": dict(enable_chunked_prefill=False, max_num_batched_tokens=512),
     "multi-step-8": dict(num_scheduler_steps=8),
     "small-batches": dict(max_num_seqs=5, max_num_batched_tokens=48),
+    "tensor-parallel-2": dict(tensor_parallel_size=2),
 }
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 import time
 from typing import Iterable, Sequence as Seq
 
 from cache import BlockPool
 from cache.kv_arrays import allocate_kv_cache, blocks_for_budget
 from model import LoadedModel, PromptTooLongError, make_mesh, parse_dtype
+from model.compilation_cache import enable_compilation_cache
 from workers.block_manager import BlockManager
 from workers.engine_args import EngineArgs
 from workers.output_processor import append_token, request_output
@@ -25,6 +27,20 @@ from workers.outputs import RequestOutput
 from workers.sequence import Sequence
 
 DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def print_progress(label: str):
+    """A progress display on stderr for start-up work: ``label: i/n (elapsed)`` on one line."""
+
+    def wrap(items):
+        items = list(items)
+        start = time.monotonic()
+        for i, item in enumerate(items, 1):
+            yield item
+            print(f"\r{label}: {i}/{len(items)} ({time.monotonic() - start:.0f}s)", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+
+    return wrap
 
 
 @dataclasses.dataclass
@@ -50,6 +66,8 @@ class LLMEngine:
         self.tokenizer = model.tokenizer
         self.max_model_len = min(self.config.max_position_embeddings, args.max_model_len or DEFAULT_MAX_MODEL_LEN)
         self.eos_ids = frozenset(self.config.eos_token_ids)
+        if args.compilation_cache_dir:
+            enable_compilation_cache(args.compilation_cache_dir)
         mesh = make_mesh(args.tensor_parallel_size)
         kv_dtype = parse_dtype(args.kv_cache_dtype or args.dtype)
         num_blocks = args.num_kv_blocks or blocks_for_budget(
@@ -73,7 +91,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, eos_ids=self.eos_ids,
         )
         if args.warmup:
-            self.runner.warmup(args.num_scheduler_steps, progress or (lambda x: x))
+            self.runner.warmup(args.num_scheduler_steps, progress or print_progress("compiling shape buckets"))
         self.requests: dict[str, RequestState] = {}
         self._seeds = random.Random(args.seed)
         self.num_generated_tokens = 0
@@ -204,9 +222,12 @@ class LLMEngine:
 
     # -- introspection -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
+        """Pool, queue and token counters (what the router and the metrics read)."""
         pool = self.pool.stats()
         return {
             **pool,
+            "tokens_stored": sum(s.num_computed_tokens for s in self.scheduler.running),
+            "token_capacity": self.pool.num_used_blocks * self.pool.block_size,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,

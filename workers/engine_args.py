@@ -26,6 +26,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     seed: int = 0  # seeds the per-request seeds of requests that give none
     warmup: bool = False  # compile every shape bucket at start-up
+    compilation_cache_dir: str | None = None  # persistent XLA cache (the CLI uses ~/.cache/raylm/jax)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
