@@ -8,6 +8,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# CI replays the same examples every run (a red CI must be reproducible); locally
+# hypothesis keeps exploring new ones.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 from model import DEFAULT_MODEL, LoadedModel, load_model, resolve_model_path  # noqa: E402
 
