@@ -198,3 +198,27 @@ def test_bad_requests(tiny):
     with pytest.raises(TypeError, match="unknown engine argument"):
         LLM(tiny, max_num_sequences=3)
     _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_priority_policy_preempts_lower_priority(tiny, workload, policy):
+    prompts, expected = workload
+    engine = LLM(tiny, max_model_len=512, num_kv_blocks=200, max_num_seqs=2, scheduling_policy=policy).engine
+    for i in (8, 9):
+        engine.add_request(f"low{i}", prompts[i], GREEDY, priority=10)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("high", prompts[10], GREEDY, priority=0)
+    engine.step()
+    running = {s.request_id for s in engine.scheduler.running}
+    if policy == "priority":
+        assert "high" in running and engine.scheduler.num_preemptions == 1
+    else:
+        assert "high" not in running and engine.scheduler.num_preemptions == 0
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    # Preempted requests recompute and still produce exactly the reference tokens.
+    assert finished == {"low8": expected[8], "low9": expected[9], "high": expected[10]}

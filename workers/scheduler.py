@@ -97,12 +97,34 @@ class Scheduler:
     def _victim(self) -> Sequence:
         return max(self.running, key=lambda s: s.order_key(self._by_priority))
 
+    def _make_room_for_higher_priority(self, preempted: list[Sequence]) -> None:
+        """Priority policy: evict running sequences of lower priority that block a waiting one.
+
+        The waiting sequence needs a slot and the blocks of its first chunk; prefix-cache hits
+        are not counted, so this errs towards evicting (the victim's full blocks stay cached).
+        """
+        if not self.waiting or not self.running:
+            return
+        best = min(self.waiting, key=lambda s: s.order_key(True))
+        chunk = min(best.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+        while self.running:
+            victim = self._victim()
+            if victim.priority <= best.priority:
+                return
+            short_of_slots = len(self.running) >= self.config.max_num_seqs
+            short_of_blocks = self.blocks.blocks_needed(best, chunk) > self.blocks.pool.num_free_blocks
+            if not (short_of_slots or short_of_blocks):
+                return
+            self._preempt(victim, preempted)
+
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         prefills: list[ScheduledChunk] = []
         decodes: list[Sequence] = []
         preempted: list[Sequence] = []
+        if self._by_priority:
+            self._make_room_for_higher_priority(preempted)
         any_prefill = any(s.is_prefilling for s in self.running) or bool(self.waiting)
         steps = 1 if any_prefill else cfg.num_scheduler_steps
 
