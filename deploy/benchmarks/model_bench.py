@@ -13,7 +13,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import statistics
 import subprocess
 import time
@@ -127,7 +126,7 @@ def main() -> None:
         for key in ("prefill_tok_s", "decode_tok_s"):
             ratios = ", ".join(f"{d} {results[d][key] / peer[key]:.2f}x" for d in results)
             print(f"ratio to llama.cpp F16, {key}: {ratios}")
-    elif shutil.which("cmake"):
+    else:
         print("llama.cpp not built: run ../shared/peers/llama-server.sh build to compare")
 
 
