@@ -130,7 +130,6 @@ class Scheduler:
 
         # 1. Running sequences, most important first; preempt from the back when blocks run out.
         self.running.sort(key=lambda s: s.order_key(self._by_priority))
-        scheduled: set[int] = set()
         for seq in list(self.running):
             if seq not in self.running or budget <= 0:
                 continue
@@ -148,7 +147,6 @@ class Scheduler:
             if seq not in self.running:
                 continue
             self.blocks.grow(seq, want)
-            scheduled.add(seq.seq_id)
             if seq.is_prefilling:
                 prefills.append(ScheduledChunk(seq, want))
                 budget -= want
