@@ -105,10 +105,10 @@ class GGUFFile:
 
 
 def load_gguf_checkpoint(
-    path: str | Path, dtype: jnp.dtype = jnp.float32
+    path: str | Path | GGUFFile, dtype: jnp.dtype = jnp.float32
 ) -> tuple[ModelConfig, ModelParams]:
-    """Read config and (dequantized) weights of a llama/qwen2 GGUF file."""
-    file = GGUFFile(path)
+    """Read config and (dequantized) weights of a llama/qwen2 GGUF file (a path or an open one)."""
+    file = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = file.config()
     permuted = config.architecture == "llama"
 

@@ -47,21 +47,27 @@ def load_checkpoint(path: str | Path, dtype: str | jnp.dtype = "float32") -> tup
     raise ModelLoadError(f"{path} is neither an HF checkpoint directory nor a .gguf file")
 
 
-def load_tokenizer(path: str | Path, config: ModelConfig | None = None) -> Tokenizer:
+def load_tokenizer(path: str | Path | GGUFFile, config: ModelConfig | None = None) -> Tokenizer:
     """The tokenizer stored with a checkpoint (tokenizer.json, or the GGUF's vocab)."""
+    if isinstance(path, GGUFFile):
+        return Tokenizer.from_gguf_fields(path.fields, str(path.path))
     path = Path(path)
-    extra_eos = config.eos_token_ids if config else ()
     if path.is_dir():
-        return Tokenizer.from_hf_dir(path, extra_eos_ids=extra_eos)
-    file = GGUFFile(path)
-    return Tokenizer.from_gguf_fields(file.fields, str(path))
+        return Tokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids if config else ())
+    return load_tokenizer(GGUFFile(path))
 
 
 def load_model(name_or_path: str | Path, dtype: str | jnp.dtype = "float32") -> LoadedModel:
     """Resolve a registry name or path and load everything a replica needs."""
     path = resolve_model_path(name_or_path)
-    config, params = load_checkpoint(path, dtype)
-    tokenizer = load_tokenizer(path, config)
+    source: Path | GGUFFile = path
+    if path.suffix == ".gguf" and path.is_file():
+        # Parsed once for weights and tokenizer: the reader is slow on large vocabularies.
+        source = GGUFFile(path)
+        config, params = load_gguf_checkpoint(source, parse_dtype(dtype))
+    else:
+        config, params = load_checkpoint(path, dtype)
+    tokenizer = load_tokenizer(source, config)
     config = dataclasses.replace(
         config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | tokenizer.eos_token_ids))
     )
