@@ -9,7 +9,7 @@ from model.detokenizer import IncrementalDetokenizer
 from model.errors import ModelError, ModelLoadError, PromptTooLongError, UnsupportedModelError
 from model.forward import decode, forward, prefill
 from model.generate import SingleSequenceGenerator, check_prompt_fits
-from model.loader import LoadedModel, load_checkpoint, load_model, load_tokenizer, parse_dtype
+from model.loader import LoadedModel, ModelInfo, load_checkpoint, load_model, load_model_info, load_tokenizer, parse_dtype
 from model.params import LayerParams, ModelParams
 from model.registry import BUNDLED_MODELS, DEFAULT_MODEL, resolve_model_path
 from model.sampling import SimpleSampling
@@ -18,8 +18,8 @@ from model.tokenizer import Tokenizer
 
 __all__ = [
     "BUNDLED_MODELS", "DEFAULT_MODEL", "IncrementalDetokenizer", "KVCache", "LayerParams", "LoadedModel",
-    "ModelConfig", "ModelError", "ModelLoadError", "ModelParams", "PromptTooLongError", "RopeScaling",
+    "ModelConfig", "ModelError", "ModelInfo", "ModelLoadError", "ModelParams", "PromptTooLongError", "RopeScaling",
     "SimpleSampling", "SingleSequenceGenerator", "Tokenizer", "UnsupportedModelError", "check_prompt_fits",
-    "decode", "forward", "load_checkpoint", "load_model", "load_tokenizer", "make_mesh", "parse_dtype",
+    "decode", "forward", "load_checkpoint", "load_model", "load_model_info", "load_tokenizer", "make_mesh", "parse_dtype",
     "prefill", "resolve_model_path", "shard_params",
 ]

@@ -57,6 +57,35 @@ def load_tokenizer(path: str | Path | GGUFFile, config: ModelConfig | None = Non
     return load_tokenizer(GGUFFile(path))
 
 
+@dataclasses.dataclass
+class ModelInfo:
+    """What a front end needs without the weights: hyper-parameters and tokenizer."""
+
+    name: str
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+
+def load_model_info(name_or_path: str | Path) -> ModelInfo:
+    """Config and tokenizer of a model (the router tokenizes; it never loads weights)."""
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        config = ModelConfig.from_hf_dir(path)
+        tokenizer = load_tokenizer(path, config)
+    elif path.suffix == ".gguf":
+        source = GGUFFile(path)
+        config, tokenizer = source.config(), load_tokenizer(source)
+    else:
+        raise ModelLoadError(f"{path} is neither an HF checkpoint directory nor a .gguf file")
+    return ModelInfo(str(name_or_path), path, _with_tokenizer_eos(config, tokenizer), tokenizer)
+
+
+def _with_tokenizer_eos(config: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """EOS ids are the union of the config's and the tokenizer's (GGUF files split them)."""
+    return dataclasses.replace(config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | tokenizer.eos_token_ids)))
+
+
 def load_model(name_or_path: str | Path, dtype: str | jnp.dtype = "float32") -> LoadedModel:
     """Resolve a registry name or path and load everything a replica needs."""
     path = resolve_model_path(name_or_path)
@@ -68,7 +97,4 @@ def load_model(name_or_path: str | Path, dtype: str | jnp.dtype = "float32") -> 
     else:
         config, params = load_checkpoint(path, dtype)
     tokenizer = load_tokenizer(source, config)
-    config = dataclasses.replace(
-        config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | tokenizer.eos_token_ids))
-    )
-    return LoadedModel(str(name_or_path), path, config, params, tokenizer)
+    return LoadedModel(str(name_or_path), path, _with_tokenizer_eos(config, tokenizer), params, tokenizer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from model import LoadedModel
@@ -26,6 +27,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
         self.last_step_time: float | None = None
+        self.step_started: float | None = None  # set while a step runs: a stuck step shows here
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="raylm-engine", daemon=True)
         self._thread.start()
@@ -36,8 +38,6 @@ class AsyncEngine:
 
     # -- engine thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        import time
-
         while not self._stopped.is_set():
             try:
                 block = not self.engine.has_unfinished_requests()
@@ -48,6 +48,7 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             if self.engine.has_unfinished_requests():
+                self.step_started = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except BaseException as err:  # a broken engine must fail requests, not hang them
@@ -56,6 +57,8 @@ class AsyncEngine:
                         self.engine.abort(request_id)
                         self._deliver(request_id, err)
                     continue
+                finally:
+                    self.step_started = None
                 self.last_step_time = time.monotonic()
                 for out in outputs:
                     self._deliver(out.request_id, out)
@@ -110,25 +113,49 @@ class AsyncEngine:
                 self._submit(lambda: self.engine.abort(request_id))
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request from outside its stream (e.g. the router saw a disconnect)."""
-        done = asyncio.get_running_loop().create_future()
+        """Abort a request from outside its stream: its blocks are freed and its stream ends
+        with a final output whose unfinished completions say ``finish_reason="abort"``."""
         loop = asyncio.get_running_loop()
+        done = loop.create_future()
 
         def command() -> None:
-            self.engine.abort(request_id)
+            final = self.engine.abort(request_id)
+            if final is not None:
+                self._deliver(request_id, final)
             loop.call_soon_threadsafe(done.set_result, None)
 
         self._submit(command)
         await done
-        target = self._streams.pop(request_id, None)
-        if target is not None:
-            target[1].put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    async def abort_all(self) -> int:
+        """Abort every request (a replica shutting down); returns how many there were."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def command() -> None:
+            request_ids = list(self.engine.requests)
+            for request_id in request_ids:
+                self._deliver(request_id, self.engine.abort(request_id))
+            loop.call_soon_threadsafe(done.set_result, len(request_ids))
+
+        self._submit(command)
+        return await done
 
     async def stats(self) -> dict:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._submit(lambda: loop.call_soon_threadsafe(done.set_result, self.engine.stats()))
         return await done
+
+    def check_health(self, stuck_after_s: float) -> None:
+        """Raise if the engine thread died, a step failed, or one step has run for ``stuck_after_s``."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine thread is not running")
+        if self.error is not None:
+            raise RuntimeError(f"an engine step failed: {self.error!r}")
+        started = self.step_started
+        if started is not None and time.monotonic() - started > stuck_after_s:
+            raise RuntimeError(f"one engine step has been running for over {stuck_after_s:.0f} s")
 
     def shutdown(self) -> None:
         self._stopped.set()

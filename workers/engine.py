@@ -26,8 +26,6 @@ from workers.scheduler import Scheduler, SchedulerConfig
 from workers.outputs import RequestOutput
 from workers.sequence import Sequence
 
-DEFAULT_MAX_MODEL_LEN = 4096
-
 
 def print_progress(label: str):
     """A progress display on stderr for start-up work: ``label: i/n (elapsed)`` on one line."""
@@ -64,7 +62,7 @@ class LLMEngine:
         self.args = args
         self.config = model.config
         self.tokenizer = model.tokenizer
-        self.max_model_len = min(self.config.max_position_embeddings, args.max_model_len or DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = args.resolve_max_model_len(self.config.max_position_embeddings)
         self.eos_ids = frozenset(self.config.eos_token_ids)
         if args.compilation_cache_dir:
             enable_compilation_cache(args.compilation_cache_dir)
@@ -230,6 +228,8 @@ class LLMEngine:
             "token_capacity": self.pool.num_used_blocks * self.pool.block_size,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            # Prompt work queued here (preempted sequences recompute their outputs too).
+            "waiting_tokens": sum(len(s.prompt_ids) + len(s.output_ids) for s in self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generated_tokens,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+DEFAULT_MAX_MODEL_LEN = 4096
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineArgs:
@@ -27,6 +29,10 @@ class EngineArgs:
     seed: int = 0  # seeds the per-request seeds of requests that give none
     warmup: bool = False  # compile every shape bucket at start-up
     compilation_cache_dir: str | None = None  # persistent XLA cache (the CLI uses ~/.cache/raylm/jax)
+
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        """The context a replica serves: ``max_model_len`` capped by the model's positions."""
+        return min(max_position_embeddings, self.max_model_len or DEFAULT_MAX_MODEL_LEN)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
