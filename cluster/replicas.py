@@ -1,0 +1,41 @@
+"""Read every worker replica's stats directly, replica by replica.
+
+A deployment handle routes each call to *some* replica; operators (``raylm status``) and tests
+need all of them. Serve names replica actors ``SERVE_REPLICA::<app>#<deployment>#<id>`` and
+each answers ``record_routing_stats`` (the controller calls it for request routers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+REPLICA_PREFIX = "SERVE_REPLICA::"
+SERVE_NAMESPACE = "serve"
+
+
+def replica_actor_names(app_name: str, deployment: str) -> list[str]:
+    prefix = f"{REPLICA_PREFIX}{app_name}#{deployment}#"
+    return sorted(
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith(prefix)
+    )
+
+
+def replica_stats(app_name: str = "raylm", deployment: str = "LLMWorker", timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+    """``{replica id: routing stats}`` for each live replica (replicas that fail to answer are left out)."""
+    names = replica_actor_names(app_name, deployment)
+    refs = {}
+    for name in names:
+        try:
+            refs[name.rsplit("#", 1)[1]] = ray.get_actor(name, namespace=SERVE_NAMESPACE).record_routing_stats.remote()
+        except ValueError:  # the replica went away between listing and lookup
+            continue
+    out = {}
+    for replica_id, ref in refs.items():
+        try:
+            out[replica_id] = ray.get(ref, timeout=timeout_s)
+        except (ray.exceptions.RayError, TimeoutError):
+            continue
+    return out

@@ -1,0 +1,75 @@
+"""Deploy config -> Ray Serve application (router ingress bound to the worker deployment).
+
+``raylm serve`` calls ``build_application``; Serve config files point their ``import_path``
+at ``deploy.app_builder:build_app``, whose ``args`` are ``{"config": "path.yaml"}`` or the deploy
+config itself inline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ray.serve import Application
+
+from deploy.config import DeployConfig, load_deploy_config, parse_deploy_config
+from router.app import OpenAIRouter
+from router.settings import RouterSettings
+from workers.deployment import LLMWorker
+
+
+def worker_actor_options(config: DeployConfig) -> dict[str, Any]:
+    """Ray resources and environment of one worker replica."""
+    workers = config.workers
+    options: dict[str, Any] = {"num_cpus": workers.num_cpus, "num_gpus": workers.num_gpus}
+    if workers.memory_bytes:
+        options["memory"] = workers.memory_bytes
+    if workers.tensor_parallel_size > 1 and workers.num_gpus == 0:
+        # Tensor parallelism on CPU needs one XLA host device per shard.
+        flags = f"--xla_force_host_platform_device_count={workers.tensor_parallel_size}"
+        options["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags}}
+    return options
+
+
+def build_application(config: DeployConfig) -> Application:
+    workers = config.workers
+    scaling: dict[str, Any]
+    if workers.autoscaling_config is not None:
+        scaling = {"autoscaling_config": workers.autoscaling_config.model_dump(exclude_none=True)}
+    else:
+        scaling = {"num_replicas": workers.num_replicas or 1}
+    engine_args = config.engine_args()
+    worker = LLMWorker.options(
+        **scaling,
+        ray_actor_options=worker_actor_options(config),
+        max_ongoing_requests=workers.max_ongoing_requests,
+        max_queued_requests=workers.max_queued_requests,
+        graceful_shutdown_timeout_s=workers.graceful_shutdown_timeout_s,
+        health_check_period_s=workers.health_check_period_s,
+        health_check_timeout_s=workers.health_check_timeout_s,
+    ).bind(config.model.name, dataclasses.asdict(engine_args), workers.stuck_after_s)
+    settings = RouterSettings(
+        model=config.model.name,
+        served_model_name=config.served_model_name,
+        max_model_len=engine_args.resolve_max_model_len(_max_positions(config.model.name)),
+        max_request_bytes=config.router.max_request_bytes,
+    )
+    return OpenAIRouter.options(
+        num_replicas=config.router.num_replicas,
+        ray_actor_options={"num_cpus": config.router.num_cpus},
+    ).bind(worker, settings)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve's application builder: ``args`` is ``{"config": PATH}`` or a deploy config mapping."""
+    if set(args) == {"config"} and isinstance(args["config"], str):
+        return build_application(load_deploy_config(args["config"]))
+    if set(args) == {"config"}:
+        args = args["config"]
+    return build_application(parse_deploy_config(args, "Serve application args"))
+
+
+def _max_positions(model: str) -> int:
+    from model import load_model_info
+
+    return load_model_info(model).config.max_position_embeddings

@@ -1,0 +1,163 @@
+"""The deploy YAML: one file describes the model, the worker replicas, the engine, the router
+and HTTP. Validated up front; errors name the bad key by its path (``workers.num_cpus``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
+
+from model import DEFAULT_MODEL
+from workers.engine_args import EngineArgs
+
+
+class DeployConfigError(ValueError):
+    """The deploy file is missing, unreadable or invalid; the message lists every problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    name: str = Field(DEFAULT_MODEL, description="registry name (e.g. smollm2-135m-instruct) or a path")
+    served_model_name: str | None = Field(None, description="the name clients send; default: name")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+# Engine settings come from EngineArgs itself so the YAML can never drift from the engine.
+_ENGINE_OWNED_ELSEWHERE = {"dtype", "tensor_parallel_size"}
+_engine_hints = typing.get_type_hints(EngineArgs)
+EngineSection = pydantic.create_model(
+    "EngineSection",
+    __base__=_Section,
+    **{
+        f.name: (_engine_hints[f.name], f.default)
+        for f in dataclasses.fields(EngineArgs)
+        if f.name not in _ENGINE_OWNED_ELSEWHERE
+    },
+)
+
+
+class AutoscalingSection(_Section):
+    """Serve's autoscaling knobs for the worker deployment (see Serve's AutoscalingConfig)."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: PositiveInt = 1
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: PositiveFloat = 16.0
+    metrics_interval_s: PositiveFloat = 10.0
+    look_back_period_s: PositiveFloat = 30.0
+    upscale_delay_s: NonNegativeFloat = 30.0
+    downscale_delay_s: NonNegativeFloat = 600.0
+
+    @pydantic.model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingSection":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError("initial_replicas must lie between min_replicas and max_replicas")
+        return self
+
+
+class WorkersSection(_Section):
+    num_replicas: PositiveInt | None = Field(None, description="fixed replica count (default 1)")
+    autoscaling_config: AutoscalingSection | None = None
+    num_cpus: NonNegativeFloat = 1.0
+    num_gpus: NonNegativeFloat = 0.0
+    memory_bytes: int | None = Field(None, gt=0, description="Ray memory resource reserved per replica")
+    tensor_parallel_size: PositiveInt = 1
+    max_ongoing_requests: PositiveInt = 128
+    max_queued_requests: int = Field(512, description="per router replica; beyond it requests get 503 (-1: no limit)")
+    graceful_shutdown_timeout_s: NonNegativeFloat = 30.0
+    health_check_period_s: PositiveFloat = 10.0
+    health_check_timeout_s: PositiveFloat = 30.0
+    stuck_after_s: PositiveFloat = Field(300.0, description="one engine step running longer fails the health check")
+
+    @pydantic.model_validator(mode="after")
+    def _one_way_to_scale(self) -> "WorkersSection":
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("give either num_replicas or autoscaling_config, not both")
+        return self
+
+
+class RouterSection(_Section):
+    num_replicas: PositiveInt = 1
+    num_cpus: NonNegativeFloat = 0.0
+    max_request_bytes: PositiveInt = 1 << 20
+
+
+class HTTPSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class DeployConfig(_Section):
+    """The whole deploy file."""
+
+    name: str = Field("raylm", description="the Serve application name")
+    route_prefix: str = "/"
+    model: ModelSection = ModelSection()
+    workers: WorkersSection = WorkersSection()
+    engine: EngineSection = EngineSection()  # type: ignore[valid-type]
+    router: RouterSection = RouterSection()
+    http: HTTPSection = HTTPSection()
+
+    @pydantic.model_validator(mode="after")
+    def _engine_args_valid(self) -> "DeployConfig":
+        self.engine_args()  # EngineArgs' own checks (power-of-two block size, ...)
+        return self
+
+    def engine_args(self) -> EngineArgs:
+        try:
+            return EngineArgs(
+                dtype=self.model.dtype,
+                tensor_parallel_size=self.workers.tensor_parallel_size,
+                **self.engine.model_dump(),
+            )
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"engine: {err}") from None
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_model_name or self.model.name
+
+
+def parse_deploy_config(raw: Any, source: str = "deploy config") -> DeployConfig:
+    """Validate a mapping (from YAML or Serve's ``args``) into a DeployConfig."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise DeployConfigError(f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    try:
+        return DeployConfig.model_validate(raw)
+    except pydantic.ValidationError as err:
+        raise DeployConfigError(f"{source} is invalid:\n" + "\n".join(_describe(e) for e in err.errors())) from None
+
+
+def load_deploy_config(path: str | Path) -> DeployConfig:
+    """Read and validate a deploy YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise DeployConfigError(f"cannot read deploy config {path}: {err.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise DeployConfigError(f"{path} is not valid YAML: {err}") from None
+    return parse_deploy_config(raw, str(path))
+
+
+def _describe(error: dict[str, Any]) -> str:
+    where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        return f"  {where}: unknown key"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"  {where}: {message} (got {error.get('input')!r})" if where != "(top level)" else f"  {message}"

@@ -1,0 +1,124 @@
+"""``raylm serve CONFIG.yaml``: deploy the OpenAI server on a Ray cluster and keep it up.
+
+Attaches to a running cluster (``--address``, or the one ``ray start`` left on this machine);
+otherwise starts a local Ray head owned by this process. Ctrl-C (or SIGTERM) deletes the
+application, and shuts Serve and Ray down when this process started them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from deploy.config import DeployConfig, DeployConfigError, load_deploy_config
+
+DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
+
+# Local-cluster defaults from DESIGN.md; an operator's own environment wins.
+LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("serve", help="serve a model over the OpenAI HTTP API on Ray")
+    p.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="deploy YAML (default: the bundled model)")
+    p.add_argument("--address", default=None, help="Ray cluster to attach to (e.g. auto, ray://host:10001)")
+    p.add_argument("--host", default=None, help="override http.host")
+    p.add_argument("--port", type=int, default=None, help="override http.port")
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_deploy_config(args.config)
+    except DeployConfigError as err:
+        print(f"raylm serve: {err}", file=sys.stderr)
+        return 2
+    host = args.host or config.http.host
+    port = config.http.port if args.port is None else args.port
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+
+    import ray
+    from ray import serve
+
+    from deploy.app_builder import build_application
+    from model import ModelError
+
+    try:
+        app = build_application(config)
+    except (ModelError, ValueError) as err:
+        print(f"raylm serve: {err}", file=sys.stderr)
+        return 2
+    started_ray = _connect(ray, args.address)
+    serve_was_running = _serve_running(ray)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        print(f"deploying {config.served_model_name} ({_replicas(config)}) ...", file=sys.stderr, flush=True)
+        serve.run(app, name=config.name, route_prefix=config.route_prefix, blocking=False)
+        _announce(config, host, port)
+        _wait_for_signal()
+    finally:
+        print("\nstopping ...", file=sys.stderr, flush=True)
+        if serve_was_running:
+            serve.delete(config.name)
+        else:
+            serve.shutdown()
+        if started_ray:
+            ray.shutdown()
+    return 0
+
+
+def _connect(ray, address: str | None) -> bool:
+    """Attach to ``address`` or a cluster already running here; else start one. True if started."""
+    if address is not None:
+        ray.init(address=address, log_to_driver=False)
+        return False
+    try:
+        ray.init(address="auto", log_to_driver=False)
+        return False
+    except ConnectionError:
+        ray.init(log_to_driver=False, include_dashboard=True, dashboard_host="127.0.0.1")
+        return True
+
+
+def _serve_running(ray) -> bool:
+    """Whether Serve's controller already runs on the cluster (then we only remove our app)."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def _replicas(config: DeployConfig) -> str:
+    scaling = config.workers.autoscaling_config
+    if scaling is not None:
+        return f"{scaling.min_replicas}..{scaling.max_replicas} worker replicas, autoscaling"
+    count = config.workers.num_replicas or 1
+    return f"{count} worker replica{'s' if count != 1 else ''}"
+
+
+def _announce(config: DeployConfig, host: str, port: int) -> None:
+    shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    base = f"http://{shown_host}:{port}{config.route_prefix.rstrip('/')}"
+    print(
+        f"\nraylm is serving {config.served_model_name} at {base}/v1\n\n"
+        f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"    -d '{{\"model\": \"{config.served_model_name}\", "
+        f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n\n"
+        "Press Ctrl-C to stop.",
+        flush=True,
+    )
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()

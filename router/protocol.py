@@ -1,0 +1,301 @@
+"""Validate OpenAI chat / completions request bodies into token ids and ``SamplingParams``.
+
+Every check names the offending field (OpenAI's ``param``) so a client can fix its request;
+unknown fields are refused like OpenAI does, fields raylm does not implement are refused by
+name rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Mapping
+
+from model import Tokenizer
+from router.errors import OpenAIError, invalid
+from workers.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+
+MAX_N = 16
+MAX_STOP_SEQUENCES = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default
+
+_COMMON_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
+    "frequency_penalty", "stream", "stream_options", "user", "logit_bias",
+    # extensions (vLLM's names)
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "priority", "stop_token_ids",
+    "skip_special_tokens", "include_stop_str_in_output",
+}
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls", "store", "metadata", "service_tier", "reasoning_effort", "modalities",
+}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+_UNSUPPORTED_IF_SET = {"tools", "tool_choice", "suffix", "modalities", "reasoning_effort", "functions"}
+_ROLES = {"system", "developer", "user", "assistant"}
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    """A validated request, ready for the worker replicas."""
+
+    kind: Literal["chat", "completion"]
+    model: str
+    prompts: list[list[int]]  # one engine request per prompt (completions may send several)
+    prompt_texts: list[str | None]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top-N logprobs per token, None when not asked
+    echo: bool
+    user: str | None
+    priority: int
+
+
+class RequestParser:
+    """Turns JSON bodies into ``ParsedRequest`` for one served model."""
+
+    def __init__(self, tokenizer: Tokenizer, served_model_names: list[str], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.served_model_names = served_model_names
+        self.max_model_len = max_model_len
+
+    def parse_chat(self, body: Any) -> ParsedRequest:
+        body = _require_object(body)
+        _refuse_unknown(body, _CHAT_FIELDS)
+        model = self._model(body)
+        messages = _messages(body.get("messages"))
+        try:
+            prompt_ids = self.tokenizer.encode_chat(messages)
+        except Exception as err:  # a template may raise on odd role orders
+            raise invalid(f"cannot render the chat template for these messages: {err}", "messages") from None
+        want_logprobs = _optional(body, "logprobs", bool)
+        top = _optional(body, "top_logprobs", int)
+        if top is not None and not want_logprobs:
+            raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise invalid(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+        logprobs = (top or 0) if want_logprobs else None
+        response_format = body.get("response_format")
+        if response_format not in (None, {"type": "text"}):
+            raise invalid("response_format other than {'type': 'text'} is not supported", "response_format")
+        max_tokens = _optional(body, "max_completion_tokens", int)
+        if max_tokens is None:
+            max_tokens = _optional(body, "max_tokens", int)
+        return self._finish(body, "chat", model, [prompt_ids], [None], max_tokens, logprobs, echo=False)
+
+    def parse_completion(self, body: Any) -> ParsedRequest:
+        body = _require_object(body)
+        _refuse_unknown(body, _COMPLETION_FIELDS)
+        model = self._model(body)
+        prompts, texts = self._prompts(body.get("prompt", _MISSING))
+        logprobs = _optional(body, "logprobs", int)
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+        echo = bool(_optional(body, "echo", bool))
+        if echo and logprobs is not None:
+            raise invalid("echo together with logprobs is not supported", "echo")
+        best_of = _optional(body, "best_of", int)
+        if best_of not in (None, 1) and best_of != body.get("n", 1):
+            raise invalid("best_of other than n is not supported", "best_of")
+        max_tokens = _optional(body, "max_tokens", int)
+        if "max_tokens" not in body:
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+        return self._finish(body, "completion", model, prompts, texts, max_tokens, logprobs, echo)
+
+    # -- shared -------------------------------------------------------------------------------------
+    def _model(self, body: Mapping[str, Any]) -> str:
+        model = body.get("model")
+        if model is None:
+            raise invalid("you must provide a model parameter", "model")
+        if not isinstance(model, str):
+            raise invalid("model must be a string", "model")
+        if model not in self.served_model_names:
+            raise OpenAIError(
+                404, f"The model '{model}' does not exist; this server serves {self.served_model_names}",
+                param="model", code="model_not_found",
+            )
+        return model
+
+    def _prompts(self, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
+        """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+        if prompt is _MISSING:
+            raise invalid("you must provide a prompt parameter", "prompt")
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            items = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            items = prompt
+        else:
+            raise invalid("prompt must be a string, a list of strings, a list of token ids or a list of those", "prompt")
+        ids, texts = [], []
+        vocab = self.tokenizer.vocab_size
+        for item in items:
+            if isinstance(item, str):
+                ids.append(self.tokenizer.encode(item))
+                texts.append(item)
+            else:
+                if not item or not all(_is_int(t) for t in item):
+                    raise invalid("a token-id prompt must be a non-empty list of integers", "prompt")
+                bad = [t for t in item if not 0 <= t < vocab]
+                if bad:
+                    raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+                ids.append(list(item))
+                texts.append(None)
+        if any(not p for p in ids):
+            raise invalid("the prompt is empty: give at least one token", "prompt")
+        return ids, texts
+
+    def _finish(
+        self,
+        body: Mapping[str, Any],
+        kind: Literal["chat", "completion"],
+        model: str,
+        prompts: list[list[int]],
+        texts: list[str | None],
+        max_tokens: int | None,
+        logprobs: int | None,
+        echo: bool,
+    ) -> ParsedRequest:
+        for field in _UNSUPPORTED_IF_SET:
+            if body.get(field) not in (None, [], {}):
+                raise invalid(f"{field} is not supported by this server", field)
+        if body.get("logit_bias"):
+            raise invalid("logit_bias is not supported by this server", "logit_bias")
+        stream = bool(_optional(body, "stream", bool))
+        stream_options = _optional(body, "stream_options", dict)
+        if stream_options is not None and not stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        include_usage = bool((stream_options or {}).get("include_usage", False))
+        n = _optional(body, "n", int)
+        if n is not None and not 1 <= n <= MAX_N:
+            raise invalid(f"n must be in [1, {MAX_N}], got {n}", "n")
+        if max_tokens is not None and max_tokens < 1:
+            raise invalid(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        self._check_context(prompts, max_tokens, "messages" if kind == "chat" else "prompt")
+        params = self._sampling_params(body, n or 1, max_tokens, logprobs)
+        user = _optional(body, "user", str)
+        priority = _optional(body, "priority", int)
+        return ParsedRequest(
+            kind=kind, model=model, prompts=prompts, prompt_texts=texts, params=params, stream=stream,
+            include_usage=include_usage, logprobs=logprobs, echo=echo, user=user, priority=priority or 0,
+        )
+
+    def _check_context(self, prompts: list[list[int]], max_tokens: int | None, where: str) -> None:
+        for ids in prompts:
+            wanted = len(ids) + (max_tokens or 1)
+            if wanted > self.max_model_len:
+                asked = f"{max_tokens} in the completion" if max_tokens else "at least 1 in the completion"
+                raise invalid(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                    f"{wanted} tokens ({len(ids)} in the {where}, {asked}). Please reduce the length of the "
+                    f"{where} or max_tokens.",
+                    where, code="context_length_exceeded",
+                )
+
+    def _sampling_params(
+        self, body: Mapping[str, Any], n: int, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        stop = body.get("stop")
+        if stop is not None:
+            if isinstance(stop, str):
+                stop = [stop]
+            if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+                raise invalid("stop must be a non-empty string or a list of non-empty strings", "stop")
+            if len(stop) > MAX_STOP_SEQUENCES:
+                raise invalid(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stop)}", "stop")
+        fields = {
+            "temperature": _optional(body, "temperature", float),
+            "top_p": _optional(body, "top_p", float),
+            "top_k": _optional(body, "top_k", int),
+            "min_p": _optional(body, "min_p", float),
+            "presence_penalty": _optional(body, "presence_penalty", float),
+            "frequency_penalty": _optional(body, "frequency_penalty", float),
+            "repetition_penalty": _optional(body, "repetition_penalty", float),
+            "min_tokens": _optional(body, "min_tokens", int),
+            "seed": _optional(body, "seed", int),
+            "ignore_eos": _optional(body, "ignore_eos", bool),
+            "stop_token_ids": _optional(body, "stop_token_ids", list),
+            "skip_special_tokens": _optional(body, "skip_special_tokens", bool),
+            "include_stop_str_in_output": _optional(body, "include_stop_str_in_output", bool),
+        }
+        if fields["temperature"] is not None and fields["temperature"] > 2:
+            raise invalid(f"temperature must be in [0, 2], got {fields['temperature']}", "temperature")
+        given = {k: v for k, v in fields.items() if v is not None}
+        try:
+            return SamplingParams(n=n, max_tokens=max_tokens, stop=stop, logprobs=logprobs, **given)
+        except SamplingParamsError as err:
+            field = next((k for k in (*given, "n", "max_tokens", "logprobs") if str(err).startswith(k)), None)
+            raise invalid(str(err), field) from None
+
+
+_MISSING = object()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body
+
+
+def _refuse_unknown(body: Mapping[str, Any], known: set[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise invalid(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+
+
+def _optional(body: Mapping[str, Any], field: str, kind: type) -> Any:
+    """``body[field]`` checked to be of ``kind`` (ints pass as floats; bools are not ints), or None."""
+    value = body.get(field)
+    if value is None:
+        return None
+    ok = {
+        bool: isinstance(value, bool),
+        int: _is_int(value),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        list: isinstance(value, list),
+        dict: isinstance(value, dict),
+    }[kind]
+    if not ok:
+        names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object"}
+        raise invalid(f"{field} must be {names[kind]}, got {type(value).__name__} {value!r}"[:300], field)
+    return float(value) if kind is float else value
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    """Messages with string content (text parts joined); other part types are refused."""
+    if messages is None:
+        raise invalid("you must provide a messages parameter", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(f"{where} must be an object with role and content", where)
+        role = message.get("role")
+        if role not in _ROLES:
+            raise invalid(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}", f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise invalid(
+                        f"{where}.content[{j}] must be a text part {{'type': 'text', 'text': ...}}; "
+                        "this model reads text only", f"{where}.content",
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            if content is None and role == "assistant":
+                content = ""
+            else:
+                raise invalid(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out

@@ -1,0 +1,108 @@
+"""A real local Ray cluster with Serve, shared by every serving test of a session.
+
+Starting Ray + Serve costs ~20 s here, so one cluster hosts every test application; each
+application gets its own route prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from typing import Any
+
+import httpx
+
+from deploy.config import DeployConfig, parse_deploy_config
+
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+
+# Small and quick: two replicas, a modest pool and context, so tests finish fast on 2 cores.
+TEST_DEPLOY: dict[str, Any] = {
+    "name": "raylm",
+    "model": {"name": "smollm2-135m-instruct"},
+    "workers": {
+        "num_replicas": 2,
+        "num_cpus": 1,
+        "max_ongoing_requests": 16,
+        "max_queued_requests": 16,
+        "graceful_shutdown_timeout_s": 5,
+    },
+    "engine": {
+        "num_kv_blocks": 512,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 1024,
+        "num_scheduler_steps": 2,
+        "compilation_cache_dir": "~/.cache/raylm/jax",
+    },
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class ServeCluster:
+    """The session's Ray cluster; ``deploy`` adds an application and returns its base URL."""
+
+    http_port: int
+
+    def deploy(self, raw_config: dict[str, Any], route_prefix: str = "/") -> "ServedApp":
+        from ray import serve
+
+        from deploy.app_builder import build_application
+
+        config = parse_deploy_config({**raw_config, "route_prefix": route_prefix})
+        serve.run(build_application(config), name=config.name, route_prefix=route_prefix, blocking=False)
+        base = f"http://127.0.0.1:{self.http_port}{route_prefix.rstrip('/')}"
+        _wait_healthy(base)
+        return ServedApp(config, base)
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+
+@dataclasses.dataclass
+class ServedApp:
+    config: DeployConfig
+    base_url: str
+
+    @property
+    def model(self) -> str:
+        return self.config.served_model_name
+
+
+def start_cluster(num_cpus: int = 6) -> ServeCluster:
+    """Ray's CPUs here are logical slots for replicas, not cores: replicas share the 2 cores."""
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return ServeCluster(port)
+
+
+def _wait_healthy(base: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.get(f"{base}/health", timeout=10)
+            if last.status_code == 200:
+                return
+        except httpx.HTTPError as err:
+            last = err
+        time.sleep(0.5)
+    raise TimeoutError(f"{base} did not become healthy: {last}")

@@ -1,0 +1,75 @@
+"""The deploy YAML schema: shipped files validate, mistakes are named by their key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.config import DeployConfigError, load_deploy_config, parse_deploy_config
+from workers import EngineArgs
+
+DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy"
+
+
+def test_default_yaml_serves_the_bundled_model():
+    config = load_deploy_config(DEPLOY_DIR / "default.yaml")
+    assert config.model.name == "smollm2-135m-instruct"
+    assert config.http.host == "127.0.0.1"
+    args = config.engine_args()
+    assert isinstance(args, EngineArgs) and args.dtype == "float32" and args.tensor_parallel_size == 1
+
+
+def test_serve_config_file_args_are_a_valid_deploy_config():
+    serve_config = yaml.safe_load((DEPLOY_DIR / "serve_config.yaml").read_text())
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == "deploy.app_builder:build_app"
+    parse_deploy_config(app["args"])
+
+
+def test_every_engine_arg_is_settable_from_yaml():
+    config = parse_deploy_config({"engine": {"num_kv_blocks": 64, "max_num_seqs": 8, "scheduling_policy": "priority"},
+                                  "workers": {"tensor_parallel_size": 2}, "model": {"dtype": "bfloat16"}})
+    args = config.engine_args()
+    assert (args.num_kv_blocks, args.max_num_seqs, args.scheduling_policy) == (64, 8, "priority")
+    assert (args.tensor_parallel_size, args.dtype) == (2, "bfloat16")
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"workers": {"num_replica": 2}}, "workers.num_replica: unknown key"),
+        ({"engine": {"block_sise": 16}}, "engine.block_sise: unknown key"),
+        ({"engine": {"block_size": 12}}, "block_size must be a power of two"),
+        ({"engine": {"max_num_seqs": "many"}}, "engine.max_num_seqs"),
+        ({"model": {"dtype": "int3"}}, "model.dtype"),
+        ({"workers": {"num_replicas": 2, "autoscaling_config": {"max_replicas": 3}}}, "not both"),
+        ({"workers": {"autoscaling_config": {"min_replicas": 4, "max_replicas": 2}}}, "exceeds max_replicas"),
+        ({"workers": {"num_gpus": -1}}, "workers.num_gpus"),
+        ({"http": {"port": 70000}}, "http.port"),
+        ({"htp": {}}, "htp: unknown key"),
+        ([1, 2], "must be a mapping"),
+    ],
+)
+def test_mistakes_are_named(raw, message):
+    with pytest.raises(DeployConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        parse_deploy_config(raw)
+
+
+def test_unreadable_files_say_so(tmp_path):
+    with pytest.raises(DeployConfigError, match="cannot read"):
+        load_deploy_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(DeployConfigError, match="not valid YAML"):
+        load_deploy_config(bad)
+
+
+def test_serve_cli_reports_a_bad_config_without_starting_ray(tmp_path, capsys):
+    from deploy.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workers:\n  num_replica: 2\n")
+    assert main(["serve", str(bad)]) == 2
+    assert "workers.num_replica: unknown key" in capsys.readouterr().err

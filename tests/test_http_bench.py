@@ -1,0 +1,241 @@
+"""The HTTP load generator against a fake OpenAI server: exact counts, plausible timings, the CLI.
+
+The fake (starlette + uvicorn on a free local port, in a background thread) streams a known
+number of chunks with known sleeps, so every count the bench reports can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import socket
+import threading
+import time
+from typing import Any, AsyncIterator, Iterator
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from deploy import cli
+from deploy.benchmarks.http_bench import PROMPT_TOKEN_RANGE, WORKLOADS, Workload, percentile, run_workload
+
+FIRST_DELAY_S = 0.03  # before the first chunk: the fake's "prefill"
+CHUNK_DELAY_S = 0.01  # between chunks: the fake's "decode step"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class FakeBehaviour:
+    """What the fake does; tests change it, the fixture resets it."""
+
+    fail_every: int = 0  # every n-th completion request gets a 503 (0: never)
+    tokens_per_chunk: int = 1
+    send_usage: bool = True
+    model_id: str = "fake-model"
+
+
+class FakeOpenAIServer:
+    """A minimal streaming ``/v1/completions`` and ``/v1/models`` that records the bodies it got."""
+
+    def __init__(self) -> None:
+        self.behaviour = FakeBehaviour()
+        self.bodies: list[dict[str, Any]] = []
+        self.auth: list[str | None] = []
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        app = Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ])
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> FakeOpenAIServer:
+        self._thread.start()
+        deadline = time.monotonic() + 5
+        while not self._server.started:
+            assert time.monotonic() < deadline, "the fake server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=5)
+
+    def reset(self) -> None:
+        self.behaviour = FakeBehaviour()
+        self.bodies.clear()
+        self.auth.clear()
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.behaviour.model_id, "object": "model"}]})
+
+    async def completions(self, request: Request) -> Response:
+        body = await request.json()
+        self.bodies.append(body)
+        self.auth.append(request.headers.get("authorization"))
+        every = self.behaviour.fail_every
+        if every and len(self.bodies) % every == 0:
+            return JSONResponse({"error": {"message": "overloaded"}}, status_code=503)
+        return StreamingResponse(self._stream(body["max_tokens"]), media_type="text/event-stream")
+
+    async def _stream(self, max_tokens: int) -> AsyncIterator[str]:
+        b = self.behaviour
+        await asyncio.sleep(FIRST_DELAY_S)
+        for i in range(0, max_tokens, b.tokens_per_chunk):
+            if i:
+                await asyncio.sleep(CHUNK_DELAY_S)
+            n = min(b.tokens_per_chunk, max_tokens - i)
+            yield _sse({"object": "text_completion", "choices": [{"index": 0, "text": "x" * n, "finish_reason": None}]})
+        if b.send_usage:
+            yield _sse({"object": "text_completion", "choices": [], "usage": {"completion_tokens": max_tokens}})
+        yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[FakeOpenAIServer, FakeOpenAIServer]]:
+    with FakeOpenAIServer() as first, FakeOpenAIServer() as second:
+        yield first, second
+
+
+@pytest.fixture
+def fake(servers) -> FakeOpenAIServer:
+    for server in servers:
+        server.reset()
+    return servers[0]
+
+
+def _run(fake: FakeOpenAIServer, workload: Workload, **kwargs: Any):
+    return asyncio.run(run_workload(fake.base_url, "fake-model", workload, **kwargs))
+
+
+SMALL = Workload("small", num_requests=6, concurrency=3, prompt_tokens=16, output_tokens=5)
+
+
+def test_percentile_hand_computed():
+    assert percentile([], 50) is None
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([1, 2, 3, 4], 50) == 2.5  # rank 1.5: halfway between 2 and 3
+    assert percentile([10, 20, 30, 40, 50], 25) == 20
+    assert percentile([0, 100], 99) == pytest.approx(99)  # rank 0.99 of the way from 0 to 100
+    assert percentile([3, 1, 2], 100) == 3  # order of the input does not matter
+
+
+def test_counts_and_timings(fake):
+    result = _run(fake, SMALL, warmup=2)
+    assert len(fake.bodies) == 2 + 6
+    assert (result.completed, result.errors, result.output_tokens) == (6, 0, 6 * 5)
+    assert len(result.ttft_s) == len(result.e2e_s) == 6
+    assert len(result.itl_s) == 6 * 4  # gaps between 5 one-token chunks
+    assert all(FIRST_DELAY_S <= t < FIRST_DELAY_S + 1.0 for t in result.ttft_s)
+    assert CHUNK_DELAY_S * 0.8 <= percentile(result.itl_s, 50) < CHUNK_DELAY_S + 0.1
+    assert all(e >= FIRST_DELAY_S + 4 * CHUNK_DELAY_S for e in result.e2e_s)
+    assert result.output_tok_s == pytest.approx(30 / result.wall_s)
+    assert result.requests_s == pytest.approx(6 / result.wall_s)
+
+
+def test_request_bodies(fake):
+    result = _run(fake, SMALL, warmup=1, api_key="sekrit")
+    measured = fake.bodies[1:]
+    for body in measured:
+        assert body["model"] == "fake-model" and body["max_tokens"] == 5 and body["temperature"] == 0
+        assert body["ignore_eos"] is True and body["stream"] is True
+        assert body["stream_options"] == {"include_usage": True}
+        assert len(body["prompt"]) == 16
+        assert all(PROMPT_TOKEN_RANGE[0] <= t < PROMPT_TOKEN_RANGE[1] for t in body["prompt"])
+    assert fake.auth == ["Bearer sekrit"] * 7
+    # The warmup prompts differ from the measured ones (so the prefix cache stays cold).
+    assert fake.bodies[0]["prompt"] not in [b["prompt"] for b in measured]
+    assert result.errors == 0
+
+
+def test_shared_prefix_prompts(fake):
+    workload = dataclasses.replace(WORKLOADS["shared-prefix"], num_requests=4, concurrency=4, output_tokens=2)
+    _run(fake, workload, warmup=0)
+    prompts = [b["prompt"] for b in fake.bodies]
+    assert all(len(p) == 512 + 32 for p in prompts)
+    assert all(p[:512] == prompts[0][:512] for p in prompts)
+    assert len({tuple(p[512:]) for p in prompts}) == 4
+
+
+def test_errors_are_counted(fake):
+    fake.behaviour.fail_every = 3
+    result = _run(fake, dataclasses.replace(SMALL, num_requests=9), warmup=0)
+    assert (result.completed, result.errors, result.output_tokens) == (6, 3, 6 * 5)
+    assert len(result.ttft_s) == 6
+    assert result.error_messages and all(m.startswith("HTTP 503") for m in result.error_messages)
+
+
+def test_multi_token_chunks_use_usage(fake):
+    fake.behaviour.tokens_per_chunk = 2
+    result = _run(fake, SMALL, warmup=0)
+    assert result.output_tokens == 6 * 5  # from usage, not the 3 chunks each
+    assert len(result.itl_s) == 6 * 2  # per-chunk gaps
+
+
+def test_without_usage_chunks_are_counted(fake):
+    fake.behaviour.send_usage = False
+    result = _run(fake, SMALL, warmup=0)
+    assert (result.completed, result.output_tokens) == (6, 6 * 5)
+
+
+def test_unreachable_endpoint_counts_errors():
+    result = asyncio.run(run_workload(f"http://127.0.0.1:{free_port()}", "m", SMALL, warmup=0))
+    assert (result.completed, result.errors, result.output_tokens) == (0, 6, 0)
+    assert result.error_messages[0].startswith("ConnectError")
+
+
+def test_cli_single_stream(fake, capsys, tmp_path):
+    out_json = tmp_path / "bench.json"
+    rc = cli.main(["bench", "--base-url", fake.base_url, "--workload", "single-stream", "--num-requests", "3",
+                   "--output-tokens", "4", "--json", str(out_json)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "== single-stream: 3 requests x (128 prompt + 4 output tokens), concurrency 1 ==" in out
+    assert f"A = {fake.base_url} (model fake-model)" in out
+    assert "output tok/s" in out and "TTFT p50 (ms)" in out and "A/B" not in out
+    assert len(fake.bodies) == 2 + 3  # default warmup is 2
+    [[summary]] = json.loads(out_json.read_text())["runs"]
+    assert (summary["completed"], summary["errors"], summary["output_tokens"]) == (3, 0, 12)
+
+
+def test_cli_compare_prints_ratios(servers, fake, capsys):
+    first, second = servers
+    second.behaviour.model_id = "/models/other.gguf"
+    rc = cli.main(["bench", "--base-url", first.base_url, "--compare", second.base_url, "--workload", "throughput",
+                   "--num-requests", "4", "--concurrency", "2", "--output-tokens", "3", "--warmup", "0"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert f"B = {second.base_url} (model /models/other.gguf)" in out
+    assert second.bodies[0]["model"] == "/models/other.gguf" and first.bodies[0]["model"] == "fake-model"
+    header = next(line for line in out.splitlines() if line.rstrip().endswith("A/B"))
+    assert header.split() == ["A", "B", "A/B"]
+    rate_row = next(line for line in out.splitlines() if line.strip().startswith("output tok/s"))
+    assert rate_row.rstrip().endswith("x")
+    errors_row = next(line for line in out.splitlines() if line.strip().startswith("errors"))
+    assert errors_row.split()[1:] == ["0", "0"]
+
+
+def test_cli_bench_needs_a_mode(capsys):
+    assert cli.main(["bench"]) == 2
+    assert "--offline" in capsys.readouterr().err
+    assert cli.main(["bench", "--offline", "--base-url", "http://x"]) == 2
+
+
+def test_cli_unreachable_model_lookup(capsys):
+    assert cli.main(["bench", "--base-url", f"http://127.0.0.1:{free_port()}", "--workload", "single-stream"]) == 2
+    assert "ConnectError" in capsys.readouterr().err

@@ -1,0 +1,132 @@
+"""The official ``openai`` client against raylm on a real Ray cluster (two worker replicas)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.serving import TEST_DEPLOY
+from workers import EngineArgs, LLMEngine, SamplingParams
+
+openai = pytest.importorskip("openai")
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.fixture(scope="module")
+def client(raylm_app):
+    return openai.OpenAI(base_url=f"{raylm_app.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline_engine(bundled_model):
+    """The engine in this process with the served engine settings: the reference output."""
+    return LLMEngine(bundled_model, EngineArgs(**TEST_DEPLOY["engine"]))
+
+
+def _offline_greedy(engine: LLMEngine, prompt_ids: list[int], max_tokens: int) -> tuple[str, str]:
+    engine.add_request("ref", prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens))
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    return final.outputs[0].text, final.outputs[0].finish_reason
+
+
+def test_models_list(client, raylm_app):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [raylm_app.model]
+    assert client.models.retrieve(raylm_app.model).id == raylm_app.model
+
+
+def test_greedy_chat_equals_the_offline_engine(client, raylm_app, offline_engine, bundled_model):
+    reply = client.chat.completions.create(model=raylm_app.model, messages=QUESTION, temperature=0, max_tokens=40)
+    expected, finish = _offline_greedy(offline_engine, bundled_model.tokenizer.encode_chat(QUESTION), 40)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected
+    assert "Paris" in expected
+    assert choice.finish_reason == finish
+    prompt_len = len(bundled_model.tokenizer.encode_chat(QUESTION))
+    assert reply.usage.prompt_tokens == prompt_len
+    assert reply.usage.total_tokens == prompt_len + reply.usage.completion_tokens
+    assert reply.id.startswith("chatcmpl-") and reply.object == "chat.completion" and reply.model == raylm_app.model
+
+
+def test_streaming_chat_with_usage_matches_non_streaming(client, raylm_app):
+    kwargs = dict(model=raylm_app.model, messages=QUESTION, temperature=0, max_tokens=30)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_prompt_forms(client, raylm_app, bundled_model):
+    text = client.completions.create(model=raylm_app.model, prompt="The capital of France is", max_tokens=8,
+                                     temperature=0)
+    ids = bundled_model.tokenizer.encode("The capital of France is")
+    by_ids = client.completions.create(model=raylm_app.model, prompt=ids, max_tokens=8, temperature=0)
+    assert text.object == "text_completion" and text.id.startswith("cmpl-")
+    assert text.choices[0].text == by_ids.choices[0].text
+    assert text.usage.prompt_tokens == len(ids) and text.usage.completion_tokens == 8
+    assert text.choices[0].finish_reason == "length"
+    batch = client.completions.create(model=raylm_app.model, prompt=["The capital of France is", "1, 2, 3,"],
+                                      max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text == text.choices[0].text
+    assert batch.choices[2].text == batch.choices[3].text != text.choices[0].text
+
+
+def test_n_completions_sampled_differ(client, raylm_app):
+    reply = client.chat.completions.create(model=raylm_app.model, messages=QUESTION, n=2, temperature=1.0,
+                                           max_tokens=24, seed=7)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.choices[0].message.content != reply.choices[1].message.content
+    assert all(c.finish_reason in ("stop", "length") for c in reply.choices)
+    assert reply.usage.completion_tokens <= 2 * 24
+
+
+def test_seed_reproducible(client, raylm_app):
+    kwargs = dict(model=raylm_app.model, messages=QUESTION, temperature=1.0, max_tokens=24)
+    first = client.chat.completions.create(**kwargs, seed=1234).choices[0].message.content
+    again = client.chat.completions.create(**kwargs, seed=1234).choices[0].message.content
+    others = {client.chat.completions.create(**kwargs, seed=s).choices[0].message.content for s in (1, 2, 3)}
+    assert first == again
+    assert len(others | {first}) > 1
+
+
+def test_stop_strings(client, raylm_app):
+    kwargs = dict(model=raylm_app.model, messages=QUESTION, temperature=0, max_tokens=40)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert " Paris" in full
+    cut = client.chat.completions.create(**kwargs, stop=[" Paris", "zzz"]).choices[0]
+    assert cut.message.content == full[: full.index(" Paris")]
+    assert cut.finish_reason == "stop"
+    streamed = client.chat.completions.create(**kwargs, stop=" Paris", stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut.message.content
+
+
+def test_logprobs(client, raylm_app):
+    reply = client.chat.completions.create(model=raylm_app.model, messages=QUESTION, temperature=0, max_tokens=6,
+                                           logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert "".join(t.token for t in content) == reply.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert entry.logprob <= 0
+    legacy = client.completions.create(model=raylm_app.model, prompt="The capital of France is", max_tokens=4,
+                                       temperature=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == legacy.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]

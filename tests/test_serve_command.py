@@ -1,0 +1,78 @@
+"""``raylm serve CONFIG --address ...`` in a subprocess: deploys, answers, and Ctrl-C removes it."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import yaml
+
+
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def _wait_for(lines: queue.Queue, needle: str, timeout_s: float) -> list[str]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        seen.append(line)
+        if needle in line:
+            return seen
+    raise AssertionError(f"{needle!r} not printed; output was:\n{''.join(seen)}")
+
+
+def test_serve_attaches_to_a_cluster_and_ctrl_c_removes_the_app(serve_cluster, raylm_app, tmp_path):
+    import ray
+
+    config = {
+        "name": "cli-app",
+        "route_prefix": "/cli",
+        "workers": {"num_replicas": 1},
+        "engine": {"num_kv_blocks": 64, "max_model_len": 512},
+        "http": {"port": serve_cluster.http_port},
+    }
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "serve", str(path), "--address", address],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        lines = _lines(proc)
+        output = "".join(_wait_for(lines, "Press Ctrl-C to stop", timeout_s=240))
+        base = f"http://127.0.0.1:{serve_cluster.http_port}/cli"
+        assert f"raylm is serving smollm2-135m-instruct at {base}/v1" in output
+        assert f"curl {base}/v1/chat/completions" in output
+        reply = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+        })
+        assert reply.status_code == 200, reply.text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 404
+    # The other application on the same cluster is untouched.
+    assert httpx.get(f"{raylm_app.base_url}/v1/models", timeout=30).status_code == 200

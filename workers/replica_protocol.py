@@ -1,0 +1,86 @@
+"""What crosses the wire between the router and a worker replica.
+
+The worker streams deltas, never cumulative outputs: a cumulative ``RequestOutput`` per
+step would ship O(n^2) tokens through Ray for a long completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from workers.outputs import RequestOutput, TokenLogprobs
+from workers.sampling_params import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """The engine refused the request as given (prompt too long for the pool, bad token ids)."""
+
+
+class ReplicaDrainingError(RuntimeError):
+    """The replica is shutting down and takes no new requests; another replica may."""
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    """One tokenized request, as the router hands it to a replica."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower runs first (vLLM's convention)
+
+
+@dataclasses.dataclass
+class ChoiceDelta:
+    """New output of one of the ``n`` completions since the previous chunk."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None  # one entry per token in ``token_ids``
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class GenerateChunk:
+    """One engine step's progress for a request."""
+
+    request_id: str
+    choices: list[ChoiceDelta]
+    prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool
+
+
+def chunk_from_output(output: RequestOutput, reported_finished: set[int]) -> GenerateChunk:
+    """The deltas of ``output``; choices without progress are left out, and a finish is
+    reported once (``reported_finished`` holds the indices already reported, and is updated)."""
+    choices = []
+    for completion in output.outputs:
+        new_tokens = completion.token_ids_delta
+        newly_finished = completion.finished and completion.index not in reported_finished
+        if not (new_tokens or completion.text_delta or newly_finished):
+            continue
+        if newly_finished:
+            reported_finished.add(completion.index)
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = completion.logprobs[len(completion.logprobs) - len(new_tokens) :]
+        choices.append(
+            ChoiceDelta(
+                index=completion.index,
+                text=completion.text_delta,
+                token_ids=list(new_tokens),
+                logprobs=logprobs,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+        )
+    return GenerateChunk(
+        request_id=output.request_id,
+        choices=choices,
+        prompt_tokens=len(output.prompt_token_ids),
+        num_cached_tokens=output.num_cached_tokens,
+        finished=output.finished,
+    )
