@@ -58,3 +58,8 @@ def block_hashes(
         parent = _digest(parent, salt_bytes, packed[i * stride : (i + 1) * stride])
         hashes.append(parent)
     return hashes
+
+
+def model_salt(model: str, dtype: str) -> str:
+    """The salt of a served model's block hashes: the engine and the router must agree on it."""
+    return f"{model}:{dtype}"

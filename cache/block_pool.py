@@ -201,6 +201,22 @@ class BlockPool:
         """Fraction of usable blocks in use (cached-free blocks count as free)."""
         return self._num_used / self.num_usable_blocks
 
+    def cached_hashes(self, limit: int) -> list[int]:
+        """Up to ``limit`` hashes of cached blocks, those in use first, then free ones from the
+        most recently freed: what a router should know this pool holds (bounded, since it is
+        shipped with every routing-stats report)."""
+        in_use = [h for h, b in self._block_of_hash.items() if self._ref[b] > 0]
+        if len(in_use) >= limit:
+            return in_use[:limit]
+        free = []
+        for block_id in reversed(self._free):
+            if len(in_use) + len(free) >= limit:
+                break
+            block_hash = self._hash_of[block_id]
+            if block_hash is not None:
+                free.append(block_hash)
+        return in_use + free
+
     def stats(self) -> dict[str, int | float]:
         """Counts for metrics and routing: block usage and prefix-cache queries/hits."""
         return {

@@ -11,9 +11,13 @@ import dataclasses
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
+from cache import model_salt
 from deploy.config import DeployConfig, load_deploy_config, parse_deploy_config
 from router.app import OpenAIRouter
+from router.auth import parse_api_keys
+from router.prefix_router import PrefixAwareRequestRouter
 from router.settings import RouterSettings
 from workers.deployment import LLMWorker
 
@@ -39,8 +43,18 @@ def build_application(config: DeployConfig) -> Application:
     else:
         scaling = {"num_replicas": workers.num_replicas or 1}
     engine_args = config.engine_args()
+    routing = config.router.prefix_routing
+    router_config: dict[str, Any] = {"request_routing_stats_period_s": routing.stats_period_s,
+                                     "request_routing_stats_timeout_s": max(5.0, 5 * routing.stats_period_s)}
+    if routing.enabled:
+        router_config.update(
+            request_router_class=PrefixAwareRequestRouter,
+            request_router_kwargs={"imbalance_threshold_tokens": routing.imbalance_threshold_tokens,
+                                   "model": config.served_model_name},
+        )
     worker = LLMWorker.options(
         **scaling,
+        request_router_config=RequestRouterConfig(**router_config),
         ray_actor_options=worker_actor_options(config),
         max_ongoing_requests=workers.max_ongoing_requests,
         max_queued_requests=workers.max_queued_requests,
@@ -48,15 +62,31 @@ def build_application(config: DeployConfig) -> Application:
         health_check_period_s=workers.health_check_period_s,
         health_check_timeout_s=workers.health_check_timeout_s,
     ).bind(config.model.name, dataclasses.asdict(engine_args), workers.stuck_after_s)
+    router = config.router
     settings = RouterSettings(
         model=config.model.name,
         served_model_name=config.served_model_name,
         max_model_len=engine_args.resolve_max_model_len(_max_positions(config.model.name)),
-        max_request_bytes=config.router.max_request_bytes,
+        max_request_bytes=router.max_request_bytes,
+        app_name=config.name,
+        priority_classes=tuple(router.priority_classes),
+        default_priority=router.default_priority,
+        max_queue_size=router.max_queue_size,
+        queue_timeout_s=router.queue_timeout_s,
+        tenant_weights=dict(router.tenant_weights),
+        slots_per_replica=engine_args.max_num_seqs,
+        num_router_replicas=router.num_replicas,
+        stats_period_s=routing.stats_period_s,
+        api_keys=parse_api_keys(router.api_keys, None),
+        api_keys_env=router.api_keys_env,
+        requests_per_minute=router.rate_limits.requests_per_minute,
+        tokens_per_minute=router.rate_limits.tokens_per_minute,
+        block_size=engine_args.block_size,
+        cache_salt=model_salt(config.model.name, engine_args.dtype),
     )
     return OpenAIRouter.options(
-        num_replicas=config.router.num_replicas,
-        ray_actor_options={"num_cpus": config.router.num_cpus},
+        num_replicas=router.num_replicas,
+        ray_actor_options={"num_cpus": router.num_cpus},
     ).bind(worker, settings)
 
 

@@ -87,10 +87,42 @@ class WorkersSection(_Section):
         return self
 
 
+class PrefixRoutingSection(_Section):
+    enabled: bool = Field(True, description="prefix-aware replica choice; false: Serve's power of two choices")
+    imbalance_threshold_tokens: int = Field(2048, ge=0, description="load gap beyond which load wins over prefix")
+    stats_period_s: PositiveFloat = Field(1.0, description="how often replicas report load and cached blocks")
+
+
+class RateLimitSection(_Section):
+    requests_per_minute: PositiveInt | None = None
+    tokens_per_minute: PositiveInt | None = None
+
+
 class RouterSection(_Section):
     num_replicas: PositiveInt = 1
     num_cpus: NonNegativeFloat = 0.0
     max_request_bytes: PositiveInt = 1 << 20
+    priority_classes: list[str] = Field(["high", "normal", "low"], min_length=1, description="most urgent first")
+    default_priority: str = "normal"
+    max_queue_size: PositiveInt = Field(256, description="waiting requests per priority class; beyond: 429")
+    queue_timeout_s: PositiveFloat = Field(60.0, description="longest wait in the queue; beyond: 503")
+    tenant_weights: dict[str, PositiveFloat] = Field({}, description="fair-share weights (default 1)")
+    api_keys: list[str] | dict[str, str] = Field([], description="keys, or {key: tenant}; empty: no auth")
+    api_keys_env: str | None = Field("RAYLM_API_KEYS", description="env var with more keys (KEY or KEY=TENANT, comma-separated)")
+    rate_limits: RateLimitSection = RateLimitSection()
+    prefix_routing: PrefixRoutingSection = PrefixRoutingSection()
+
+    @pydantic.model_validator(mode="after")
+    def _classes(self) -> "RouterSection":
+        if len(set(self.priority_classes)) != len(self.priority_classes):
+            raise ValueError(f"priority_classes has duplicates: {self.priority_classes}")
+        if self.default_priority not in self.priority_classes:
+            raise ValueError(f"default_priority {self.default_priority!r} is not one of {self.priority_classes}")
+        return self
+
+    def __repr_args__(self):  # never print API keys
+        for name, value in super().__repr_args__():
+            yield name, ("<hidden>" if name == "api_keys" and value else value)
 
 
 class HTTPSection(_Section):

@@ -48,7 +48,7 @@ class ParsedRequest:
     logprobs: int | None  # top-N logprobs per token, None when not asked
     echo: bool
     user: str | None
-    priority: int
+    priority: str | int | None  # a priority class name or index; the router maps it
 
 
 class RequestParser:
@@ -175,10 +175,12 @@ class RequestParser:
         self._check_context(prompts, max_tokens, "messages" if kind == "chat" else "prompt")
         params = self._sampling_params(body, n or 1, max_tokens, logprobs)
         user = _optional(body, "user", str)
-        priority = _optional(body, "priority", int)
+        priority = body.get("priority")
+        if priority is not None and not (isinstance(priority, str) or _is_int(priority)):
+            raise invalid("priority must be a priority class name or index", "priority")
         return ParsedRequest(
             kind=kind, model=model, prompts=prompts, prompt_texts=texts, params=params, stream=stream,
-            include_usage=include_usage, logprobs=logprobs, echo=echo, user=user, priority=priority or 0,
+            include_usage=include_usage, logprobs=logprobs, echo=echo, user=user, priority=priority,
         )
 
     def _check_context(self, prompts: list[list[int]], max_tokens: int | None, where: str) -> None:

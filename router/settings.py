@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from router.auth import Secret
+
 
 @dataclasses.dataclass(frozen=True)
 class RouterSettings:
@@ -14,3 +16,22 @@ class RouterSettings:
     max_model_len: int  # must equal the workers' (both come from the same engine args)
     max_request_bytes: int = 1 << 20
     health_check_timeout_s: float = 10.0
+    app_name: str = "raylm"  # the Serve application (to find the worker replicas)
+    # Queueing and fairness
+    priority_classes: tuple[str, ...] = ("high", "normal", "low")  # most urgent first
+    default_priority: str = "normal"
+    max_queue_size: int = 256  # per priority class
+    queue_timeout_s: float = 60.0
+    tenant_weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Capacity: the router runs at most slots_per_replica x replicas / router replicas sequences
+    slots_per_replica: int = 64
+    num_router_replicas: int = 1
+    stats_period_s: float = 1.0
+    # Security
+    api_keys: Secret = dataclasses.field(default_factory=lambda: Secret({}))
+    api_keys_env: str | None = "RAYLM_API_KEYS"
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    # Prefix hashing (must match the workers' block pool)
+    block_size: int = 16
+    cache_salt: str = ""

@@ -35,8 +35,10 @@ TEST_DEPLOY: dict[str, Any] = {
         "max_num_batched_tokens": 256,
         "max_model_len": 1024,
         "num_scheduler_steps": 2,
+        "scheduling_policy": "priority",
         "compilation_cache_dir": "~/.cache/raylm/jax",
     },
+    "router": {"max_queue_size": 16, "prefix_routing": {"stats_period_s": 0.5, "imbalance_threshold_tokens": 1500}},
 }
 
 
@@ -63,6 +65,11 @@ class ServeCluster:
         _wait_healthy(base)
         return ServedApp(config, base)
 
+    def remove(self, app: "ServedApp") -> None:
+        from ray import serve
+
+        serve.delete(app.config.name)
+
     def stop(self) -> None:
         import ray
         from ray import serve
@@ -81,7 +88,7 @@ class ServedApp:
         return self.config.served_model_name
 
 
-def start_cluster(num_cpus: int = 6) -> ServeCluster:
+def start_cluster(num_cpus: int = 12) -> ServeCluster:
     """Ray's CPUs here are logical slots for replicas, not cores: replicas share the 2 cores."""
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)

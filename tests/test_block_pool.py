@@ -336,3 +336,17 @@ def test_block_hashes_are_identical_in_another_process():
         [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == str(block_hashes(tokens, 16, salt="smollm2"))
+
+
+def test_cached_hashes_report_in_use_first_then_most_recently_freed():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    a, b, c, d = pool.allocate(4)
+    for block, block_hash in zip((a, b, c, d), (11, 12, 13, 14)):
+        pool.cache_full_block(block, block_hash)
+    pool.free([b])
+    pool.free([c])
+    assert pool.cached_hashes(10) == [11, 14, 13, 12]  # in use, then c (freed last), then b
+    assert pool.cached_hashes(3) == [11, 14, 13]
+    assert pool.cached_hashes(1) == [11]
+    pool.allocate(4)  # reuses the free blocks from the head: b's cached content is evicted first
+    assert 12 not in pool.cached_hashes(10)

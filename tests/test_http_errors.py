@@ -141,10 +141,10 @@ def test_disconnect_while_waiting_for_a_non_streaming_reply_frees_blocks(raylm_a
     assert sum(s["generation_tokens"] for s in stats.values()) - before < 900
 
 
-def test_overload_answers_503_fast(raylm_app):
-    """Past every replica's max_ongoing_requests plus the handle queue: 503 with Retry-After."""
-    workers = raylm_app.config.workers
-    capacity = workers.num_replicas * workers.max_ongoing_requests + workers.max_queued_requests
+def test_overload_answers_429_fast(raylm_app):
+    """Past the workers' batch slots plus the router's queue: 429 with Retry-After, at once."""
+    engine, router = raylm_app.config.engine_args(), raylm_app.config.router
+    capacity = raylm_app.config.workers.num_replicas * engine.max_num_seqs + router.max_queue_size
     body = chat_body(raylm_app, max_tokens=800, ignore_eos=True, stream=True)
 
     async def one(client: httpx.AsyncClient) -> tuple[int, float, dict]:
@@ -161,7 +161,7 @@ def test_overload_answers_503_fast(raylm_app):
             done = []
             for next_done in asyncio.as_completed(tasks):
                 done.append(await next_done)
-                if sum(status == 503 for status, _, _ in done) >= 10:
+                if sum(status == 429 for status, _, _ in done) >= 10:
                     break
             for task in tasks:
                 task.cancel()
@@ -169,7 +169,7 @@ def test_overload_answers_503_fast(raylm_app):
             return done
 
     results = asyncio.run(main())
-    rejected = [(t, h) for status, t, h in results if status == 503]
+    rejected = [(t, h) for status, t, h in results if status == 429]
     assert len(rejected) >= 10
     assert all(h.get("retry-after") for _, h in rejected)
     assert max(t for t, _ in rejected) < 30
@@ -178,15 +178,17 @@ def test_overload_answers_503_fast(raylm_app):
 
 
 def test_two_replicas_both_serve(raylm_app):
-    before = {rid: s["generation_tokens"] for rid, s in replica_stats().items()}
+    """Prompts that share no prefix are spread by load over both replicas."""
+    before = {rid: s["requests"] for rid, s in replica_stats().items()}
     assert len(before) == 2
 
     async def main() -> None:
         async with httpx.AsyncClient(timeout=120) as client:
-            body = chat_body(raylm_app, max_tokens=8, temperature=0)
-            responses = await asyncio.gather(*[client.post(f"{raylm_app.base_url}{CHAT}", json=body) for _ in range(16)])
+            bodies = [{"model": raylm_app.model, "prompt": [1000 + 37 * i + j for j in range(40)], "max_tokens": 32,
+                       "ignore_eos": True} for i in range(16)]
+            responses = await asyncio.gather(*[client.post(f"{raylm_app.base_url}{COMPLETIONS}", json=b) for b in bodies])
             assert all(r.status_code == 200 for r in responses)
 
     asyncio.run(main())
     after = replica_stats()
-    assert all(after[rid]["generation_tokens"] > before[rid] for rid in before), (before, after)
+    assert all(after[rid]["requests"] > before[rid] for rid in before), (before, after)

@@ -10,12 +10,14 @@ import asyncio
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from model import LoadedModel
 from workers.engine import LLMEngine, make_engine
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -142,9 +144,22 @@ class AsyncEngine:
         return await done
 
     async def stats(self) -> dict:
+        return await self.run_in_engine(lambda engine: engine.stats())
+
+    async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps (reads see a consistent state)."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._submit(lambda: loop.call_soon_threadsafe(done.set_result, self.engine.stats()))
+
+        def command() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as err:
+                loop.call_soon_threadsafe(done.set_exception, err)
+            else:
+                loop.call_soon_threadsafe(done.set_result, result)
+
+        self._submit(command)
         return await done
 
     def check_health(self, stuck_after_s: float) -> None:

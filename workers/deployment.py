@@ -25,6 +25,7 @@ from workers.replica_protocol import (
 logger = logging.getLogger("ray.serve")
 
 DEFAULT_STUCK_AFTER_S = 300.0  # a first compile of a large bucket can take a minute on CPU
+DEFAULT_MAX_REPORTED_HASHES = 4096  # 64k tokens of prefix at block size 16; ~40 KB per report
 
 
 @serve.deployment(
@@ -37,8 +38,15 @@ DEFAULT_STUCK_AFTER_S = 300.0  # a first compile of a large bucket can take a mi
 class LLMWorker:
     """One model replica serving ``generate`` streams."""
 
-    def __init__(self, model: str, engine_args: dict[str, Any], stuck_after_s: float = DEFAULT_STUCK_AFTER_S):
+    def __init__(
+        self,
+        model: str,
+        engine_args: dict[str, Any],
+        stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+        max_reported_hashes: int = DEFAULT_MAX_REPORTED_HASHES,
+    ):
         self.model = model
+        self.max_reported_hashes = max_reported_hashes
         self.engine = AsyncEngine.from_model(model, **engine_args)
         self.stuck_after_s = stuck_after_s
         self.draining = False
@@ -72,16 +80,28 @@ class LLMWorker:
         return await self.engine.stats()
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """What request routers (and ``raylm status``) read: load, KV use, lifetime token counts."""
-        stats = await self.engine.stats()
+        """What request routers (and ``raylm status``) read: load, KV use, lifetime token counts,
+        and the hashes of cached KV blocks (bounded) for prefix-aware routing."""
+
+        def snapshot(engine) -> dict[str, Any]:
+            return {"stats": engine.stats(), "hashes": engine.pool.cached_hashes(self.max_reported_hashes)}
+
+        taken = await self.engine.run_in_engine(snapshot)
+        stats = taken["stats"]
         return {
             "running": stats["running"],
             "waiting": stats["waiting"],
+            "running_tokens": stats["tokens_stored"],
             "waiting_tokens": stats["waiting_tokens"],
             "kv_usage": stats["usage"],
             "num_used_blocks": stats["num_used_blocks"],
+            "num_usable_blocks": stats["num_usable_blocks"],
+            "requests": stats["requests"],
             "prompt_tokens": stats["prompt_tokens"],
             "generation_tokens": stats["generation_tokens"],
+            "prefix_queries": stats["prefix_queries"],
+            "prefix_hits": stats["prefix_hits"],
+            "block_hashes": taken["hashes"],
         }
 
     async def __del__(self) -> None:

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Iterable, Sequence as Seq
 
-from cache import BlockPool
+from cache import BlockPool, model_salt
 from cache.kv_arrays import allocate_kv_cache, blocks_for_budget
 from model import LoadedModel, PromptTooLongError, make_mesh, parse_dtype
 from model.compilation_cache import enable_compilation_cache
@@ -72,7 +72,7 @@ class LLMEngine:
             self.config, args.block_size, kv_dtype, args.kv_cache_memory_bytes, args.kv_cache_memory_fraction
         )
         self.pool = BlockPool(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
-        self.blocks = BlockManager(self.pool, cache_salt=f"{model.name}:{args.dtype}")
+        self.blocks = BlockManager(self.pool, cache_salt=model_salt(model.name, args.dtype))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -94,6 +94,7 @@ class LLMEngine:
         self._seeds = random.Random(args.seed)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.num_requests = 0
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -123,6 +124,7 @@ class LLMEngine:
         seqs[0].forks = seqs[1:]
         self.requests[request_id] = RequestState(request_id, text, prompt_ids, seqs, time.monotonic())
         self.scheduler.add(seqs[0])
+        self.num_requests += 1
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_ids)
@@ -231,6 +233,7 @@ class LLMEngine:
             # Prompt work queued here (preempted sequences recompute their outputs too).
             "waiting_tokens": sum(len(s.prompt_ids) + len(s.output_ids) for s in self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "requests": self.num_requests,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generated_tokens,
         }

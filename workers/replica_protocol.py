@@ -28,6 +28,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0  # lower runs first (vLLM's convention)
+    block_hashes: list[int] = dataclasses.field(default_factory=list)  # of the prompt's full blocks, for routing
 
 
 @dataclasses.dataclass

@@ -1,0 +1,50 @@
+"""Replica choice: the longest cached prefix wins unless that replica is too far behind on load.
+
+Pure and deterministic given ``rng``, so it is tested without Ray; ``PrefixAwareRequestRouter``
+feeds it what the replicas report and what this router sent where.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Hashable, Sequence
+
+PREFIX_HIT = "prefix_hit"  # went to the replica holding the longest prefix
+LOAD_IMBALANCE = "load_imbalance"  # a replica held the prefix but was too busy: chosen by load
+NO_PREFIX = "no_prefix"  # no replica held any of it: chosen by load
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaView:
+    replica_id: Hashable
+    load: int  # tokens waiting + running
+    matched_blocks: int  # leading prompt blocks this replica is believed to hold
+
+
+def matched_prefix(hashes: Sequence[int], held: set[int] | frozenset[int]) -> int:
+    """How many leading hashes of the chain ``held`` contains (a chain breaks at the first miss)."""
+    count = 0
+    for block_hash in hashes:
+        if block_hash not in held:
+            break
+        count += 1
+    return count
+
+
+def choose_replica(views: Sequence[ReplicaView], imbalance_threshold_tokens: int,
+                   rng: random.Random) -> tuple[list[Hashable], str]:
+    """Replica ids best first, and the reason for the first."""
+    if not views:
+        return [], NO_PREFIX
+    by_load = sorted(views, key=lambda v: v.load)
+    best = max(views, key=lambda v: (v.matched_blocks, -v.load))
+    if best.matched_blocks > 0 and best.load - by_load[0].load <= imbalance_threshold_tokens:
+        rest = [v.replica_id for v in by_load if v.replica_id != best.replica_id]
+        return [best.replica_id, *rest], PREFIX_HIT
+    reason = LOAD_IMBALANCE if best.matched_blocks > 0 else NO_PREFIX
+    if len(views) <= 2:
+        return [v.replica_id for v in by_load], reason
+    first, second = rng.sample(list(views), 2)  # power of two choices
+    pick = first if first.load <= second.load else second
+    return [pick.replica_id, *(v.replica_id for v in by_load if v.replica_id != pick.replica_id)], reason

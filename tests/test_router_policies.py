@@ -1,0 +1,234 @@
+"""Router policies on a real Ray cluster: priority, tenant fairness, prefix-aware routing,
+admission control, API keys and rate limits."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import httpx
+import pytest
+
+from cluster.replicas import replica_stats
+from tests.serving import TEST_DEPLOY
+
+ENGINE = {**TEST_DEPLOY["engine"], "num_kv_blocks": 256, "max_num_seqs": 2, "max_num_batched_tokens": 128,
+          "max_model_len": 512}
+
+
+@pytest.fixture(scope="module")
+def prio_app(serve_cluster):
+    """One replica with two batch slots: easy to saturate."""
+    app = serve_cluster.deploy({
+        "name": "prio", "workers": {"num_replicas": 1, "max_ongoing_requests": 64}, "engine": ENGINE,
+        "router": {"tenant_weights": {"gold": 3}, "queue_timeout_s": 300, "max_queue_size": 128},
+    }, route_prefix="/prio")
+    _warm_up(app)
+    yield app
+    serve_cluster.remove(app)
+
+
+@pytest.fixture(scope="module")
+def guarded_app(serve_cluster):
+    app = serve_cluster.deploy({
+        "name": "guarded", "workers": {"num_replicas": 1},
+        "engine": {**ENGINE, "num_kv_blocks": 33, "max_num_seqs": 1, "max_model_len": 2048},
+        "router": {"api_keys": {"sk-alice": "alice", "sk-bob": "bob"}, "queue_timeout_s": 1.5,
+                   "rate_limits": {"requests_per_minute": 5}},
+    }, route_prefix="/guarded")
+    yield app
+    serve_cluster.remove(app)
+
+
+def _warm_up(app) -> None:
+    """Compile the shapes the tests use (batch of 1 and 2) before anything is timed."""
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+            body = {"model": app.model, "prompt": _prompt(999), "max_tokens": 16, "ignore_eos": True}
+            for burst in (1, 3):
+                responses = await asyncio.gather(*(client.post(f"{app.base_url}/v1/completions", json=body)
+                                                   for _ in range(burst)))
+                assert all(r.status_code == 200 for r in responses)
+
+    asyncio.run(main())
+
+
+def _prompt(i: int, length: int = 24) -> list[int]:
+    return [2000 + (97 * i + j) % 20000 for j in range(length)]
+
+
+async def _timed_stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None) -> dict:
+    """Time to first token and to completion of one streamed completion."""
+    start = time.monotonic()
+    first = None
+    async with client.stream("POST", url, json={**body, "stream": True}, headers=headers or {}) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.monotonic() - start
+    return {"ttft": first, "done": time.monotonic(), "user": body.get("user"), "priority": body.get("priority")}
+
+
+def _completion(app, i: int, max_tokens: int, **extra) -> dict:
+    return {"model": app.model, "prompt": _prompt(i), "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, **extra}
+
+
+def test_high_priority_overtakes_a_low_priority_backlog(prio_app):
+    url = f"{prio_app.base_url}/v1/completions"
+
+    async def main() -> list[dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            low = [asyncio.create_task(_timed_stream(client, url, _completion(prio_app, i, 16, priority="low")))
+                   for i in range(16)]
+            await asyncio.sleep(0.5)
+            high = [asyncio.create_task(_timed_stream(client, url, _completion(prio_app, 100 + i, 16),
+                                                      headers={"x-priority": "high"})) for i in range(4)]
+            return await asyncio.gather(*low, *high)
+
+    results = asyncio.run(main())
+    low = statistics.median(r["ttft"] for r in results[:16])
+    high = statistics.median(r["ttft"] for r in results[16:])
+    assert high * 3 < low, (high, low)
+
+
+def test_a_flooding_tenant_does_not_starve_a_light_one(prio_app):
+    url = f"{prio_app.base_url}/v1/completions"
+
+    async def main() -> list[dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            heavy = [asyncio.create_task(_timed_stream(client, url, _completion(prio_app, i, 12, user="heavy")))
+                     for i in range(30)]
+            await asyncio.sleep(0.3)
+            light = [asyncio.create_task(_timed_stream(client, url, _completion(prio_app, 50 + i, 12, user="light")))
+                     for i in range(3)]
+            return await asyncio.gather(*heavy, *light)
+
+    results = asyncio.run(main())
+    heavy = statistics.median(r["ttft"] for r in results[:30])
+    light = statistics.median(r["ttft"] for r in results[30:])
+    assert light < 0.4 * heavy, (light, heavy)
+
+
+def test_weighted_tenants_are_served_in_proportion(prio_app):
+    url = f"{prio_app.base_url}/v1/completions"
+
+    async def main() -> list[dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            tasks = []
+            for i in range(20):
+                tasks.append(asyncio.create_task(_timed_stream(client, url, _completion(prio_app, i, 8, user="gold"))))
+                tasks.append(asyncio.create_task(_timed_stream(client, url, _completion(prio_app, 40 + i, 8,
+                                                                                        user="basic"))))
+            return await asyncio.gather(*tasks)
+
+    results = sorted(asyncio.run(main()), key=lambda r: r["done"])
+    while_both_waiting = [r["user"] for r in results[2:18]]  # skip the two admitted before queueing began
+    ratio = while_both_waiting.count("gold") / max(1, while_both_waiting.count("basic"))
+    assert 2.0 <= ratio <= 5.0, while_both_waiting
+
+
+SYSTEM = "You are a meticulous assistant for a travel agency. " * 24  # ~300 tokens shared by every request
+
+
+def _chat(app, question: str, max_tokens: int, **extra) -> dict:
+    return {"model": app.model, "max_tokens": max_tokens, "temperature": 0, **extra,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+
+
+def _requests_per_replica() -> dict[str, int]:
+    return {rid: s["requests"] for rid, s in replica_stats("raylm").items()}
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {rid: after[rid] - before.get(rid, 0) for rid in after}
+
+
+def test_prefix_aware_routing_sticks_to_the_cache_then_spreads_under_load(raylm_app):
+    url = f"{raylm_app.base_url}/v1/chat/completions"
+    before = _requests_per_replica()
+    assert httpx.post(url, json=_chat(raylm_app, "Warm up.", 2), timeout=120).status_code == 200
+    warmed = _delta(before, _requests_per_replica())
+    home = max(warmed, key=warmed.get)
+
+    async def send(questions: list[str], max_tokens: int, concurrency: int, **extra) -> None:
+        limit = asyncio.Semaphore(concurrency)
+
+        async def one(client: httpx.AsyncClient, question: str) -> None:
+            async with limit:
+                response = await client.post(url, json=_chat(raylm_app, question, max_tokens, **extra))
+                assert response.status_code == 200, response.text
+
+        async with httpx.AsyncClient(timeout=300) as client:
+            await asyncio.gather(*(one(client, q) for q in questions))
+
+    # Balanced load: nearly everything goes where the prefix is cached.
+    before = _requests_per_replica()
+    asyncio.run(send([f"Plan day {i} of a trip to Lisbon." for i in range(40)], 4, concurrency=2))
+    balanced = _delta(before, _requests_per_replica())
+    assert balanced[home] >= 0.9 * sum(balanced.values()), balanced
+
+    # Make the home replica busy past the imbalance threshold: traffic spreads.
+    async def busy_then_more() -> None:
+        long_ones = asyncio.create_task(send([f"Write a long essay number {i}." for i in range(8)], 200,
+                                             concurrency=8, ignore_eos=True))
+        await asyncio.sleep(1.0)
+        await send([f"Quick question {i}?" for i in range(16)], 4, concurrency=8)
+        await long_ones
+
+    before = _requests_per_replica()
+    asyncio.run(busy_then_more())
+    busy = _delta(before, _requests_per_replica())
+    others = sum(v for rid, v in busy.items() if rid != home)
+    assert others >= 0.25 * sum(busy.values()), busy
+
+
+def test_api_keys_are_required_and_map_to_tenants(guarded_app):
+    url = f"{guarded_app.base_url}/v1/chat/completions"
+    body = {"model": guarded_app.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer sk-nope"}, {"Authorization": "sk-alice"}):
+        response = httpx.post(url, json=body, headers=headers, timeout=60)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+        assert "sk-alice" not in response.text
+    assert httpx.get(f"{guarded_app.base_url}/v1/models", timeout=30).status_code == 401
+    ok = httpx.post(url, json=body, headers={"Authorization": "Bearer sk-alice"}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_rate_limit_per_tenant(guarded_app):
+    url = f"{guarded_app.base_url}/v1/completions"
+    bob = {"Authorization": "Bearer sk-bob"}
+    body = {"model": guarded_app.model, "prompt": "Hi", "max_tokens": 1}
+    statuses = [httpx.post(url, json=body, headers=bob, timeout=60).status_code for _ in range(6)]
+    assert statuses == [200] * 5 + [429]
+    limited = httpx.post(url, json=body, headers=bob, timeout=60)
+    assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+    assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_queue_deadline_gives_503_and_the_server_recovers(guarded_app):
+    url = f"{guarded_app.base_url}/v1/completions"
+    alice = {"Authorization": "Bearer sk-alice"}
+    long_body = {"model": guarded_app.model, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url, json=long_body, headers=alice, timeout=60) as busy:
+        assert busy.status_code == 200
+        lines = busy.iter_lines()  # keep a reference: a dropped iterator closes the response
+        next(lines)
+        start = time.monotonic()
+        late = httpx.post(url, json={"model": guarded_app.model, "prompt": "Hi", "max_tokens": 1}, headers=alice,
+                          timeout=60)
+        waited = time.monotonic() - start
+    assert late.status_code == 503 and late.json()["error"]["code"] == "queue_timeout"
+    assert late.headers["retry-after"]
+    assert 1.4 <= waited < 10
+    assert httpx.get(f"{guarded_app.base_url}/health", timeout=30).status_code == 200
+
+
+def test_prompt_larger_than_the_kv_pool_is_refused_at_once(guarded_app):
+    response = httpx.post(f"{guarded_app.base_url}/v1/completions", headers={"Authorization": "Bearer sk-alice"},
+                          json={"model": guarded_app.model, "prompt": _prompt(0, 600), "max_tokens": 1}, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "prompt_too_long_for_kv_cache"

@@ -1,0 +1,196 @@
+"""The router's decision pieces without Ray: fair queue, admission, rate limits, API keys, replica choice."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from router.admission import AdmissionController
+from router.auth import Authenticator, parse_api_keys
+from router.errors import OpenAIError
+from router.fair_queue import FairQueue, QueuedRequest, QueueFullError
+from router.prefix_policy import LOAD_IMBALANCE, NO_PREFIX, PREFIX_HIT, ReplicaView, choose_replica, matched_prefix
+from router.rate_limit import RateLimiter
+
+
+def _req(tenant: str, priority: int = 1, cost: int = 1, t: float = 0.0) -> QueuedRequest:
+    return QueuedRequest(tenant, priority, cost, t, t + 60)
+
+
+def _drain(queue: FairQueue, tokens_each: int = 0) -> list[str]:
+    order = []
+    while (item := queue.pop()) is not None:
+        order.append(item.tenant)
+        queue.charge(item.tenant, tokens_each)
+    return order
+
+
+def test_strict_priority_between_classes_and_fifo_within_a_tenant():
+    queue = FairQueue(num_classes=3, max_per_class=10)
+    low = [_req("a", 2) for _ in range(3)]
+    high = [_req("a", 0) for _ in range(2)]
+    for item in low + high:
+        queue.push(item)
+    assert [queue.pop() for _ in range(5)] == high + low
+
+
+def test_least_served_tenant_goes_next():
+    queue = FairQueue(num_classes=1, max_per_class=100)
+    for _ in range(10):
+        queue.push(_req("heavy", 0))
+    for _ in range(2):
+        queue.push(_req("light", 0))
+    order = _drain(queue, tokens_each=100)
+    # light is interleaved right away, not served after heavy's backlog
+    assert order[:4].count("light") == 2
+
+
+def test_weights_split_service_in_proportion():
+    queue = FairQueue(num_classes=1, max_per_class=1000, weights={"gold": 3.0})
+    for _ in range(400):
+        queue.push(_req("gold", 0))
+        queue.push(_req("basic", 0))
+    served = _drain(queue, tokens_each=10)[:400]
+    assert served.count("gold") / served.count("basic") == pytest.approx(3.0, rel=0.05)
+
+
+def test_idle_tenant_banks_no_credit():
+    """A tenant arriving after others were served starts at the backlog's minimum, not at 0."""
+    queue = FairQueue(num_classes=1, max_per_class=100)
+    for _ in range(20):
+        queue.push(_req("a", 0))
+        queue.push(_req("b", 0))
+    for _ in range(20):
+        item = queue.pop()
+        queue.charge(item.tenant, 100)
+    for _ in range(10):
+        queue.push(_req("late", 0))
+    order = _drain(queue, tokens_each=100)
+    assert order[:9].count("late") <= 4  # shares with a and b instead of monopolising
+
+
+def test_class_limit_and_removal():
+    queue = FairQueue(num_classes=2, max_per_class=2)
+    a, b = _req("x", 0), _req("y", 0)
+    queue.push(a)
+    queue.push(b)
+    with pytest.raises(QueueFullError):
+        queue.push(_req("z", 0))
+    queue.push(_req("z", 1))  # the other class still has room
+    assert queue.remove(a) and not queue.remove(a)
+    assert queue.depth(0) == 1 and len(queue) == 2
+
+
+def test_admission_grants_in_queue_order_as_capacity_frees():
+    async def main() -> list[str]:
+        queue = FairQueue(num_classes=3, max_per_class=10)
+        admission = AdmissionController(queue, queue_timeout_s=5)
+        admission.set_capacity(1)
+        granted: list[str] = []
+
+        async def client(name: str, priority: int) -> None:
+            await admission.acquire(name, priority, 1)
+            granted.append(name)
+
+        first = asyncio.create_task(client("first", 1))
+        await asyncio.sleep(0)
+        tasks = [asyncio.create_task(client(f"low{i}", 2)) for i in range(2)]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(client("high", 0)))
+        await first
+        for _ in range(3):
+            await asyncio.sleep(0.01)
+            admission.release(1)
+        await asyncio.gather(*tasks)
+        return granted
+
+    assert asyncio.run(main()) == ["first", "high", "low0", "low1"]
+
+
+def test_admission_deadline_and_full_queue():
+    async def main() -> None:
+        queue = FairQueue(num_classes=1, max_per_class=1)
+        admission = AdmissionController(queue, queue_timeout_s=0.2)
+        admission.set_capacity(0)
+        waiting = asyncio.create_task(admission.acquire("a", 0, 1))
+        await asyncio.sleep(0.01)
+        with pytest.raises(OpenAIError) as full:
+            await admission.acquire("b", 0, 1)
+        assert full.value.status == 429 and full.value.headers["Retry-After"]
+        with pytest.raises(OpenAIError) as late:
+            await waiting
+        assert late.value.status == 503 and len(queue) == 0
+
+    asyncio.run(main())
+
+
+def test_cancelled_waiter_leaves_no_slot_behind():
+    async def main() -> None:
+        admission = AdmissionController(FairQueue(1, 10), queue_timeout_s=5)
+        admission.set_capacity(1)
+        await admission.acquire("a", 0, 1)
+        waiter = asyncio.create_task(admission.acquire("b", 0, 1))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        admission.release(1)
+        assert admission.in_flight == 0 and len(admission.queue) == 0
+
+    asyncio.run(main())
+
+
+def test_rate_limits_per_tenant_with_retry_after():
+    now = [0.0]
+    limiter = RateLimiter(requests_per_minute=2, tokens_per_minute=100, clock=lambda: now[0])
+    limiter.check("a")
+    limiter.check("a")
+    with pytest.raises(OpenAIError) as err:
+        limiter.check("a")
+    assert err.value.status == 429 and int(err.value.headers["Retry-After"]) == 60
+    limiter.check("b")  # another tenant is unaffected
+    limiter.add_tokens("b", 150)
+    with pytest.raises(OpenAIError):
+        limiter.check("b")
+    now[0] = 61.0
+    limiter.check("a")
+    limiter.check("b")
+
+
+def test_api_keys_map_to_tenants_and_refuse_others(monkeypatch):
+    monkeypatch.setenv("TEST_KEYS", "sk-env=envtenant, sk-anon")
+    keys = parse_api_keys({"sk-alice": "alice"}, "TEST_KEYS")
+    assert "sk-alice" not in repr(keys)
+    auth = Authenticator(keys)
+    assert auth.tenant("Bearer sk-alice") == "alice"
+    assert auth.tenant("Bearer sk-env") == "envtenant"
+    assert auth.tenant("bearer sk-anon").startswith("key-")
+    for header in (None, "Bearer ", "Basic sk-alice", "Bearer sk-wrong"):
+        with pytest.raises(OpenAIError) as err:
+            auth.tenant(header)
+        assert err.value.status == 401 and "sk-" not in err.value.message
+    assert Authenticator(parse_api_keys([], None)).tenant(None) is None
+
+
+def test_prefix_match_is_a_chain():
+    assert matched_prefix([1, 2, 3, 4], {1, 2, 4}) == 2
+    assert matched_prefix([9, 2], {2}) == 0
+    assert matched_prefix([], {1}) == 0
+
+
+def test_replica_choice_prefers_prefix_until_the_load_gap_is_too_big():
+    rng = random.Random(0)
+    views = [ReplicaView("a", 100, 0), ReplicaView("b", 900, 8)]
+    assert choose_replica(views, 1000, rng) == (["b", "a"], PREFIX_HIT)
+    assert choose_replica(views, 500, rng) == (["a", "b"], LOAD_IMBALANCE)
+    assert choose_replica([ReplicaView("a", 5, 0), ReplicaView("b", 1, 0)], 500, rng) == (["b", "a"], NO_PREFIX)
+    longest = [ReplicaView("a", 0, 2), ReplicaView("b", 10, 5), ReplicaView("c", 20, 5)]
+    assert choose_replica(longest, 100, rng)[0][0] == "b"  # longest match, then least load
+
+
+def test_power_of_two_choices_never_picks_the_busiest_of_three():
+    rng = random.Random(1)
+    views = [ReplicaView("a", 0, 0), ReplicaView("b", 50, 0), ReplicaView("c", 999, 0)]
+    picks = {choose_replica(views, 100, rng)[0][0] for _ in range(200)}
+    assert picks == {"a", "b"}
