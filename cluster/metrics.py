@@ -2,13 +2,90 @@
 
 Emitted with ``ray.util.metrics``, so they reach Ray's metrics endpoint (``ray start
 --metrics-export-port``), the Ray dashboard and Prometheus. Ray prefixes every name with
-``ray_``: ``raylm_router_requests_rejected_total`` is scraped as
-``ray_raylm_router_requests_rejected_total``. Names mirror vLLM's where one exists.
+``ray_`` (``raylm_num_requests_running`` is scraped as ``ray_raylm_num_requests_running``).
+Names, units and meaning mirror vLLM's (``vllm:num_requests_running`` ->
+``raylm_num_requests_running``) so existing dashboards map one to one. Every metric carries
+the served ``model_name``; worker metrics also carry the ``replica``.
 """
 
 from __future__ import annotations
 
-from ray.util.metrics import Counter, Gauge
+from ray.util.metrics import Counter, Gauge, Histogram
+
+# Seconds: from 1 ms to 10 min, dense where interactive latencies live (vLLM's buckets).
+LATENCY_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0]
+ITL_BUCKETS_S = [0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                 0.75, 1.0, 2.5, 5.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+
+# name -> (kind, description); the dashboard test checks its queries against these names.
+WORKER_METRICS = {
+    "raylm_num_requests_running": ("gauge", "Requests in the engine's running batch."),
+    "raylm_num_requests_waiting": ("gauge", "Requests waiting in the engine's queue."),
+    "raylm_kv_cache_usage_perc": ("gauge", "Fraction of KV cache blocks in use (0..1)."),
+    "raylm_device_memory_used_bytes": ("gauge", "Accelerator memory in use (absent on CPU)."),
+    "raylm_prompt_tokens_total": ("counter", "Prompt tokens of finished requests."),
+    "raylm_generation_tokens_total": ("counter", "Generated tokens."),
+    "raylm_prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix cache."),
+    "raylm_prefix_cache_hits_total": ("counter", "Prompt tokens found in the prefix cache."),
+    "raylm_num_preemptions_total": ("counter", "Sequences preempted (recomputed later)."),
+    "raylm_request_success_total": ("counter", "Finished requests, by finished_reason (stop, length, abort)."),
+    "raylm_time_to_first_token_seconds": ("histogram", "Arrival at the engine to first generated token."),
+    "raylm_inter_token_latency_seconds": ("histogram", "Time between successive generated tokens."),
+    "raylm_e2e_request_latency_seconds": ("histogram", "Arrival at the engine to the last token."),
+    "raylm_request_queue_time_seconds": ("histogram", "Time a request waited in the engine before running."),
+    "raylm_request_prefill_time_seconds": ("histogram", "First scheduled to first token."),
+    "raylm_request_decode_time_seconds": ("histogram", "First token to the last token."),
+    "raylm_request_prompt_tokens": ("histogram", "Prompt length per request."),
+    "raylm_request_generation_tokens": ("histogram", "Generated tokens per request."),
+    "raylm_iteration_tokens_total": ("histogram", "Tokens processed per engine step."),
+}
+ROUTER_METRICS = {
+    "raylm_router_queue_depth": ("gauge", "Requests waiting in the router queue, per priority class."),
+    "raylm_router_queue_time_seconds": ("histogram", "Time a request waited in the router queue."),
+    "raylm_router_requests_rejected_total": ("counter", "Requests refused by the router, by status and reason."),
+    "raylm_router_routing_decisions_total": ("counter", "Worker replica choices, by reason."),
+    "raylm_router_tenant_tokens_total": ("counter", "Tokens served per tenant (prompt + generated)."),
+}
+
+
+def _make(name: str, table: dict[str, tuple[str, str]], tags: tuple[str, ...], buckets=None):
+    kind, description = table[name]
+    if kind == "gauge":
+        return Gauge(name, description=description, tag_keys=tags)
+    if kind == "counter":
+        return Counter(name, description=description, tag_keys=tags)
+    return Histogram(name, description=description, boundaries=buckets, tag_keys=tags)
+
+
+class WorkerMetrics:
+    """One worker replica's engine metrics."""
+
+    def __init__(self, model: str, replica: str):
+        self.tags = {"model_name": model, "replica": replica}
+        keys = ("model_name", "replica")
+        latency = {"raylm_time_to_first_token_seconds", "raylm_e2e_request_latency_seconds",
+                   "raylm_request_queue_time_seconds", "raylm_request_prefill_time_seconds",
+                   "raylm_request_decode_time_seconds"}
+        self.m = {}
+        for name in WORKER_METRICS:
+            if name == "raylm_request_success_total":
+                self.m[name] = _make(name, WORKER_METRICS, keys + ("finished_reason",))
+                continue
+            buckets = (LATENCY_BUCKETS_S if name in latency else ITL_BUCKETS_S
+                       if name == "raylm_inter_token_latency_seconds" else TOKEN_BUCKETS)
+            self.m[name] = _make(name, WORKER_METRICS, keys, buckets)
+
+    def set(self, name: str, value: float) -> None:
+        self.m[name].set(value, tags=self.tags)
+
+    def inc(self, name: str, value: float, **tags: str) -> None:
+        if value > 0:
+            self.m[name].inc(value, tags={**self.tags, **tags})
+
+    def observe(self, name: str, value: float) -> None:
+        self.m[name].observe(value, tags=self.tags)
 
 
 class RouterMetrics:
@@ -16,34 +93,26 @@ class RouterMetrics:
 
     def __init__(self, model: str):
         self.model = model
-        self._queue_depth = Gauge(
-            "raylm_router_queue_depth", description="Requests waiting in the router queue, per priority class.",
-            tag_keys=("model", "priority"),
-        )
-        self._rejected = Counter(
-            "raylm_router_requests_rejected_total",
-            description="Requests refused by the router, by HTTP status and reason.",
-            tag_keys=("model", "status", "reason"),
-        )
-        self._routing = Counter(
-            "raylm_router_routing_decisions_total",
-            description="Worker replica choices, by reason (prefix_hit, load_imbalance, no_prefix, fallback).",
-            tag_keys=("model", "reason"),
-        )
-        self._tenant_tokens = Counter(
-            "raylm_router_tenant_tokens_total", description="Tokens served per tenant (prompt + generated).",
-            tag_keys=("model", "tenant"),
-        )
+        keys = ("model_name",)
+        self._queue_depth = _make("raylm_router_queue_depth", ROUTER_METRICS, keys + ("priority",))
+        self._queue_time = _make("raylm_router_queue_time_seconds", ROUTER_METRICS, keys + ("priority",),
+                                 LATENCY_BUCKETS_S)
+        self._rejected = _make("raylm_router_requests_rejected_total", ROUTER_METRICS, keys + ("status", "reason"))
+        self._routing = _make("raylm_router_routing_decisions_total", ROUTER_METRICS, keys + ("reason",))
+        self._tenant_tokens = _make("raylm_router_tenant_tokens_total", ROUTER_METRICS, keys + ("tenant",))
 
     def queue_depth(self, priority: str, depth: int) -> None:
-        self._queue_depth.set(depth, tags={"model": self.model, "priority": priority})
+        self._queue_depth.set(depth, tags={"model_name": self.model, "priority": priority})
+
+    def queue_time(self, priority: str, seconds: float) -> None:
+        self._queue_time.observe(seconds, tags={"model_name": self.model, "priority": priority})
 
     def rejected(self, status: int, reason: str) -> None:
-        self._rejected.inc(1, tags={"model": self.model, "status": str(status), "reason": reason})
+        self._rejected.inc(1, tags={"model_name": self.model, "status": str(status), "reason": reason})
 
     def routing_decision(self, reason: str) -> None:
-        self._routing.inc(1, tags={"model": self.model, "reason": reason})
+        self._routing.inc(1, tags={"model_name": self.model, "reason": reason})
 
     def tenant_tokens(self, tenant: str, tokens: int) -> None:
         if tokens:
-            self._tenant_tokens.inc(tokens, tags={"model": self.model, "tenant": tenant})
+            self._tenant_tokens.inc(tokens, tags={"model_name": self.model, "tenant": tenant})

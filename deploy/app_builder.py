@@ -39,7 +39,7 @@ def build_application(config: DeployConfig) -> Application:
     workers = config.workers
     scaling: dict[str, Any]
     if workers.autoscaling_config is not None:
-        scaling = {"autoscaling_config": workers.autoscaling_config.model_dump(exclude_none=True)}
+        scaling = {"autoscaling_config": workers.autoscaling_config.serve_config()}
     else:
         scaling = {"num_replicas": workers.num_replicas or 1}
     engine_args = config.engine_args()
@@ -61,7 +61,10 @@ def build_application(config: DeployConfig) -> Application:
         graceful_shutdown_timeout_s=workers.graceful_shutdown_timeout_s,
         health_check_period_s=workers.health_check_period_s,
         health_check_timeout_s=workers.health_check_timeout_s,
-    ).bind(config.model.name, dataclasses.asdict(engine_args), workers.stuck_after_s)
+    ).bind(
+        config.model.name, dataclasses.asdict(engine_args), workers.stuck_after_s,
+        served_model_name=config.served_model_name,
+    )
     router = config.router
     settings = RouterSettings(
         model=config.model.name,

@@ -7,7 +7,9 @@ import sys
 from typing import Sequence
 
 from deploy.generate_command import add_generate_parser
+from deploy.profile_command import add_profile_parser
 from deploy.serve_command import add_serve_parser
+from deploy.status_command import add_status_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(commands)
     add_serve_parser(commands)
+    add_status_parser(commands)
+    add_profile_parser(commands)
     bench = commands.add_parser(
         "bench", help="benchmarks (--offline: the engine in this process; --base-url URL: an OpenAI endpoint)",
         add_help=False,

@@ -56,6 +56,24 @@ class AutoscalingSection(_Section):
     look_back_period_s: PositiveFloat = 30.0
     upscale_delay_s: NonNegativeFloat = 30.0
     downscale_delay_s: NonNegativeFloat = 600.0
+    policy: Literal["requests", "llm"] = Field(
+        "requests", description="requests: Serve's ongoing-requests policy; llm: batch slots, KV use, queued tokens")
+    target_batch_utilization: float = Field(0.75, gt=0, le=1, description="llm policy: running / max_num_seqs")
+    target_kv_usage: float = Field(0.8, gt=0, le=1, description="llm policy: KV blocks in use")
+    target_waiting_tokens: PositiveFloat = Field(2048.0, description="llm policy: prompt tokens queued per replica")
+
+    def serve_config(self) -> dict[str, Any]:
+        """Serve's ``autoscaling_config`` for these settings."""
+        llm_keys = {"policy", "target_batch_utilization", "target_kv_usage", "target_waiting_tokens"}
+        config = self.model_dump(exclude_none=True, exclude=llm_keys)
+        if self.policy == "llm":
+            from cluster.autoscaling import POLICY_IMPORT_PATH
+
+            config["policy"] = {
+                "policy_function": POLICY_IMPORT_PATH,
+                "policy_kwargs": {k: getattr(self, k) for k in sorted(llm_keys - {"policy"})},
+            }
+        return config
 
     @pydantic.model_validator(mode="after")
     def _bounds(self) -> "AutoscalingSection":

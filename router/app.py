@@ -152,6 +152,14 @@ class OpenAIRouter:
             exception_handlers={HTTPException: on_http_error, Exception: on_error},
         )
 
+    async def queue_status(self) -> dict[str, Any]:
+        """For ``raylm status``: this router replica's queue by class, slots in use and capacity."""
+        return {
+            "queued": {name: self.queue.depth(i) for i, name in enumerate(self.settings.priority_classes)},
+            "in_flight": self.admission.in_flight,
+            "capacity": self.admission.capacity,
+        }
+
     # -- small endpoints --------------------------------------------------------------------------------
     def _model_card(self) -> dict[str, Any]:
         return {
@@ -264,7 +272,8 @@ class OpenAIRouter:
 
     async def _admit(self, tenant: str, priority: int, parsed: ParsedRequest) -> "_Lease":
         cost = parsed.params.n * len(parsed.prompts)
-        await self.admission.acquire(tenant, priority, cost)
+        waited = await self.admission.acquire(tenant, priority, cost)
+        self.metrics.queue_time(self.settings.priority_classes[priority], waited)
         prompt_tokens = sum(len(p) for p in parsed.prompts)
         lease = _Lease(self, tenant, cost)
         lease.charge(prompt_tokens)

@@ -16,7 +16,12 @@ import httpx
 
 from deploy.config import DeployConfig, parse_deploy_config
 
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_metrics_report_interval_ms": "1000",  # metrics reach the endpoint within ~1 s, not 10
+}
 
 # Small and quick: two replicas, a modest pool and context, so tests finish fast on 2 cores.
 TEST_DEPLOY: dict[str, Any] = {
@@ -53,6 +58,7 @@ class ServeCluster:
     """The session's Ray cluster; ``deploy`` adds an application and returns its base URL."""
 
     http_port: int
+    metrics_port: int
 
     def deploy(self, raw_config: dict[str, Any], route_prefix: str = "/") -> "ServedApp":
         from ray import serve
@@ -95,10 +101,11 @@ def start_cluster(num_cpus: int = 12) -> ServeCluster:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    metrics_port = free_port()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    return ServeCluster(port)
+    return ServeCluster(port, metrics_port)
 
 
 def _wait_healthy(base: str, timeout_s: float = 180.0) -> None:

@@ -31,6 +31,7 @@ class AsyncEngine:
         self.last_step_time: float | None = None
         self.step_started: float | None = None  # set while a step runs: a stuck step shows here
         self.error: BaseException | None = None
+        self.step_observer: Callable[[int, float], None] | None = None  # (tokens, seconds) per step
         self._thread = threading.Thread(target=self._loop, name="raylm-engine", daemon=True)
         self._thread.start()
 
@@ -50,7 +51,7 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             if self.engine.has_unfinished_requests():
-                self.step_started = time.monotonic()
+                self.step_started = self.step_started_at = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except BaseException as err:  # a broken engine must fail requests, not hang them
@@ -62,6 +63,8 @@ class AsyncEngine:
                 finally:
                     self.step_started = None
                 self.last_step_time = time.monotonic()
+                if self.step_observer is not None:
+                    self.step_observer(self.engine.last_step_tokens, self.last_step_time - self.step_started_at)
                 for out in outputs:
                     self._deliver(out.request_id, out)
 

@@ -8,12 +8,18 @@ in-flight requests, then calls ``__del__``, which aborts what is left and stops 
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from pathlib import Path
 from typing import Any, AsyncIterator
 
+import ray
 from ray import serve
 
+from cluster.metrics import WorkerMetrics
 from workers.async_engine import AsyncEngine
+from workers.replica_metrics import EngineStatsReporter, RequestMetricsRecorder
 from workers.replica_protocol import (
     GenerateChunk,
     GenerateRequest,
@@ -38,19 +44,35 @@ DEFAULT_MAX_REPORTED_HASHES = 4096  # 64k tokens of prefix at block size 16; ~40
 class LLMWorker:
     """One model replica serving ``generate`` streams."""
 
-    def __init__(
+    async def __init__(
         self,
         model: str,
         engine_args: dict[str, Any],
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         max_reported_hashes: int = DEFAULT_MAX_REPORTED_HASHES,
+        served_model_name: str | None = None,
+        metrics_period_s: float = 1.0,
     ):
         self.model = model
         self.max_reported_hashes = max_reported_hashes
-        self.engine = AsyncEngine.from_model(model, **engine_args)
+        self.engine = await asyncio.to_thread(AsyncEngine.from_model, model, **engine_args)
         self.stuck_after_s = stuck_after_s
         self.draining = False
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.metrics = WorkerMetrics(served_model_name or model, replica)
+        self.engine.step_observer = lambda tokens, seconds: self.metrics.observe("raylm_iteration_tokens_total", tokens)
+        self._reporter = EngineStatsReporter(self.metrics, self.engine.engine.args.block_size)
+        self._metrics_task = asyncio.get_running_loop().create_task(self._report_metrics(metrics_period_s))
         logger.info("raylm worker ready: %s, %d KV blocks", model, self.engine.engine.pool.num_usable_blocks)
+
+    async def _report_metrics(self, period_s: float) -> None:
+        while True:
+            try:
+                self._reporter.report(await self.engine.stats())
+            except Exception as err:  # metrics must never take the replica down
+                logger.warning("reporting engine metrics failed: %r", err)
+            await asyncio.sleep(period_s)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream deltas; a cancelled call (client gone) aborts the request and frees its blocks."""
@@ -58,16 +80,21 @@ class LLMWorker:
             raise ReplicaDrainingError("this replica is shutting down; retry")
         reported: set[int] = set()
         started = False
+        recorder = RequestMetricsRecorder(self.metrics)
         try:
             async for output in self.engine.generate(
                 request.prompt_token_ids, request.params, request.request_id, request.priority
             ):
                 started = True
+                recorder.on_output(output)
                 yield chunk_from_output(output, reported)
         except ValueError as err:
             if started:
                 raise
             raise InvalidRequestError(str(err)) from None
+        finally:
+            if started:
+                recorder.finish()
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -101,12 +128,37 @@ class LLMWorker:
             "generation_tokens": stats["generation_tokens"],
             "prefix_queries": stats["prefix_queries"],
             "prefix_hits": stats["prefix_hits"],
+            "node_id": self.node_id,
             "block_hashes": taken["hashes"],
         }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom metrics for the LLM autoscaling policy (``cluster.autoscaling``)."""
+        stats = await self.engine.stats()
+        slots = self.engine.engine.args.max_num_seqs
+        return {
+            "batch_utilization": min(1.0, (stats["running"] + stats["waiting"]) / slots),
+            "kv_usage": float(stats["usage"]),
+            "waiting_tokens": float(stats["waiting_tokens"]),
+        }
+
+    async def profile(self, seconds: float, out_dir: str) -> str:
+        """Record a ``jax.profiler`` trace of this replica for ``seconds`` into ``out_dir``."""
+        import jax
+
+        target = Path(out_dir).expanduser() / f"raylm-{serve.get_replica_context().replica_id.unique_id}-{int(time.time())}"
+        target.mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(str(target))
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            jax.profiler.stop_trace()
+        return str(target)
 
     async def __del__(self) -> None:
         """Serve already waited for in-flight requests; abort stragglers and stop the engine."""
         self.draining = True
+        self._metrics_task.cancel()
         aborted = await self.engine.abort_all()
         if aborted:
             logger.warning("raylm worker shutting down: aborted %d unfinished request(s)", aborted)

@@ -95,6 +95,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_requests = 0
+        self.last_step_tokens = 0  # tokens the latest step computed (prefill chunks + decode steps)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -168,8 +169,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling round; returns the outputs of requests that made progress."""
         plan = self.scheduler.schedule()
+        self.last_step_tokens = 0
         if plan.empty:
             return []
+        self.last_step_tokens = sum(c.num_tokens for c in plan.prefills) + len(plan.decodes) * plan.num_decode_steps
         now = time.monotonic()
         self.runner.copy_blocks(plan.block_copies)
         samples: dict[int, list[SampleResult]] = {}

@@ -101,4 +101,6 @@ def request_output(state, final: bool) -> RequestOutput:
         outputs=[completion_output(seq) for seq in state.seqs],
         finished=final,
         num_cached_tokens=state.seqs[0].num_cached_tokens,
+        arrival_time=state.arrival_time,
+        first_scheduled_time=state.seqs[0].first_scheduled_time,
     )

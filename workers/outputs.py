@@ -37,3 +37,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # time.monotonic() stamps for metrics (vLLM keeps these in RequestOutput.metrics)
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None

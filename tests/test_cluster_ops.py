@@ -1,0 +1,92 @@
+"""Operating a cluster: ``raylm status``, ``raylm profile``, and autoscaling under load."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from cluster.replicas import replica_stats
+from deploy.cli import main
+from tests.serving import TEST_DEPLOY
+
+
+def test_status_shows_nodes_replicas_and_queue(raylm_app, capsys):
+    assert main(["status", "--app", "raylm"]) == 0
+    out = capsys.readouterr().out
+    assert "Nodes (1 alive)" in out
+    assert "Application raylm: RUNNING" in out
+    for replica_id in replica_stats("raylm"):
+        assert replica_id in out
+    assert "Router queue: high 0, normal 0, low 0; running 0 of 32 slots" in out
+
+
+def test_status_names_a_missing_app(raylm_app, capsys):
+    assert main(["status", "--app", "nope"]) == 1
+    assert "No Serve application named 'nope'" in capsys.readouterr().out
+
+
+def test_profile_writes_a_jax_trace(raylm_app, tmp_path, capsys):
+    assert main(["profile", "--seconds", "1", "--out", str(tmp_path), "--app", "raylm"]) == 0
+    trace_dir = capsys.readouterr().out.strip().splitlines()[-1]
+    assert trace_dir.startswith(str(tmp_path))
+    assert list(tmp_path.rglob("*.xplane.pb")), list(tmp_path.rglob("*"))
+
+
+def _worker_replicas(app: str) -> int:
+    from ray import serve
+
+    status = serve.status().applications[app].deployments["LLMWorker"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def test_llm_autoscaling_policy_scales_up_under_load_and_back_down(serve_cluster):
+    app = serve_cluster.deploy({
+        "name": "autoscale",
+        "workers": {"autoscaling_config": {
+            "min_replicas": 1, "max_replicas": 2, "policy": "llm", "target_batch_utilization": 0.5,
+            "metrics_interval_s": 0.5, "look_back_period_s": 2, "upscale_delay_s": 1, "downscale_delay_s": 5,
+        }, "graceful_shutdown_timeout_s": 20},
+        "engine": {**TEST_DEPLOY["engine"], "num_kv_blocks": 128, "max_num_seqs": 2, "max_model_len": 256},
+    }, route_prefix="/autoscale")
+    try:
+        assert _worker_replicas("autoscale") == 1
+        statuses: list[int] = []
+        stop = asyncio.Event()
+
+        async def load() -> None:
+            async with httpx.AsyncClient(timeout=300) as client:
+                async def one_client(i: int) -> None:
+                    n = 0
+                    while not stop.is_set():
+                        body = {"model": app.model, "prompt": [1000 + 31 * i + n + j for j in range(30)],
+                                "max_tokens": 24, "ignore_eos": True}
+                        statuses.append((await client.post(f"{app.base_url}/v1/completions", json=body)).status_code)
+                        n += 1
+                await asyncio.gather(*(one_client(i) for i in range(6)))
+
+        async def scenario() -> float:
+            started = time.monotonic()
+            task = asyncio.create_task(load())
+            try:
+                while True:
+                    stats = await asyncio.to_thread(replica_stats, "autoscale")
+                    if len(stats) == 2 and all(s["requests"] > 0 for s in stats.values()):
+                        return time.monotonic() - started
+                    assert time.monotonic() - started < 240, "never scaled to a second serving replica"
+                    await asyncio.sleep(1)
+            finally:
+                stop.set()
+                await task
+
+        scale_up_s = asyncio.run(scenario())
+        print(f"second replica serving {scale_up_s:.1f} s after the load started")
+        deadline = time.monotonic() + 120
+        while _worker_replicas("autoscale") != 1:
+            assert time.monotonic() < deadline, "did not scale back down"
+            time.sleep(1)
+        assert statuses and all(s == 200 for s in statuses), sorted(set(statuses))
+    finally:
+        serve_cluster.remove(app)

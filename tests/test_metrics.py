@@ -1,0 +1,95 @@
+"""Ray's metrics endpoint serves every raylm metric after real traffic, with the right counts."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+
+from cluster.metrics import ROUTER_METRICS, WORKER_METRICS
+from tests.serving import TEST_DEPLOY
+
+MODEL = "metrics-model"
+
+
+@pytest.fixture(scope="module")
+def metrics_app(serve_cluster):
+    app = serve_cluster.deploy({
+        "name": "metrics", "model": {"served_model_name": MODEL}, "workers": {"num_replicas": 1},
+        # A pool of 11 blocks (176 tokens) for 4 concurrent ~90-token requests: preemptions happen.
+        "engine": {**TEST_DEPLOY["engine"], "num_kv_blocks": 12, "max_num_seqs": 4, "max_model_len": 160},
+        "router": {"prefix_routing": {"stats_period_s": 0.5}},
+    }, route_prefix="/metrics-app")
+    yield app
+    serve_cluster.remove(app)
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """Sum of each series name (with its labels) for our model, as Prometheus text gives it."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or f'model_name="{MODEL}"' not in line:
+            continue
+        match = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)", line)
+        if match:
+            name, labels, value = match.groups()
+            values[name] = values.get(name, 0.0) + float(value)
+            if "finished_reason" in (labels or "") or "reason" in (labels or ""):
+                key = name + "{" + ",".join(sorted(re.findall(r'(?:finished_reason|reason|status)="([^"]*)"', labels))) + "}"
+                values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_cluster):
+    base = metrics_app.base_url
+    def chat(i: int) -> dict:
+        return {"model": MODEL, "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}],
+                "max_tokens": 64, "ignore_eos": True, "temperature": 0}
+
+    async def traffic() -> list[dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            responses = await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=chat(i)) for i in range(4)))
+            assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+            usages = [r.json()["usage"] for r in responses]
+            stream = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "stream": True,
+                      "stream_options": {"include_usage": True}}
+            async with client.stream("POST", f"{base}/v1/completions", json=stream) as response:
+                lines = [line async for line in response.aiter_lines() if line.startswith("data: {")]
+            usages.append(__import__("json").loads(lines[-1][6:])["usage"])
+            assert (await client.post(f"{base}/v1/completions", json={"model": "nope", "prompt": "x"})).status_code == 404
+            assert (await client.post(f"{base}/v1/completions", json={"model": MODEL})).status_code == 400
+            return usages
+
+    usages = asyncio.run(traffic())
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+    completion_tokens = sum(u["completion_tokens"] for u in usages)
+
+    deadline = time.monotonic() + 90
+    while True:
+        values = _scrape(serve_cluster.metrics_port)
+        done = (values.get("ray_raylm_generation_tokens_total") == completion_tokens
+                and values.get("ray_raylm_prompt_tokens_total") == prompt_tokens)
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert values.get("ray_raylm_generation_tokens_total") == completion_tokens, values
+    assert values.get("ray_raylm_prompt_tokens_total") == prompt_tokens, values
+
+    histograms = [n for n, (kind, _) in {**WORKER_METRICS, **ROUTER_METRICS}.items() if kind == "histogram"]
+    for name in histograms:
+        assert values.get(f"ray_{name}_count", 0) >= 1, name
+    for name in ("raylm_num_requests_running", "raylm_num_requests_waiting", "raylm_kv_cache_usage_perc",
+                 "raylm_router_queue_depth"):
+        assert f"ray_{name}" in values, name
+    assert values["ray_raylm_time_to_first_token_seconds_count"] == 5
+    assert values["ray_raylm_request_success_total"] == 5
+    assert values["ray_raylm_prefix_cache_hits_total"] > 0  # the four chats share their prompt
+    assert values["ray_raylm_prefix_cache_queries_total"] >= values["ray_raylm_prefix_cache_hits_total"]
+    assert values["ray_raylm_num_preemptions_total"] > 0
+    assert values["ray_raylm_router_routing_decisions_total"] == 5
+    assert values["ray_raylm_router_requests_rejected_total"] == 2
+    assert values["ray_raylm_router_tenant_tokens_total"] == prompt_tokens + completion_tokens

@@ -1,0 +1,107 @@
+"""Feed a worker replica's engine into the metrics of ``cluster.metrics``.
+
+Per request: token counts, latencies (TTFT, inter-token, queue, prefill, decode, end to end)
+and the finish reason. Periodically: queue gauges, KV usage, and the engine's cumulative
+counters (prefix cache, preemptions) turned into counter increments.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from cluster.metrics import WorkerMetrics
+from workers.outputs import RequestOutput
+
+
+class RequestMetricsRecorder:
+    """Watches one request's outputs as they stream; records everything once it ends."""
+
+    def __init__(self, metrics: WorkerMetrics):
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last_token_at: float | None = None
+        self.first_token_at: float | None = None
+        self.prompt_tokens = 0
+        self.generated = 0
+        self.arrival: float | None = None
+        self.first_scheduled: float | None = None
+        self.finish_reasons: list[str] = []
+
+    def on_output(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        self.prompt_tokens = len(output.prompt_token_ids)
+        self.arrival = output.arrival_time or self.arrival
+        self.first_scheduled = output.first_scheduled_time or self.first_scheduled
+        new = sum(len(c.token_ids_delta) for c in output.outputs)
+        if new:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.metrics.observe("raylm_time_to_first_token_seconds", now - (self.arrival or self.start))
+                new_after_first = new - 1
+            else:
+                new_after_first = new
+            if self.last_token_at is not None and new_after_first:
+                gap = (now - self.last_token_at) / new_after_first  # multi-step decode delivers tokens in bursts
+                for _ in range(new_after_first):
+                    self.metrics.observe("raylm_inter_token_latency_seconds", gap)
+            self.last_token_at = now
+            self.generated += new
+            self.metrics.inc("raylm_generation_tokens_total", new)
+        if output.finished:
+            self.finish_reasons = [c.finish_reason or "abort" for c in output.outputs]
+
+    def finish(self) -> None:
+        """Called once when the stream ends, normally or not (a cancelled stream is an abort)."""
+        now = time.monotonic()
+        arrival = self.arrival or self.start
+        metrics = self.metrics
+        metrics.inc("raylm_prompt_tokens_total", self.prompt_tokens)
+        for reason in self.finish_reasons or ["abort"]:
+            metrics.inc("raylm_request_success_total", 1, finished_reason=reason)
+        metrics.observe("raylm_e2e_request_latency_seconds", now - arrival)
+        metrics.observe("raylm_request_prompt_tokens", self.prompt_tokens)
+        metrics.observe("raylm_request_generation_tokens", self.generated)
+        if self.first_scheduled is not None:
+            metrics.observe("raylm_request_queue_time_seconds", self.first_scheduled - arrival)
+            if self.first_token_at is not None:
+                metrics.observe("raylm_request_prefill_time_seconds", self.first_token_at - self.first_scheduled)
+        if self.first_token_at is not None:
+            metrics.observe("raylm_request_decode_time_seconds", now - self.first_token_at)
+
+
+class EngineStatsReporter:
+    """Turns periodic engine stats snapshots into gauges and counter increments."""
+
+    def __init__(self, metrics: WorkerMetrics, block_size: int):
+        self.metrics = metrics
+        self.block_size = block_size
+        self.previous: dict[str, Any] = {}
+
+    def report(self, stats: dict[str, Any]) -> None:
+        metrics = self.metrics
+        metrics.set("raylm_num_requests_running", stats["running"])
+        metrics.set("raylm_num_requests_waiting", stats["waiting"])
+        metrics.set("raylm_kv_cache_usage_perc", stats["usage"])
+        # The pool counts blocks; vLLM's prefix-cache counters count tokens.
+        for name, key, scale in (
+            ("raylm_prefix_cache_queries_total", "prefix_queries", self.block_size),
+            ("raylm_prefix_cache_hits_total", "prefix_hits", self.block_size),
+            ("raylm_num_preemptions_total", "num_preemptions", 1),
+        ):
+            metrics.inc(name, (stats[key] - self.previous.get(key, 0)) * scale)
+        self.previous = stats
+        memory = device_memory_in_use()
+        if memory is not None:
+            metrics.set("raylm_device_memory_used_bytes", memory)
+
+
+def device_memory_in_use() -> int | None:
+    """Bytes in use on the first accelerator, from JAX; None on CPU (no memory stats there)."""
+    import jax
+
+    device = jax.local_devices()[0]
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    return stats.get("bytes_in_use")
