@@ -50,6 +50,7 @@ class Workload:
     prompt_tokens: int = 128
     output_tokens: int = 128
     shared_prefix_tokens: int = 0
+    prefix_groups: int = 1  # distinct shared prefixes, assigned round-robin (e.g. one per tenant or app)
 
 
 WORKLOADS = {
@@ -59,6 +60,8 @@ WORKLOADS = {
         Workload("throughput", num_requests=64, concurrency=16),
         Workload("high-concurrency", num_requests=128, concurrency=64),
         Workload("shared-prefix", num_requests=64, concurrency=16, prompt_tokens=32, shared_prefix_tokens=512),
+        Workload("multi-prefix", num_requests=64, concurrency=16, prompt_tokens=32, output_tokens=32,
+                 shared_prefix_tokens=512, prefix_groups=16),
     )
 }
 
@@ -132,9 +135,10 @@ def make_prompts(workload: Workload, seed: int) -> list[list[int]]:
     """The workload's token-id prompts; the same seed gives every endpoint the same prompts."""
     rng = np.random.RandomState(seed)
     low, high = PROMPT_TOKEN_RANGE
-    prefix = rng.randint(low, high, size=workload.shared_prefix_tokens).tolist()
-    return [prefix + rng.randint(low, high, size=workload.prompt_tokens).tolist()
-            for _ in range(workload.num_requests)]
+    prefixes = [rng.randint(low, high, size=workload.shared_prefix_tokens).tolist()
+                for _ in range(workload.prefix_groups)]
+    return [prefixes[i % len(prefixes)] + rng.randint(low, high, size=workload.prompt_tokens).tolist()
+            for i in range(workload.num_requests)]
 
 
 def _headers(api_key: str | None) -> dict[str, str]:

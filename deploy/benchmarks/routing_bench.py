@@ -1,0 +1,112 @@
+"""Prefix-aware routing vs Serve's power-of-two routing, side by side in one script.
+
+Starts a local Ray cluster, deploys the bundled model on two worker replicas twice (router
+``prefix_routing.enabled`` true, then false), runs the same ``raylm bench`` workloads against
+each and reads every replica's prefix-cache counters before and after, so the hit rate is
+the workers' own (prompt blocks found cached / prompt blocks looked up).
+
+``multi-prefix`` (16 distinct 512-token prefixes) is where routing matters: each replica's
+KV pool (``--kv-blocks``) holds about half of the prefixes, so a router that spreads every
+prefix over both replicas makes them evict each other's prefixes; ``shared-prefix`` (one
+prefix) is the easy case both handle.
+
+    python -m deploy.benchmarks.routing_bench [--workloads multi-prefix shared-prefix]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+from typing import Any
+
+from deploy.benchmarks.http_bench import WORKLOADS, run_workload
+from deploy.serve_command import LOCAL_RAY_ENV
+
+
+def _counters(app: str) -> dict[str, int]:
+    from cluster.replicas import replica_stats
+
+    stats = replica_stats(app)
+    return {key: sum(s[key] for s in stats.values()) for key in ("prefix_queries", "prefix_hits", "requests")}
+
+
+def _per_replica_requests(app: str) -> dict[str, int]:
+    from cluster.replicas import replica_stats
+
+    return {rid: s["requests"] for rid, s in replica_stats(app).items()}
+
+
+def run(workloads: list[str], kv_blocks: int, port: int) -> list[dict[str, Any]]:
+    import ray
+    from ray import serve
+
+    from deploy.app_builder import build_application
+    from deploy.config import parse_deploy_config
+
+    rows = []
+    for enabled in (True, False):
+        name = "route-prefix" if enabled else "route-pow2"
+        config = parse_deploy_config({
+            "name": name,
+            "workers": {"num_replicas": 2, "num_cpus": 1},
+            "engine": {"num_kv_blocks": kv_blocks, "max_num_seqs": 16, "max_num_batched_tokens": 512,
+                       "num_scheduler_steps": 4, "compilation_cache_dir": "~/.cache/raylm/jax"},
+            "router": {"prefix_routing": {"enabled": enabled, "stats_period_s": 1.0}},
+        })
+        serve.run(build_application(config), name=name, route_prefix=f"/{name}", blocking=False)
+        base = f"http://127.0.0.1:{port}/{name}"
+        for workload in workloads:
+            before, before_replicas = _counters(name), _per_replica_requests(name)
+            result = asyncio.run(run_workload(base, config.served_model_name, workload, warmup=2))
+            after, after_replicas = _counters(name), _per_replica_requests(name)
+            queries = after["prefix_queries"] - before["prefix_queries"]
+            hits = after["prefix_hits"] - before["prefix_hits"]
+            rows.append({
+                "routing": "prefix-aware" if enabled else "power-of-two",
+                "workload": workload,
+                "hit_rate": hits / queries if queries else 0.0,
+                "output_tok_s": result.output_tok_s,
+                "ttft_ms_p50": 1000 * sorted(result.ttft_s)[len(result.ttft_s) // 2] if result.ttft_s else None,
+                "requests_per_replica": sorted(after_replicas[r] - before_replicas.get(r, 0) for r in after_replicas),
+                "errors": result.errors,
+            })
+            print(json.dumps(rows[-1]), flush=True)
+        serve.delete(name)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["multi-prefix", "shared-prefix"], choices=list(WORKLOADS))
+    parser.add_argument("--kv-blocks", type=int, default=320, help="KV pool per replica (blocks of 16 tokens)")
+    parser.add_argument("--port", type=int, default=8010)
+    args = parser.parse_args(argv)
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    try:
+        rows = run(args.workloads, args.kv_blocks, args.port)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(f"\n{'workload':<14} {'routing':<13} {'hit rate':>9} {'output tok/s':>13} {'TTFT p50 ms':>12}  requests/replica")
+    for row in rows:
+        ttft = f"{row['ttft_ms_p50']:.0f}" if row["ttft_ms_p50"] is not None else "-"
+        print(f"{row['workload']:<14} {row['routing']:<13} {row['hit_rate']:>9.1%} {row['output_tok_s']:>13.1f} "
+              f"{ttft:>12}  {row['requests_per_replica']}")
+    for workload in args.workloads:
+        pair = {r["routing"]: r for r in rows if r["workload"] == workload}
+        a, b = pair["prefix-aware"], pair["power-of-two"]
+        hit_ratio = a["hit_rate"] / b["hit_rate"] if b["hit_rate"] else float("inf")
+        print(f"{workload}: hit rate {hit_ratio:.2f}x, throughput {a['output_tok_s'] / b['output_tok_s']:.2f}x "
+              "(prefix-aware / power-of-two)")
+
+
+if __name__ == "__main__":
+    main()
