@@ -68,18 +68,29 @@ def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_
     prompt_tokens = sum(u["prompt_tokens"] for u in usages)
     completion_tokens = sum(u["completion_tokens"] for u in usages)
 
+    # Each Ray process exports its metrics on its own period: wait until the router's and the
+    # worker's final counts have all arrived (or the deadline), then check them.
+    histograms = [n for n, (kind, _) in {**WORKER_METRICS, **ROUTER_METRICS}.items() if kind == "histogram"]
+    expected = {
+        "ray_raylm_generation_tokens_total": completion_tokens,
+        "ray_raylm_prompt_tokens_total": prompt_tokens,
+        "ray_raylm_time_to_first_token_seconds_count": 5,
+        "ray_raylm_request_success_total": 5,
+        "ray_raylm_router_routing_decisions_total": 5,
+        "ray_raylm_router_requests_rejected_total": 2,
+        "ray_raylm_router_tenant_tokens_total": prompt_tokens + completion_tokens,
+    }
     deadline = time.monotonic() + 90
     while True:
         values = _scrape(serve_cluster.metrics_port)
-        done = (values.get("ray_raylm_generation_tokens_total") == completion_tokens
-                and values.get("ray_raylm_prompt_tokens_total") == prompt_tokens)
-        if done or time.monotonic() > deadline:
+        arrived = (all(values.get(name) == count for name, count in expected.items())
+                   and all(values.get(f"ray_{name}_count", 0) >= 1 for name in histograms))
+        if arrived or time.monotonic() > deadline:
             break
         time.sleep(1)
     assert values.get("ray_raylm_generation_tokens_total") == completion_tokens, values
     assert values.get("ray_raylm_prompt_tokens_total") == prompt_tokens, values
 
-    histograms = [n for n, (kind, _) in {**WORKER_METRICS, **ROUTER_METRICS}.items() if kind == "histogram"]
     for name in histograms:
         assert values.get(f"ray_{name}_count", 0) >= 1, name
     for name in ("raylm_num_requests_running", "raylm_num_requests_waiting", "raylm_kv_cache_usage_perc",
