@@ -39,7 +39,6 @@ import json  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -50,6 +49,8 @@ from typing import Any  # noqa: E402
 
 import httpx  # noqa: E402
 import ray  # noqa: E402
+
+from tests.serving import free_port, wait_healthy  # noqa: E402
 
 APP_NAME = "raylm"
 WORKER_DEPLOYMENT = "LLMWorker"
@@ -117,12 +118,6 @@ _BASE_CONFIG: dict[str, Any] = {
     "rsync_exclude": [],
     "rsync_filter": [],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -323,20 +318,6 @@ def send_completions(base_url: str, model: str) -> list[dict[str, Any]]:
 
     with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as pool:
         return list(pool.map(one, prompts))
-
-
-def wait_healthy(base_url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = httpx.get(f"{base_url}/health", timeout=10)
-            if last.status_code == 200:
-                return
-        except httpx.HTTPError as err:
-            last = err
-        time.sleep(0.5)
-    raise TimeoutError(f"{base_url} did not become healthy: {last}")
 
 
 def run_scenario(cluster: FakeAutoscalingCluster, result: dict[str, Any], scale_timeout_s: float) -> None:

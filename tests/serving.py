@@ -68,7 +68,7 @@ class ServeCluster:
         config = parse_deploy_config({**raw_config, "route_prefix": route_prefix})
         serve.run(build_application(config), name=config.name, route_prefix=route_prefix, blocking=False)
         base = f"http://127.0.0.1:{self.http_port}{route_prefix.rstrip('/')}"
-        _wait_healthy(base)
+        wait_healthy(base)
         return ServedApp(config, base)
 
     def remove(self, app: "ServedApp") -> None:
@@ -108,7 +108,8 @@ def start_cluster(num_cpus: int = 12) -> ServeCluster:
     return ServeCluster(port, metrics_port)
 
 
-def _wait_healthy(base: str, timeout_s: float = 180.0) -> None:
+def wait_healthy(base: str, timeout_s: float = 180.0) -> None:
+    """Poll ``/health`` until it answers 200 (Serve is up but replicas may still be loading)."""
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:

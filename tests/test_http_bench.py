@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import socket
 import threading
 import time
 from typing import Any, AsyncIterator, Iterator
@@ -23,15 +22,10 @@ from starlette.routing import Route
 
 from deploy import cli
 from deploy.benchmarks.http_bench import PROMPT_TOKEN_RANGE, WORKLOADS, Workload, percentile, run_workload
+from tests.serving import free_port
 
 FIRST_DELAY_S = 0.03  # before the first chunk: the fake's "prefill"
 CHUNK_DELAY_S = 0.01  # between chunks: the fake's "decode step"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

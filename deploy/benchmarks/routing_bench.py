@@ -18,28 +18,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 from typing import Any
 
 from deploy.benchmarks.http_bench import WORKLOADS, run_workload
-from deploy.serve_command import LOCAL_RAY_ENV
+from deploy.benchmarks.local_serve import local_serve
 
 
-def _counters(app: str) -> dict[str, int]:
+def _snapshot(app: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Prefix-cache and request totals over the replicas, and requests per replica: one read."""
     from cluster.replicas import replica_stats
 
     stats = replica_stats(app)
-    return {key: sum(s[key] for s in stats.values()) for key in ("prefix_queries", "prefix_hits", "requests")}
+    totals = {key: sum(s[key] for s in stats.values()) for key in ("prefix_queries", "prefix_hits")}
+    return totals, {rid: s["requests"] for rid, s in stats.items()}
 
 
-def _per_replica_requests(app: str) -> dict[str, int]:
-    from cluster.replicas import replica_stats
-
-    return {rid: s["requests"] for rid, s in replica_stats(app).items()}
-
-
-def run(workloads: list[str], kv_blocks: int, port: int) -> list[dict[str, Any]]:
-    import ray
+def run(workloads: list[str], kv_blocks: int, base_url: str) -> list[dict[str, Any]]:
     from ray import serve
 
     from deploy.app_builder import build_application
@@ -56,11 +50,11 @@ def run(workloads: list[str], kv_blocks: int, port: int) -> list[dict[str, Any]]
             "router": {"prefix_routing": {"enabled": enabled, "stats_period_s": 1.0}},
         })
         serve.run(build_application(config), name=name, route_prefix=f"/{name}", blocking=False)
-        base = f"http://127.0.0.1:{port}/{name}"
+        base = f"{base_url}/{name}"
         for workload in workloads:
-            before, before_replicas = _counters(name), _per_replica_requests(name)
+            before, before_replicas = _snapshot(name)
             result = asyncio.run(run_workload(base, config.served_model_name, workload, warmup=2))
-            after, after_replicas = _counters(name), _per_replica_requests(name)
+            after, after_replicas = _snapshot(name)
             queries = after["prefix_queries"] - before["prefix_queries"]
             hits = after["prefix_hits"] - before["prefix_hits"]
             rows.append({
@@ -83,18 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-blocks", type=int, default=320, help="KV pool per replica (blocks of 16 tokens)")
     parser.add_argument("--port", type=int, default=8010)
     args = parser.parse_args(argv)
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
-    import ray
-    from ray import serve
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    try:
-        rows = run(args.workloads, args.kv_blocks, args.port)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_serve(args.port) as base_url:
+        rows = run(args.workloads, args.kv_blocks, base_url)
     print(f"\n{'workload':<14} {'routing':<13} {'hit rate':>9} {'output tok/s':>13} {'TTFT p50 ms':>12}  requests/replica")
     for row in rows:
         ttft = f"{row['ttft_ms_p50']:.0f}" if row["ttft_ms_p50"] is not None else "-"

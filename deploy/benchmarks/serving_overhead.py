@@ -25,11 +25,11 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import os
 import statistics
 from collections.abc import Iterator
 
 from deploy.benchmarks.http_bench import Workload, make_prompts, run_workload
+from deploy.benchmarks.local_serve import local_serve
 from deploy.benchmarks.offline_bench import run_engine
 from deploy.config import DeployConfig, load_deploy_config
 
@@ -52,22 +52,13 @@ class OfflineRunner:
 @contextlib.contextmanager
 def served_endpoint(config: DeployConfig, port: int) -> Iterator[str]:
     """The deploy file served on a private local Ray cluster; yields the base URL."""
-    import ray
     from ray import serve
 
     from deploy.app_builder import build_application
-    from deploy.serve_command import LOCAL_RAY_ENV
 
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve(port) as base:
         serve.run(build_application(config), name=config.name, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        yield base
 
 
 def main(argv: list[str] | None = None) -> None:
