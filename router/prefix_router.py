@@ -2,34 +2,35 @@
 holding the prompt's prefix in its KV cache.
 
 What a replica holds comes from two sources: its routing stats (the hashes of its cached
-blocks, refreshed every ``request_routing_stats_period_s``) and this router's own record of
-which prompts it sent where (immediate, so a burst sharing a prefix sticks to one replica
-before the next stats report). Load is the larger of the replica's reported queued + running
-tokens and the tokens this router has in flight there.
+blocks, refreshed every ``request_routing_stats_period_s``) and this router's ledger of which
+prompts it sent where (immediate, so a burst sharing a prefix sticks to one replica before
+the next stats report). Load is the larger of the replica's reported queued + running tokens
+and the tokens this router has in flight there, charged the moment the replica is chosen.
+
+Requests are matched to replicas by id, not first in first out (no ``FIFOMixin``): a replica
+chosen for one prompt's prefix must serve that prompt. Ordering between requests is the
+router's own queue's job (priority classes, tenant fairness), done before Serve sees them.
 """
 
 from __future__ import annotations
 
-import collections
 import random
 from typing import Any, List, Optional
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.prefix_policy import ReplicaView, choose_replica, matched_prefix
+from router.routing_ledger import RoutingLedger
 from workers.replica_protocol import GenerateRequest
 
 
-class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
+class PrefixAwareRequestRouter(RequestRouter):
     def initialize_state(self, imbalance_threshold_tokens: int = 2048, max_tracked_blocks: int = 200_000,
                          model: str = "", seed: int | None = None) -> None:
         self.imbalance_threshold_tokens = imbalance_threshold_tokens
-        self.max_tracked_blocks = max_tracked_blocks
         self.rng = random.Random(seed)
-        self._sent: collections.OrderedDict[int, set[ReplicaID]] = collections.OrderedDict()
-        self._in_flight: dict[str, tuple[ReplicaID, int]] = {}
+        self.ledger = RoutingLedger(max_tracked_blocks)
         self._reported: dict[ReplicaID, tuple[list[int], frozenset[int]]] = {}
-        self._last: dict[str, tuple[ReplicaID, str]] = {}
         from cluster.metrics import RouterMetrics
 
         self.metrics = RouterMetrics(model)
@@ -45,52 +46,36 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
         views = [ReplicaView(r.replica_id, self._load(r), self._matched(r, hashes)) for r in candidate_replicas]
         ranked, reason = choose_replica(views, self.imbalance_threshold_tokens, self.rng)
         if request is not None:
-            self._last[pending_request.metadata.internal_request_id] = (ranked[0], reason)
+            self.ledger.choose(pending_request.metadata.internal_request_id, ranked[0], _tokens(request), hashes, reason)
         return [[by_id[ranked[0]]], [by_id[r] for r in ranked[1:]]] if len(ranked) > 1 else [[by_id[ranked[0]]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         request = _generate_request(pending_request)
         if request is None:
             return
-        internal_id = pending_request.metadata.internal_request_id
-        tokens = len(request.prompt_token_ids) + (request.params.max_tokens or 0) * request.params.n
-        self._in_flight[internal_id] = (replica_id, tokens)
-        for block_hash in request.block_hashes:
-            owners = self._sent.setdefault(block_hash, set())
-            owners.add(replica_id)
-            self._sent.move_to_end(block_hash)
-        while len(self._sent) > self.max_tracked_blocks:
-            self._sent.popitem(last=False)
-        chosen, reason = self._last.pop(internal_id, (replica_id, "fallback"))
+        chosen, reason = self.ledger.accepted(pending_request.metadata.internal_request_id, replica_id,
+                                              _tokens(request), request.block_hashes)
         self.metrics.routing_decision(reason if chosen == replica_id else "fallback")
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._in_flight.pop(internal_request_id, None)
-        self._last.pop(internal_request_id, None)
+        self.ledger.release(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._reported.pop(replica_id, None)
-        for owners in self._sent.values():
-            owners.discard(replica_id)
+        self.ledger.forget_replica(replica_id)
 
     # -- inputs of the policy ---------------------------------------------------------------------------
     def _load(self, replica: RunningReplica) -> int:
         stats = replica.routing_stats or {}
         reported = int(stats.get("waiting_tokens", 0)) + int(stats.get("running_tokens", 0))
-        local = sum(t for r, t in self._in_flight.values() if r == replica.replica_id)
-        return max(reported, local)
+        return max(reported, self.ledger.load(replica.replica_id))
 
     def _matched(self, replica: RunningReplica, hashes: list[int]) -> int:
         if not hashes:
             return 0
-        reported = self._reported_hashes(replica)
-        sent = 0
-        for block_hash in hashes:
-            if replica.replica_id not in self._sent.get(block_hash, ()):
-                break
-            sent += 1
-        return max(sent, matched_prefix(hashes, reported))
+        return max(self.ledger.matched_blocks(replica.replica_id, hashes),
+                   matched_prefix(hashes, self._reported_hashes(replica)))
 
     def _reported_hashes(self, replica: RunningReplica) -> frozenset[int]:
         """The replica's reported hashes as a set, rebuilt only when a new report arrives."""
@@ -101,6 +86,11 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
             cached = (report, frozenset(report))
             self._reported[replica.replica_id] = cached
         return cached[1]
+
+
+def _tokens(request: GenerateRequest) -> int:
+    """What the request can add to a replica's load: its prompt and all the tokens it may generate."""
+    return len(request.prompt_token_ids) + (request.params.max_tokens or 0) * request.params.n
 
 
 def _generate_request(pending_request: Optional[PendingRequest]) -> GenerateRequest | None:

@@ -194,6 +194,92 @@ def test_prefix_aware_routing_sticks_to_the_cache_then_spreads_under_load(raylm_
     assert others >= 0.25 * sum(busy.values()), busy
 
 
+WORDS = ["Apple", "Banana", "Cherry", "Dolphin", "Eagle", "Falcon", "Garden", "Harbor", "Island", "Jungle", "Kettle",
+         "Lemon", "Mountain", "Nebula", "Ocean", "Piano", "Quartz", "River", "Sunset", "Tiger", "Umbrella", "Violin",
+         "Window", "Yellow"]  # distinct first letters: user turns share no block with each other
+
+
+def _prefix_stats() -> dict[str, tuple[int, int]]:
+    return {rid: (s["requests"], s["prefix_hits"]) for rid, s in replica_stats("raylm").items()}
+
+
+def _stats_delta(before: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    after = _prefix_stats()
+    return {rid: (n - before.get(rid, (0, 0))[0], h - before.get(rid, (0, 0))[1]) for rid, (n, h) in after.items()}
+
+
+def test_concurrent_prompts_with_different_prefixes_each_reach_their_own_cache(raylm_app):
+    """Two prefixes cached on different replicas, then a burst interleaving them: every request
+    must reach the replica holding its prefix and find all of it cached."""
+    url = f"{raylm_app.base_url}/v1/chat/completions"
+    systems = ["You are a careful librarian who answers in one sentence. " * 20,
+               "You are a cheerful chef who lists ingredients first. " * 20]
+
+    def chat(system: int, question: str, max_tokens: int = 2, **extra) -> dict:
+        return {"model": raylm_app.model, "max_tokens": max_tokens, "temperature": 0, **extra,
+                "messages": [{"role": "system", "content": systems[system]}, {"role": "user", "content": question}]}
+
+    def post(body: dict) -> None:
+        assert httpx.post(url, json=body, timeout=300).status_code == 200
+
+    # Cache prefix 0 on one replica, then prefix 1 on the other while the first is busy.
+    before = _prefix_stats()
+    post(chat(0, "Zebra?"))
+    home = [max((d[0], rid) for rid, d in _stats_delta(before).items())[1]]
+
+    async def second_prefix_elsewhere() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+            busy = asyncio.create_task(client.post(url, json=chat(0, "Xylophone?", 48, ignore_eos=True)))
+            await asyncio.sleep(0.5)
+            assert (await client.post(url, json=chat(1, "Zebra?"))).status_code == 200
+            assert (await busy).status_code == 200
+
+    before = _prefix_stats()
+    asyncio.run(second_prefix_elsewhere())
+    placed = _stats_delta(before)
+    home.append(next(rid for rid in placed if rid != home[0]))
+    assert placed[home[0]][0] == placed[home[1]][0] == 1, placed
+
+    hits_per_request = []  # full prefix blocks found cached by a request of each prefix at its home
+    for system in (0, 1):
+        before = _prefix_stats()
+        post(chat(system, "3?"))
+        delta = _stats_delta(before)
+        assert delta[home[system]][0] == 1, delta
+        hits_per_request.append(delta[home[system]][1])
+    assert min(hits_per_request) > 0
+
+    async def burst() -> None:  # all at once: many requests wait in Serve's router together
+        async with httpx.AsyncClient(timeout=300) as client:
+            responses = await asyncio.gather(*(client.post(url, json=chat(i % 2, f"{word}?"))
+                                               for i, word in enumerate(WORDS)))
+        assert all(r.status_code == 200 for r in responses)
+
+    before = _prefix_stats()
+    asyncio.run(burst())
+    delta = _stats_delta(before)
+    half = len(WORDS) // 2
+    assert [delta[home[s]] for s in (0, 1)] == [(half, half * hits_per_request[s]) for s in (0, 1)], delta
+
+
+def test_a_burst_of_new_prompts_is_spread_over_the_replicas(raylm_app):
+    """Serve asks for every replica choice of a burst before any replica has accepted one:
+    unless each choice is charged to its replica at once, they all see the same loads and
+    land on one replica."""
+    before = _prefix_stats()
+
+    async def burst() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+            responses = await asyncio.gather(*(
+                client.post(f"{raylm_app.base_url}/v1/completions", json=_completion(raylm_app, 5000 + i, 2))
+                for i in range(16)))
+        assert all(r.status_code == 200 for r in responses)
+
+    asyncio.run(burst())
+    per_replica = sorted(n for n, _ in _stats_delta(before).values())
+    assert per_replica[0] >= 6, per_replica
+
+
 def test_api_keys_are_required_and_map_to_tenants(guarded_app):
     url = f"{guarded_app.base_url}/v1/chat/completions"
     body = {"model": guarded_app.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}

@@ -13,6 +13,7 @@ from router.errors import OpenAIError
 from router.fair_queue import FairQueue, QueuedRequest, QueueFullError
 from router.prefix_policy import LOAD_IMBALANCE, NO_PREFIX, PREFIX_HIT, ReplicaView, choose_replica, matched_prefix
 from router.rate_limit import RateLimiter
+from router.routing_ledger import RoutingLedger
 
 
 def _req(tenant: str, priority: int = 1, cost: int = 1, t: float = 0.0) -> QueuedRequest:
@@ -194,3 +195,68 @@ def test_power_of_two_choices_never_picks_the_busiest_of_three():
     views = [ReplicaView("a", 0, 0), ReplicaView("b", 50, 0), ReplicaView("c", 999, 0)]
     picks = {choose_replica(views, 100, rng)[0][0] for _ in range(200)}
     assert picks == {"a", "b"}
+
+
+def _route_burst(ledger: RoutingLedger, prompts: list[list[int]], threshold: int = 1000) -> list[str]:
+    """Choose a replica for every prompt before any is accepted, as Serve does for a burst."""
+    rng = random.Random(0)
+    picks = []
+    for i, hashes in enumerate(prompts):
+        views = [ReplicaView(r, ledger.load(r), ledger.matched_blocks(r, hashes)) for r in ("a", "b")]
+        ranked, reason = choose_replica(views, threshold, rng)
+        ledger.choose(f"r{i}", ranked[0], 100, hashes, reason)
+        picks.append(ranked[0])
+    return picks
+
+
+def test_a_burst_of_choices_is_spread_by_load_before_any_replica_accepts():
+    ledger = RoutingLedger()
+    picks = _route_burst(ledger, [[1000 + i] for i in range(16)])  # 16 distinct prefixes
+    assert picks.count("a") == picks.count("b") == 8
+    assert ledger.load("a") == ledger.load("b") == 800
+
+
+def test_a_burst_sharing_a_prefix_sticks_to_one_replica_until_the_gap_is_too_big():
+    ledger = RoutingLedger()
+    picks = _route_burst(ledger, [[7, 8, 9]] * 12, threshold=450)
+    assert picks[:5] == ["a"] * 5  # chosen for the prefix as soon as the first choice is recorded
+    assert picks[5] == "b"  # "a" is 500 tokens ahead: spread
+    assert ledger.matched_blocks("a", [7, 8, 9, 10]) == 3 and ledger.matched_blocks("b", [6, 7]) == 0
+
+
+def test_acceptance_elsewhere_moves_the_charge_and_completion_releases_it():
+    ledger = RoutingLedger()
+    ledger.choose("r1", "a", 300, [5, 6], "prefix_hit")
+    assert ledger.accepted("r1", "b", 300, [5, 6]) == ("a", "prefix_hit")  # "a" refused it
+    assert (ledger.load("a"), ledger.load("b")) == (0, 300)
+    assert ledger.matched_blocks("b", [5, 6]) == 2
+    assert ledger.accepted("r2", "a", 40, []) == ("a", "fallback")  # never went through the policy
+    ledger.release("r1")
+    ledger.release("r2")
+    ledger.release("r2")  # twice is harmless
+    assert (ledger.load("a"), ledger.load("b"), ledger.in_flight()) == (0, 0, 0)
+
+
+def test_choices_never_accepted_expire_and_accepted_ones_do_not():
+    now = [0.0]
+    ledger = RoutingLedger(pending_ttl_s=10, clock=lambda: now[0])
+    ledger.choose("cancelled", "a", 100, [], "no_prefix")
+    ledger.choose("running", "a", 50, [], "no_prefix")
+    ledger.accepted("running", "a", 50, [])
+    now[0] = 11.0
+    ledger.choose("later", "b", 10, [], "no_prefix")  # choices expire lazily, on the next choice
+    assert (ledger.load("a"), ledger.load("b"), ledger.in_flight()) == (50, 10, 2)
+
+
+def test_a_dead_replica_is_forgotten():
+    ledger = RoutingLedger()
+    ledger.choose("r1", "a", 100, [1, 2], "no_prefix")
+    ledger.forget_replica("a")
+    assert (ledger.load("a"), ledger.matched_blocks("a", [1, 2]), ledger.in_flight()) == (0, 0, 0)
+
+
+def test_the_block_record_is_bounded_oldest_first():
+    ledger = RoutingLedger(max_tracked_blocks=3)
+    ledger.choose("r1", "a", 1, [1, 2, 3], "no_prefix")
+    ledger.choose("r2", "a", 1, [4], "no_prefix")
+    assert ledger.matched_blocks("a", [1]) == 0 and ledger.matched_blocks("a", [2, 3, 4]) == 3
