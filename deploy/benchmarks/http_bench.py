@@ -50,7 +50,7 @@ class Workload:
     prompt_tokens: int = 128
     output_tokens: int = 128
     shared_prefix_tokens: int = 0
-    prefix_groups: int = 1  # distinct shared prefixes, assigned round-robin (e.g. one per tenant or app)
+    prefix_groups: int = 1  # distinct shared prefixes, one drawn at random per request (e.g. per tenant or app)
 
 
 WORKLOADS = {
@@ -137,8 +137,10 @@ def make_prompts(workload: Workload, seed: int) -> list[list[int]]:
     low, high = PROMPT_TOKEN_RANGE
     prefixes = [rng.randint(low, high, size=workload.shared_prefix_tokens).tolist()
                 for _ in range(workload.prefix_groups)]
-    return [prefixes[i % len(prefixes)] + rng.randint(low, high, size=workload.prompt_tokens).tolist()
-            for i in range(workload.num_requests)]
+    # Random, not round-robin: round-robin with as many clients as prefixes makes each freed
+    # client send the prefix it just finished, which any least-loaded router keeps in place.
+    groups = np.random.RandomState(seed + 7919).randint(0, len(prefixes), size=workload.num_requests)
+    return [prefixes[g] + rng.randint(low, high, size=workload.prompt_tokens).tolist() for g in groups]
 
 
 def _headers(api_key: str | None) -> dict[str, str]:

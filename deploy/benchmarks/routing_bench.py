@@ -18,10 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 from typing import Any
 
 from deploy.benchmarks.http_bench import WORKLOADS, run_workload
 from deploy.benchmarks.local_serve import local_serve
+from deploy.benchmarks.prometheus_scrape import counter_by_label
+from deploy.config import PrefixRoutingSection
+
+DECISIONS = "ray_raylm_router_routing_decisions_total"
 
 
 def _snapshot(app: str) -> tuple[dict[str, int], dict[str, int]]:
@@ -33,7 +38,15 @@ def _snapshot(app: str) -> tuple[dict[str, int], dict[str, int]]:
     return totals, {rid: s["requests"] for rid, s in stats.items()}
 
 
-def run(workloads: list[str], kv_blocks: int, base_url: str) -> list[dict[str, Any]]:
+def _decisions(metrics_port: int) -> dict[str, float]:
+    """The prefix-aware router's replica choices so far, by reason (read after a 3 s settle:
+    processes report metrics every second)."""
+    time.sleep(3)
+    return counter_by_label(metrics_port, DECISIONS, "reason")
+
+
+def run(workloads: list[str], kv_blocks: int, base_url: str, metrics_port: int,
+        imbalance_threshold_tokens: int) -> list[dict[str, Any]]:
     from ray import serve
 
     from deploy.app_builder import build_application
@@ -47,14 +60,18 @@ def run(workloads: list[str], kv_blocks: int, base_url: str) -> list[dict[str, A
             "workers": {"num_replicas": 2, "num_cpus": 1},
             "engine": {"num_kv_blocks": kv_blocks, "max_num_seqs": 16, "max_num_batched_tokens": 512,
                        "num_scheduler_steps": 4, "compilation_cache_dir": "~/.cache/raylm/jax"},
-            "router": {"prefix_routing": {"enabled": enabled, "stats_period_s": 1.0}},
+            "router": {"prefix_routing": {"enabled": enabled, "stats_period_s": 1.0,
+                                          "imbalance_threshold_tokens": imbalance_threshold_tokens}},
         })
         serve.run(build_application(config), name=name, route_prefix=f"/{name}", blocking=False)
         base = f"{base_url}/{name}"
         for workload in workloads:
             before, before_replicas = _snapshot(name)
+            decisions_before = _decisions(metrics_port) if enabled else {}
             result = asyncio.run(run_workload(base, config.served_model_name, workload, warmup=2))
             after, after_replicas = _snapshot(name)
+            decisions = {reason: int(count - decisions_before.get(reason, 0))
+                         for reason, count in (_decisions(metrics_port) if enabled else {}).items()}
             queries = after["prefix_queries"] - before["prefix_queries"]
             hits = after["prefix_hits"] - before["prefix_hits"]
             rows.append({
@@ -64,6 +81,7 @@ def run(workloads: list[str], kv_blocks: int, base_url: str) -> list[dict[str, A
                 "output_tok_s": result.output_tok_s,
                 "ttft_ms_p50": 1000 * sorted(result.ttft_s)[len(result.ttft_s) // 2] if result.ttft_s else None,
                 "requests_per_replica": sorted(after_replicas[r] - before_replicas.get(r, 0) for r in after_replicas),
+                "decisions": {reason: n for reason, n in sorted(decisions.items()) if n},
                 "errors": result.errors,
             })
             print(json.dumps(rows[-1]), flush=True)
@@ -75,15 +93,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["multi-prefix", "shared-prefix"], choices=list(WORKLOADS))
     parser.add_argument("--kv-blocks", type=int, default=320, help="KV pool per replica (blocks of 16 tokens)")
+    parser.add_argument("--imbalance-threshold", type=int, default=PrefixRoutingSection().imbalance_threshold_tokens,
+                        help="router.prefix_routing.imbalance_threshold_tokens (default: the schema default)")
     parser.add_argument("--port", type=int, default=8010)
+    parser.add_argument("--metrics-port", type=int, default=8011, help="Ray's metrics endpoint (routing decisions)")
     args = parser.parse_args(argv)
-    with local_serve(args.port) as base_url:
-        rows = run(args.workloads, args.kv_blocks, base_url)
-    print(f"\n{'workload':<14} {'routing':<13} {'hit rate':>9} {'output tok/s':>13} {'TTFT p50 ms':>12}  requests/replica")
+    with local_serve(args.port, metrics_port=args.metrics_port) as base_url:
+        rows = run(args.workloads, args.kv_blocks, base_url, args.metrics_port, args.imbalance_threshold)
+    print(f"\n{'workload':<14} {'routing':<13} {'hit rate':>9} {'output tok/s':>13} {'TTFT p50 ms':>12}  "
+          "requests/replica  decisions")
     for row in rows:
         ttft = f"{row['ttft_ms_p50']:.0f}" if row["ttft_ms_p50"] is not None else "-"
+        decisions = ", ".join(f"{reason} {n}" for reason, n in row["decisions"].items()) or "-"
         print(f"{row['workload']:<14} {row['routing']:<13} {row['hit_rate']:>9.1%} {row['output_tok_s']:>13.1f} "
-              f"{ttft:>12}  {row['requests_per_replica']}")
+              f"{ttft:>12}  {str(row['requests_per_replica']):<16}  {decisions}")
     for workload in args.workloads:
         pair = {r["routing"]: r for r in rows if r["workload"] == workload}
         a, b = pair["prefix-aware"], pair["power-of-two"]
