@@ -7,9 +7,10 @@ prompts it sent where (immediate, so a burst sharing a prefix sticks to one repl
 the next stats report). Load is the larger of the replica's reported queued + running tokens
 and the tokens this router has in flight there, charged the moment the replica is chosen.
 
-Requests are matched to replicas by id, not first in first out (no ``FIFOMixin``): a replica
-chosen for one prompt's prefix must serve that prompt. Ordering between requests is the
-router's own queue's job (priority classes, tenant fairness), done before Serve sees them.
+Serve hands each chosen replica to the oldest waiting request (``FIFOMixin``), which is not
+always the one it was chosen for when several wait at once. Matching by request id instead
+would hang: the calls one HTTP request fans out to (several prompts, ``n``) share Serve's
+internal request id. The ledger follows what was actually accepted, so loads stay right.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from __future__ import annotations
 import random
 from typing import Any, List, Optional
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.prefix_policy import ReplicaView, choose_replica, matched_prefix
 from router.routing_ledger import RoutingLedger
 from workers.replica_protocol import GenerateRequest
 
 
-class PrefixAwareRequestRouter(RequestRouter):
+class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, imbalance_threshold_tokens: int = 2048, max_tracked_blocks: int = 200_000,
                          model: str = "", seed: int | None = None) -> None:
         self.imbalance_threshold_tokens = imbalance_threshold_tokens
@@ -46,7 +47,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         views = [ReplicaView(r.replica_id, self._load(r), self._matched(r, hashes)) for r in candidate_replicas]
         ranked, reason = choose_replica(views, self.imbalance_threshold_tokens, self.rng)
         if request is not None:
-            self.ledger.choose(pending_request.metadata.internal_request_id, ranked[0], _tokens(request), hashes, reason)
+            self.ledger.choose(pending_request.metadata.internal_request_id, ranked[0], _tokens(request), hashes, reason,
+                               cancelled=lambda: pending_request.future.cancelled())
         return [[by_id[ranked[0]]], [by_id[r] for r in ranked[1:]]] if len(ranked) > 1 else [[by_id[ranked[0]]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

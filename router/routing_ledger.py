@@ -6,8 +6,8 @@ when a replica accepts it (``on_request_routed``, one actor round trip later) an
 completes. Charging load only on acceptance lets a burst of choices made within those few
 milliseconds all see the same loads and pile onto one replica, so a choice is charged at
 once, moved if the request lands on another replica, and released on completion. A request
-cancelled before any replica accepted it gets no completion call: its charge expires after
-``pending_ttl_s``.
+cancelled before any replica accepted it gets no completion call: its charge is released at
+the next choice once ``cancelled()`` says so, and in any case after ``pending_ttl_s``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class Charge:
     reason: str  # why the policy chose this replica
     since: float
     accepted: bool = False
+    cancelled: Callable[[], bool] = lambda: False
 
 
 class RoutingLedger:
@@ -39,11 +40,12 @@ class RoutingLedger:
         self._sent: collections.OrderedDict[int, set[Hashable]] = collections.OrderedDict()  # LRU
 
     # -- events --------------------------------------------------------------------------------------
-    def choose(self, request_id: str, replica: Hashable, tokens: int, block_hashes: Sequence[int], reason: str) -> None:
+    def choose(self, request_id: str, replica: Hashable, tokens: int, block_hashes: Sequence[int], reason: str,
+               cancelled: Callable[[], bool] = lambda: False) -> None:
         """The policy picked ``replica``: charge it now and remember it holds the prompt's blocks."""
         self._expire_pending()
         self.release(request_id)  # a retried choice replaces the earlier one
-        self._charges[request_id] = Charge(replica, tokens, reason, self.clock())
+        self._charges[request_id] = Charge(replica, tokens, reason, self.clock(), cancelled=cancelled)
         self._pending[request_id] = self.clock()
         self._load[replica] += tokens
         self._record_blocks(replica, block_hashes)
@@ -112,8 +114,6 @@ class RoutingLedger:
 
     def _expire_pending(self) -> None:
         deadline = self.clock() - self.pending_ttl_s
-        while self._pending:
-            request_id, since = next(iter(self._pending.items()))
-            if since > deadline:
-                break
-            self.release(request_id)
+        for request_id, since in list(self._pending.items()):
+            if since <= deadline or self._charges[request_id].cancelled():
+                self.release(request_id)

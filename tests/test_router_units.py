@@ -248,6 +248,17 @@ def test_choices_never_accepted_expire_and_accepted_ones_do_not():
     assert (ledger.load("a"), ledger.load("b"), ledger.in_flight()) == (50, 10, 2)
 
 
+def test_a_choice_cancelled_while_routing_is_released_at_the_next_choice():
+    gone = [False]
+    ledger = RoutingLedger()
+    ledger.choose("disconnected", "a", 100, [], "no_prefix", cancelled=lambda: gone[0])
+    ledger.choose("other", "b", 10, [], "no_prefix")
+    assert ledger.load("a") == 100
+    gone[0] = True
+    ledger.choose("next", "b", 10, [], "no_prefix")
+    assert (ledger.load("a"), ledger.in_flight()) == (0, 2)
+
+
 def test_a_dead_replica_is_forgotten():
     ledger = RoutingLedger()
     ledger.choose("r1", "a", 100, [1, 2], "no_prefix")
