@@ -23,6 +23,13 @@ def replica_actor_names(app_name: str, deployment: str) -> list[str]:
     )
 
 
+def running_replicas(app_name: str = "raylm", deployment: str = "LLMWorker") -> int:
+    """How many of the deployment's replicas Serve reports RUNNING."""
+    from ray import serve
+
+    return serve.status().applications[app_name].deployments[deployment].replica_states.get("RUNNING", 0)
+
+
 def replica_stats(app_name: str = "raylm", deployment: str = "LLMWorker", timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
     """``{replica id: routing stats}`` for each live replica (replicas that fail to answer are left out)."""
     names = replica_actor_names(app_name, deployment)

@@ -23,8 +23,6 @@ class Charge:
     replica: Hashable
     tokens: int
     reason: str  # why the policy chose this replica
-    since: float
-    accepted: bool = False
     cancelled: Callable[[], bool] = lambda: False
 
 
@@ -35,7 +33,7 @@ class RoutingLedger:
         self.pending_ttl_s = pending_ttl_s
         self.clock = clock
         self._charges: dict[str, Charge] = {}
-        self._pending: collections.OrderedDict[str, float] = collections.OrderedDict()  # oldest first
+        self._pending: dict[str, float] = {}  # chosen, not yet accepted: when it was chosen
         self._load: collections.Counter[Hashable] = collections.Counter()
         self._sent: collections.OrderedDict[int, set[Hashable]] = collections.OrderedDict()  # LRU
 
@@ -45,7 +43,7 @@ class RoutingLedger:
         """The policy picked ``replica``: charge it now and remember it holds the prompt's blocks."""
         self._expire_pending()
         self.release(request_id)  # a retried choice replaces the earlier one
-        self._charges[request_id] = Charge(replica, tokens, reason, self.clock(), cancelled=cancelled)
+        self._charges[request_id] = Charge(replica, tokens, reason, cancelled)
         self._pending[request_id] = self.clock()
         self._load[replica] += tokens
         self._record_blocks(replica, block_hashes)
@@ -55,13 +53,12 @@ class RoutingLedger:
         self._pending.pop(request_id, None)
         charge = self._charges.get(request_id)
         if charge is None:  # chosen without the policy (or the charge expired): charge it now
-            charge = self._charges[request_id] = Charge(replica, tokens, "fallback", self.clock())
+            charge = self._charges[request_id] = Charge(replica, tokens, "fallback")
             self._load[replica] += tokens
         chosen, reason = charge.replica, charge.reason
         if chosen != replica:
             self._move(charge, replica)
             self._record_blocks(replica, block_hashes)
-        charge.accepted = True
         return chosen, reason
 
     def release(self, request_id: str) -> None:

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from cluster.replicas import replica_stats
+from cluster.replicas import replica_stats, running_replicas
 from deploy.cli import main
 from tests.serving import TEST_DEPLOY
 
@@ -35,13 +35,6 @@ def test_profile_writes_a_jax_trace(raylm_app, tmp_path, capsys):
     assert list(tmp_path.rglob("*.xplane.pb")), list(tmp_path.rglob("*"))
 
 
-def _worker_replicas(app: str) -> int:
-    from ray import serve
-
-    status = serve.status().applications[app].deployments["LLMWorker"]
-    return status.replica_states.get("RUNNING", 0)
-
-
 def test_llm_autoscaling_policy_scales_up_under_load_and_back_down(serve_cluster):
     app = serve_cluster.deploy({
         "name": "autoscale",
@@ -52,7 +45,7 @@ def test_llm_autoscaling_policy_scales_up_under_load_and_back_down(serve_cluster
         "engine": {**TEST_DEPLOY["engine"], "num_kv_blocks": 128, "max_num_seqs": 2, "max_model_len": 256},
     }, route_prefix="/autoscale")
     try:
-        assert _worker_replicas("autoscale") == 1
+        assert running_replicas("autoscale") == 1
         statuses: list[int] = []
         stop = asyncio.Event()
 
@@ -84,7 +77,7 @@ def test_llm_autoscaling_policy_scales_up_under_load_and_back_down(serve_cluster
         scale_up_s = asyncio.run(scenario())
         print(f"second replica serving {scale_up_s:.1f} s after the load started")
         deadline = time.monotonic() + 120
-        while _worker_replicas("autoscale") != 1:
+        while running_replicas("autoscale") != 1:
             assert time.monotonic() < deadline, "did not scale back down"
             time.sleep(1)
         assert statuses and all(s == 200 for s in statuses), sorted(set(statuses))

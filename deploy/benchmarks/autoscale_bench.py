@@ -44,7 +44,7 @@ class Answer:
 
 @dataclasses.dataclass
 class Timeline:
-    """Seconds since the load started (``load_drop_s``: since the drop) of each scaling event."""
+    """Seconds from the load start to each scale-up event, and from the load drop to one replica."""
 
     second_running_s: float | None = None
     second_serving_s: float | None = None
@@ -63,12 +63,6 @@ def autoscaled(config: DeployConfig, args: argparse.Namespace) -> DeployConfig:
     raw["engine"]["max_num_seqs"] = args.max_num_seqs
     raw["route_prefix"] = "/"
     return parse_deploy_config(raw)
-
-
-def running_replicas(app: str) -> int:
-    from ray import serve
-
-    return serve.status().applications[app].deployments[WORKER].replica_states.get("RUNNING", 0)
 
 
 def served_requests(app: str) -> dict[str, int]:
@@ -108,6 +102,8 @@ class LoadGenerator:
 
 
 async def scenario(app: str, base_url: str, model: str, args: argparse.Namespace) -> tuple[Timeline, dict[str, float]]:
+    from cluster.replicas import running_replicas  # imports ray: only once local_serve set its environment
+
     load = LoadGenerator(base_url, model, args)
     timeline = Timeline()
     phase_seconds: dict[str, float] = {}
@@ -116,7 +112,7 @@ async def scenario(app: str, base_url: str, model: str, args: argparse.Namespace
     task = asyncio.create_task(load.run())
     try:
         while timeline.second_serving_s is None:
-            running = await asyncio.to_thread(running_replicas, app)
+            running = await asyncio.to_thread(running_replicas, app, WORKER)
             if running >= 2 and timeline.second_running_s is None:
                 timeline.second_running_s = time.monotonic() - started
             served = await asyncio.to_thread(served_requests, app)
@@ -131,7 +127,7 @@ async def scenario(app: str, base_url: str, model: str, args: argparse.Namespace
         phase_seconds["hold"] = args.hold_s
         load.phase, load.active_clients = "scale-down", 1
         dropped = time.monotonic()
-        while await asyncio.to_thread(running_replicas, app) > 1:
+        while await asyncio.to_thread(running_replicas, app, WORKER) > 1:
             if time.monotonic() - dropped > args.timeout_s:
                 raise TimeoutError(f"not back to one replica within {args.timeout_s} s")
             await asyncio.sleep(0.5)
