@@ -50,6 +50,10 @@ def build_application(config: DeployConfig) -> Application:
         router_config.update(
             request_router_class=PrefixAwareRequestRouter,
             request_router_kwargs={"imbalance_threshold_tokens": routing.imbalance_threshold_tokens,
+                                   # a completed prompt shows in the replica's report within a period
+                                   # or two; until then the router's own record says where it went
+                                   "report_grace_s": 2 * routing.stats_period_s + 1.0,
+                                   "block_size": engine_args.block_size,
                                    "model": config.served_model_name},
         )
     worker = LLMWorker.options(

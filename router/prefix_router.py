@@ -4,13 +4,14 @@ holding the prompt's prefix in its KV cache.
 What a replica holds comes from two sources: its routing stats (the hashes of its cached
 blocks, refreshed every ``request_routing_stats_period_s``) and this router's ledger of which
 prompts it sent where (immediate, so a burst sharing a prefix sticks to one replica before
-the next stats report). Load is the larger of the replica's reported queued + running tokens
-and the tokens this router has in flight there, charged the moment the replica is chosen.
+the next stats report; kept only until the reports can show it, so evictions are seen).
 
-Serve hands each chosen replica to the oldest waiting request (``FIFOMixin``), which is not
-always the one it was chosen for when several wait at once. Matching by request id instead
-would hang: the calls one HTTP request fans out to (several prompts, ``n``) share Serve's
-internal request id. The ledger follows what was actually accepted, so loads stay right.
+Load is work left in tokens: prompt tokens not yet computed (a cached prefix is free) plus
+the outputs ``max_tokens`` still allows. It is the larger of what the replica reports and
+what this router has in flight there, charged the moment the replica is chosen.
+
+Each chosen replica goes to the request it was chosen for (``OwnChoiceMixin``), and the
+ledger follows what was actually accepted, so loads stay right when a replica refuses one.
 """
 
 from __future__ import annotations
@@ -18,19 +19,23 @@ from __future__ import annotations
 import random
 from typing import Any, List, Optional
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from router.own_choice_mixin import OwnChoiceMixin
 
 from router.prefix_policy import ReplicaView, choose_replica, matched_prefix
 from router.routing_ledger import RoutingLedger
 from workers.replica_protocol import GenerateRequest
 
 
-class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
+class PrefixAwareRequestRouter(OwnChoiceMixin, RequestRouter):
     def initialize_state(self, imbalance_threshold_tokens: int = 2048, max_tracked_blocks: int = 200_000,
-                         model: str = "", seed: int | None = None) -> None:
+                         report_grace_s: float = 3.0, block_size: int = 16, model: str = "",
+                         seed: int | None = None) -> None:
         self.imbalance_threshold_tokens = imbalance_threshold_tokens
+        self.block_size = block_size
         self.rng = random.Random(seed)
-        self.ledger = RoutingLedger(max_tracked_blocks)
+        self.ledger = RoutingLedger(max_tracked_blocks, report_grace_s=report_grace_s)
         self._reported: dict[ReplicaID, tuple[list[int], frozenset[int]]] = {}
         from cluster.metrics import RouterMetrics
 
@@ -45,10 +50,13 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
         hashes = request.block_hashes if request is not None else []
         by_id = {r.replica_id: r for r in candidate_replicas}
         views = [ReplicaView(r.replica_id, self._load(r), self._matched(r, hashes)) for r in candidate_replicas]
-        ranked, reason = choose_replica(views, self.imbalance_threshold_tokens, self.rng)
+        ranked, reason = choose_replica(views, self.imbalance_threshold_tokens, self.rng,
+                                        affinity_key=hashes[0] if hashes else None)
+        self.note_choice_for(pending_request)
         if request is not None:
-            self.ledger.choose(pending_request.metadata.internal_request_id, ranked[0], _tokens(request), hashes, reason,
-                               cancelled=lambda: pending_request.future.cancelled())
+            cached = next(v.matched_blocks for v in views if v.replica_id == ranked[0]) * self.block_size
+            self.ledger.choose(pending_request.metadata.internal_request_id, ranked[0], _work(request, cached), hashes,
+                               reason, cancelled=lambda: pending_request.future.cancelled(), ticket=id(pending_request))
         return [[by_id[ranked[0]]], [by_id[r] for r in ranked[1:]]] if len(ranked) > 1 else [[by_id[ranked[0]]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
@@ -56,11 +64,11 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
         if request is None:
             return
         chosen, reason = self.ledger.accepted(pending_request.metadata.internal_request_id, replica_id,
-                                              _tokens(request), request.block_hashes)
+                                              _work(request, 0), request.block_hashes, ticket=id(pending_request))
         self.metrics.routing_decision(reason if chosen == replica_id else "fallback")
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.ledger.release(internal_request_id)
+        self.ledger.release(internal_request_id, replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -69,8 +77,7 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
 
     # -- inputs of the policy ---------------------------------------------------------------------------
     def _load(self, replica: RunningReplica) -> int:
-        stats = replica.routing_stats or {}
-        reported = int(stats.get("waiting_tokens", 0)) + int(stats.get("running_tokens", 0))
+        reported = int((replica.routing_stats or {}).get("work_tokens", 0))
         return max(reported, self.ledger.load(replica.replica_id))
 
     def _matched(self, replica: RunningReplica, hashes: list[int]) -> int:
@@ -90,9 +97,11 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
         return cached[1]
 
 
-def _tokens(request: GenerateRequest) -> int:
-    """What the request can add to a replica's load: its prompt and all the tokens it may generate."""
-    return len(request.prompt_token_ids) + (request.params.max_tokens or 0) * request.params.n
+def _work(request: GenerateRequest, cached_tokens: int) -> int:
+    """What the request can add to a replica's load: the prompt tokens the replica does not hold
+    and every token it may generate (as the replicas count their ``work_tokens``)."""
+    uncached = max(0, len(request.prompt_token_ids) - cached_tokens)
+    return uncached + (request.params.max_tokens or 0) * request.params.n
 
 
 def _generate_request(pending_request: Optional[PendingRequest]) -> GenerateRequest | None:

@@ -1,6 +1,12 @@
 """What this router has sent where: tokens in flight per replica, and the prompt blocks each
 replica was sent (so it holds, or is computing, them).
 
+The replicas' own reports (their cached block hashes, every stats period) are the truth about
+what they hold, but lag by up to a period and show a prompt's blocks only once computed; the
+sent record covers that gap. It counts a block as held while a request carrying it is in
+flight there and for ``report_grace_s`` after, then leaves it to the reports: a replica that
+once got a prompt on a detour and has since evicted it must not keep attracting that prefix.
+
 Serve tells a ``RequestRouter`` about a request three times: when it chooses replicas for it,
 when a replica accepts it (``on_request_routed``, one actor round trip later) and when it
 completes. Charging load only on acceptance lets a burst of choices made within those few
@@ -20,59 +26,87 @@ from typing import Callable, Hashable, Sequence
 
 @dataclasses.dataclass
 class Charge:
+    request_id: str
     replica: Hashable
     tokens: int
     reason: str  # why the policy chose this replica
+    block_hashes: Sequence[int] = ()
+    chosen_at: float = 0.0
     cancelled: Callable[[], bool] = lambda: False
 
 
+@dataclasses.dataclass
+class _Held:
+    """One replica's claim on one block in the sent record."""
+
+    in_flight: int = 0  # requests carrying the block that are chosen for or running there
+    released_at: float = float("-inf")  # when the last of them completed
+
+
 class RoutingLedger:
-    def __init__(self, max_tracked_blocks: int = 200_000, pending_ttl_s: float = 30.0,
+    """Charges are keyed by a ticket per routed call while pending, then by Serve's request id:
+    the calls one HTTP request fans out to (several prompts, ``n``) share that id, and its
+    completion callback names only the id and the replica, so each sibling keeps its own charge
+    and a completion releases one of them on that replica."""
+
+    def __init__(self, max_tracked_blocks: int = 200_000, pending_ttl_s: float = 30.0, report_grace_s: float = 3.0,
                  clock: Callable[[], float] = time.monotonic):
         self.max_tracked_blocks = max_tracked_blocks
         self.pending_ttl_s = pending_ttl_s
+        self.report_grace_s = report_grace_s
         self.clock = clock
-        self._charges: dict[str, Charge] = {}
-        self._pending: dict[str, float] = {}  # chosen, not yet accepted: when it was chosen
+        self._pending: dict[Hashable, Charge] = {}  # ticket -> chosen, not yet accepted
+        self._accepted: dict[str, list[Charge]] = {}  # request id -> running calls
         self._load: collections.Counter[Hashable] = collections.Counter()
-        self._sent: collections.OrderedDict[int, set[Hashable]] = collections.OrderedDict()  # LRU
+        self._sent: collections.OrderedDict[int, dict[Hashable, _Held]] = collections.OrderedDict()  # LRU
 
     # -- events --------------------------------------------------------------------------------------
     def choose(self, request_id: str, replica: Hashable, tokens: int, block_hashes: Sequence[int], reason: str,
-               cancelled: Callable[[], bool] = lambda: False) -> None:
-        """The policy picked ``replica``: charge it now and remember it holds the prompt's blocks."""
+               cancelled: Callable[[], bool] = lambda: False, ticket: Hashable = None) -> None:
+        """The policy picked ``replica``: charge it now and remember it holds the prompt's blocks.
+        ``ticket`` names this call (default: the request id); a retried choice replaces the earlier one."""
         self._expire_pending()
-        self.release(request_id)  # a retried choice replaces the earlier one
-        self._charges[request_id] = Charge(replica, tokens, reason, cancelled)
-        self._pending[request_id] = self.clock()
-        self._load[replica] += tokens
-        self._record_blocks(replica, block_hashes)
+        ticket = request_id if ticket is None else ticket
+        self._drop_pending(ticket)
+        self._pending[ticket] = Charge(request_id, replica, tokens, reason, block_hashes, self.clock(), cancelled)
+        self._charge(replica, tokens, block_hashes)
 
-    def accepted(self, request_id: str, replica: Hashable, tokens: int, block_hashes: Sequence[int]) -> tuple[Hashable, str]:
-        """``replica`` accepted the request; returns the replica the policy chose and why."""
-        self._pending.pop(request_id, None)
-        charge = self._charges.get(request_id)
+    def accepted(self, request_id: str, replica: Hashable, tokens: int, block_hashes: Sequence[int],
+                 ticket: Hashable = None) -> tuple[Hashable, str]:
+        """``replica`` accepted the call; returns the replica the policy chose and why."""
+        charge = self._pending.pop(request_id if ticket is None else ticket, None)
         if charge is None:  # chosen without the policy (or the charge expired): charge it now
-            charge = self._charges[request_id] = Charge(replica, tokens, "fallback")
-            self._load[replica] += tokens
+            charge = Charge(request_id, replica, tokens, "fallback", block_hashes)
+            self._charge(replica, tokens, block_hashes)
         chosen, reason = charge.replica, charge.reason
         if chosen != replica:
-            self._move(charge, replica)
-            self._record_blocks(replica, block_hashes)
+            self._discharge(charge, ran=False)
+            charge.replica = replica
+            self._charge(replica, charge.tokens, charge.block_hashes)
+        self._accepted.setdefault(request_id, []).append(charge)
         return chosen, reason
 
-    def release(self, request_id: str) -> None:
-        """The request completed (or was cancelled): its tokens no longer load the replica."""
-        self._pending.pop(request_id, None)
-        charge = self._charges.pop(request_id, None)
-        if charge is not None:
-            self._discharge(charge.replica, charge.tokens)
+    def release(self, request_id: str, replica: Hashable = None) -> None:
+        """A call of the request completed on ``replica`` (any, if None): its tokens no longer load it."""
+        charges = self._accepted.get(request_id)
+        if not charges:
+            return
+        index = next((i for i, c in enumerate(charges) if replica is None or c.replica == replica), None)
+        if index is None:
+            return
+        charge = charges.pop(index)
+        if not charges:
+            del self._accepted[request_id]
+        self._discharge(charge)
 
     def forget_replica(self, replica: Hashable) -> None:
-        for owners in self._sent.values():
-            owners.discard(replica)
-        for request_id in [rid for rid, c in self._charges.items() if c.replica == replica]:
-            self.release(request_id)
+        for holders in self._sent.values():
+            holders.pop(replica, None)
+        for ticket in [t for t, c in self._pending.items() if c.replica == replica]:
+            self._drop_pending(ticket)
+        for request_id in list(self._accepted):
+            while any(c.replica == replica for c in self._accepted.get(request_id, ())):
+                self.release(request_id, replica)
 
     # -- queries -------------------------------------------------------------------------------------
     def load(self, replica: Hashable) -> int:
@@ -80,37 +114,51 @@ class RoutingLedger:
         return self._load.get(replica, 0)
 
     def matched_blocks(self, replica: Hashable, block_hashes: Sequence[int]) -> int:
-        """Leading prompt blocks this router sent to ``replica`` (a chain: stops at the first miss)."""
+        """Leading prompt blocks this router sent to ``replica`` recently enough that its reports
+        may not show them yet (a chain: stops at the first miss)."""
+        recent = self.clock() - self.report_grace_s
         count = 0
         for block_hash in block_hashes:
-            if replica not in self._sent.get(block_hash, ()):
+            held = self._sent.get(block_hash, {}).get(replica)
+            if held is None or (held.in_flight == 0 and held.released_at < recent):
                 break
             count += 1
         return count
 
     def in_flight(self) -> int:
-        return len(self._charges)
+        """Calls chosen or running."""
+        return len(self._pending) + sum(len(charges) for charges in self._accepted.values())
 
     # -- bookkeeping ---------------------------------------------------------------------------------
-    def _record_blocks(self, replica: Hashable, block_hashes: Sequence[int]) -> None:
+    def _charge(self, replica: Hashable, tokens: int, block_hashes: Sequence[int]) -> None:
+        self._load[replica] += tokens
         for block_hash in block_hashes:
-            self._sent.setdefault(block_hash, set()).add(replica)
+            holders = self._sent.setdefault(block_hash, {})
+            holders.setdefault(replica, _Held()).in_flight += 1
             self._sent.move_to_end(block_hash)
         while len(self._sent) > self.max_tracked_blocks:
             self._sent.popitem(last=False)
 
-    def _move(self, charge: Charge, replica: Hashable) -> None:
-        self._discharge(charge.replica, charge.tokens)
-        charge.replica = replica
-        self._load[replica] += charge.tokens
+    def _discharge(self, charge: Charge, ran: bool = True) -> None:
+        """Take ``charge`` off its replica; ``ran``: the replica may have computed its blocks."""
+        self._load[charge.replica] -= charge.tokens
+        if self._load[charge.replica] <= 0:
+            del self._load[charge.replica]
+        now = self.clock()
+        for block_hash in charge.block_hashes:
+            held = self._sent.get(block_hash, {}).get(charge.replica)
+            if held is not None and held.in_flight > 0:
+                held.in_flight -= 1
+                if ran:
+                    held.released_at = now
 
-    def _discharge(self, replica: Hashable, tokens: int) -> None:
-        self._load[replica] -= tokens
-        if self._load[replica] <= 0:
-            del self._load[replica]
+    def _drop_pending(self, ticket: Hashable) -> None:
+        charge = self._pending.pop(ticket, None)
+        if charge is not None:
+            self._discharge(charge)
 
     def _expire_pending(self) -> None:
         deadline = self.clock() - self.pending_ttl_s
-        for request_id, since in list(self._pending.items()):
-            if since <= deadline or self._charges[request_id].cancelled():
-                self.release(request_id)
+        for ticket, charge in list(self._pending.items()):
+            if charge.chosen_at <= deadline or charge.cancelled():
+                self._drop_pending(ticket)

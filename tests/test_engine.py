@@ -222,3 +222,15 @@ def test_priority_policy_preempts_lower_priority(tiny, workload, policy):
                 finished[out.request_id] = out.outputs[0].token_ids
     # Preempted requests recompute and still produce exactly the reference tokens.
     assert finished == {"low8": expected[8], "low9": expected[9], "high": expected[10]}
+
+
+def test_work_tokens_count_what_is_left_to_compute_and_generate(tiny, workload):
+    prompts, _ = workload
+    engine = LLM(tiny, max_model_len=512, num_kv_blocks=64).engine
+    engine.add_request("a", prompts[5][:80], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert engine.stats()["work_tokens"] == 80 + 10  # waiting: the whole prompt and output budget
+    engine.step()  # the prompt is computed and the first token sampled
+    assert engine.stats()["work_tokens"] == 1 + 9  # the sampled token's K/V, and 9 outputs left
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["work_tokens"] == 0

@@ -10,8 +10,10 @@ import pytest
 from router.admission import AdmissionController
 from router.auth import Authenticator, parse_api_keys
 from router.errors import OpenAIError
+from router.own_choice_mixin import OwnChoiceMixin
 from router.fair_queue import FairQueue, QueuedRequest, QueueFullError
-from router.prefix_policy import LOAD_IMBALANCE, NO_PREFIX, PREFIX_HIT, ReplicaView, choose_replica, matched_prefix
+from router.prefix_policy import (LOAD_IMBALANCE, NO_PREFIX, PREFIX_HIT, ReplicaView, choose_replica, home_rank,
+                                  matched_prefix)
 from router.rate_limit import RateLimiter
 from router.routing_ledger import RoutingLedger
 
@@ -188,6 +190,21 @@ def test_replica_choice_prefers_prefix_until_the_load_gap_is_too_big():
     assert choose_replica([ReplicaView("a", 5, 0), ReplicaView("b", 1, 0)], 500, rng) == (["b", "a"], NO_PREFIX)
     longest = [ReplicaView("a", 0, 2), ReplicaView("b", 10, 5), ReplicaView("c", 20, 5)]
     assert choose_replica(longest, 100, rng)[0][0] == "b"  # longest match, then least load
+    assert choose_replica(longest, 15, rng)[0][0] == "b"  # "c" holds it too, but is too busy
+
+
+def test_a_prefix_held_by_several_replicas_goes_home_whatever_their_loads():
+    rng = random.Random(0)
+    homes = set()
+    for key in range(40):
+        home = max("abc", key=lambda r: home_rank(key, r))
+        homes.add(home)
+        views = [ReplicaView(r, 50 if r == home else 0, 4) for r in "abc"]
+        assert choose_replica(views, 100, rng, affinity_key=key) == ([home, *sorted(set("abc") - {home})], PREFIX_HIT)
+        busy_home = [ReplicaView(r, 500 if r == home else 0, 4) for r in "abc"]
+        ranked, reason = choose_replica(busy_home, 100, rng, affinity_key=key)
+        assert ranked[0] != home and reason == PREFIX_HIT  # another holder, within the threshold
+    assert homes == set("abc")  # prefixes spread over the replicas
 
 
 def test_power_of_two_choices_never_picks_the_busiest_of_three():
@@ -266,8 +283,85 @@ def test_a_dead_replica_is_forgotten():
     assert (ledger.load("a"), ledger.matched_blocks("a", [1, 2]), ledger.in_flight()) == (0, 0, 0)
 
 
+def test_sent_blocks_count_while_in_flight_then_for_a_grace_period_then_reports_decide():
+    now = [0.0]
+    ledger = RoutingLedger(report_grace_s=3, clock=lambda: now[0])
+    ledger.choose("r1", "a", 10, [1, 2], "no_prefix")
+    ledger.accepted("r1", "a", 10, [1, 2])
+    now[0] = 100.0
+    assert ledger.matched_blocks("a", [1, 2, 3]) == 2  # still running there, however long
+    ledger.release("r1", "a")
+    now[0] = 102.0
+    assert ledger.matched_blocks("a", [1, 2]) == 2  # done, but the next report may not show it yet
+    now[0] = 104.0
+    assert ledger.matched_blocks("a", [1, 2]) == 0  # from here on the replica's own report says
+    ledger.choose("r2", "b", 10, [1, 2], "no_prefix")
+    ledger.accepted("r2", "a", 10, [1, 2])  # "b" refused it: it never computed the blocks
+    ledger.release("r2", "a")
+    assert ledger.matched_blocks("b", [1]) == 0 and ledger.matched_blocks("a", [1]) == 1
+
+
 def test_the_block_record_is_bounded_oldest_first():
     ledger = RoutingLedger(max_tracked_blocks=3)
     ledger.choose("r1", "a", 1, [1, 2, 3], "no_prefix")
     ledger.choose("r2", "a", 1, [4], "no_prefix")
     assert ledger.matched_blocks("a", [1]) == 0 and ledger.matched_blocks("a", [2, 3, 4]) == 3
+
+
+def test_calls_fanned_out_from_one_request_each_carry_their_own_charge():
+    ledger = RoutingLedger()
+    for ticket, replica in ((1, "a"), (2, "a"), (3, "b")):  # three prompts of one HTTP request
+        ledger.choose("req", replica, 100, [], "no_prefix", ticket=ticket)
+    for ticket, replica in ((1, "a"), (2, "b"), (3, "b")):
+        ledger.accepted("req", replica, 100, [], ticket=ticket)
+    assert (ledger.load("a"), ledger.load("b"), ledger.in_flight()) == (100, 200, 3)
+    ledger.release("req", "b")
+    assert (ledger.load("a"), ledger.load("b"), ledger.in_flight()) == (100, 100, 2)
+    ledger.release("req", "a")
+    ledger.release("req", "a")  # nothing of it left on "a": harmless
+    assert (ledger.load("a"), ledger.load("b"), ledger.in_flight()) == (0, 100, 1)
+
+
+class _Pending:
+    def __init__(self, name: str):
+        self.name, self.created_at, self.future = name, 0.0, asyncio.get_running_loop().create_future()
+
+
+class _FakeRouterBase:
+    """What ``FIFOMixin`` expects of the ``RequestRouter`` it is composed with."""
+
+    def __init__(self, pending: list[_Pending]):
+        import collections
+
+        self._pending_requests_to_fulfill = collections.deque(pending)
+
+    def _record_queue_wait_time(self, pending_request) -> None:
+        pass
+
+    def _remove_pending_request_from_indices(self, pending_request) -> None:
+        pass
+
+    def _cancel_routing_task_for_pending_request(self, pending_request) -> None:
+        pass
+
+
+class _OwnChoiceRouter(OwnChoiceMixin, _FakeRouterBase):
+    pass
+
+
+def test_a_replica_goes_to_the_request_it_was_chosen_for_not_the_oldest():
+    async def scenario() -> dict[str, str]:
+        oldest, newer, orphan = _Pending("oldest"), _Pending("newer"), _Pending("orphan")
+        router = _OwnChoiceRouter([oldest, newer, orphan])
+
+        async def routing_task(pending: _Pending, replica: str, delay: float) -> None:
+            router.note_choice_for(pending)
+            await asyncio.sleep(delay)
+            router._fulfill_next_pending_request(replica)
+
+        await asyncio.gather(routing_task(oldest, "replica-a", 0.02), routing_task(newer, "replica-b", 0.0))
+        orphan.future.cancel()
+        router._fulfill_next_pending_request("replica-c")  # no choice noted here: FIFO, skipping the cancelled
+        return {p.name: p.future.result() for p in (oldest, newer)}
+
+    assert asyncio.run(scenario()) == {"oldest": "replica-a", "newer": "replica-b"}

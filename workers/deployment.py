@@ -120,6 +120,7 @@ class LLMWorker:
             "waiting": stats["waiting"],
             "running_tokens": stats["tokens_stored"],
             "waiting_tokens": stats["waiting_tokens"],
+            "work_tokens": stats["work_tokens"],
             "kv_usage": stats["usage"],
             "num_used_blocks": stats["num_used_blocks"],
             "num_usable_blocks": stats["num_usable_blocks"],

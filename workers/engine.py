@@ -224,6 +224,11 @@ class LLMEngine:
             self.blocks.commit_computed_blocks(seq)
 
     # -- introspection -----------------------------------------------------------------------------------
+    def _work_tokens(self) -> int:
+        """The load a router compares replicas by: work left, not tokens already held in the cache
+        (a request whose long prompt was a cache hit costs little more than its outputs)."""
+        return sum(_remaining_work(s) for s in (*self.scheduler.running, *self.scheduler.waiting))
+
     def stats(self) -> dict[str, float]:
         """Pool, queue and token counters (what the router and the metrics read)."""
         pool = self.pool.stats()
@@ -235,11 +240,19 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             # Prompt work queued here (preempted sequences recompute their outputs too).
             "waiting_tokens": sum(len(s.prompt_ids) + len(s.output_ids) for s in self.scheduler.waiting),
+            "work_tokens": self._work_tokens(),
             "num_preemptions": self.scheduler.num_preemptions,
             "requests": self.num_requests,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generated_tokens,
         }
+
+
+def _remaining_work(seq: Sequence) -> int:
+    """Tokens ``seq`` may still cost: those not computed yet (a waiting prompt counts whole: what
+    the cache holds of it is known only at admission) and the outputs its ``max_tokens`` still
+    allows (an upper bound: it may stop sooner)."""
+    return seq.num_uncomputed_tokens + max(0, seq.max_tokens - len(seq.output_ids))
 
 
 def make_engine(model: str | LoadedModel, **engine_args) -> LLMEngine:
