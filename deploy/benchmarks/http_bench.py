@@ -60,8 +60,8 @@ WORKLOADS = {
         Workload("throughput", num_requests=64, concurrency=16),
         Workload("high-concurrency", num_requests=128, concurrency=64),
         Workload("shared-prefix", num_requests=64, concurrency=16, prompt_tokens=32, shared_prefix_tokens=512),
-        Workload("multi-prefix", num_requests=64, concurrency=16, prompt_tokens=32, output_tokens=32,
-                 shared_prefix_tokens=512, prefix_groups=16),
+        Workload("multi-prefix", num_requests=96, concurrency=16, prompt_tokens=32, output_tokens=32,
+                 shared_prefix_tokens=512, prefix_groups=8),
     )
 }
 

@@ -5,10 +5,11 @@ Starts a local Ray cluster, deploys the bundled model on two worker replicas twi
 each and reads every replica's prefix-cache counters before and after, so the hit rate is
 the workers' own (prompt blocks found cached / prompt blocks looked up).
 
-``multi-prefix`` (16 distinct 512-token prefixes) is where routing matters: each replica's
-KV pool (``--kv-blocks``) holds about half of the prefixes, so a router that spreads every
-prefix over both replicas makes them evict each other's prefixes; ``shared-prefix`` (one
-prefix) is the easy case both handle.
+``multi-prefix`` (8 distinct 512-token prefixes, each used 12 times) is where routing
+matters: each replica's KV pool (``--kv-blocks``) holds about half of the prefixes, so a
+router that spreads every prefix over both replicas makes them evict each other's prefixes;
+``shared-prefix`` (one prefix) is the easy case both handle: after one miss each, both
+replicas hold it.
 
     python -m deploy.benchmarks.routing_bench [--workloads multi-prefix shared-prefix]
 """
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any
 
-from deploy.benchmarks.http_bench import WORKLOADS, run_workload
+from deploy.benchmarks.http_bench import WORKLOADS, Workload, run_workload
 from deploy.benchmarks.local_serve import local_serve
 from deploy.benchmarks.prometheus_scrape import counter_by_label
 from deploy.config import PrefixRoutingSection
@@ -45,15 +47,18 @@ def _decisions(metrics_port: int) -> dict[str, float]:
     return counter_by_label(metrics_port, DECISIONS, "reason")
 
 
-def run(workloads: list[str], kv_blocks: int, base_url: str, metrics_port: int,
-        imbalance_threshold_tokens: int) -> list[dict[str, Any]]:
+ROUTINGS = {"prefix-aware": True, "power-of-two": False}
+
+
+def run(workloads: list[Workload], kv_blocks: int, base_url: str, metrics_port: int,
+        imbalance_threshold_tokens: int, routings: list[str]) -> list[dict[str, Any]]:
     from ray import serve
 
     from deploy.app_builder import build_application
     from deploy.config import parse_deploy_config
 
     rows = []
-    for enabled in (True, False):
+    for enabled in (ROUTINGS[routing] for routing in routings):
         name = "route-prefix" if enabled else "route-pow2"
         config = parse_deploy_config({
             "name": name,
@@ -76,7 +81,7 @@ def run(workloads: list[str], kv_blocks: int, base_url: str, metrics_port: int,
             hits = after["prefix_hits"] - before["prefix_hits"]
             rows.append({
                 "routing": "prefix-aware" if enabled else "power-of-two",
-                "workload": workload,
+                "workload": workload.name,
                 "hit_rate": hits / queries if queries else 0.0,
                 "output_tok_s": result.output_tok_s,
                 "ttft_ms_p50": 1000 * sorted(result.ttft_s)[len(result.ttft_s) // 2] if result.ttft_s else None,
@@ -92,14 +97,20 @@ def run(workloads: list[str], kv_blocks: int, base_url: str, metrics_port: int,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["multi-prefix", "shared-prefix"], choices=list(WORKLOADS))
-    parser.add_argument("--kv-blocks", type=int, default=320, help="KV pool per replica (blocks of 16 tokens)")
+    parser.add_argument("--kv-blocks", type=int, default=192, help="KV pool per replica (blocks of 16 tokens)")
     parser.add_argument("--imbalance-threshold", type=int, default=PrefixRoutingSection().imbalance_threshold_tokens,
                         help="router.prefix_routing.imbalance_threshold_tokens (default: the schema default)")
+    parser.add_argument("--routing", nargs="+", default=list(ROUTINGS), choices=list(ROUTINGS))
+    parser.add_argument("--requests", type=int, help="override the workloads' request count")
+    parser.add_argument("--prefixes", type=int, help="override the workloads' number of distinct prefixes")
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--metrics-port", type=int, default=8011, help="Ray's metrics endpoint (routing decisions)")
     args = parser.parse_args(argv)
+    overrides = {key: value for key, value in (("num_requests", args.requests), ("prefix_groups", args.prefixes))
+                 if value is not None}
+    workloads = [dataclasses.replace(WORKLOADS[name], **overrides) for name in args.workloads]
     with local_serve(args.port, metrics_port=args.metrics_port) as base_url:
-        rows = run(args.workloads, args.kv_blocks, base_url, args.metrics_port, args.imbalance_threshold)
+        rows = run(workloads, args.kv_blocks, base_url, args.metrics_port, args.imbalance_threshold, args.routing)
     print(f"\n{'workload':<14} {'routing':<13} {'hit rate':>9} {'output tok/s':>13} {'TTFT p50 ms':>12}  "
           "requests/replica  decisions")
     for row in rows:
@@ -109,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{ttft:>12}  {str(row['requests_per_replica']):<16}  {decisions}")
     for workload in args.workloads:
         pair = {r["routing"]: r for r in rows if r["workload"] == workload}
+        if len(pair) < 2:
+            continue
         a, b = pair["prefix-aware"], pair["power-of-two"]
         hit_ratio = a["hit_rate"] / b["hit_rate"] if b["hit_rate"] else float("inf")
         print(f"{workload}: hit rate {hit_ratio:.2f}x, throughput {a['output_tok_s'] / b['output_tok_s']:.2f}x "
