@@ -7,7 +7,6 @@ feeds it what the replicas report and what this router sent where.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import random
 from typing import Hashable, Sequence
 
@@ -33,36 +32,22 @@ def matched_prefix(hashes: Sequence[int], held: set[int] | frozenset[int]) -> in
     return count
 
 
-def home_rank(affinity_key: int, replica_id: Hashable) -> int:
-    """Rendezvous hash: every router ranks the replicas of a prefix the same way, no state shared."""
-    digest = hashlib.blake2b(f"{affinity_key}/{replica_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
 def choose_replica(views: Sequence[ReplicaView], imbalance_threshold_tokens: int,
-                   rng: random.Random, affinity_key: int | None = None) -> tuple[list[Hashable], str]:
+                   rng: random.Random) -> tuple[list[Hashable], str]:
     """Replica ids best first, and the reason for the first.
 
     The longest cached prefix wins unless its holder's load is more than the threshold above
-    the least loaded replica. When several replicas hold it (a prefix once sent elsewhere to
-    spread load), the prefix's home by rendezvous hash of ``affinity_key`` (the prompt's first
-    block) wins among those within the threshold, not the least loaded: going by load would
-    keep every copy warm and let each replica's cache fill with all prefixes, while a fixed
-    home lets the detour copies age out.
+    the least loaded replica; among several holders within it, the least loaded (a hot prefix
+    held by two replicas is served by both).
     """
     if not views:
         return [], NO_PREFIX
     by_load = sorted(views, key=lambda v: v.load)
-    longest = max(v.matched_blocks for v in views)
-    holders = [v for v in views if v.matched_blocks == longest and v.load - by_load[0].load <= imbalance_threshold_tokens]
-    if longest > 0 and holders:
-        if affinity_key is None:
-            best = min(holders, key=lambda v: v.load)
-        else:
-            best = max(holders, key=lambda v: home_rank(affinity_key, v.replica_id))
+    best = max(views, key=lambda v: (v.matched_blocks, -v.load))
+    if best.matched_blocks > 0 and best.load - by_load[0].load <= imbalance_threshold_tokens:
         rest = [v.replica_id for v in by_load if v.replica_id != best.replica_id]
         return [best.replica_id, *rest], PREFIX_HIT
-    reason = LOAD_IMBALANCE if longest > 0 else NO_PREFIX
+    reason = LOAD_IMBALANCE if best.matched_blocks > 0 else NO_PREFIX
     if len(views) <= 2:
         return [v.replica_id for v in by_load], reason
     first, second = rng.sample(list(views), 2)  # power of two choices

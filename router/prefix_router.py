@@ -50,8 +50,7 @@ class PrefixAwareRequestRouter(OwnChoiceMixin, RequestRouter):
         hashes = request.block_hashes if request is not None else []
         by_id = {r.replica_id: r for r in candidate_replicas}
         views = [ReplicaView(r.replica_id, self._load(r), self._matched(r, hashes)) for r in candidate_replicas]
-        ranked, reason = choose_replica(views, self.imbalance_threshold_tokens, self.rng,
-                                        affinity_key=hashes[0] if hashes else None)
+        ranked, reason = choose_replica(views, self.imbalance_threshold_tokens, self.rng)
         self.note_choice_for(pending_request)
         if request is not None:
             cached = next(v.matched_blocks for v in views if v.replica_id == ranked[0]) * self.block_size

@@ -12,8 +12,7 @@ from router.auth import Authenticator, parse_api_keys
 from router.errors import OpenAIError
 from router.own_choice_mixin import OwnChoiceMixin
 from router.fair_queue import FairQueue, QueuedRequest, QueueFullError
-from router.prefix_policy import (LOAD_IMBALANCE, NO_PREFIX, PREFIX_HIT, ReplicaView, choose_replica, home_rank,
-                                  matched_prefix)
+from router.prefix_policy import LOAD_IMBALANCE, NO_PREFIX, PREFIX_HIT, ReplicaView, choose_replica, matched_prefix
 from router.rate_limit import RateLimiter
 from router.routing_ledger import RoutingLedger
 
@@ -191,20 +190,6 @@ def test_replica_choice_prefers_prefix_until_the_load_gap_is_too_big():
     longest = [ReplicaView("a", 0, 2), ReplicaView("b", 10, 5), ReplicaView("c", 20, 5)]
     assert choose_replica(longest, 100, rng)[0][0] == "b"  # longest match, then least load
     assert choose_replica(longest, 15, rng)[0][0] == "b"  # "c" holds it too, but is too busy
-
-
-def test_a_prefix_held_by_several_replicas_goes_home_whatever_their_loads():
-    rng = random.Random(0)
-    homes = set()
-    for key in range(40):
-        home = max("abc", key=lambda r: home_rank(key, r))
-        homes.add(home)
-        views = [ReplicaView(r, 50 if r == home else 0, 4) for r in "abc"]
-        assert choose_replica(views, 100, rng, affinity_key=key) == ([home, *sorted(set("abc") - {home})], PREFIX_HIT)
-        busy_home = [ReplicaView(r, 500 if r == home else 0, 4) for r in "abc"]
-        ranked, reason = choose_replica(busy_home, 100, rng, affinity_key=key)
-        assert ranked[0] != home and reason == PREFIX_HIT  # another holder, within the threshold
-    assert homes == set("abc")  # prefixes spread over the replicas
 
 
 def test_power_of_two_choices_never_picks_the_busiest_of_three():
