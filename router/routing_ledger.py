@@ -57,6 +57,7 @@ class RoutingLedger:
         self.clock = clock
         self._pending: dict[Hashable, Charge] = {}  # ticket -> chosen, not yet accepted
         self._accepted: dict[str, list[Charge]] = {}  # request id -> running calls
+        self._ended_unaccepted: dict[Hashable, Charge] = {}  # ticket -> call that ended before its acceptance came
         self._load: collections.Counter[Hashable] = collections.Counter()
         self._sent: collections.OrderedDict[int, dict[Hashable, _Held]] = collections.OrderedDict()  # LRU
 
@@ -68,13 +69,18 @@ class RoutingLedger:
         self._expire_pending()
         ticket = request_id if ticket is None else ticket
         self._drop_pending(ticket)
+        self._ended_unaccepted.pop(ticket, None)  # a retry after a refusal
         self._pending[ticket] = Charge(request_id, replica, tokens, reason, block_hashes, self.clock(), cancelled)
         self._charge(replica, tokens, block_hashes)
 
     def accepted(self, request_id: str, replica: Hashable, tokens: int, block_hashes: Sequence[int],
                  ticket: Hashable = None) -> tuple[Hashable, str]:
         """``replica`` accepted the call; returns the replica the policy chose and why."""
-        charge = self._pending.pop(request_id if ticket is None else ticket, None)
+        ticket = request_id if ticket is None else ticket
+        ended = self._ended_unaccepted.pop(ticket, None)
+        if ended is not None:  # it already completed (or was cancelled): nothing to charge
+            return ended.replica, ended.reason
+        charge = self._pending.pop(ticket, None)
         if charge is None:  # chosen without the policy (or the charge expired): charge it now
             charge = Charge(request_id, replica, tokens, "fallback", block_hashes)
             self._charge(replica, tokens, block_hashes)
@@ -87,17 +93,24 @@ class RoutingLedger:
         return chosen, reason
 
     def release(self, request_id: str, replica: Hashable = None) -> None:
-        """A call of the request completed on ``replica`` (any, if None): its tokens no longer load it."""
-        charges = self._accepted.get(request_id)
-        if not charges:
-            return
+        """A call of the request ended on ``replica`` (any, if None): its tokens no longer load it.
+
+        Serve also reports the end of calls it never reported accepted: one the replica refused
+        (a retry will choose again) and one that completed or was cancelled before its
+        acceptance was processed (the acceptance may still follow; it is then ignored)."""
+        charges = self._accepted.get(request_id, [])
         index = next((i for i, c in enumerate(charges) if replica is None or c.replica == replica), None)
-        if index is None:
+        if index is not None:
+            charge = charges.pop(index)
+            if not charges:
+                del self._accepted[request_id]
+            self._discharge(charge)
             return
-        charge = charges.pop(index)
-        if not charges:
-            del self._accepted[request_id]
-        self._discharge(charge)
+        mine = [t for t, c in self._pending.items() if c.request_id == request_id]
+        ticket = next((t for t in mine if self._pending[t].replica == replica), mine[0] if mine else None)
+        if ticket is not None:
+            self._ended_unaccepted[ticket] = self._pending[ticket]
+            self._drop_pending(ticket)
 
     def forget_replica(self, replica: Hashable) -> None:
         for holders in self._sent.values():
@@ -162,3 +175,6 @@ class RoutingLedger:
         for ticket, charge in list(self._pending.items()):
             if charge.chosen_at <= deadline or charge.cancelled():
                 self._drop_pending(ticket)
+        for ticket, charge in list(self._ended_unaccepted.items()):
+            if charge.chosen_at <= deadline:
+                del self._ended_unaccepted[ticket]

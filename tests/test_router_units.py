@@ -239,6 +239,20 @@ def test_acceptance_elsewhere_moves_the_charge_and_completion_releases_it():
     assert (ledger.load("a"), ledger.load("b"), ledger.in_flight()) == (0, 0, 0)
 
 
+def test_calls_that_end_before_their_acceptance_is_reported_leave_no_charge():
+    ledger = RoutingLedger()
+    ledger.choose("refused", "a", 100, [], "no_prefix", ticket=1)
+    ledger.release("refused", "a")  # "a" refused it: Serve reports the call ended, then retries
+    assert (ledger.load("a"), ledger.in_flight()) == (0, 0)
+    ledger.choose("refused", "b", 100, [], "no_prefix", ticket=1)
+    assert ledger.accepted("refused", "b", 100, [], ticket=1) == ("b", "no_prefix")
+    assert (ledger.load("b"), ledger.in_flight()) == (100, 1)
+    ledger.choose("quick", "a", 70, [], "prefix_hit", ticket=2)
+    ledger.release("quick", "a")  # cancelled by its client before the acceptance was processed
+    assert ledger.accepted("quick", "a", 70, [], ticket=2) == ("a", "prefix_hit")  # late: ignored
+    assert (ledger.load("a"), ledger.load("b"), ledger.in_flight()) == (0, 100, 1)
+
+
 def test_choices_never_accepted_expire_and_accepted_ones_do_not():
     now = [0.0]
     ledger = RoutingLedger(pending_ttl_s=10, clock=lambda: now[0])
