@@ -22,7 +22,6 @@ from typing import Any, List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.own_choice_mixin import OwnChoiceMixin
-
 from router.prefix_policy import ReplicaView, choose_replica, matched_prefix
 from router.routing_ledger import RoutingLedger
 from workers.replica_protocol import GenerateRequest

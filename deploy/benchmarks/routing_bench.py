@@ -58,7 +58,8 @@ def run(workloads: list[Workload], kv_blocks: int, base_url: str, metrics_port: 
     from deploy.config import parse_deploy_config
 
     rows = []
-    for enabled in (ROUTINGS[routing] for routing in routings):
+    for routing in routings:
+        enabled = ROUTINGS[routing]
         name = "route-prefix" if enabled else "route-pow2"
         config = parse_deploy_config({
             "name": name,
@@ -80,7 +81,7 @@ def run(workloads: list[Workload], kv_blocks: int, base_url: str, metrics_port: 
             queries = after["prefix_queries"] - before["prefix_queries"]
             hits = after["prefix_hits"] - before["prefix_hits"]
             rows.append({
-                "routing": "prefix-aware" if enabled else "power-of-two",
+                "routing": routing,
                 "workload": workload.name,
                 "hit_rate": hits / queries if queries else 0.0,
                 "output_tok_s": result.output_tok_s,
