@@ -10,7 +10,13 @@ the served ``model_name``; worker metrics also carry the ``replica``.
 
 from __future__ import annotations
 
+import hashlib
+import re
+
 from ray.util.metrics import Counter, Gauge, Histogram
+
+MAX_TENANT_TAGS = 1000  # distinct tenant tag values per router replica; the rest count as "other"
+_PLAIN_TAG = re.compile(r"[A-Za-z0-9_.:@+-]{1,64}")
 
 # Seconds: from 1 ms to 10 min, dense where interactive latencies live (vLLM's buckets).
 LATENCY_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -100,6 +106,7 @@ class RouterMetrics:
         self._rejected = _make("raylm_router_requests_rejected_total", ROUTER_METRICS, keys + ("status", "reason"))
         self._routing = _make("raylm_router_routing_decisions_total", ROUTER_METRICS, keys + ("reason",))
         self._tenant_tokens = _make("raylm_router_tenant_tokens_total", ROUTER_METRICS, keys + ("tenant",))
+        self._tenant_tags: set[str] = set()
 
     def queue_depth(self, priority: str, depth: int) -> None:
         self._queue_depth.set(depth, tags={"model_name": self.model, "priority": priority})
@@ -115,4 +122,23 @@ class RouterMetrics:
 
     def tenant_tokens(self, tenant: str, tokens: int) -> None:
         if tokens:
-            self._tenant_tokens.inc(tokens, tags={"model_name": self.model, "tenant": tenant})
+            self._tenant_tokens.inc(tokens, tags={"model_name": self.model, "tenant": self._tenant_tag(tenant)})
+
+    def _tenant_tag(self, tenant: str) -> str:
+        """A bounded set of tag values: the tenant comes from the client (``user``)."""
+        tag = tenant_tag(tenant)
+        if tag not in self._tenant_tags:
+            if len(self._tenant_tags) >= MAX_TENANT_TAGS:
+                return "other"
+            self._tenant_tags.add(tag)
+        return tag
+
+
+def tenant_tag(tenant: str) -> str:
+    """``tenant`` as a metric tag value: kept when it is short plain ASCII, else a stable hash.
+
+    Ray's metric recorder accepts ASCII only (a tag like ``josé`` raises inside ``inc``), and a
+    client's ``user`` field may hold anything, lone surrogates included."""
+    if _PLAIN_TAG.fullmatch(tenant):
+        return tenant
+    return "h-" + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:16]

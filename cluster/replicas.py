@@ -32,7 +32,21 @@ def running_replicas(app_name: str = "raylm", deployment: str = "LLMWorker") -> 
 
 def replica_stats(app_name: str = "raylm", deployment: str = "LLMWorker", timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
     """``{replica id: routing stats}`` for each live replica (replicas that fail to answer are left out)."""
+    return _ask_replicas(replica_actor_names(app_name, deployment), timeout_s)
+
+
+def poll_replica_stats(app_name: str, deployment: str, previous: dict[str, dict[str, Any]],
+                       timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+    """Like ``replica_stats``, but a replica that still exists and did not answer in time (busy
+    compiling, say) keeps its ``previous`` report instead of dropping out; one that never
+    reported (still loading) stays out until it does."""
     names = replica_actor_names(app_name, deployment)
+    fresh = _ask_replicas(names, timeout_s)
+    listed = [name.rsplit("#", 1)[1] for name in names]
+    return {rid: fresh[rid] if rid in fresh else previous[rid] for rid in listed if rid in fresh or rid in previous}
+
+
+def _ask_replicas(names: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
     refs = {}
     for name in names:
         try:

@@ -15,8 +15,10 @@ import threading
 from pathlib import Path
 
 from deploy.config import DeployConfig, DeployConfigError, load_deploy_config
+from deploy.readiness import wait_healthy
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
+READY_TIMEOUT_S = 900.0  # model load + warm-up compile of every bucket on a slow machine
 
 # Local-cluster defaults from DESIGN.md; an operator's own environment wins.
 LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
@@ -59,6 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": host, "port": port})
         print(f"deploying {config.served_model_name} ({_replicas(config)}) ...", file=sys.stderr, flush=True)
         serve.run(app, name=config.name, route_prefix=config.route_prefix, blocking=False)
+        wait_healthy(_base_url(config, host, port), READY_TIMEOUT_S)
         _announce(config, host, port)
         _wait_for_signal()
     finally:
@@ -104,9 +107,13 @@ def _replicas(config: DeployConfig) -> str:
     return f"{count} worker replica{'s' if count != 1 else ''}"
 
 
-def _announce(config: DeployConfig, host: str, port: int) -> None:
+def _base_url(config: DeployConfig, host: str, port: int) -> str:
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    base = f"http://{shown_host}:{port}{config.route_prefix.rstrip('/')}"
+    return f"http://{shown_host}:{port}{config.route_prefix.rstrip('/')}"
+
+
+def _announce(config: DeployConfig, host: str, port: int) -> None:
+    base = _base_url(config, host, port)
     print(
         f"\nraylm is serving {config.served_model_name} at {base}/v1\n\n"
         f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"

@@ -1,98 +1,26 @@
-"""The ingress deployment: OpenAI HTTP API in front of the worker replicas.
+"""The ingress deployment: one router replica of the OpenAI HTTP API in front of the workers.
 
-Requests are parsed and tokenized here (so the router can check context limits and, later,
-route by prefix), then streamed from a worker through a Serve deployment handle. Whatever
-happens, the client gets OpenAI's error JSON with a fitting status; a client that goes away
-cancels the handle call, which aborts the request in the worker and frees its KV blocks.
+The API itself is ``OpenAIService`` (plain ASGI, testable without Serve); this deployment
+gives it a worker handle, the model's tokenizer, and a poller that follows the worker
+replicas' routing stats for admission capacity.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
-import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from ray import serve
-from ray.exceptions import RayTaskError
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
-from cache import block_hashes
-from cluster.metrics import RouterMetrics
-from cluster.replicas import replica_stats
+from cluster.replicas import poll_replica_stats
 from model import load_model_info
-from router.admission import AdmissionController
-from router.auth import Authenticator, Secret, parse_api_keys
-from router.errors import OpenAIError, invalid, overloaded
-from router.fair_queue import FairQueue
-from router.protocol import ParsedRequest, RequestParser
-from router.rate_limit import RateLimiter
-from router.responses import ResponseBuilder
+from router.openai_service import OpenAIService
 from router.settings import RouterSettings
-from router.streams import merge_indexed
-from workers.replica_protocol import GenerateChunk, GenerateRequest, InvalidRequestError, ReplicaDrainingError
 
 logger = logging.getLogger("ray.serve")
-
-
-def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def translate_worker_error(err: BaseException, request_id: str) -> OpenAIError:
-    """Map what a worker call raised to what the client should see (never a traceback)."""
-    cause = err.cause if isinstance(err, RayTaskError) and err.cause is not None else err
-    if isinstance(cause, OpenAIError):
-        return cause
-    if isinstance(cause, BackPressureError):
-        return overloaded("the server is overloaded: every worker replica's queue is full; retry shortly")
-    if isinstance(cause, InvalidRequestError):
-        return invalid(str(cause).splitlines()[0])
-    if isinstance(cause, ReplicaDrainingError):
-        return overloaded("the worker replica is shutting down; retry")
-    logger.error("request %s failed in a worker: %r", request_id, err)
-    return OpenAIError(500, f"internal error while generating (request {request_id}); see the server logs")
-
-
-class _Lease:
-    """A granted request's run slots and its tenant's accounting; released exactly once."""
-
-    def __init__(self, router: "OpenAIRouter", tenant: str, cost: int):
-        self.router, self.tenant, self.cost = router, tenant, cost
-        self.released = False
-
-    def charge(self, tokens: int) -> None:
-        """Served tokens count toward the tenant's fair share, rate limit and metrics."""
-        if tokens:
-            self.router.queue.charge(self.tenant, tokens)
-            self.router.rate_limiter.add_tokens(self.tenant, tokens)
-            self.router.metrics.tenant_tokens(self.tenant, tokens)
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.router.admission.release(self.cost)
-
-
-def _cancel_quietly(call: Any) -> None:
-    """Cancel a worker call; a call that already failed re-raises its error on cancel, which
-    must not replace the error the client is being told about."""
-    try:
-        call.cancel()
-    except Exception:  # the call's own failure, already handled
-        pass
 
 
 @serve.deployment(name="OpenAIRouter", max_ongoing_requests=4096)
@@ -101,264 +29,27 @@ class OpenAIRouter:
     """``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``."""
 
     async def __init__(self, worker: DeploymentHandle, settings: RouterSettings):
-        self.worker = worker
         self.settings = settings
-        info = load_model_info(settings.model)
-        self.tokenizer = info.tokenizer
-        self.parser = RequestParser(info.tokenizer, [settings.served_model_name], settings.max_model_len)
-        self.created = int(time.time())
-        self.metrics = RouterMetrics(settings.served_model_name)
-        self.queue = FairQueue(len(settings.priority_classes), settings.max_queue_size, settings.tenant_weights)
-        self.admission = AdmissionController(self.queue, settings.queue_timeout_s)
-        keys = {**settings.api_keys.reveal(), **parse_api_keys(None, settings.api_keys_env).reveal()}
-        self.auth = Authenticator(Secret(keys))
-        self.rate_limiter = RateLimiter(settings.requests_per_minute, settings.tokens_per_minute)
-        self.pool_blocks: int | None = None  # smallest KV pool among the replicas, once reported
+        self.service = OpenAIService(worker, settings, load_model_info(settings.model).tokenizer)
         self.replicas: dict[str, dict[str, Any]] = {}
         self._poller = asyncio.get_running_loop().create_task(self._poll_replicas())
 
     async def _poll_replicas(self) -> None:
-        """Follow the worker replicas' routing stats: capacity for admission, pool size, gauges."""
+        """Follow the worker replicas' routing stats. A replica too busy to answer in time (a long
+        compile) keeps its last report, so capacity does not shrink while it works."""
         settings = self.settings
         while True:
             try:
-                self.replicas = await asyncio.to_thread(replica_stats, settings.app_name, "LLMWorker")
-                slots = len(self.replicas) * settings.slots_per_replica
-                self.admission.set_capacity(-(-slots // settings.num_router_replicas))
-                pools = [s["num_usable_blocks"] for s in self.replicas.values() if "num_usable_blocks" in s]
-                self.pool_blocks = min(pools) if pools else self.pool_blocks
-                for index, name in enumerate(settings.priority_classes):
-                    self.metrics.queue_depth(name, self.queue.depth(index))
+                self.replicas = await asyncio.to_thread(poll_replica_stats, settings.app_name, "LLMWorker",
+                                                        self.replicas)
+                self.service.update_replicas(self.replicas)
             except Exception as err:  # keep polling: a replica may be restarting
                 logger.warning("reading worker routing stats failed: %r", err)
             await asyncio.sleep(settings.stats_period_s)
 
     def __serve_build_asgi_app__(self) -> Starlette:
-        async def on_http_error(request: Request, exc: HTTPException) -> Response:
-            return error_response(OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
-
-        async def on_error(request: Request, exc: Exception) -> Response:
-            logger.exception("unhandled error serving %s", request.url.path)
-            return error_response(OpenAIError(500, "internal server error; see the server logs"))
-
-        return Starlette(
-            routes=[
-                Route("/v1/chat/completions", self._endpoint(self.parser.parse_chat), methods=["POST"]),
-                Route("/v1/completions", self._endpoint(self.parser.parse_completion), methods=["POST"]),
-                Route("/v1/models", self.list_models, methods=["GET"]),
-                Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
-                Route("/health", self.health, methods=["GET"]),
-            ],
-            exception_handlers={HTTPException: on_http_error, Exception: on_error},
-        )
+        return self.service.asgi_app()
 
     async def queue_status(self) -> dict[str, Any]:
         """For ``raylm status``: this router replica's queue by class, slots in use and capacity."""
-        return {
-            "queued": {name: self.queue.depth(i) for i, name in enumerate(self.settings.priority_classes)},
-            "in_flight": self.admission.in_flight,
-            "capacity": self.admission.capacity,
-        }
-
-    # -- small endpoints --------------------------------------------------------------------------------
-    def _model_card(self) -> dict[str, Any]:
-        return {
-            "id": self.settings.served_model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "raylm",
-            "max_model_len": self.settings.max_model_len,
-        }
-
-    async def list_models(self, request: Request) -> Response:
-        try:
-            self.auth.tenant(request.headers.get("authorization"))
-        except OpenAIError as err:
-            return error_response(err)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
-
-    async def get_model(self, request: Request) -> Response:
-        try:
-            self.auth.tenant(request.headers.get("authorization"))
-        except OpenAIError as err:
-            return error_response(err)
-        if request.path_params["model"] != self.settings.served_model_name:
-            return error_response(OpenAIError(404, f"The model '{request.path_params['model']}' does not exist",
-                                              param="model", code="model_not_found"))
-        return JSONResponse(self._model_card())
-
-    async def health(self, request: Request) -> Response:
-        """200 when a worker replica answers its health check in time, else 503."""
-        try:
-            await asyncio.wait_for(self.worker.check_health.remote(), self.settings.health_check_timeout_s)
-        except Exception as err:  # any failure means: not healthy
-            return error_response(OpenAIError(503, f"no healthy worker replica: {type(err).__name__}"))
-        return JSONResponse({"status": "ok"})
-
-    # -- generation endpoints -------------------------------------------------------------------------
-    def _endpoint(self, parse: Callable[[Any], ParsedRequest]) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            try:
-                key_tenant = self.auth.tenant(request.headers.get("authorization"))
-                parsed = parse(await self._read_json(request))
-                priority = self._priority(parsed, request.headers.get("x-priority"))
-                tenant = key_tenant or parsed.user or "anonymous"
-                self._check_fits_pool(parsed)
-                self.rate_limiter.check(tenant)
-                lease = await self._admit(tenant, priority, parsed)
-            except OpenAIError as err:
-                self.metrics.rejected(err.status, err.code or "invalid_request")
-                return error_response(err)
-            prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-            request_id = f"{prefix}-{uuid.uuid4().hex}"
-            builder = ResponseBuilder(parsed, request_id, int(time.time()), self.tokenizer)
-            chunks = self._generate(parsed, request_id, priority, lease)
-            try:
-                first = await anext(chunks, None)
-            except OpenAIError as err:
-                await chunks.aclose()
-                lease.release()
-                return error_response(err)
-            except BaseException:
-                lease.release()
-                raise
-            if parsed.stream:
-                return StreamingResponse(
-                    self._stream(builder, first, chunks, lease), media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
-                )
-            try:
-                item = first
-                while item is not None:
-                    builder.add(*item)
-                    item = await anext(chunks, None)
-            except OpenAIError as err:
-                return error_response(err)
-            finally:
-                await chunks.aclose()
-                lease.release()
-            return JSONResponse(builder.final(), headers={"X-Request-Id": request_id})
-
-        return endpoint
-
-    def _priority(self, parsed: ParsedRequest, header: str | None) -> int:
-        """The priority class index from the body's ``priority`` or the ``x-priority`` header."""
-        classes = self.settings.priority_classes
-        value: str | int | None = parsed.priority if parsed.priority is not None else header
-        if value is None:
-            return classes.index(self.settings.default_priority)
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
-        if isinstance(value, int):
-            if 0 <= value < len(classes):
-                return value
-        elif value in classes:
-            return classes.index(value)
-        raise invalid(f"priority must be one of {list(classes)} (or an index 0..{len(classes) - 1}), got {value!r}",
-                      "priority")
-
-    def _check_fits_pool(self, parsed: ParsedRequest) -> None:
-        """A prompt that needs more KV blocks than a replica's whole pool can never run: 400 now."""
-        if self.pool_blocks is None:
-            return
-        for prompt in parsed.prompts:
-            needed = -(-(len(prompt) + 1) // self.settings.block_size)
-            if needed > self.pool_blocks:
-                raise invalid(
-                    f"the prompt has {len(prompt)} tokens and needs {needed} KV blocks, but a worker replica's "
-                    f"KV pool holds {self.pool_blocks} blocks of {self.settings.block_size} tokens; shorten it",
-                    "messages" if parsed.kind == "chat" else "prompt", code="prompt_too_long_for_kv_cache",
-                )
-
-    async def _admit(self, tenant: str, priority: int, parsed: ParsedRequest) -> "_Lease":
-        cost = parsed.params.n * len(parsed.prompts)
-        waited = await self.admission.acquire(tenant, priority, cost)
-        self.metrics.queue_time(self.settings.priority_classes[priority], waited)
-        prompt_tokens = sum(len(p) for p in parsed.prompts)
-        lease = _Lease(self, tenant, cost)
-        lease.charge(prompt_tokens)
-        return lease
-
-    async def _read_json(self, request: Request) -> Any:
-        limit = self.settings.max_request_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise invalid(f"the request body is not valid JSON: {err}") from None
-
-    async def _generate(
-        self, parsed: ParsedRequest, request_id: str, priority: int, lease: "_Lease"
-    ) -> AsyncIterator[tuple[int, GenerateChunk]]:
-        streams = [
-            self._worker_stream(
-                GenerateRequest(
-                    request_id=request_id if len(parsed.prompts) == 1 else f"{request_id}-{i}",
-                    prompt_token_ids=prompt,
-                    params=parsed.params,
-                    priority=priority,
-                    block_hashes=block_hashes(prompt, self.settings.block_size, self.settings.cache_salt),
-                )
-            )
-            for i, prompt in enumerate(parsed.prompts)
-        ]
-        try:
-            async for index, chunk in merge_indexed(streams):
-                lease.charge(sum(len(c.token_ids) for c in chunk.choices))
-                yield index, chunk
-        finally:
-            # Also reached when an abandoned response is garbage collected (asyncio closes
-            # started async generators), so a slot is never leaked.
-            lease.release()
-
-    async def _worker_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """One worker call; cancelling or closing this stream cancels the call (freeing its KV)."""
-        call = None
-        finished = False
-        try:
-            call = self.worker.options(stream=True).generate.remote(request)
-            async for chunk in call:
-                if any(c.finish_reason == "abort" for c in chunk.choices):
-                    raise overloaded("the worker replica shut down while generating; retry")
-                finished = chunk.finished
-                yield chunk
-        except OpenAIError:
-            raise
-        except Exception as err:
-            raise translate_worker_error(err, request.request_id) from None
-        finally:
-            if call is not None and not finished:
-                _cancel_quietly(call)
-
-    async def _stream(
-        self,
-        builder: ResponseBuilder,
-        first: tuple[int, GenerateChunk] | None,
-        chunks: AsyncIterator[tuple[int, GenerateChunk]],
-        lease: "_Lease",
-    ) -> AsyncIterator[str]:
-        try:
-            for payload in builder.stream_start():
-                yield _sse(payload)
-            item = first
-            while item is not None:
-                for index, delta in builder.add(*item):
-                    payload = builder.stream_delta(index, delta)
-                    if payload is not None:
-                        yield _sse(payload)
-                item = await anext(chunks, None)
-            if builder.parsed.include_usage:
-                yield _sse(builder.stream_usage())
-        except OpenAIError as err:
-            yield _sse(err.body())
-        finally:
-            await chunks.aclose()
-            lease.release()
-        yield "data: [DONE]\n\n"
+        return self.service.queue_status()

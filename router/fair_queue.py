@@ -16,6 +16,9 @@ import itertools
 from typing import Any, Iterator
 
 
+MAX_TRACKED_TENANTS = 10_000
+
+
 class QueueFullError(Exception):
     """The request's priority class is at its queue limit."""
 
@@ -100,6 +103,18 @@ class FairQueue:
     def charge(self, tenant: str, tokens: int) -> None:
         """Count ``tokens`` served to ``tenant`` (prompt tokens at dispatch, output as it streams)."""
         self.counters[tenant] += tokens / self.weight(tenant)
+        if len(self.counters) > MAX_TRACKED_TENANTS:
+            self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        """Bound the counters (tenant names come from clients). An idle tenant whose counter is at
+        or below every backlogged one's would be lifted to their minimum when it comes back, so
+        forgetting it changes nothing; with nobody backlogged, the lower half is forgotten."""
+        backlogged = self._tenants()
+        floor = (min(self.counters[t] for t in backlogged) if backlogged
+                 else sorted(self.counters.values())[len(self.counters) // 2])
+        for tenant in [t for t, c in self.counters.items() if c <= floor and t not in backlogged]:
+            del self.counters[tenant]
 
     def expired(self, now: float) -> list[QueuedRequest]:
         return [item for item in self._items() if item.deadline <= now]

@@ -124,7 +124,8 @@ class RequestParser:
             items: list[Any] = [prompt]
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             items = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                      or all(isinstance(p, list) for p in prompt)):
             items = prompt
         else:
             raise invalid("prompt must be a string, a list of strings, a list of token ids or a list of those", "prompt")
@@ -160,13 +161,13 @@ class RequestParser:
         for field in _UNSUPPORTED_IF_SET:
             if body.get(field) not in (None, [], {}):
                 raise invalid(f"{field} is not supported by this server", field)
-        if body.get("logit_bias"):
+        if _optional(body, "logit_bias", dict):
             raise invalid("logit_bias is not supported by this server", "logit_bias")
         stream = bool(_optional(body, "stream", bool))
         stream_options = _optional(body, "stream_options", dict)
         if stream_options is not None and not stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
-        include_usage = bool((stream_options or {}).get("include_usage", False))
+        include_usage = bool(_optional(stream_options or {}, "include_usage", bool, "stream_options.include_usage"))
         n = _optional(body, "n", int)
         if n is not None and not 1 <= n <= MAX_N:
             raise invalid(f"n must be in [1, {MAX_N}], got {n}", "n")
@@ -223,6 +224,13 @@ class RequestParser:
         }
         if fields["temperature"] is not None and fields["temperature"] > 2:
             raise invalid(f"temperature must be in [0, 2], got {fields['temperature']}", "temperature")
+        vocab = self.tokenizer.vocab_size
+        if fields["stop_token_ids"] is not None and not all(_is_int(t) and 0 <= t < vocab
+                                                             for t in fields["stop_token_ids"]):
+            raise invalid(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
+        if fields["min_tokens"] is not None and fields["min_tokens"] > self.max_model_len:
+            raise invalid(f"min_tokens must be at most the context length {self.max_model_len}, "
+                          f"got {fields['min_tokens']}", "min_tokens")
         given = {k: v for k, v in fields.items() if v is not None}
         try:
             return SamplingParams(n=n, max_tokens=max_tokens, stop=stop, logprobs=logprobs, **given)
@@ -250,8 +258,10 @@ def _refuse_unknown(body: Mapping[str, Any], known: set[str]) -> None:
         raise invalid(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
 
 
-def _optional(body: Mapping[str, Any], field: str, kind: type) -> Any:
-    """``body[field]`` checked to be of ``kind`` (ints pass as floats; bools are not ints), or None."""
+def _optional(body: Mapping[str, Any], field: str, kind: type, param: str | None = None) -> Any:
+    """``body[field]`` checked to be of ``kind`` (ints pass as floats; bools are not ints), or None.
+    ``param`` names the field in the error when it is nested."""
+    param = param or field
     value = body.get(field)
     if value is None:
         return None
@@ -265,7 +275,7 @@ def _optional(body: Mapping[str, Any], field: str, kind: type) -> Any:
     }[kind]
     if not ok:
         names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object"}
-        raise invalid(f"{field} must be {names[kind]}, got {type(value).__name__} {value!r}"[:300], field)
+        raise invalid(f"{param} must be {names[kind]}, got {type(value).__name__} {value!r}"[:300], param)
     return float(value) if kind is float else value
 
 
@@ -281,8 +291,9 @@ def _messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise invalid(f"{where} must be an object with role and content", where)
         role = message.get("role")
-        if role not in _ROLES:
-            raise invalid(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}", f"{where}.role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise invalid(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}"[:300], f"{where}.role")
+        _optional(message, "name", str, f"{where}.name")
         content = message.get("content")
         if isinstance(content, list):
             texts = []

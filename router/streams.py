@@ -3,25 +3,30 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Sequence, TypeVar
+import contextlib
+from typing import AsyncGenerator, AsyncIterator, Sequence, TypeVar
 
 T = TypeVar("T")
 
 _DONE = object()
 
 
-async def merge_indexed(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Yield ``(stream index, item)`` as items arrive; the first error cancels the others."""
+async def merge_indexed(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
+    """Yield ``(stream index, item)`` as items arrive; the first error cancels the others. Every
+    stream is closed on the way out, so an abandoned worker stream cancels its call at once
+    (freeing KV blocks and routing charges), not whenever it is garbage collected."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
         try:
-            async for item in stream:
-                await queue.put((index, item))
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    await queue.put((index, item))
         except BaseException as err:  # handed to the consumer, which re-raises it
             await queue.put((index, err))
             return

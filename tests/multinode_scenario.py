@@ -50,7 +50,8 @@ from typing import Any  # noqa: E402
 import httpx  # noqa: E402
 import ray  # noqa: E402
 
-from tests.serving import free_port, wait_healthy  # noqa: E402
+from deploy.readiness import wait_healthy  # noqa: E402
+from tests.serving import free_port  # noqa: E402
 
 APP_NAME = "raylm"
 WORKER_DEPLOYMENT = "LLMWorker"

@@ -9,12 +9,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import time
 from typing import Any
 
-import httpx
-
 from deploy.config import DeployConfig, parse_deploy_config
+from deploy.readiness import wait_healthy
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -106,18 +104,3 @@ def start_cluster(num_cpus: int = 12) -> ServeCluster:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return ServeCluster(port, metrics_port)
-
-
-def wait_healthy(base: str, timeout_s: float = 180.0) -> None:
-    """Poll ``/health`` until it answers 200 (Serve is up but replicas may still be loading)."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = httpx.get(f"{base}/health", timeout=10)
-            if last.status_code == 200:
-                return
-        except httpx.HTTPError as err:
-            last = err
-        time.sleep(0.5)
-    raise TimeoutError(f"{base} did not become healthy: {last}")

@@ -7,6 +7,8 @@ import random
 
 import pytest
 
+from cluster.metrics import MAX_TENANT_TAGS, RouterMetrics, tenant_tag
+from router import fair_queue, rate_limit
 from router.admission import AdmissionController
 from router.auth import Authenticator, parse_api_keys
 from router.errors import OpenAIError
@@ -92,8 +94,10 @@ def test_admission_grants_in_queue_order_as_capacity_frees():
         admission.set_capacity(1)
         granted: list[str] = []
 
+        leases = []
+
         async def client(name: str, priority: int) -> None:
-            await admission.acquire(name, priority, 1)
+            leases.append(await admission.acquire(name, priority, 1))
             granted.append(name)
 
         first = asyncio.create_task(client("first", 1))
@@ -104,8 +108,10 @@ def test_admission_grants_in_queue_order_as_capacity_frees():
         await first
         for _ in range(3):
             await asyncio.sleep(0.01)
-            admission.release(1)
+            await leases[-1].close()
         await asyncio.gather(*tasks)
+        await leases[-1].close()
+        assert admission.in_flight == 0
         return granted
 
     assert asyncio.run(main()) == ["first", "high", "low0", "low1"]
@@ -132,13 +138,14 @@ def test_cancelled_waiter_leaves_no_slot_behind():
     async def main() -> None:
         admission = AdmissionController(FairQueue(1, 10), queue_timeout_s=5)
         admission.set_capacity(1)
-        await admission.acquire("a", 0, 1)
+        lease = await admission.acquire("a", 0, 1)
         waiter = asyncio.create_task(admission.acquire("b", 0, 1))
         await asyncio.sleep(0.01)
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
-        admission.release(1)
-        assert admission.in_flight == 0 and len(admission.queue) == 0
+        await lease.close()
+        await lease.close()  # twice is harmless
+        assert admission.in_flight == 0 and len(admission.queue) == 0 and not admission.leases
 
     asyncio.run(main())
 
@@ -158,6 +165,37 @@ def test_rate_limits_per_tenant_with_retry_after():
     now[0] = 61.0
     limiter.check("a")
     limiter.check("b")
+
+
+def test_tenants_named_by_clients_are_forgotten_when_idle():
+    """A client may send a new ``user`` per request: per-tenant state must stay bounded."""
+    clock = [0.0]
+    limiter = RateLimiter(requests_per_minute=5, tokens_per_minute=None, clock=lambda: clock[0])
+    for i in range(rate_limit.SWEEP_ABOVE_TENANTS + 1):
+        limiter.check(f"user{i}")
+    clock[0] = 61.0
+    limiter.check("late")
+    assert set(limiter._requests) == {"late"}
+
+    queue = FairQueue(num_classes=1, max_per_class=10)
+    queue.push(_req("busy", 0))
+    queue.charge("busy", 10)
+    for i in range(fair_queue.MAX_TRACKED_TENANTS):
+        queue.charge(f"idle{i}", 1 + i % 20)  # below and above the backlogged tenant's counter
+    kept = set(queue.counters) - {"busy"}
+    assert len(queue.counters) <= fair_queue.MAX_TRACKED_TENANTS and "busy" in queue.counters
+    assert kept and all(queue.counters[t] > 10 for t in kept)  # only the ones that would be lifted went
+
+
+def test_tenant_tags_are_ascii_stable_and_bounded():
+    assert tenant_tag("team-a") == "team-a"
+    for hostile in ["josé", "😀", "a b", chr(0xD800), "x" * 65, ""]:
+        tag = tenant_tag(hostile)
+        assert tag.isascii() and tag.startswith("h-") and tag == tenant_tag(hostile)
+    assert tenant_tag("josé") != tenant_tag("josé")
+    metrics = RouterMetrics("m")
+    tags = {metrics._tenant_tag(f"t{i}") for i in range(MAX_TENANT_TAGS + 50)}
+    assert len(tags) == MAX_TENANT_TAGS + 1 and "other" in tags
 
 
 def test_api_keys_map_to_tenants_and_refuse_others(monkeypatch):
@@ -364,3 +402,41 @@ def test_a_replica_goes_to_the_request_it_was_chosen_for_not_the_oldest():
         return {p.name: p.future.result() for p in (oldest, newer)}
 
     assert asyncio.run(scenario()) == {"oldest": "replica-a", "newer": "replica-b"}
+
+
+def test_a_replica_too_busy_to_answer_keeps_its_capacity(monkeypatch):
+    """A long compile delays a replica's stats answer; admission capacity must not shrink for it."""
+    from cluster import replicas
+
+    names = ["SERVE_REPLICA::app#LLMWorker#a", "SERVE_REPLICA::app#LLMWorker#b", "SERVE_REPLICA::app#LLMWorker#new"]
+    monkeypatch.setattr(replicas, "replica_actor_names", lambda app, deployment: names)
+    monkeypatch.setattr(replicas, "_ask_replicas", lambda listed, timeout_s: {"a": {"running": 2}})
+    previous = {"a": {"running": 1}, "b": {"running": 5}, "gone": {"running": 0}}
+    polled = replicas.poll_replica_stats("app", "LLMWorker", previous)
+    # a answered; b is busy and keeps its report; new never reported; gone is no longer listed
+    assert polled == {"a": {"running": 2}, "b": {"running": 5}}
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_closing_a_merged_stream_closes_every_source_at_once(count):
+    """An abandoned worker stream must cancel its call when the response ends, not at garbage collection."""
+    from router.streams import merge_indexed
+
+    closed: list[int] = []
+
+    async def source(index: int):
+        try:
+            for i in range(100):
+                yield i
+                await asyncio.sleep(0)
+        finally:
+            closed.append(index)
+
+    async def main() -> None:
+        sources = [source(i) for i in range(count)]
+        merged = merge_indexed(sources)
+        await anext(merged)
+        await merged.aclose()
+        assert sorted(closed) == list(range(count))
+
+    asyncio.run(main())

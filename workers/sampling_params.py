@@ -9,6 +9,7 @@ import dataclasses
 from typing import Sequence
 
 MAX_LOGPROBS = 20
+_INT32_MAX = 2**31 - 1  # the sampler's per-row arrays are int32: a larger value would fail a whole batch
 
 
 class SamplingParamsError(ValueError):
@@ -56,13 +57,15 @@ class SamplingParams:
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
         )
-        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= _INT32_MAX,
+              f"min_tokens must be in [0, {_INT32_MAX}], got {self.min_tokens!r}")
         check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
         check(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}")
-        check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k!r}")
+        check(isinstance(self.top_k, int) and 0 <= self.top_k <= _INT32_MAX,
+              f"top_k must be -1, 0 (disabled) or in [1, {_INT32_MAX}], got {self.top_k!r}")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
@@ -74,7 +77,8 @@ class SamplingParams:
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0")
+        check(all(isinstance(t, int) and 0 <= t <= _INT32_MAX for t in self.stop_token_ids),
+              f"stop_token_ids must be ids in [0, {_INT32_MAX}]")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,82 @@
+"""Request validation without a server: every malformed body is a 400 naming its field.
+
+Each case here was accepted (or crashed with a 500) before: a wrong type must be refused where
+it is parsed, not fail later inside the tokenizer, the engine step or the response encoder.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model import DEFAULT_MODEL, load_model_info
+from router.errors import OpenAIError
+from router.json_body import MAX_JSON_DEPTH, parse_json_body
+from router.protocol import RequestParser
+
+MSG = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return RequestParser(load_model_info(DEFAULT_MODEL).tokenizer, ["m"], 512)
+
+
+@pytest.mark.parametrize(
+    "kind, body, param",
+    [
+        ("chat", {"messages": [{"role": ["user"], "content": "Hi"}]}, "messages[0].role"),
+        ("chat", {"messages": [{"role": {"a": 1}, "content": "Hi"}]}, "messages[0].role"),
+        ("chat", {"messages": [{"role": "user", "content": "Hi", "name": 7}]}, "messages[0].name"),
+        ("chat", {"messages": MSG, "logit_bias": []}, "logit_bias"),
+        ("chat", {"messages": MSG, "logit_bias": {"1": 5}}, "logit_bias"),
+        ("chat", {"messages": MSG, "stream": True, "stream_options": {"include_usage": "maybe"}},
+         "stream_options.include_usage"),
+        ("chat", {"messages": MSG, "stop_token_ids": [10**12]}, "stop_token_ids"),
+        ("chat", {"messages": MSG, "stop_token_ids": [True]}, "stop_token_ids"),
+        ("chat", {"messages": MSG, "min_tokens": 10**12}, "min_tokens"),
+        ("chat", {"messages": MSG, "top_k": 10**12}, "top_k"),
+        ("completion", {"prompt": [[1], "a"]}, "prompt"),
+        ("completion", {"prompt": ["a", [1]]}, "prompt"),
+    ],
+)
+def test_malformed_fields_are_refused_by_name(parser, kind, body, param):
+    parse = parser.parse_chat if kind == "chat" else parser.parse_completion
+    with pytest.raises(OpenAIError) as err:
+        parse({"model": "m", **body})
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+def test_valid_unusual_fields_pass(parser):
+    parsed = parser.parse_chat({"model": "m", "messages": [{"role": "user", "content": "¿qué? 😀", "name": "bob"}],
+                                "logit_bias": {}, "user": "josé\u200b", "stop_token_ids": [2]})
+    assert parsed.user == "josé\u200b" and parsed.params.stop_token_ids == [2]
+    assert parser.parse_completion({"model": "m", "prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, None),
+        (b'{"messages": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}", None),
+        (b'{"model": "\\ud800"}', "model"),
+        (b'{"prompt": ["ok", "\\udfff"]}', "prompt[1]"),
+        (b'{"\\ud800": 1}', None),
+        (b'{"temperature": NaN}', None),
+        (b'{"temperature": Infinity}', None),
+        (b'{"temperature": 1e999}', "temperature"),
+        (b'{"a": "\xff"}', None),
+    ],
+)
+def test_hostile_json_is_a_400(raw, param):
+    with pytest.raises(OpenAIError) as err:
+        parse_json_body(raw)
+    assert err.value.status == 400 and err.value.param == param
+    json.dumps(err.value.body(), ensure_ascii=False).encode("utf-8")  # the error itself is encodable
+
+
+def test_plain_json_passes_untouched():
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "héllo 😀"}]}],
+            "temperature": 0.5, "n": 2}
+    assert parse_json_body(json.dumps(body).encode()) == body

@@ -1,0 +1,208 @@
+"""Every exit path of a request gives back what it took: router slots and worker calls.
+
+The router's OpenAI service runs in-process over a scripted fake worker handle, driven through
+its ASGI app, so each path (success, client error, worker error before and during a stream,
+worker death, disconnect while queued / while streaming / before the first token, queue
+timeout, a failure in the router's own accounting) is taken on purpose and the ledger checked
+after it: no lease, no slot, every worker call finished or cancelled exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from ray.exceptions import RayActorError
+
+from model import DEFAULT_MODEL, load_model_info
+from router.openai_service import OpenAIService
+from router.settings import RouterSettings
+from workers.replica_protocol import ChoiceDelta, GenerateChunk, InvalidRequestError
+
+HANG = "hang"
+
+
+def _chunk(text: str, finished: bool = False) -> GenerateChunk:
+    choice = ChoiceDelta(0, text, [1], None, "length" if finished else None)
+    return GenerateChunk("r", [choice], prompt_tokens=3, num_cached_tokens=0, finished=finished)
+
+
+class FakeCall:
+    """One streaming worker call playing a script of chunks, errors and hangs."""
+
+    def __init__(self, script: list[Any]):
+        self.script = script
+        self.cancels = 0
+        self.finished = False
+
+    def __aiter__(self):
+        return self._play()
+
+    async def _play(self):
+        for step in self.script:
+            if step == HANG:
+                await asyncio.Event().wait()
+            if isinstance(step, BaseException):
+                raise step
+            yield step
+            if step.finished:
+                self.finished = True
+
+    def cancel(self) -> None:
+        self.cancels += 1
+
+
+class FakeWorker:
+    """Stands in for the worker deployment handle: ``options(stream=True).generate.remote(req)``."""
+
+    def __init__(self):
+        self.script: list[Any] = []
+        self.calls: list[FakeCall] = []
+        self.generate = self
+
+    def options(self, **_: Any) -> "FakeWorker":
+        return self
+
+    def remote(self, request: Any) -> FakeCall:
+        call = FakeCall(list(self.script))
+        self.calls.append(call)
+        return call
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_model_info(DEFAULT_MODEL).tokenizer
+
+
+@pytest.fixture
+def service(tokenizer):
+    settings = RouterSettings(model=DEFAULT_MODEL, served_model_name="m", max_model_len=512, api_keys_env=None,
+                              queue_timeout_s=0.3)
+    svc = OpenAIService(FakeWorker(), settings, tokenizer)
+    svc.admission.set_capacity(4)
+    return svc
+
+
+async def _call(app, body: dict, disconnect_after_body_parts: int | None = None,
+                disconnect_after_s: float | None = None) -> tuple[int, bytes]:
+    """One HTTP request through the ASGI app; the client may go away after some parts or seconds."""
+    gone = asyncio.Event()
+    sent_request = False
+    status, parts = 0, []
+
+    async def receive() -> dict:
+        nonlocal sent_request
+        if not sent_request:
+            sent_request = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        if disconnect_after_s is not None:
+            await asyncio.sleep(disconnect_after_s)
+        else:
+            await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body" and message.get("body"):
+            parts.append(message["body"])
+            if disconnect_after_body_parts is not None and len(parts) >= disconnect_after_body_parts:
+                gone.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    task = asyncio.create_task(app(scope, receive, send))
+    if disconnect_after_s is not None:
+        # The server cancels the handler when the client goes away before any response started.
+        done, _ = await asyncio.wait({task}, timeout=disconnect_after_s)
+        if not done:
+            task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return status, b"".join(parts)
+
+
+def _assert_ledger_clean(service: OpenAIService) -> None:
+    assert service.admission.in_flight == 0 and not service.admission.leases, service.queue_status()
+    assert len(service.queue) == 0
+    for call in service.worker.calls:
+        assert call.finished or call.cancels == 1, (call.script, call.cancels)
+
+
+BODY = {"model": "m", "prompt": "Hello", "max_tokens": 2}
+
+PATHS = {
+    "success": ([_chunk("a"), _chunk("b", finished=True)], {}, 200),
+    "success streaming": ([_chunk("a"), _chunk("b", finished=True)], {"stream": True}, 200),
+    "client error": ([], {"max_tokens": "many"}, 400),
+    "worker refuses the request": ([InvalidRequestError("bad ids")], {}, 400),
+    "worker error before output": ([RuntimeError("boom")], {}, 500),
+    "worker error mid-stream": ([_chunk("a"), RuntimeError("boom")], {"stream": True}, 200),
+    "worker death mid-response": ([_chunk("a"), RayActorError()], {}, 500),
+    "worker death mid-stream": ([_chunk("a"), RayActorError()], {"stream": True}, 200),
+    "replica shut down": ([_chunk("a"), GenerateChunk("r", [ChoiceDelta(0, "", [], None, "abort")], 3, 0, True)],
+                          {}, 503),
+}
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+def test_exit_path_releases_everything(service, name):
+    script, extra, status = PATHS[name]
+    service.worker.script = script
+    got, body = asyncio.run(_call(service.asgi_app(), {**BODY, **extra}))
+    assert got == status, body
+    if status >= 400:
+        assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+    if "mid-stream" in name:  # an error after the stream started is an error event, never a clean end
+        assert b'"error"' in body
+    _assert_ledger_clean(service)
+
+
+def test_disconnect_mid_stream_cancels_the_worker_call(service):
+    service.worker.script = [_chunk("a"), _chunk("b"), HANG]
+    status, body = asyncio.run(_call(service.asgi_app(), {**BODY, "stream": True}, disconnect_after_body_parts=2))
+    assert status == 200 and b"[DONE]" not in body
+    assert service.worker.calls[0].cancels == 1
+    _assert_ledger_clean(service)
+
+
+def test_disconnect_before_the_first_token(service):
+    service.worker.script = [HANG]
+    asyncio.run(_call(service.asgi_app(), BODY, disconnect_after_s=0.2))
+    assert service.worker.calls[0].cancels == 1
+    _assert_ledger_clean(service)
+
+
+def test_disconnect_and_timeout_while_queued(service):
+    service.admission.set_capacity(0)
+    service.worker.script = [_chunk("a", finished=True)]
+    asyncio.run(_call(service.asgi_app(), BODY, disconnect_after_s=0.1))  # gone while waiting
+    status, body = asyncio.run(_call(service.asgi_app(), BODY))  # waits past queue_timeout_s
+    assert status == 503 and json.loads(body)["error"]["code"] == "queue_timeout"
+    assert not service.worker.calls
+    _assert_ledger_clean(service)
+
+
+def test_non_ascii_user_is_served_and_counted(service):
+    """The bug that wedged servers: a tenant tag Ray's metrics cannot encode failed after admission."""
+    service.worker.script = [_chunk("a", finished=True)]
+    for user in ["josé", "😀", "שלום", "e\u0301", "a\u200bb", "x" * 500]:
+        status, body = asyncio.run(_call(service.asgi_app(), {**BODY, "user": user}))
+        assert status == 200, body
+    assert service.queue.counters["josé"] > 0
+    _assert_ledger_clean(service)
+
+
+def test_a_failure_in_the_routers_own_accounting_still_releases(service, monkeypatch):
+    def broken(tenant: str, tokens: int) -> None:
+        raise RuntimeError("metrics backend down")
+
+    monkeypatch.setattr(service.metrics, "tenant_tokens", broken)
+    service.worker.script = [_chunk("a", finished=True)]
+    status, body = asyncio.run(_call(service.asgi_app(), BODY))
+    assert status == 500 and "Traceback" not in body.decode()
+    _assert_ledger_clean(service)
