@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -67,6 +67,9 @@ def translate_worker_error(err: BaseException, request_id: str) -> OpenAIError:
         return invalid(str(cause).splitlines()[0])
     if isinstance(cause, ReplicaDrainingError):
         return overloaded("the worker replica is shutting down; retry")
+    if isinstance(cause, RayActorError):  # the replica died; Serve is replacing it
+        logger.warning("request %s lost its worker replica: %r", request_id, err)
+        return overloaded("the worker replica serving this request died; retry")
     logger.error("request %s failed in a worker: %r", request_id, err)
     return OpenAIError(500, f"internal error while generating (request {request_id}); see the server logs")
 

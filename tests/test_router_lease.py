@@ -142,7 +142,7 @@ PATHS = {
     "worker refuses the request": ([InvalidRequestError("bad ids")], {}, 400),
     "worker error before output": ([RuntimeError("boom")], {}, 500),
     "worker error mid-stream": ([_chunk("a"), RuntimeError("boom")], {"stream": True}, 200),
-    "worker death mid-response": ([_chunk("a"), RayActorError()], {}, 500),
+    "worker death mid-response": ([_chunk("a"), RayActorError()], {}, 503),
     "worker death mid-stream": ([_chunk("a"), RayActorError()], {"stream": True}, 200),
     "replica shut down": ([_chunk("a"), GenerateChunk("r", [ChoiceDelta(0, "", [], None, "abort")], 3, 0, True)],
                           {}, 503),
