@@ -62,8 +62,7 @@ class AdmissionController:
                               headers={"Retry-After": str(self.retry_after_s)}) from None
         # No await between here and the caller's ``try``: the lease cannot be lost in between.
         self._granted -= cost
-        lease = Lease(self, tenant, cost, self.on_tokens)
-        lease.waited_s = self.clock() - now
+        lease = Lease(self, tenant, cost, self.on_tokens, waited_s=self.clock() - now)
         self.leases.add(lease)
         return lease
 

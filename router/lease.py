@@ -19,13 +19,14 @@ class SlotOwner(Protocol):
 class Lease:
     """Run slots granted to one request, plus the worker stream it feeds; ``close`` is idempotent."""
 
-    def __init__(self, owner: SlotOwner, tenant: str, cost: int, on_tokens: Callable[[str, int], None]):
+    def __init__(self, owner: SlotOwner, tenant: str, cost: int, on_tokens: Callable[[str, int], None],
+                 waited_s: float = 0.0):
         self.owner = owner
         self.tenant = tenant
         self.cost = cost
         self._on_tokens = on_tokens
         self._stream: AsyncGenerator | None = None
-        self.waited_s = 0.0  # time spent in the admission queue
+        self.waited_s = waited_s  # time spent in the admission queue
         self.closed = False
 
     def charge(self, tokens: int) -> None:
