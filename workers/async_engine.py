@@ -1,12 +1,17 @@
 """Asyncio front of the engine: a background thread steps it; callers stream per-request outputs.
 
-The engine is not thread-safe, so every mutation (add, abort) is handed to the engine
-thread through a command queue and applied between steps.
+The engine is not thread-safe, so every mutation and read is a typed command (``Add``,
+``Abort``, ``AbortAll``, ``RunInEngine``, ``Shutdown``) queued to the engine thread and run
+between steps by one dispatch site. Whatever happens there (a command raises, a step fails,
+the engine is shut down, the thread dies) every caller's future is resolved and every open
+stream ends: nobody waits forever on an engine that will never answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -15,9 +20,104 @@ from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 from model import LoadedModel
 from workers.engine import LLMEngine, make_engine
 from workers.outputs import RequestOutput
+from workers.replica_protocol import InvalidRequestError
 from workers.sampling_params import SamplingParams
 
 T = TypeVar("T")
+
+logger = logging.getLogger("ray.serve")
+
+IDLE_WAIT_S = 1.0  # an idle engine thread re-checks that it should keep running this often
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine was shut down (or its thread died) and takes no more commands."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed: a server fault, not the request's (the step's error is the cause)."""
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Set ``future``'s outcome unless its caller already gave up on it (a cancelled future
+    raises InvalidStateError when set)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn`` on the caller's loop; a loop already closed has nobody left to tell."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed"
+        pass
+
+
+@dataclasses.dataclass
+class Reply:
+    """The caller's end of a command: a future on the caller's loop, settled from any thread."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    @classmethod
+    def on_running_loop(cls) -> "Reply":
+        loop = asyncio.get_running_loop()
+        return cls(loop, loop.create_future())
+
+    def resolve(self, result: Any) -> None:
+        _call_soon(self.loop, _settle, self.future, result, None)
+
+    def fail(self, error: BaseException) -> None:
+        _call_soon(self.loop, _settle, self.future, None, error)
+
+
+@dataclasses.dataclass
+class Add:
+    """Queue a request; a request the engine refuses fails with InvalidRequestError."""
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    reply: Reply
+
+
+@dataclasses.dataclass
+class Abort:
+    """Stop one request and free its blocks; its stream ends with a final ``abort`` output."""
+
+    request_id: str
+    reply: Reply | None  # None: a stream's own clean-up, which nobody awaits
+
+
+@dataclasses.dataclass
+class AbortAll:
+    """Stop every request (a replica shutting down); replies how many there were."""
+
+    reply: Reply
+
+
+@dataclasses.dataclass
+class RunInEngine:
+    """Run ``fn(engine)`` between steps (reads see a consistent state); replies its result."""
+
+    fn: Callable[[LLMEngine], Any]
+    reply: Reply
+
+
+@dataclasses.dataclass
+class Shutdown:
+    """Free every request's blocks and stop the thread; always the last command queued."""
+
+    reply: None = None
+
+
+Command = Add | Abort | AbortAll | RunInEngine | Shutdown
 
 
 class AsyncEngine:
@@ -25,9 +125,12 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._commands: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopped = threading.Event()
+        self._lock = threading.Lock()  # orders ``_closed`` against queueing a command
+        self._closed = False  # no command is queued any more
+        self._running = True  # the engine thread keeps looping
+        self._observer_failed = False
         self.last_step_time: float | None = None
         self.step_started: float | None = None  # set while a step runs: a stuck step shows here
         self.error: BaseException | None = None
@@ -41,41 +144,135 @@ class AsyncEngine:
 
     # -- engine thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                block = not self.engine.has_unfinished_requests()
-                command = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
-                command()
-                while True:
-                    self._commands.get_nowait()()
-            except queue.Empty:
-                pass
-            if self.engine.has_unfinished_requests():
-                self.step_started = self.step_started_at = time.monotonic()
+        reason = "the engine was shut down"
+        try:
+            while self._running:
+                self._run_commands()
+                if self._running and self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as err:  # a bug in the loop itself: say so, and fail every caller below
+            logger.exception("the engine thread died")
+            self.error = err
+            reason = f"the engine thread died: {err!r}"
+        finally:
+            self._close(reason)
+
+    def _run_commands(self) -> None:
+        """Run the queued commands; with nothing to step, wait for one first."""
+        try:
+            if not self.engine.has_unfinished_requests():
+                self._dispatch(self._commands.get(timeout=IDLE_WAIT_S))
+            while self._running:
+                self._dispatch(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _dispatch(self, command: Command) -> None:
+        """The one place commands run: the caller gets the result or the exception, and nothing
+        a command raises reaches the loop."""
+        try:
+            result = self._execute(command)
+        except Exception as err:
+            if command.reply is None:
+                logger.exception("engine command %s failed", type(command).__name__)
+            else:
+                command.reply.fail(err)
+            return
+        if command.reply is not None:
+            command.reply.resolve(result)
+
+    def _execute(self, command: Command) -> Any:
+        match command:
+            case Add(request_id, prompt, params, priority):
                 try:
-                    outputs = self.engine.step()
-                except BaseException as err:  # a broken engine must fail requests, not hang them
-                    self.error = err
-                    for request_id in list(self.engine.requests):
-                        self.engine.abort(request_id)
-                        self._deliver(request_id, err)
-                    continue
-                finally:
-                    self.step_started = None
-                self.last_step_time = time.monotonic()
-                if self.step_observer is not None:
-                    self.step_observer(self.engine.last_step_tokens, self.last_step_time - self.step_started_at)
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                    self.engine.add_request(request_id, prompt, params, priority)
+                except ValueError as err:  # the request itself is bad: a client error, unlike a step's
+                    raise InvalidRequestError(str(err)) from err
+            case Abort(request_id):
+                final = self.engine.abort(request_id)
+                if final is not None:
+                    self._deliver(request_id, final)
+            case AbortAll():
+                request_ids = list(self.engine.requests)
+                for request_id in request_ids:
+                    self._deliver(request_id, self.engine.abort(request_id))
+                return len(request_ids)
+            case RunInEngine(fn):
+                return fn(self.engine)
+            case Shutdown():
+                self._running = False
+                for request_id in list(self.engine.requests):
+                    self.engine.abort(request_id)
+        return None
+
+    def _step(self) -> None:
+        self.step_started = started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # a broken step must fail its requests, not hang them
+            self.error = err
+            logger.exception("an engine step failed; failing its %d request(s)", len(self.engine.requests))
+            self._fail_requests(err)
+            return
+        finally:
+            self.step_started = None
+        self.last_step_time = time.monotonic()
+        for out in outputs:
+            self._deliver(out.request_id, out)
+        self._observe_step(self.engine.last_step_tokens, self.last_step_time - started)
+
+    def _fail_requests(self, cause: Exception) -> None:
+        """After a failed step: free every request's blocks and end its stream with the error."""
+        for request_id in list(self.engine.requests):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                logger.exception("freeing request %r after the failed step failed too", request_id)
+            error = EngineStepError(f"an engine step failed: {cause!r}")
+            error.__cause__ = cause
+            self._deliver(request_id, error)
+
+    def _observe_step(self, tokens: int, seconds: float) -> None:
+        """Feed the step observer (metrics); its failure must not stop the engine, and is
+        logged once rather than at the step rate."""
+        if self.step_observer is None:
+            return
+        try:
+            self.step_observer(tokens, seconds)
+        except Exception:
+            if not self._observer_failed:
+                logger.exception("the step observer failed (logged once; the engine keeps running)")
+            self._observer_failed = True
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         target = self._streams.get(request_id)
         if target is not None:
             loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            _call_soon(loop, q.put_nowait, item)
 
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.put(command)
+    def _close(self, reason: str) -> None:
+        """Refuse new commands, fail the queued ones and end every open stream with
+        EngineShutdownError(reason). Idempotent; safe from any thread."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command.reply is not None:
+                command.reply.fail(EngineShutdownError(reason))
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineShutdownError(reason))
+
+    def _submit(self, command: Command) -> None:
+        """Queue ``command``; once the engine is closed it fails at once instead."""
+        with self._lock:
+            if not self._closed:
+                self._commands.put(command)
+                return
+        if command.reply is not None:
+            command.reply.fail(EngineShutdownError("the engine is shut down; it takes no more requests"))
 
     # -- public API ---------------------------------------------------------------------------------
     async def generate(
@@ -85,25 +282,20 @@ class AsyncEngine:
         request_id: str,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream this request's outputs; cancelling the iteration aborts it and frees its blocks."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
+        """Stream this request's outputs; cancelling the iteration aborts it and frees its blocks.
+
+        Raises InvalidRequestError if the engine refuses the request, EngineStepError if a step
+        fails while it runs, EngineShutdownError if the engine stops first.
+        """
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._streams[request_id] = (loop, outputs)
-        added: asyncio.Future = loop.create_future()
-
-        def add() -> None:
-            try:
-                self.engine.add_request(request_id, prompt if isinstance(prompt, str) else list(prompt), params, priority)
-                loop.call_soon_threadsafe(added.set_result, None)
-            except BaseException as err:
-                loop.call_soon_threadsafe(added.set_exception, err)
-
+        outputs: asyncio.Queue = asyncio.Queue()
+        added = Reply.on_running_loop()
+        self._streams[request_id] = (added.loop, outputs)
         finished = False
         try:
-            self._submit(add)
-            await added
+            self._submit(Add(request_id, prompt if isinstance(prompt, str) else list(prompt), params, priority, added))
+            await added.future
             while True:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
@@ -115,55 +307,29 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._submit(lambda: self.engine.abort(request_id))
+                self._submit(Abort(request_id, reply=None))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request from outside its stream: its blocks are freed and its stream ends
         with a final output whose unfinished completions say ``finish_reason="abort"``."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-
-        def command() -> None:
-            final = self.engine.abort(request_id)
-            if final is not None:
-                self._deliver(request_id, final)
-            loop.call_soon_threadsafe(done.set_result, None)
-
-        self._submit(command)
-        await done
+        reply = Reply.on_running_loop()
+        self._submit(Abort(request_id, reply))
+        await reply.future
 
     async def abort_all(self) -> int:
         """Abort every request (a replica shutting down); returns how many there were."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-
-        def command() -> None:
-            request_ids = list(self.engine.requests)
-            for request_id in request_ids:
-                self._deliver(request_id, self.engine.abort(request_id))
-            loop.call_soon_threadsafe(done.set_result, len(request_ids))
-
-        self._submit(command)
-        return await done
+        reply = Reply.on_running_loop()
+        self._submit(AbortAll(reply))
+        return await reply.future
 
     async def stats(self) -> dict:
         return await self.run_in_engine(lambda engine: engine.stats())
 
     async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps (reads see a consistent state)."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-
-        def command() -> None:
-            try:
-                result = fn(self.engine)
-            except BaseException as err:
-                loop.call_soon_threadsafe(done.set_exception, err)
-            else:
-                loop.call_soon_threadsafe(done.set_result, result)
-
-        self._submit(command)
-        return await done
+        reply = Reply.on_running_loop()
+        self._submit(RunInEngine(fn, reply))
+        return await reply.future
 
     def check_health(self, stuck_after_s: float) -> None:
         """Raise if the engine thread died, a step failed, or one step has run for ``stuck_after_s``."""
@@ -175,6 +341,16 @@ class AsyncEngine:
         if started is not None and time.monotonic() - started > stuck_after_s:
             raise RuntimeError(f"one engine step has been running for over {stuck_after_s:.0f} s")
 
-    def shutdown(self) -> None:
-        self._stopped.set()
-        self._thread.join(timeout=10)
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread after the commands already queued; every caller still waiting,
+        and every later one, gets EngineShutdownError. A thread stuck in a step is not waited
+        for beyond ``timeout_s``."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._commands.put(Shutdown())
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            logger.warning("the engine thread is still in a step after %.0f s; failing its callers now", timeout_s)
+            self._running = False
+        self._close("the engine was shut down")

@@ -18,12 +18,11 @@ import ray
 from ray import serve
 
 from cluster.metrics import WorkerMetrics
-from workers.async_engine import AsyncEngine
+from workers.async_engine import AsyncEngine, EngineShutdownError
 from workers.replica_metrics import EngineStatsReporter, RequestMetricsRecorder
 from workers.replica_protocol import (
     GenerateChunk,
     GenerateRequest,
-    InvalidRequestError,
     ReplicaDrainingError,
     chunk_from_output,
 )
@@ -75,7 +74,11 @@ class LLMWorker:
             await asyncio.sleep(period_s)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream deltas; a cancelled call (client gone) aborts the request and frees its blocks."""
+        """Stream deltas; a cancelled call (client gone) aborts the request and frees its blocks.
+
+        A request the engine refuses raises InvalidRequestError (the router answers 400); any
+        other error, such as a failed step, is the server's (500).
+        """
         if self.draining:
             raise ReplicaDrainingError("this replica is shutting down; retry")
         reported: set[int] = set()
@@ -88,10 +91,6 @@ class LLMWorker:
                 started = True
                 recorder.on_output(output)
                 yield chunk_from_output(output, reported)
-        except ValueError as err:
-            if started:
-                raise
-            raise InvalidRequestError(str(err)) from None
         finally:
             if started:
                 recorder.finish()
@@ -160,7 +159,10 @@ class LLMWorker:
         """Serve already waited for in-flight requests; abort stragglers and stop the engine."""
         self.draining = True
         self._metrics_task.cancel()
-        aborted = await self.engine.abort_all()
+        try:
+            aborted = await self.engine.abort_all()
+        except EngineShutdownError:  # the engine thread died; its callers were failed already
+            aborted = 0
         if aborted:
             logger.warning("raylm worker shutting down: aborted %d unfinished request(s)", aborted)
-        self.engine.shutdown()
+        await asyncio.to_thread(self.engine.shutdown)

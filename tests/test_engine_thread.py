@@ -1,0 +1,217 @@
+"""The engine thread under faults: every caller's future resolves, every block is freed, the
+loop survives what a command or an observer raises, and a step failure is a server error."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+from model import load_model
+from tests.checkpoints import build_tiny_checkpoint
+from workers import AsyncEngine, EngineArgs, LLMEngine, SamplingParams
+from workers.async_engine import EngineShutdownError, EngineStepError
+from workers.deployment import LLMWorker
+from workers.replica_protocol import GenerateRequest, InvalidRequestError
+
+LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+TIMEOUT_S = 20.0  # far above what any of these takes; only a hang reaches it
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("thread") / "m")
+    return load_model(path)
+
+
+@pytest.fixture
+def engine(tiny):
+    engine = AsyncEngine(LLMEngine(tiny, EngineArgs(max_model_len=512, num_kv_blocks=200, max_num_seqs=8)))
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine: AsyncEngine, prompt, params, request_id: str):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def _run(coro):
+    """Run ``coro`` with a deadline, so a hang fails the test instead of stalling the suite."""
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+def _serves_a_request(engine: AsyncEngine) -> None:
+    out = _run(_collect(engine, [5, 6, 7], SHORT, "probe"))
+    assert out[-1].finished and len(out[-1].outputs[0].token_ids) == 3
+
+
+def test_a_failing_step_observer_neither_stops_the_engine_nor_loses_outputs(engine, caplog):
+    def observer(tokens: int, seconds: float) -> None:
+        raise RuntimeError("metrics backend down")
+
+    engine.step_observer = observer
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        _serves_a_request(engine)
+        _serves_a_request(engine)
+    engine.check_health(stuck_after_s=60)
+    # Logged once with its traceback, not once per step (3 steps per request ran).
+    logged = [r for r in caplog.records if "step observer failed" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+
+
+def test_a_failing_command_fails_its_caller_only(engine, monkeypatch):
+    def broken_abort(request_id: str):
+        raise KeyError(request_id)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.engine, "abort", broken_abort)
+        with pytest.raises(KeyError, match="ghost"):
+            _run(engine.abort("ghost"))
+    with pytest.raises(ZeroDivisionError):
+        _run(engine.run_in_engine(lambda e: 1 / 0))
+    engine.check_health(stuck_after_s=60)
+    _serves_a_request(engine)
+
+
+def test_a_cancelled_caller_is_not_answered(engine):
+    """Setting a cancelled future raises InvalidStateError in the caller's loop."""
+    release = threading.Event()
+    loop_errors: list[dict] = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+        blocker = asyncio.ensure_future(engine.run_in_engine(lambda e: release.wait(TIMEOUT_S)))
+        waiting = asyncio.ensure_future(engine.stats())
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        release.set()
+        await blocker
+        await engine.stats()  # queued after the cancelled one: its answer was sent by now
+        await asyncio.sleep(0.05)
+
+    _run(main())
+    assert loop_errors == []
+
+
+def test_a_failed_step_is_a_server_error_that_frees_blocks_and_fails_health(engine, monkeypatch, caplog):
+    def broken_prefill(chunks):
+        raise ValueError("shape mismatch inside the model")
+
+    monkeypatch.setattr(engine.engine.runner, "prefill", broken_prefill)
+
+    async def main():
+        results = await asyncio.gather(
+            *(_collect(engine, list(range(3, 40)), SHORT, f"r{i}") for i in range(2)), return_exceptions=True
+        )
+        return results, await engine.stats()
+
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        results, stats = _run(main())
+    for err in results:
+        assert isinstance(err, EngineStepError) and not isinstance(err, ValueError)
+        assert isinstance(err.__cause__, ValueError)
+    # Both requests were in the failing step: one log line with its traceback for both.
+    logged = [r for r in caplog.records if "engine step failed" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+    assert stats["num_used_blocks"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+    with pytest.raises(RuntimeError, match="an engine step failed"):
+        engine.check_health(stuck_after_s=60)
+
+
+def test_shutdown_ends_open_streams_and_refuses_later_commands(engine):
+    async def main():
+        stream = engine.generate(list(range(3, 30)), LONG, "long")
+        await stream.__anext__()
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineShutdownError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineShutdownError):
+            await engine.abort("long")
+        with pytest.raises(EngineShutdownError):
+            await engine.stats()
+        with pytest.raises(EngineShutdownError):
+            await _collect(engine, [5, 6], SHORT, "late")
+
+    _run(main())
+    assert engine.engine.pool.num_used_blocks == 0 and not engine.engine.requests
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.check_health(stuck_after_s=60)
+
+
+def test_shutdown_does_not_wait_on_a_stuck_step(engine):
+    release = threading.Event()
+
+    async def main():
+        stuck = asyncio.ensure_future(engine.run_in_engine(lambda e: release.wait(TIMEOUT_S)))
+        queued = asyncio.ensure_future(engine.stats())
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(engine.shutdown, 0.2)
+        with pytest.raises(EngineShutdownError):
+            await queued
+        release.set()
+        await stuck
+
+    _run(main())
+    engine._thread.join(TIMEOUT_S)
+    assert not engine._thread.is_alive()
+
+
+def test_a_dead_engine_thread_fails_its_callers_and_the_health_check(engine, monkeypatch):
+    def broken(*args):
+        raise SystemError("engine state corrupted")
+
+    async def main():
+        stream = engine.generate(list(range(3, 30)), LONG, "long")
+        await stream.__anext__()
+        monkeypatch.setattr(engine.engine, "has_unfinished_requests", broken)
+        with pytest.raises(EngineShutdownError, match="engine thread died"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineShutdownError):
+            await engine.stats()
+
+    _run(main())
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.check_health(stuck_after_s=60)
+
+
+class _NoMetrics:
+    def inc(self, *args, **kwargs) -> None: ...
+    def observe(self, *args, **kwargs) -> None: ...
+    def set(self, *args, **kwargs) -> None: ...
+
+
+class _BareWorker(LLMWorker.func_or_class):
+    def __del__(self) -> None:  # Serve awaits the real (async) one; here nobody would
+        pass
+
+
+def _worker(engine: AsyncEngine) -> LLMWorker:
+    """The Serve deployment's class without Serve: what ``generate`` needs, nothing more."""
+    worker = object.__new__(_BareWorker)
+    worker.engine, worker.draining, worker.metrics = engine, False, _NoMetrics()
+    return worker
+
+
+async def _worker_chunks(worker, prompt: list[int], request_id: str):
+    request = GenerateRequest(request_id, prompt, SHORT)
+    return [chunk async for chunk in worker.generate(request)]
+
+
+def test_worker_reports_a_bad_request_as_invalid_and_a_failed_step_as_not(engine, monkeypatch):
+    worker = _worker(engine)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        _run(_worker_chunks(worker, [5, 10**9], "bad"))
+
+    def broken_prefill(chunks):
+        raise ValueError("shape mismatch inside the model")
+
+    monkeypatch.setattr(engine.engine.runner, "prefill", broken_prefill)
+    with pytest.raises(Exception) as caught:
+        _run(_worker_chunks(worker, [5, 6, 7], "good"))
+    assert not isinstance(caught.value, InvalidRequestError)  # the router answers 500, not 400
+    assert isinstance(caught.value.__cause__, ValueError)
