@@ -43,6 +43,20 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
+async def _hold(engine: AsyncEngine, release: threading.Event) -> asyncio.Future:
+    """Keep the engine thread busy in a command until ``release``: what is submitted meanwhile
+    queues up and is run together."""
+    running = threading.Event()
+
+    def hold(_engine) -> None:
+        running.set()
+        release.wait(TIMEOUT_S)
+
+    held = asyncio.ensure_future(engine.run_in_engine(hold))
+    await asyncio.to_thread(running.wait, TIMEOUT_S)
+    return held
+
+
 def _serves_a_request(engine: AsyncEngine) -> None:
     out = _run(_collect(engine, [5, 6, 7], SHORT, "probe"))
     assert out[-1].finished and len(out[-1].outputs[0].token_ids) == 3
@@ -83,9 +97,9 @@ def test_a_cancelled_caller_is_not_answered(engine):
 
     async def main():
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
-        blocker = asyncio.ensure_future(engine.run_in_engine(lambda e: release.wait(TIMEOUT_S)))
+        blocker = await _hold(engine, release)
         waiting = asyncio.ensure_future(engine.stats())
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)
         waiting.cancel()
         release.set()
         await blocker
@@ -103,9 +117,13 @@ def test_a_failed_step_is_a_server_error_that_frees_blocks_and_fails_health(engi
     monkeypatch.setattr(engine.engine.runner, "prefill", broken_prefill)
 
     async def main():
-        results = await asyncio.gather(
-            *(_collect(engine, list(range(3, 40)), SHORT, f"r{i}") for i in range(2)), return_exceptions=True
-        )
+        release = threading.Event()
+        held = await _hold(engine, release)
+        requests = [asyncio.ensure_future(_collect(engine, list(range(3, 40)), SHORT, f"r{i}")) for i in range(2)]
+        await asyncio.sleep(0)  # both run up to their Add, queued behind the held command: one step
+        release.set()
+        await held
+        results = await asyncio.gather(*requests, return_exceptions=True)
         return results, await engine.stats()
 
     with caplog.at_level(logging.ERROR, logger="ray.serve"):
@@ -146,9 +164,9 @@ def test_shutdown_does_not_wait_on_a_stuck_step(engine):
     release = threading.Event()
 
     async def main():
-        stuck = asyncio.ensure_future(engine.run_in_engine(lambda e: release.wait(TIMEOUT_S)))
+        stuck = await _hold(engine, release)
         queued = asyncio.ensure_future(engine.stats())
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)
         await asyncio.to_thread(engine.shutdown, 0.2)
         with pytest.raises(EngineShutdownError):
             await queued
@@ -175,6 +193,7 @@ def test_a_dead_engine_thread_fails_its_callers_and_the_health_check(engine, mon
             await engine.stats()
 
     _run(main())
+    engine._thread.join(TIMEOUT_S)  # it fails its callers on its way out
     with pytest.raises(RuntimeError, match="not running"):
         engine.check_health(stuck_after_s=60)
 
