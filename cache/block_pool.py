@@ -156,9 +156,14 @@ class BlockPool:
                 break
             found.append(block_id)
         if record_stats:
-            self.prefix_queries += len(hashes)
-            self.prefix_hits += len(found)
+            self.record_prefix_lookup(len(hashes), len(found))
         return found
+
+    def record_prefix_lookup(self, num_queried: int, num_hits: int) -> None:
+        """Count a lookup made earlier without ``record_stats`` (in blocks): a caller that
+        probes until it can act on the result counts only the lookup it acted on."""
+        self.prefix_queries += num_queried
+        self.prefix_hits += num_hits
 
     def block_hash(self, block_id: int) -> int | None:
         """The hash the block currently caches, or None."""

@@ -234,3 +234,57 @@ def test_work_tokens_count_what_is_left_to_compute_and_generate(tiny, workload):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats()["work_tokens"] == 0
+
+
+def _step_until_finished(engine) -> dict:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def test_prefix_lookup_counts_once_however_long_admission_waits(tiny):
+    """Block size 16, 11 usable blocks. P (64 tokens) leaves 4 cached blocks. A (100 tokens)
+    then holds 7 blocks, so B (P's prompt + 30 tokens: 4 cached blocks, 2 more to allocate)
+    waits while only P's 4 cached blocks are free, and is looked up again every step."""
+    engine = LLM(tiny, max_model_len=512, num_kv_blocks=12).engine
+    p_prompt = list(range(3, 67))
+    engine.add_request("P", p_prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    _step_until_finished(engine)
+    engine.add_request("A", list(range(100, 200)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.add_request("B", p_prompt + list(range(200, 230)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+        assert [s.request_id for s in engine.scheduler.waiting] == ["B"]
+    finished = _step_until_finished(engine)
+    stats = engine.stats()
+    # Full blocks looked up (all but the last token): P 63 // 16 = 3, A 99 // 16 = 6, B 93 // 16 = 5;
+    # only B hits, P's 4 blocks.
+    assert (stats["prefix_queries"], stats["prefix_hits"]) == (3 + 6 + 5, 4)
+    assert finished["B"].num_cached_tokens == 4 * 16
+    assert stats["num_used_blocks"] == 0
+
+
+def test_cached_tokens_count_the_first_admission_prompt_hit_after_preemption(tiny, reference):
+    """A 20-token prompt whose first block (16 tokens) is cached runs 30 tokens, is preempted
+    by a higher-priority request, and is readmitted with 3 cached blocks (48 tokens, more than
+    its prompt): usage must still say 16 prompt tokens came from the cache."""
+    engine = LLM(tiny, max_model_len=512, num_kv_blocks=200, max_num_seqs=1, scheduling_policy="priority").engine
+    prompt = list(range(7, 27))
+    engine.add_request("warm", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    _step_until_finished(engine)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request("low", prompt, params, priority=10)
+    for _ in range(30):
+        engine.step()
+    queries = engine.stats()["prefix_queries"]
+    engine.add_request("high", list(range(300, 310)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    finished = _step_until_finished(engine)
+    assert engine.stats()["num_preemptions"] == 1
+    assert finished["low"].num_cached_tokens == 16
+    # The readmission is no new lookup in the stats: only "high"'s (9 // 16 = 0 blocks) was.
+    assert engine.stats()["prefix_queries"] == queries
+    assert finished["low"].outputs[0].token_ids == list(reference.generate(prompt, 40))

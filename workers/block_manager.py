@@ -7,12 +7,22 @@ another sequence still reads (copy-on-write after a fork).
 
 from __future__ import annotations
 
+import dataclasses
+
 from cache import BlockPool, hash_block
 from workers.sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLookup:
+    """One prefix-cache lookup: how many full blocks were looked up and how many were cached."""
+
+    queried_blocks: int
+    hit_blocks: int
 
 
 class BlockManager:
@@ -35,23 +45,26 @@ class BlockManager:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(hash_block(parent, ids[i * bs : (i + 1) * bs], self.salt))
 
-    def reuse_cached_prefix(self, seq: Sequence) -> int:
-        """Take the longest cached prefix of ``seq``'s known tokens into use; return tokens reused.
+    def reuse_cached_prefix(self, seq: Sequence) -> PrefixLookup | None:
+        """Take the longest cached prefix of ``seq``'s known tokens into use; None if no lookup
+        was made (prefix caching off, or ``seq`` already holds blocks, e.g. a fork).
 
         At least the last known token is always recomputed (its logits are needed), so a
-        fully cached sequence reuses all but its last block.
+        fully cached sequence reuses all but its last block. The lookup is not counted in the
+        pool's hit stats here: a sequence that cannot be admitted yet is looked up again next
+        step, so the scheduler counts the lookup of its admission instead.
         """
         if not self.pool.enable_prefix_caching or seq.block_ids:
-            return 0
+            return None
         usable = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, usable)
-        hits = self.pool.find_cached_prefix(seq.block_hashes[:usable])
+        hits = self.pool.find_cached_prefix(seq.block_hashes[:usable], record_stats=False)
         if hits:
             self.pool.touch(hits)
             seq.block_ids = list(hits)
         seq.num_computed_tokens = seq.num_committed_blocks = len(hits)
         seq.num_computed_tokens *= self.block_size
-        return seq.num_computed_tokens
+        return PrefixLookup(usable, len(hits))
 
     def commit_computed_blocks(self, seq: Sequence) -> None:
         """Register hashes of blocks that are now full of computed tokens (future prefix hits)."""

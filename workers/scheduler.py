@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers.block_manager import BlockManager
+from workers.block_manager import BlockManager, PrefixLookup
 from workers.sequence import Sequence, SequenceStatus
 
 
@@ -117,6 +117,14 @@ class Scheduler:
                 return
             self._preempt(victim, preempted)
 
+    def _count_first_admission(self, seq: Sequence, lookup: PrefixLookup) -> None:
+        """Record the prefix hit of a sequence's first admission, once: in the pool's hit stats
+        (failed admission attempts before it and re-admissions after a preemption do not
+        count) and as its ``num_cached_tokens``, which then counts prompt tokens only (the
+        lookup covered the prompt minus its last token)."""
+        self.blocks.pool.record_prefix_lookup(lookup.queried_blocks, lookup.hit_blocks)
+        seq.num_cached_tokens = lookup.hit_blocks * self.blocks.block_size
+
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
@@ -162,7 +170,7 @@ class Scheduler:
                 break
             if seq in preempted:
                 break  # do not re-admit what this step just evicted
-            self.blocks.reuse_cached_prefix(seq)
+            lookup = self.blocks.reuse_cached_prefix(seq)
             want = min(seq.num_uncomputed_tokens, budget)
             if want < seq.num_uncomputed_tokens and not cfg.enable_chunked_prefill:
                 self.blocks.free(seq)
@@ -171,7 +179,8 @@ class Scheduler:
                 self.blocks.free(seq)
                 break
             self.blocks.grow(seq, want)
-            seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
+            if lookup is not None and seq.num_preemptions == 0:
+                self._count_first_admission(seq, lookup)
             admitted.append(seq)
             budget -= want
             if want > 1 or seq.is_prefilling:

@@ -43,7 +43,7 @@ class Sequence:
     block_hashes: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_committed_blocks: int = 0  # leading full blocks already registered in the prefix cache
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
