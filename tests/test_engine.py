@@ -288,3 +288,14 @@ def test_cached_tokens_count_the_first_admission_prompt_hit_after_preemption(tin
     # The readmission is no new lookup in the stats: only "high"'s (9 // 16 = 0 blocks) was.
     assert engine.stats()["prefix_queries"] == queries
     assert finished["low"].outputs[0].token_ids == list(reference.generate(prompt, 40))
+
+
+def test_a_request_finishing_at_its_first_token_leaves_its_prompt_cached(tiny):
+    engine = LLM(tiny, max_model_len=512, num_kv_blocks=64).engine
+    prompt = list(range(40, 80))  # 40 tokens: 2 full blocks of 16
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add_request("first", prompt, one)
+    _step_until_finished(engine)
+    assert engine.stats()["num_cached_blocks"] == 2
+    engine.add_request("again", prompt, one)
+    assert _step_until_finished(engine)["again"].num_cached_tokens == 32

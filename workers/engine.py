@@ -218,10 +218,11 @@ class LLMEngine:
                 seq.forks = []
             if seq.finished:
                 break
+        # Finished or not, its computed full blocks become prefix-cache entries: a request that
+        # ends at its first token (max_tokens=1) leaves its prompt cached for the next one too.
+        self.blocks.commit_computed_blocks(seq)
         if seq.finished:
             self.scheduler.remove(seq)
-        else:
-            self.blocks.commit_computed_blocks(seq)
 
     # -- introspection -----------------------------------------------------------------------------------
     def _work_tokens(self) -> int:
