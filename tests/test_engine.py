@@ -299,3 +299,21 @@ def test_a_request_finishing_at_its_first_token_leaves_its_prompt_cached(tiny):
     assert engine.stats()["num_cached_blocks"] == 2
     engine.add_request("again", prompt, one)
     assert _step_until_finished(engine)["again"].num_cached_tokens == 32
+
+
+def test_a_sequence_longer_than_the_kv_pool_ends_at_its_capacity(tiny, reference):
+    """4 usable blocks of 16 hold 64 tokens' K/V; the last sampled token needs none. A 10-token
+    prompt asking for 100 tokens (the context allows 512) could never get a fifth block, and
+    used to wait for it forever; it ends with "length" after 64 + 1 - 10 = 55 tokens."""
+    engine = LLM(tiny, max_model_len=512, num_kv_blocks=5).engine
+    prompt = list(range(11, 21))
+    engine.add_request("big", prompt, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    finished = {}
+    for _ in range(200):  # 1 prefill + 54 decode steps are needed
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+        if not engine.has_unfinished_requests():
+            break
+    completion = finished["big"].outputs[0]
+    assert completion.finish_reason == "length"
+    assert completion.token_ids == list(reference.generate(prompt, 55))
+    assert engine.stats()["num_used_blocks"] == 0

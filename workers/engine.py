@@ -111,9 +111,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(prompt_ids, params)
-        max_tokens = self.max_model_len - len(prompt_ids)
-        if params.max_tokens is not None:
-            max_tokens = params.max_tokens
+        max_tokens = self._max_tokens(len(prompt_ids), params)
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
         seqs = [
             Sequence.create(
@@ -126,6 +124,15 @@ class LLMEngine:
         self.requests[request_id] = RequestState(request_id, text, prompt_ids, seqs, time.monotonic())
         self.scheduler.add(seqs[0])
         self.num_requests += 1
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        """Outputs a sequence may generate: what was asked for (else up to the context), but no
+        more than one sequence can hold in the whole KV pool. Beyond that it could never get
+        another block, even alone, and would wait for one forever; it ends with "length" there.
+        The last sampled token is never fed back, so it needs no K/V (hence the + 1)."""
+        asked = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+        pool_tokens = self.pool.num_usable_blocks * self.pool.block_size
+        return min(asked, pool_tokens + 1 - prompt_len)
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_ids)
