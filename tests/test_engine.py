@@ -317,3 +317,23 @@ def test_a_sequence_longer_than_the_kv_pool_ends_at_its_capacity(tiny, reference
     assert completion.finish_reason == "length"
     assert completion.token_ids == list(reference.generate(prompt, 55))
     assert engine.stats()["num_used_blocks"] == 0
+
+
+def test_without_chunked_prefill_a_preempted_sequence_recomputes_in_chunks(tiny, reference):
+    """Budget 32 tokens, no chunked prefill, no prefix cache: a 30-token prompt fits one step,
+    but preempted after 5 outputs it must recompute 35 tokens, more than any one step holds."""
+    engine = LLM(tiny, max_model_len=512, num_kv_blocks=64, max_num_seqs=1, max_num_batched_tokens=32,
+                 enable_chunked_prefill=False, enable_prefix_caching=False, scheduling_policy="priority").engine
+    prompt = list(range(30, 60))
+    engine.add_request("low", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), priority=5)
+    for _ in range(5):
+        engine.step()
+    engine.add_request("high", [4, 5, 6], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    finished = {}
+    for _ in range(100):  # high: 2 steps; low: 2 recompute chunks and 7 decodes
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+        if not engine.has_unfinished_requests():
+            break
+    assert engine.stats()["num_preemptions"] == 1
+    assert finished["low"].outputs[0].token_ids == list(reference.generate(prompt, 12))
+    assert finished["high"].outputs[0].token_ids == list(reference.generate([4, 5, 6], 2))

@@ -117,6 +117,15 @@ class Scheduler:
                 return
             self._preempt(victim, preempted)
 
+    def _may_compute(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` of ``seq``'s uncomputed tokens may be computed this step.
+        Without chunked prefill a prompt is computed whole; a preempted sequence's recompute
+        (prompt and outputs, which may exceed any step's budget) is chunked all the same, or
+        it could never run again and would block the queue behind it."""
+        return (
+            self.config.enable_chunked_prefill or num_tokens == seq.num_uncomputed_tokens or seq.num_preemptions > 0
+        )
+
     def _count_first_admission(self, seq: Sequence, lookup: PrefixLookup) -> None:
         """Record the prefix hit of a sequence's first admission, once: in the pool's hit stats
         (failed admission attempts before it and re-admissions after a preemption do not
@@ -143,7 +152,7 @@ class Scheduler:
                 continue
             if seq.is_prefilling:
                 want = min(seq.num_uncomputed_tokens, budget)
-                if want < seq.num_uncomputed_tokens and not cfg.enable_chunked_prefill:
+                if not self._may_compute(seq, want):
                     continue
             else:
                 want = min(steps, seq.max_tokens - len(seq.output_ids)) if steps > 1 else 1
@@ -172,7 +181,7 @@ class Scheduler:
                 break  # do not re-admit what this step just evicted
             lookup = self.blocks.reuse_cached_prefix(seq)
             want = min(seq.num_uncomputed_tokens, budget)
-            if want < seq.num_uncomputed_tokens and not cfg.enable_chunked_prefill:
+            if not self._may_compute(seq, want):
                 self.blocks.free(seq)
                 break
             if not self.blocks.can_grow(seq, want):
