@@ -14,7 +14,7 @@ from tests.checkpoints import build_tiny_checkpoint
 from workers import AsyncEngine, EngineArgs, LLMEngine, SamplingParams
 from workers.async_engine import EngineShutdownError, EngineStepError
 from workers.deployment import LLMWorker
-from workers.replica_protocol import GenerateRequest, InvalidRequestError
+from workers.replica_protocol import GenerateRequest, InvalidRequestError, ReplicaDrainingError
 
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -234,3 +234,11 @@ def test_worker_reports_a_bad_request_as_invalid_and_a_failed_step_as_not(engine
         _run(_worker_chunks(worker, [5, 6, 7], "good"))
     assert not isinstance(caught.value, InvalidRequestError)  # the router answers 500, not 400
     assert isinstance(caught.value.__cause__, ValueError)
+
+
+def test_worker_whose_engine_stopped_tells_the_client_to_retry(engine):
+    """A request reaching a replica whose engine is gone is a 503 (retry elsewhere), not a 500."""
+    worker = _worker(engine)
+    engine.shutdown()
+    with pytest.raises(ReplicaDrainingError, match="retry"):
+        _run(_worker_chunks(worker, [5, 6, 7], "late"))

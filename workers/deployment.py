@@ -76,8 +76,9 @@ class LLMWorker:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream deltas; a cancelled call (client gone) aborts the request and frees its blocks.
 
-        A request the engine refuses raises InvalidRequestError (the router answers 400); any
-        other error, such as a failed step, is the server's (500).
+        A request the engine refuses raises InvalidRequestError (the router answers 400); an
+        engine that stopped raises ReplicaDrainingError (503, retry: Serve replaces this replica);
+        any other error, such as a failed step, is the server's (500).
         """
         if self.draining:
             raise ReplicaDrainingError("this replica is shutting down; retry")
@@ -91,6 +92,8 @@ class LLMWorker:
                 started = True
                 recorder.on_output(output)
                 yield chunk_from_output(output, reported)
+        except EngineShutdownError as err:  # the health check fails next; another replica can serve
+            raise ReplicaDrainingError(f"this replica's engine stopped ({err}); retry") from None
         finally:
             if started:
                 recorder.finish()
