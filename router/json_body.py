@@ -26,10 +26,14 @@ def _refuse_constant(name: str) -> Any:
 def parse_json_body(body: bytes) -> Any:
     """The decoded body; OpenAIError 400 for anything that is not plain, finite, valid-Unicode JSON."""
     try:
-        value = json.loads(body, parse_constant=_refuse_constant)
+        text = body.decode("utf-8")  # RFC 8259: JSON on the wire is UTF-8 (json.loads would guess UTF-16/32)
+    except UnicodeDecodeError as err:
+        raise invalid(f"the request body is not valid UTF-8: byte {err.start} ({body[err.start]:#04x})") from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
     except RecursionError:
         raise _too_deep() from None
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
+    except ValueError as err:  # JSONDecodeError included
         raise invalid(f"the request body is not valid JSON: {err}") from None
     check_json_value(value)
     return value

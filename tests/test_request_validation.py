@@ -67,6 +67,7 @@ def test_valid_unusual_fields_pass(parser):
         (b'{"temperature": Infinity}', None),
         (b'{"temperature": 1e999}', "temperature"),
         (b'{"a": "\xff"}', None),
+        ('{"model": "m"}'.encode("utf-16"), None),  # JSON on the wire is UTF-8, whatever the BOM says
     ],
 )
 def test_hostile_json_is_a_400(raw, param):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
 import pytest
 from ray.exceptions import RayActorError
@@ -19,56 +18,8 @@ from ray.exceptions import RayActorError
 from model import DEFAULT_MODEL, load_model_info
 from router.openai_service import OpenAIService
 from router.settings import RouterSettings
+from tests.fake_worker import HANG, FakeWorker, chunk, ledger_problems, post_json
 from workers.replica_protocol import ChoiceDelta, GenerateChunk, InvalidRequestError
-
-HANG = "hang"
-
-
-def _chunk(text: str, finished: bool = False) -> GenerateChunk:
-    choice = ChoiceDelta(0, text, [1], None, "length" if finished else None)
-    return GenerateChunk("r", [choice], prompt_tokens=3, num_cached_tokens=0, finished=finished)
-
-
-class FakeCall:
-    """One streaming worker call playing a script of chunks, errors and hangs."""
-
-    def __init__(self, script: list[Any]):
-        self.script = script
-        self.cancels = 0
-        self.finished = False
-
-    def __aiter__(self):
-        return self._play()
-
-    async def _play(self):
-        for step in self.script:
-            if step == HANG:
-                await asyncio.Event().wait()
-            if isinstance(step, BaseException):
-                raise step
-            yield step
-            if step.finished:
-                self.finished = True
-
-    def cancel(self) -> None:
-        self.cancels += 1
-
-
-class FakeWorker:
-    """Stands in for the worker deployment handle: ``options(stream=True).generate.remote(req)``."""
-
-    def __init__(self):
-        self.script: list[Any] = []
-        self.calls: list[FakeCall] = []
-        self.generate = self
-
-    def options(self, **_: Any) -> "FakeWorker":
-        return self
-
-    def remote(self, request: Any) -> FakeCall:
-        call = FakeCall(list(self.script))
-        self.calls.append(call)
-        return call
 
 
 @pytest.fixture(scope="module")
@@ -85,66 +36,28 @@ def service(tokenizer):
     return svc
 
 
-async def _call(app, body: dict, disconnect_after_body_parts: int | None = None,
-                disconnect_after_s: float | None = None) -> tuple[int, bytes]:
-    """One HTTP request through the ASGI app; the client may go away after some parts or seconds."""
-    gone = asyncio.Event()
-    sent_request = False
-    status, parts = 0, []
-
-    async def receive() -> dict:
-        nonlocal sent_request
-        if not sent_request:
-            sent_request = True
-            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-        if disconnect_after_s is not None:
-            await asyncio.sleep(disconnect_after_s)
-        else:
-            await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        elif message["type"] == "http.response.body" and message.get("body"):
-            parts.append(message["body"])
-            if disconnect_after_body_parts is not None and len(parts) >= disconnect_after_body_parts:
-                gone.set()
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-    task = asyncio.create_task(app(scope, receive, send))
-    if disconnect_after_s is not None:
-        # The server cancels the handler when the client goes away before any response started.
-        done, _ = await asyncio.wait({task}, timeout=disconnect_after_s)
-        if not done:
-            task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    return status, b"".join(parts)
+async def _call(app, body: dict, **kwargs) -> tuple[int, bytes]:
+    answer = await post_json(app, body, **kwargs)
+    return answer.status, answer.body
 
 
 def _assert_ledger_clean(service: OpenAIService) -> None:
-    assert service.admission.in_flight == 0 and not service.admission.leases, service.queue_status()
-    assert len(service.queue) == 0
-    for call in service.worker.calls:
-        assert call.finished or call.cancels == 1, (call.script, call.cancels)
+    problems = ledger_problems(service)
+    assert not problems, problems
 
 
 BODY = {"model": "m", "prompt": "Hello", "max_tokens": 2}
 
 PATHS = {
-    "success": ([_chunk("a"), _chunk("b", finished=True)], {}, 200),
-    "success streaming": ([_chunk("a"), _chunk("b", finished=True)], {"stream": True}, 200),
+    "success": ([chunk("a"), chunk("b", finished=True)], {}, 200),
+    "success streaming": ([chunk("a"), chunk("b", finished=True)], {"stream": True}, 200),
     "client error": ([], {"max_tokens": "many"}, 400),
     "worker refuses the request": ([InvalidRequestError("bad ids")], {}, 400),
     "worker error before output": ([RuntimeError("boom")], {}, 500),
-    "worker error mid-stream": ([_chunk("a"), RuntimeError("boom")], {"stream": True}, 200),
-    "worker death mid-response": ([_chunk("a"), RayActorError()], {}, 503),
-    "worker death mid-stream": ([_chunk("a"), RayActorError()], {"stream": True}, 200),
-    "replica shut down": ([_chunk("a"), GenerateChunk("r", [ChoiceDelta(0, "", [], None, "abort")], 3, 0, True)],
+    "worker error mid-stream": ([chunk("a"), RuntimeError("boom")], {"stream": True}, 200),
+    "worker death mid-response": ([chunk("a"), RayActorError()], {}, 503),
+    "worker death mid-stream": ([chunk("a"), RayActorError()], {"stream": True}, 200),
+    "replica shut down": ([chunk("a"), GenerateChunk("r", [ChoiceDelta(0, "", [], None, "abort")], 3, 0, True)],
                           {}, 503),
 }
 
@@ -163,7 +76,7 @@ def test_exit_path_releases_everything(service, name):
 
 
 def test_disconnect_mid_stream_cancels_the_worker_call(service):
-    service.worker.script = [_chunk("a"), _chunk("b"), HANG]
+    service.worker.script = [chunk("a"), chunk("b"), HANG]
     status, body = asyncio.run(_call(service.asgi_app(), {**BODY, "stream": True}, disconnect_after_body_parts=2))
     assert status == 200 and b"[DONE]" not in body
     assert service.worker.calls[0].cancels == 1
@@ -179,7 +92,7 @@ def test_disconnect_before_the_first_token(service):
 
 def test_disconnect_and_timeout_while_queued(service):
     service.admission.set_capacity(0)
-    service.worker.script = [_chunk("a", finished=True)]
+    service.worker.script = [chunk("a", finished=True)]
     asyncio.run(_call(service.asgi_app(), BODY, disconnect_after_s=0.1))  # gone while waiting
     status, body = asyncio.run(_call(service.asgi_app(), BODY))  # waits past queue_timeout_s
     assert status == 503 and json.loads(body)["error"]["code"] == "queue_timeout"
@@ -189,7 +102,7 @@ def test_disconnect_and_timeout_while_queued(service):
 
 def test_non_ascii_user_is_served_and_counted(service):
     """The bug that wedged servers: a tenant tag Ray's metrics cannot encode failed after admission."""
-    service.worker.script = [_chunk("a", finished=True)]
+    service.worker.script = [chunk("a", finished=True)]
     for user in ["josé", "😀", "שלום", "e\u0301", "a\u200bb", "x" * 500]:
         status, body = asyncio.run(_call(service.asgi_app(), {**BODY, "user": user}))
         assert status == 200, body
@@ -202,7 +115,7 @@ def test_a_failure_in_the_routers_own_accounting_still_releases(service, monkeyp
         raise RuntimeError("metrics backend down")
 
     monkeypatch.setattr(service.metrics, "tenant_tokens", broken)
-    service.worker.script = [_chunk("a", finished=True)]
+    service.worker.script = [chunk("a", finished=True)]
     status, body = asyncio.run(_call(service.asgi_app(), BODY))
     assert status == 500 and "Traceback" not in body.decode()
     _assert_ledger_clean(service)

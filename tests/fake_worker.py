@@ -1,0 +1,135 @@
+"""The router's OpenAI service in-process over a scripted fake worker, driven through ASGI.
+
+Lets tests take every path of a request (worker errors, deaths, hangs, client disconnects)
+on purpose and check what the router holds afterwards, in milliseconds and without Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from typing import Any
+
+from router.openai_service import OpenAIService
+from workers.replica_protocol import ChoiceDelta, GenerateChunk
+
+HANG = "hang"
+
+
+def chunk(text: str, finished: bool = False) -> GenerateChunk:
+    choice = ChoiceDelta(0, text, [1], None, "length" if finished else None)
+    return GenerateChunk("r", [choice], prompt_tokens=3, num_cached_tokens=0, finished=finished)
+
+
+class FakeCall:
+    """One streaming worker call playing a script of chunks, errors and hangs."""
+
+    def __init__(self, script: list[Any]):
+        self.script = script
+        self.cancels = 0
+        self.finished = False
+
+    def __aiter__(self):
+        return self._play()
+
+    async def _play(self):
+        for step in self.script:
+            if step == HANG:
+                await asyncio.Event().wait()
+            if isinstance(step, BaseException):
+                raise step
+            yield step
+            if step.finished:
+                self.finished = True
+
+    def cancel(self) -> None:
+        self.cancels += 1
+
+
+class FakeWorker:
+    """Stands in for the worker deployment handle: ``options(stream=True).generate.remote(req)``."""
+
+    def __init__(self, script: list[Any] | None = None):
+        self.script: list[Any] = script or []
+        self.calls: list[FakeCall] = []
+        self.generate = self
+
+    def options(self, **_: Any) -> "FakeWorker":
+        return self
+
+    def remote(self, request: Any) -> FakeCall:
+        call = FakeCall(list(self.script))
+        self.calls.append(call)
+        return call
+
+
+@dataclasses.dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+async def asgi_request(app, method: str, path: str, body: bytes, headers: dict[str, str] | None = None,
+                       disconnect_after_body_parts: int | None = None,
+                       disconnect_after_s: float | None = None) -> Answer:
+    """One HTTP request through the ASGI app; the client may go away after some parts or seconds."""
+    gone = asyncio.Event()
+    sent_request = False
+    answer = Answer(0, {}, b"")
+    parts: list[bytes] = []
+
+    async def receive() -> dict:
+        nonlocal sent_request
+        if not sent_request:
+            sent_request = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if disconnect_after_s is not None:
+            await asyncio.sleep(disconnect_after_s)
+        else:
+            await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            answer.status = message["status"]
+            answer.headers = {k.decode().lower(): v.decode() for k, v in message.get("headers", [])}
+        elif message["type"] == "http.response.body" and message.get("body"):
+            parts.append(message["body"])
+            if disconnect_after_body_parts is not None and len(parts) >= disconnect_after_body_parts:
+                gone.set()
+
+    raw_path = path.encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": raw_path, "query_string": b"", "root_path": "",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    task = asyncio.create_task(app(scope, receive, send))
+    if disconnect_after_s is not None:
+        # The server cancels the handler when the client goes away before any response started.
+        done, _ = await asyncio.wait({task}, timeout=disconnect_after_s)
+        if not done:
+            task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    answer.body = b"".join(parts)
+    return answer
+
+
+async def post_json(app, body: dict, path: str = "/v1/completions", **kwargs: Any) -> Answer:
+    return await asgi_request(app, "POST", path, json.dumps(body).encode(), {"content-type": "application/json"},
+                              **kwargs)
+
+
+def ledger_problems(service: OpenAIService) -> list[str]:
+    """What the router still holds: slots, leases, queued requests, worker calls neither finished
+    nor cancelled exactly once. Empty when every request gave everything back."""
+    problems = []
+    if service.admission.in_flight or service.admission.leases:
+        problems.append(f"slots still held: {service.queue_status()}")
+    if len(service.queue):
+        problems.append(f"{len(service.queue)} requests still queued")
+    for call in service.worker.calls:
+        if not (call.finished or call.cancels == 1):
+            problems.append(f"worker call finished={call.finished} cancelled {call.cancels} times")
+    return problems
