@@ -71,7 +71,7 @@ class Answer:
     body: bytes
 
 
-async def asgi_request(app, method: str, path: str, body: bytes, headers: dict[str, str] | None = None,
+async def asgi_request(app, method: str, path: str, body: bytes, headers: dict[str, str | bytes] | None = None,
                        disconnect_after_body_parts: int | None = None,
                        disconnect_after_s: float | None = None) -> Answer:
     """One HTTP request through the ASGI app; the client may go away after some parts or seconds."""
@@ -103,7 +103,8 @@ async def asgi_request(app, method: str, path: str, body: bytes, headers: dict[s
     raw_path = path.encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
              "scheme": "http", "path": path, "raw_path": raw_path, "query_string": b"", "root_path": "",
-             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+             "headers": [(k.lower().encode(), v if isinstance(v, bytes) else v.encode())
+                         for k, v in (headers or {}).items()],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
     task = asyncio.create_task(app(scope, receive, send))
     if disconnect_after_s is not None:

@@ -45,7 +45,7 @@ class HostileRequest:
     method: str
     path: str
     body: bytes
-    headers: dict[str, str]
+    headers: dict[str, str | bytes]
     note: str  # what was done to it, for failure messages
 
     def describe(self) -> str:
@@ -131,7 +131,7 @@ def generate(count: int, model: str, seed: int, max_request_bytes: int = 1 << 20
                 note += f"; {second}"
         headers = {"Content-Type": "application/json"}
         if rng.random() < 0.05:
-            headers["x-priority"] = rng.choice(["high", "²", "-1", "99", "ﾟ", "low"])
+            headers["x-priority"] = rng.choice(["high", "²", "-1", "99", "ﾟ", "low"]).encode()  # raw UTF-8 bytes
         out.append(HostileRequest("POST", path, text.encode("utf-8", "surrogatepass"), headers, note))
     return out
 
