@@ -20,7 +20,7 @@ from model import DEFAULT_MODEL, load_model_info
 from router.openai_service import OpenAIService
 from router.settings import RouterSettings
 from tests.fake_worker import FakeWorker, asgi_request, chunk, ledger_problems
-from tests.hostile_requests import CHAT, CHAT_FIELDS, COMPLETION_FIELDS, COMPLETIONS, check_answer, generate
+from deploy.benchmarks.hostile_requests import CHAT, CHAT_FIELDS, COMPLETION_FIELDS, COMPLETIONS, check_answer, generate
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_any_json_over_the_schema(tokenizer, path, data):
     if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool):
         body["max_tokens"] = min(body["max_tokens"], 4)
     service = _service(tokenizer)
-    from tests.hostile_requests import HostileRequest
+    from deploy.benchmarks.hostile_requests import HostileRequest
 
     request = HostileRequest("POST", path, json.dumps(body).encode(), {"content-type": "application/json"}, "hypothesis")
     problems = asyncio.run(_send_all(service, [request]))

@@ -1,7 +1,7 @@
 """A seeded generator of malformed and hostile OpenAI requests, and the checks every answer must pass.
 
-Shared by the in-process fuzz test, the HTTP fuzz test and ``deploy.benchmarks.soak_bench``.
-Each request is raw bytes (so lone surrogates, invalid UTF-8, deep nesting and truncation
+Shared by the soak benchmark (``deploy.benchmarks.soak_bench``), the in-process fuzz test and the
+HTTP fuzz test. Each request is raw bytes (so lone surrogates, invalid UTF-8, deep nesting and truncation
 travel as a client would send them) plus a method and a path. Most requests are a valid body
 with one or two fields replaced by a hostile value; the rest are transport quirks. Generated
 work stays small: a body that would be valid asks for at most a few tokens.
