@@ -98,7 +98,7 @@ class RequestParser:
         if best_of not in (None, 1) and best_of != body.get("n", 1):
             raise invalid("best_of other than n is not supported", "best_of")
         max_tokens = _optional(body, "max_tokens", int)
-        if "max_tokens" not in body:
+        if max_tokens is None:  # absent or null: OpenAI's legacy default, not the rest of the context
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         return self._finish(body, "completion", model, prompts, texts, max_tokens, logprobs, echo)
 

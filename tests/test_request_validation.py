@@ -48,6 +48,10 @@ def test_malformed_fields_are_refused_by_name(parser, kind, body, param):
     assert err.value.status == 400 and err.value.param == param, err.value.message
 
 
+def test_completions_max_tokens_null_is_the_default_16(parser):
+    assert parser.parse_completion({"model": "m", "prompt": "x", "max_tokens": None}).params.max_tokens == 16
+
+
 def test_valid_unusual_fields_pass(parser):
     parsed = parser.parse_chat({"model": "m", "messages": [{"role": "user", "content": "¿qué? 😀", "name": "bob"}],
                                 "logit_bias": {}, "user": "josé\u200b", "stop_token_ids": [2]})

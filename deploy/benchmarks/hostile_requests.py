@@ -79,8 +79,9 @@ def _mutate(body: dict[str, Any], path: str, rng: random.Random) -> tuple[str, s
     if not raw:
         value = json.loads(value_text)
         cap = _WORK_CAPS.get(field)
-        if cap is not None and isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 10**6:
-            value_text = json.dumps(min(value, cap))
+        if cap is not None and (value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                                  and 0 < value <= 10**6)):
+            value_text = json.dumps(min(value or cap, cap))  # null may mean "the rest of the context"
     rest = json.dumps({k: v for k, v in body.items() if k != field})[:-1]
     return f'{rest}, "{field}": {value_text}}}', f"{field}={value_text[:40]}"
 
