@@ -1,10 +1,13 @@
 """Killing processes under load: a worker replica (SIGKILL) and one of two router replicas.
 
-Runs on its own application so the shared one is untouched. Every request in flight on a
-killed worker must end within a bounded time with a clear error (an error status, or an SSE
-error event: never a stream that just stops or ends as a clean success), Serve must start a
-replacement, and the service must answer correctly again. With two router replicas, killing
-one must leave the other serving. The soak benchmark runs the worker kill on the deploy file.
+Runs on its own application (one worker replica, two router replicas) so the shared one is
+untouched. Every request in flight on a killed worker must end within a bounded time with a
+clear error (an error status, or an SSE error event: never a stream that just stops or ends as
+a clean success); the router must give back what those requests held (worker death is an exit
+path of the lease too); Serve must start a replacement, which answers a greedy request exactly
+as the killed one did. With two router replicas, killing one under concurrent load must leave
+the other serving: every request started after the kill succeeds and none hangs. The soak
+benchmark runs the worker kill on the deploy file.
 """
 
 from __future__ import annotations
@@ -13,14 +16,20 @@ import asyncio
 import copy
 import time
 
+import httpx
 import pytest
 
-from deploy.benchmarks.soak_bench import kill_replica, kill_worker_under_streams, seconds_until_serving, serves
+from deploy.benchmarks.soak_bench import (
+    greedy_answer, kill_replica, kill_worker_under_streams, seconds_until_serving, serves, wait_back_to_baseline,
+)
 from tests.serving import TEST_DEPLOY
 
 STREAMS = 6
 END_WITHIN_S = 60.0
 RECOVER_WITHIN_S = 300.0
+LOAD_CLIENTS = 4
+LOAD_AFTER_KILL_S = 8.0
+COMPLETIONS = "/v1/completions"
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +43,15 @@ def fault_app(serve_cluster):
     serve_cluster.remove(app)
 
 
+def _assert_nothing_held(app) -> None:
+    held = wait_back_to_baseline(app.config.name)
+    assert held["router_replicas"] > 0 and held["worker_replicas"] > 0, held
+    assert not any(v for k, v in held.items() if not k.endswith("_replicas")), f"still held: {held}"
+
+
 def test_a_killed_worker_fails_its_requests_clearly_and_is_replaced(fault_app):
     assert serves(fault_app.base_url, fault_app.model)
+    before = greedy_answer(fault_app.base_url, fault_app.model)
     endings, longest, killed_at = asyncio.run(
         kill_worker_under_streams(fault_app.config.name, fault_app.base_url, fault_app.model, STREAMS))
     print(f"\nworker kill: {STREAMS} streams in flight, endings {endings}, longest {longest:.1f} s after the kill")
@@ -43,6 +59,50 @@ def test_a_killed_worker_fails_its_requests_clearly_and_is_replaced(fault_app):
     assert longest < END_WITHIN_S
     back = seconds_until_serving(fault_app.base_url, fault_app.model, killed_at, RECOVER_WITHIN_S)
     print(f"worker kill: served again {back:.1f} s after the kill")
+    _assert_nothing_held(fault_app)
+    assert greedy_answer(fault_app.base_url, fault_app.model) == before, "the replacement answers differently"
+
+
+async def _steady_load(base_url: str, model: str, kill_at: asyncio.Event, stop: asyncio.Event
+                       ) -> list[tuple[float, float, str]]:
+    """``LOAD_CLIENTS`` clients each sending short requests back to back (streaming and not) until
+    ``stop``; returns (start, end, outcome) per request, outcome "ok" or what went wrong."""
+    results: list[tuple[float, float, str]] = []
+
+    async def client_loop(client: httpx.AsyncClient, i: int) -> None:
+        sent = 0
+        while not stop.is_set():
+            stream = (i + sent) % 2 == 0
+            body = {"model": model, "prompt": [1000 + 7 * i + sent % 50, 2000, 3000], "max_tokens": 8,
+                    "ignore_eos": True, "stream": stream}
+            start = time.monotonic()
+            try:
+                response = await client.post(f"{base_url}{COMPLETIONS}", json=body)
+                text = response.text
+                ok = response.status_code == 200 and (not stream or (text.rstrip().endswith("data: [DONE]")
+                                                                      and '"error"' not in text))
+                outcome = "ok" if ok else f"{response.status_code} {text[:160]!r}"
+            except httpx.HTTPError as err:
+                outcome = f"transport {err!r}"
+            results.append((start, time.monotonic(), outcome))
+            sent += 1
+            if sent == 3:
+                kill_at.set()  # every client is under way: time to kill
+
+    async with httpx.AsyncClient(timeout=END_WITHIN_S) as client:
+        await asyncio.gather(*(client_loop(client, i) for i in range(LOAD_CLIENTS)))
+    return results
+
+
+async def _kill_router_under_load(app) -> tuple[float, list[tuple[float, float, str]]]:
+    kill_at, stop = asyncio.Event(), asyncio.Event()
+    load = asyncio.create_task(_steady_load(app.base_url, app.model, kill_at, stop))
+    await asyncio.wait_for(kill_at.wait(), 120)
+    await asyncio.to_thread(kill_replica, app.config.name, "OpenAIRouter")
+    killed_at = time.monotonic()
+    await asyncio.sleep(LOAD_AFTER_KILL_S)
+    stop.set()
+    return killed_at, await asyncio.wait_for(load, END_WITHIN_S + 30)  # no request may hang
 
 
 def test_the_other_router_replica_keeps_serving(fault_app):
@@ -51,9 +111,14 @@ def test_the_other_router_replica_keeps_serving(fault_app):
     seconds_until_serving(fault_app.base_url, fault_app.model, time.monotonic(), RECOVER_WITHIN_S)
     status = serve.status().applications[fault_app.config.name].deployments["OpenAIRouter"]
     assert status.replica_states.get("RUNNING") == 2, status
-    killed = kill_replica(fault_app.config.name, "OpenAIRouter")
-    killed_at = time.monotonic()
-    served = sum(serves(fault_app.base_url, fault_app.model) for _ in range(10))
-    print(f"\nrouter kill: {served} of the 10 requests right after killing process {killed} served")
-    assert served >= 8  # requests that raced the kill may fail; the surviving replica serves the rest
-    seconds_until_serving(fault_app.base_url, fault_app.model, killed_at, 60)
+    killed_at, results = asyncio.run(_kill_router_under_load(fault_app))
+    at_kill = [r for r in results if r[0] < killed_at < r[1]]
+    after = [r for r in results if r[0] >= killed_at]
+    failed_after = [f"{r[0] - killed_at:+.1f} s: {r[2]}" for r in after if r[2] != "ok"]
+    print(f"\nrouter kill: {len(at_kill)} requests in flight at the kill ({sum(r[2] == 'ok' for r in at_kill)} "
+          f"served, longest ended {max((r[1] - killed_at for r in at_kill), default=0):.1f} s after); "
+          f"{len(after)} sent after it, {len(failed_after)} failed")
+    assert len(after) >= LOAD_CLIENTS * 2, f"the load stalled after the kill: {len(after)} requests"
+    assert not failed_after, "\n".join(failed_after[:10])
+    seconds_until_serving(fault_app.base_url, fault_app.model, killed_at, RECOVER_WITHIN_S)
+    _assert_nothing_held(fault_app)

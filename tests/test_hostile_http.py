@@ -16,8 +16,8 @@ from deploy.benchmarks.soak_bench import greedy_answer, mixed_load, send_hostile
 
 HOSTILE_REQUESTS = 300  # the soak benchmark sends 10,000
 LOAD_REQUESTS = 150  # the soak benchmark sends 1,000
-NOTHING_HELD = {"router_slots": 0, "router_leases": 0, "router_queued": 0, "worker_replicas": 2,
-                "worker_requests": 0, "worker_blocks": 0}
+NOTHING_HELD = {"router_replicas": 1, "router_slots": 0, "router_leases": 0, "router_queued": 0,
+                "worker_replicas": 2, "worker_requests": 0, "worker_blocks": 0}
 
 
 def test_hostile_requests_leave_the_server_as_it_was(raylm_app):

@@ -14,7 +14,8 @@ running / waiting requests and KV blocks) and that a greedy request answers as b
    until the replacement replica serves.
 
 The test suite runs the same drivers at a smaller scale (tests/test_hostile_http.py,
-tests/test_faults.py).
+tests/test_faults.py); tests/test_adversarial_http.py and tests/test_load_cancel.py add exact
+answers per hostile case and cancellations at every stage.
 
     python -m deploy.benchmarks.soak_bench [--config deploy/default.yaml] [--fuzz 10000] [--load 1000]
 """
@@ -28,7 +29,6 @@ import random
 import signal
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 
@@ -120,19 +120,51 @@ async def mixed_load(base_url: str, model: str, count: int, seed: int, concurren
     return out
 
 
-def held_resources(app_name: str) -> dict:
-    """What the application holds right now: router slots / leases / queue, worker requests and blocks."""
-    from ray import serve
+def router_ledgers(app_name: str, timeout_s: float = 30.0) -> dict[str, dict]:
+    """``{router replica id: queue_status()}`` for every router replica, each asked directly
+    (replicas that died or are still starting are left out).
 
+    A deployment handle answers from one replica of its choosing, so with several router
+    replicas a leak in another would go unseen. Serve does not expose a per-replica call, so
+    this runs ``queue_status`` inside each replica actor (``__ray_call__``) through Serve's
+    replica internals (Ray 2.x: ``ReplicaActor._replica_impl._user_callable_wrapper``)."""
+    import ray
+
+    from cluster.replicas import SERVE_NAMESPACE, replica_actor_names
+
+    def ask(actor) -> dict | None:  # runs in the replica's process; None while it is still starting
+        router = actor._replica_impl._user_callable_wrapper.user_callable
+        return router.service.queue_status() if hasattr(router, "service") else None
+
+    refs = {}
+    for name in replica_actor_names(app_name, "OpenAIRouter"):
+        try:
+            refs[name.rsplit("#", 1)[1]] = ray.get_actor(name, namespace=SERVE_NAMESPACE).__ray_call__.remote(ask)
+        except ValueError:  # the replica went away between listing and lookup
+            continue
+    out = {}
+    for replica_id, ref in refs.items():
+        try:
+            status = ray.get(ref, timeout=timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # died, or a replacement starting
+            continue
+        if status is not None:
+            out[replica_id] = status
+    return out
+
+
+def held_resources(app_name: str) -> dict:
+    """What the application holds right now, summed over every router replica (slots, leases,
+    queued requests) and every worker replica (running / waiting requests, KV blocks)."""
     from cluster.replicas import replica_stats
 
-    router = serve.get_deployment_handle("OpenAIRouter", app_name=app_name).queue_status.remote().result(
-        timeout_s=30)
+    routers = router_ledgers(app_name)
     workers = replica_stats(app_name)
     return {
-        "router_slots": router["in_flight"],
-        "router_leases": router["leases"],
-        "router_queued": sum(router["queued"].values()),
+        "router_replicas": len(routers),
+        "router_slots": sum(r["in_flight"] for r in routers.values()),
+        "router_leases": sum(r["leases"] for r in routers.values()),
+        "router_queued": sum(sum(r["queued"].values()) for r in routers.values()),
         "worker_replicas": len(workers),
         "worker_requests": sum(s["running"] + s["waiting"] for s in workers.values()),
         "worker_blocks": sum(s["num_used_blocks"] for s in workers.values()),
@@ -141,11 +173,13 @@ def held_resources(app_name: str) -> dict:
 
 def wait_back_to_baseline(app_name: str, timeout_s: float = 60.0) -> dict:
     """Wait until nothing is held (requests drain asynchronously); returns what is still held at the
-    deadline (all zeros when clean, ``worker_replicas`` > 0)."""
+    deadline (all zeros when clean, with ``router_replicas`` and ``worker_replicas`` > 0: a
+    replica that did not answer holds nothing in the sums, so an empty answer is not clean)."""
     deadline = time.monotonic() + timeout_s
     while True:
         held = held_resources(app_name)
-        clean = held["worker_replicas"] > 0 and not any(v for k, v in held.items() if k != "worker_replicas")
+        counts = ("router_replicas", "worker_replicas")
+        clean = all(held[k] > 0 for k in counts) and not any(v for k, v in held.items() if k not in counts)
         if clean or time.monotonic() > deadline:
             return held
         time.sleep(0.2)
@@ -159,28 +193,26 @@ def greedy_answer(base_url: str, model: str) -> str:
     return response.json()["choices"][0]["message"]["content"]
 
 
-def replica_pids(app_name: str, deployment: str) -> list[int]:
-    """PIDs of a deployment's replica processes on this machine (Ray titles each
-    ``ray::ServeReplica:APP:DEPLOYMENT``)."""
-    title = f"ray::ServeReplica:{app_name}:{deployment}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().startswith(title):
-                    pids.append(int(entry.name))
-            except OSError:  # the process ended while we looked
-                continue
-    return pids
+def replica_pid(app_name: str, deployment: str) -> int:
+    """The PID of one of the deployment's replica processes, asked of the replica actor itself: a
+    process title (``ray::ServeReplica:APP:DEPLOYMENT``) may also match a replica of another Ray
+    cluster on the same machine."""
+    import ray
+
+    from cluster.replicas import SERVE_NAMESPACE, replica_actor_names
+
+    names = replica_actor_names(app_name, deployment)
+    if not names:
+        raise RuntimeError(f"no replica of {app_name}/{deployment} in this Ray cluster")
+    actor = ray.get_actor(names[0], namespace=SERVE_NAMESPACE)
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
 
 
 def kill_replica(app_name: str, deployment: str) -> int:
     """SIGKILL one replica's process (as the OOM killer or a crash would); returns its PID."""
-    pids = replica_pids(app_name, deployment)
-    if not pids:
-        raise RuntimeError(f"no process titled ServeReplica:{app_name}:{deployment} on this machine")
-    os.kill(pids[0], signal.SIGKILL)
-    return pids[0]
+    pid = replica_pid(app_name, deployment)
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 async def long_stream(client: httpx.AsyncClient, base_url: str, model: str, first_chunk: asyncio.Event
@@ -292,8 +324,10 @@ def main(argv: list[str] | None = None) -> None:
         back = seconds_until_serving(base_url, model, killed_at, 600)
         failed = sum(not (kind == "error-event" or kind.startswith("status 5")) for kind in endings)
         print(f"\nfault: worker replica killed with {len(endings)} streams in flight; endings {endings}")
+        held = wait_back_to_baseline(app)
         print(f"fault: longest time to end {longest:.1f} s; streams without a clear error {failed} (goal 0); "
               f"serving again after {back:.1f} s; greedy unchanged: {greedy_answer(base_url, model) == before}")
+        print(f"fault: held after recovery: {held} (goal all 0)")
 
 
 if __name__ == "__main__":
