@@ -66,6 +66,15 @@ def hf_bundled_model(bundled_path):
 
 
 @pytest.fixture(scope="session")
+def tiny_gqa_model(tmp_path_factory) -> LoadedModel:
+    """A tiny random llama checkpoint with grouped KV heads, for engine tests that need no real text."""
+    from tests.checkpoints import build_tiny_checkpoint
+
+    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("tiny-gqa") / "m")
+    return load_model(path)
+
+
+@pytest.fixture(scope="session")
 def serve_cluster():
     """One real local Ray cluster with Serve for the whole session (starting one costs ~20 s)."""
     from tests.serving import start_cluster

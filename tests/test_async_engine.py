@@ -6,20 +6,12 @@ import asyncio
 
 import pytest
 
-from model import load_model
-from tests.checkpoints import build_tiny_checkpoint
 from workers import LLM, AsyncEngine, EngineArgs, LLMEngine, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("async") / "m")
-    return load_model(path)
-
-
 @pytest.fixture
-def engine(tiny):
-    engine = AsyncEngine(LLMEngine(tiny, EngineArgs(max_model_len=512, num_kv_blocks=200, max_num_seqs=8)))
+def engine(tiny_gqa_model):
+    engine = AsyncEngine(LLMEngine(tiny_gqa_model, EngineArgs(max_model_len=512, num_kv_blocks=200, max_num_seqs=8)))
     yield engine
     engine.shutdown()
 
@@ -37,10 +29,10 @@ async def _wait_for_no_used_blocks(engine, timeout=10.0):
     raise AssertionError(f"blocks still in use: {stats}")
 
 
-def test_streams_equal_offline_results(tiny, engine):
+def test_streams_equal_offline_results(tiny_gqa_model, engine):
     prompts = [[5, 6, 7], list(range(3, 60)), [9] * 20]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    offline = LLM(tiny, max_model_len=512, num_kv_blocks=200).generate(
+    offline = LLM(tiny_gqa_model, max_model_len=512, num_kv_blocks=200).generate(
         [{"prompt_token_ids": p} for p in prompts], params
     )
 

@@ -9,8 +9,6 @@ import threading
 
 import pytest
 
-from model import load_model
-from tests.checkpoints import build_tiny_checkpoint
 from workers import AsyncEngine, EngineArgs, LLMEngine, SamplingParams
 from workers.async_engine import EngineShutdownError, EngineStepError
 from workers.deployment import LLMWorker
@@ -21,15 +19,9 @@ SHORT = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 TIMEOUT_S = 20.0  # far above what any of these takes; only a hang reaches it
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("thread") / "m")
-    return load_model(path)
-
-
 @pytest.fixture
-def engine(tiny):
-    engine = AsyncEngine(LLMEngine(tiny, EngineArgs(max_model_len=512, num_kv_blocks=200, max_num_seqs=8)))
+def engine(tiny_gqa_model):
+    engine = AsyncEngine(LLMEngine(tiny_gqa_model, EngineArgs(max_model_len=512, num_kv_blocks=200, max_num_seqs=8)))
     yield engine
     engine.shutdown()
 

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deploy.benchmarks.decode_attention_bench import attention_step
 from model import paged_decode
-from model.attention import paged_attention, slot_indices, write_kv
+from model.attention import paged_attention
 
 needs_kernel = pytest.mark.skipif(
     not paged_decode.available(),
@@ -207,24 +208,6 @@ def test_decode_attention_lowers_for_gpu_to_the_jnp_path():
     assert "raylm_paged_decode_attention" not in gpu
 
 
-def _step(attention, k_pool, v_pool, q, k_new, v_new, block_tables, context_lens):
-    """Like ``model.forward``'s layer loop: scatter this token's K/V, then attend, per layer."""
-    positions = (context_lens - 1)[:, None]
-    valid = (context_lens > 0)[:, None]
-    block, offset = slot_indices(positions, block_tables, valid, k_pool.shape[2])
-
-    def layer(pools, inputs):
-        k_pool, v_pool = pools
-        i, q, k, v = inputs
-        k_pool = write_kv(k_pool, i, block, offset, k[:, None])
-        v_pool = write_kv(v_pool, i, block, offset, v[:, None])
-        return (k_pool, v_pool), attention(q, k_pool, v_pool, i, block_tables, context_lens)
-
-    ids = jnp.arange(k_pool.shape[0])
-    (k_pool, v_pool), out = jax.lax.scan(layer, (k_pool, v_pool), (ids, q, k_new, v_new))
-    return out, k_pool, v_pool
-
-
 @needs_kernel
 def test_in_a_jitted_step_with_a_donated_pool_updated_in_place():
     case = make_case(10)
@@ -236,9 +219,9 @@ def test_in_a_jitted_step_with_a_donated_pool_updated_in_place():
                     for _ in range(2))
     args = (q, k_new, v_new, case["block_tables"], case["context_lens"])
 
-    ref = jax.jit(functools.partial(_step, paged_decode.reference_decode_attention))
+    ref = jax.jit(functools.partial(attention_step, paged_decode.reference_decode_attention))
     want, want_k, want_v = ref(case["k_pool"], case["v_pool"], *args)
-    step = jax.jit(functools.partial(_step, paged_decode.paged_decode_attention), donate_argnums=(0, 1))
+    step = jax.jit(functools.partial(attention_step, paged_decode.paged_decode_attention), donate_argnums=(0, 1))
     k_pool, v_pool = jnp.array(case["k_pool"]), jnp.array(case["v_pool"])
     k_ptr = k_pool.unsafe_buffer_pointer()
     got, got_k, got_v = step(k_pool, v_pool, *args)

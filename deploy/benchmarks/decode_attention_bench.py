@@ -39,7 +39,7 @@ def width_bucket(context: int) -> int:
 def attention_step(attention: Callable, k_pool, v_pool, q, k_new, v_new, block_tables, context_lens):
     """Per layer: write this token's K/V into the pool, then attend (as ``model.forward`` does)."""
     positions = (context_lens - 1)[:, None]
-    block, offset = slot_indices(positions, block_tables, (context_lens > 0)[:, None], BLOCK_SIZE)
+    block, offset = slot_indices(positions, block_tables, (context_lens > 0)[:, None], k_pool.shape[2])
 
     def layer(pools, inputs):
         k_pool, v_pool = pools
