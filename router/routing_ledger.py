@@ -13,7 +13,10 @@ completes. Charging load only on acceptance lets a burst of choices made within 
 milliseconds all see the same loads and pile onto one replica, so a choice is charged at
 once, moved if the request lands on another replica, and released on completion. A request
 cancelled before any replica accepted it gets no completion call: its charge is released at
-the next choice once ``cancelled()`` says so, and in any case after ``pending_ttl_s``.
+the next choice once ``cancelled()`` says so, and in any case after ``pending_ttl_s``. That
+also covers a caller that gives up after its replica was chosen but before the call was sent:
+Serve neither cancels the (already resolved) choice nor reports a completion, so the TTL is
+kept short; an acceptance that still comes after it is charged then (as "fallback").
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class RoutingLedger:
     completion callback names only the id and the replica, so each sibling keeps its own charge
     and a completion releases one of them on that replica."""
 
-    def __init__(self, max_tracked_blocks: int = 200_000, pending_ttl_s: float = 30.0, report_grace_s: float = 3.0,
+    def __init__(self, max_tracked_blocks: int = 200_000, pending_ttl_s: float = 5.0, report_grace_s: float = 3.0,
                  clock: Callable[[], float] = time.monotonic):
         self.max_tracked_blocks = max_tracked_blocks
         self.pending_ttl_s = pending_ttl_s
