@@ -39,4 +39,6 @@ def test_no_compilation_after_warmup(tmp_path, compilations):
     sampled = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, ignore_eos=True)
     llm.generate(prompts, [greedy, sampled] * 4)
     llm.generate(prompts[:3], SamplingParams(n=3, max_tokens=10, temperature=0.7, ignore_eos=True))
+    llm.generate(prompts[:1], greedy)  # 1-row decode bucket
+    llm.generate(prompts[1:3], greedy)  # 2-row decode bucket
     assert compilations == []

@@ -25,7 +25,6 @@ from workers.scheduler import ScheduledChunk
 from workers.sequence import Sequence
 
 MIN_TOKEN_BUCKET = 16
-MIN_BATCH_BUCKET = 4
 MIN_WIDTH_BUCKET = 8
 
 
@@ -100,7 +99,7 @@ class ModelRunner:
         self.kv = kv
         self.block_size = kv.block_size
         self.eos_ids = eos_ids
-        self.max_batch = bucket(max_num_seqs, MIN_BATCH_BUCKET, 1 << 30)
+        self.max_batch = bucket(max_num_seqs, 1, 1 << 30)
         self.max_tokens_bucket = bucket(max_num_batched_tokens, MIN_TOKEN_BUCKET, 1 << 30)
         self.max_width = bucket(math.ceil(max_model_len / self.block_size), MIN_WIDTH_BUCKET, 1 << 30)
 
@@ -168,8 +167,12 @@ class ModelRunner:
         return {c.seq.seq_id: [_row(result, r)] for r, c in enumerate(chunks) if c.samples}
 
     def decode(self, seqs: list[Sequence], num_steps: int) -> dict[int, list[SampleResult]]:
-        """``num_steps`` tokens for each sequence (fewer where its allocation ends)."""
-        rows = bucket(len(seqs), MIN_BATCH_BUCKET, self.max_batch)
+        """``num_steps`` tokens for each sequence (fewer where its allocation ends).
+
+        Rows round up to 1, 2, 4, ...: a decode step costs about its row count, so a single
+        stream padded to 4 rows would pay for 4.
+        """
+        rows = bucket(len(seqs), 1, self.max_batch)
         width = bucket(max(len(s.block_ids) for s in seqs), MIN_WIDTH_BUCKET, self.max_width)
         tokens = np.zeros(rows, np.int32)
         positions = np.zeros(rows, np.int32)
@@ -201,7 +204,7 @@ class ModelRunner:
             if rows <= max(1, self.max_tokens_bucket // length):
                 shapes.append(("prefill", (rows, length, width)))
         for steps in sorted({1, num_scheduler_steps}):
-            for rows, width in itertools.product(power_buckets(MIN_BATCH_BUCKET, self.max_batch), widths):
+            for rows, width in itertools.product(power_buckets(1, self.max_batch), widths):
                 shapes.append(("decode", (rows, width, steps)))
         shapes += [("copy", (n,)) for n in power_buckets(1, self.max_batch)]
         return shapes
