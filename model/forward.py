@@ -3,13 +3,15 @@
 Variable sizes travel as data: each row ``b`` holds tokens at ``positions[b]``; a token is
 real when ``0 <= position < context_lens[b]`` (``context_lens`` counts the row's tokens
 *including* this step's), anything else is padding and writes to the null block.
-Layers run under ``lax.scan`` with the whole KV pool in the carry, so the pool is
-updated in place when the caller donates it.
+Layers run in a Python loop over their own weight arrays (see model/params.py for why not
+``lax.scan``); each writes its K/V into its slice of the stacked pool, which is updated in
+place when the caller donates it.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,40 +40,63 @@ def forward(
     valid = (positions >= 0) & (positions < context_lens[:, None])
     block, offset = slot_indices(positions, block_tables, valid, kv.block_size)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
+    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin)
     x = params.embed[tokens]
     eps = config.rms_norm_eps
 
-    def layer(carry, inputs):
-        x, k_pool, v_pool = carry
-        lp, i = inputs
-        lp: LayerParams
-        h = rms_norm(x, lp.attn_norm, eps)
-        q = jnp.einsum("bsd,dhk->bshk", h, lp.wq)
-        k = jnp.einsum("bsd,dhk->bshk", h, lp.wk)
-        v = jnp.einsum("bsd,dhk->bshk", h, lp.wv)
-        if lp.bq is not None:
-            q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_pool = write_kv(k_pool, i, block, offset, k)
-        v_pool = write_kv(v_pool, i, block, offset, v)
-        attn = paged_attention(q, k_pool, v_pool, i, block_tables, positions, context_lens, valid)
-        x = x + jnp.einsum("bshk,hkd->bsd", attn, lp.wo)
-        h = rms_norm(x, lp.mlp_norm, eps)
-        x = x + swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down)
-        return (x, k_pool, v_pool), None
-
-    layer_ids = jnp.arange(config.num_layers)
-    (x, k_pool, v_pool), _ = jax.lax.scan(layer, (x, kv.k, kv.v), (params.layers, layer_ids))
+    k_pool, v_pool = kv.k, kv.v
+    for i, lp in enumerate(params.layers):
+        x, k_pool, v_pool = _layer(lp, config, batch, i, x, k_pool, v_pool)
 
     if not all_logits:
         last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
     x = rms_norm(x, params.final_norm, eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head
-    logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+    if params.lm_head is None:
+        # Tied: contract with the embedding rows as stored; ``embed.T`` made XLA CPU copy the
+        # whole [V, D] matrix into a transposed buffer on every step.
+        logits = jnp.einsum("bsd,vd->bsv", x, params.embed, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("bsd,dv->bsv", x, params.lm_head, preferred_element_type=jnp.float32)
     if not all_logits:
         logits = logits[:, 0]
     return logits, KVCache(k_pool, v_pool)
+
+
+class _Batch(NamedTuple):
+    """What every layer reads of this step's batch (computed once per step)."""
+
+    positions: jax.Array  # [B, S]
+    block_tables: jax.Array  # [B, P]
+    context_lens: jax.Array  # [B]
+    valid: jax.Array  # [B, S]
+    block: jax.Array  # [B, S] physical block of each token's K/V
+    offset: jax.Array  # [B, S] slot in that block
+    cos: jax.Array  # [B, S, Dh]
+    sin: jax.Array  # [B, S, Dh]
+
+
+def _layer(
+    lp: LayerParams, config: ModelConfig, batch: _Batch, i: int, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decoder layer: fused QKV, RoPE, K/V write into layer ``i``, attention, fused MLP."""
+    B, S, _ = x.shape
+    G = config.q_per_kv
+    h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
+    qkv = jnp.einsum("bsd,dkgh->bskgh", h, lp.wqkv)  # [B, S, KVH, G + 2, Dh]
+    if lp.bqkv is not None:
+        qkv = qkv + lp.bqkv
+    q = qkv[:, :, :, :G].reshape(B, S, config.num_heads, config.head_dim)
+    k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)
+    k_pool = write_kv(k_pool, i, batch.block, batch.offset, k)
+    v_pool = write_kv(v_pool, i, batch.block, batch.offset, v)
+    attn = paged_attention(
+        q, k_pool, v_pool, i, batch.block_tables, batch.positions, batch.context_lens, batch.valid
+    )
+    x = x + jnp.einsum("bshk,hkd->bsd", attn, lp.wo)
+    h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
+    return x + swiglu_mlp(h, lp.w_gate_up, lp.w_down), k_pool, v_pool
 
 
 @functools.partial(jax.jit, static_argnames=("config", "all_logits"), donate_argnames=("kv",))

@@ -1,9 +1,18 @@
 """The parameter pytree: dataclasses whose array fields are JAX leaves.
 
-Per-layer weights are stacked along a leading ``layers`` axis so the forward pass runs
-them under one ``lax.scan`` (compile time independent of depth). Matrices are stored
-in the orientation the einsums consume (input dim first), split by head where the
-attention math wants heads, so no transpose happens at run time.
+Each decoder layer has its own arrays (``ModelParams.layers`` is a tuple), and the forward
+pass loops over them in Python. A stacked ``[L, ...]`` layout under ``lax.scan`` compiles
+faster, but XLA's CPU backend then copies every layer's weights out of the stack on every
+step (dynamic-slice), which measured ~1.4x slower at batch 1 (see
+``deploy/benchmarks/decode_step_bench.py``).
+
+Matrices are stored in the orientation the einsums consume (input dim first). Q, K and V
+are one fused matrix and gate/up another, so a layer runs three matmuls before attention
+fewer (at batch 1 each matmul is bound by reading its weights, and the fused one reads
+them in one pass). The QKV columns are grouped by KV head: KV head ``k`` owns query heads
+``k*G .. k*G+G-1`` (``G = H / KVH``, as in HF's GQA), then its key, then its value. So
+splitting the ``kv_heads`` axis over tensor-parallel devices gives each device whole
+groups, with the query heads that read its keys.
 """
 
 from __future__ import annotations
@@ -13,26 +22,19 @@ from typing import Optional
 
 import jax
 
-from model.config import ModelConfig
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerParams:
-    """All decoder layers' weights, each with a leading ``num_layers`` axis."""
+    """One decoder layer's weights."""
 
-    attn_norm: jax.Array  # [L, D]
-    wq: jax.Array  # [L, D, H, Dh]
-    wk: jax.Array  # [L, D, KVH, Dh]
-    wv: jax.Array  # [L, D, KVH, Dh]
-    wo: jax.Array  # [L, H, Dh, D]
-    mlp_norm: jax.Array  # [L, D]
-    w_gate: jax.Array  # [L, D, I]
-    w_up: jax.Array  # [L, D, I]
-    w_down: jax.Array  # [L, I, D]
-    bq: Optional[jax.Array] = None  # [L, H, Dh] (Qwen2)
-    bk: Optional[jax.Array] = None  # [L, KVH, Dh]
-    bv: Optional[jax.Array] = None  # [L, KVH, Dh]
+    attn_norm: jax.Array  # [D]
+    wqkv: jax.Array  # [D, KVH, G + 2, Dh]: per KV head, its G query heads, its key, its value
+    wo: jax.Array  # [H, Dh, D]
+    mlp_norm: jax.Array  # [D]
+    w_gate_up: jax.Array  # [D, 2, I]: gate, then up
+    w_down: jax.Array  # [I, D]
+    bqkv: Optional[jax.Array] = None  # [KVH, G + 2, Dh] (Qwen2)
 
 
 @jax.tree_util.register_dataclass
@@ -41,25 +43,20 @@ class ModelParams:
     """A whole Llama-family model. ``lm_head`` is None when tied to ``embed``."""
 
     embed: jax.Array  # [V, D]
-    layers: LayerParams
+    layers: tuple[LayerParams, ...]
     final_norm: jax.Array  # [D]
     lm_head: Optional[jax.Array] = None  # [D, V]
 
 
 # Logical axis names of every parameter, by field. sharding.py maps them onto a mesh.
 LAYER_AXES: dict[str, tuple[str, ...]] = {
-    "attn_norm": ("layers", "embed"),
-    "wq": ("layers", "embed", "heads", "head_dim"),
-    "wk": ("layers", "embed", "kv_heads", "head_dim"),
-    "wv": ("layers", "embed", "kv_heads", "head_dim"),
-    "wo": ("layers", "heads", "head_dim", "embed"),
-    "mlp_norm": ("layers", "embed"),
-    "w_gate": ("layers", "embed", "mlp"),
-    "w_up": ("layers", "embed", "mlp"),
-    "w_down": ("layers", "mlp", "embed"),
-    "bq": ("layers", "heads", "head_dim"),
-    "bk": ("layers", "kv_heads", "head_dim"),
-    "bv": ("layers", "kv_heads", "head_dim"),
+    "attn_norm": ("embed",),
+    "wqkv": ("embed", "kv_heads", "qkv", "head_dim"),
+    "wo": ("heads", "head_dim", "embed"),
+    "mlp_norm": ("embed",),
+    "w_gate_up": ("embed", "gate_up", "mlp"),
+    "w_down": ("mlp", "embed"),
+    "bqkv": ("kv_heads", "qkv", "head_dim"),
 }
 MODEL_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),
@@ -68,22 +65,3 @@ MODEL_AXES: dict[str, tuple[str, ...]] = {
 }
 KV_POOL_AXES: tuple[str, ...] = ("layers", "blocks", "block_slot", "kv_heads", "head_dim")
 
-
-def expected_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of each stacked layer field for ``config`` (used to validate checkpoints)."""
-    L, D, H, KVH = config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads
-    Dh, I = config.head_dim, config.intermediate_size
-    shapes = {
-        "attn_norm": (L, D),
-        "wq": (L, D, H, Dh),
-        "wk": (L, D, KVH, Dh),
-        "wv": (L, D, KVH, Dh),
-        "wo": (L, H, Dh, D),
-        "mlp_norm": (L, D),
-        "w_gate": (L, D, I),
-        "w_up": (L, D, I),
-        "w_down": (L, I, D),
-    }
-    if config.attention_bias:
-        shapes.update(bq=(L, H, Dh), bk=(L, KVH, Dh), bv=(L, KVH, Dh))
-    return shapes

@@ -4,8 +4,11 @@ Attention heads, KV heads and the MLP hidden dimension are split over ``tp``; ev
 else is replicated. jit then inserts the collectives. With one device every spec is
 trivially replicated, so the single-device path is the same code.
 
-When ``tp`` does not divide the KV head count but is a multiple of it, KV heads are
-replicated (as vLLM does) and only query heads are split.
+The fused QKV matrix is grouped by KV head (model/params.py), so splitting its ``kv_heads``
+axis hands each device whole groups: its KV heads with the query heads that read them,
+and ``wo``'s ``heads`` split lines up with it. When ``tp`` does not divide the KV head count
+but is a multiple of it, KV heads (and so the fused QKV projection) are replicated, as vLLM
+replicates KV heads; ``wo`` and the MLP are still split.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "heads": TP_AXIS,
     "kv_heads": TP_AXIS,
     "head_dim": None,
+    "qkv": None,
     "mlp": TP_AXIS,
+    "gate_up": None,
     "blocks": None,
     "block_slot": None,
 }
@@ -69,7 +74,7 @@ def rules_for(config: ModelConfig, tp: int) -> dict[str, str | None]:
                 f"tensor parallel size {tp} neither divides nor is a multiple of "
                 f"num_key_value_heads={config.num_kv_heads}"
             )
-        rules["kv_heads"] = None  # replicate KV heads, split only query heads
+        rules["kv_heads"] = None  # replicate KV heads (and the fused QKV projection)
     return rules
 
 
@@ -85,15 +90,14 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
     def named(axes: Sequence[str], leaf: object) -> NamedSharding | None:
         return None if leaf is None else NamedSharding(mesh, spec_for(axes, rules))
 
-    layers = LayerParams(
-        **{
-            f.name: named(LAYER_AXES[f.name], getattr(params.layers, f.name))
-            for f in dataclasses.fields(LayerParams)
-        }
-    )
+    def layer(lp: LayerParams) -> LayerParams:
+        return LayerParams(
+            **{f.name: named(LAYER_AXES[f.name], getattr(lp, f.name)) for f in dataclasses.fields(LayerParams)}
+        )
+
     return ModelParams(
         embed=named(MODEL_AXES["embed"], params.embed),
-        layers=layers,
+        layers=tuple(layer(lp) for lp in params.layers),
         final_norm=named(MODEL_AXES["final_norm"], params.final_norm),
         lm_head=named(MODEL_AXES["lm_head"], params.lm_head),
     )

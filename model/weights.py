@@ -1,8 +1,8 @@
-"""Turn a checkpoint's per-layer HF-named tensors into the stacked ``ModelParams`` pytree.
+"""Turn a checkpoint's per-layer HF-named tensors into the ``ModelParams`` pytree.
 
 Every format loader (safetensors, GGUF) only has to answer "give me the tensor HF calls
 ``name``, as a float numpy array in HF's ``[out, in]`` layout"; naming, orientation,
-stacking, shape checks and the dtype cast live here once.
+fusing (QKV grouped by KV head, gate/up), shape checks and the dtype cast live here once.
 """
 
 from __future__ import annotations
@@ -14,41 +14,44 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError
-from model.params import LayerParams, ModelParams, expected_layer_shapes
+from model.params import LayerParams, ModelParams
 
 # Answers an HF tensor name with its array, or None if the checkpoint lacks it.
 TensorSource = Callable[[str], "np.ndarray | None"]
 
+_PREFIX = "model.layers.{i}."
+_HF_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+}
 
-def _hf_layer_tensors(config: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
-    """Param field -> (HF tensor name pattern, converter from HF layout to ours)."""
-    H, KVH, Dh, D = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
 
-    def split_out(heads: int) -> Callable[[np.ndarray], np.ndarray]:
-        return lambda w: w.T.reshape(D, heads, Dh)  # [heads*Dh, D] -> [D, heads, Dh]
+def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """``[..., H*Dh]``, ``[..., KVH*Dh]`` x2 (HF's output-last order) -> ``[..., KVH, G+2, Dh]``.
 
-    def split_bias(heads: int) -> Callable[[np.ndarray], np.ndarray]:
-        return lambda b: b.reshape(heads, Dh)
-
-    prefix = "model.layers.{i}."
-    fields = {
-        "attn_norm": ("input_layernorm.weight", lambda w: w),
-        "wq": ("self_attn.q_proj.weight", split_out(H)),
-        "wk": ("self_attn.k_proj.weight", split_out(KVH)),
-        "wv": ("self_attn.v_proj.weight", split_out(KVH)),
-        "wo": ("self_attn.o_proj.weight", lambda w: w.T.reshape(H, Dh, D)),
-        "mlp_norm": ("post_attention_layernorm.weight", lambda w: w),
-        "w_gate": ("mlp.gate_proj.weight", lambda w: w.T),
-        "w_up": ("mlp.up_proj.weight", lambda w: w.T),
-        "w_down": ("mlp.down_proj.weight", lambda w: w.T),
-    }
-    if config.attention_bias:
-        fields.update(
-            bq=("self_attn.q_proj.bias", split_bias(H)),
-            bk=("self_attn.k_proj.bias", split_bias(KVH)),
-            bv=("self_attn.v_proj.bias", split_bias(KVH)),
-        )
-    return {k: (prefix + name, conv) for k, (name, conv) in fields.items()}
+    Grouped by KV head (its G query heads, its key, its value) so a tensor-parallel split of
+    the KV-head axis keeps each query head with the keys it reads.
+    """
+    lead = q.shape[:-1]
+    Dh = k.shape[-1] // num_kv_heads
+    return np.concatenate(
+        [
+            q.reshape(*lead, num_kv_heads, -1, Dh),
+            k.reshape(*lead, num_kv_heads, 1, Dh),
+            v.reshape(*lead, num_kv_heads, 1, Dh),
+        ],
+        axis=-2,
+    )
 
 
 def _hf_shape(field: str, config: ModelConfig) -> tuple[int, ...]:
@@ -77,24 +80,33 @@ def build_params(config: ModelConfig, get: TensorSource, source: str, dtype: jnp
             )
         return array
 
-    layer_shapes = expected_layer_shapes(config)
-    stacked: dict[str, jnp.ndarray] = {}
-    for field, (pattern, convert) in _hf_layer_tensors(config).items():
-        out = np.empty(layer_shapes[field], dtype=np.float32)
-        for i in range(config.num_layers):
-            name = pattern.format(i=i)
-            out[i] = convert(fetch(name, _hf_shape(field, config)).astype(np.float32, copy=False))
-        stacked[field] = jnp.asarray(out, dtype=dtype)
-        del out
+    H, KVH, Dh, D = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
 
-    V, D = config.vocab_size, config.hidden_size
+    def layer(i: int) -> LayerParams:
+        def hf(field: str) -> np.ndarray:
+            name = (_PREFIX + _HF_NAMES[field]).format(i=i)
+            return fetch(name, _hf_shape(field, config)).astype(np.float32, copy=False)
+
+        fields = {
+            "attn_norm": hf("attn_norm"),
+            "wqkv": fuse_qkv(hf("wq").T, hf("wk").T, hf("wv").T, KVH),
+            "wo": hf("wo").T.reshape(H, Dh, D),
+            "mlp_norm": hf("mlp_norm"),
+            "w_gate_up": np.stack([hf("w_gate").T, hf("w_up").T], axis=1),
+            "w_down": hf("w_down").T,
+        }
+        if config.attention_bias:
+            fields["bqkv"] = fuse_qkv(hf("bq"), hf("bk"), hf("bv"), KVH)
+        return LayerParams(**{f: jnp.asarray(a, dtype=dtype) for f, a in fields.items()})
+
+    V = config.vocab_size
     embed = fetch("model.embed_tokens.weight", (V, D))
     lm_head = None
     if not config.tie_word_embeddings:
         lm_head = jnp.asarray(fetch("lm_head.weight", (V, D)).T, dtype=dtype)
     return ModelParams(
         embed=jnp.asarray(embed, dtype=dtype),
-        layers=LayerParams(**stacked),
+        layers=tuple(layer(i) for i in range(config.num_layers)),
         final_norm=jnp.asarray(fetch("model.norm.weight", (D,)), dtype=dtype),
         lm_head=lm_head,
     )
