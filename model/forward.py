@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from model.attention import KVCache, paged_attention, slot_indices, write_kv
 from model.config import ModelConfig
 from model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu_mlp
+from model.paged_decode import decode_attention
 from model.params import LayerParams, ModelParams
 
 
@@ -31,16 +32,22 @@ def forward(
     block_tables: jax.Array,
     context_lens: jax.Array,
     all_logits: bool = False,
+    decode_kernel: bool = True,
 ) -> tuple[jax.Array, KVCache]:
     """Run ``tokens [B, S]`` through the model, writing their K/V into ``kv``.
 
     Returns float32 logits ``[B, S, V]`` if ``all_logits`` else ``[B, V]`` for each row's
-    last real token, and the updated pool.
+    last real token, and the updated pool. One token per row (``S == 1``, a decode step)
+    attends through ``decode_attention`` (the CPU paged kernel, whose cost follows each row's
+    real context) when ``decode_kernel``; pass False for a program sharded over several
+    devices (XLA cannot partition the custom call) to keep the jnp path.
     """
     valid = (positions >= 0) & (positions < context_lens[:, None])
     block, offset = slot_indices(positions, block_tables, valid, kv.block_size)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
-    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin)
+    # Keys each decode query sees (its position + 1; 0 for a padding row): the kernel's contract.
+    decode_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 0) if decode_kernel and tokens.shape[1] == 1 else None
+    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin, decode_lens)
     x = params.embed[tokens]
     eps = config.rms_norm_eps
 
@@ -74,6 +81,7 @@ class _Batch(NamedTuple):
     offset: jax.Array  # [B, S] slot in that block
     cos: jax.Array  # [B, S, Dh]
     sin: jax.Array  # [B, S, Dh]
+    decode_lens: jax.Array | None  # [B] when this is a decode step for the paged kernel, else None
 
 
 def _layer(
@@ -91,9 +99,12 @@ def _layer(
     q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)
     k_pool = write_kv(k_pool, i, batch.block, batch.offset, k)
     v_pool = write_kv(v_pool, i, batch.block, batch.offset, v)
-    attn = paged_attention(
-        q, k_pool, v_pool, i, batch.block_tables, batch.positions, batch.context_lens, batch.valid
-    )
+    if batch.decode_lens is not None:
+        attn = decode_attention(q[:, 0], k_pool, v_pool, i, batch.block_tables, batch.decode_lens)[:, None]
+    else:
+        attn = paged_attention(
+            q, k_pool, v_pool, i, batch.block_tables, batch.positions, batch.context_lens, batch.valid
+        )
     x = x + jnp.einsum("bshk,hkd->bsd", attn, lp.wo)
     h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
     return x + swiglu_mlp(h, lp.w_gate_up, lp.w_down), k_pool, v_pool

@@ -182,11 +182,7 @@ class LLMEngine:
         self.last_step_tokens = sum(c.num_tokens for c in plan.prefills) + len(plan.decodes) * plan.num_decode_steps
         now = time.monotonic()
         self.runner.copy_blocks(plan.block_copies)
-        samples: dict[int, list[SampleResult]] = {}
-        if plan.prefills:
-            samples.update(self.runner.prefill(plan.prefills))
-        if plan.decodes:
-            samples.update(self.runner.decode(plan.decodes, plan.num_decode_steps))
+        samples = self.runner.execute(plan.prefills, plan.decodes, plan.num_decode_steps)
 
         touched: dict[str, RequestState] = {}
         for chunk in plan.prefills:

@@ -5,6 +5,12 @@ rounded up to powers of two (buckets). Each (kind, bucket, sampling variant) is 
 program; ``warmup`` compiles them ahead of traffic and the persistent compilation cache
 keeps them across restarts. Sampling runs inside the same program as the forward pass, so
 only token ids (and requested logprobs) come back to the host.
+
+A step's programs (prefill groups, then the decode) are all dispatched before any result is
+fetched: JAX runs them back to back on the device while the host waits once, so running
+sequences never wait for a host round trip behind a prefill. Decode attention goes through
+the CPU paged kernel where it can run (``model.paged_decode``); its cost follows each row's
+real context, so decode then uses one block-table width instead of a bucket per width.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from model import KVCache, ModelConfig, ModelParams, forward, shard_params
+from model import KVCache, ModelConfig, ModelParams, forward, paged_decode, shard_params
 from workers.sampler import SampleResult, SamplingBatch, advance, build_sampling_batch, logprobs_bucket, sample
 from workers.scheduler import ScheduledChunk
 from workers.sequence import Sequence
@@ -55,17 +61,18 @@ def _prefill_program(params, kv, tokens, positions, block_tables, context_lens, 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "num_steps", "num_logprobs", "with_penalties"),
+    static_argnames=("config", "num_steps", "num_logprobs", "with_penalties", "decode_kernel"),
     donate_argnames=("kv",),
 )
 def _decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, *, config, num_steps,
-                    num_logprobs, with_penalties):
+                    num_logprobs, with_penalties, decode_kernel):
     """``num_steps`` decode steps with sampling in one call; rows stop writing at ``limits``."""
 
     def step(carry, _):
         kv, tokens, positions, sbatch = carry
         context_lens = jnp.where(positions < limits, positions + 1, 0)
-        logits, kv = forward(params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens)
+        logits, kv = forward(params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens,
+                             decode_kernel=decode_kernel)
         result = sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties)
         return (kv, result.tokens, positions + 1, advance(sbatch, result.tokens)), result
 
@@ -102,6 +109,14 @@ class ModelRunner:
         self.max_batch = bucket(max_num_seqs, 1, 1 << 30)
         self.max_tokens_bucket = bucket(max_num_batched_tokens, MIN_TOKEN_BUCKET, 1 << 30)
         self.max_width = bucket(math.ceil(max_model_len / self.block_size), MIN_WIDTH_BUCKET, 1 << 30)
+        self.decode_kernel = _decode_kernel_runs(mesh, kv)
+
+    def _decode_widths(self) -> list[int]:
+        """Block-table widths a decode may use: the kernel's cost does not depend on the width,
+        so it gets one (fewer programs to compile); the jnp path pays for the width, so buckets."""
+        if self.decode_kernel:
+            return [self.max_width]
+        return power_buckets(MIN_WIDTH_BUCKET, self.max_width)
 
     # -- host-side batch assembly -------------------------------------------------------------------
     def _block_table(self, seqs: list[Sequence], rows: int, width: int) -> np.ndarray:
@@ -131,22 +146,46 @@ class ModelRunner:
             src_arr[: len(src)], dst_arr[: len(dst)] = src, dst
             self.kv = _copy_blocks(self.kv, src_arr, dst_arr)
 
-    def prefill(self, chunks: list[ScheduledChunk]) -> dict[int, list[SampleResult]]:
-        """Compute prompt chunks, a row each, one call per chunk-length bucket (bounded padding).
+    def execute(
+        self, chunks: list[ScheduledChunk], seqs: list[Sequence], num_steps: int
+    ) -> dict[int, list[SampleResult]]:
+        """Run one engine step: prompt chunks and ``num_steps`` decode tokens for ``seqs``.
 
-        Returns the sample of each row whose chunk reaches its sequence's last known token.
+        Every program is dispatched before the first result is fetched (one host wait per
+        step). Returns, per sequence id, the samples of its decode steps and, for a chunk that
+        reaches its sequence's last known token, that chunk's sample.
         """
+        pending = [self._dispatch_prefill(group, length) for group, length in self._prefill_groups(chunks)]
+        if seqs:
+            pending.append(self._dispatch_decode(seqs, num_steps))
+        out: dict[int, list[SampleResult]] = {}
+        for collect in pending:
+            out.update(collect())
+        return out
+
+    def prefill(self, chunks: list[ScheduledChunk]) -> dict[int, list[SampleResult]]:
+        """Prompt chunks alone (see ``execute``)."""
+        return self.execute(chunks, [], 0)
+
+    def decode(self, seqs: list[Sequence], num_steps: int) -> dict[int, list[SampleResult]]:
+        """``num_steps`` tokens for each sequence alone (see ``execute``)."""
+        return self.execute([], seqs, num_steps)
+
+    def _prefill_groups(self, chunks: list[ScheduledChunk]) -> list[tuple[list[ScheduledChunk], int]]:
+        """Chunks a row each, grouped by chunk-length bucket (bounded padding), at most the token
+        budget per call."""
         groups: dict[int, list[ScheduledChunk]] = {}
         for chunk in chunks:
             groups.setdefault(bucket(chunk.num_tokens, MIN_TOKEN_BUCKET, self.max_tokens_bucket), []).append(chunk)
-        out: dict[int, list[SampleResult]] = {}
+        out = []
         for length, group in sorted(groups.items()):
             rows_cap = max(1, self.max_tokens_bucket // length)
-            for i in range(0, len(group), rows_cap):
-                out.update(self._prefill_group(group[i : i + rows_cap], length))
+            out += [(group[i : i + rows_cap], length) for i in range(0, len(group), rows_cap)]
         return out
 
-    def _prefill_group(self, chunks: list[ScheduledChunk], length: int) -> dict[int, list[SampleResult]]:
+    def _dispatch_prefill(
+        self, chunks: list[ScheduledChunk], length: int
+    ) -> Callable[[], dict[int, list[SampleResult]]]:
         rows = bucket(len(chunks), 1, self.max_batch)
         seqs = [c.seq for c in chunks]
         width = bucket(max(len(s.block_ids) for s in seqs), MIN_WIDTH_BUCKET, self.max_width)
@@ -163,17 +202,23 @@ class ModelRunner:
             self.params, self.kv, tokens, positions, self._block_table(seqs, rows, width), context, sbatch,
             config=self.config, **flags,
         )
-        result = jax.device_get(result)
-        return {c.seq.seq_id: [_row(result, r)] for r, c in enumerate(chunks) if c.samples}
+        sampled = [(c.seq.seq_id, r) for r, c in enumerate(chunks) if c.samples]
 
-    def decode(self, seqs: list[Sequence], num_steps: int) -> dict[int, list[SampleResult]]:
+        def collect() -> dict[int, list[SampleResult]]:
+            fetched = jax.device_get(result)
+            return {seq_id: [_row(fetched, r)] for seq_id, r in sampled}
+
+        return collect
+
+    def _dispatch_decode(self, seqs: list[Sequence], num_steps: int) -> Callable[[], dict[int, list[SampleResult]]]:
         """``num_steps`` tokens for each sequence (fewer where its allocation ends).
 
         Rows round up to 1, 2, 4, ...: a decode step costs about its row count, so a single
         stream padded to 4 rows would pay for 4.
         """
         rows = bucket(len(seqs), 1, self.max_batch)
-        width = bucket(max(len(s.block_ids) for s in seqs), MIN_WIDTH_BUCKET, self.max_width)
+        needed = max(len(s.block_ids) for s in seqs)
+        width = next(w for w in self._decode_widths() if w >= min(needed, self.max_width))
         tokens = np.zeros(rows, np.int32)
         positions = np.zeros(rows, np.int32)
         limits = np.zeros(rows, np.int32)
@@ -184,14 +229,18 @@ class ModelRunner:
         sbatch, flags = self._sampling(seqs, rows)
         results, self.kv = _decode_program(
             self.params, self.kv, tokens, positions, self._block_table(seqs, rows, width), limits, sbatch,
-            config=self.config, num_steps=num_steps, **flags,
+            config=self.config, num_steps=num_steps, decode_kernel=self.decode_kernel, **flags,
         )
-        results = jax.device_get(results)
-        out = {}
-        for r, seq in enumerate(seqs):
-            steps = int(limits[r] - positions[r])
-            out[seq.seq_id] = [_row(jax.tree_util.tree_map(lambda a: a[i], results), r) for i in range(steps)]
-        return out
+
+        def collect() -> dict[int, list[SampleResult]]:
+            fetched = jax.device_get(results)
+            out = {}
+            for r, seq in enumerate(seqs):
+                steps = int(limits[r] - positions[r])
+                out[seq.seq_id] = [_row(jax.tree_util.tree_map(lambda a: a[i], fetched), r) for i in range(steps)]
+            return out
+
+        return collect
 
     # -- warm-up ---------------------------------------------------------------------------------------
     def warmup_shapes(self, num_scheduler_steps: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -204,7 +253,7 @@ class ModelRunner:
             if rows <= max(1, self.max_tokens_bucket // length):
                 shapes.append(("prefill", (rows, length, width)))
         for steps in sorted({1, num_scheduler_steps}):
-            for rows, width in itertools.product(power_buckets(1, self.max_batch), widths):
+            for rows, width in itertools.product(power_buckets(1, self.max_batch), self._decode_widths()):
                 shapes.append(("decode", (rows, width, steps)))
         shapes += [("copy", (n,)) for n in power_buckets(1, self.max_batch)]
         return shapes
@@ -234,8 +283,19 @@ class ModelRunner:
             _, width, steps = dims
             _, self.kv = _decode_program(
                 self.params, self.kv, zeros(rows), zeros(rows), zeros(rows, width), zeros(rows), sbatch,
-                config=self.config, num_steps=steps, **flags,
+                config=self.config, num_steps=steps, decode_kernel=self.decode_kernel, **flags,
             )
+
+
+def _decode_kernel_runs(mesh: Mesh, kv: KVCache) -> bool:
+    """Whether decode attention runs the CPU paged kernel: built, on a CPU backend, an
+    unsharded replica (XLA cannot partition the custom call) and a pool dtype it reads."""
+    return (
+        paged_decode.available()
+        and jax.default_backend() == "cpu"
+        and mesh.devices.size == 1
+        and kv.k.dtype in paged_decode.SUPPORTED_POOL_DTYPES
+    )
 
 
 def _row(result: SampleResult, r: int) -> SampleResult:
