@@ -103,10 +103,10 @@ def test_a_cancelled_caller_is_not_answered(engine):
 
 
 def test_a_failed_step_is_a_server_error_that_frees_blocks_and_fails_health(engine, monkeypatch, caplog):
-    def broken_prefill(chunks):
+    def broken_step(chunks, seqs, num_steps):
         raise ValueError("shape mismatch inside the model")
 
-    monkeypatch.setattr(engine.engine.runner, "prefill", broken_prefill)
+    monkeypatch.setattr(engine.engine.runner, "execute", broken_step)
 
     async def main():
         release = threading.Event()
@@ -218,10 +218,10 @@ def test_worker_reports_a_bad_request_as_invalid_and_a_failed_step_as_not(engine
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         _run(_worker_chunks(worker, [5, 10**9], "bad"))
 
-    def broken_prefill(chunks):
+    def broken_step(chunks, seqs, num_steps):
         raise ValueError("shape mismatch inside the model")
 
-    monkeypatch.setattr(engine.engine.runner, "prefill", broken_prefill)
+    monkeypatch.setattr(engine.engine.runner, "execute", broken_step)
     with pytest.raises(Exception) as caught:
         _run(_worker_chunks(worker, [5, 6, 7], "good"))
     assert not isinstance(caught.value, InvalidRequestError)  # the router answers 500, not 400
