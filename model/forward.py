@@ -32,22 +32,31 @@ def forward(
     block_tables: jax.Array,
     context_lens: jax.Array,
     all_logits: bool = False,
-    decode_kernel: bool = True,
+    attention_kernel: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Run ``tokens [B, S]`` through the model, writing their K/V into ``kv``.
 
     Returns float32 logits ``[B, S, V]`` if ``all_logits`` else ``[B, V]`` for each row's
-    last real token, and the updated pool. One token per row (``S == 1``, a decode step)
-    attends through ``decode_attention`` (the CPU paged kernel, whose cost follows each row's
-    real context) when ``decode_kernel``; pass False for a program sharded over several
-    devices (XLA cannot partition the custom call) to keep the jnp path.
+    last real token, and the updated pool. With ``attention_kernel`` every query attends
+    through ``decode_attention`` (the CPU paged kernel, whose cost follows each row's real
+    context, not the block-table width): a prompt chunk's tokens are queries of their own,
+    each seeing the keys up to its position, which is causal attention because the chunk's
+    K/V are written first. Pass False for a program sharded over several devices (XLA
+    cannot partition the custom call) to keep the jnp path.
     """
     valid = (positions >= 0) & (positions < context_lens[:, None])
     block, offset = slot_indices(positions, block_tables, valid, kv.block_size)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
-    # Keys each decode query sees (its position + 1; 0 for a padding row): the kernel's contract.
-    decode_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 0) if decode_kernel and tokens.shape[1] == 1 else None
-    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin, decode_lens)
+    kernel = None
+    if attention_kernel:
+        # Per query token: its row's block table and the keys it sees (position + 1; 0 for
+        # padding, which the kernel answers with zeros).
+        B, S = tokens.shape
+        kernel = _KernelQueries(
+            jnp.repeat(block_tables, S, axis=0) if S > 1 else block_tables,
+            jnp.where(valid, positions + 1, 0).reshape(B * S),
+        )
+    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin, kernel)
     x = params.embed[tokens]
     eps = config.rms_norm_eps
 
@@ -81,7 +90,14 @@ class _Batch(NamedTuple):
     offset: jax.Array  # [B, S] slot in that block
     cos: jax.Array  # [B, S, Dh]
     sin: jax.Array  # [B, S, Dh]
-    decode_lens: jax.Array | None  # [B] when this is a decode step for the paged kernel, else None
+    kernel: "_KernelQueries | None"  # when attention runs the paged kernel, else None
+
+
+class _KernelQueries(NamedTuple):
+    """The ``B * S`` queries of a step as the paged kernel sees them (one row per token)."""
+
+    block_tables: jax.Array  # [B * S, P]
+    lens: jax.Array  # [B * S] keys each query sees
 
 
 def _layer(
@@ -99,8 +115,10 @@ def _layer(
     q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)
     k_pool = write_kv(k_pool, i, batch.block, batch.offset, k)
     v_pool = write_kv(v_pool, i, batch.block, batch.offset, v)
-    if batch.decode_lens is not None:
-        attn = decode_attention(q[:, 0], k_pool, v_pool, i, batch.block_tables, batch.decode_lens)[:, None]
+    if batch.kernel is not None:
+        flat = q.reshape(B * S, config.num_heads, config.head_dim)
+        attn = decode_attention(flat, k_pool, v_pool, i, batch.kernel.block_tables, batch.kernel.lens)
+        attn = attn.reshape(B, S, config.num_heads, config.head_dim)
     else:
         attn = paged_attention(
             q, k_pool, v_pool, i, batch.block_tables, batch.positions, batch.context_lens, batch.valid
@@ -126,7 +144,7 @@ def prefill(
     return forward(params, config, tokens, positions, kv, block_tables, context_lens, all_logits)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("config", "attention_kernel"), donate_argnames=("kv",))
 def decode(
     params: ModelParams,
     kv: KVCache,
@@ -136,9 +154,14 @@ def decode(
     context_lens: jax.Array,
     *,
     config: ModelConfig,
+    attention_kernel: bool = False,
 ) -> tuple[jax.Array, KVCache]:
-    """Jitted one-token step: ``tokens [B]`` at ``positions [B]`` -> logits ``[B, V]``."""
+    """Jitted one-token step: ``tokens [B]`` at ``positions [B]`` -> logits ``[B, V]``.
+
+    The jnp attention path unless ``attention_kernel`` (the reference loop stays independent
+    of the kernel; benchmarks ask for it)."""
     logits, kv = forward(
-        params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens
+        params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens,
+        attention_kernel=attention_kernel,
     )
     return logits, kv

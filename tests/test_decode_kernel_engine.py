@@ -1,9 +1,11 @@
-"""The engine's decode steps through the CPU paged kernel match the portable jnp path.
+"""The engine's attention through the CPU paged kernel matches the portable jnp path.
 
 The kernel itself is checked against ``paged_attention`` and numpy in test_paged_decode_kernel;
-these check it wired into the engine: every decode program of a mixed workload (rows of
-different context lengths crossing block boundaries, multi-step decode, batches that shrink)
-gives the jnp path's greedy tokens and logprobs, and the kernel really is the one running.
+these check it wired into the engine, for prompt chunks (each token a query of its own) and
+decode tokens alike: every program of a mixed workload (rows of different context lengths
+crossing block boundaries, multi-step decode, batches that shrink, prompts split into chunks,
+chunks that start after a cached prefix) gives the jnp path's greedy tokens and logprobs, and
+the kernel really is the one running.
 """
 
 from __future__ import annotations
@@ -25,13 +27,23 @@ def tiny(tmp_path_factory):
     return load_model(path)
 
 
-def _run(tiny, kernel: bool, monkeypatch, num_scheduler_steps: int) -> tuple[list, list, LLM]:
-    monkeypatch.setattr(runner_module, "_decode_kernel_runs", lambda mesh, kv: kernel)
+ENGINES = {
+    "one step": dict(num_scheduler_steps=1, enable_prefix_caching=False),
+    "multi-step": dict(num_scheduler_steps=4, enable_prefix_caching=False),
+    "chunked, cached prefixes": dict(num_scheduler_steps=1, enable_prefix_caching=True, max_num_batched_tokens=32),
+}
+
+
+def _run(tiny, kernel: bool, monkeypatch, engine: dict) -> tuple[list, list, LLM]:
+    monkeypatch.setattr(runner_module, "_attention_kernel_runs", lambda mesh, kv: kernel)
     rng = np.random.RandomState(11)
-    prompts = [rng.randint(3, 320, size=n).tolist() for n in (3, 15, 16, 17, 40, 70, 1, 33)]
-    max_tokens = [30, 9, 40, 17, 25, 12, 33, 20]
-    llm = LLM(tiny, max_model_len=256, num_kv_blocks=96, max_num_seqs=8, num_scheduler_steps=num_scheduler_steps,
-              enable_prefix_caching=False)
+    shared = rng.randint(3, 320, size=37).tolist()  # 2 full blocks + 5: later prompts reuse the blocks
+    # The first prompt computes the shared blocks; the last two wait for a free slot, so by
+    # then those blocks are cached and their chunks start at a block boundary mid-context.
+    prompts = [shared + [5]] + [rng.randint(3, 320, size=n).tolist() for n in (3, 15, 16, 17, 40, 70, 33)]
+    prompts += [shared + rng.randint(3, 320, size=n).tolist() for n in (20, 45)]
+    max_tokens = [5, 30, 9, 40, 17, 25, 12, 20, 14, 8]
+    llm = LLM(tiny, max_model_len=256, num_kv_blocks=128, max_num_seqs=8, **engine)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in max_tokens]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     tokens = [o.outputs[0].token_ids for o in outputs]
@@ -39,24 +51,27 @@ def _run(tiny, kernel: bool, monkeypatch, num_scheduler_steps: int) -> tuple[lis
     return tokens, logprobs, llm
 
 
-@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
-def test_kernel_decode_matches_the_jnp_path(tiny, monkeypatch, num_scheduler_steps):
-    expected_tokens, expected_logprobs, reference = _run(tiny, False, monkeypatch, num_scheduler_steps)
-    tokens, logprobs, llm = _run(tiny, True, monkeypatch, num_scheduler_steps)
-    assert not reference.engine.runner.decode_kernel and llm.engine.runner.decode_kernel
+@pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
+def test_kernel_attention_matches_the_jnp_path(tiny, monkeypatch, engine):
+    expected_tokens, expected_logprobs, reference = _run(tiny, False, monkeypatch, engine)
+    tokens, logprobs, llm = _run(tiny, True, monkeypatch, engine)
+    assert not reference.engine.runner.attention_kernel and llm.engine.runner.attention_kernel
     assert tokens == expected_tokens
     for got, want in zip(logprobs, expected_logprobs):
         np.testing.assert_allclose([_value(x) for x in got], [_value(x) for x in want], atol=2e-4)
     assert llm.engine.pool.num_used_blocks == 0  # nothing leaked on the kernel path
+    if engine["enable_prefix_caching"]:
+        assert llm.engine.pool.prefix_hits >= 4  # two cached blocks for each of the last two prompts
 
 
-def test_kernel_decode_uses_one_block_table_width(tiny):
+def test_kernel_programs_use_one_block_table_width(tiny):
     """The kernel's cost does not depend on the table width, so the engine compiles one."""
     llm = LLM(tiny, max_model_len=256, num_kv_blocks=96, max_num_seqs=4)
     runner = llm.engine.runner
-    assert runner.decode_kernel
-    decode_widths = {dims[1] for kind, dims in runner.warmup_shapes(1) if kind == "decode"}
-    assert decode_widths == {runner.max_width}
+    assert runner.attention_kernel
+    shapes = runner.warmup_shapes(1)
+    assert {dims[1] for kind, dims in shapes if kind == "decode"} == {runner.max_width}
+    assert {dims[2] for kind, dims in shapes if kind == "prefill"} == {runner.max_width}
 
 
 def _value(entry) -> float:

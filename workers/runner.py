@@ -8,9 +8,10 @@ only token ids (and requested logprobs) come back to the host.
 
 A step's programs (prefill groups, then the decode) are all dispatched before any result is
 fetched: JAX runs them back to back on the device while the host waits once, so running
-sequences never wait for a host round trip behind a prefill. Decode attention goes through
-the CPU paged kernel where it can run (``model.paged_decode``); its cost follows each row's
-real context, so decode then uses one block-table width instead of a bucket per width.
+sequences never wait for a host round trip behind a prefill. Attention (prompt chunks and
+decode tokens alike) goes through the CPU paged kernel where it can run
+(``model.paged_decode``); its cost follows each query's real context, so programs then use
+one block-table width instead of a bucket per width (5x fewer programs to compile).
 """
 
 from __future__ import annotations
@@ -50,29 +51,30 @@ def power_buckets(minimum: int, maximum: int) -> list[int]:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "num_logprobs", "with_penalties"),
+    static_argnames=("config", "num_logprobs", "with_penalties", "attention_kernel"),
     donate_argnames=("kv",),
 )
 def _prefill_program(params, kv, tokens, positions, block_tables, context_lens, sbatch, *, config,
-                     num_logprobs, with_penalties):
-    logits, kv = forward(params, config, tokens, positions, kv, block_tables, context_lens)
+                     num_logprobs, with_penalties, attention_kernel):
+    logits, kv = forward(params, config, tokens, positions, kv, block_tables, context_lens,
+                         attention_kernel=attention_kernel)
     return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "num_steps", "num_logprobs", "with_penalties", "decode_kernel"),
+    static_argnames=("config", "num_steps", "num_logprobs", "with_penalties", "attention_kernel"),
     donate_argnames=("kv",),
 )
 def _decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, *, config, num_steps,
-                    num_logprobs, with_penalties, decode_kernel):
+                    num_logprobs, with_penalties, attention_kernel):
     """``num_steps`` decode steps with sampling in one call; rows stop writing at ``limits``."""
 
     def step(carry, _):
         kv, tokens, positions, sbatch = carry
         context_lens = jnp.where(positions < limits, positions + 1, 0)
         logits, kv = forward(params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens,
-                             decode_kernel=decode_kernel)
+                             attention_kernel=attention_kernel)
         result = sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties)
         return (kv, result.tokens, positions + 1, advance(sbatch, result.tokens)), result
 
@@ -109,14 +111,18 @@ class ModelRunner:
         self.max_batch = bucket(max_num_seqs, 1, 1 << 30)
         self.max_tokens_bucket = bucket(max_num_batched_tokens, MIN_TOKEN_BUCKET, 1 << 30)
         self.max_width = bucket(math.ceil(max_model_len / self.block_size), MIN_WIDTH_BUCKET, 1 << 30)
-        self.decode_kernel = _decode_kernel_runs(mesh, kv)
+        self.attention_kernel = _attention_kernel_runs(mesh, kv)
 
-    def _decode_widths(self) -> list[int]:
-        """Block-table widths a decode may use: the kernel's cost does not depend on the width,
+    def _widths(self) -> list[int]:
+        """Block-table widths a program may use: the kernel's cost does not depend on the width,
         so it gets one (fewer programs to compile); the jnp path pays for the width, so buckets."""
-        if self.decode_kernel:
+        if self.attention_kernel:
             return [self.max_width]
         return power_buckets(MIN_WIDTH_BUCKET, self.max_width)
+
+    def _width(self, seqs: list[Sequence]) -> int:
+        needed = min(max(len(s.block_ids) for s in seqs), self.max_width)
+        return next(w for w in self._widths() if w >= needed)
 
     # -- host-side batch assembly -------------------------------------------------------------------
     def _block_table(self, seqs: list[Sequence], rows: int, width: int) -> np.ndarray:
@@ -188,7 +194,7 @@ class ModelRunner:
     ) -> Callable[[], dict[int, list[SampleResult]]]:
         rows = bucket(len(chunks), 1, self.max_batch)
         seqs = [c.seq for c in chunks]
-        width = bucket(max(len(s.block_ids) for s in seqs), MIN_WIDTH_BUCKET, self.max_width)
+        width = self._width(seqs)
         tokens = np.zeros((rows, length), np.int32)
         positions = np.zeros((rows, length), np.int32)
         context = np.zeros(rows, np.int32)
@@ -200,7 +206,7 @@ class ModelRunner:
         sbatch, flags = self._sampling(seqs, rows)
         result, self.kv = _prefill_program(
             self.params, self.kv, tokens, positions, self._block_table(seqs, rows, width), context, sbatch,
-            config=self.config, **flags,
+            config=self.config, attention_kernel=self.attention_kernel, **flags,
         )
         sampled = [(c.seq.seq_id, r) for r, c in enumerate(chunks) if c.samples]
 
@@ -217,8 +223,7 @@ class ModelRunner:
         stream padded to 4 rows would pay for 4.
         """
         rows = bucket(len(seqs), 1, self.max_batch)
-        needed = max(len(s.block_ids) for s in seqs)
-        width = next(w for w in self._decode_widths() if w >= min(needed, self.max_width))
+        width = self._width(seqs)
         tokens = np.zeros(rows, np.int32)
         positions = np.zeros(rows, np.int32)
         limits = np.zeros(rows, np.int32)
@@ -229,7 +234,7 @@ class ModelRunner:
         sbatch, flags = self._sampling(seqs, rows)
         results, self.kv = _decode_program(
             self.params, self.kv, tokens, positions, self._block_table(seqs, rows, width), limits, sbatch,
-            config=self.config, num_steps=num_steps, decode_kernel=self.decode_kernel, **flags,
+            config=self.config, num_steps=num_steps, attention_kernel=self.attention_kernel, **flags,
         )
 
         def collect() -> dict[int, list[SampleResult]]:
@@ -245,7 +250,7 @@ class ModelRunner:
     # -- warm-up ---------------------------------------------------------------------------------------
     def warmup_shapes(self, num_scheduler_steps: int) -> list[tuple[str, tuple[int, ...]]]:
         """Every (kind, bucket) the engine can hit when no request asks for logprobs or penalties."""
-        widths = power_buckets(MIN_WIDTH_BUCKET, self.max_width)
+        widths = self._widths()
         shapes: list[tuple[str, tuple[int, ...]]] = []
         for rows, length, width in itertools.product(
             power_buckets(1, self.max_batch), power_buckets(MIN_TOKEN_BUCKET, self.max_tokens_bucket), widths
@@ -253,7 +258,7 @@ class ModelRunner:
             if rows <= max(1, self.max_tokens_bucket // length):
                 shapes.append(("prefill", (rows, length, width)))
         for steps in sorted({1, num_scheduler_steps}):
-            for rows, width in itertools.product(power_buckets(1, self.max_batch), self._decode_widths()):
+            for rows, width in itertools.product(power_buckets(1, self.max_batch), widths):
                 shapes.append(("decode", (rows, width, steps)))
         shapes += [("copy", (n,)) for n in power_buckets(1, self.max_batch)]
         return shapes
@@ -277,18 +282,18 @@ class ModelRunner:
             _, length, width = dims
             _, self.kv = _prefill_program(
                 self.params, self.kv, zeros(rows, length), zeros(rows, length), zeros(rows, width), zeros(rows),
-                sbatch, config=self.config, **flags,
+                sbatch, config=self.config, attention_kernel=self.attention_kernel, **flags,
             )
         else:
             _, width, steps = dims
             _, self.kv = _decode_program(
                 self.params, self.kv, zeros(rows), zeros(rows), zeros(rows, width), zeros(rows), sbatch,
-                config=self.config, num_steps=steps, decode_kernel=self.decode_kernel, **flags,
+                config=self.config, num_steps=steps, attention_kernel=self.attention_kernel, **flags,
             )
 
 
-def _decode_kernel_runs(mesh: Mesh, kv: KVCache) -> bool:
-    """Whether decode attention runs the CPU paged kernel: built, on a CPU backend, an
+def _attention_kernel_runs(mesh: Mesh, kv: KVCache) -> bool:
+    """Whether attention runs the CPU paged kernel: built, on a CPU backend, an
     unsharded replica (XLA cannot partition the custom call) and a pool dtype it reads."""
     return (
         paged_decode.available()

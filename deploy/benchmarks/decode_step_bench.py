@@ -8,10 +8,12 @@ both see the same machine load (other work on a shared machine shifts both alike
    context 100 tokens per row) at 1/4/16/64 rows, median ms, and its compile time.
 2. ``offline``: ``workers.LLM`` output tokens/s for 1 and 16 sequences (128-token prompts,
    128 output tokens, EOS ignored, prefix caching off, timed after a first run compiled).
-3. ``compile``: wall time of the all-buckets warm-up of the deploy defaults (max_num_seqs
+3. ``prefill``: ``workers.LLM`` prompt tokens/s for 8 prompts of 512 tokens (one output
+   token each, prefix caching off), the prompt side of every serving workload.
+4. ``compile``: wall time of the all-buckets warm-up of the deploy defaults (max_num_seqs
    64, 512 batched tokens, 4 scheduler steps, max_model_len 4096), persistent cache off.
 
-    python -m deploy.benchmarks.decode_step_bench --baseline HEAD~1 [--parts steps,offline,compile]
+    python -m deploy.benchmarks.decode_step_bench --baseline HEAD~1 [--parts steps,offline,prefill,compile]
 
 Workers only use names both trees export (``load_model``, ``KVCache.zeros``, ``decode``,
 ``workers.LLM``), so the baseline can be any commit that has them.
@@ -64,7 +66,11 @@ class Worker:
             args = (jnp.asarray(rng.randint(1000, c.vocab_size, r), jnp.int32), jnp.full((r,), CONTEXT - 1, jnp.int32),
                     jnp.asarray(table), jnp.full((r,), CONTEXT, jnp.int32))
             start = time.perf_counter()
-            exe = decode.lower(params, self.kv, *args, config=c).compile()
+            try:  # the kernel where this tree has one (older trees used it by default)
+                lowered = decode.lower(params, self.kv, *args, config=c, attention_kernel=True)
+            except TypeError:
+                lowered = decode.lower(params, self.kv, *args, config=c)
+            exe = lowered.compile()
             out[str(r)] = time.perf_counter() - start
             self.steps[r] = (exe, args)
             self.step(r, 2)
@@ -81,8 +87,15 @@ class Worker:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    def offline(self, seqs: int, new_tokens: int) -> float:
-        """Output tokens/s of ``workers.LLM`` for ``seqs`` 128-token prompts."""
+    def offline(self, seqs: int, new_tokens: int, prompt_len: int = 128) -> float:
+        """Output tokens/s of ``workers.LLM`` for ``seqs`` prompts of ``prompt_len`` tokens."""
+        return self._generate(seqs, prompt_len, new_tokens)[1] / self._generate_wall
+
+    def prefill(self, seqs: int, prompt_len: int) -> float:
+        """Prompt tokens/s of ``workers.LLM`` (one output token per prompt)."""
+        return self._generate(seqs, prompt_len, 1)[0] / self._generate_wall
+
+    def _generate(self, seqs: int, prompt_len: int, new_tokens: int) -> tuple[int, int]:
         import numpy as np
 
         from workers import LLM, SamplingParams
@@ -91,13 +104,13 @@ class Worker:
             self.llm = LLM(self.model, enable_prefix_caching=False, max_num_seqs=64, max_model_len=1024,
                            num_kv_blocks=64 * 20 + 1)
         rng = np.random.RandomState(seqs)
-        prompts = [{"prompt_token_ids": rng.randint(1000, self.model.config.vocab_size, 128).tolist()}
+        prompts = [{"prompt_token_ids": rng.randint(1000, self.model.config.vocab_size, prompt_len).tolist()}
                    for _ in range(seqs)]
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         start = time.perf_counter()
         outs = self.llm.generate(prompts, params)
-        wall = time.perf_counter() - start
-        return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+        self._generate_wall = time.perf_counter() - start
+        return seqs * prompt_len, sum(len(o.outputs[0].token_ids) for o in outs)
 
     def compile_all(self) -> dict[str, float]:
         """Seconds to build an engine with warm-up of every bucket (no persistent cache)."""
@@ -154,6 +167,9 @@ def export_baseline(rev: str) -> Path:
     target = Path(tempfile.mkdtemp(prefix="raylm-baseline-"))
     archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    if (target / "setup.py").exists():  # its C++ kernels, built as pip install would (not installed)
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=target, check=True,
+                       capture_output=True)
     return target
 
 
@@ -170,7 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--baseline", default="HEAD", help="git revision to compare with (default HEAD)")
-    parser.add_argument("--parts", default="steps,offline,compile")
+    parser.add_argument("--parts", default="steps,offline,prefill,compile")
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -200,6 +216,12 @@ def main() -> None:
                 m = alternate(trees, max(3, args.rounds // 2), "offline", seqs=seqs, new_tokens=args.new_tokens)
                 print(f"{seqs:3d} sequences: before {m['before']:7.1f}  after {m['after']:7.1f}  "
                       f"ratio {m['after'] / m['before']:.2f}x")
+        if "prefill" in parts:
+            print("\nworkers.LLM, 8 prompts of 512 tokens, 1 output token, prefix caching off (prompt tok/s)")
+            for t in trees:  # first run compiles
+                t.ask("prefill", seqs=8, prompt_len=512)
+            m = alternate(trees, max(3, args.rounds // 2), "prefill", seqs=8, prompt_len=512)
+            print(f"  before {m['before']:7.1f}  after {m['after']:7.1f}  ratio {m['after'] / m['before']:.2f}x")
         if "compile" in parts:
             print(f"\nall-buckets warm-up, {DEPLOY_DEFAULTS}, persistent cache off")
             for t in trees:
