@@ -33,6 +33,7 @@ def forward(
     context_lens: jax.Array,
     all_logits: bool = False,
     attention_kernel: bool = False,
+    logits_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run ``tokens [B, S]`` through the model, writing their K/V into ``kv``.
 
@@ -42,7 +43,9 @@ def forward(
     context, not the block-table width): a prompt chunk's tokens are queries of their own,
     each seeing the keys up to its position, which is causal attention because the chunk's
     K/V are written first. Pass False for a program sharded over several devices (XLA
-    cannot partition the custom call) to keep the jnp path.
+    cannot partition the custom call) to keep the jnp path. ``logits_rows [R]`` keeps only
+    those rows' logits (``[R, V]``): prompt chunks packed one token per row need the logits
+    of each chunk's last token, not of every token.
     """
     valid = (positions >= 0) & (positions < context_lens[:, None])
     block, offset = slot_indices(positions, block_tables, valid, kv.block_size)
@@ -67,6 +70,8 @@ def forward(
     if not all_logits:
         last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
+        if logits_rows is not None:
+            x = x[logits_rows]  # [R, 1, D]
     x = rms_norm(x, params.final_norm, eps)
     if params.lm_head is None:
         # Tied: contract with the embedding rows as stored; ``embed.T`` made XLA CPU copy the

@@ -10,6 +10,8 @@ the kernel really is the one running.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -71,7 +73,25 @@ def test_kernel_programs_use_one_block_table_width(tiny):
     assert runner.attention_kernel
     shapes = runner.warmup_shapes(1)
     assert {dims[1] for kind, dims in shapes if kind == "decode"} == {runner.max_width}
-    assert {dims[2] for kind, dims in shapes if kind == "prefill"} == {runner.max_width}
+    # Prompt chunks are packed one token per row: one program per token bucket, no width.
+    assert {kind for kind, _ in shapes} == {"packed", "decode", "copy"}
+    assert [dims for kind, dims in shapes if kind == "packed"] == [(16,), (32,), (64,), (128,), (256,), (512,)]
+
+
+def test_packed_prefill_groups_fill_calls_within_the_budget(tiny):
+    """A step's chunks go into as few calls as the token budget and rows per call allow, each
+    with the smallest token bucket that holds its tokens and its chunks (one per 16 tokens)."""
+    runner = LLM(tiny, max_model_len=256, num_kv_blocks=96, max_num_seqs=8, max_num_batched_tokens=64).engine.runner
+
+    def plan(*sizes: int) -> list[tuple[list[int], int]]:
+        chunks = [SimpleNamespace(num_tokens=n) for n in sizes]
+        return [([c.num_tokens for c in group], n) for group, n in runner._packed_groups(chunks)]
+
+    assert plan(10) == [([10], 16)]
+    assert plan(5, 7) == [([5, 7], 32)]  # 12 tokens, but a 16-token call holds one chunk
+    assert plan(40, 30) == [([40], 64), ([30], 32)]  # 70 tokens exceed the 64-token budget
+    assert plan(20, 20, 20) == [([20, 20, 20], 64)]
+    assert plan(*[1] * 9) == [([1] * 4, 64), ([1] * 4, 64), ([1], 16)]  # 4 chunks per 64-token call
 
 
 def _value(entry) -> float:

@@ -11,7 +11,9 @@ fetched: JAX runs them back to back on the device while the host waits once, so 
 sequences never wait for a host round trip behind a prefill. Attention (prompt chunks and
 decode tokens alike) goes through the CPU paged kernel where it can run
 (``model.paged_decode``); its cost follows each query's real context, so programs then use
-one block-table width instead of a bucket per width (5x fewer programs to compile).
+one block-table width instead of a bucket per width, and a step's prompt chunks are packed
+back to back, one token per row (the kernel gives each token its own context), into one
+call per token bucket instead of one per (rows, chunk length, width) bucket.
 """
 
 from __future__ import annotations
@@ -58,6 +60,22 @@ def _prefill_program(params, kv, tokens, positions, block_tables, context_lens, 
                      num_logprobs, with_penalties, attention_kernel):
     logits, kv = forward(params, config, tokens, positions, kv, block_tables, context_lens,
                          attention_kernel=attention_kernel)
+    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "num_logprobs", "with_penalties"),
+    donate_argnames=("kv",),
+)
+def _packed_prefill_program(params, kv, tokens, positions, token_rows, block_tables, last_tokens, sbatch, *,
+                            config, num_logprobs, with_penalties):
+    """Prompt chunks packed one token per row (``tokens [T]``, padding at position -1), attention
+    by the paged kernel; ``token_rows [T]`` picks each token's chunk in ``block_tables [R, P]``
+    and ``last_tokens [R]`` each chunk's last token, whose logits are sampled."""
+    context_lens = jnp.where(positions >= 0, positions + 1, 0)
+    logits, kv = forward(params, config, tokens[:, None], positions[:, None], kv, block_tables[token_rows],
+                         context_lens, attention_kernel=True, logits_rows=last_tokens)
     return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv
 
 
@@ -161,7 +179,10 @@ class ModelRunner:
         step). Returns, per sequence id, the samples of its decode steps and, for a chunk that
         reaches its sequence's last known token, that chunk's sample.
         """
-        pending = [self._dispatch_prefill(group, length) for group, length in self._prefill_groups(chunks)]
+        if self.attention_kernel:
+            pending = [self._dispatch_packed_prefill(group, n) for group, n in self._packed_groups(chunks)]
+        else:
+            pending = [self._dispatch_prefill(group, length) for group, length in self._prefill_groups(chunks)]
         if seqs:
             pending.append(self._dispatch_decode(seqs, num_steps))
         out: dict[int, list[SampleResult]] = {}
@@ -189,6 +210,55 @@ class ModelRunner:
             out += [(group[i : i + rows_cap], length) for i in range(0, len(group), rows_cap)]
         return out
 
+    def _packed_rows(self, num_tokens: int) -> int:
+        """Chunks a packed prefill of ``num_tokens`` (a bucket) holds: one per 16 tokens, so the
+        program count is one per token bucket and sampling pads at most 1/16 of the tokens."""
+        return min(self.max_batch, max(1, num_tokens // MIN_TOKEN_BUCKET))
+
+    def _packed_groups(self, chunks: list[ScheduledChunk]) -> list[tuple[list[ScheduledChunk], int]]:
+        """Chunks packed back to back into as few calls as the token budget and the chunks per
+        call allow, each with the smallest token bucket that holds it."""
+        groups: list[list[ScheduledChunk]] = []
+        tokens = 0
+        for chunk in chunks:
+            assert chunk.num_tokens <= self.max_tokens_bucket, (chunk.num_tokens, self.max_tokens_bucket)
+            full = tokens + chunk.num_tokens > self.max_tokens_bucket
+            if not groups or full or len(groups[-1]) == self._packed_rows(self.max_tokens_bucket):
+                groups.append([])
+                tokens = 0
+            groups[-1].append(chunk)
+            tokens += chunk.num_tokens
+        return [(group, self._packed_bucket(group)) for group in groups]
+
+    def _packed_bucket(self, group: list[ScheduledChunk]) -> int:
+        need = sum(c.num_tokens for c in group)
+        return next(n for n in power_buckets(MIN_TOKEN_BUCKET, self.max_tokens_bucket)
+                    if n >= need and self._packed_rows(n) >= len(group))
+
+    def _dispatch_packed_prefill(
+        self, chunks: list[ScheduledChunk], num_tokens: int
+    ) -> Callable[[], dict[int, list[SampleResult]]]:
+        rows = self._packed_rows(num_tokens)
+        seqs = [c.seq for c in chunks]
+        tokens = np.zeros(num_tokens, np.int32)
+        positions = np.full(num_tokens, -1, np.int32)
+        token_rows = np.zeros(num_tokens, np.int32)
+        last_tokens = np.zeros(rows, np.int32)
+        at = 0
+        for r, chunk in enumerate(chunks):
+            start, n = chunk.seq.num_computed_tokens, chunk.num_tokens
+            tokens[at : at + n] = chunk.seq.all_ids[start : start + n]
+            positions[at : at + n] = np.arange(start, start + n)
+            token_rows[at : at + n] = r
+            last_tokens[r] = at + n - 1
+            at += n
+        sbatch, flags = self._sampling(seqs, rows)
+        result, self.kv = _packed_prefill_program(
+            self.params, self.kv, tokens, positions, token_rows, self._block_table(seqs, rows, self.max_width),
+            last_tokens, sbatch, config=self.config, **flags,
+        )
+        return self._collect_chunks(chunks, result)
+
     def _dispatch_prefill(
         self, chunks: list[ScheduledChunk], length: int
     ) -> Callable[[], dict[int, list[SampleResult]]]:
@@ -208,6 +278,13 @@ class ModelRunner:
             self.params, self.kv, tokens, positions, self._block_table(seqs, rows, width), context, sbatch,
             config=self.config, attention_kernel=self.attention_kernel, **flags,
         )
+        return self._collect_chunks(chunks, result)
+
+    @staticmethod
+    def _collect_chunks(
+        chunks: list[ScheduledChunk], result: SampleResult
+    ) -> Callable[[], dict[int, list[SampleResult]]]:
+        """Fetches a prefill call's samples: row ``r`` belongs to ``chunks[r]``, if it samples."""
         sampled = [(c.seq.seq_id, r) for r, c in enumerate(chunks) if c.samples]
 
         def collect() -> dict[int, list[SampleResult]]:
@@ -252,11 +329,14 @@ class ModelRunner:
         """Every (kind, bucket) the engine can hit when no request asks for logprobs or penalties."""
         widths = self._widths()
         shapes: list[tuple[str, tuple[int, ...]]] = []
-        for rows, length, width in itertools.product(
-            power_buckets(1, self.max_batch), power_buckets(MIN_TOKEN_BUCKET, self.max_tokens_bucket), widths
-        ):
-            if rows <= max(1, self.max_tokens_bucket // length):
-                shapes.append(("prefill", (rows, length, width)))
+        if self.attention_kernel:
+            shapes += [("packed", (n,)) for n in power_buckets(MIN_TOKEN_BUCKET, self.max_tokens_bucket)]
+        else:
+            for rows, length, width in itertools.product(
+                power_buckets(1, self.max_batch), power_buckets(MIN_TOKEN_BUCKET, self.max_tokens_bucket), widths
+            ):
+                if rows <= max(1, self.max_tokens_bucket // length):
+                    shapes.append(("prefill", (rows, length, width)))
         for steps in sorted({1, num_scheduler_steps}):
             for rows, width in itertools.product(power_buckets(1, self.max_batch), widths):
                 shapes.append(("decode", (rows, width, steps)))
@@ -271,14 +351,20 @@ class ModelRunner:
         return len(shapes)
 
     def _compile(self, kind: str, dims: tuple[int, ...]) -> None:
-        rows = dims[0]
+        rows = self._packed_rows(dims[0]) if kind == "packed" else dims[0]
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         if kind == "copy":
             self.kv = _copy_blocks(self.kv, zeros(rows), zeros(rows))
             return
         sbatch = build_sampling_batch([], rows, self.config.vocab_size, self.eos_ids, False)
         flags = dict(num_logprobs=0, with_penalties=False)
-        if kind == "prefill":
+        if kind == "packed":
+            (num_tokens,) = dims
+            _, self.kv = _packed_prefill_program(
+                self.params, self.kv, zeros(num_tokens), np.full(num_tokens, -1, np.int32), zeros(num_tokens),
+                zeros(rows, self.max_width), zeros(rows), sbatch, config=self.config, **flags,
+            )
+        elif kind == "prefill":
             _, length, width = dims
             _, self.kv = _prefill_program(
                 self.params, self.kv, zeros(rows, length), zeros(rows, length), zeros(rows, width), zeros(rows),
