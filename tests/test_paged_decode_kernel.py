@@ -124,11 +124,14 @@ def test_head_layouts(heads, kv_heads, head_dim, block_size):
 
 
 @needs_kernel
-def test_bfloat16_pool_is_exact_in_float32():
-    """bf16 K/V widen exactly; the kernel then equals the float32 path on the widened pool."""
+def test_bfloat16_pool_matches_float32():
+    """bf16 K/V widen exactly, so the kernel matches the float32 path on the widened pool up to
+    float32 rounding: the two instantiations are vectorised separately (and per CPU by the
+    multiversioned clones), so their sums may run in another order (seen: 3.6e-7 absolute on
+    an AVX2 machine without AVX-512)."""
     case = make_case(3, pool_dtype=jnp.bfloat16)
     widened = dict(case, k_pool=case["k_pool"].astype(jnp.float32), v_pool=case["v_pool"].astype(jnp.float32))
-    np.testing.assert_allclose(kernel(case, 1), kernel(widened, 1), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(kernel(case, 1), kernel(widened, 1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(kernel(case, 1), naive_reference(case, 1), rtol=1e-5, atol=1e-6)
 
 
