@@ -38,28 +38,24 @@ def forward(
     """Run ``tokens [B, S]`` through the model, writing their K/V into ``kv``.
 
     Returns float32 logits ``[B, S, V]`` if ``all_logits`` else ``[B, V]`` for each row's
-    last real token, and the updated pool. With ``attention_kernel`` every query attends
-    through ``decode_attention`` (the CPU paged kernel, whose cost follows each row's real
-    context, not the block-table width): a prompt chunk's tokens are queries of their own,
-    each seeing the keys up to its position, which is causal attention because the chunk's
-    K/V are written first. Pass False for a program sharded over several devices (XLA
-    cannot partition the custom call) to keep the jnp path. ``logits_rows [R]`` keeps only
-    those rows' logits (``[R, V]``): prompt chunks packed one token per row need the logits
-    of each chunk's last token, not of every token.
+    last real token, and the updated pool. With ``attention_kernel`` (one token per row,
+    ``S == 1``) attention runs ``decode_attention``: the CPU paged kernel, whose cost follows
+    each row's real context, not the block-table width. Prompt chunks use it packed one token
+    per row (each token sees the keys up to its position, which is causal attention because
+    the chunk's K/V are written first). Pass False for a program sharded over several
+    devices (XLA cannot partition the custom call) to keep the jnp path. ``logits_rows [R]``
+    keeps only those rows' logits (``[R, V]``): packed chunks need each chunk's last token's.
     """
     valid = (positions >= 0) & (positions < context_lens[:, None])
     block, offset = slot_indices(positions, block_tables, valid, kv.block_size)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
-    kernel = None
+    kernel_lens = None
     if attention_kernel:
-        # Per query token: its row's block table and the keys it sees (position + 1; 0 for
-        # padding, which the kernel answers with zeros).
-        B, S = tokens.shape
-        kernel = _KernelQueries(
-            jnp.repeat(block_tables, S, axis=0) if S > 1 else block_tables,
-            jnp.where(valid, positions + 1, 0).reshape(B * S),
-        )
-    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin, kernel)
+        if tokens.shape[1] != 1:
+            raise ValueError(f"the paged kernel takes one query per row (pack prompt chunks), got {tokens.shape}")
+        # Keys each query sees (its position + 1; 0 for a padding row): the kernel's contract.
+        kernel_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
+    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin, kernel_lens)
     x = params.embed[tokens]
     eps = config.rms_norm_eps
 
@@ -95,14 +91,7 @@ class _Batch(NamedTuple):
     offset: jax.Array  # [B, S] slot in that block
     cos: jax.Array  # [B, S, Dh]
     sin: jax.Array  # [B, S, Dh]
-    kernel: "_KernelQueries | None"  # when attention runs the paged kernel, else None
-
-
-class _KernelQueries(NamedTuple):
-    """The ``B * S`` queries of a step as the paged kernel sees them (one row per token)."""
-
-    block_tables: jax.Array  # [B * S, P]
-    lens: jax.Array  # [B * S] keys each query sees
+    kernel_lens: jax.Array | None  # [B] keys each query sees when attention runs the paged kernel
 
 
 def _layer(
@@ -120,10 +109,8 @@ def _layer(
     q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)
     k_pool = write_kv(k_pool, i, batch.block, batch.offset, k)
     v_pool = write_kv(v_pool, i, batch.block, batch.offset, v)
-    if batch.kernel is not None:
-        flat = q.reshape(B * S, config.num_heads, config.head_dim)
-        attn = decode_attention(flat, k_pool, v_pool, i, batch.kernel.block_tables, batch.kernel.lens)
-        attn = attn.reshape(B, S, config.num_heads, config.head_dim)
+    if batch.kernel_lens is not None:
+        attn = decode_attention(q[:, 0], k_pool, v_pool, i, batch.block_tables, batch.kernel_lens)[:, None]
     else:
         attn = paged_attention(
             q, k_pool, v_pool, i, batch.block_tables, batch.positions, batch.context_lens, batch.valid

@@ -53,13 +53,14 @@ def power_buckets(minimum: int, maximum: int) -> list[int]:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "num_logprobs", "with_penalties", "attention_kernel"),
+    static_argnames=("config", "num_logprobs", "with_penalties"),
     donate_argnames=("kv",),
 )
 def _prefill_program(params, kv, tokens, positions, block_tables, context_lens, sbatch, *, config,
-                     num_logprobs, with_penalties, attention_kernel):
-    logits, kv = forward(params, config, tokens, positions, kv, block_tables, context_lens,
-                         attention_kernel=attention_kernel)
+                     num_logprobs, with_penalties):
+    """Prompt chunks a row each (``tokens [B, S]``), attention by the jnp path (see
+    ``_packed_prefill_program`` for the kernel's)."""
+    logits, kv = forward(params, config, tokens, positions, kv, block_tables, context_lens)
     return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv
 
 
@@ -190,14 +191,6 @@ class ModelRunner:
             out.update(collect())
         return out
 
-    def prefill(self, chunks: list[ScheduledChunk]) -> dict[int, list[SampleResult]]:
-        """Prompt chunks alone (see ``execute``)."""
-        return self.execute(chunks, [], 0)
-
-    def decode(self, seqs: list[Sequence], num_steps: int) -> dict[int, list[SampleResult]]:
-        """``num_steps`` tokens for each sequence alone (see ``execute``)."""
-        return self.execute([], seqs, num_steps)
-
     def _prefill_groups(self, chunks: list[ScheduledChunk]) -> list[tuple[list[ScheduledChunk], int]]:
         """Chunks a row each, grouped by chunk-length bucket (bounded padding), at most the token
         budget per call."""
@@ -276,7 +269,7 @@ class ModelRunner:
         sbatch, flags = self._sampling(seqs, rows)
         result, self.kv = _prefill_program(
             self.params, self.kv, tokens, positions, self._block_table(seqs, rows, width), context, sbatch,
-            config=self.config, attention_kernel=self.attention_kernel, **flags,
+            config=self.config, **flags,
         )
         return self._collect_chunks(chunks, result)
 
@@ -368,7 +361,7 @@ class ModelRunner:
             _, length, width = dims
             _, self.kv = _prefill_program(
                 self.params, self.kv, zeros(rows, length), zeros(rows, length), zeros(rows, width), zeros(rows),
-                sbatch, config=self.config, attention_kernel=self.attention_kernel, **flags,
+                sbatch, config=self.config, **flags,
             )
         else:
             _, width, steps = dims

@@ -89,13 +89,16 @@ class Worker:
 
     def offline(self, seqs: int, new_tokens: int, prompt_len: int = 128) -> float:
         """Output tokens/s of ``workers.LLM`` for ``seqs`` prompts of ``prompt_len`` tokens."""
-        return self._generate(seqs, prompt_len, new_tokens)[1] / self._generate_wall
+        _, outputs, wall = self._generate(seqs, prompt_len, new_tokens)
+        return outputs / wall
 
     def prefill(self, seqs: int, prompt_len: int) -> float:
         """Prompt tokens/s of ``workers.LLM`` (one output token per prompt)."""
-        return self._generate(seqs, prompt_len, 1)[0] / self._generate_wall
+        prompts, _, wall = self._generate(seqs, prompt_len, 1)
+        return prompts / wall
 
-    def _generate(self, seqs: int, prompt_len: int, new_tokens: int) -> tuple[int, int]:
+    def _generate(self, seqs: int, prompt_len: int, new_tokens: int) -> tuple[int, int, float]:
+        """Prompt tokens, output tokens and wall seconds of one ``generate`` call."""
         import numpy as np
 
         from workers import LLM, SamplingParams
@@ -109,8 +112,8 @@ class Worker:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         start = time.perf_counter()
         outs = self.llm.generate(prompts, params)
-        self._generate_wall = time.perf_counter() - start
-        return seqs * prompt_len, sum(len(o.outputs[0].token_ids) for o in outs)
+        wall = time.perf_counter() - start
+        return seqs * prompt_len, sum(len(o.outputs[0].token_ids) for o in outs), wall
 
     def compile_all(self) -> dict[str, float]:
         """Seconds to build an engine with warm-up of every bucket (no persistent cache)."""
