@@ -3,7 +3,7 @@
 The kernels include XLA's FFI headers, which ship inside jaxlib (a build requirement). The
 extension is optional: without a C++ compiler or those headers the install still succeeds,
 and at run time ``model.paged_decode.available()`` is False and the jnp path is used.
-Plain ``-O3`` keeps the binary portable; the hot function is multiversioned (AVX-512 / AVX2
+Plain ``-O3`` keeps the binaries portable; the hot functions are multiversioned (AVX-512 / AVX2
 clones chosen at load time) inside the source.
 """
 
@@ -25,15 +25,21 @@ def _xla_ffi_include_dir() -> str | None:
 include_dir = _xla_ffi_include_dir()
 if include_dir is None:
     print("raylm: jaxlib's XLA FFI headers not found; skipping the C++ CPU kernels (jnp paths will run)")
-kernels = [
-    Extension(
-        "model.kernels._paged_decode_attention",
-        sources=["model/kernels/paged_decode_attention.cc"],
+
+
+def _kernel(name: str) -> Extension:
+    return Extension(
+        f"model.kernels._{name}",
+        sources=[f"model/kernels/{name}.cc"],
         language="c++",
         # -isystem: XLA's own headers warn under Python's default flags; ours should not be lost.
-        extra_compile_args=["-std=c++17", "-O3", "-fopenmp-simd", "-isystem", include_dir],
+        # -Wno-psabi: GCC notes that 8-lane vectors change the ABI of the non-AVX clone's
+        # internal helpers, which nothing outside the library calls.
+        extra_compile_args=["-std=c++17", "-O3", "-fopenmp-simd", "-Wno-psabi", "-isystem", include_dir],
         optional=True,
     )
-] if include_dir else []
+
+
+kernels = [_kernel("paged_decode_attention"), _kernel("dense_matmul")] if include_dir else []
 
 setup(ext_modules=kernels)

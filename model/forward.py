@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from model.attention import KVCache, paged_attention, slot_indices, write_kv
 from model.config import ModelConfig
+from model.dense import dense
 from model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu_mlp
 from model.paged_decode import decode_attention
 from model.params import LayerParams, ModelParams
@@ -32,30 +33,31 @@ def forward(
     block_tables: jax.Array,
     context_lens: jax.Array,
     all_logits: bool = False,
-    attention_kernel: bool = False,
+    cpu_kernels: bool = False,
     logits_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run ``tokens [B, S]`` through the model, writing their K/V into ``kv``.
 
     Returns float32 logits ``[B, S, V]`` if ``all_logits`` else ``[B, V]`` for each row's
-    last real token, and the updated pool. With ``attention_kernel`` (one token per row,
-    ``S == 1``) attention runs ``decode_attention``: the CPU paged kernel, whose cost follows
-    each row's real context, not the block-table width. Prompt chunks use it packed one token
-    per row (each token sees the keys up to its position, which is causal attention because
-    the chunk's K/V are written first). Pass False for a program sharded over several
-    devices (XLA cannot partition the custom call) to keep the jnp path. ``logits_rows [R]``
+    last real token, and the updated pool. With ``cpu_kernels`` (one token per row, ``S == 1``)
+    the C++ CPU kernels run where they apply: attention by ``decode_attention``, the paged
+    kernel whose cost follows each row's real context, not the block-table width (prompt
+    chunks use it packed one token per row: each token sees the keys up to its position,
+    which is causal attention because the chunk's K/V are written first), and small-batch
+    projections by ``model.dense``. Pass False for a program sharded over several devices
+    (XLA cannot partition a custom call) to keep the jnp path. ``logits_rows [R]``
     keeps only those rows' logits (``[R, V]``): packed chunks need each chunk's last token's.
     """
     valid = (positions >= 0) & (positions < context_lens[:, None])
     block, offset = slot_indices(positions, block_tables, valid, kv.block_size)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
     kernel_lens = None
-    if attention_kernel:
+    if cpu_kernels:
         if tokens.shape[1] != 1:
             raise ValueError(f"the paged kernel takes one query per row (pack prompt chunks), got {tokens.shape}")
         # Keys each query sees (its position + 1; 0 for a padding row): the kernel's contract.
         kernel_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
-    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin, kernel_lens)
+    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin, kernel_lens, cpu_kernels)
     x = params.embed[tokens]
     eps = config.rms_norm_eps
 
@@ -69,12 +71,10 @@ def forward(
         if logits_rows is not None:
             x = x[logits_rows]  # [R, 1, D]
     x = rms_norm(x, params.final_norm, eps)
-    if params.lm_head is None:
-        # Tied: contract with the embedding rows as stored; ``embed.T`` made XLA CPU copy the
-        # whole [V, D] matrix into a transposed buffer on every step.
-        logits = jnp.einsum("bsd,vd->bsv", x, params.embed, preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("bsd,dv->bsv", x, params.lm_head, preferred_element_type=jnp.float32)
+    # Tied or not, the head is [V, D] and read as stored (``embed.T`` made XLA CPU copy the
+    # whole matrix into a transposed buffer on every step).
+    head = params.embed if params.lm_head is None else params.lm_head
+    logits = dense(x, head, kernel=cpu_kernels, out_dtype=jnp.float32)
     if not all_logits:
         logits = logits[:, 0]
     return logits, KVCache(k_pool, v_pool)
@@ -92,6 +92,7 @@ class _Batch(NamedTuple):
     cos: jax.Array  # [B, S, Dh]
     sin: jax.Array  # [B, S, Dh]
     kernel_lens: jax.Array | None  # [B] keys each query sees when attention runs the paged kernel
+    cpu_kernels: bool  # whether projections may run the small-batch matmul kernel
 
 
 def _layer(
@@ -101,7 +102,7 @@ def _layer(
     B, S, _ = x.shape
     G = config.q_per_kv
     h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
-    qkv = jnp.einsum("bsd,dkgh->bskgh", h, lp.wqkv)  # [B, S, KVH, G + 2, Dh]
+    qkv = dense(h, lp.wqkv, kernel=batch.cpu_kernels)  # [B, S, KVH, G + 2, Dh]
     if lp.bqkv is not None:
         qkv = qkv + lp.bqkv
     q = qkv[:, :, :, :G].reshape(B, S, config.num_heads, config.head_dim)
@@ -115,9 +116,9 @@ def _layer(
         attn = paged_attention(
             q, k_pool, v_pool, i, batch.block_tables, batch.positions, batch.context_lens, batch.valid
         )
-    x = x + jnp.einsum("bshk,hkd->bsd", attn, lp.wo)
+    x = x + dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
     h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
-    return x + swiglu_mlp(h, lp.w_gate_up, lp.w_down), k_pool, v_pool
+    return x + swiglu_mlp(h, lp.w_gate_up, lp.w_down, kernel=batch.cpu_kernels), k_pool, v_pool
 
 
 @functools.partial(jax.jit, static_argnames=("config", "all_logits"), donate_argnames=("kv",))
@@ -136,7 +137,7 @@ def prefill(
     return forward(params, config, tokens, positions, kv, block_tables, context_lens, all_logits)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention_kernel"), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("config", "cpu_kernels"), donate_argnames=("kv",))
 def decode(
     params: ModelParams,
     kv: KVCache,
@@ -146,14 +147,14 @@ def decode(
     context_lens: jax.Array,
     *,
     config: ModelConfig,
-    attention_kernel: bool = False,
+    cpu_kernels: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Jitted one-token step: ``tokens [B]`` at ``positions [B]`` -> logits ``[B, V]``.
 
-    The jnp attention path unless ``attention_kernel`` (the reference loop stays independent
-    of the kernel; benchmarks ask for it)."""
+    The jnp path unless ``cpu_kernels`` (the reference loop stays independent of the
+    kernels; benchmarks ask for them)."""
     logits, kv = forward(
         params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens,
-        attention_kernel=attention_kernel,
+        cpu_kernels=cpu_kernels,
     )
     return logits, kv

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
+from model.dense import dense
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -61,7 +62,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """``down(silu(gate(x)) * up(x))`` with gate and up as one ``[D, 2, I]`` matmul."""
-    gate_up = jnp.einsum("bsd,dti->bsti", x, w_gate_up)
-    return jnp.einsum("bsi,id->bsd", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], w_down)
+def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, kernel: bool = False) -> jax.Array:
+    """``down(silu(gate(x)) * up(x))`` with gate and up as one ``[2, I, D]`` matmul
+    (``kernel``: see ``model.dense``)."""
+    gate_up = dense(x, w_gate_up, kernel=kernel)  # [B, S, 2, I]
+    return dense(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], w_down, kernel=kernel)

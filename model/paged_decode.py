@@ -12,48 +12,20 @@ over the kv-head axis): XLA cannot partition a custom call by itself.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import importlib.machinery
-import logging
-import pathlib
-
 import jax
 import jax.numpy as jnp
 
 from model.attention import paged_attention
+from model.kernels import unavailable_reason
 
-logger = logging.getLogger(__name__)
-
-_TARGET = "raylm_paged_decode_attention"
-_LIBRARY = pathlib.Path(__file__).with_name("kernels") / "_paged_decode_attention"
-_SYMBOL = "RaylmPagedDecodeAttention"
+_KERNEL = ("paged_decode_attention", "RaylmPagedDecodeAttention", "raylm_paged_decode_attention")
+_TARGET = _KERNEL[2]
 SUPPORTED_POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-@functools.cache
-def _unavailable_reason() -> str | None:
-    """Load and register the kernel once per process; ``None`` on success, else why not."""
-    built = [p for s in importlib.machinery.EXTENSION_SUFFIXES if (p := _LIBRARY.with_suffix(s)).exists()]
-    if not built:
-        reason = (
-            f"{_LIBRARY}.*.so was not built (no C++ compiler or jaxlib headers when the package "
-            "was installed); reinstall with `pip install -e .` to build it"
-        )
-    else:
-        try:
-            handler = getattr(ctypes.CDLL(str(built[0])), _SYMBOL)
-            jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-            return None
-        except (OSError, AttributeError) as e:
-            reason = f"cannot load {built[0]}: {e}"
-    logger.warning("paged decode attention kernel unavailable, using the jnp path: %s", reason)
-    return reason
 
 
 def available() -> bool:
     """Whether the C++ kernel is built and registered with JAX (CPU only)."""
-    return _unavailable_reason() is None
+    return unavailable_reason(*_KERNEL) is None
 
 
 def paged_decode_attention(
@@ -73,7 +45,7 @@ def paged_decode_attention(
     Raises if the kernel is unavailable or the pool dtype unsupported; ``decode_attention``
     falls back instead.
     """
-    if reason := _unavailable_reason():
+    if reason := unavailable_reason(*_KERNEL):
         raise RuntimeError(f"paged decode attention kernel unavailable: {reason}")
     if k_pool.dtype not in SUPPORTED_POOL_DTYPES or v_pool.dtype != k_pool.dtype:
         raise ValueError(

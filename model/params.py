@@ -6,8 +6,10 @@ faster, but XLA's CPU backend then copies every layer's weights out of the stack
 step (dynamic-slice), which measured ~1.4x slower at batch 1 (see
 ``deploy/benchmarks/decode_step_bench.py``).
 
-Matrices are stored in the orientation the einsums consume (input dim first). Q, K and V
-are one fused matrix and gate/up another, so a layer runs three matmuls before attention
+Matrices are stored output-first with their input dims last and contiguous (HF's
+``[out, in]``): each output's weights are one run of memory, which is what the CPU
+small-batch matmul kernel streams (model/dense.py) and what XLA's own dot handled best
+too at decode batch sizes. Q, K and V are one fused matrix and gate/up another, so a layer runs three matmuls before attention
 fewer (at batch 1 each matmul is bound by reading its weights, and the fused one reads
 them in one pass). The QKV columns are grouped by KV head: KV head ``k`` owns query heads
 ``k*G .. k*G+G-1`` (``G = H / KVH``, as in HF's GQA), then its key, then its value. So
@@ -29,11 +31,11 @@ class LayerParams:
     """One decoder layer's weights."""
 
     attn_norm: jax.Array  # [D]
-    wqkv: jax.Array  # [D, KVH, G + 2, Dh]: per KV head, its G query heads, its key, its value
-    wo: jax.Array  # [H, Dh, D]
+    wqkv: jax.Array  # [KVH, G + 2, Dh, D]: per KV head, its G query heads, its key, its value
+    wo: jax.Array  # [D, H, Dh]
     mlp_norm: jax.Array  # [D]
-    w_gate_up: jax.Array  # [D, 2, I]: gate, then up
-    w_down: jax.Array  # [I, D]
+    w_gate_up: jax.Array  # [2, I, D]: gate, then up
+    w_down: jax.Array  # [D, I]
     bqkv: Optional[jax.Array] = None  # [KVH, G + 2, Dh] (Qwen2)
 
 
@@ -45,23 +47,23 @@ class ModelParams:
     embed: jax.Array  # [V, D]
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array  # [D]
-    lm_head: Optional[jax.Array] = None  # [D, V]
+    lm_head: Optional[jax.Array] = None  # [V, D], as the tied embedding
 
 
 # Logical axis names of every parameter, by field. sharding.py maps them onto a mesh.
 LAYER_AXES: dict[str, tuple[str, ...]] = {
     "attn_norm": ("embed",),
-    "wqkv": ("embed", "kv_heads", "qkv", "head_dim"),
-    "wo": ("heads", "head_dim", "embed"),
+    "wqkv": ("kv_heads", "qkv", "head_dim", "embed"),
+    "wo": ("embed", "heads", "head_dim"),
     "mlp_norm": ("embed",),
-    "w_gate_up": ("embed", "gate_up", "mlp"),
-    "w_down": ("mlp", "embed"),
+    "w_gate_up": ("gate_up", "mlp", "embed"),
+    "w_down": ("embed", "mlp"),
     "bqkv": ("kv_heads", "qkv", "head_dim"),
 }
 MODEL_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),
     "final_norm": ("embed",),
-    "lm_head": ("embed", "vocab"),
+    "lm_head": ("vocab", "embed"),
 }
 KV_POOL_AXES: tuple[str, ...] = ("layers", "blocks", "block_slot", "kv_heads", "head_dim")
 

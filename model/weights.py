@@ -89,11 +89,11 @@ def build_params(config: ModelConfig, get: TensorSource, source: str, dtype: jnp
 
         fields = {
             "attn_norm": hf("attn_norm"),
-            "wqkv": fuse_qkv(hf("wq").T, hf("wk").T, hf("wv").T, KVH),
-            "wo": hf("wo").T.reshape(H, Dh, D),
+            "wqkv": np.moveaxis(fuse_qkv(hf("wq").T, hf("wk").T, hf("wv").T, KVH), 0, -1),
+            "wo": hf("wo").reshape(D, H, Dh),
             "mlp_norm": hf("mlp_norm"),
-            "w_gate_up": np.stack([hf("w_gate").T, hf("w_up").T], axis=1),
-            "w_down": hf("w_down").T,
+            "w_gate_up": np.stack([hf("w_gate"), hf("w_up")]),
+            "w_down": hf("w_down"),
         }
         if config.attention_bias:
             fields["bqkv"] = fuse_qkv(hf("bq"), hf("bk"), hf("bv"), KVH)
@@ -103,7 +103,7 @@ def build_params(config: ModelConfig, get: TensorSource, source: str, dtype: jnp
     embed = fetch("model.embed_tokens.weight", (V, D))
     lm_head = None
     if not config.tie_word_embeddings:
-        lm_head = jnp.asarray(fetch("lm_head.weight", (V, D)).T, dtype=dtype)
+        lm_head = jnp.asarray(fetch("lm_head.weight", (V, D)), dtype=dtype)
     return ModelParams(
         embed=jnp.asarray(embed, dtype=dtype),
         layers=tuple(layer(i) for i in range(config.num_layers)),

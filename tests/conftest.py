@@ -19,6 +19,18 @@ if os.environ.get("CI"):
 from model import DEFAULT_MODEL, LoadedModel, load_model, resolve_model_path  # noqa: E402
 
 
+@pytest.fixture
+def unbuilt_kernels(monkeypatch, tmp_path):
+    """The package as installed without a compiler: no C++ kernel libraries to load."""
+    from model import kernels
+
+    monkeypatch.setattr(kernels, "_DIRECTORY", tmp_path)
+    kernels.unavailable_reason.cache_clear()
+    yield
+    monkeypatch.undo()
+    kernels.unavailable_reason.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def bundled_path():
     return resolve_model_path(DEFAULT_MODEL)

@@ -37,7 +37,7 @@ ENGINES = {
 
 
 def _run(tiny, kernel: bool, monkeypatch, engine: dict) -> tuple[list, list, LLM]:
-    monkeypatch.setattr(runner_module, "_attention_kernel_runs", lambda mesh, kv: kernel)
+    monkeypatch.setattr(runner_module, "_cpu_kernels_run", lambda mesh, kv: kernel)
     rng = np.random.RandomState(11)
     shared = rng.randint(3, 320, size=37).tolist()  # 2 full blocks + 5: later prompts reuse the blocks
     # The first prompt computes the shared blocks; the last two wait for a free slot, so by
@@ -57,7 +57,7 @@ def _run(tiny, kernel: bool, monkeypatch, engine: dict) -> tuple[list, list, LLM
 def test_kernel_attention_matches_the_jnp_path(tiny, monkeypatch, engine):
     expected_tokens, expected_logprobs, reference = _run(tiny, False, monkeypatch, engine)
     tokens, logprobs, llm = _run(tiny, True, monkeypatch, engine)
-    assert not reference.engine.runner.attention_kernel and llm.engine.runner.attention_kernel
+    assert not reference.engine.runner.cpu_kernels and llm.engine.runner.cpu_kernels
     assert tokens == expected_tokens
     for got, want in zip(logprobs, expected_logprobs):
         np.testing.assert_allclose([_value(x) for x in got], [_value(x) for x in want], atol=2e-4)
@@ -70,7 +70,7 @@ def test_kernel_programs_use_one_block_table_width(tiny):
     """The kernel's cost does not depend on the table width, so the engine compiles one."""
     llm = LLM(tiny, max_model_len=256, num_kv_blocks=96, max_num_seqs=4)
     runner = llm.engine.runner
-    assert runner.attention_kernel
+    assert runner.cpu_kernels
     shapes = runner.warmup_shapes(1)
     assert {dims[1] for kind, dims in shapes if kind == "decode"} == {runner.max_width}
     # Prompt chunks are packed one token per row: one program per token bucket, no width.

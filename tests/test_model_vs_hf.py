@@ -37,8 +37,9 @@ def test_config_fields_follow_checkpoint(tmp_path):
     path, _ = build_tiny_checkpoint("mistral", tmp_path / "m")
     config, params = load_checkpoint(path)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 32)
-    # 3 layers; QKV fused per KV head: 2 KV heads x (2 query heads + key + value) x head_dim 32.
-    assert len(params.layers) == 3 and params.layers[0].wqkv.shape == (64, 2, 4, 32)
+    # 3 layers; QKV fused per KV head: 2 KV heads x (2 query heads + key + value) x head_dim 32,
+    # each output's 64 inputs last.
+    assert len(params.layers) == 3 and params.layers[0].wqkv.shape == (2, 4, 32, 64)
     path, _ = build_tiny_checkpoint("qwen2", tmp_path / "q")
     config, params = load_checkpoint(path)
     assert config.attention_bias and config.tie_word_embeddings and params.lm_head is None

@@ -29,10 +29,10 @@ def test_tp2_equals_tp1(tmp_path, variant, overrides):
     tp2 = SingleSequenceGenerator(config, params, mesh=make_mesh(2))
     layer = tp2.params.layers[0]
     # Query heads split (through wo's heads axis); fused QKV split by KV head unless KV heads are replicated.
-    assert layer.wo.addressable_shards[0].data.shape[0] == config.num_heads // 2
+    assert layer.wo.addressable_shards[0].data.shape[1] == config.num_heads // 2
     kv_per_device = config.num_kv_heads // 2 if config.num_kv_heads % 2 == 0 else config.num_kv_heads
-    assert layer.wqkv.addressable_shards[0].data.shape[1] == kv_per_device
-    assert layer.w_gate_up.addressable_shards[0].data.shape[2] == config.intermediate_size // 2
+    assert layer.wqkv.addressable_shards[0].data.shape[0] == kv_per_device
+    assert layer.w_gate_up.addressable_shards[0].data.shape[1] == config.intermediate_size // 2
     np.testing.assert_allclose(tp2.prompt_logits(ids), tp1.prompt_logits(ids), atol=1e-4, rtol=1e-5)
     assert list(tp2.generate(ids, 24)) == list(tp1.generate(ids, 24))
 

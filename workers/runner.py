@@ -76,24 +76,24 @@ def _packed_prefill_program(params, kv, tokens, positions, token_rows, block_tab
     and ``last_tokens [R]`` each chunk's last token, whose logits are sampled."""
     context_lens = jnp.where(positions >= 0, positions + 1, 0)
     logits, kv = forward(params, config, tokens[:, None], positions[:, None], kv, block_tables[token_rows],
-                         context_lens, attention_kernel=True, logits_rows=last_tokens)
+                         context_lens, cpu_kernels=True, logits_rows=last_tokens)
     return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "num_steps", "num_logprobs", "with_penalties", "attention_kernel"),
+    static_argnames=("config", "num_steps", "num_logprobs", "with_penalties", "cpu_kernels"),
     donate_argnames=("kv",),
 )
 def _decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, *, config, num_steps,
-                    num_logprobs, with_penalties, attention_kernel):
+                    num_logprobs, with_penalties, cpu_kernels):
     """``num_steps`` decode steps with sampling in one call; rows stop writing at ``limits``."""
 
     def step(carry, _):
         kv, tokens, positions, sbatch = carry
         context_lens = jnp.where(positions < limits, positions + 1, 0)
         logits, kv = forward(params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens,
-                             attention_kernel=attention_kernel)
+                             cpu_kernels=cpu_kernels)
         result = sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties)
         return (kv, result.tokens, positions + 1, advance(sbatch, result.tokens)), result
 
@@ -130,12 +130,12 @@ class ModelRunner:
         self.max_batch = bucket(max_num_seqs, 1, 1 << 30)
         self.max_tokens_bucket = bucket(max_num_batched_tokens, MIN_TOKEN_BUCKET, 1 << 30)
         self.max_width = bucket(math.ceil(max_model_len / self.block_size), MIN_WIDTH_BUCKET, 1 << 30)
-        self.attention_kernel = _attention_kernel_runs(mesh, kv)
+        self.cpu_kernels = _cpu_kernels_run(mesh, kv)
 
     def _widths(self) -> list[int]:
         """Block-table widths a program may use: the kernel's cost does not depend on the width,
         so it gets one (fewer programs to compile); the jnp path pays for the width, so buckets."""
-        if self.attention_kernel:
+        if self.cpu_kernels:
             return [self.max_width]
         return power_buckets(MIN_WIDTH_BUCKET, self.max_width)
 
@@ -180,7 +180,7 @@ class ModelRunner:
         step). Returns, per sequence id, the samples of its decode steps and, for a chunk that
         reaches its sequence's last known token, that chunk's sample.
         """
-        if self.attention_kernel:
+        if self.cpu_kernels:
             pending = [self._dispatch_packed_prefill(group, n) for group, n in self._packed_groups(chunks)]
         else:
             pending = [self._dispatch_prefill(group, length) for group, length in self._prefill_groups(chunks)]
@@ -304,7 +304,7 @@ class ModelRunner:
         sbatch, flags = self._sampling(seqs, rows)
         results, self.kv = _decode_program(
             self.params, self.kv, tokens, positions, self._block_table(seqs, rows, width), limits, sbatch,
-            config=self.config, num_steps=num_steps, attention_kernel=self.attention_kernel, **flags,
+            config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels, **flags,
         )
 
         def collect() -> dict[int, list[SampleResult]]:
@@ -322,7 +322,7 @@ class ModelRunner:
         """Every (kind, bucket) the engine can hit when no request asks for logprobs or penalties."""
         widths = self._widths()
         shapes: list[tuple[str, tuple[int, ...]]] = []
-        if self.attention_kernel:
+        if self.cpu_kernels:
             shapes += [("packed", (n,)) for n in power_buckets(MIN_TOKEN_BUCKET, self.max_tokens_bucket)]
         else:
             for rows, length, width in itertools.product(
@@ -367,13 +367,15 @@ class ModelRunner:
             _, width, steps = dims
             _, self.kv = _decode_program(
                 self.params, self.kv, zeros(rows), zeros(rows), zeros(rows, width), zeros(rows), sbatch,
-                config=self.config, num_steps=steps, attention_kernel=self.attention_kernel, **flags,
+                config=self.config, num_steps=steps, cpu_kernels=self.cpu_kernels, **flags,
             )
 
 
-def _attention_kernel_runs(mesh: Mesh, kv: KVCache) -> bool:
-    """Whether attention runs the CPU paged kernel: built, on a CPU backend, an
-    unsharded replica (XLA cannot partition the custom call) and a pool dtype it reads."""
+def _cpu_kernels_run(mesh: Mesh, kv: KVCache) -> bool:
+    """Whether the programs run the C++ CPU kernels (``forward``'s ``cpu_kernels``): the paged
+    attention kernel built, a CPU backend, an unsharded replica (XLA cannot partition a custom
+    call) and a pool dtype it reads. Projections then take the small-batch matmul kernel
+    where it applies (``model.dense`` falls back to XLA's dot by itself)."""
     return (
         paged_decode.available()
         and jax.default_backend() == "cpu"

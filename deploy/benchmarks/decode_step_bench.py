@@ -66,10 +66,13 @@ class Worker:
             args = (jnp.asarray(rng.randint(1000, c.vocab_size, r), jnp.int32), jnp.full((r,), CONTEXT - 1, jnp.int32),
                     jnp.asarray(table), jnp.full((r,), CONTEXT, jnp.int32))
             start = time.perf_counter()
-            try:  # the kernel where this tree has one (older trees used it by default)
-                lowered = decode.lower(params, self.kv, *args, config=c, attention_kernel=True)
-            except TypeError:
-                lowered = decode.lower(params, self.kv, *args, config=c)
+            lowered = None  # the kernels where this tree has them, by each tree's flag name
+            for flags in ({"cpu_kernels": True}, {"attention_kernel": True}, {}):
+                try:
+                    lowered = decode.lower(params, self.kv, *args, config=c, **flags)
+                    break
+                except TypeError:
+                    continue
             exe = lowered.compile()
             out[str(r)] = time.perf_counter() - start
             self.steps[r] = (exe, args)

@@ -1,0 +1,85 @@
+"""Linear layers: ``x . w^T`` by a C++ small-batch kernel on CPU, XLA's dot elsewhere.
+
+Weights are stored output-first, each output's inputs last and contiguous (``[N..., K...]``,
+HF's ``[out, in]``; see model/params.py). For the few rows of a decode step (1..32
+sequences) XLA's CPU dot reaches a third to a half of what the cores do, and the tied LM
+head alone took 15-30 ms of a 16-row step; ``model/kernels/dense_matmul.cc`` streams each
+weight once while the rows stay in cache (1.3-2.5x XLA at 1-32 rows on the dev machine,
+measured per shape). Above ``KERNEL_MAX_ROWS`` rows (prompt chunks, large batches) XLA's
+GEMM is as fast or faster, so it runs there. The kernel is built by ``pip install``
+(setup.py); without it, or for non-float32 operands, or on another backend, the same
+program runs ``jnp`` (chosen when the program is lowered, so one traced function serves
+every platform). XLA cannot partition a custom call: sharded programs pass
+``kernel=False``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from model.kernels import unavailable_reason
+
+_KERNEL = ("dense_matmul", "RaylmDenseMatmul", "raylm_dense_matmul")
+# Rows up to which the kernel beats XLA's dot on every projection of the bundled model
+# (at 64 rows they tie, above XLA's blocked GEMM wins).
+KERNEL_MAX_ROWS = 32
+
+
+def available() -> bool:
+    """Whether the C++ kernel is built and registered with JAX (CPU only)."""
+    return unavailable_reason(*_KERNEL) is None
+
+
+def dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x [M, K] . w [N, K]^T -> [M, N]`` (float32) by the C++ kernel; raises if unavailable."""
+    if reason := unavailable_reason(*_KERNEL):
+        raise RuntimeError(f"dense matmul kernel unavailable: {reason}")
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"the dense matmul kernel takes float32 operands, got x {x.dtype} and w {w.dtype}")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"dense_matmul takes x [M, K] and w [N, K], got {x.shape} and {w.shape}")
+    call = jax.ffi.ffi_call(_KERNEL[2], jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(x, w)
+
+
+def dense(
+    x: jax.Array, w: jax.Array, contract: int = 1, *, kernel: bool, out_dtype: jnp.dtype | None = None
+) -> jax.Array:
+    """Contract ``x``'s last ``contract`` dims with ``w``'s last ``contract`` dims.
+
+    ``x [..., K...]`` and ``w [N..., K...]`` give ``[..., N...]``. ``kernel`` says the program
+    is unsharded: the C++ kernel runs where it can (CPU, built, float32, at most
+    ``KERNEL_MAX_ROWS`` rows) and XLA's dot on 2-D views otherwise. Without it, a plain
+    ``tensordot`` over the named dims, which a sharded program partitions. ``out_dtype`` is
+    the dot's accumulation/result type (the LM head asks float32 of bfloat16 weights).
+    """
+    k_dims = x.shape[x.ndim - contract:]
+    if w.shape[w.ndim - contract:] != k_dims:
+        raise ValueError(f"dense: x {x.shape} and w {w.shape} differ in their last {contract} dims")
+    lead, out = x.shape[: x.ndim - contract], w.shape[: w.ndim - contract]
+
+    def by_jnp(x: jax.Array, w: jax.Array) -> jax.Array:
+        axes = (tuple(range(x.ndim - contract, x.ndim)), tuple(range(w.ndim - contract, w.ndim)))
+        return jnp.tensordot(x, w, axes, preferred_element_type=out_dtype)
+
+    if not kernel:
+        return by_jnp(x, w)
+    # An unsharded program: both operands as 2-D matrices (free reshapes of row-major
+    # arrays). XLA CPU's dot otherwise transposes a weight with several output dims into
+    # [K, N] on every call (a copy of the whole matrix: 1.9x slower 64-row decode steps).
+    rows, size = math.prod(lead), math.prod(k_dims)
+
+    def by_xla(x: jax.Array, w: jax.Array) -> jax.Array:
+        y = jnp.einsum("mk,nk->mn", x.reshape(rows, size), w.reshape(-1, size), preferred_element_type=out_dtype)
+        return y.reshape(*lead, *out)
+
+    if not (available() and x.dtype == w.dtype == jnp.float32 and 0 < rows <= KERNEL_MAX_ROWS):
+        return by_xla(x, w)
+
+    def by_kernel(x: jax.Array, w: jax.Array) -> jax.Array:
+        return dense_matmul(x.reshape(rows, size), w.reshape(-1, size)).reshape(*lead, *out)
+
+    return jax.lax.platform_dependent(x, w, cpu=by_kernel, default=by_xla)
