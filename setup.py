@@ -2,7 +2,8 @@
 
 The kernels include XLA's FFI headers, which ship inside jaxlib (a build requirement). The
 extension is optional: without a C++ compiler or those headers the install still succeeds,
-and at run time ``model.paged_decode.available()`` is False and the jnp path is used.
+and at run time ``model.paged_decode.available()`` / ``model.dense.available()`` are False
+and the jnp / XLA paths are used.
 Plain ``-O3`` keeps the binaries portable; the hot functions are multiversioned (AVX-512 / AVX2
 clones chosen at load time) inside the source.
 """

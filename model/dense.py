@@ -20,9 +20,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from model.kernels import unavailable_reason
+from model.kernels import CpuKernel
 
-_KERNEL = ("dense_matmul", "RaylmDenseMatmul", "raylm_dense_matmul")
+_KERNEL = CpuKernel("dense_matmul", "RaylmDenseMatmul", "raylm_dense_matmul")
 # Rows up to which the kernel beats XLA's dot on every projection of the bundled model
 # (at 64 rows they tie, above XLA's blocked GEMM wins).
 KERNEL_MAX_ROWS = 32
@@ -30,18 +30,17 @@ KERNEL_MAX_ROWS = 32
 
 def available() -> bool:
     """Whether the C++ kernel is built and registered with JAX (CPU only)."""
-    return unavailable_reason(*_KERNEL) is None
+    return _KERNEL.available()
 
 
 def dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x [M, K] . w [N, K]^T -> [M, N]`` (float32) by the C++ kernel; raises if unavailable."""
-    if reason := unavailable_reason(*_KERNEL):
-        raise RuntimeError(f"dense matmul kernel unavailable: {reason}")
+    _KERNEL.require()
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"the dense matmul kernel takes float32 operands, got x {x.dtype} and w {w.dtype}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"dense_matmul takes x [M, K] and w [N, K], got {x.shape} and {w.shape}")
-    call = jax.ffi.ffi_call(_KERNEL[2], jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    call = jax.ffi.ffi_call(_KERNEL.target, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
     return call(x, w)
 
 

@@ -57,7 +57,7 @@ def forward(
             raise ValueError(f"the paged kernel takes one query per row (pack prompt chunks), got {tokens.shape}")
         # Keys each query sees (its position + 1; 0 for a padding row): the kernel's contract.
         kernel_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
-    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin, kernel_lens, cpu_kernels)
+    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin, kernel_lens)
     x = params.embed[tokens]
     eps = config.rms_norm_eps
 
@@ -91,8 +91,12 @@ class _Batch(NamedTuple):
     offset: jax.Array  # [B, S] slot in that block
     cos: jax.Array  # [B, S, Dh]
     sin: jax.Array  # [B, S, Dh]
-    kernel_lens: jax.Array | None  # [B] keys each query sees when attention runs the paged kernel
-    cpu_kernels: bool  # whether projections may run the small-batch matmul kernel
+    kernel_lens: jax.Array | None  # [B] keys each query sees when the CPU kernels run, else None
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether this step runs the CPU kernels (projections too, through ``model.dense``)."""
+        return self.kernel_lens is not None
 
 
 def _layer(

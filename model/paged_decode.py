@@ -16,16 +16,15 @@ import jax
 import jax.numpy as jnp
 
 from model.attention import paged_attention
-from model.kernels import unavailable_reason
+from model.kernels import CpuKernel
 
-_KERNEL = ("paged_decode_attention", "RaylmPagedDecodeAttention", "raylm_paged_decode_attention")
-_TARGET = _KERNEL[2]
+_KERNEL = CpuKernel("paged_decode_attention", "RaylmPagedDecodeAttention", "raylm_paged_decode_attention")
 SUPPORTED_POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def available() -> bool:
     """Whether the C++ kernel is built and registered with JAX (CPU only)."""
-    return unavailable_reason(*_KERNEL) is None
+    return _KERNEL.available()
 
 
 def paged_decode_attention(
@@ -45,14 +44,13 @@ def paged_decode_attention(
     Raises if the kernel is unavailable or the pool dtype unsupported; ``decode_attention``
     falls back instead.
     """
-    if reason := unavailable_reason(*_KERNEL):
-        raise RuntimeError(f"paged decode attention kernel unavailable: {reason}")
+    _KERNEL.require()
     if k_pool.dtype not in SUPPORTED_POOL_DTYPES or v_pool.dtype != k_pool.dtype:
         raise ValueError(
             f"paged decode attention kernel takes float32 or bfloat16 pools, got k {k_pool.dtype} "
             f"and v {v_pool.dtype}; use decode_attention() to fall back to the jnp path"
         )
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(_KERNEL.target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(
         q.astype(jnp.float32),
         k_pool,

@@ -9,12 +9,12 @@ step (dynamic-slice), which measured ~1.4x slower at batch 1 (see
 Matrices are stored output-first with their input dims last and contiguous (HF's
 ``[out, in]``): each output's weights are one run of memory, which is what the CPU
 small-batch matmul kernel streams (model/dense.py) and what XLA's own dot handled best
-too at decode batch sizes. Q, K and V are one fused matrix and gate/up another, so a layer runs three matmuls before attention
-fewer (at batch 1 each matmul is bound by reading its weights, and the fused one reads
-them in one pass). The QKV columns are grouped by KV head: KV head ``k`` owns query heads
-``k*G .. k*G+G-1`` (``G = H / KVH``, as in HF's GQA), then its key, then its value. So
-splitting the ``kv_heads`` axis over tensor-parallel devices gives each device whole
-groups, with the query heads that read its keys.
+too at decode batch sizes. Q, K and V are one fused matrix and gate/up another, so a
+layer runs three matmuls before attention fewer (at batch 1 each matmul is bound by reading
+its weights, and the fused one reads them in one pass). The QKV columns are grouped by KV
+head: KV head ``k`` owns query heads ``k*G .. k*G+G-1`` (``G = H / KVH``, as in HF's GQA),
+then its key, then its value. So splitting the ``kv_heads`` axis over tensor-parallel
+devices gives each device whole groups, with the query heads that read its keys.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import functools
 import importlib.machinery
 import logging
 import pathlib
+from typing import NamedTuple
 
 import jax
 
@@ -40,3 +41,20 @@ def unavailable_reason(library: str, symbol: str, target: str) -> str | None:
             reason = f"cannot load {built[0]}: {e}"
     logger.warning("%s kernel unavailable, using the jnp path: %s", library, reason)
     return reason
+
+
+class CpuKernel(NamedTuple):
+    """One kernel library: its file stem under model/kernels, handler symbol and FFI target."""
+
+    library: str
+    symbol: str
+    target: str
+
+    def available(self) -> bool:
+        """Whether the library is built and registered with JAX (CPU only)."""
+        return unavailable_reason(*self) is None
+
+    def require(self) -> None:
+        """Raise ``RuntimeError`` saying why if the kernel cannot run here."""
+        if reason := unavailable_reason(*self):
+            raise RuntimeError(f"{self.library} kernel unavailable: {reason}")
