@@ -3,6 +3,11 @@
 The KV pool of one layer is ``[num_blocks, block_size, kv_heads, head_dim]``. A sequence's
 logical block ``p`` lives in physical block ``block_tables[b, p]``; block 0 is the null
 block, where padding tokens write and which no valid token ever reads.
+
+A quantized pool (``kv_cache_dtype: int8 | fp8``) holds each of K and V as a ``QuantArray``:
+8-bit values and one float32 scale per (token, kv head) (``[L, num_blocks, block_size, KVH]``,
+kept beside the values so block copies, prefix caching and preemption move them together).
+K/V are quantized when written and dequantized when read.
 """
 
 from __future__ import annotations
@@ -11,20 +16,32 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from model.quantization import QUANTIZED_DTYPES, QuantArray, quantize
 
 # Finite stand-in for -inf so fully masked (padding) rows give a defined softmax, not NaN.
 _MASKED = -1e30
 
 
-class KVCache(NamedTuple):
-    """The paged KV pool of all layers: ``k``/``v`` are ``[L, num_blocks, block_size, KVH, Dh]``."""
+Pool = jax.Array | QuantArray
 
-    k: jax.Array
-    v: jax.Array
+
+class KVCache(NamedTuple):
+    """The paged KV pool of all layers: ``k``/``v`` are ``[L, num_blocks, block_size, KVH, Dh]``
+    arrays, or QuantArrays of that shape for an 8-bit pool."""
+
+    k: Pool
+    v: Pool
 
     @property
     def block_size(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The stored element type (int8 / float8_e4m3fn for a quantized pool)."""
+        return jnp.dtype(self.k.q.dtype if isinstance(self.k, QuantArray) else self.k.dtype)
 
     @classmethod
     def zeros(
@@ -37,9 +54,20 @@ class KVCache(NamedTuple):
         dtype: jnp.dtype,
         sharding: jax.sharding.Sharding | None = None,
     ) -> "KVCache":
-        """A zeroed pool (block 0 included, reserved as the null block), placed on ``sharding``."""
+        """A zeroed pool (block 0 included, reserved as the null block), placed on ``sharding``
+        (the values' sharding; a quantized pool's scales drop its last, head-dim, entry).
+        ``dtype`` int8 or float8_e4m3fn makes a quantized pool."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        if jnp.dtype(dtype) not in QUANTIZED_DTYPES:
+            make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+            return cls(make(), make())
+        scale_sharding = None
+        if isinstance(sharding, NamedSharding):
+            scale_sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[:4]))
+        make = jax.jit(
+            lambda: QuantArray(jnp.zeros(shape, dtype), jnp.ones(shape[:4], jnp.float32)),
+            out_shardings=QuantArray(sharding, scale_sharding) if sharding is not None else None,
+        )
         return cls(make(), make())
 
 
@@ -54,11 +82,24 @@ def slot_indices(
     return block, offset
 
 
-def write_kv(
-    pool: jax.Array, layer: jax.Array, block: jax.Array, offset: jax.Array, values: jax.Array
-) -> jax.Array:
-    """Scatter ``values [B, S, KVH, Dh]`` into ``pool[layer, block, offset]`` in place."""
+def write_kv(pool: Pool, layer: jax.Array, block: jax.Array, offset: jax.Array, values: jax.Array) -> Pool:
+    """Scatter ``values [B, S, KVH, Dh]`` into ``pool[layer, block, offset]`` in place
+    (quantized per token and kv head first, for an 8-bit pool)."""
+    if isinstance(pool, QuantArray):
+        quantized = quantize(values, pool.scheme, 1)
+        return QuantArray(
+            pool.q.at[layer, block, offset].set(quantized.q), pool.scale.at[layer, block, offset].set(quantized.scale)
+        )
     return pool.at[layer, block, offset].set(values.astype(pool.dtype))
+
+
+def gather_blocks(pool: Pool, layer: jax.Array, block_tables: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """``pool[layer, block_tables]`` (``[B, P, block_size, KVH, Dh]``), dequantized to ``dtype``
+    for an 8-bit pool (one gather of the values and one of the scales, no layer-slice copy)."""
+    if isinstance(pool, QuantArray):
+        values = pool.q[layer, block_tables].astype(jnp.float32)
+        return (values * pool.scale[layer, block_tables][..., None]).astype(dtype)
+    return pool[layer, block_tables]
 
 
 def paged_attention(
@@ -77,8 +118,8 @@ def paged_attention(
     includes the K/V just written for this step). Returns ``[B, S, H, Dh]``.
     """
     B, S, H, Dh = q.shape
-    k = k_pool[layer, block_tables]  # [B, P, bs, KVH, Dh], one gather (no layer-slice copy)
-    v = v_pool[layer, block_tables]
+    k = gather_blocks(k_pool, layer, block_tables, q.dtype)  # [B, P, bs, KVH, Dh]
+    v = gather_blocks(v_pool, layer, block_tables, q.dtype)
     P, bs, KVH = k.shape[1], k.shape[2], k.shape[3]
     # (batch, kv_head) leading, keys next: XLA CPU's batched dot is ~8x faster on this layout
     # than on the gathered one, which is worth one transposing copy.

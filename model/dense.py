@@ -11,6 +11,12 @@ GEMM is as fast or faster, so it runs there. The kernel is built by ``pip instal
 program runs ``jnp`` (chosen when the program is lowered, so one traced function serves
 every platform). XLA cannot partition a custom call: sharded programs pass
 ``kernel=False``.
+
+Weights may be ``QuantArray``s (model/quantization.py): the kernel reads their 8-bit values
+directly and applies the per-output-channel scale to its sums; XLA's paths convert the
+8-bit matrix to the activation dtype for their dot and scale its result (XLA CPU writes the
+converted matrix out on every call, which prompt-sized batches amortise; accelerators fuse
+the conversion into the dot).
 """
 
 from __future__ import annotations
@@ -21,16 +27,22 @@ import jax
 import jax.numpy as jnp
 
 from model.kernels import CpuKernel
+from model.quantization import QuantArray
 
 _KERNEL = CpuKernel("dense_matmul", "RaylmDenseMatmul", "raylm_dense_matmul")
+_QUANTIZED_KERNEL = CpuKernel("dense_matmul", "RaylmDenseMatmulQuantized", "raylm_dense_matmul_quantized")
 # Rows up to which the kernel beats XLA's dot on every projection of the bundled model
 # (at 64 rows they tie, above XLA's blocked GEMM wins).
 KERNEL_MAX_ROWS = 32
+# For 8-bit weights XLA converts the whole matrix before its dot (the LM head at 64 rows took
+# 3x the kernel's time); the kernel widens a panel once per 4 weight rows and stays ahead
+# up to 64 rows (every decode batch of the deploy defaults).
+QUANTIZED_KERNEL_MAX_ROWS = 64
 
 
 def available() -> bool:
     """Whether the C++ kernel is built and registered with JAX (CPU only)."""
-    return _KERNEL.available()
+    return _KERNEL.available() and _QUANTIZED_KERNEL.available()
 
 
 def dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -44,8 +56,20 @@ def dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return call(x, w)
 
 
+def quantized_matmul(x: jax.Array, w: QuantArray) -> jax.Array:
+    """``(x [M, K] . w.q [N, K]^T) * w.scale [N] -> [M, N]`` by the C++ kernel (int8 or fp8
+    weights, float32 activations); raises if unavailable."""
+    _QUANTIZED_KERNEL.require()
+    if x.dtype != jnp.float32:
+        raise ValueError(f"the quantized matmul kernel takes float32 activations, got {x.dtype}")
+    if x.ndim != 2 or w.q.ndim != 2 or w.scale.shape != w.q.shape[:1] or x.shape[1] != w.q.shape[1]:
+        raise ValueError(f"quantized_matmul takes x [M, K] and w [N, K] with scale [N], got {x.shape} and {w.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.q.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(_QUANTIZED_KERNEL.target, out)(x, w.q, w.scale.astype(jnp.float32))
+
+
 def dense(
-    x: jax.Array, w: jax.Array, contract: int = 1, *, kernel: bool, out_dtype: jnp.dtype | None = None
+    x: jax.Array, w: jax.Array | QuantArray, contract: int = 1, *, kernel: bool, out_dtype: jnp.dtype | None = None
 ) -> jax.Array:
     """Contract ``x``'s last ``contract`` dims with ``w``'s last ``contract`` dims.
 
@@ -55,6 +79,8 @@ def dense(
     ``tensordot`` over the named dims, which a sharded program partitions. ``out_dtype`` is
     the dot's accumulation/result type (the LM head asks float32 of bfloat16 weights).
     """
+    if isinstance(w, QuantArray):
+        return _quantized_dense(x, w, contract, kernel=kernel, out_dtype=out_dtype)
     k_dims = x.shape[x.ndim - contract:]
     if w.shape[w.ndim - contract:] != k_dims:
         raise ValueError(f"dense: x {x.shape} and w {w.shape} differ in their last {contract} dims")
@@ -82,3 +108,28 @@ def dense(
         return dense_matmul(x.reshape(rows, size), w.reshape(-1, size)).reshape(*lead, *out)
 
     return jax.lax.platform_dependent(x, w, cpu=by_kernel, default=by_xla)
+
+
+def _quantized_dense(
+    x: jax.Array, w: QuantArray, contract: int, *, kernel: bool, out_dtype: jnp.dtype | None
+) -> jax.Array:
+    """``dense`` for 8-bit weights: the kernel where it runs (up to ``QUANTIZED_KERNEL_MAX_ROWS``
+    rows), else ``dense`` over the converted matrix, times the scales."""
+    if w.num_input_dims != contract:
+        raise ValueError(f"dense: weight {w.shape} has {w.num_input_dims} input dims, contracted {contract}")
+    dtype = out_dtype or x.dtype
+
+    def by_xla(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+        y = dense(x, q.astype(x.dtype), contract, kernel=kernel, out_dtype=out_dtype)
+        return (y * scale).astype(dtype)
+
+    lead, size = x.shape[: x.ndim - contract], math.prod(x.shape[x.ndim - contract:])
+    rows = math.prod(lead)
+    if not (kernel and available() and x.dtype == jnp.float32 and 0 < rows <= QUANTIZED_KERNEL_MAX_ROWS):
+        return by_xla(x, w.q, w.scale)
+
+    def by_kernel(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+        flat = QuantArray(q.reshape(-1, size), scale.reshape(-1))
+        return quantized_matmul(x.reshape(rows, size), flat).reshape(*lead, *scale.shape).astype(dtype)
+
+    return jax.lax.platform_dependent(x, w.q, w.scale, cpu=by_kernel, default=by_xla)

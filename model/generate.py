@@ -58,7 +58,7 @@ class SingleSequenceGenerator:
         self.mesh = mesh or make_mesh(1)
         self.params = shard_params(params, config, self.mesh)
         self.block_size = block_size
-        self.kv_dtype = kv_dtype or params.embed.dtype
+        self.kv_dtype = kv_dtype or params.final_norm.dtype  # the model dtype (norms are never quantized)
 
     def _new_kv(self, num_blocks: int) -> KVCache:
         c = self.config

@@ -11,6 +11,7 @@ from model.config import ModelConfig
 from model.errors import ModelLoadError
 from model.gguf_loader import GGUFFile, load_gguf_checkpoint
 from model.params import ModelParams
+from model.quantization import Scheme, parse_quantization, quantize_params
 from model.registry import resolve_model_path
 from model.safetensors_loader import load_safetensors_checkpoint
 from model.tokenizer import Tokenizer
@@ -27,6 +28,23 @@ class LoadedModel:
     config: ModelConfig
     params: ModelParams
     tokenizer: Tokenizer
+    quantization: Scheme | None = None  # weight-only scheme the params were quantized with
+
+    def quantized(self, quantization: str | None) -> "LoadedModel":
+        """This model with its matrices quantized by ``quantization`` (``None``/``"none"``: as is).
+
+        Only float weights can be quantized; asking a quantized model for another scheme is an
+        error (its float weights are gone)."""
+        scheme = parse_quantization(quantization)
+        if scheme == self.quantization:
+            return self
+        if self.quantization is not None:
+            raise ValueError(
+                f"model {self.name} was loaded with quantization={self.quantization}; it cannot be served as "
+                f"quantization={quantization or 'none'} (pass quantization={self.quantization!r}, "
+                "or load the float model)"
+            )
+        return dataclasses.replace(self, params=quantize_params(self.params, scheme), quantization=scheme)
 
 
 def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
@@ -86,8 +104,12 @@ def _with_tokenizer_eos(config: ModelConfig, tokenizer: Tokenizer) -> ModelConfi
     return dataclasses.replace(config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | tokenizer.eos_token_ids)))
 
 
-def load_model(name_or_path: str | Path, dtype: str | jnp.dtype = "float32") -> LoadedModel:
-    """Resolve a registry name or path and load everything a replica needs."""
+def load_model(
+    name_or_path: str | Path, dtype: str | jnp.dtype = "float32", quantization: str | None = None
+) -> LoadedModel:
+    """Resolve a registry name or path and load everything a replica needs, its matrices
+    quantized by ``quantization`` (int8 / fp8; see model/quantization.py) if given."""
+    scheme = parse_quantization(quantization)  # a bad name fails before the weights load
     path = resolve_model_path(name_or_path)
     source: Path | GGUFFile = path
     if path.suffix == ".gguf" and path.is_file():
@@ -97,4 +119,5 @@ def load_model(name_or_path: str | Path, dtype: str | jnp.dtype = "float32") -> 
     else:
         config, params = load_checkpoint(path, dtype)
     tokenizer = load_tokenizer(source, config)
-    return LoadedModel(str(name_or_path), path, _with_tokenizer_eos(config, tokenizer), params, tokenizer)
+    loaded = LoadedModel(str(name_or_path), path, _with_tokenizer_eos(config, tokenizer), params, tokenizer)
+    return loaded.quantized(scheme)

@@ -15,16 +15,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from model.attention import paged_attention
+from model.attention import Pool, paged_attention
 from model.kernels import CpuKernel
+from model.quantization import QUANTIZED_DTYPES, QuantArray
 
 _KERNEL = CpuKernel("paged_decode_attention", "RaylmPagedDecodeAttention", "raylm_paged_decode_attention")
-SUPPORTED_POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_QUANTIZED_KERNEL = CpuKernel(
+    "paged_decode_attention", "RaylmQuantizedPagedDecodeAttention", "raylm_quantized_paged_decode_attention"
+)
+SUPPORTED_POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), *QUANTIZED_DTYPES)
 
 
 def available() -> bool:
     """Whether the C++ kernel is built and registered with JAX (CPU only)."""
-    return _KERNEL.available()
+    return _KERNEL.available() and _QUANTIZED_KERNEL.available()
+
+
+def _pool_dtype(pool: Pool) -> jnp.dtype:
+    return jnp.dtype(pool.q.dtype if isinstance(pool, QuantArray) else pool.dtype)
+
+
+def _kernel_reads(k_pool: Pool, v_pool: Pool) -> bool:
+    """Both pools of one kind the kernel reads (float32 / bfloat16, or 8-bit with scales)."""
+    return (
+        _pool_dtype(k_pool) in SUPPORTED_POOL_DTYPES
+        and _pool_dtype(k_pool) == _pool_dtype(v_pool)
+        and isinstance(k_pool, QuantArray) == isinstance(v_pool, QuantArray)
+    )
 
 
 def paged_decode_attention(
@@ -38,27 +55,27 @@ def paged_decode_attention(
     """One decode query per row ``q [B, H, Dh]`` over its paged keys, by the C++ kernel.
 
     ``k_pool``/``v_pool`` are ``[L, num_blocks, block_size, KVH, Dh]`` (float32 or bfloat16,
-    read in place at ``layer``); row ``b`` sees its first ``context_lens[b]`` keys through
+    or QuantArrays of 8-bit values with per (token, kv head) scales; read in place at ``layer``); row ``b`` sees its first ``context_lens[b]`` keys through
     ``block_tables [B, P]`` (for a decode token at position ``p``: ``p + 1``; 0 for a padding
     row, which gets zeros). Computes in float32, returns ``[B, H, Dh]`` in ``q``'s dtype.
     Raises if the kernel is unavailable or the pool dtype unsupported; ``decode_attention``
     falls back instead.
     """
     _KERNEL.require()
-    if k_pool.dtype not in SUPPORTED_POOL_DTYPES or v_pool.dtype != k_pool.dtype:
+    if not _kernel_reads(k_pool, v_pool):
         raise ValueError(
-            f"paged decode attention kernel takes float32 or bfloat16 pools, got k {k_pool.dtype} "
-            f"and v {v_pool.dtype}; use decode_attention() to fall back to the jnp path"
+            "paged decode attention kernel takes float32 or bfloat16 pools or 8-bit pools with scales, got "
+            f"k {_pool_dtype(k_pool)} and v {_pool_dtype(v_pool)}; use decode_attention() to fall back to the "
+            "jnp path"
         )
-    call = jax.ffi.ffi_call(_KERNEL.target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(
-        q.astype(jnp.float32),
-        k_pool,
-        v_pool,
-        jnp.asarray(layer, jnp.int32).reshape(()),
-        block_tables.astype(jnp.int32),
-        context_lens.astype(jnp.int32),
-    )
+    rest = (jnp.asarray(layer, jnp.int32).reshape(()), block_tables.astype(jnp.int32), context_lens.astype(jnp.int32))
+    out_type = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    if isinstance(k_pool, QuantArray):
+        _QUANTIZED_KERNEL.require()
+        call = jax.ffi.ffi_call(_QUANTIZED_KERNEL.target, out_type)
+        out = call(q.astype(jnp.float32), k_pool.q, k_pool.scale, v_pool.q, v_pool.scale, *rest)
+    else:
+        out = jax.ffi.ffi_call(_KERNEL.target, out_type)(q.astype(jnp.float32), k_pool, v_pool, *rest)
     return out.astype(q.dtype)
 
 
@@ -91,6 +108,6 @@ def decode_attention(
     also lowers for GPU/TPU (to the jnp path).
     """
     args = (q, k_pool, v_pool, layer, block_tables, context_lens)
-    if not available() or k_pool.dtype not in SUPPORTED_POOL_DTYPES or v_pool.dtype != k_pool.dtype:
+    if not available() or not _kernel_reads(k_pool, v_pool):
         return reference_decode_attention(*args)
     return jax.lax.platform_dependent(*args, cpu=paged_decode_attention, default=reference_decode_attention)

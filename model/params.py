@@ -30,6 +30,7 @@ import jax
 class LayerParams:
     """One decoder layer's weights."""
 
+    # Matrices may be QuantArrays (model/quantization.py) of the same shape.
     attn_norm: jax.Array  # [D]
     wqkv: jax.Array  # [KVH, G + 2, Dh, D]: per KV head, its G query heads, its key, its value
     wo: jax.Array  # [D, H, Dh]
@@ -65,5 +66,11 @@ MODEL_AXES: dict[str, tuple[str, ...]] = {
     "final_norm": ("embed",),
     "lm_head": ("vocab", "embed"),
 }
+# Matrices (``dense`` weights, stored [out..., in...]) and how many trailing dims are inputs:
+# the fields weight-only quantization replaces by a QuantArray (model/quantization.py), with
+# a scale per output channel. The embedding is one too: as the tied LM head it is a [V, D]
+# matrix, and its rows are the lookup's per-token scales.
+LAYER_MATRIX_INPUT_DIMS: dict[str, int] = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
+MODEL_MATRIX_INPUT_DIMS: dict[str, int] = {"embed": 1, "lm_head": 1}
 KV_POOL_AXES: tuple[str, ...] = ("layers", "blocks", "block_slot", "kv_heads", "head_dim")
 

@@ -6,7 +6,8 @@ trivially replicated, so the single-device path is the same code.
 
 The fused QKV matrix is grouped by KV head (model/params.py), so splitting its ``kv_heads``
 axis hands each device whole groups: its KV heads with the query heads that read them,
-and ``wo``'s ``heads`` split lines up with it. When ``tp`` does not divide the KV head count
+and ``wo``'s ``heads`` split lines up with it. A quantized matrix's scales are split like
+its output dims. When ``tp`` does not divide the KV head count
 but is a multiple of it, KV heads (and so the fused QKV projection) are replicated, as vLLM
 replicates KV heads; ``wo`` and the MLP are still split.
 """
@@ -23,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from model.config import ModelConfig
 from model.errors import UnsupportedModelError
 from model.params import KV_POOL_AXES, LAYER_AXES, MODEL_AXES, LayerParams, ModelParams
+from model.quantization import QuantArray
 
 TP_AXIS = "tp"
 
@@ -87,7 +89,9 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
     """A ModelParams-shaped tree of NamedShardings (None where the field is absent)."""
     rules = rules_for(config, mesh.shape[TP_AXIS])
 
-    def named(axes: Sequence[str], leaf: object) -> NamedSharding | None:
+    def named(axes: Sequence[str], leaf: object) -> NamedSharding | QuantArray | None:
+        if isinstance(leaf, QuantArray):  # the scales follow the matrix's output dims
+            return QuantArray(named(axes, leaf.q), named(axes[: leaf.scale.ndim], leaf.scale))
         return None if leaf is None else NamedSharding(mesh, spec_for(axes, rules))
 
     def layer(lp: LayerParams) -> LayerParams:

@@ -19,6 +19,7 @@ import pytest
 from deploy.benchmarks.decode_attention_bench import attention_step
 from model import paged_decode
 from model.attention import paged_attention
+from model.quantization import quantize
 
 needs_kernel = pytest.mark.skipif(
     not paged_decode.available(),
@@ -223,3 +224,55 @@ def test_in_a_jitted_step_with_a_donated_pool_updated_in_place():
     np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
     np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def _quantized(case, scheme):
+    """The case's pools stored 8-bit with a scale per (token, kv head), as the engine writes them."""
+    return dict(case, k_pool=quantize(case["k_pool"], scheme, 1), v_pool=quantize(case["v_pool"], scheme, 1))
+
+
+def _dequantized(case):
+    return dict(case, k_pool=case["k_pool"].dequantize(), v_pool=case["v_pool"].dequantize())
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (8, 1, 128, 16), (6, 2, 80, 4)],
+    ids=["smollm-gqa", "mqa-dh128", "odd-dh-small-blocks"],
+)
+def test_quantized_pool_matches_references(scheme, heads, kv_heads, head_dim, block_size):
+    """An 8-bit pool: the kernel equals the jnp path reading the same pool and the naive path
+    on the dequantized pool (up to float32 rounding: the scales are applied after the dot)."""
+    lens = (1, block_size - 1, block_size, 3 * block_size + 1, 0, 8 * block_size)
+    case = make_case(10, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, lens=lens)
+    case = _quantized(case, scheme)
+    got = kernel(case, 1)
+    real = np.asarray(case["context_lens"]) > 0
+    np.testing.assert_allclose(got[real], jnp_reference(case, 1)[real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, naive_reference(_dequantized(case), 1), rtol=1e-5, atol=1e-5)
+    assert np.all(got[~real] == 0)
+
+
+@needs_kernel
+def test_quantized_pool_is_read_through_decode_attention_and_lowers_to_its_kernel():
+    case = _quantized(make_case(11), "int8")
+    fn = functools.partial(paged_decode.decode_attention, layer=0)
+    cpu = jax.jit(fn).trace(**case).lower(lowering_platforms=("cpu",)).as_text()
+    assert "raylm_quantized_paged_decode_attention" in cpu
+    np.testing.assert_array_equal(np.asarray(jax.jit(fn)(**case)), kernel(case, 0))
+
+
+def test_quantized_pool_falls_back_to_the_jnp_path_without_a_build(unbuilt_kernels):
+    case = _quantized(make_case(12), "int8")
+    got = np.asarray(paged_decode.decode_attention(layer=0, **case))
+    np.testing.assert_array_equal(got, np.asarray(paged_decode.reference_decode_attention(layer=0, **case)))
+
+
+@needs_kernel
+def test_mixed_pools_are_refused():
+    case = make_case(13)
+    mixed = dict(case, k_pool=quantize(case["k_pool"], "int8", 1))
+    with pytest.raises(ValueError, match="8-bit pools with scales"):
+        paged_decode.paged_decode_attention(layer=0, **mixed)

@@ -12,6 +12,10 @@
 // position + 1 for a real decode row, 0 for a padding row). Result: [B, H, Dh] f32,
 // zeros for rows with no keys. Block ids and the layer are clamped, so no input can make
 // the kernel read outside the pool.
+//
+// The quantized variant takes 8-bit pools (int8 or float8 e4m3fn) and after each a float32
+// scale per (token, kv head), [L, num_blocks, block_size, KVH]: a key's score is its 8-bit
+// dot product times its scale, a value row's weight is its probability times its scale.
 
 #include <algorithm>
 #include <atomic>
@@ -35,6 +39,7 @@ using QueryBuffer = ffi::Buffer<ffi::F32, 3>;      // [B, H, Dh]
 using LayerBuffer = ffi::Buffer<ffi::S32, 0>;      // []
 using TableBuffer = ffi::Buffer<ffi::S32, 2>;      // [B, P]
 using LensBuffer = ffi::Buffer<ffi::S32, 1>;       // [B]
+using ScaleBuffer = ffi::Buffer<ffi::F32, 4>;      // [L, num_blocks, block_size, KVH]
 
 // Element strides of one KV pool. Head dim is contiguous (stride 1); everything else is
 // explicit so another pool layout only changes StackedPoolLayout.
@@ -54,6 +59,25 @@ PoolLayout StackedPoolLayout(const ffi::AnyBuffer::Dimensions& d) {
 }
 
 inline float ToFloat(float x) { return x; }
+inline float ToFloat(int8_t x) { return static_cast<float>(x); }
+
+struct Fp8E4m3 {
+  uint8_t bits;
+};
+
+// float8 e4m3fn: sign to bit 31, exponent and mantissa under float32's, exponent rebiased by
+// 120; a subnormal (exponent 0) comes out as 2^-7 * (1 + m/8) and is corrected to m/8 * 2^-6.
+// Exact, branch-free (it vectorises), and never makes a float32 denormal.
+inline float ToFloat(Fp8E4m3 x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x80) << 24;
+  const uint32_t exponent_mantissa = static_cast<uint32_t>(x.bits & 0x7F) << 20;
+  const uint32_t bias = 120u << 23;
+  const uint32_t value_bits = (sign | exponent_mantissa) + bias, step_bits = sign | bias;
+  float value, step;
+  std::memcpy(&value, &value_bits, sizeof value);
+  std::memcpy(&step, &step_bits, sizeof step);
+  return (exponent_mantissa & 0x07800000u) == 0 ? (value - step) * 2.0f : value;
+}
 
 // bfloat16 is the high half of a float32: widening is exact.
 inline float ToFloat(uint16_t x) {
@@ -102,6 +126,8 @@ struct Problem {
   const float* q;           // [B, H, Dh]
   const void* k_layer;      // k_pool at the clamped layer
   const void* v_layer;
+  const float* k_scale_layer;  // per (token, kv head) scales at the layer; null: float pools
+  const float* v_scale_layer;
   const int32_t* tables;    // [B, P]
   const int32_t* lens;      // [B]
   float* out;               // [B, H, Dh]
@@ -180,6 +206,8 @@ void AttendRow(const Problem& pr, int64_t b, int64_t kv_begin, int64_t kv_end, S
     const int64_t n = std::min(bs, num_keys - j * bs);
     const KV* k_block = static_cast<const KV*>(pr.k_layer) + block * L.block_stride;
     const KV* v_block = static_cast<const KV*>(pr.v_layer) + block * L.block_stride;
+    // Scales of this block: [block_size, KVH], one per (token, kv head).
+    const int64_t scale_block = block * bs * L.num_kv_heads;
     if ((j + 1) * bs < num_keys) {
       const int64_t next = std::clamp<int64_t>(table[j + 1], 0, L.num_blocks - 1);
       Prefetch(static_cast<const KV*>(pr.k_layer) + next * L.block_stride, L.block_stride);
@@ -194,12 +222,19 @@ void AttendRow(const Problem& pr, int64_t b, int64_t kv_begin, int64_t kv_end, S
       for (int64_t h = 0; h < group; ++h)
         for (int64_t t = 0; t < n; ++t)
           scores[h * bs + t] = Dot(q + (h0 + h) * dh, k + t * L.token_stride, dh) * pr.scale;
+      if (pr.k_scale_layer) {
+        const float* ks = pr.k_scale_layer + scale_block + kvh;
+        for (int64_t h = 0; h < group; ++h)
+          for (int64_t t = 0; t < n; ++t) scores[h * bs + t] *= ks[t * L.num_kv_heads];
+      }
       SoftmaxUpdate(scores, bs, n, group, dh, s.max.data() + h0, s.denom.data() + h0,
                     acc + h0 * dh);
       for (int64_t h = 0; h < group; ++h) {
         float* __restrict ah = acc + (h0 + h) * dh;
         for (int64_t t = 0; t < n; ++t) {
-          const float p = scores[h * bs + t];
+          const float p =
+              pr.v_scale_layer ? scores[h * bs + t] * pr.v_scale_layer[scale_block + t * L.num_kv_heads + kvh]
+                               : scores[h * bs + t];
           const KV* __restrict vt = v + t * L.token_stride;
 #pragma omp simd
           for (int64_t d = 0; d < dh; ++d) ah[d] += p * ToFloat(vt[d]);
@@ -270,49 +305,88 @@ std::string Shape(const ffi::AnyBuffer::Dimensions& d) {
   return s + "]";
 }
 
-ffi::Error PagedDecodeAttention(ffi::ThreadPool thread_pool, QueryBuffer q,
-                                ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, LayerBuffer layer,
-                                TableBuffer block_tables, LensBuffer context_lens,
-                                ffi::Result<QueryBuffer> out) {
+// Checks the operands and fills `pr` (all but the scales); an error message when they do not fit.
+std::string Prepare(QueryBuffer& q, ffi::AnyBuffer& k_pool, ffi::AnyBuffer& v_pool, LayerBuffer& layer,
+                    TableBuffer& block_tables, LensBuffer& context_lens, ffi::Result<QueryBuffer>& out,
+                    Problem& pr) {
   const auto qd = q.dimensions();
   const auto kd = k_pool.dimensions();
   const int64_t batch = qd[0], num_heads = qd[1];
   if (kd.size() != 5 || Shape(kd) != Shape(v_pool.dimensions()))
-    return ffi::Error::InvalidArgument(
-        "paged_decode_attention: k_pool and v_pool must both be [L, num_blocks, block_size, "
-        "kv_heads, head_dim]; got " + Shape(kd) + " and " + Shape(v_pool.dimensions()));
+    return "paged_decode_attention: k_pool and v_pool must both be [L, num_blocks, block_size, "
+           "kv_heads, head_dim]; got " + Shape(kd) + " and " + Shape(v_pool.dimensions());
   if (k_pool.element_type() != v_pool.element_type())
-    return ffi::Error::InvalidArgument("paged_decode_attention: k_pool and v_pool dtypes differ");
+    return "paged_decode_attention: k_pool and v_pool dtypes differ";
   const PoolLayout pool = StackedPoolLayout(kd);
   if (pool.num_layers < 1 || pool.num_blocks < 1 || pool.num_kv_heads < 1 ||
       num_heads % pool.num_kv_heads != 0 || qd[2] != pool.head_dim)
-    return ffi::Error::InvalidArgument(
-        "paged_decode_attention: q " + Shape(qd) + " does not fit pool " + Shape(kd) +
-        " (query heads must be a multiple of kv heads, head dims equal)");
+    return "paged_decode_attention: q " + Shape(qd) + " does not fit pool " + Shape(kd) +
+           " (query heads must be a multiple of kv heads, head dims equal)";
   const auto td = block_tables.dimensions();
   if (td[0] != batch || context_lens.dimensions()[0] != batch)
-    return ffi::Error::InvalidArgument(
-        "paged_decode_attention: block_tables " + Shape(td) + " and context_lens " +
-        Shape(context_lens.dimensions()) + " must have q's batch " + std::to_string(batch));
-
+    return "paged_decode_attention: block_tables " + Shape(td) + " and context_lens " +
+           Shape(context_lens.dimensions()) + " must have q's batch " + std::to_string(batch);
   const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, pool.num_layers - 1);
   const size_t elem = ffi::ByteWidth(k_pool.element_type());
-  Problem pr{q.typed_data(),
-             static_cast<const char*>(k_pool.untyped_data()) + l * pool.layer_stride * elem,
-             static_cast<const char*>(v_pool.untyped_data()) + l * pool.layer_stride * elem,
-             block_tables.typed_data(), context_lens.typed_data(), out->typed_data(), pool,
-             num_heads, td[1],
-             static_cast<float>(1.0 / std::sqrt(static_cast<double>(pool.head_dim)))};
+  pr = Problem{q.typed_data(),
+               static_cast<const char*>(k_pool.untyped_data()) + l * pool.layer_stride * elem,
+               static_cast<const char*>(v_pool.untyped_data()) + l * pool.layer_stride * elem,
+               nullptr, nullptr,
+               block_tables.typed_data(), context_lens.typed_data(), out->typed_data(), pool,
+               num_heads, td[1],
+               static_cast<float>(1.0 / std::sqrt(static_cast<double>(pool.head_dim)))};
+  return "";
+}
+
+ffi::Error PagedDecodeAttention(ffi::ThreadPool thread_pool, QueryBuffer q,
+                                ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, LayerBuffer layer,
+                                TableBuffer block_tables, LensBuffer context_lens,
+                                ffi::Result<QueryBuffer> out) {
+  Problem pr{};
+  const std::string error = Prepare(q, k_pool, v_pool, layer, block_tables, context_lens, out, pr);
+  if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  const int64_t batch = q.dimensions()[0];
   switch (k_pool.element_type()) {
     case ffi::DataType::F32:
-      Run(pr, batch, RowKernel<float>(pool.head_dim), thread_pool);
+      Run(pr, batch, RowKernel<float>(pr.pool.head_dim), thread_pool);
       return ffi::Error::Success();
     case ffi::DataType::BF16:
-      Run(pr, batch, RowKernel<uint16_t>(pool.head_dim), thread_pool);
+      Run(pr, batch, RowKernel<uint16_t>(pr.pool.head_dim), thread_pool);
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument(
           "paged_decode_attention: pool dtype must be float32 or bfloat16");
+  }
+}
+
+// 8-bit pools with their scales [L, num_blocks, block_size, KVH].
+ffi::Error QuantizedPagedDecodeAttention(ffi::ThreadPool thread_pool, QueryBuffer q, ffi::AnyBuffer k_pool,
+                                         ScaleBuffer k_scale, ffi::AnyBuffer v_pool, ScaleBuffer v_scale,
+                                         LayerBuffer layer, TableBuffer block_tables, LensBuffer context_lens,
+                                         ffi::Result<QueryBuffer> out) {
+  Problem pr{};
+  const std::string error = Prepare(q, k_pool, v_pool, layer, block_tables, context_lens, out, pr);
+  if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  const PoolLayout& L = pr.pool;
+  const auto kd = k_pool.dimensions();
+  const std::string scale_shape = Shape(kd).substr(0, Shape(kd).rfind(',')) + "]";
+  if (Shape(k_scale.dimensions()) != scale_shape || Shape(v_scale.dimensions()) != scale_shape)
+    return ffi::Error::InvalidArgument("paged_decode_attention: scales must be " + scale_shape + ", got " +
+                                       Shape(k_scale.dimensions()) + " and " + Shape(v_scale.dimensions()));
+  const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, L.num_layers - 1);
+  const int64_t scale_layer_stride = L.num_blocks * L.block_size * L.num_kv_heads;
+  pr.k_scale_layer = k_scale.typed_data() + l * scale_layer_stride;
+  pr.v_scale_layer = v_scale.typed_data() + l * scale_layer_stride;
+  const int64_t batch = q.dimensions()[0];
+  switch (k_pool.element_type()) {
+    case ffi::DataType::S8:
+      Run(pr, batch, RowKernel<int8_t>(L.head_dim), thread_pool);
+      return ffi::Error::Success();
+    case ffi::DataType::F8E4M3FN:
+      Run(pr, batch, RowKernel<Fp8E4m3>(L.head_dim), thread_pool);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("paged_decode_attention: quantized pools must be int8 or float8_e4m3fn");
   }
 }
 
@@ -324,6 +398,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmPagedDecodeAttention, PagedDecodeAttention,
                                   .Arg<QueryBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<LayerBuffer>()
+                                  .Arg<TableBuffer>()
+                                  .Arg<LensBuffer>()
+                                  .Ret<QueryBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmQuantizedPagedDecodeAttention, QuantizedPagedDecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<QueryBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ScaleBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ScaleBuffer>()
                                   .Arg<LayerBuffer>()
                                   .Arg<TableBuffer>()
                                   .Arg<LensBuffer>()
