@@ -60,6 +60,7 @@ def block_hashes(
     return hashes
 
 
-def model_salt(model: str, dtype: str) -> str:
-    """The salt of a served model's block hashes: the engine and the router must agree on it."""
-    return f"{model}:{dtype}"
+def model_salt(model: str, dtype: str, quantization: str = "none") -> str:
+    """The salt of a served model's block hashes: the engine and the router must agree on it.
+    Quantized weights compute other K/V, so they hash apart."""
+    return f"{model}:{dtype}" if quantization == "none" else f"{model}:{dtype}:{quantization}"

@@ -7,14 +7,35 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from model import KVCache, ModelConfig
+from model.quantization import QUANTIZED_DTYPES
 from model.sharding import kv_pool_sharding
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
+# ``kv_cache_dtype`` settings: ``auto`` (or unset) stores K/V in the model dtype; int8 / fp8
+# store them 8-bit with a float32 scale per (token, kv head).
+KV_CACHE_DTYPES: dict[str, jnp.dtype] = {
+    "float32": jnp.dtype(jnp.float32),
+    "bfloat16": jnp.dtype(jnp.bfloat16),
+    "int8": jnp.dtype(jnp.int8),
+    "fp8": jnp.dtype(jnp.float8_e4m3fn),
+}
+
+
+def kv_pool_dtype(kv_cache_dtype: str | None, model_dtype: jnp.dtype) -> jnp.dtype:
+    """The pool's element type for a ``kv_cache_dtype`` setting (``auto``/None: the model's)."""
+    if kv_cache_dtype in (None, "auto"):
+        return jnp.dtype(model_dtype)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
-    """K and V of one block across all layers."""
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+    """K and V of one block across all layers (an 8-bit pool's scales included)."""
+    per_token_head = config.head_dim * jnp.dtype(dtype).itemsize
+    if jnp.dtype(dtype) in QUANTIZED_DTYPES:
+        per_token_head += 4  # its float32 scale
+    return 2 * config.num_layers * block_size * config.num_kv_heads * per_token_head
 
 
 def blocks_for_budget(

@@ -89,7 +89,7 @@ def build_application(config: DeployConfig) -> Application:
         requests_per_minute=router.rate_limits.requests_per_minute,
         tokens_per_minute=router.rate_limits.tokens_per_minute,
         block_size=engine_args.block_size,
-        cache_salt=model_salt(config.model.name, engine_args.dtype),
+        cache_salt=model_salt(config.model.name, engine_args.dtype, config.model.quantization),
     )
     return OpenAIRouter.options(
         num_replicas=router.num_replicas,

@@ -29,10 +29,12 @@ class ModelSection(_Section):
     name: str = Field(DEFAULT_MODEL, description="registry name (e.g. smollm2-135m-instruct) or a path")
     served_model_name: str | None = Field(None, description="the name clients send; default: name")
     dtype: Literal["float32", "bfloat16"] = "float32"
+    quantization: Literal["none", "int8", "fp8"] = Field(
+        "none", description="weight-only: every matrix stored 8-bit with a scale per output channel")
 
 
 # Engine settings come from EngineArgs itself so the YAML can never drift from the engine.
-_ENGINE_OWNED_ELSEWHERE = {"dtype", "tensor_parallel_size"}
+_ENGINE_OWNED_ELSEWHERE = {"dtype", "quantization", "tensor_parallel_size"}
 _engine_hints = typing.get_type_hints(EngineArgs)
 EngineSection = pydantic.create_model(
     "EngineSection",
@@ -168,6 +170,7 @@ class DeployConfig(_Section):
         try:
             return EngineArgs(
                 dtype=self.model.dtype,
+                quantization=self.model.quantization,
                 tensor_parallel_size=self.workers.tensor_parallel_size,
                 **self.engine.model_dump(),
             )

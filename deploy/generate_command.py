@@ -11,6 +11,7 @@ from typing import Iterator
 from model import DEFAULT_MODEL, ModelError, load_model
 from model.chat_template import ChatTemplateError
 from model.compilation_cache import enable_compilation_cache
+from model.quantization import SCHEMES
 from workers import EngineArgs, LLMEngine, SamplingParams
 
 
@@ -25,6 +26,8 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = disabled")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--quantization", choices=SCHEMES, default="none",
+                   help="weight-only 8-bit matrices with per-output-channel scales")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (local devices)")
     p.set_defaults(run=run_generate)
 
@@ -45,8 +48,9 @@ def run_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         enable_compilation_cache()
-        with _step(f"loading {args.model} ({args.dtype})"):
-            model = load_model(args.model, args.dtype)
+        quantized = "" if args.quantization == "none" else f", {args.quantization} weights"
+        with _step(f"loading {args.model} ({args.dtype}{quantized})"):
+            model = load_model(args.model, args.dtype, args.quantization)
         tokenizer = model.tokenizer
         if args.chat:
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
@@ -56,7 +60,7 @@ def run_generate(args: argparse.Namespace) -> int:
         engine = LLMEngine(
             model,
             EngineArgs(
-                dtype=args.dtype, tensor_parallel_size=args.tp, max_num_seqs=1,
+                dtype=args.dtype, quantization=args.quantization, tensor_parallel_size=args.tp, max_num_seqs=1,
                 num_kv_blocks=2 + -(-(len(prompt_ids) + args.max_tokens) // block_size),
             ),
         )

@@ -13,7 +13,7 @@ import time
 from typing import Iterable, Sequence as Seq
 
 from cache import BlockPool, model_salt
-from cache.kv_arrays import allocate_kv_cache, blocks_for_budget
+from cache.kv_arrays import allocate_kv_cache, blocks_for_budget, kv_pool_dtype
 from model import LoadedModel, PromptTooLongError, make_mesh, parse_dtype
 from model.compilation_cache import enable_compilation_cache
 from workers.block_manager import BlockManager
@@ -58,6 +58,8 @@ class LLMEngine:
     """Continuous-batching engine over one model replica (possibly tensor-parallel)."""
 
     def __init__(self, model: LoadedModel, args: EngineArgs = EngineArgs(), progress=None):
+        if args.quantization is not None:
+            model = model.quantized(args.quantization)
         self.model = model
         self.args = args
         self.config = model.config
@@ -67,12 +69,13 @@ class LLMEngine:
         if args.compilation_cache_dir:
             enable_compilation_cache(args.compilation_cache_dir)
         mesh = make_mesh(args.tensor_parallel_size)
-        kv_dtype = parse_dtype(args.kv_cache_dtype or args.dtype)
+        kv_dtype = kv_pool_dtype(args.kv_cache_dtype, parse_dtype(args.dtype))
         num_blocks = args.num_kv_blocks or blocks_for_budget(
             self.config, args.block_size, kv_dtype, args.kv_cache_memory_bytes, args.kv_cache_memory_fraction
         )
         self.pool = BlockPool(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
-        self.blocks = BlockManager(self.pool, cache_salt=model_salt(model.name, args.dtype))
+        salt = model_salt(model.name, args.dtype, model.quantization or "none")
+        self.blocks = BlockManager(self.pool, cache_salt=salt)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -264,6 +267,6 @@ def make_engine(model: str | LoadedModel, **engine_args) -> LLMEngine:
     from model import load_model
 
     args = EngineArgs.from_kwargs(**engine_args)
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, args.dtype)
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, args.dtype, args.quantization)
     return LLMEngine(loaded, args)
 

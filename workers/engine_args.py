@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from cache.kv_arrays import KV_CACHE_DTYPES
+from model.quantization import SCHEMES
+
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
@@ -13,7 +16,10 @@ class EngineArgs:
     """Everything that shapes one model replica besides the model itself."""
 
     dtype: str = "float32"
-    kv_cache_dtype: str | None = None  # default: the model dtype
+    # Weight-only int8 / fp8 (model/quantization.py); None: as loaded (a model given already
+    # quantized stays so), "none": float weights.
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None  # auto (None): the model dtype; int8 / fp8: 8-bit with scales
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact pool size; else sized from the memory budget
     kv_cache_memory_bytes: int | None = None  # CPU budget (default 2 GiB) / explicit budget
@@ -43,6 +49,12 @@ class EngineArgs:
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in (None, "auto", *KV_CACHE_DTYPES):
+            raise ValueError(
+                f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization is not None and self.quantization not in SCHEMES:
+            raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {self.quantization!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -103,7 +103,8 @@ def _decode_program(params, kv, tokens, positions, block_tables, limits, sbatch,
 
 @functools.partial(jax.jit, donate_argnames=("kv",))
 def _copy_blocks(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    return KVCache(kv.k.at[:, dst].set(kv.k[:, src]), kv.v.at[:, dst].set(kv.v[:, src]))
+    """Copy blocks ``src`` to ``dst`` in every layer (a quantized pool's scales with its values)."""
+    return jax.tree.map(lambda pool: pool.at[:, dst].set(pool[:, src]), kv)
 
 
 class ModelRunner:
@@ -380,7 +381,7 @@ def _cpu_kernels_run(mesh: Mesh, kv: KVCache) -> bool:
         paged_decode.available()
         and jax.default_backend() == "cpu"
         and mesh.devices.size == 1
-        and kv.k.dtype in paged_decode.SUPPORTED_POOL_DTYPES
+        and kv.dtype in paged_decode.SUPPORTED_POOL_DTYPES
     )
 
 
