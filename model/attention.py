@@ -27,6 +27,11 @@ _MASKED = -1e30
 Pool = jax.Array | QuantArray
 
 
+def pool_dtype(pool: Pool) -> jnp.dtype:
+    """A pool's stored element type (int8 / float8_e4m3fn for a quantized pool)."""
+    return jnp.dtype(pool.q.dtype if isinstance(pool, QuantArray) else pool.dtype)
+
+
 class KVCache(NamedTuple):
     """The paged KV pool of all layers: ``k``/``v`` are ``[L, num_blocks, block_size, KVH, Dh]``
     arrays, or QuantArrays of that shape for an 8-bit pool."""
@@ -41,7 +46,7 @@ class KVCache(NamedTuple):
     @property
     def dtype(self) -> jnp.dtype:
         """The stored element type (int8 / float8_e4m3fn for a quantized pool)."""
-        return jnp.dtype(self.k.q.dtype if isinstance(self.k, QuantArray) else self.k.dtype)
+        return pool_dtype(self.k)
 
     @classmethod
     def zeros(
@@ -97,8 +102,7 @@ def gather_blocks(pool: Pool, layer: jax.Array, block_tables: jax.Array, dtype: 
     """``pool[layer, block_tables]`` (``[B, P, block_size, KVH, Dh]``), dequantized to ``dtype``
     for an 8-bit pool (one gather of the values and one of the scales, no layer-slice copy)."""
     if isinstance(pool, QuantArray):
-        values = pool.q[layer, block_tables].astype(jnp.float32)
-        return (values * pool.scale[layer, block_tables][..., None]).astype(dtype)
+        return pool.rows((layer, block_tables), dtype)
     return pool[layer, block_tables]
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from model.attention import Pool, paged_attention
+from model.attention import Pool, paged_attention, pool_dtype
 from model.kernels import CpuKernel
 from model.quantization import QUANTIZED_DTYPES, QuantArray
 
@@ -31,15 +31,11 @@ def available() -> bool:
     return _KERNEL.available() and _QUANTIZED_KERNEL.available()
 
 
-def _pool_dtype(pool: Pool) -> jnp.dtype:
-    return jnp.dtype(pool.q.dtype if isinstance(pool, QuantArray) else pool.dtype)
-
-
 def _kernel_reads(k_pool: Pool, v_pool: Pool) -> bool:
     """Both pools of one kind the kernel reads (float32 / bfloat16, or 8-bit with scales)."""
     return (
-        _pool_dtype(k_pool) in SUPPORTED_POOL_DTYPES
-        and _pool_dtype(k_pool) == _pool_dtype(v_pool)
+        pool_dtype(k_pool) in SUPPORTED_POOL_DTYPES
+        and pool_dtype(k_pool) == pool_dtype(v_pool)
         and isinstance(k_pool, QuantArray) == isinstance(v_pool, QuantArray)
     )
 
@@ -55,7 +51,8 @@ def paged_decode_attention(
     """One decode query per row ``q [B, H, Dh]`` over its paged keys, by the C++ kernel.
 
     ``k_pool``/``v_pool`` are ``[L, num_blocks, block_size, KVH, Dh]`` (float32 or bfloat16,
-    or QuantArrays of 8-bit values with per (token, kv head) scales; read in place at ``layer``); row ``b`` sees its first ``context_lens[b]`` keys through
+    or QuantArrays of 8-bit values with per (token, kv head) scales; read in place at
+    ``layer``); row ``b`` sees its first ``context_lens[b]`` keys through
     ``block_tables [B, P]`` (for a decode token at position ``p``: ``p + 1``; 0 for a padding
     row, which gets zeros). Computes in float32, returns ``[B, H, Dh]`` in ``q``'s dtype.
     Raises if the kernel is unavailable or the pool dtype unsupported; ``decode_attention``
@@ -65,7 +62,7 @@ def paged_decode_attention(
     if not _kernel_reads(k_pool, v_pool):
         raise ValueError(
             "paged decode attention kernel takes float32 or bfloat16 pools or 8-bit pools with scales, got "
-            f"k {_pool_dtype(k_pool)} and v {_pool_dtype(v_pool)}; use decode_attention() to fall back to the "
+            f"k {pool_dtype(k_pool)} and v {pool_dtype(v_pool)}; use decode_attention() to fall back to the "
             "jnp path"
         )
     rest = (jnp.asarray(layer, jnp.int32).reshape(()), block_tables.astype(jnp.int32), context_lens.astype(jnp.int32))

@@ -4,11 +4,13 @@
 head as a ``QuantArray`` at load time. At decode batch sizes a step is bound by reading
 weights, so a quarter of float32's bytes is most of the speed-up; the C++ matmul kernel
 reads the 8-bit values and widens them in registers (model/dense.py), XLA's dot converts
-them where the kernel does not run. The KV pool can be 8-bit too (model/attention.py), with
-a scale per (token, kv head): ``QuantArray`` with one input dim, the head dim. Scales are per output channel (one per row of the
+them where the kernel does not run. Scales are per output channel (one per row of the
 ``[out..., in...]`` layout, see model/params.py): int8 maps each row's absolute maximum to
 127, fp8 (e4m3fn) to 448, its largest finite value. A channel of zeros gets scale 1 so it
 stays exactly zero.
+
+The KV pool can be 8-bit too (model/attention.py): a ``QuantArray`` whose one input dim is
+the head dim, so it has a scale per (token, kv head).
 
 The activations stay in the model dtype (W8A16 / W8A32): with int8 activations XLA's CPU
 dot (s8 x s8 -> s32) measured slower than converting the weights (see
@@ -69,8 +71,9 @@ class QuantArray:
         scale = self.scale.reshape(*self.scale.shape, *(1,) * self.num_input_dims)
         return (self.q.astype(jnp.float32) * scale).astype(dtype)
 
-    def rows(self, index: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        """Rows ``index`` of a 2-D ``[N, K]`` matrix, dequantized: the embedding lookup."""
+    def rows(self, index: jax.Array | tuple[jax.Array, ...], dtype: jnp.dtype) -> jax.Array:
+        """Entries ``index`` of the output dims with their inputs, dequantized: the embedding
+        lookup (token ids into ``[V, D]``), a KV pool's gather (layer and block ids)."""
         return (self.q[index].astype(jnp.float32) * self.scale[index][..., None]).astype(dtype)
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cache.kv_arrays import KV_CACHE_DTYPES
-from model.quantization import SCHEMES
+import jax.numpy as jnp
+
+from cache.kv_arrays import kv_pool_dtype
+from model.quantization import parse_quantization
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -49,12 +51,8 @@ class EngineArgs:
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in (None, "auto", *KV_CACHE_DTYPES):
-            raise ValueError(
-                f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
-            )
-        if self.quantization is not None and self.quantization not in SCHEMES:
-            raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {self.quantization!r}")
+        kv_pool_dtype(self.kv_cache_dtype, jnp.float32)  # raises, naming the choices, on an unknown name
+        parse_quantization(self.quantization)  # likewise
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

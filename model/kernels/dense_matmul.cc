@@ -27,9 +27,11 @@
 #include <string>
 #include <thread>
 
+#include "fp8_e4m3.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using raylm::Fp8E4m3;
 
 namespace {
 
@@ -53,10 +55,6 @@ typedef int32_t I32x8 __attribute__((vector_size(32)));
 typedef uint32_t U32x8 __attribute__((vector_size(32)));
 typedef int64_t I64x4 __attribute__((vector_size(32)));
 
-struct Fp8E4m3 {
-  uint8_t bits;
-};
-
 inline I32x8 BytesAtLaneTops(const void* p) {
   int64_t bits;
   std::memcpy(&bits, p, sizeof bits);
@@ -78,11 +76,7 @@ inline Vec8 LoadWeights(const float* p) { return Load8(p); }
 // int8: an arithmetic shift sign-extends the top byte, then an exact conversion.
 inline Vec8 LoadWeights(const int8_t* p) { return __builtin_convertvector(BytesAtLaneTops(p) >> 24, Vec8); }
 
-// float8 e4m3fn (sign, 4 exponent bits with bias 7, 3 mantissa bits): the sign moves to bit 31,
-// exponent and mantissa under float32's, and the exponent is rebiased by adding 120 (127 - 7).
-// That is exact for normal numbers; a subnormal (exponent 0, value m/8 * 2^-6) comes out as
-// 2^-7 * (1 + m/8), so 2^-7 is subtracted and the rest doubled, again exactly. No float32
-// denormals appear, so flush-to-zero modes do not matter.
+// float8 e4m3fn: raylm::Fp8ToFloat (fp8_e4m3.h) on eight lanes, the byte already at the top.
 inline Vec8 LoadWeights(const Fp8E4m3* p) {
   const U32x8 top = reinterpret_cast<U32x8>(BytesAtLaneTops(p));
   const U32x8 sign = top & 0x80000000u, exponent_mantissa = (top >> 4) & 0x07F00000u;
@@ -94,11 +88,7 @@ inline Vec8 LoadWeights(const Fp8E4m3* p) {
 
 inline float Widen(float w) { return w; }
 inline float Widen(int8_t w) { return static_cast<float>(w); }
-inline float Widen(Fp8E4m3 w) {
-  const int exponent = (w.bits >> 3) & 15, mantissa = w.bits & 7;
-  const float magnitude = exponent ? std::ldexp(1.0f + mantissa / 8.0f, exponent - 7) : std::ldexp(mantissa / 8.0f, -6);
-  return (w.bits & 0x80) ? -magnitude : magnitude;
-}
+inline float Widen(Fp8E4m3 w) { return raylm::Fp8ToFloat(w); }
 
 inline float SumLanes(Vec8 v) {
   float s = 0.0f;
@@ -150,7 +140,7 @@ template <typename W>
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void Widen(const W* __restrict w, float* __restrict out, int64_t count) {
+void WidenRows(const W* __restrict w, float* __restrict out, int64_t count) {
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
     const Vec8 v = LoadWeights(w + i);
@@ -175,7 +165,7 @@ void Columns(const float* x, const W* w, const float* scale, float* y, int64_t M
     int64_t m = 0;
     const float* s = scale ? scale + n : nullptr;
     if (sizeof(W) == 1 && M > 1) {
-      Widen(w + n * K, panel, NR * K);
+      WidenRows(w + n * K, panel, NR * K);
       for (; m + MR <= M; m += MR) Tile<MR, NR>(x + m * K, panel, s, y + m * N + n, K, N);
       for (; m < M; ++m) Tile<1, NR>(x + m * K, panel, s, y + m * N + n, K, N);
       continue;

@@ -28,9 +28,11 @@
 #include <thread>
 #include <vector>
 
+#include "fp8_e4m3.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using raylm::Fp8E4m3;
 
 namespace {
 
@@ -61,23 +63,7 @@ PoolLayout StackedPoolLayout(const ffi::AnyBuffer::Dimensions& d) {
 inline float ToFloat(float x) { return x; }
 inline float ToFloat(int8_t x) { return static_cast<float>(x); }
 
-struct Fp8E4m3 {
-  uint8_t bits;
-};
-
-// float8 e4m3fn: sign to bit 31, exponent and mantissa under float32's, exponent rebiased by
-// 120; a subnormal (exponent 0) comes out as 2^-7 * (1 + m/8) and is corrected to m/8 * 2^-6.
-// Exact, branch-free (it vectorises), and never makes a float32 denormal.
-inline float ToFloat(Fp8E4m3 x) {
-  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x80) << 24;
-  const uint32_t exponent_mantissa = static_cast<uint32_t>(x.bits & 0x7F) << 20;
-  const uint32_t bias = 120u << 23;
-  const uint32_t value_bits = (sign | exponent_mantissa) + bias, step_bits = sign | bias;
-  float value, step;
-  std::memcpy(&value, &value_bits, sizeof value);
-  std::memcpy(&step, &step_bits, sizeof step);
-  return (exponent_mantissa & 0x07800000u) == 0 ? (value - step) * 2.0f : value;
-}
+inline float ToFloat(Fp8E4m3 x) { return raylm::Fp8ToFloat(x); }
 
 // bfloat16 is the high half of a float32: widening is exact.
 inline float ToFloat(uint16_t x) {
