@@ -40,9 +40,10 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: jnp.dtype) -> i
 
 def blocks_for_budget(
     config: ModelConfig, block_size: int, dtype: jnp.dtype, memory_bytes: int | None, memory_fraction: float,
-    device: jax.Device | None = None,
+    device: jax.Device | None = None, draft_config: ModelConfig | None = None,
 ) -> int:
-    """Pool size: ``memory_bytes`` if given; on accelerators a fraction of free memory; else 2 GiB."""
+    """Pool size: ``memory_bytes`` if given; on accelerators a fraction of free memory; else 2 GiB.
+    A speculative draft model's pool (as many blocks, its own layers) shares the budget."""
     device = device or jax.local_devices()[0]
     if memory_bytes is None:
         stats = device.memory_stats() if device.platform != "cpu" else None
@@ -50,11 +51,14 @@ def blocks_for_budget(
             memory_bytes = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * memory_fraction)
         else:
             memory_bytes = DEFAULT_CPU_KV_BYTES
-    blocks = memory_bytes // bytes_per_block(config, block_size, dtype)
+    per_block = bytes_per_block(config, block_size, dtype)
+    if draft_config is not None:
+        per_block += bytes_per_block(draft_config, block_size, dtype)
+    blocks = memory_bytes // per_block
     if blocks < 2:
         raise ValueError(
             f"a KV budget of {memory_bytes} bytes holds {blocks} blocks of {block_size} tokens; "
-            f"one block needs {bytes_per_block(config, block_size, dtype)} bytes: raise the budget"
+            f"one block needs {per_block} bytes: raise the budget"
         )
     return int(blocks)
 

@@ -46,6 +46,19 @@ class LoadedModel:
             )
         return dataclasses.replace(self, params=quantize_params(self.params, scheme), quantization=scheme)
 
+    def first_layers(self, num_layers: int) -> "LoadedModel":
+        """This model cut after its first ``num_layers`` decoder layers (final norm and head
+        kept): a layer-skipping draft that shares the target's weight arrays, no copy."""
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"a draft of {num_layers} layers cannot be cut from {self.name} "
+                             f"({self.config.num_layers} layers)")
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}[:{num_layers}]",
+            config=dataclasses.replace(self.config, num_layers=num_layers),
+            params=dataclasses.replace(self.params, layers=self.params.layers[:num_layers]),
+        )
+
 
 def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
     if isinstance(dtype, str):

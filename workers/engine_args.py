@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from cache.kv_arrays import kv_pool_dtype
 from model.quantization import parse_quantization
+from workers.speculative import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -37,6 +38,8 @@ class EngineArgs:
     seed: int = 0  # seeds the per-request seeds of requests that give none
     warmup: bool = False  # compile every shape bucket at start-up
     compilation_cache_dir: str | None = None  # persistent XLA cache (the CLI uses ~/.cache/raylm/jax)
+    # Speculative decoding (workers/speculative.py); a mapping is accepted and parsed.
+    speculative: SpeculativeConfig | None = None
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """The context a replica serves: ``max_model_len`` capped by the model's positions."""
@@ -51,6 +54,10 @@ class EngineArgs:
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
+        if self.speculative is not None and self.num_scheduler_steps > 1:
+            raise ValueError("speculative decoding already emits several tokens per step: it cannot be combined "
+                             f"with num_scheduler_steps={self.num_scheduler_steps}; set num_scheduler_steps to 1")
         kv_pool_dtype(self.kv_cache_dtype, jnp.float32)  # raises, naming the choices, on an unknown name
         parse_quantization(self.quantization)  # likewise
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -90,10 +90,25 @@ class EngineStatsReporter:
             ("raylm_num_preemptions_total", "num_preemptions", 1),
         ):
             metrics.inc(name, (stats[key] - self.previous.get(key, 0)) * scale)
+        if "spec_draft_tokens" in stats:
+            self._report_speculation(stats)
         self.previous = stats
         memory = device_memory_in_use()
         if memory is not None:
             metrics.set("raylm_device_memory_used_bytes", memory)
+
+
+    def _report_speculation(self, stats: dict[str, Any]) -> None:
+        for name, key in (
+            ("raylm_spec_decode_num_drafts_total", "spec_num_drafts"),
+            ("raylm_spec_decode_num_draft_tokens_total", "spec_draft_tokens"),
+            ("raylm_spec_decode_num_accepted_tokens_total", "spec_accepted_tokens"),
+        ):
+            self.metrics.inc(name, stats[key] - self.previous.get(key, 0))
+        before = self.previous.get("spec_accepted_per_pos", [])
+        for position, count in enumerate(stats["spec_accepted_per_pos"]):
+            previous = before[position] if position < len(before) else 0
+            self.metrics.inc("raylm_spec_decode_num_accepted_tokens_per_pos", count - previous, position=str(position))
 
 
 def device_memory_in_use() -> int | None:

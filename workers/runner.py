@@ -18,10 +18,11 @@ call per token bucket instead of one per (rows, chunk length, width) bucket.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ from model import KVCache, ModelConfig, ModelParams, forward, paged_decode, shar
 from workers.sampler import SampleResult, SamplingBatch, advance, build_sampling_batch, logprobs_bucket, sample
 from workers.scheduler import ScheduledChunk
 from workers.sequence import Sequence
+from workers.speculative import SpecDecodeStats, SpeculativeConfig, propose_ngram
 
 MIN_TOKEN_BUCKET = 16
 MIN_WIDTH_BUCKET = 8
@@ -53,31 +55,39 @@ def power_buckets(minimum: int, maximum: int) -> list[int]:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "num_logprobs", "with_penalties"),
-    donate_argnames=("kv",),
+    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties"),
+    donate_argnames=("kv", "draft_kv"),
 )
-def _prefill_program(params, kv, tokens, positions, block_tables, context_lens, sbatch, *, config,
-                     num_logprobs, with_penalties):
+def _prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block_tables, context_lens, sbatch, *,
+                     config, draft_config, num_logprobs, with_penalties):
     """Prompt chunks a row each (``tokens [B, S]``), attention by the jnp path (see
-    ``_packed_prefill_program`` for the kernel's)."""
+    ``_packed_prefill_program`` for the kernel's). A draft model (``draft_config``) computes
+    the same chunks into its own pool, so it can propose from the prompt on."""
     logits, kv = forward(params, config, tokens, positions, kv, block_tables, context_lens)
-    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv
+    if draft_config is not None:
+        _, draft_kv = forward(draft_params, draft_config, tokens, positions, draft_kv, block_tables, context_lens)
+    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "num_logprobs", "with_penalties"),
-    donate_argnames=("kv",),
+    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties"),
+    donate_argnames=("kv", "draft_kv"),
 )
-def _packed_prefill_program(params, kv, tokens, positions, token_rows, block_tables, last_tokens, sbatch, *,
-                            config, num_logprobs, with_penalties):
+def _packed_prefill_program(params, kv, draft_params, draft_kv, tokens, positions, token_rows, block_tables,
+                            last_tokens, sbatch, *, config, draft_config, num_logprobs, with_penalties):
     """Prompt chunks packed one token per row (``tokens [T]``, padding at position -1), attention
     by the paged kernel; ``token_rows [T]`` picks each token's chunk in ``block_tables [R, P]``
-    and ``last_tokens [R]`` each chunk's last token, whose logits are sampled."""
+    and ``last_tokens [R]`` each chunk's last token, whose logits are sampled. A draft model
+    computes the same tokens into its own pool."""
     context_lens = jnp.where(positions >= 0, positions + 1, 0)
-    logits, kv = forward(params, config, tokens[:, None], positions[:, None], kv, block_tables[token_rows],
-                         context_lens, cpu_kernels=True, logits_rows=last_tokens)
-    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv
+    tables = block_tables[token_rows]
+    logits, kv = forward(params, config, tokens[:, None], positions[:, None], kv, tables, context_lens,
+                         cpu_kernels=True, logits_rows=last_tokens)
+    if draft_config is not None:
+        _, draft_kv = forward(draft_params, draft_config, tokens[:, None], positions[:, None], draft_kv, tables,
+                              context_lens, cpu_kernels=True, logits_rows=last_tokens[:1])
+    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv
 
 
 @functools.partial(
@@ -101,10 +111,105 @@ def _decode_program(params, kv, tokens, positions, block_tables, limits, sbatch,
     return results, kv
 
 
+def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_kernels, last_only):
+    """``tokens [B, S]`` at ``positions [B, S]`` (-1: padding, real tokens first in a row) of
+    rows with ``block_tables [B, P]``: logits of every token ``[B, S, V]``, or of each row's
+    last real token ``[B, V]``. With the CPU kernels the tokens are packed one per row (each
+    sees the keys up to its own position), else one row of S tokens each (the jnp path)."""
+    B, S = tokens.shape
+    if not cpu_kernels:
+        context = jnp.max(positions, axis=1) + 1
+        logits, kv = forward(params, config, tokens, positions, kv, block_tables, context, all_logits=not last_only)
+        return logits, kv
+    flat = positions.reshape(B * S)
+    last = None
+    if last_only:
+        last = jnp.arange(B) * S + jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
+    logits, kv = forward(
+        params, config, tokens.reshape(B * S, 1), flat[:, None], kv, jnp.repeat(block_tables, S, axis=0),
+        jnp.where(flat >= 0, flat + 1, 0), cpu_kernels=True, logits_rows=last,
+    )
+    return (logits if last_only else logits.reshape(B, S, -1)), kv
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "draft_config", "num_speculative", "num_logprobs", "with_penalties", "cpu_kernels"),
+    donate_argnames=("kv", "draft_kv"),
+)
+def _spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, window_positions, proposals,
+                         num_drafts, block_tables, sbatch, *, config, draft_config, num_speculative, num_logprobs,
+                         with_penalties, cpu_kernels):
+    """One speculative decode step: propose, then verify every row's ``1 + num_drafts`` tokens.
+
+    ``window_tokens/positions [B, 2]`` hold each row's known tokens the draft has not computed
+    (its last token, after the one it is behind by when the previous step accepted every
+    guess), padding at -1. A draft model (``draft_config``) computes the window, then proposes
+    ``num_speculative`` tokens by its argmax, writing positions only up to what the row may
+    draft (``num_drafts [B]``: blocks and max_tokens allow it); otherwise ``proposals [B, K]``
+    come from the host (n-gram). The target then scores the row's last token and its guesses
+    in one call and samples at each position with the state plain decoding would have there
+    (penalty counts and the random stream advanced past the guesses before it). A guess is
+    accepted while it equals the target's own token, so rows emit ``accepted + 1`` tokens.
+    Returns the samples ``[K + 1, B]``, ``accepted [B]``, and both pools.
+    """
+    K = num_speculative
+    last = jnp.sum(window_positions >= 0, axis=1) - 1
+    rows = jnp.arange(window_tokens.shape[0])
+    last_tokens = window_tokens[rows, jnp.maximum(last, 0)]
+    last_positions = jnp.where(last >= 0, window_positions[rows, jnp.maximum(last, 0)], -1)
+    steps = jnp.arange(K)
+    if draft_config is not None:
+        logits, draft_kv = _forward_rows(draft_params, draft_config, draft_kv, window_tokens, window_positions,
+                                         block_tables, cpu_kernels=cpu_kernels, last_only=True)
+        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+        # Unrolled (k is small): a scan carrying the pool made XLA copy the whole pool each step.
+        guesses = [first]
+        for j in range(1, K):
+            position = jnp.where(j < num_drafts, last_positions + j, -1)
+            logits, draft_kv = _forward_rows(draft_params, draft_config, draft_kv, guesses[-1][:, None],
+                                             position[:, None], block_tables, cpu_kernels=cpu_kernels, last_only=True)
+            guesses.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        proposals = jnp.stack(guesses, axis=1)
+    if K == 0:
+        proposals = jnp.zeros((window_tokens.shape[0], 0), jnp.int32)
+    drafts = jnp.where(steps[None, :] < num_drafts[:, None], proposals, -1)
+
+    offsets = jnp.arange(K + 1)
+    verify_tokens = jnp.concatenate([last_tokens[:, None], jnp.maximum(drafts, 0)], axis=1)
+    verify_positions = jnp.where(
+        (offsets[None, :] <= num_drafts[:, None]) & (last_positions[:, None] >= 0),
+        last_positions[:, None] + offsets[None, :], -1,
+    )
+    logits, kv = _forward_rows(params, config, kv, verify_tokens, verify_positions, block_tables,
+                               cpu_kernels=cpu_kernels, last_only=False)
+    results = []
+    for j in range(K + 1):
+        results.append(sample(logits[:, j], sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties))
+        if j < K:
+            sbatch = advance(sbatch, jnp.maximum(drafts[:, j], 0))
+    samples = jax.tree.map(lambda *a: jnp.stack(a), *results)
+    matches = drafts == samples.tokens[:K].T
+    accepted = jnp.sum(jnp.cumprod(matches.astype(jnp.int32), axis=1), axis=1)
+    return samples, accepted, kv, draft_kv
+
+
 @functools.partial(jax.jit, donate_argnames=("kv",))
 def _copy_blocks(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copy blocks ``src`` to ``dst`` in every layer (a quantized pool's scales with its values)."""
     return jax.tree.map(lambda pool: pool.at[:, dst].set(pool[:, src]), kv)
+
+
+@dataclasses.dataclass
+class DraftModel:
+    """A draft model inside the replica: its weights and its own KV pool, which uses the
+    target's block tables (same block ids, same sizes), so prefix caching, preemption,
+    forks and frees need no second bookkeeping."""
+
+    config: ModelConfig
+    params: ModelParams
+    kv: KVCache
 
 
 class ModelRunner:
@@ -121,6 +226,8 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_ids: frozenset[int],
+        speculative: SpeculativeConfig | None = None,
+        draft: DraftModel | None = None,
     ):
         self.config = config
         self.mesh = mesh
@@ -132,6 +239,24 @@ class ModelRunner:
         self.max_tokens_bucket = bucket(max_num_batched_tokens, MIN_TOKEN_BUCKET, 1 << 30)
         self.max_width = bucket(math.ceil(max_model_len / self.block_size), MIN_WIDTH_BUCKET, 1 << 30)
         self.cpu_kernels = _cpu_kernels_run(mesh, kv)
+        self.speculative = speculative
+        if draft is not None:
+            draft = dataclasses.replace(draft, params=shard_params(draft.params, draft.config, mesh))
+        self.draft = draft
+        self.spec_stats = SpecDecodeStats()
+
+    @property
+    def _draft_args(self) -> tuple:
+        """(params, kv) of the draft model, (None, None) without one."""
+        return (self.draft.params, self.draft.kv) if self.draft else (None, None)
+
+    @property
+    def _draft_config(self) -> ModelConfig | None:
+        return self.draft.config if self.draft else None
+
+    def _set_draft_kv(self, kv: KVCache | None) -> None:
+        if self.draft is not None:
+            self.draft.kv = kv
 
     def _widths(self) -> list[int]:
         """Block-table widths a program may use: the kernel's cost does not depend on the width,
@@ -171,22 +296,28 @@ class ModelRunner:
             dst_arr = np.zeros(n, np.int32)
             src_arr[: len(src)], dst_arr[: len(dst)] = src, dst
             self.kv = _copy_blocks(self.kv, src_arr, dst_arr)
+            if self.draft is not None:
+                self.draft.kv = _copy_blocks(self.draft.kv, src_arr, dst_arr)
 
     def execute(
-        self, chunks: list[ScheduledChunk], seqs: list[Sequence], num_steps: int
+        self, chunks: list[ScheduledChunk], seqs: list[Sequence], num_steps: int,
+        guesses: Mapping[int, int] | None = None,
     ) -> dict[int, list[SampleResult]]:
-        """Run one engine step: prompt chunks and ``num_steps`` decode tokens for ``seqs``.
+        """Run one engine step: prompt chunks and ``num_steps`` decode tokens for ``seqs``, or,
+        with speculative decoding, each sequence's last token and up to ``guesses[seq_id]``
+        guesses verified in one step.
 
         Every program is dispatched before the first result is fetched (one host wait per
-        step). Returns, per sequence id, the samples of its decode steps and, for a chunk that
-        reaches its sequence's last known token, that chunk's sample.
+        step). Returns, per sequence id, the samples of its decode steps (in order; a
+        speculative step's accepted guesses and the target's token after them) and, for a
+        chunk that reaches its sequence's last known token, that chunk's sample.
         """
         if self.cpu_kernels:
             pending = [self._dispatch_packed_prefill(group, n) for group, n in self._packed_groups(chunks)]
         else:
             pending = [self._dispatch_prefill(group, length) for group, length in self._prefill_groups(chunks)]
         if seqs:
-            pending.append(self._dispatch_decode(seqs, num_steps))
+            pending.append(self._dispatch_decode_step(seqs, num_steps, guesses or {}))
         out: dict[int, list[SampleResult]] = {}
         for collect in pending:
             out.update(collect())
@@ -247,10 +378,12 @@ class ModelRunner:
             last_tokens[r] = at + n - 1
             at += n
         sbatch, flags = self._sampling(seqs, rows)
-        result, self.kv = _packed_prefill_program(
-            self.params, self.kv, tokens, positions, token_rows, self._block_table(seqs, rows, self.max_width),
-            last_tokens, sbatch, config=self.config, **flags,
+        result, self.kv, draft_kv = _packed_prefill_program(
+            self.params, self.kv, *self._draft_args, tokens, positions, token_rows,
+            self._block_table(seqs, rows, self.max_width), last_tokens, sbatch, config=self.config,
+            draft_config=self._draft_config, **flags,
         )
+        self._set_draft_kv(draft_kv)
         return self._collect_chunks(chunks, result)
 
     def _dispatch_prefill(
@@ -268,10 +401,11 @@ class ModelRunner:
             positions[r] = np.arange(start, start + length)
             context[r] = start + n
         sbatch, flags = self._sampling(seqs, rows)
-        result, self.kv = _prefill_program(
-            self.params, self.kv, tokens, positions, self._block_table(seqs, rows, width), context, sbatch,
-            config=self.config, **flags,
+        result, self.kv, draft_kv = _prefill_program(
+            self.params, self.kv, *self._draft_args, tokens, positions, self._block_table(seqs, rows, width),
+            context, sbatch, config=self.config, draft_config=self._draft_config, **flags,
         )
+        self._set_draft_kv(draft_kv)
         return self._collect_chunks(chunks, result)
 
     @staticmethod
@@ -279,6 +413,8 @@ class ModelRunner:
         chunks: list[ScheduledChunk], result: SampleResult
     ) -> Callable[[], dict[int, list[SampleResult]]]:
         """Fetches a prefill call's samples: row ``r`` belongs to ``chunks[r]``, if it samples."""
+        for chunk in chunks:
+            chunk.seq.draft_lag = 0  # a draft model computed the chunk too
         sampled = [(c.seq.seq_id, r) for r, c in enumerate(chunks) if c.samples]
 
         def collect() -> dict[int, list[SampleResult]]:
@@ -318,6 +454,75 @@ class ModelRunner:
 
         return collect
 
+    def _dispatch_decode_step(
+        self, seqs: list[Sequence], num_steps: int, guesses: Mapping[int, int]
+    ) -> Callable[[], dict[int, list[SampleResult]]]:
+        """A plain decode, or a speculative one: a draft model's pool must see every token the
+        target computes, so with one every decode goes through the speculative program (zero
+        guesses when the scheduler allowed none); n-gram rows without a match decode plainly."""
+        if self.speculative is None:
+            return self._dispatch_decode(seqs, num_steps)
+        limits = [self._draft_limit(seq, guesses.get(seq.seq_id, 0)) for seq in seqs]
+        proposals: list[list[int]] | None = None
+        if self.draft is None:
+            spec = self.speculative
+            proposals = [
+                propose_ngram(seq.all_ids, k, spec.ngram_min, spec.ngram_max) if k else [] for seq, k in zip(seqs, limits)
+            ]
+            if not any(proposals):
+                return self._dispatch_decode(seqs, 1)
+            limits = [min(k, len(p)) for k, p in zip(limits, proposals)]
+        return self._dispatch_spec(seqs, limits, proposals, self.speculative.num_speculative_tokens if any(limits) else 0)
+
+    def _draft_limit(self, seq: Sequence, allowed: int) -> int:
+        """Guesses ``seq`` carries: what the scheduler grew its blocks for (it already left out
+        what max_tokens could not emit), checked against the blocks it holds."""
+        room = len(seq.block_ids) * self.block_size - seq.num_tokens
+        if allowed > room:
+            raise AssertionError(f"sequence {seq.seq_id} was allowed {allowed} guesses but holds room for {room}")
+        return allowed
+
+    def _dispatch_spec(
+        self, seqs: list[Sequence], limits: list[int], proposals: list[list[int]] | None, num_speculative: int
+    ) -> Callable[[], dict[int, list[SampleResult]]]:
+        rows = bucket(len(seqs), 1, self.max_batch)
+        K = num_speculative
+        window_tokens = np.zeros((rows, 2), np.int32)
+        window_positions = np.full((rows, 2), -1, np.int32)
+        guesses = np.zeros((rows, K), np.int32)
+        num_drafts = np.zeros(rows, np.int32)
+        for r, seq in enumerate(seqs):
+            last = seq.num_tokens - 1
+            first = last - (seq.draft_lag if self.draft is not None else 0)
+            n = last - first + 1
+            window_tokens[r, :n] = [seq.token_at(i) for i in range(first, last + 1)]
+            window_positions[r, :n] = np.arange(first, last + 1)
+            num_drafts[r] = limits[r]
+            if proposals is not None:
+                guesses[r, : limits[r]] = proposals[r][: limits[r]]
+        sbatch, flags = self._sampling(seqs, rows)
+        samples, accepted, self.kv, draft_kv = _spec_decode_program(
+            self.params, self.kv, *self._draft_args, window_tokens, window_positions, guesses, num_drafts,
+            self._block_table(seqs, rows, self._width(seqs)), sbatch,
+            config=self.config, draft_config=self._draft_config, num_speculative=K, cpu_kernels=self.cpu_kernels,
+            **flags,
+        )
+        self._set_draft_kv(draft_kv)
+
+        def collect() -> dict[int, list[SampleResult]]:
+            fetched, accepted_host = jax.device_get((samples, accepted))
+            out = {}
+            for r, seq in enumerate(seqs):
+                a = int(accepted_host[r])
+                self.spec_stats.record(int(num_drafts[r]), a)
+                # The draft computed the window and its guesses but the last: after a fully
+                # accepted run it is one token behind the target.
+                seq.draft_lag = int(self.draft is not None and 0 < num_drafts[r] == a)
+                out[seq.seq_id] = [_row(jax.tree_util.tree_map(lambda x: x[j], fetched), r) for j in range(a + 1)]
+            return out
+
+        return collect
+
     # -- warm-up ---------------------------------------------------------------------------------------
     def warmup_shapes(self, num_scheduler_steps: int) -> list[tuple[str, tuple[int, ...]]]:
         """Every (kind, bucket) the engine can hit when no request asks for logprobs or penalties."""
@@ -334,6 +539,11 @@ class ModelRunner:
         for steps in sorted({1, num_scheduler_steps}):
             for rows, width in itertools.product(power_buckets(1, self.max_batch), widths):
                 shapes.append(("decode", (rows, width, steps)))
+        if self.speculative is not None:
+            # A draft model decodes with no guesses through its own program (K = 0) too.
+            lookaheads = sorted({self.speculative.num_speculative_tokens} | ({0} if self.draft else set()))
+            for rows, width, k in itertools.product(power_buckets(1, self.max_batch), widths, lookaheads):
+                shapes.append(("spec", (rows, width, k)))
         shapes += [("copy", (n,)) for n in power_buckets(1, self.max_batch)]
         return shapes
 
@@ -352,18 +562,30 @@ class ModelRunner:
             return
         sbatch = build_sampling_batch([], rows, self.config.vocab_size, self.eos_ids, False)
         flags = dict(num_logprobs=0, with_penalties=False)
+        draft = dict(draft_config=self._draft_config)
         if kind == "packed":
             (num_tokens,) = dims
-            _, self.kv = _packed_prefill_program(
-                self.params, self.kv, zeros(num_tokens), np.full(num_tokens, -1, np.int32), zeros(num_tokens),
-                zeros(rows, self.max_width), zeros(rows), sbatch, config=self.config, **flags,
+            _, self.kv, draft_kv = _packed_prefill_program(
+                self.params, self.kv, *self._draft_args, zeros(num_tokens), np.full(num_tokens, -1, np.int32),
+                zeros(num_tokens), zeros(rows, self.max_width), zeros(rows), sbatch, config=self.config, **draft,
+                **flags,
             )
+            self._set_draft_kv(draft_kv)
         elif kind == "prefill":
             _, length, width = dims
-            _, self.kv = _prefill_program(
-                self.params, self.kv, zeros(rows, length), zeros(rows, length), zeros(rows, width), zeros(rows),
-                sbatch, config=self.config, **flags,
+            _, self.kv, draft_kv = _prefill_program(
+                self.params, self.kv, *self._draft_args, zeros(rows, length), zeros(rows, length),
+                zeros(rows, width), zeros(rows), sbatch, config=self.config, **draft, **flags,
             )
+            self._set_draft_kv(draft_kv)
+        elif kind == "spec":
+            _, width, k = dims
+            _, _, self.kv, draft_kv = _spec_decode_program(
+                self.params, self.kv, *self._draft_args, zeros(rows, 2), np.full((rows, 2), -1, np.int32),
+                zeros(rows, k), zeros(rows), zeros(rows, width), sbatch, config=self.config, num_speculative=k,
+                cpu_kernels=self.cpu_kernels, **draft, **flags,
+            )
+            self._set_draft_kv(draft_kv)
         else:
             _, width, steps = dims
             _, self.kv = _decode_program(

@@ -23,6 +23,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # or "priority"
     num_scheduler_steps: int = 1  # decode steps per engine step when no prompt is being computed
+    num_speculative_tokens: int = 0  # guesses per decoding sequence and step (speculative decoding)
+    speculative_disable_by_batch_size: int | None = None  # more decoding sequences: no guesses
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -49,6 +51,9 @@ class SchedulerOutput:
     num_decode_steps: int
     block_copies: list[tuple[int, int]]
     preempted: list[Sequence]
+    # Speculative decoding: guesses each decoding sequence (by seq_id) may carry this step; its
+    # blocks are grown (copy-on-write included) for them. Absent: none.
+    guesses: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -144,6 +149,8 @@ class Scheduler:
             self._make_room_for_higher_priority(preempted)
         any_prefill = any(s.is_prefilling for s in self.running) or bool(self.waiting)
         steps = 1 if any_prefill else cfg.num_scheduler_steps
+        lookahead = self._lookahead()
+        guesses: dict[int, int] = {}
 
         # 1. Running sequences, most important first; preempt from the back when blocks run out.
         self.running.sort(key=lambda s: s.order_key(self._by_priority))
@@ -154,6 +161,10 @@ class Scheduler:
                 want = min(seq.num_uncomputed_tokens, budget)
                 if not self._may_compute(seq, want):
                     continue
+            elif lookahead:
+                want = min(1 + lookahead, seq.max_tokens - len(seq.output_ids))
+                if not self.blocks.can_grow(seq, want) and self.blocks.can_grow(seq, 1):
+                    want = 1  # guesses only where blocks are free: never preempt a sequence for them
             else:
                 want = min(steps, seq.max_tokens - len(seq.output_ids)) if steps > 1 else 1
             while not self.blocks.can_grow(seq, want):
@@ -170,6 +181,8 @@ class Scheduler:
             else:
                 decodes.append(seq)
                 budget -= 1
+                if lookahead and want > 1:
+                    guesses[seq.seq_id] = want - 1
 
         # 2. Admit waiting sequences in policy order while slots, budget and blocks allow.
         self.waiting.sort(key=lambda s: s.order_key(self._by_priority))
@@ -203,4 +216,12 @@ class Scheduler:
 
         if prefills:
             steps = 1
-        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), preempted)
+        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), preempted, guesses)
+
+    def _lookahead(self) -> int:
+        """Guesses per decoding sequence this step: none above the batch size where verifying
+        k + 1 tokens per row costs more than it saves (vLLM's ``disable_by_batch_size``)."""
+        k, limit = self.config.num_speculative_tokens, self.config.speculative_disable_by_batch_size
+        if k and limit is not None and sum(not s.is_prefilling for s in self.running) > limit:
+            return 0
+        return k

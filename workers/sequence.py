@@ -50,6 +50,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     forks: list["Sequence"] = dataclasses.field(default_factory=list)  # children waiting on our prompt
     num_preemptions: int = 0
+    # Known tokens before the last one whose K/V a draft model has not computed yet (0 or 1:
+    # after a speculative step that accepted every guess; see workers/speculative.py).
+    draft_lag: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     # Output text: ``text`` is everything decoded so far (stop string cut away), of which
