@@ -46,6 +46,10 @@ WORKER_METRICS = {
     "raylm_request_prompt_tokens": ("histogram", "Prompt length per request."),
     "raylm_request_generation_tokens": ("histogram", "Generated tokens per request."),
     "raylm_iteration_tokens_total": ("histogram", "Tokens processed per engine step."),
+    "raylm_spec_decode_num_drafts_total": ("counter", "Verified sequence steps that carried speculative guesses."),
+    "raylm_spec_decode_num_draft_tokens_total": ("counter", "Speculative guesses scored by the model."),
+    "raylm_spec_decode_num_accepted_tokens_total": ("counter", "Speculative guesses the model accepted."),
+    "raylm_spec_decode_num_accepted_tokens_per_pos": ("counter", "Accepted guesses by position in the draft."),
 }
 ROUTER_METRICS = {
     "raylm_router_queue_depth": ("gauge", "Requests waiting in the router queue, per priority class."),
@@ -78,6 +82,9 @@ class WorkerMetrics:
         for name in WORKER_METRICS:
             if name == "raylm_request_success_total":
                 self.m[name] = _make(name, WORKER_METRICS, keys + ("finished_reason",))
+                continue
+            if name == "raylm_spec_decode_num_accepted_tokens_per_pos":
+                self.m[name] = _make(name, WORKER_METRICS, keys + ("position",))
                 continue
             buckets = (LATENCY_BUCKETS_S if name in latency else ITL_BUCKETS_S
                        if name == "raylm_inter_token_latency_seconds" else TOKEN_BUCKETS)

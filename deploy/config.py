@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFlo
 
 from model import DEFAULT_MODEL
 from workers.engine_args import EngineArgs
+from workers.speculative import SpeculativeConfig
 
 
 class DeployConfigError(ValueError):
@@ -33,14 +34,32 @@ class ModelSection(_Section):
         "none", description="weight-only: every matrix stored 8-bit with a scale per output channel")
 
 
+class NgramSection(_Section):
+    min: PositiveInt = SpeculativeConfig.ngram_min
+    max: PositiveInt = SpeculativeConfig.ngram_max
+
+
+class SpeculativeSection(_Section):
+    """``engine.speculative``: see workers/speculative.py (its checks run on the result)."""
+
+    method: Literal["draft", "ngram"] = "draft"
+    model: str | None = Field(None, description="draft checkpoint; default: cut from the served model")
+    num_layers: PositiveInt | None = Field(None, description="a draft cut from the model: layers it keeps")
+    quantization: Literal["int8", "fp8"] | None = Field(None, description="the cut draft's weights")
+    num_speculative_tokens: PositiveInt = SpeculativeConfig.num_speculative_tokens
+    ngram: NgramSection = NgramSection()
+    disable_by_batch_size: PositiveInt | None = None
+
+
 # Engine settings come from EngineArgs itself so the YAML can never drift from the engine.
 _ENGINE_OWNED_ELSEWHERE = {"dtype", "quantization", "tensor_parallel_size"}
+_ENGINE_SECTIONS = {"speculative": (SpeculativeSection | None, None)}  # nested: its own schema
 _engine_hints = typing.get_type_hints(EngineArgs)
 EngineSection = pydantic.create_model(
     "EngineSection",
     __base__=_Section,
     **{
-        f.name: (_engine_hints[f.name], f.default)
+        f.name: _ENGINE_SECTIONS.get(f.name, (_engine_hints[f.name], f.default))
         for f in dataclasses.fields(EngineArgs)
         if f.name not in _ENGINE_OWNED_ELSEWHERE
     },

@@ -29,7 +29,22 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", choices=SCHEMES, default="none",
                    help="weight-only 8-bit matrices with per-output-channel scales")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (local devices)")
+    p.add_argument("--speculative-method", choices=["draft", "ngram"], default=None,
+                   help="speculative decoding (default: off; draft when --speculative-model is given)")
+    p.add_argument("--speculative-model", default=None,
+                   help="draft model (registry name, .gguf, HF dir); default: the model's shipped draft")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="guesses verified per step")
     p.set_defaults(run=run_generate)
+
+
+def _speculative(args: argparse.Namespace) -> dict | None:
+    method = args.speculative_method or ("draft" if args.speculative_model else None)
+    if method is None:
+        return None
+    spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.speculative_model:
+        spec["model"] = args.speculative_model
+    return spec
 
 
 @contextmanager
@@ -57,11 +72,14 @@ def run_generate(args: argparse.Namespace) -> int:
         else:
             prompt_ids = tokenizer.encode(args.prompt)
         block_size = EngineArgs.block_size
+        speculative = _speculative(args)
+        lookahead = args.num_speculative_tokens if speculative else 0
         engine = LLMEngine(
             model,
             EngineArgs(
                 dtype=args.dtype, quantization=args.quantization, tensor_parallel_size=args.tp, max_num_seqs=1,
-                num_kv_blocks=2 + -(-(len(prompt_ids) + args.max_tokens) // block_size),
+                num_kv_blocks=2 + -(-(len(prompt_ids) + args.max_tokens + lookahead) // block_size),
+                speculative=speculative,
             ),
         )
         engine.add_request("cli", prompt_ids, params)
@@ -79,7 +97,11 @@ def run_generate(args: argparse.Namespace) -> int:
             outputs = engine.step()
         sys.stdout.write("\n")
         elapsed = time.perf_counter() - start
-        print(f"[{count} tokens, {max(count - 1, 0) / max(elapsed, 1e-9):.1f} tokens/s after the first]", file=sys.stderr)
+        rate = f"{max(count - 1, 0) / max(elapsed, 1e-9):.1f} tokens/s after the first"
+        stats = engine.stats()
+        if speculative:
+            rate += f", {stats['spec_accepted_tokens']}/{stats['spec_draft_tokens']} guesses accepted"
+        print(f"[{count} tokens, {rate}]", file=sys.stderr)
         return 0
     except (ModelError, ChatTemplateError, ValueError) as err:
         print(f"\nerror: {err}", file=sys.stderr)

@@ -27,6 +27,16 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def speculation_summary(stats: dict[str, Any]) -> str:
+    """``accepted/guessed (rate), mean per step`` of a replica's speculative decoding, or "off"."""
+    if "spec_draft_tokens" not in stats:
+        return "off"
+    drafted, accepted, steps = stats["spec_draft_tokens"], stats["spec_accepted_tokens"], stats["spec_num_drafts"]
+    rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
+    mean = f"{accepted / steps:.2f}" if steps else "-"
+    return f"{accepted}/{drafted} ({rate}), {mean} per step"
+
+
 def run_status(args: argparse.Namespace) -> int:
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)
@@ -59,9 +69,11 @@ def run_status(args: argparse.Namespace) -> int:
     ]))
     stats = replica_stats(args.app, "LLMWorker")
     print("\nWorker replicas")
-    print(table(["replica", "node", "running", "waiting", "queued tokens", "KV used", "requests", "generated"], [
+    print(table(["replica", "node", "running", "waiting", "queued tokens", "KV used", "requests", "generated",
+                 "spec accepted"], [
         [rid, str(s.get("node_id", "?"))[:12], s["running"], s["waiting"], s["waiting_tokens"],
-         f"{100 * s['kv_usage']:.1f}%", s["requests"], s["generation_tokens"]] for rid, s in sorted(stats.items())
+         f"{100 * s['kv_usage']:.1f}%", s["requests"], s["generation_tokens"], speculation_summary(s)]
+        for rid, s in sorted(stats.items())
     ]))
     try:
         router = serve.get_deployment_handle("OpenAIRouter", app_name=args.app)

@@ -82,7 +82,8 @@ PROMQL_FUNCTIONS = {
     # Grafana's Prometheus template-variable functions
     "label_values", "label_names", "metrics", "query_result",
 }
-PROMQL_KEYWORDS = {"and", "or", "unless", "atan2", "bool", "offset", "start", "end", "inf", "nan"}
+PROMQL_KEYWORDS = {"and", "or", "unless", "atan2", "bool", "offset", "start", "end", "inf", "nan",
+                   "group_left", "group_right"}  # the last two may stand without a label list
 # Clauses whose parenthesised list holds label names, not metrics.
 _LABEL_LIST_CLAUSE = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)", re.I)
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"' r"|'(?:[^'\\]|\\.)*'" r"|`[^`]*`")

@@ -20,7 +20,9 @@ def metrics_app(serve_cluster):
     app = serve_cluster.deploy({
         "name": "metrics", "model": {"served_model_name": MODEL}, "workers": {"num_replicas": 1},
         # A pool of 11 blocks (176 tokens) for 4 concurrent ~90-token requests: preemptions happen.
-        "engine": {**TEST_DEPLOY["engine"], "num_kv_blocks": 12, "max_num_seqs": 4, "max_model_len": 160},
+        # N-gram speculation (counting repeats itself) exports the spec_decode counters.
+        "engine": {**TEST_DEPLOY["engine"], "num_kv_blocks": 12, "max_num_seqs": 4, "max_model_len": 160,
+                   "num_scheduler_steps": 1, "speculative": {"method": "ngram", "num_speculative_tokens": 3}},
         "router": {"prefix_routing": {"stats_period_s": 0.5}},
     }, route_prefix="/metrics-app")
     yield app
@@ -79,6 +81,7 @@ def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_
         "ray_raylm_router_routing_decisions_total": 5,
         "ray_raylm_router_requests_rejected_total": 2,
         "ray_raylm_router_tenant_tokens_total": prompt_tokens + completion_tokens,
+        **_speculation_expected(),
     }
     deadline = time.monotonic() + 90
     while True:
@@ -104,3 +107,29 @@ def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_
     assert values["ray_raylm_router_routing_decisions_total"] == 5
     assert values["ray_raylm_router_requests_rejected_total"] == 2
     assert values["ray_raylm_router_tenant_tokens_total"] == prompt_tokens + completion_tokens
+    _check_speculation(values, expected)
+
+
+def _speculation_expected() -> dict[str, float]:
+    """The worker's own speculative decoding counters after the traffic (what ``raylm bench
+    --ray-app`` reads), as the exported series must come to show them."""
+    from deploy.benchmarks.speculation_counters import SpeculationCounters
+
+    totals = SpeculationCounters("metrics").totals()
+    assert totals is not None, "the metrics app speculates: its replica must report spec counters"
+    return {
+        "ray_raylm_spec_decode_num_drafts_total": totals["spec_num_drafts"],
+        "ray_raylm_spec_decode_num_draft_tokens_total": totals["spec_draft_tokens"],
+        "ray_raylm_spec_decode_num_accepted_tokens_total": totals["spec_accepted_tokens"],
+        "ray_raylm_spec_decode_num_accepted_tokens_per_pos_total": totals["spec_accepted_tokens"],
+    }
+
+
+def _check_speculation(values: dict[str, float], expected: dict[str, float]) -> None:
+    guessed = values["ray_raylm_spec_decode_num_draft_tokens_total"]
+    accepted = values["ray_raylm_spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= guessed, values
+    assert 0 < values["ray_raylm_spec_decode_num_drafts_total"] <= guessed
+    for name, count in expected.items():
+        if "spec_decode" in name:
+            assert values.get(name) == count, (name, values.get(name), count)

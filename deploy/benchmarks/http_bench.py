@@ -34,6 +34,8 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 
+from deploy.benchmarks.speculation_counters import SpeculationCounters, acceptance
+
 # Random prompt token ids: ordinary tokens of a 49152-vocab model (past the special/control ids).
 PROMPT_TOKEN_RANGE = (1000, 30000)
 REQUEST_TIMEOUT_S = 600.0
@@ -92,6 +94,8 @@ class WorkloadResult:
     itl_s: list[float]
     e2e_s: list[float]
     error_messages: list[str]
+    # Speculative decoding over the measured run (``--ray-app``; see speculation_counters.py).
+    speculation: dict[str, Any] = dataclasses.field(default_factory=lambda: acceptance(None, None))
 
     @property
     def output_tok_s(self) -> float:
@@ -119,6 +123,7 @@ class WorkloadResult:
             "itl_ms_p99": _ms(percentile(self.itl_s, 99)),
             "e2e_ms_p50": _ms(percentile(self.e2e_s, 50)),
             "error_messages": self.error_messages,
+            **self.speculation,
         }
 
 
@@ -231,8 +236,9 @@ def _aggregate(base_url: str, model: str, workload: Workload, wall_s: float,
 
 
 async def run_workload(base_url: str, model: str, workload: Workload | str, *, seed: int = 0, warmup: int = 2,
-                       api_key: str | None = None) -> WorkloadResult:
-    """Warm up, then run ``workload`` (a ``Workload`` or a ``WORKLOADS`` name) against ``base_url``."""
+                       api_key: str | None = None, counters: SpeculationCounters | None = None) -> WorkloadResult:
+    """Warm up, then run ``workload`` (a ``Workload`` or a ``WORKLOADS`` name) against ``base_url``;
+    with ``counters``, also the speculative decoding acceptance over the measured run."""
     if isinstance(workload, str):
         workload = WORKLOADS[workload]
     base_url = base_url.rstrip("/")
@@ -243,10 +249,14 @@ async def run_workload(base_url: str, model: str, workload: Workload | str, *, s
         await _send_all(client, url, [_request_body(model, p, workload.output_tokens) for p in warm_prompts],
                         workload.concurrency)
         bodies = [_request_body(model, p, workload.output_tokens) for p in make_prompts(workload, seed)]
+        before = counters.totals() if counters else None
         start = time.perf_counter()
         results = await _send_all(client, url, bodies, workload.concurrency)
         wall_s = time.perf_counter() - start
-    return _aggregate(base_url, model, workload, wall_s, results)
+    result = _aggregate(base_url, model, workload, wall_s, results)
+    if counters:
+        result.speculation = acceptance(before, counters.totals())
+    return result
 
 
 # -- report -------------------------------------------------------------------------------------------
@@ -260,6 +270,8 @@ _ROWS = (  # (label, summary key, number format, is a rate: gets a first/second 
     ("e2e p50 (ms)", "e2e_ms_p50", "{:.1f}", False),
     ("output tokens", "output_tokens", "{:d}", False),
     ("errors", "errors", "{:d}", False),
+    ("spec acceptance", "spec_acceptance", "{:.2f}", False),
+    ("spec accepted/verify", "spec_mean_accepted", "{:.2f}", False),
 )
 
 
@@ -309,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=2, help="requests sent before measuring (default 2)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--ray-app", default=None, metavar="APP",
+                        help="raylm Serve application behind --base-url (e.g. raylm): report its speculative "
+                             "decoding acceptance, read from the worker replicas over Ray")
+    parser.add_argument("--ray-address", default="auto", help="Ray cluster of --ray-app (default: the one here)")
     return parser
 
 
@@ -322,10 +338,12 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
 async def _run(args: argparse.Namespace) -> list[list[WorkloadResult]]:
     endpoints = [(args.base_url, args.model)] + ([(args.compare, args.compare_model)] if args.compare else [])
     endpoints = [(url, model or await default_model(url, args.api_key)) for url, model in endpoints]
+    counters = SpeculationCounters(args.ray_app, args.ray_address) if args.ray_app else None
     runs = []
     for workload in _workloads(args):
-        results = [await run_workload(url, model, workload, seed=args.seed, warmup=args.warmup, api_key=args.api_key)
-                   for url, model in endpoints]
+        results = [await run_workload(url, model, workload, seed=args.seed, warmup=args.warmup, api_key=args.api_key,
+                                      counters=counters if i == 0 else None)
+                   for i, (url, model) in enumerate(endpoints)]
         print(format_table(results) + "\n", flush=True)
         runs.append(results)
     return runs

@@ -1,0 +1,165 @@
+"""Speculative decoding on the bundled model: each proposer against plain decoding, same process.
+
+For each proposer (``none``; ``ngram``; draft models cut from the target: ``self-int8`` = all
+layers, int8 weights; ``layers-N`` = the first N layers, float; ``layers-N-int8``) and each
+workload (``chat``: the reference prompts, chat-templated; ``grounded``: "repeat / edit this
+code" prompts, where the answer copies the prompt), for a single stream (4 requests one
+after the other) and 4 and 16 sequences at once: output tokens/s (offline ``workers.LLM``,
+greedy, ``--new-tokens`` per request with EOS ignored, prefill included, timed on a second
+run so nothing compiles), its ratio to ``none``, the acceptance rate and the mean accepted guesses per
+verified row. Output is checked identical to ``none``'s on every run.
+
+``--parts cost`` prints the cost model behind the ratios: one target step of R rows
+(a verify of k guesses is R = k + 1 rows per sequence) and one draft step, in ms.
+
+    python -m deploy.benchmarks.speculative_bench [--proposers none,ngram,self-int8] [--k 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deploy.benchmarks.quantization_bench import REFERENCE_PROMPTS
+from model import DEFAULT_MODEL, KVCache, LoadedModel, forward, load_model
+from workers import LLM, SamplingParams
+
+CODE = '''def moving_average(values, window):
+    """Mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+'''
+GROUNDED_PROMPTS: tuple[str, ...] = (
+    f"Repeat this code exactly, then stop:\n\n{CODE}",
+    f"Rename the function to rolling_mean and give the whole code back:\n\n{CODE}",
+    f"Add a docstring line about the return value and give the whole code back:\n\n{CODE}",
+    f"Copy this function and add type hints to it:\n\n{CODE}",
+)
+SINGLE_STREAM_REQUESTS = 4
+# proposer name -> engine ``speculative`` mapping (None: plain decoding)
+PROPOSERS: dict[str, dict[str, Any] | None] = {
+    "none": None,
+    "ngram": dict(method="ngram", ngram={"min": 2, "max": 4}),
+    "self-int8": dict(method="draft", quantization="int8"),
+    "layers-6": dict(method="draft", num_layers=6),
+    "layers-12-int8": dict(method="draft", num_layers=12, quantization="int8"),
+    "layers-20-int8": dict(method="draft", num_layers=20, quantization="int8"),
+}
+
+
+def _prompts(model: LoadedModel, workload: str, count: int) -> list[dict]:
+    texts = REFERENCE_PROMPTS if workload == "chat" else GROUNDED_PROMPTS
+    tok = model.tokenizer
+    return [
+        {"prompt_token_ids": tok.encode_chat([{"role": "user", "content": texts[i % len(texts)]}], True)}
+        for i in range(count)
+    ]
+
+
+def run_proposer(model: LoadedModel, spec: dict | None, k: int, workloads: list[str], batches: list[int],
+                 new_tokens: int) -> dict[tuple[str, int], dict[str, Any]]:
+    engine_spec = dict(spec, num_speculative_tokens=k) if spec else None
+    llm = LLM(model, enable_prefix_caching=False, speculative=engine_spec)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    out = {}
+    for workload in workloads:
+        for batch in batches:
+            # Single stream: SINGLE_STREAM_REQUESTS prompts one after the other; else all at once.
+            groups = ([[p] for p in _prompts(model, workload, SINGLE_STREAM_REQUESTS)] if batch == 1
+                      else [_prompts(model, workload, batch)])
+            for group in groups:
+                llm.generate(group, params)  # compiles what these shapes need
+            before = dict(llm.engine.stats())
+            start = time.perf_counter()
+            results = [r for group in groups for r in llm.generate(group, params)]
+            seconds = time.perf_counter() - start
+            after = llm.engine.stats()
+            tokens = sum(len(r.outputs[0].token_ids) for r in results)
+            row: dict[str, Any] = {"tok_s": tokens / seconds, "tokens": [r.outputs[0].token_ids for r in results]}
+            if spec:
+                drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+                accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+                verifies = after["spec_num_drafts"] - before["spec_num_drafts"]
+                row.update(acceptance=accepted / max(drafts, 1), mean_accepted=accepted / max(verifies, 1))
+            out[(workload, batch)] = row
+    return out
+
+
+def cost_model(model: LoadedModel, proposers: list[str], repeats: int = 20) -> dict[str, Any]:
+    """Median ms of one target forward of R one-token rows (kernels path), and of each draft's."""
+    from workers.draft_loader import load_draft
+    from workers.speculative import SpeculativeConfig
+
+    def timed(loaded: LoadedModel, rows: int) -> float:
+        cfg = loaded.config
+        kv = KVCache.zeros(cfg.num_layers, 64, 16, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+        step = jax.jit(lambda p, kv, t, pos, bt: forward(p, cfg, t, pos, kv, bt, pos[:, 0] + 1, cpu_kernels=True),
+                       donate_argnums=1)
+        tokens = np.ones((rows, 1), np.int32)
+        positions = np.full((rows, 1), 100, np.int32)
+        tables = np.tile(np.arange(1, 17, dtype=np.int32), (rows, 1))
+        logits, kv = step(loaded.params, kv, tokens, positions, tables)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            logits, kv = step(loaded.params, kv, tokens, positions, tables)
+            logits.block_until_ready()
+            times.append((time.perf_counter() - start) * 1e3)
+        return float(np.median(times))
+
+    out: dict[str, Any] = {"target": {rows: timed(model, rows) for rows in (1, 2, 4, 6, 8, 16, 32)}}
+    for name in proposers:
+        spec = PROPOSERS[name]
+        if spec and spec["method"] == "draft":
+            draft = load_draft(SpeculativeConfig.parse(spec), model, model, "float32")
+            out[name] = {rows: timed(draft, rows) for rows in (1, 4, 16)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--proposers", default="none,ngram,self-int8,layers-12-int8,layers-20-int8")
+    parser.add_argument("--workloads", default="chat,grounded")
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--parts", default="run,cost")
+    args = parser.parse_args()
+    proposers = args.proposers.split(",")
+    model = load_model(args.model)
+    parts = args.parts.split(",")
+    if "run" in parts:
+        workloads, batches = args.workloads.split(","), [int(b) for b in args.batches.split(",")]
+        results = {name: run_proposer(model, PROPOSERS[name], args.k, workloads, batches, args.new_tokens)
+                   for name in proposers}
+        base = results.get("none")
+        print(f"{'proposer':16} {'workload':9} {'batch':>5} {'tok/s':>7} {'ratio':>6} {'accept':>7} {'mean acc':>8} same")
+        for name, rows in results.items():
+            for (workload, batch), row in rows.items():
+                ref = base[(workload, batch)] if base else None
+                ratio = row["tok_s"] / ref["tok_s"] if ref else float("nan")
+                same = "yes" if ref is None or ref["tokens"] == row["tokens"] else "NO"
+                print(f"{name:16} {workload:9} {batch:5d} {row['tok_s']:7.1f} {ratio:6.2f} "
+                      f"{row.get('acceptance', float('nan')):7.2f} {row.get('mean_accepted', float('nan')):8.2f} {same}")
+    if "cost" in parts:
+        print(json.dumps({"cost_ms": cost_model(model, proposers)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
