@@ -120,3 +120,16 @@ def compilations():
         yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture(autouse=True)
+def _persistent_compilation_cache_stays_in_its_test():
+    """``raylm generate`` run in-process (tests/test_cli.py) turns JAX's process-wide persistent
+    compilation cache on; left on, every later test's programs are serialized into the user's
+    cache dir, and the suite depends on test order. Turn it off again after each test."""
+    yield
+    if jax.config.jax_compilation_cache_dir is not None:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
