@@ -449,7 +449,7 @@ class ModelRunner:
             out = {}
             for r, seq in enumerate(seqs):
                 steps = int(limits[r] - positions[r])
-                out[seq.seq_id] = [_row(jax.tree_util.tree_map(lambda a: a[i], fetched), r) for i in range(steps)]
+                out[seq.seq_id] = [_row(fetched, (i, r)) for i in range(steps)]
             return out
 
         return collect
@@ -518,7 +518,7 @@ class ModelRunner:
                 # The draft computed the window and its guesses but the last: after a fully
                 # accepted run it is one token behind the target.
                 seq.draft_lag = int(self.draft is not None and 0 < num_drafts[r] == a)
-                out[seq.seq_id] = [_row(jax.tree_util.tree_map(lambda x: x[j], fetched), r) for j in range(a + 1)]
+                out[seq.seq_id] = [_row(fetched, (j, r)) for j in range(a + 1)]
             return out
 
         return collect
@@ -607,5 +607,6 @@ def _cpu_kernels_run(mesh: Mesh, kv: KVCache) -> bool:
     )
 
 
-def _row(result: SampleResult, r: int) -> SampleResult:
-    return SampleResult(*(np.asarray(a)[r] for a in result))
+def _row(result: SampleResult, index: int | tuple[int, int]) -> SampleResult:
+    """Row ``index`` of a fetched sample batch: ``r``, or ``(step, r)`` of a multi-token one."""
+    return SampleResult(*(np.asarray(a)[index] for a in result))
