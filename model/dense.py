@@ -7,9 +7,9 @@ head alone took 15-30 ms of a 16-row step; ``model/kernels/dense_matmul.cc`` str
 weight once while the rows stay in cache (1.3-2.5x XLA at 1-32 rows on an AVX2 dev machine,
 measured per shape). Above ``KERNEL_MAX_ROWS`` rows (prompt chunks, large batches; fewer
 on AVX-512 CPUs) XLA's GEMM is as fast or faster, so it runs there. The kernel is built by
-``pip install`` (setup.py); without it, or for non-float32 operands, or on another backend, the same
-program runs ``jnp`` (chosen when the program is lowered, so one traced function serves
-every platform). XLA cannot partition a custom call: sharded programs pass
+``pip install`` (setup.py); without it, or for non-float32 operands, or on another backend,
+the same program runs ``jnp`` (chosen when the program is lowered, so one traced function
+serves every platform). XLA cannot partition a custom call: sharded programs pass
 ``kernel=False``.
 
 Weights may be ``QuantArray``s (model/quantization.py): the kernel reads their 8-bit values
