@@ -9,10 +9,24 @@ for new data, so recently freed prefixes are reused before they are overwritten.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 NULL_BLOCK = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of the pool's counts (blocks and lifetime prefix-cache lookups, in blocks)."""
+
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_usable_blocks: int
+    usage: float  # fraction of usable blocks in use
+    prefix_queries: int
+    prefix_hits: int
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -222,17 +236,10 @@ class BlockPool:
                 free.append(block_hash)
         return in_use + free
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> PoolStats:
         """Counts for metrics and routing: block usage and prefix-cache queries/hits."""
-        return {
-            "num_free_blocks": self.num_free_blocks,
-            "num_used_blocks": self.num_used_blocks,
-            "num_cached_blocks": self.num_cached_blocks,
-            "num_usable_blocks": self.num_usable_blocks,
-            "usage": self.usage,
-            "prefix_queries": self.prefix_queries,
-            "prefix_hits": self.prefix_hits,
-        }
+        return PoolStats(self.num_free_blocks, self.num_used_blocks, self.num_cached_blocks, self.num_usable_blocks,
+                         self.usage, self.prefix_queries, self.prefix_hits)
 
     # -- internals ------------------------------------------------------------------
 

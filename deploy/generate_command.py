@@ -98,9 +98,9 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         elapsed = time.perf_counter() - start
         rate = f"{max(count - 1, 0) / max(elapsed, 1e-9):.1f} tokens/s after the first"
-        stats = engine.stats()
-        if speculative:
-            rate += f", {stats['spec_accepted_tokens']}/{stats['spec_draft_tokens']} guesses accepted"
+        spec = engine.stats().spec
+        if spec is not None:
+            rate += f", {spec.num_accepted_tokens}/{spec.num_draft_tokens} guesses accepted"
         print(f"[{count} tokens, {rate}]", file=sys.stderr)
         return 0
     except (ModelError, ChatTemplateError, ValueError) as err:

@@ -4,17 +4,18 @@ and the router's queue."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any, Sequence
 
-from deploy.serve_command import LOCAL_RAY_ENV
+from cluster.local_ray import apply_local_ray_env
+from cluster.names import DEFAULT_APP_NAME, ROUTER_DEPLOYMENT
+from workers.speculative import SpecDecodeStats
 
 
 def add_status_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("status", help="show nodes, replicas, load, KV use and queue depth")
     p.add_argument("--address", default="auto", help="Ray cluster address (default: the one running here)")
-    p.add_argument("--app", default="raylm", help="Serve application name (deploy file's `name`)")
+    p.add_argument("--app", default=DEFAULT_APP_NAME, help="Serve application name (deploy file's `name`)")
     p.set_defaults(run=run_status)
 
 
@@ -27,23 +28,22 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def speculation_summary(stats: dict[str, Any]) -> str:
+def speculation_summary(spec: SpecDecodeStats | None) -> str:
     """``accepted/guessed (rate), mean per step`` of a replica's speculative decoding, or "off"."""
-    if "spec_draft_tokens" not in stats:
+    if spec is None:
         return "off"
-    drafted, accepted, steps = stats["spec_draft_tokens"], stats["spec_accepted_tokens"], stats["spec_num_drafts"]
-    rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
-    mean = f"{accepted / steps:.2f}" if steps else "-"
+    drafted, accepted = spec.num_draft_tokens, spec.num_accepted_tokens
+    rate = f"{100 * spec.acceptance_rate:.0f}%" if drafted else "-"
+    mean = f"{spec.mean_accepted:.2f}" if spec.num_drafts else "-"
     return f"{accepted}/{drafted} ({rate}), {mean} per step"
 
 
 def run_status(args: argparse.Namespace) -> int:
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
+    apply_local_ray_env()
     import ray
     from ray import serve
 
-    from cluster.replicas import replica_stats
+    from workers.replica_protocol import replica_reports
 
     if not ray.is_initialized():
         try:
@@ -67,16 +67,17 @@ def run_status(args: argparse.Namespace) -> int:
                                          for state, n in d.replica_states.items())]
         for name, d in status.deployments.items()
     ]))
-    stats = replica_stats(args.app, "LLMWorker")
+    reports = replica_reports(args.app)
     print("\nWorker replicas")
     print(table(["replica", "node", "running", "waiting", "queued tokens", "KV used", "requests", "generated",
                  "spec accepted"], [
-        [rid, str(s.get("node_id", "?"))[:12], s["running"], s["waiting"], s["waiting_tokens"],
-         f"{100 * s['kv_usage']:.1f}%", s["requests"], s["generation_tokens"], speculation_summary(s)]
-        for rid, s in sorted(stats.items())
+        [rid, r.node_id[:12], r.engine.running, r.engine.waiting, r.engine.waiting_tokens,
+         f"{100 * r.engine.pool.usage:.1f}%", r.engine.requests, r.engine.generation_tokens,
+         speculation_summary(r.engine.spec)]
+        for rid, r in sorted(reports.items())
     ]))
     try:
-        router = serve.get_deployment_handle("OpenAIRouter", app_name=args.app)
+        router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=args.app)
         queue = router.queue_status.remote().result(timeout_s=10)
         queued = ", ".join(f"{name} {depth}" for name, depth in queue["queued"].items())
         print(f"\nRouter queue: {queued}; running {queue['in_flight']} of {queue['capacity']} slots")

@@ -41,7 +41,13 @@ from router.rate_limit import RateLimiter
 from router.responses import ResponseBuilder
 from router.settings import RouterSettings
 from router.streams import merge_indexed
-from workers.replica_protocol import GenerateChunk, GenerateRequest, InvalidRequestError, ReplicaDrainingError
+from workers.replica_protocol import (
+    GenerateChunk,
+    GenerateRequest,
+    InvalidRequestError,
+    ReplicaDrainingError,
+    RoutingReport,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -120,7 +126,7 @@ class OpenAIService:
         settings = self.settings
         slots = len(replicas) * settings.slots_per_replica
         self.admission.set_capacity(-(-slots // settings.num_router_replicas))
-        pools = [s["num_usable_blocks"] for s in replicas.values() if "num_usable_blocks" in s]
+        pools = [RoutingReport.from_dict(s).engine.pool.num_usable_blocks for s in replicas.values()]
         self.pool_blocks = min(pools) if pools else self.pool_blocks
         for index, name in enumerate(settings.priority_classes):
             self.metrics.queue_depth(name, self.queue.depth(index))

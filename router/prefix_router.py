@@ -24,7 +24,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from router.own_choice_mixin import OwnChoiceMixin
 from router.prefix_policy import ReplicaView, choose_replica, matched_prefix
 from router.routing_ledger import RoutingLedger
-from workers.replica_protocol import GenerateRequest
+from workers.replica_protocol import GenerateRequest, RoutingReport
 
 
 class PrefixAwareRequestRouter(OwnChoiceMixin, RequestRouter):
@@ -35,7 +35,8 @@ class PrefixAwareRequestRouter(OwnChoiceMixin, RequestRouter):
         self.block_size = block_size
         self.rng = random.Random(seed)
         self.ledger = RoutingLedger(max_tracked_blocks, report_grace_s=report_grace_s)
-        self._reported: dict[ReplicaID, tuple[list[int], frozenset[int]]] = {}
+        # Per replica: its latest routing-stats dict (by identity), parsed, and its hashes as a set.
+        self._reported: dict[ReplicaID, tuple[dict, RoutingReport, frozenset[int]]] = {}
         from cluster.metrics import RouterMetrics
 
         self.metrics = RouterMetrics(model)
@@ -75,24 +76,29 @@ class PrefixAwareRequestRouter(OwnChoiceMixin, RequestRouter):
 
     # -- inputs of the policy ---------------------------------------------------------------------------
     def _load(self, replica: RunningReplica) -> int:
-        reported = int((replica.routing_stats or {}).get("work_tokens", 0))
+        report = self._report(replica)
+        reported = report[0].engine.work_tokens if report else 0
         return max(reported, self.ledger.load(replica.replica_id))
 
     def _matched(self, replica: RunningReplica, hashes: list[int]) -> int:
         if not hashes:
             return 0
+        report = self._report(replica)
         return max(self.ledger.matched_blocks(replica.replica_id, hashes),
-                   matched_prefix(hashes, self._reported_hashes(replica)))
+                   matched_prefix(hashes, report[1]) if report else 0)
 
-    def _reported_hashes(self, replica: RunningReplica) -> frozenset[int]:
-        """The replica's reported hashes as a set, rebuilt only when a new report arrives."""
-        stats = replica.routing_stats or {}
-        report = stats.get("block_hashes") or []
+    def _report(self, replica: RunningReplica) -> tuple[RoutingReport, frozenset[int]] | None:
+        """The replica's latest report and its hashes as a set, parsed only when a new report
+        arrives; None before its first one."""
+        stats = replica.routing_stats
+        if not stats:
+            return None
         cached = self._reported.get(replica.replica_id)
-        if cached is None or cached[0] is not report:
-            cached = (report, frozenset(report))
+        if cached is None or cached[0] is not stats:
+            report = RoutingReport.from_dict(stats)
+            cached = (stats, report, frozenset(report.block_hashes))
             self._reported[replica.replica_id] = cached
-        return cached[1]
+        return cached[1], cached[2]
 
 
 def _work(request: GenerateRequest, cached_tokens: int) -> int:

@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import os
 
-for _key, _value in {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-}.items():
-    os.environ.setdefault(_key, _value)
+from cluster.local_ray import apply_local_ray_env
+
+apply_local_ray_env()  # before ray is imported
 
 import argparse  # noqa: E402
 import concurrent.futures  # noqa: E402
@@ -50,11 +47,11 @@ from typing import Any  # noqa: E402
 import httpx  # noqa: E402
 import ray  # noqa: E402
 
+from cluster.names import WORKER_DEPLOYMENT  # noqa: E402
 from deploy.readiness import wait_healthy  # noqa: E402
 from tests.serving import free_port  # noqa: E402
 
 APP_NAME = "raylm"
-WORKER_DEPLOYMENT = "LLMWorker"
 MIB = 1024 * 1024
 WORKER_NODE_TYPE = "cpu_node"
 # The head has no CPU: Serve's controller and proxy and the raylm router (num_cpus 0) fit there,
@@ -324,7 +321,6 @@ def send_completions(base_url: str, model: str) -> list[dict[str, Any]]:
 def run_scenario(cluster: FakeAutoscalingCluster, result: dict[str, Any], scale_timeout_s: float) -> None:
     from ray import serve
 
-    from cluster.replicas import replica_stats
     from deploy.app_builder import build_application
     from deploy.config import parse_deploy_config
 
@@ -392,17 +388,19 @@ def run_scenario(cluster: FakeAutoscalingCluster, result: dict[str, Any], scale_
 
     base_url = f"http://127.0.0.1:{http_port}"
     wait_healthy(base_url, 120)
-    before = replica_stats(APP_NAME, WORKER_DEPLOYMENT)
-    result["replica_nodes"] = {rid: s.get("node_id") for rid, s in sorted(before.items())}
+    from workers.replica_protocol import replica_reports
+
+    before = replica_reports(APP_NAME)
+    result["replica_nodes"] = {rid: r.node_id for rid, r in sorted(before.items())}
     t_requests = time.monotonic()
     responses = send_completions(base_url, config.served_model_name)
     result["seconds_for_requests"] = round(time.monotonic() - t_requests, 1)
     result["statuses"] = [r["status"] for r in responses]
     result["completion_tokens"] = [r.get("completion_tokens") for r in responses]
     result["errors"] = [r["error"] for r in responses if "error" in r][:3]
-    after = replica_stats(APP_NAME, WORKER_DEPLOYMENT)
+    after = replica_reports(APP_NAME)
     result["replica_requests"] = {
-        rid: after[rid]["requests"] - before.get(rid, {}).get("requests", 0) for rid in sorted(after)}
+        rid: after[rid].engine.requests - (before[rid].engine.requests if rid in before else 0) for rid in sorted(after)}
     app = serve.status().applications[APP_NAME]
     result["app_status"] = str(app.status.value if hasattr(app.status, "value") else app.status)
 

@@ -11,13 +11,12 @@ import os
 import socket
 from typing import Any
 
+from cluster.local_ray import LOCAL_RAY_ENV
 from deploy.config import DeployConfig, parse_deploy_config
 from deploy.readiness import wait_healthy
 
 RAY_ENV = {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_AUTH_MODE": "disabled",
+    **LOCAL_RAY_ENV,
     "RAY_metrics_report_interval_ms": "1000",  # metrics reach the endpoint within ~1 s, not 10
 }
 

@@ -23,7 +23,7 @@ async def _collect(engine, prompt, params, request_id):
 async def _wait_for_no_used_blocks(engine, timeout=10.0):
     for _ in range(int(timeout / 0.05)):
         stats = await engine.stats()
-        if stats["num_used_blocks"] == 0 and stats["running"] == 0:
+        if stats.pool.num_used_blocks == 0 and stats.running == 0:
             return stats
         await asyncio.sleep(0.05)
     raise AssertionError(f"blocks still in use: {stats}")
@@ -58,7 +58,7 @@ def test_closing_the_stream_aborts_and_frees_blocks(engine):
         return await _wait_for_no_used_blocks(engine)
 
     stats = asyncio.run(main())
-    assert stats["generation_tokens"] < 400
+    assert stats.generation_tokens < 400
 
 
 def test_abort_by_id_from_another_task(engine):

@@ -198,7 +198,7 @@ def test_cache_hit_after_free_is_touched_back_without_allocation():
 
     found = pool.find_cached_prefix(block_hashes(tokens + [10], 2, salt="m"))
     assert found == blocks[:2]  # the third block was partial and never cached
-    assert pool.stats()["prefix_queries"] == 3 and pool.stats()["prefix_hits"] == 2
+    assert pool.stats().prefix_queries == 3 and pool.stats().prefix_hits == 2
     assert pool.find_cached_prefix([hashes[0], 12345, hashes[1]], record_stats=False) == blocks[:1]
     pool.touch(found)
     assert [pool.ref_count(b) for b in found] == [1, 1]

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from cluster.replicas import replica_stats, running_replicas
+from workers.replica_protocol import replica_reports
 from deploy.cli import main
 from tests.serving import TEST_DEPLOY
 
@@ -65,8 +66,8 @@ def test_llm_autoscaling_policy_scales_up_under_load_and_back_down(serve_cluster
             task = asyncio.create_task(load())
             try:
                 while True:
-                    stats = await asyncio.to_thread(replica_stats, "autoscale")
-                    if len(stats) == 2 and all(s["requests"] > 0 for s in stats.values()):
+                    reports = await asyncio.to_thread(replica_reports, "autoscale")
+                    if len(reports) == 2 and all(r.engine.requests > 0 for r in reports.values()):
                         return time.monotonic() - started
                     assert time.monotonic() - started < 240, "never scaled to a second serving replica"
                     await asyncio.sleep(1)

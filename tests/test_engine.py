@@ -43,9 +43,9 @@ def _run(llm: LLM, prompts, params=GREEDY):
 
 def _assert_no_leak(llm: LLM):
     stats = llm.engine.stats()
-    assert stats["num_used_blocks"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
-    assert stats["num_free_blocks"] == stats["num_usable_blocks"]
-    assert stats["tokens_stored"] == stats["token_capacity"] == 0
+    assert stats.pool.num_used_blocks == 0 and stats.running == 0 and stats.waiting == 0
+    assert stats.pool.num_free_blocks == stats.pool.num_usable_blocks
+    assert stats.tokens_stored == stats.token_capacity == 0
 
 
 ENGINE_CONFIGS = {
@@ -70,7 +70,7 @@ def test_greedy_exact_under_preemption(tiny, workload):
     prompts, expected = workload
     llm = LLM(tiny, max_model_len=512, num_kv_blocks=40, max_num_batched_tokens=64)
     assert _run(llm, prompts) == expected
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
     _assert_no_leak(llm)
 
 
@@ -78,10 +78,10 @@ def test_greedy_exact_with_prefix_cache_hits(tiny, workload):
     prompts, expected = workload
     llm = LLM(tiny, max_model_len=512, num_kv_blocks=800)
     assert _run(llm, prompts) == expected
-    hits_before = llm.engine.stats()["prefix_hits"]
+    hits_before = llm.engine.stats().pool.prefix_hits
     # Same prompts again, plus shared-prefix variants: served from cached blocks, same tokens.
     assert _run(llm, prompts) == expected
-    assert llm.engine.stats()["prefix_hits"] > hits_before
+    assert llm.engine.stats().pool.prefix_hits > hits_before
     _assert_no_leak(llm)
 
 
@@ -228,12 +228,12 @@ def test_work_tokens_count_what_is_left_to_compute_and_generate(tiny, workload):
     prompts, _ = workload
     engine = LLM(tiny, max_model_len=512, num_kv_blocks=64).engine
     engine.add_request("a", prompts[5][:80], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    assert engine.stats()["work_tokens"] == 80 + 10  # waiting: the whole prompt and output budget
+    assert engine.stats().work_tokens == 80 + 10  # waiting: the whole prompt and output budget
     engine.step()  # the prompt is computed and the first token sampled
-    assert engine.stats()["work_tokens"] == 1 + 9  # the sampled token's K/V, and 9 outputs left
+    assert engine.stats().work_tokens == 1 + 9  # the sampled token's K/V, and 9 outputs left
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.stats()["work_tokens"] == 0
+    assert engine.stats().work_tokens == 0
 
 
 def _step_until_finished(engine) -> dict:
@@ -263,9 +263,9 @@ def test_prefix_lookup_counts_once_however_long_admission_waits(tiny):
     stats = engine.stats()
     # Full blocks looked up (all but the last token): P 63 // 16 = 3, A 99 // 16 = 6, B 93 // 16 = 5;
     # only B hits, P's 4 blocks.
-    assert (stats["prefix_queries"], stats["prefix_hits"]) == (3 + 6 + 5, 4)
+    assert (stats.pool.prefix_queries, stats.pool.prefix_hits) == (3 + 6 + 5, 4)
     assert finished["B"].num_cached_tokens == 4 * 16
-    assert stats["num_used_blocks"] == 0
+    assert stats.pool.num_used_blocks == 0
 
 
 def test_cached_tokens_count_the_first_admission_prompt_hit_after_preemption(tiny, reference):
@@ -280,13 +280,13 @@ def test_cached_tokens_count_the_first_admission_prompt_hit_after_preemption(tin
     engine.add_request("low", prompt, params, priority=10)
     for _ in range(30):
         engine.step()
-    queries = engine.stats()["prefix_queries"]
+    queries = engine.stats().pool.prefix_queries
     engine.add_request("high", list(range(300, 310)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     finished = _step_until_finished(engine)
-    assert engine.stats()["num_preemptions"] == 1
+    assert engine.stats().num_preemptions == 1
     assert finished["low"].num_cached_tokens == 16
     # The readmission is no new lookup in the stats: only "high"'s (9 // 16 = 0 blocks) was.
-    assert engine.stats()["prefix_queries"] == queries
+    assert engine.stats().pool.prefix_queries == queries
     assert finished["low"].outputs[0].token_ids == list(reference.generate(prompt, 40))
 
 
@@ -296,7 +296,7 @@ def test_a_request_finishing_at_its_first_token_leaves_its_prompt_cached(tiny):
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.add_request("first", prompt, one)
     _step_until_finished(engine)
-    assert engine.stats()["num_cached_blocks"] == 2
+    assert engine.stats().pool.num_cached_blocks == 2
     engine.add_request("again", prompt, one)
     assert _step_until_finished(engine)["again"].num_cached_tokens == 32
 
@@ -316,7 +316,7 @@ def test_a_sequence_longer_than_the_kv_pool_ends_at_its_capacity(tiny, reference
     completion = finished["big"].outputs[0]
     assert completion.finish_reason == "length"
     assert completion.token_ids == list(reference.generate(prompt, 55))
-    assert engine.stats()["num_used_blocks"] == 0
+    assert engine.stats().pool.num_used_blocks == 0
 
 
 def test_without_chunked_prefill_a_preempted_sequence_recomputes_in_chunks(tiny, reference):
@@ -334,6 +334,6 @@ def test_without_chunked_prefill_a_preempted_sequence_recomputes_in_chunks(tiny,
         finished.update({out.request_id: out for out in engine.step() if out.finished})
         if not engine.has_unfinished_requests():
             break
-    assert engine.stats()["num_preemptions"] == 1
+    assert engine.stats().num_preemptions == 1
     assert finished["low"].outputs[0].token_ids == list(reference.generate(prompt, 12))
     assert finished["high"].outputs[0].token_ids == list(reference.generate([4, 5, 6], 2))

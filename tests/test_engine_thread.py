@@ -126,7 +126,7 @@ def test_a_failed_step_is_a_server_error_that_frees_blocks_and_fails_health(engi
     # Both requests were in the failing step: one log line with its traceback for both.
     logged = [r for r in caplog.records if "engine step failed" in r.getMessage()]
     assert len(logged) == 1 and logged[0].exc_info is not None
-    assert stats["num_used_blocks"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+    assert stats.pool.num_used_blocks == 0 and stats.running == 0 and stats.waiting == 0
     with pytest.raises(RuntimeError, match="an engine step failed"):
         engine.check_health(stuck_after_s=60)
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from cluster.replicas import replica_stats
+from workers.replica_protocol import replica_reports
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -35,8 +35,8 @@ def _wait_idle(timeout_s: float = 60.0) -> dict:
     """Every worker replica back to no running requests and no KV blocks in use."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = replica_stats()
-        if stats and all(s["running"] == 0 and s["waiting"] == 0 and s["num_used_blocks"] == 0 for s in stats.values()):
+        stats = {rid: report.engine for rid, report in replica_reports().items()}
+        if stats and all(s.running == 0 and s.waiting == 0 and s.pool.num_used_blocks == 0 for s in stats.values()):
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"replicas still busy: {stats}")
@@ -118,7 +118,7 @@ def test_fifty_malformed_requests_leave_the_server_healthy(raylm_app):
 
 
 def test_disconnect_mid_stream_frees_blocks(raylm_app):
-    before = sum(s["generation_tokens"] for s in replica_stats().values())
+    before = sum(r.engine.generation_tokens for r in replica_reports().values())
     body = chat_body(raylm_app, max_tokens=600, ignore_eos=True, stream=True)
     with httpx.stream("POST", f"{raylm_app.base_url}{CHAT}", json=body, timeout=60) as response:
         assert response.status_code == 200
@@ -128,17 +128,17 @@ def test_disconnect_mid_stream_frees_blocks(raylm_app):
             if seen >= 4:
                 break  # hang up mid-stream
     stats = _wait_idle(timeout_s=30)
-    generated = sum(s["generation_tokens"] for s in stats.values()) - before
+    generated = sum(s.generation_tokens for s in stats.values()) - before
     assert generated < 600, "the abandoned stream ran to completion instead of being aborted"
 
 
 def test_disconnect_while_waiting_for_a_non_streaming_reply_frees_blocks(raylm_app):
     body = chat_body(raylm_app, max_tokens=900, ignore_eos=True)
-    before = sum(s["generation_tokens"] for s in replica_stats().values())
+    before = sum(r.engine.generation_tokens for r in replica_reports().values())
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{raylm_app.base_url}{CHAT}", json=body, timeout=3.0)
     stats = _wait_idle(timeout_s=30)
-    assert sum(s["generation_tokens"] for s in stats.values()) - before < 900
+    assert sum(s.generation_tokens for s in stats.values()) - before < 900
 
 
 def test_overload_answers_429_fast(raylm_app):
@@ -184,7 +184,7 @@ def test_two_replicas_both_serve(raylm_app):
     # right after a busy test, a replica's stale report would still show that test's work and
     # rightly send the whole burst to the other one. Start from a quiet state as the router sees it.
     time.sleep(3 * raylm_app.config.router.prefix_routing.stats_period_s + 1.0)
-    before = {rid: s["requests"] for rid, s in replica_stats().items()}
+    before = {rid: r.engine.requests for rid, r in replica_reports().items()}
     assert len(before) == 2
 
     async def main() -> None:
@@ -195,5 +195,5 @@ def test_two_replicas_both_serve(raylm_app):
             assert all(r.status_code == 200 for r in responses)
 
     asyncio.run(main())
-    after = replica_stats()
-    assert all(after[rid]["requests"] > before[rid] for rid in before), (before, after)
+    after = {rid: r.engine.requests for rid, r in replica_reports().items()}
+    assert all(after[rid] > before[rid] for rid in before), (before, after)

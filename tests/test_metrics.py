@@ -118,10 +118,10 @@ def _speculation_expected() -> dict[str, float]:
     totals = SpeculationCounters("metrics").totals()
     assert totals is not None, "the metrics app speculates: its replica must report spec counters"
     return {
-        "ray_raylm_spec_decode_num_drafts_total": totals["spec_num_drafts"],
-        "ray_raylm_spec_decode_num_draft_tokens_total": totals["spec_draft_tokens"],
-        "ray_raylm_spec_decode_num_accepted_tokens_total": totals["spec_accepted_tokens"],
-        "ray_raylm_spec_decode_num_accepted_tokens_per_pos_total": totals["spec_accepted_tokens"],
+        "ray_raylm_spec_decode_num_drafts_total": totals.num_drafts,
+        "ray_raylm_spec_decode_num_draft_tokens_total": totals.num_draft_tokens,
+        "ray_raylm_spec_decode_num_accepted_tokens_total": totals.num_accepted_tokens,
+        "ray_raylm_spec_decode_num_accepted_tokens_per_pos_total": totals.num_accepted_tokens,
     }
 
 

@@ -71,7 +71,7 @@ def _run(llm: LLM, prompts) -> list[list[int]]:
 
 def _assert_no_leak(llm: LLM) -> None:
     stats = llm.engine.stats()
-    assert stats["num_used_blocks"] == 0 and stats["num_free_blocks"] == stats["num_usable_blocks"]
+    assert stats.pool.num_used_blocks == 0 and stats.pool.num_free_blocks == stats.pool.num_usable_blocks
 
 
 ENGINE_CONFIGS = {
@@ -95,9 +95,9 @@ def test_greedy_equals_the_reference_on_the_same_quantization(quantized, variant
     llm = LLM(model, kv_cache_dtype=kv_cache_dtype, **engine)
     assert _run(llm, prompts) == expected
     if name == "preemption":
-        assert llm.engine.stats()["num_preemptions"] > 0
+        assert llm.engine.stats().num_preemptions > 0
     if name == "default":  # prefix-cache hits on a second pass give the same tokens
-        assert _run(llm, prompts) == expected and llm.engine.stats()["prefix_hits"] > 0
+        assert _run(llm, prompts) == expected and llm.engine.stats().pool.prefix_hits > 0
     _assert_no_leak(llm)
 
 
@@ -128,7 +128,7 @@ def test_an_8bit_kv_pool_holds_more_blocks_in_the_same_bytes(tiny_path, bundled_
     config = load_model(tiny_path).config
     llm = LLM(tiny_path, kv_cache_dtype="int8", kv_cache_memory_bytes=budget, max_model_len=256)
     kv = llm.engine.runner.kv
-    assert llm.engine.stats()["num_usable_blocks"] == blocks(config, "int8") - 1
+    assert llm.engine.stats().pool.num_usable_blocks == blocks(config, "int8") - 1
     assert isinstance(kv.k, QuantArray) and kv.dtype == np.int8
     assert kv.k.nbytes + kv.v.nbytes <= budget
 

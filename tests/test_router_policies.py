@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from cluster.replicas import replica_stats
 from tests.serving import TEST_DEPLOY
+from workers.replica_protocol import replica_reports
 
 ENGINE = {**TEST_DEPLOY["engine"], "num_kv_blocks": 256, "max_num_seqs": 2, "max_num_batched_tokens": 128,
           "max_model_len": 512}
@@ -155,7 +155,7 @@ def _chat(app, question: str, max_tokens: int, **extra) -> dict:
 
 
 def _requests_per_replica() -> dict[str, int]:
-    return {rid: s["requests"] for rid, s in replica_stats("raylm").items()}
+    return {rid: r.engine.requests for rid, r in replica_reports("raylm").items()}
 
 
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -207,7 +207,7 @@ WORDS = ["Apple", "Banana", "Cherry", "Dolphin", "Eagle", "Falcon", "Garden", "H
 
 
 def _prefix_stats() -> dict[str, tuple[int, int]]:
-    return {rid: (s["requests"], s["prefix_hits"]) for rid, s in replica_stats("raylm").items()}
+    return {rid: (r.engine.requests, r.engine.pool.prefix_hits) for rid, r in replica_reports("raylm").items()}
 
 
 def _stats_delta(before: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:

@@ -62,8 +62,8 @@ def _run(llm: LLM, prompts, params=GREEDY):
 
 def _assert_no_leak(llm: LLM) -> None:
     stats = llm.engine.stats()
-    assert stats["num_used_blocks"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
-    assert stats["num_free_blocks"] == stats["num_usable_blocks"]
+    assert stats.pool.num_used_blocks == 0 and stats.running == 0 and stats.waiting == 0
+    assert stats.pool.num_free_blocks == stats.pool.num_usable_blocks
 
 
 def _spec_stats(llm: LLM) -> SpecDecodeStats:
@@ -133,7 +133,7 @@ def test_greedy_exact_under_preemption(tiny, workload):
     llm = LLM(tiny, max_model_len=512, num_kv_blocks=48, max_num_batched_tokens=64,
               speculative=dict(method="draft", num_layers=1, num_speculative_tokens=3))
     assert _run(llm, prompts) == expected
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
     _assert_no_leak(llm)
 
 
@@ -157,9 +157,9 @@ def test_greedy_exact_with_prefix_hits_and_forks(tiny, workload, method):
     spec = dict(method=method, num_speculative_tokens=3, **({"num_layers": 1} if method == "draft" else {}))
     llm = LLM(tiny, max_model_len=512, num_kv_blocks=900, speculative=spec)
     assert _run(llm, prompts) == expected
-    hits = llm.engine.stats()["prefix_hits"]
+    hits = llm.engine.stats().pool.prefix_hits
     assert _run(llm, prompts) == expected  # from cached blocks (and the draft's pool beside them)
-    assert llm.engine.stats()["prefix_hits"] > hits
+    assert llm.engine.stats().pool.prefix_hits > hits
     two = SamplingParams(n=2, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     for prompt, want in zip(prompts[-6:], expected[-6:]):
         (out,) = llm.generate([{"prompt_token_ids": prompt}], two)
@@ -311,7 +311,7 @@ def test_guesses_never_cost_a_preemption():
     a, b = _decoding(3, 20, blocks), _decoding(7, 20, blocks)
     scheduler.running += [a, b]
     plan = scheduler.schedule()
-    assert not plan.preempted and scheduler.num_preemptions == 0
+    assert scheduler.num_preemptions == 0 and scheduler.waiting == []
     assert plan.decodes == [a, b]
     assert plan.guesses == {a.seq_id: 3}  # a came first and took the free block; b decodes plainly
     assert blocks.pool.num_free_blocks == 0

@@ -17,29 +17,26 @@ from typing import Any, AsyncIterator
 import ray
 from ray import serve
 
+from cluster.names import WORKER_DEPLOYMENT
 from cluster.metrics import WorkerMetrics
 from workers.async_engine import AsyncEngine, EngineShutdownError
 from workers.replica_metrics import EngineStatsReporter, RequestMetricsRecorder
+from workers.deployment_options import DEFAULT_STUCK_AFTER_S, WorkerDeploymentOptions
+from workers.engine_stats import EngineStats
 from workers.replica_protocol import (
     GenerateChunk,
     GenerateRequest,
     ReplicaDrainingError,
+    RoutingReport,
     chunk_from_output,
 )
 
 logger = logging.getLogger("ray.serve")
 
-DEFAULT_STUCK_AFTER_S = 300.0  # a first compile of a large bucket can take a minute on CPU
 DEFAULT_MAX_REPORTED_HASHES = 4096  # 64k tokens of prefix at block size 16; ~40 KB per report
 
 
-@serve.deployment(
-    name="LLMWorker",
-    max_ongoing_requests=256,
-    graceful_shutdown_timeout_s=30,
-    health_check_period_s=10,
-    health_check_timeout_s=30,
-)
+@serve.deployment(name=WORKER_DEPLOYMENT, **WorkerDeploymentOptions().serve_options())
 class LLMWorker:
     """One model replica serving ``generate`` streams."""
 
@@ -104,46 +101,26 @@ class LLMWorker:
     async def check_health(self) -> None:
         self.engine.check_health(self.stuck_after_s)
 
-    async def stats(self) -> dict[str, Any]:
-        """Engine counters (queue, KV pool, tokens, prefix cache)."""
+    async def stats(self) -> EngineStats:
+        """Engine counters (queue, KV pool, tokens, prefix cache, speculation)."""
         return await self.engine.stats()
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """What request routers (and ``raylm status``) read: load, KV use, lifetime token counts,
-        and the hashes of cached KV blocks (bounded) for prefix-aware routing."""
+        """What request routers (and ``raylm status``) read: a ``RoutingReport`` as plain data."""
 
-        def snapshot(engine) -> dict[str, Any]:
-            return {"stats": engine.stats(), "hashes": engine.pool.cached_hashes(self.max_reported_hashes)}
+        def snapshot(engine) -> RoutingReport:
+            return RoutingReport(engine.stats(), self.node_id, engine.pool.cached_hashes(self.max_reported_hashes))
 
-        taken = await self.engine.run_in_engine(snapshot)
-        stats = taken["stats"]
-        return {
-            "running": stats["running"],
-            "waiting": stats["waiting"],
-            "running_tokens": stats["tokens_stored"],
-            "waiting_tokens": stats["waiting_tokens"],
-            "work_tokens": stats["work_tokens"],
-            "kv_usage": stats["usage"],
-            "num_used_blocks": stats["num_used_blocks"],
-            "num_usable_blocks": stats["num_usable_blocks"],
-            "requests": stats["requests"],
-            "prompt_tokens": stats["prompt_tokens"],
-            "generation_tokens": stats["generation_tokens"],
-            "prefix_queries": stats["prefix_queries"],
-            "prefix_hits": stats["prefix_hits"],
-            **{key: value for key, value in stats.items() if key.startswith("spec_")},  # speculative decoding
-            "node_id": self.node_id,
-            "block_hashes": taken["hashes"],
-        }
+        return (await self.engine.run_in_engine(snapshot)).as_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom metrics for the LLM autoscaling policy (``cluster.autoscaling``)."""
         stats = await self.engine.stats()
         slots = self.engine.engine.args.max_num_seqs
         return {
-            "batch_utilization": min(1.0, (stats["running"] + stats["waiting"]) / slots),
-            "kv_usage": float(stats["usage"]),
-            "waiting_tokens": float(stats["waiting_tokens"]),
+            "batch_utilization": min(1.0, (stats.running + stats.waiting) / slots),
+            "kv_usage": stats.pool.usage,
+            "waiting_tokens": float(stats.waiting_tokens),
         }
 
     async def profile(self, seconds: float, out_dir: str) -> str:

@@ -6,11 +6,10 @@ thread and ``LLM`` from a plain loop.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import random
-import sys
 import time
-from typing import Iterable, Sequence as Seq
+from typing import Callable, Iterable, Sequence as SequenceOf
 
 from cache import BlockPool, model_salt
 from cache.kv_arrays import allocate_kv_cache, blocks_for_budget, kv_pool_dtype
@@ -18,47 +17,25 @@ from model import LoadedModel, PromptTooLongError, make_mesh, parse_dtype
 from model.compilation_cache import enable_compilation_cache
 from workers.block_manager import BlockManager
 from workers.engine_args import EngineArgs
-from workers.output_processor import append_token, request_output
 from workers.draft_loader import load_draft
+from workers.engine_stats import EngineStats, remaining_work
+from workers.output_processor import request_output
+from workers.outputs import RequestOutput
+from workers.progress import StderrProgress
+from workers.request_state import RequestState
 from workers.runner import DraftModel, ModelRunner
-from workers.sampler import SampleResult
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
-from workers.outputs import RequestOutput
 from workers.sequence import Sequence
-
-
-def print_progress(label: str):
-    """A progress display on stderr for start-up work: ``label: i/n (elapsed)`` on one line."""
-
-    def wrap(items):
-        items = list(items)
-        start = time.monotonic()
-        for i, item in enumerate(items, 1):
-            yield item
-            print(f"\r{label}: {i}/{len(items)} ({time.monotonic() - start:.0f}s)", end="", file=sys.stderr, flush=True)
-        print(file=sys.stderr)
-
-    return wrap
-
-
-@dataclasses.dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    seqs: list[Sequence]
-    arrival_time: float
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
 
 
 class LLMEngine:
     """Continuous-batching engine over one model replica (possibly tensor-parallel)."""
 
-    def __init__(self, model: LoadedModel, args: EngineArgs = EngineArgs(), progress=None):
+    def __init__(
+        self, model: LoadedModel, args: EngineArgs = EngineArgs(),
+        progress: Callable[[Iterable], Iterable] = StderrProgress("compiling shape buckets"),
+    ):
         float_model = model
         if args.quantization is not None:
             model = model.quantized(args.quantization)
@@ -92,6 +69,7 @@ class LLMEngine:
                 speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
             ),
             self.blocks,
+            self.eos_ids,
         )
         self.draft_model = draft
         self.runner = ModelRunner(
@@ -103,11 +81,9 @@ class LLMEngine:
             ) if draft else None,
         )
         if args.warmup:
-            self.runner.warmup(args.num_scheduler_steps, progress or print_progress("compiling shape buckets"))
+            self.runner.warmup(args.num_scheduler_steps, progress)
         self.requests: dict[str, RequestState] = {}
         self._seeds = random.Random(args.seed)
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
         self.num_requests = 0
         self.last_step_tokens = 0  # tokens the latest step computed (prefill chunks + decode steps)
 
@@ -115,7 +91,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Seq[int],
+        prompt: str | SequenceOf[int],
         params: SamplingParams,
         priority: int = 0,
     ) -> None:
@@ -193,98 +169,38 @@ class LLMEngine:
         self.last_step_tokens = 0
         if plan.empty:
             return []
-        self.last_step_tokens = (sum(c.num_tokens for c in plan.prefills) + len(plan.decodes) * plan.num_decode_steps
-                                 + sum(plan.guesses.values()))  # positions a verify may score
-        now = time.monotonic()
+        self.last_step_tokens = plan.num_tokens
+        scheduled_at = time.monotonic()
         self.runner.copy_blocks(plan.block_copies)
         samples = self.runner.execute(plan.prefills, plan.decodes, plan.num_decode_steps, plan.guesses)
-
-        touched: dict[str, RequestState] = {}
-        for chunk in plan.prefills:
-            seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_tokens
-            self.num_prompt_tokens += chunk.num_tokens
-            seq.first_scheduled_time = seq.first_scheduled_time or now
-            self._consume(seq, samples.get(seq.seq_id, []))
-            touched[seq.request_id] = self.requests[seq.request_id]
-        for seq in plan.decodes:
-            seq.num_computed_tokens += 1  # the fed-back last token; further steps count in _consume
-            seq.first_scheduled_time = seq.first_scheduled_time or now
-            self._consume(seq, samples[seq.seq_id])
-            touched[seq.request_id] = self.requests[seq.request_id]
+        progressed = self.scheduler.update_from_output(plan, samples, scheduled_at)
 
         outputs = []
-        for state in touched.values():
+        for state in {seq.request_id: self.requests[seq.request_id] for seq in progressed}.values():
             outputs.append(request_output(state, final=state.finished))
             if state.finished:
                 del self.requests[state.request_id]
         return outputs
 
-    def _consume(self, seq: Sequence, results: Iterable[SampleResult]) -> None:
-        """Apply sampled tokens (all but the first feed back one computed token each)."""
-        for i, result in enumerate(results):
-            if i > 0:
-                seq.num_computed_tokens += 1
-            append_token(seq, result, self.eos_ids)
-            self.num_generated_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = time.monotonic()
-            if seq.forks:
-                for child in seq.forks:
-                    self.blocks.fork(seq, child)
-                    self.scheduler.add(child)
-                seq.forks = []
-            if seq.finished:
-                break
-        # Finished or not, its computed full blocks become prefix-cache entries: a request that
-        # ends at its first token (max_tokens=1) leaves its prompt cached for the next one too.
-        self.blocks.commit_computed_blocks(seq)
-        if seq.finished:
-            self.scheduler.remove(seq)
-
     # -- introspection -----------------------------------------------------------------------------------
-    def _work_tokens(self) -> int:
-        """The load a router compares replicas by: work left, not tokens already held in the cache
-        (a request whose long prompt was a cache hit costs little more than its outputs)."""
-        return sum(_remaining_work(s) for s in (*self.scheduler.running, *self.scheduler.waiting))
-
-    def stats(self) -> dict[str, float]:
-        """Pool, queue and token counters (what the router and the metrics read)."""
-        pool = self.pool.stats()
-        return {
-            **pool,
-            "tokens_stored": sum(s.num_computed_tokens for s in self.scheduler.running),
-            "token_capacity": self.pool.num_used_blocks * self.pool.block_size,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            # Prompt work queued here (preempted sequences recompute their outputs too).
-            "waiting_tokens": sum(len(s.prompt_ids) + len(s.output_ids) for s in self.scheduler.waiting),
-            "work_tokens": self._work_tokens(),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "requests": self.num_requests,
-            "prompt_tokens": self.num_prompt_tokens,
-            "generation_tokens": self.num_generated_tokens,
-            **self._spec_stats(),
-        }
-
-    def _spec_stats(self) -> dict:
-        """Speculative decoding counters (absent when it is off)."""
-        if self.args.speculative is None:
-            return {}
-        spec = self.runner.spec_stats
-        return {
-            "spec_num_drafts": spec.num_drafts,
-            "spec_draft_tokens": spec.num_draft_tokens,
-            "spec_accepted_tokens": spec.num_accepted_tokens,
-            "spec_accepted_per_pos": list(spec.accepted_per_pos),
-        }
-
-
-def _remaining_work(seq: Sequence) -> int:
-    """Tokens ``seq`` may still cost: those not computed yet (a waiting prompt counts whole: what
-    the cache holds of it is known only at admission) and the outputs its ``max_tokens`` still
-    allows (an upper bound: it may stop sooner)."""
-    return seq.num_uncomputed_tokens + max(0, seq.max_tokens - len(seq.output_ids))
+    def stats(self) -> EngineStats:
+        """Queue, pool and token counters: what metrics, routing, autoscaling and status read."""
+        scheduler = self.scheduler
+        spec = self.runner.spec_stats if self.args.speculative is not None else None
+        return EngineStats(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            waiting_tokens=sum(len(s.prompt_ids) + len(s.output_ids) for s in scheduler.waiting),
+            work_tokens=sum(remaining_work(s) for s in (*scheduler.running, *scheduler.waiting)),
+            tokens_stored=sum(s.num_computed_tokens for s in scheduler.running),
+            token_capacity=self.pool.num_used_blocks * self.pool.block_size,
+            num_preemptions=scheduler.num_preemptions,
+            requests=self.num_requests,
+            prompt_tokens=scheduler.num_prompt_tokens,
+            generation_tokens=scheduler.num_generated_tokens,
+            pool=self.pool.stats(),
+            spec=copy.deepcopy(spec),
+        )
 
 
 def make_engine(model: str | LoadedModel, **engine_args) -> LLMEngine:

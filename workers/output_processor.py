@@ -8,6 +8,7 @@ held back from streaming.
 from __future__ import annotations
 
 from workers.outputs import CompletionOutput, RequestOutput
+from workers.request_state import RequestState
 from workers.sampler import SampleResult
 from workers.sequence import Sequence
 
@@ -92,8 +93,8 @@ def completion_output(seq: Sequence) -> CompletionOutput:
     return out
 
 
-def request_output(state, final: bool) -> RequestOutput:
-    """A ``RequestOutput`` for a request's current state (``state`` is the engine's RequestState)."""
+def request_output(state: RequestState, final: bool) -> RequestOutput:
+    """A ``RequestOutput`` for a request's current state."""
     return RequestOutput(
         request_id=state.request_id,
         prompt=state.prompt,

@@ -8,10 +8,11 @@ counters (prefix cache, preemptions) turned into counter increments.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from cluster.metrics import WorkerMetrics
+from workers.engine_stats import EngineStats
 from workers.outputs import RequestOutput
+from workers.speculative import SpecDecodeStats
 
 
 class RequestMetricsRecorder:
@@ -76,38 +77,38 @@ class EngineStatsReporter:
     def __init__(self, metrics: WorkerMetrics, block_size: int):
         self.metrics = metrics
         self.block_size = block_size
-        self.previous: dict[str, Any] = {}
+        self.previous: EngineStats | None = None
 
-    def report(self, stats: dict[str, Any]) -> None:
-        metrics = self.metrics
-        metrics.set("raylm_num_requests_running", stats["running"])
-        metrics.set("raylm_num_requests_waiting", stats["waiting"])
-        metrics.set("raylm_kv_cache_usage_perc", stats["usage"])
+    def report(self, stats: EngineStats) -> None:
+        metrics, previous = self.metrics, self.previous
+        metrics.set("raylm_num_requests_running", stats.running)
+        metrics.set("raylm_num_requests_waiting", stats.waiting)
+        metrics.set("raylm_kv_cache_usage_perc", stats.pool.usage)
         # The pool counts blocks; vLLM's prefix-cache counters count tokens.
-        for name, key, scale in (
-            ("raylm_prefix_cache_queries_total", "prefix_queries", self.block_size),
-            ("raylm_prefix_cache_hits_total", "prefix_hits", self.block_size),
-            ("raylm_num_preemptions_total", "num_preemptions", 1),
+        for name, now, before, scale in (
+            ("raylm_prefix_cache_queries_total", stats.pool.prefix_queries,
+             previous.pool.prefix_queries if previous else 0, self.block_size),
+            ("raylm_prefix_cache_hits_total", stats.pool.prefix_hits, previous.pool.prefix_hits if previous else 0,
+             self.block_size),
+            ("raylm_num_preemptions_total", stats.num_preemptions, previous.num_preemptions if previous else 0, 1),
         ):
-            metrics.inc(name, (stats[key] - self.previous.get(key, 0)) * scale)
-        if "spec_draft_tokens" in stats:
-            self._report_speculation(stats)
+            metrics.inc(name, (now - before) * scale)
+        if stats.spec is not None:
+            self._report_speculation(stats.spec, previous.spec if previous and previous.spec else SpecDecodeStats())
         self.previous = stats
         memory = device_memory_in_use()
         if memory is not None:
             metrics.set("raylm_device_memory_used_bytes", memory)
 
-
-    def _report_speculation(self, stats: dict[str, Any]) -> None:
-        for name, key in (
-            ("raylm_spec_decode_num_drafts_total", "spec_num_drafts"),
-            ("raylm_spec_decode_num_draft_tokens_total", "spec_draft_tokens"),
-            ("raylm_spec_decode_num_accepted_tokens_total", "spec_accepted_tokens"),
+    def _report_speculation(self, spec: SpecDecodeStats, before: SpecDecodeStats) -> None:
+        for name, now, then in (
+            ("raylm_spec_decode_num_drafts_total", spec.num_drafts, before.num_drafts),
+            ("raylm_spec_decode_num_draft_tokens_total", spec.num_draft_tokens, before.num_draft_tokens),
+            ("raylm_spec_decode_num_accepted_tokens_total", spec.num_accepted_tokens, before.num_accepted_tokens),
         ):
-            self.metrics.inc(name, stats[key] - self.previous.get(key, 0))
-        before = self.previous.get("spec_accepted_per_pos", [])
-        for position, count in enumerate(stats["spec_accepted_per_pos"]):
-            previous = before[position] if position < len(before) else 0
+            self.metrics.inc(name, now - then)
+        for position, count in enumerate(spec.accepted_per_pos):
+            previous = before.accepted_per_pos[position] if position < len(before.accepted_per_pos) else 0
             self.metrics.inc("raylm_spec_decode_num_accepted_tokens_per_pos", count - previous, position=str(position))
 
 

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Any
+
+from cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
+from workers.engine_stats import EngineStats
 from workers.outputs import RequestOutput, TokenLogprobs
 from workers.sampling_params import SamplingParams
 
@@ -85,3 +89,31 @@ def chunk_from_output(output: RequestOutput, reported_finished: set[int]) -> Gen
         num_cached_tokens=output.num_cached_tokens,
         finished=output.finished,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingReport:
+    """What a replica's ``record_routing_stats`` answers (Serve ships it as a plain dict): its
+    engine's stats, its node, and the hashes of the KV blocks it caches (bounded) for
+    prefix-aware routing."""
+
+    engine: EngineStats
+    node_id: str
+    block_hashes: list[int]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine.as_dict(), "node_id": self.node_id, "block_hashes": self.block_hashes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RoutingReport:
+        return cls(EngineStats.from_dict(data["engine"]), data["node_id"], data["block_hashes"])
+
+
+def replica_reports(app_name: str = DEFAULT_APP_NAME, timeout_s: float = 10.0) -> dict[str, RoutingReport]:
+    """``{replica id: report}`` of every live worker replica of ``app_name`` (needs Ray; those
+    that do not answer within ``timeout_s`` are left out)."""
+    from cluster.replicas import replica_stats
+
+    return {rid: RoutingReport.from_dict(data) for rid, data in
+            replica_stats(app_name, WORKER_DEPLOYMENT, timeout_s).items()}
+

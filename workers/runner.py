@@ -371,7 +371,7 @@ class ModelRunner:
         last_tokens = np.zeros(rows, np.int32)
         at = 0
         for r, chunk in enumerate(chunks):
-            start, n = chunk.seq.num_computed_tokens, chunk.num_tokens
+            start, n = chunk.start, chunk.num_tokens
             tokens[at : at + n] = chunk.seq.all_ids[start : start + n]
             positions[at : at + n] = np.arange(start, start + n)
             token_rows[at : at + n] = r
@@ -396,7 +396,7 @@ class ModelRunner:
         positions = np.zeros((rows, length), np.int32)
         context = np.zeros(rows, np.int32)
         for r, chunk in enumerate(chunks):
-            start, n = chunk.seq.num_computed_tokens, chunk.num_tokens
+            start, n = chunk.start, chunk.num_tokens
             tokens[r, :n] = chunk.seq.all_ids[start : start + n]
             positions[r] = np.arange(start, start + length)
             context[r] = start + n

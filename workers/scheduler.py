@@ -6,13 +6,21 @@ are split into chunks so they never stall the decodes (chunked prefill). When bl
 out, the lowest-priority, latest-arrived running sequence is preempted: its blocks are
 freed and it later recomputes everything it had (its full blocks are likely still in the
 prefix cache).
+
+The scheduler owns sequence state: ``schedule`` plans a step and ``update_from_output`` applies
+its results (computed tokens, sampled tokens, forks, prefix-cache commits, removal of finished
+sequences), so the engine only moves plans and samples between it and the model runner.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Iterable, Mapping
 
 from workers.block_manager import BlockManager, PrefixLookup
+from workers.output_processor import append_token
+from workers.sampler import SampleResult
 from workers.sequence import Sequence, SequenceStatus
 
 
@@ -33,24 +41,28 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs, max_num_batched_tokens and num_scheduler_steps must be >= 1")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
+    """Prompt tokens ``[start, start + num_tokens)`` of ``seq`` to compute this step, fixed when
+    the step is planned (the sequence itself changes once the step's results are applied)."""
+
     seq: Sequence
-    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    start: int
+    num_tokens: int
+    samples: bool  # the chunk reaches the last known token, so its logits give the next token
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the last known token, so its logits give the next token."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
     prefills: list[ScheduledChunk]
     decodes: list[Sequence]
     num_decode_steps: int
     block_copies: list[tuple[int, int]]
-    preempted: list[Sequence]
     # Speculative decoding: guesses each decoding sequence (by seq_id) may carry this step; its
     # blocks are grown (copy-on-write included) for them. Absent: none.
     guesses: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -59,16 +71,26 @@ class SchedulerOutput:
     def empty(self) -> bool:
         return not self.prefills and not self.decodes
 
+    @property
+    def num_tokens(self) -> int:
+        """Positions the step computes: prompt chunks, decode steps and the guesses a verify scores."""
+        return (sum(c.num_tokens for c in self.prefills) + len(self.decodes) * self.num_decode_steps
+                + sum(self.guesses.values()))
+
 
 class Scheduler:
-    """Owns the waiting and running queues; the engine feeds it sequences and results."""
+    """Owns the waiting and running queues and every sequence's progress; the engine feeds it
+    sequences and each step's samples."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, eos_ids: frozenset[int] = frozenset()):
         self.config = config
         self.blocks = blocks
+        self.eos_ids = eos_ids
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompt (and recomputed) tokens computed, lifetime
+        self.num_generated_tokens = 0  # tokens sampled, lifetime
 
     @property
     def _by_priority(self) -> bool:
@@ -77,9 +99,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks at once."""
@@ -91,6 +110,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def _preempt(self, victim: Sequence, preempted: list[Sequence]) -> None:
+        """Evict ``victim`` to the waiting queue (noted in ``preempted``: not re-admitted this step)."""
         self.running.remove(victim)
         self.blocks.free(victim)
         victim.status = SequenceStatus.WAITING
@@ -176,7 +196,7 @@ class Scheduler:
                 continue
             self.blocks.grow(seq, want)
             if seq.is_prefilling:
-                prefills.append(ScheduledChunk(seq, want))
+                prefills.append(ScheduledChunk.of(seq, want))
                 budget -= want
             else:
                 decodes.append(seq)
@@ -206,7 +226,7 @@ class Scheduler:
             admitted.append(seq)
             budget -= want
             if want > 1 or seq.is_prefilling:
-                prefills.append(ScheduledChunk(seq, want))
+                prefills.append(ScheduledChunk.of(seq, want))
             else:
                 decodes.append(seq)
         for seq in admitted:
@@ -216,7 +236,7 @@ class Scheduler:
 
         if prefills:
             steps = 1
-        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), preempted, guesses)
+        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), guesses)
 
     def _lookahead(self) -> int:
         """Guesses per decoding sequence this step: none above the batch size where verifying
@@ -225,3 +245,49 @@ class Scheduler:
         if k and limit is not None and sum(not s.is_prefilling for s in self.running) > limit:
             return 0
         return k
+
+    # -- applying a step's results ------------------------------------------------------------------
+    def update_from_output(
+        self, plan: SchedulerOutput, samples: Mapping[int, Iterable[SampleResult]], scheduled_at: float
+    ) -> list[Sequence]:
+        """Apply the results of ``plan``'s step: computed tokens advance, sampled tokens are
+        appended (stop conditions checked), a request's n > 1 forks start after its first token,
+        computed full blocks enter the prefix cache and finished sequences leave (their blocks
+        freed). ``samples`` maps seq_id to its samples in order. Returns the sequences that
+        made progress."""
+        progressed = []
+        for chunk in plan.prefills:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.num_prompt_tokens += chunk.num_tokens
+            seq.first_scheduled_time = seq.first_scheduled_time or scheduled_at
+            self._append_samples(seq, samples.get(seq.seq_id, ()))
+            progressed.append(seq)
+        for seq in plan.decodes:
+            seq.num_computed_tokens += 1  # the fed-back last token; further steps count below
+            seq.first_scheduled_time = seq.first_scheduled_time or scheduled_at
+            self._append_samples(seq, samples[seq.seq_id])
+            progressed.append(seq)
+        return progressed
+
+    def _append_samples(self, seq: Sequence, results: Iterable[SampleResult]) -> None:
+        """Apply sampled tokens (all but the first feed back one computed token each)."""
+        for i, result in enumerate(results):
+            if i > 0:
+                seq.num_computed_tokens += 1
+            append_token(seq, result, self.eos_ids)
+            self.num_generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            if seq.forks:
+                for child in seq.forks:
+                    self.blocks.fork(seq, child)
+                    self.add(child)
+                seq.forks = []
+            if seq.finished:
+                break
+        # Finished or not, its computed full blocks become prefix-cache entries: a request that
+        # ends at its first token (max_tokens=1) leaves its prompt cached for the next one too.
+        self.blocks.commit_computed_blocks(seq)
+        if seq.finished:
+            self.remove(seq)

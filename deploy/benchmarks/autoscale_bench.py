@@ -29,10 +29,10 @@ import time
 
 import httpx
 
+from cluster.names import WORKER_DEPLOYMENT
 from deploy.benchmarks.local_serve import local_serve
 from deploy.config import DeployConfig, load_deploy_config, parse_deploy_config
 
-WORKER = "LLMWorker"
 
 
 @dataclasses.dataclass
@@ -66,9 +66,9 @@ def autoscaled(config: DeployConfig, args: argparse.Namespace) -> DeployConfig:
 
 
 def served_requests(app: str) -> dict[str, int]:
-    from cluster.replicas import replica_stats
+    from workers.replica_protocol import replica_reports
 
-    return {replica: stats["requests"] for replica, stats in replica_stats(app, WORKER).items()}
+    return {replica: report.engine.requests for replica, report in replica_reports(app).items()}
 
 
 class LoadGenerator:
@@ -112,7 +112,7 @@ async def scenario(app: str, base_url: str, model: str, args: argparse.Namespace
     task = asyncio.create_task(load.run())
     try:
         while timeline.second_serving_s is None:
-            running = await asyncio.to_thread(running_replicas, app, WORKER)
+            running = await asyncio.to_thread(running_replicas, app, WORKER_DEPLOYMENT)
             if running >= 2 and timeline.second_running_s is None:
                 timeline.second_running_s = time.monotonic() - started
             served = await asyncio.to_thread(served_requests, app)
@@ -127,7 +127,7 @@ async def scenario(app: str, base_url: str, model: str, args: argparse.Namespace
         phase_seconds["hold"] = args.hold_s
         load.phase, load.active_clients = "scale-down", 1
         dropped = time.monotonic()
-        while await asyncio.to_thread(running_replicas, app, WORKER) > 1:
+        while await asyncio.to_thread(running_replicas, app, WORKER_DEPLOYMENT) > 1:
             if time.monotonic() - dropped > args.timeout_s:
                 raise TimeoutError(f"not back to one replica within {args.timeout_s} s")
             await asyncio.sleep(0.5)

@@ -33,7 +33,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
     """Submit everything at once, step to completion; returns wall time, tokens and peak KV use."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"b{time.monotonic_ns()}-{i}", prompt, params)
-    prompt_before = engine.num_prompt_tokens
+    prompt_before = engine.scheduler.num_prompt_tokens
     out_tokens, peak_blocks, peak_fill = 0, 0, 1.0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -49,7 +49,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
         "wall_s": wall,
         "output_tokens": out_tokens,
         "tok_s": out_tokens / wall,
-        "prompt_tokens_computed": engine.num_prompt_tokens - prompt_before,
+        "prompt_tokens_computed": engine.scheduler.num_prompt_tokens - prompt_before,
         "peak_kv_fill": peak_fill,
     }
 

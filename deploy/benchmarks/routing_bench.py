@@ -33,11 +33,12 @@ DECISIONS = "ray_raylm_router_routing_decisions_total"
 
 def _snapshot(app: str) -> tuple[dict[str, int], dict[str, int]]:
     """Prefix-cache and request totals over the replicas, and requests per replica: one read."""
-    from cluster.replicas import replica_stats
+    from workers.replica_protocol import replica_reports
 
-    stats = replica_stats(app)
-    totals = {key: sum(s[key] for s in stats.values()) for key in ("prefix_queries", "prefix_hits")}
-    return totals, {rid: s["requests"] for rid, s in stats.items()}
+    reports = replica_reports(app)
+    totals = {"prefix_queries": sum(r.engine.pool.prefix_queries for r in reports.values()),
+              "prefix_hits": sum(r.engine.pool.prefix_hits for r in reports.values())}
+    return totals, {rid: r.engine.requests for rid, r in reports.items()}
 
 
 def _decisions(metrics_port: int) -> dict[str, float]:

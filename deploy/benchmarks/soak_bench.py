@@ -32,6 +32,7 @@ import time
 
 import httpx
 
+from cluster.names import ROUTER_DEPLOYMENT, WORKER_DEPLOYMENT
 from deploy.benchmarks.hostile_requests import HostileRequest, check_answer, generate
 from deploy.benchmarks.local_serve import local_serve
 from deploy.config import load_deploy_config
@@ -137,7 +138,7 @@ def router_ledgers(app_name: str, timeout_s: float = 30.0) -> dict[str, dict]:
         return router.service.queue_status() if hasattr(router, "service") else None
 
     refs = {}
-    for name in replica_actor_names(app_name, "OpenAIRouter"):
+    for name in replica_actor_names(app_name, ROUTER_DEPLOYMENT):
         try:
             refs[name.rsplit("#", 1)[1]] = ray.get_actor(name, namespace=SERVE_NAMESPACE).__ray_call__.remote(ask)
         except ValueError:  # the replica went away between listing and lookup
@@ -156,18 +157,18 @@ def router_ledgers(app_name: str, timeout_s: float = 30.0) -> dict[str, dict]:
 def held_resources(app_name: str) -> dict:
     """What the application holds right now, summed over every router replica (slots, leases,
     queued requests) and every worker replica (running / waiting requests, KV blocks)."""
-    from cluster.replicas import replica_stats
+    from workers.replica_protocol import replica_reports
 
     routers = router_ledgers(app_name)
-    workers = replica_stats(app_name)
+    workers = {rid: r.engine for rid, r in replica_reports(app_name).items()}
     return {
         "router_replicas": len(routers),
         "router_slots": sum(r["in_flight"] for r in routers.values()),
         "router_leases": sum(r["leases"] for r in routers.values()),
         "router_queued": sum(sum(r["queued"].values()) for r in routers.values()),
         "worker_replicas": len(workers),
-        "worker_requests": sum(s["running"] + s["waiting"] for s in workers.values()),
-        "worker_blocks": sum(s["num_used_blocks"] for s in workers.values()),
+        "worker_requests": sum(s.running + s.waiting for s in workers.values()),
+        "worker_blocks": sum(s.pool.num_used_blocks for s in workers.values()),
     }
 
 
@@ -249,7 +250,7 @@ async def kill_worker_under_streams(app_name: str, base_url: str, model: str, st
         await asyncio.wait_for(first_chunk.wait(), 120)
         await asyncio.sleep(1.0)
         killed_at = time.monotonic()
-        await asyncio.to_thread(kill_replica, app_name, "LLMWorker")
+        await asyncio.to_thread(kill_replica, app_name, WORKER_DEPLOYMENT)
         endings = await asyncio.gather(*tasks)
     return [kind for kind, _ in endings], max(t for _, t in endings) - killed_at, killed_at
 

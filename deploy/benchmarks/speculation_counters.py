@@ -7,42 +7,42 @@ reports the difference: acceptance rate and accepted guesses per verified step.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from deploy.serve_command import LOCAL_RAY_ENV
-
-COUNTERS = ("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+from cluster.local_ray import apply_local_ray_env
+from workers.speculative import SpecDecodeStats
 
 
 class SpeculationCounters:
     """Reads the summed counters of every worker replica of ``app`` on the Ray cluster at ``address``."""
 
     def __init__(self, app: str, address: str = "auto"):
-        for key, value in LOCAL_RAY_ENV.items():
-            os.environ.setdefault(key, value)
+        apply_local_ray_env()
         import ray
 
         if not ray.is_initialized():
             ray.init(address=address, log_to_driver=False)
         self.app = app
 
-    def totals(self) -> dict[str, int] | None:
+    def totals(self) -> SpecDecodeStats | None:
         """Counters summed over replicas; None when no replica speculates (or none answered)."""
-        from cluster.replicas import replica_stats
+        from workers.replica_protocol import replica_reports
 
-        stats = [s for s in replica_stats(self.app, "LLMWorker").values() if "spec_draft_tokens" in s]
-        if not stats:
+        specs = [r.engine.spec for r in replica_reports(self.app).values() if r.engine.spec is not None]
+        if not specs:
             return None
-        return {key: sum(int(s[key]) for s in stats) for key in COUNTERS}
+        return SpecDecodeStats(sum(s.num_drafts for s in specs), sum(s.num_draft_tokens for s in specs),
+                               sum(s.num_accepted_tokens for s in specs))
 
 
-def acceptance(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, Any]:
+def acceptance(before: SpecDecodeStats | None, after: SpecDecodeStats | None) -> dict[str, Any]:
     """``spec_acceptance`` (accepted / guessed) and ``spec_mean_accepted`` (per verified step)
     between two readings; None values when speculation was off or nothing was guessed."""
     if before is None or after is None:
         return {"spec_acceptance": None, "spec_mean_accepted": None}
-    drafts, tokens, accepted = (after[k] - before[k] for k in COUNTERS)
+    drafts = after.num_drafts - before.num_drafts
+    tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
     return {
         "spec_acceptance": accepted / tokens if tokens else None,
         "spec_mean_accepted": accepted / drafts if drafts else None,

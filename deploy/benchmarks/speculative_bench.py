@@ -84,17 +84,17 @@ def run_proposer(model: LoadedModel, spec: dict | None, k: int, workloads: list[
                       else [_prompts(model, workload, batch)])
             for group in groups:
                 llm.generate(group, params)  # compiles what these shapes need
-            before = dict(llm.engine.stats())
+            before = llm.engine.stats().spec
             start = time.perf_counter()
             results = [r for group in groups for r in llm.generate(group, params)]
             seconds = time.perf_counter() - start
-            after = llm.engine.stats()
+            after = llm.engine.stats().spec
             tokens = sum(len(r.outputs[0].token_ids) for r in results)
             row: dict[str, Any] = {"tok_s": tokens / seconds, "tokens": [r.outputs[0].token_ids for r in results]}
             if spec:
-                drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
-                accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-                verifies = after["spec_num_drafts"] - before["spec_num_drafts"]
+                drafts = after.num_draft_tokens - before.num_draft_tokens
+                accepted = after.num_accepted_tokens - before.num_accepted_tokens
+                verifies = after.num_drafts - before.num_drafts
                 row.update(acceptance=accepted / max(drafts, 1), mean_accepted=accepted / max(verifies, 1))
             out[(workload, batch)] = row
     return out

@@ -1,0 +1,48 @@
+"""One replica's engine counters as one type: what metrics, request routing, autoscaling,
+``raylm status`` and the benchmarks read, under one set of names.
+
+``LLMEngine.stats()`` produces it; it crosses Ray as plain data (``as_dict`` / ``from_dict``)
+inside a replica's routing-stats report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cache import PoolStats
+from workers.sequence import Sequence
+from workers.speculative import SpecDecodeStats
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    running: int  # sequences in the running queue
+    waiting: int  # sequences in the waiting queue (new or preempted)
+    waiting_tokens: int  # prompt work queued (preempted sequences recompute their outputs too)
+    work_tokens: int  # the load a router compares replicas by: see ``remaining_work``
+    tokens_stored: int  # tokens whose K/V the running sequences hold
+    token_capacity: int  # tokens the blocks in use can hold
+    num_preemptions: int  # lifetime counters from here on
+    requests: int
+    prompt_tokens: int  # prompt (and recomputed) tokens computed
+    generation_tokens: int
+    pool: PoolStats
+    spec: SpecDecodeStats | None = None  # speculative decoding's counters; None when it is off
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for a routing-stats report (Serve ships it between processes)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineStats:
+        spec = data.get("spec")
+        return cls(**{**data, "pool": PoolStats(**data["pool"]), "spec": SpecDecodeStats(**spec) if spec else None})
+
+
+def remaining_work(seq: Sequence) -> int:
+    """Tokens ``seq`` may still cost: those not computed yet (a waiting prompt counts whole: what
+    the cache holds of it is known only at admission) and the outputs its ``max_tokens`` still
+    allows (an upper bound: it may stop sooner). Not the tokens already held in the cache: a
+    request whose long prompt was a cache hit costs little more than its outputs."""
+    return seq.num_uncomputed_tokens + max(0, seq.max_tokens - len(seq.output_ids))
