@@ -11,6 +11,8 @@ from typing import Any
 
 import ray
 
+from cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
+
 REPLICA_PREFIX = "SERVE_REPLICA::"
 SERVE_NAMESPACE = "serve"
 
@@ -23,14 +25,14 @@ def replica_actor_names(app_name: str, deployment: str) -> list[str]:
     )
 
 
-def running_replicas(app_name: str = "raylm", deployment: str = "LLMWorker") -> int:
+def running_replicas(app_name: str = DEFAULT_APP_NAME, deployment: str = WORKER_DEPLOYMENT) -> int:
     """How many of the deployment's replicas Serve reports RUNNING."""
     from ray import serve
 
     return serve.status().applications[app_name].deployments[deployment].replica_states.get("RUNNING", 0)
 
 
-def replica_stats(app_name: str = "raylm", deployment: str = "LLMWorker", timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+def replica_stats(app_name: str = DEFAULT_APP_NAME, deployment: str = WORKER_DEPLOYMENT, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
     """``{replica id: routing stats}`` for each live replica (replicas that fail to answer are left out)."""
     return _ask_replicas(replica_actor_names(app_name, deployment), timeout_s)
 

@@ -60,41 +60,42 @@ def build_application(config: DeployConfig) -> Application:
         **scaling,
         request_router_config=RequestRouterConfig(**router_config),
         ray_actor_options=worker_actor_options(config),
-        max_ongoing_requests=workers.max_ongoing_requests,
-        max_queued_requests=workers.max_queued_requests,
-        graceful_shutdown_timeout_s=workers.graceful_shutdown_timeout_s,
-        health_check_period_s=workers.health_check_period_s,
-        health_check_timeout_s=workers.health_check_timeout_s,
+        **workers.deployment_options().serve_options(),
     ).bind(
         config.model.name, dataclasses.asdict(engine_args), workers.stuck_after_s,
         served_model_name=config.served_model_name,
     )
-    router = config.router
-    settings = RouterSettings(
+    return OpenAIRouter.options(
+        num_replicas=config.router.num_replicas,
+        ray_actor_options={"num_cpus": config.router.num_cpus},
+    ).bind(worker, router_settings(config))
+
+
+# The router section's keys that are RouterSettings fields of the same name and meaning.
+_SHARED_ROUTER_KEYS = {"max_request_bytes", "default_priority", "max_queue_size", "queue_timeout_s", "api_keys_env"}
+
+
+def router_settings(config: DeployConfig) -> RouterSettings:
+    """The ingress's settings: the router section's knobs (defaults declared by RouterSettings),
+    plus what follows from the model, the engine and the application."""
+    router, engine_args = config.router, config.engine_args()
+    return RouterSettings(
+        **router.model_dump(include=_SHARED_ROUTER_KEYS),
         model=config.model.name,
         served_model_name=config.served_model_name,
         max_model_len=engine_args.resolve_max_model_len(_max_positions(config.model.name)),
-        max_request_bytes=router.max_request_bytes,
         app_name=config.name,
         priority_classes=tuple(router.priority_classes),
-        default_priority=router.default_priority,
-        max_queue_size=router.max_queue_size,
-        queue_timeout_s=router.queue_timeout_s,
         tenant_weights=dict(router.tenant_weights),
         slots_per_replica=engine_args.max_num_seqs,
         num_router_replicas=router.num_replicas,
-        stats_period_s=routing.stats_period_s,
+        stats_period_s=router.prefix_routing.stats_period_s,
         api_keys=parse_api_keys(router.api_keys, None),
-        api_keys_env=router.api_keys_env,
         requests_per_minute=router.rate_limits.requests_per_minute,
         tokens_per_minute=router.rate_limits.tokens_per_minute,
         block_size=engine_args.block_size,
         cache_salt=model_salt(config.model.name, engine_args.dtype, config.model.quantization),
     )
-    return OpenAIRouter.options(
-        num_replicas=router.num_replicas,
-        ray_actor_options={"num_cpus": router.num_cpus},
-    ).bind(worker, settings)
 
 
 def build_app(args: dict[str, Any]) -> Application:

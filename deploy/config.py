@@ -13,7 +13,10 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
+from cluster.names import DEFAULT_APP_NAME
 from model import DEFAULT_MODEL
+from router.settings import RouterSettings
+from workers.deployment_options import DEFAULT_STUCK_AFTER_S, WorkerDeploymentOptions
 from workers.engine_args import EngineArgs
 from workers.speculative import SpeculativeConfig
 
@@ -105,6 +108,10 @@ class AutoscalingSection(_Section):
         return self
 
 
+_WORKER_DEFAULTS = WorkerDeploymentOptions()
+_WORKER_OPTION_NAMES = [f.name for f in dataclasses.fields(WorkerDeploymentOptions)]
+
+
 class WorkersSection(_Section):
     num_replicas: PositiveInt | None = Field(None, description="fixed replica count (default 1)")
     autoscaling_config: AutoscalingSection | None = None
@@ -112,12 +119,17 @@ class WorkersSection(_Section):
     num_gpus: NonNegativeFloat = 0.0
     memory_bytes: int | None = Field(None, gt=0, description="Ray memory resource reserved per replica")
     tensor_parallel_size: PositiveInt = 1
-    max_ongoing_requests: PositiveInt = 128
-    max_queued_requests: int = Field(512, description="per router replica; beyond it requests get 503 (-1: no limit)")
-    graceful_shutdown_timeout_s: NonNegativeFloat = 30.0
-    health_check_period_s: PositiveFloat = 10.0
-    health_check_timeout_s: PositiveFloat = 30.0
-    stuck_after_s: PositiveFloat = Field(300.0, description="one engine step running longer fails the health check")
+    max_ongoing_requests: PositiveInt = _WORKER_DEFAULTS.max_ongoing_requests
+    max_queued_requests: int = Field(_WORKER_DEFAULTS.max_queued_requests,
+                                     description="per router replica; beyond it requests get 503 (-1: no limit)")
+    graceful_shutdown_timeout_s: NonNegativeFloat = _WORKER_DEFAULTS.graceful_shutdown_timeout_s
+    health_check_period_s: PositiveFloat = _WORKER_DEFAULTS.health_check_period_s
+    health_check_timeout_s: PositiveFloat = _WORKER_DEFAULTS.health_check_timeout_s
+    stuck_after_s: PositiveFloat = Field(DEFAULT_STUCK_AFTER_S,
+                                         description="one engine step running longer fails the health check")
+
+    def deployment_options(self) -> WorkerDeploymentOptions:
+        return WorkerDeploymentOptions(**self.model_dump(include=set(_WORKER_OPTION_NAMES)))
 
     @pydantic.model_validator(mode="after")
     def _one_way_to_scale(self) -> "WorkersSection":
@@ -129,7 +141,8 @@ class WorkersSection(_Section):
 class PrefixRoutingSection(_Section):
     enabled: bool = Field(True, description="prefix-aware replica choice; false: Serve's power of two choices")
     imbalance_threshold_tokens: int = Field(2048, ge=0, description="load gap beyond which load wins over prefix")
-    stats_period_s: PositiveFloat = Field(1.0, description="how often replicas report load and cached blocks")
+    stats_period_s: PositiveFloat = Field(RouterSettings.stats_period_s,
+                                          description="how often replicas report load and cached blocks")
 
 
 class RateLimitSection(_Section):
@@ -140,14 +153,18 @@ class RateLimitSection(_Section):
 class RouterSection(_Section):
     num_replicas: PositiveInt = 1
     num_cpus: NonNegativeFloat = 0.0
-    max_request_bytes: PositiveInt = 1 << 20
-    priority_classes: list[str] = Field(["high", "normal", "low"], min_length=1, description="most urgent first")
-    default_priority: str = "normal"
-    max_queue_size: PositiveInt = Field(256, description="waiting requests per priority class; beyond: 429")
-    queue_timeout_s: PositiveFloat = Field(60.0, description="longest wait in the queue; beyond: 503")
+    max_request_bytes: PositiveInt = RouterSettings.max_request_bytes
+    priority_classes: list[str] = Field(list(RouterSettings.priority_classes), min_length=1,
+                                        description="most urgent first")
+    default_priority: str = RouterSettings.default_priority
+    max_queue_size: PositiveInt = Field(RouterSettings.max_queue_size,
+                                        description="waiting requests per priority class; beyond: 429")
+    queue_timeout_s: PositiveFloat = Field(RouterSettings.queue_timeout_s,
+                                           description="longest wait in the queue; beyond: 503")
     tenant_weights: dict[str, PositiveFloat] = Field({}, description="fair-share weights (default 1)")
     api_keys: list[str] | dict[str, str] = Field([], description="keys, or {key: tenant}; empty: no auth")
-    api_keys_env: str | None = Field("RAYLM_API_KEYS", description="env var with more keys (KEY or KEY=TENANT, comma-separated)")
+    api_keys_env: str | None = Field(RouterSettings.api_keys_env,
+                                     description="env var with more keys (KEY or KEY=TENANT, comma-separated)")
     rate_limits: RateLimitSection = RateLimitSection()
     prefix_routing: PrefixRoutingSection = PrefixRoutingSection()
 
@@ -172,7 +189,7 @@ class HTTPSection(_Section):
 class DeployConfig(_Section):
     """The whole deploy file."""
 
-    name: str = Field("raylm", description="the Serve application name")
+    name: str = Field(DEFAULT_APP_NAME, description="the Serve application name")
     route_prefix: str = "/"
     model: ModelSection = ModelSection()
     workers: WorkersSection = WorkersSection()

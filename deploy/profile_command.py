@@ -7,10 +7,10 @@ plugin or Perfetto); the command prints the directory.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from deploy.serve_command import LOCAL_RAY_ENV
+from cluster.local_ray import apply_local_ray_env
+from cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
 
 
 def add_profile_parser(commands: argparse._SubParsersAction) -> None:
@@ -18,7 +18,7 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--out", default="/tmp/raylm-profiles", help="directory on the replica's node")
     p.add_argument("--address", default="auto")
-    p.add_argument("--app", default="raylm")
+    p.add_argument("--app", default=DEFAULT_APP_NAME)
     p.set_defaults(run=run_profile)
 
 
@@ -26,14 +26,13 @@ def run_profile(args: argparse.Namespace) -> int:
     if not 0 < args.seconds <= 600:
         print("raylm profile: --seconds must be in (0, 600]", file=sys.stderr)
         return 2
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
+    apply_local_ray_env()
     import ray
     from ray import serve
 
     if not ray.is_initialized():
         ray.init(address=args.address, log_to_driver=False)
-    worker = serve.get_deployment_handle("LLMWorker", app_name=args.app)
+    worker = serve.get_deployment_handle(WORKER_DEPLOYMENT, app_name=args.app)
     print(f"tracing a worker replica of {args.app} for {args.seconds:g} s ...", file=sys.stderr, flush=True)
     path = worker.profile.remote(args.seconds, args.out).result(timeout_s=args.seconds + 120)
     print(path)

@@ -8,20 +8,17 @@ application, and shuts Serve and Ray down when this process started them.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
+from cluster.local_ray import apply_local_ray_env
 from deploy.config import DeployConfig, DeployConfigError, load_deploy_config
 from deploy.readiness import wait_healthy
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 READY_TIMEOUT_S = 900.0  # model load + warm-up compile of every bucket on a slow machine
-
-# Local-cluster defaults from DESIGN.md; an operator's own environment wins.
-LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -41,8 +38,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     host = args.host or config.http.host
     port = config.http.port if args.port is None else args.port
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
+    apply_local_ray_env()
 
     import ray
     from ray import serve

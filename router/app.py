@@ -15,6 +15,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 
+from cluster.names import ROUTER_DEPLOYMENT, WORKER_DEPLOYMENT
 from cluster.replicas import poll_replica_stats
 from model import load_model_info
 from router.openai_service import OpenAIService
@@ -23,7 +24,7 @@ from router.settings import RouterSettings
 logger = logging.getLogger("ray.serve")
 
 
-@serve.deployment(name="OpenAIRouter", max_ongoing_requests=4096)
+@serve.deployment(name=ROUTER_DEPLOYMENT, max_ongoing_requests=4096)
 @serve.ingress()
 class OpenAIRouter:
     """``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``."""
@@ -40,7 +41,7 @@ class OpenAIRouter:
         settings = self.settings
         while True:
             try:
-                self.replicas = await asyncio.to_thread(poll_replica_stats, settings.app_name, "LLMWorker",
+                self.replicas = await asyncio.to_thread(poll_replica_stats, settings.app_name, WORKER_DEPLOYMENT,
                                                         self.replicas)
                 self.service.update_replicas(self.replicas)
             except Exception as err:  # keep polling: a replica may be restarting

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from cluster.names import DEFAULT_APP_NAME
 from router.auth import Secret
+from workers.engine_args import EngineArgs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +18,7 @@ class RouterSettings:
     max_model_len: int  # must equal the workers' (both come from the same engine args)
     max_request_bytes: int = 1 << 20
     health_check_timeout_s: float = 10.0
-    app_name: str = "raylm"  # the Serve application (to find the worker replicas)
+    app_name: str = DEFAULT_APP_NAME  # the Serve application (to find the worker replicas)
     # Queueing and fairness
     priority_classes: tuple[str, ...] = ("high", "normal", "low")  # most urgent first
     default_priority: str = "normal"
@@ -24,7 +26,7 @@ class RouterSettings:
     queue_timeout_s: float = 60.0
     tenant_weights: dict[str, float] = dataclasses.field(default_factory=dict)
     # Capacity: the router runs at most slots_per_replica x replicas / router replicas sequences
-    slots_per_replica: int = 64
+    slots_per_replica: int = EngineArgs.max_num_seqs
     num_router_replicas: int = 1
     stats_period_s: float = 1.0
     # Security
@@ -33,5 +35,5 @@ class RouterSettings:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     # Prefix hashing (must match the workers' block pool)
-    block_size: int = 16
+    block_size: int = EngineArgs.block_size
     cache_salt: str = ""

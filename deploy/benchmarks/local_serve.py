@@ -10,7 +10,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from deploy.serve_command import LOCAL_RAY_ENV
+from cluster.local_ray import apply_local_ray_env
 
 
 @contextlib.contextmanager
@@ -20,8 +20,7 @@ def local_serve(port: int, num_cpus: int = 4, metrics_port: int | None = None) -
     With ``metrics_port``, Ray's metrics endpoint listens there and processes report every
     second (not every ten), so a benchmark can read counters right after a run.
     """
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
+    apply_local_ray_env()
     if metrics_port is not None:
         os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     import ray
