@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from model import DEFAULT_MODEL, ModelError, load_model
+from model.buckets import cdiv
 from model.chat_template import ChatTemplateError
 from model.compilation_cache import enable_compilation_cache
 from model.quantization import SCHEMES
@@ -78,7 +79,7 @@ def run_generate(args: argparse.Namespace) -> int:
             model,
             EngineArgs(
                 dtype=args.dtype, quantization=args.quantization, tensor_parallel_size=args.tp, max_num_seqs=1,
-                num_kv_blocks=2 + -(-(len(prompt_ids) + args.max_tokens + lookahead) // block_size),
+                num_kv_blocks=2 + cdiv(len(prompt_ids) + args.max_tokens + lookahead, block_size),
                 speculative=speculative,
             ),
         )

@@ -8,7 +8,7 @@ from model.config import ModelConfig, RopeScaling
 from model.detokenizer import IncrementalDetokenizer
 from model.errors import ModelError, ModelLoadError, PromptTooLongError, UnsupportedModelError
 from model.forward import decode, forward, prefill
-from model.generate import SingleSequenceGenerator, check_prompt_fits
+from model.generate import SingleSequenceGenerator
 from model.loader import LoadedModel, ModelInfo, load_checkpoint, load_model, load_model_info, load_tokenizer, parse_dtype
 from model.params import LayerParams, ModelParams
 from model.registry import BUNDLED_MODELS, DEFAULT_MODEL, resolve_model_path
@@ -19,7 +19,7 @@ from model.tokenizer import Tokenizer
 __all__ = [
     "BUNDLED_MODELS", "DEFAULT_MODEL", "IncrementalDetokenizer", "KVCache", "LayerParams", "LoadedModel",
     "ModelConfig", "ModelError", "ModelInfo", "ModelLoadError", "ModelParams", "PromptTooLongError", "RopeScaling",
-    "SimpleSampling", "SingleSequenceGenerator", "Tokenizer", "UnsupportedModelError", "check_prompt_fits",
+    "SimpleSampling", "SingleSequenceGenerator", "Tokenizer", "UnsupportedModelError",
     "decode", "forward", "load_checkpoint", "load_model", "load_model_info", "load_tokenizer", "make_mesh", "parse_dtype",
     "prefill", "resolve_model_path", "shard_params",
 ]

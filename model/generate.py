@@ -7,7 +7,6 @@ batched engine.
 
 from __future__ import annotations
 
-import math
 from typing import Iterator, Sequence
 
 import jax
@@ -16,31 +15,15 @@ import numpy as np
 from jax.sharding import Mesh
 
 from model.attention import KVCache
+from model.buckets import cdiv, next_power_of_two
 from model.config import ModelConfig
-from model.errors import PromptTooLongError
 from model.forward import decode, prefill
 from model.params import ModelParams
+from model.prompt_checks import check_prompt
 from model.sampling import SimpleSampling, sample_token
 from model.sharding import kv_pool_sharding, make_mesh, shard_params
 
 MIN_PREFILL_BUCKET = 16
-
-
-def next_power_of_two(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))
-
-
-def check_prompt_fits(config: ModelConfig, prompt_len: int, max_tokens: int) -> None:
-    """Raise a PromptTooLongError with the numbers when the request cannot fit the context."""
-    if prompt_len == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    limit = config.max_position_embeddings
-    if prompt_len + max_tokens > limit:
-        raise PromptTooLongError(
-            f"prompt has {prompt_len} tokens and {max_tokens} new tokens were requested, "
-            f"{prompt_len + max_tokens} in all, but the model's context is {limit} tokens; "
-            "shorten the prompt or lower max_tokens"
-        )
 
 
 class SingleSequenceGenerator:
@@ -67,11 +50,15 @@ class SingleSequenceGenerator:
             kv_pool_sharding(c, self.mesh),
         )
 
+    def _check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
+        config = self.config
+        check_prompt(prompt_ids, config.vocab_size, max_tokens, config.max_position_embeddings)
+
     def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         """float32 logits ``[len(prompt), V]`` for every prompt position (for reference checks)."""
         n = len(prompt_ids)
-        check_prompt_fits(self.config, n, 0)
-        width = next_power_of_two(math.ceil(n / self.block_size))
+        self._check(prompt_ids, 0)
+        width = next_power_of_two(cdiv(n, self.block_size))
         tokens, positions = self._padded_prompt(prompt_ids)
         logits, _ = prefill(
             self.params, self._new_kv(width + 1), tokens, positions,
@@ -96,10 +83,10 @@ class SingleSequenceGenerator:
     ) -> Iterator[int]:
         """Yield up to ``max_tokens`` new ids, stopping after any of ``stop_token_ids``."""
         n = len(prompt_ids)
-        check_prompt_fits(self.config, n, max_tokens)
+        self._check(prompt_ids, max_tokens)
         if max_tokens <= 0:
             return
-        width = next_power_of_two(math.ceil((n + max_tokens) / self.block_size))
+        width = next_power_of_two(cdiv(n + max_tokens, self.block_size))
         kv = self._new_kv(width + 1)
         block_table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]
         tokens, positions = self._padded_prompt(prompt_ids)

@@ -30,6 +30,8 @@ from starlette.types import Receive, Scope, Send
 from cache import block_hashes
 from cluster.metrics import RouterMetrics
 from model import Tokenizer
+from model.buckets import cdiv
+from model.prompt_checks import prompt_blocks_needed
 from router.admission import AdmissionController
 from router.auth import Authenticator, Secret, parse_api_keys
 from router.errors import OpenAIError, invalid, overloaded
@@ -125,7 +127,7 @@ class OpenAIService:
         """The worker replicas' latest routing stats: admission capacity, pool size, queue gauges."""
         settings = self.settings
         slots = len(replicas) * settings.slots_per_replica
-        self.admission.set_capacity(-(-slots // settings.num_router_replicas))
+        self.admission.set_capacity(cdiv(slots, settings.num_router_replicas))
         pools = [RoutingReport.from_dict(s).engine.pool.num_usable_blocks for s in replicas.values()]
         self.pool_blocks = min(pools) if pools else self.pool_blocks
         for index, name in enumerate(settings.priority_classes):
@@ -276,7 +278,7 @@ class OpenAIService:
         if self.pool_blocks is None:
             return
         for prompt in parsed.prompts:
-            needed = -(-(len(prompt) + 1) // self.settings.block_size)
+            needed = prompt_blocks_needed(len(prompt), self.settings.block_size)
             if needed > self.pool_blocks:
                 raise invalid(
                     f"the prompt has {len(prompt)} tokens and needs {needed} KV blocks, but a worker replica's "

@@ -10,11 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from cache import BlockPool, hash_block
+from model.buckets import cdiv
 from workers.sequence import Sequence
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +76,7 @@ class BlockManager:
     # -- growth -----------------------------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to allocate so ``seq`` can write ``num_new_tokens`` more tokens (COW included)."""
-        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         new = max(0, total - len(seq.block_ids))
         return new + len(self._shared_targets(seq, num_new_tokens))
 
@@ -88,7 +85,7 @@ class BlockManager:
         if num_new_tokens <= 0:
             return []
         first = seq.num_computed_tokens // self.block_size
-        last = min(len(seq.block_ids), blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size))
+        last = min(len(seq.block_ids), cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size))
         return [i for i in range(first, last) if self.pool.ref_count(seq.block_ids[i]) > 1]
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -101,7 +98,7 @@ class BlockManager:
             self.pending_copies.append((seq.block_ids[i], fresh))
             self.pool.free([seq.block_ids[i]])
             seq.block_ids[i] = fresh
-        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         if total > len(seq.block_ids):
             seq.block_ids.extend(self.pool.allocate(total - len(seq.block_ids)))
 
@@ -109,7 +106,7 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share the parent's computed prompt; it recomputes only the last prompt token."""
         upto = len(parent.prompt_ids) - 1
-        shared = parent.block_ids[: blocks_for(upto, self.block_size)]
+        shared = parent.block_ids[: cdiv(upto, self.block_size)]
         self.pool.incref(shared)
         child.block_ids = list(shared)
         child.block_hashes = list(parent.block_hashes[: upto // self.block_size])

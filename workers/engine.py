@@ -15,6 +15,7 @@ from cache import BlockPool, model_salt
 from cache.kv_arrays import allocate_kv_cache, blocks_for_budget, kv_pool_dtype
 from model import LoadedModel, PromptTooLongError, make_mesh, parse_dtype
 from model.compilation_cache import enable_compilation_cache
+from model.prompt_checks import check_prompt, prompt_blocks_needed
 from workers.block_manager import BlockManager
 from workers.engine_args import EngineArgs
 from workers.draft_loader import load_draft
@@ -126,23 +127,13 @@ class LLMEngine:
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
-        want = n + (params.max_tokens or 1)
-        if want > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {n} tokens and {params.max_tokens or 1} new tokens were requested, {want} in all, "
-                f"but the maximum context is {self.max_model_len} tokens; shorten the prompt or lower max_tokens"
-            )
+        check_prompt(prompt_ids, self.config.vocab_size, params.max_tokens or 1, self.max_model_len)
         if not self.args.enable_chunked_prefill and n > self.args.max_num_batched_tokens:
             raise PromptTooLongError(
                 f"prompt has {n} tokens but max_num_batched_tokens is {self.args.max_num_batched_tokens} and "
                 "chunked prefill is off; enable chunked prefill or raise the budget"
             )
-        blocks_needed = -(-(n + 1) // self.args.block_size)
+        blocks_needed = prompt_blocks_needed(n, self.args.block_size)
         if blocks_needed > self.pool.num_usable_blocks:
             raise PromptTooLongError(
                 f"prompt needs {blocks_needed} KV blocks but the pool holds {self.pool.num_usable_blocks}"

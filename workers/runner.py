@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 from typing import Callable, Iterable, Mapping
 
 import jax
@@ -30,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from model import KVCache, ModelConfig, ModelParams, forward, paged_decode, shard_params
+from model.buckets import bucket, cdiv, power_buckets
 from workers.sampler import SampleResult, SamplingBatch, advance, build_sampling_batch, logprobs_bucket, sample
 from workers.scheduler import ScheduledChunk
 from workers.sequence import Sequence
@@ -37,20 +37,6 @@ from workers.speculative import SpecDecodeStats, SpeculativeConfig, propose_ngra
 
 MIN_TOKEN_BUCKET = 16
 MIN_WIDTH_BUCKET = 8
-
-
-def bucket(n: int, minimum: int, maximum: int) -> int:
-    """Smallest power of two >= n (at least ``minimum``), capped at ``maximum``."""
-    return min(maximum, max(minimum, 1 << max(0, math.ceil(math.log2(max(1, n))))))
-
-
-def power_buckets(minimum: int, maximum: int) -> list[int]:
-    out, b = [], bucket(1, minimum, maximum)
-    while True:
-        out.append(b)
-        if b >= maximum:
-            return out
-        b = min(maximum, b * 2)
 
 
 @functools.partial(
@@ -237,7 +223,7 @@ class ModelRunner:
         self.eos_ids = eos_ids
         self.max_batch = bucket(max_num_seqs, 1, 1 << 30)
         self.max_tokens_bucket = bucket(max_num_batched_tokens, MIN_TOKEN_BUCKET, 1 << 30)
-        self.max_width = bucket(math.ceil(max_model_len / self.block_size), MIN_WIDTH_BUCKET, 1 << 30)
+        self.max_width = bucket(cdiv(max_model_len, self.block_size), MIN_WIDTH_BUCKET, 1 << 30)
         self.cpu_kernels = _cpu_kernels_run(mesh, kv)
         self.speculative = speculative
         if draft is not None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import numpy as np
 
 from model import paged_decode
 from model.attention import slot_indices, write_kv
+from model.buckets import bucket, cdiv
 
 MODEL_LAYERS = 30  # the bundled SmolLM2-135M: one decode step runs attention this many times
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -33,7 +33,7 @@ MIN_WIDTH = 8
 
 def width_bucket(context: int) -> int:
     """Block-table width the engine would use for a batch whose longest row needs one block more."""
-    return max(MIN_WIDTH, 1 << math.ceil(math.log2(math.ceil(context / BLOCK_SIZE) + 1)))
+    return bucket(cdiv(context, BLOCK_SIZE) + 1, MIN_WIDTH, 1 << 30)
 
 
 def attention_step(attention: Callable, k_pool, v_pool, q, k_new, v_new, block_tables, context_lens):
@@ -56,7 +56,7 @@ def attention_step(attention: Callable, k_pool, v_pool, q, k_new, v_new, block_t
 def bench_case(rows: int, context: int, layers: int, rounds: int, seed: int = 0) -> dict[str, float]:
     """Median seconds per jitted step for the reference and the kernel, measured alternately."""
     rng = np.random.default_rng(seed)
-    width, used = width_bucket(context), math.ceil(context / BLOCK_SIZE)
+    width, used = width_bucket(context), cdiv(context, BLOCK_SIZE)
     num_blocks = rows * used + 1
     pool_shape = (layers, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     tables = np.zeros((rows, width), np.int32)  # padding slots point at the null block

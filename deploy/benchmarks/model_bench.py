@@ -1,17 +1,18 @@
 """Single-replica model speed: compile times, 512-token prefill and single-stream decode.
 
-Runs the bundled model in float32 and bfloat16 in one process and, when llama.cpp's
-``llama-bench`` has been built by ``../shared/peers/llama-server.sh build``, runs
-``llama-bench -p 512 -n 128 -t <cores>`` on the F16 GGUF and prints our ratios to it.
+Runs the bundled model in float32 and bfloat16 in one process and, given llama.cpp's
+``llama-bench`` binary and a GGUF of the same model (``--llama-bench PATH --llama-model PATH``,
+or the environment variables ``RAYLM_LLAMA_BENCH`` and ``RAYLM_LLAMA_MODEL``), runs
+``llama-bench -p 512 -n 128 -t <cores>`` on it and prints our ratios to it.
 
     python -m deploy.benchmarks.model_bench [--model NAME] [--prompt-len 512] [--decode-tokens 128]
+        [--llama-bench PATH --llama-model PATH.gguf]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -23,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import DEFAULT_MODEL, KVCache, SingleSequenceGenerator, decode, load_model, prefill
+from model.buckets import cdiv, next_power_of_two
 
-PEERS = Path(os.environ.get("PEERS", Path.home() / ".cache" / "raylm-peers"))
 
 
 def _timed(fn, repeats: int) -> float:
@@ -41,7 +42,7 @@ def bench_dtype(model_name: str, dtype: str, prompt_len: int, decode_tokens: int
     model = load_model(model_name, dtype)
     config, params = model.config, model.params
     block_size = 16
-    width = 1 << math.ceil(math.log2(math.ceil((prompt_len + decode_tokens) / block_size)))
+    width = next_power_of_two(cdiv(prompt_len + decode_tokens, block_size))
     kv = KVCache.zeros(config.num_layers, width + 1, block_size, config.num_kv_heads, config.head_dim,
                        params.final_norm.dtype)
     table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]
@@ -84,12 +85,13 @@ def bench_dtype(model_name: str, dtype: str, prompt_len: int, decode_tokens: int
     }
 
 
-def llama_bench(prompt_len: int, decode_tokens: int) -> dict[str, float] | None:
-    """pp/tg tokens/s of llama.cpp on the F16 copy of the bundled model, if it was built."""
-    binary = next(PEERS.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-bench"), None)
-    model = PEERS / "SmolLM2-135M-Instruct.F16.gguf"
-    if binary is None or not model.is_file():
+def llama_bench(binary: Path | None, model: Path | None, prompt_len: int, decode_tokens: int) -> dict[str, float] | None:
+    """pp/tg tokens/s of llama.cpp's ``llama-bench`` on ``model``; None when either is not given."""
+    if binary is None or model is None:
         return None
+    for path in (binary, model):
+        if not path.is_file():
+            raise SystemExit(f"model_bench: {path} does not exist")
     out = subprocess.run(
         [str(binary), "-m", str(model), "-p", str(prompt_len), "-n", str(decode_tokens), "-t",
          str(os.cpu_count()), "-o", "json"],
@@ -106,11 +108,15 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--llama-bench", type=Path, default=os.environ.get("RAYLM_LLAMA_BENCH"),
+                        help="llama.cpp's llama-bench binary (default: $RAYLM_LLAMA_BENCH)")
+    parser.add_argument("--llama-model", type=Path, default=os.environ.get("RAYLM_LLAMA_MODEL"),
+                        help="GGUF of the same model for llama-bench, e.g. its F16 copy (default: $RAYLM_LLAMA_MODEL)")
     args = parser.parse_args()
 
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores, model {args.model}")
     results = {d: bench_dtype(args.model, d, args.prompt_len, args.decode_tokens) for d in ("float32", "bfloat16")}
-    peer = llama_bench(args.prompt_len, args.decode_tokens)
+    peer = llama_bench(args.llama_bench, args.llama_model, args.prompt_len, args.decode_tokens)
     print(f"{'':24}{'float32':>12}{'bfloat16':>12}" + (f"{'llama.cpp F16':>15}" if peer else ""))
     for key, label in [
         ("prefill_compile_s", "prefill compile (s)"),
@@ -127,7 +133,7 @@ def main() -> None:
             ratios = ", ".join(f"{d} {results[d][key] / peer[key]:.2f}x" for d in results)
             print(f"ratio to llama.cpp F16, {key}: {ratios}")
     else:
-        print("llama.cpp not built: run ../shared/peers/llama-server.sh build to compare")
+        print("no llama.cpp comparison: give --llama-bench and --llama-model (or RAYLM_LLAMA_BENCH / RAYLM_LLAMA_MODEL)")
 
 
 if __name__ == "__main__":

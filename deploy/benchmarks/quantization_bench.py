@@ -34,6 +34,7 @@ import numpy as np
 
 from cache.kv_arrays import blocks_for_budget, kv_pool_dtype
 from model import DEFAULT_MODEL, LoadedModel, load_model
+from model.buckets import cdiv
 from model.dense import dense
 from model.quantization import quantize, weight_bytes
 from workers import LLM, SamplingParams
@@ -112,7 +113,7 @@ def bench_variant(args: argparse.Namespace, variant: str, reference: list | None
     row: dict[str, Any] = {"weight_bytes": weight_bytes(model.params)}
     c = model.config
     blocks = blocks_for_budget(c, 16, kv_pool_dtype(kv_cache_dtype, jnp.float32), None, 0.8)
-    per_seq = -(-(args.prompt_len + args.new_tokens) // 16)
+    per_seq = cdiv(args.prompt_len + args.new_tokens, 16)
     row["kv_blocks"], row["max_batch_in_kv_budget"] = blocks, (blocks - 1) // per_seq
     llm = LLM(model, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=2048, enable_prefix_caching=False,
               max_num_seqs=64, max_model_len=1024, seed=0)
