@@ -1,7 +1,7 @@
-"""The environment of a Ray cluster that raylm starts or joins on this machine (DESIGN.md,
-"Ray decisions"): no usage-stats upload (nothing outside the package registries is reachable),
-no token auth on a local cluster, and the multi-node emulation flag off. An operator's own
-environment wins over these defaults."""
+"""The environment of a Ray cluster that raylm starts or joins on this machine: no usage-stats
+upload (nothing outside the package registries may be reachable), no token auth on a local
+cluster, and the multi-node emulation flag off. An operator's own environment wins over these
+defaults."""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""How users launch raylm: the ``raylm`` CLI, (later) the YAML deploy schema and benchmarks."""
+"""How users launch raylm: the ``raylm`` CLI, the YAML deploy schema, the Serve application
+builder, and the benchmarks."""

@@ -65,18 +65,21 @@ def forward(
 
     k_pool, v_pool = kv.k, kv.v
     for i, lp in enumerate(params.layers):
-        x, k_pool, v_pool = _layer(lp, config, batch, i, x, k_pool, v_pool)
+        with jax.named_scope(f"layer_{i}"):  # traces (``raylm profile``) read as layers and ops
+            x, k_pool, v_pool = _layer(lp, config, batch, i, x, k_pool, v_pool)
 
     if not all_logits:
         last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
         if logits_rows is not None:
             x = x[logits_rows]  # [R, 1, D]
-    x = rms_norm(x, params.final_norm, eps)
+    with jax.named_scope("final_norm"):
+        x = rms_norm(x, params.final_norm, eps)
     # Tied or not, the head is [V, D] and read as stored (``embed.T`` made XLA CPU copy the
     # whole matrix into a transposed buffer on every step).
     head = params.embed if params.lm_head is None else params.lm_head
-    logits = dense(x, head, kernel=cpu_kernels, out_dtype=jnp.float32)
+    with jax.named_scope("lm_head"):
+        logits = dense(x, head, kernel=cpu_kernels, out_dtype=jnp.float32)
     if not all_logits:
         logits = logits[:, 0]
     return logits, KVCache(k_pool, v_pool)
@@ -107,24 +110,29 @@ def _layer(
     """One decoder layer: fused QKV, RoPE, K/V write into layer ``i``, attention, fused MLP."""
     B, S, _ = x.shape
     G = config.q_per_kv
-    h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
-    qkv = dense(h, lp.wqkv, kernel=batch.cpu_kernels)  # [B, S, KVH, G + 2, Dh]
-    if lp.bqkv is not None:
-        qkv = qkv + lp.bqkv
-    q = qkv[:, :, :, :G].reshape(B, S, config.num_heads, config.head_dim)
-    k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
-    q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)
-    k_pool = write_kv(k_pool, i, batch.block, batch.offset, k)
-    v_pool = write_kv(v_pool, i, batch.block, batch.offset, v)
-    if batch.kernel_lens is not None:
-        attn = decode_attention(q[:, 0], k_pool, v_pool, i, batch.block_tables, batch.kernel_lens)[:, None]
-    else:
-        attn = paged_attention(
-            q, k_pool, v_pool, i, batch.block_tables, batch.positions, batch.context_lens, batch.valid
-        )
-    x = x + dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
-    h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
-    return x + swiglu_mlp(h, lp.w_gate_up, lp.w_down, kernel=batch.cpu_kernels), k_pool, v_pool
+    with jax.named_scope("qkv"):
+        h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
+        qkv = dense(h, lp.wqkv, kernel=batch.cpu_kernels)  # [B, S, KVH, G + 2, Dh]
+        if lp.bqkv is not None:
+            qkv = qkv + lp.bqkv
+        q = qkv[:, :, :, :G].reshape(B, S, config.num_heads, config.head_dim)
+        k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
+        q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)
+    with jax.named_scope("kv_write"):
+        k_pool = write_kv(k_pool, i, batch.block, batch.offset, k)
+        v_pool = write_kv(v_pool, i, batch.block, batch.offset, v)
+    with jax.named_scope("attention"):
+        if batch.kernel_lens is not None:
+            attn = decode_attention(q[:, 0], k_pool, v_pool, i, batch.block_tables, batch.kernel_lens)[:, None]
+        else:
+            attn = paged_attention(
+                q, k_pool, v_pool, i, batch.block_tables, batch.positions, batch.context_lens, batch.valid
+            )
+    with jax.named_scope("wo"):
+        x = x + dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
+        return x + swiglu_mlp(h, lp.w_gate_up, lp.w_down, kernel=batch.cpu_kernels), k_pool, v_pool
 
 
 @functools.partial(jax.jit, static_argnames=("config", "all_logits"), donate_argnames=("kv",))

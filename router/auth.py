@@ -51,10 +51,6 @@ class Authenticator:
     def __init__(self, keys: Secret):
         self._keys = [(k.encode(), t) for k, t in keys.reveal().items()]
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._keys)
-
     def tenant(self, authorization: str | None) -> str | None:
         if not self._keys:
             return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from typing import Any, Iterator
+from typing import Any
 
 
 MAX_TRACKED_TENANTS = 10_000
@@ -115,14 +115,6 @@ class FairQueue:
                  else sorted(self.counters.values())[len(self.counters) // 2])
         for tenant in [t for t, c in self.counters.items() if c <= floor and t not in backlogged]:
             del self.counters[tenant]
-
-    def expired(self, now: float) -> list[QueuedRequest]:
-        return [item for item in self._items() if item.deadline <= now]
-
-    def _items(self) -> Iterator[QueuedRequest]:
-        for tenants in self._classes:
-            for fifo in tenants.values():
-                yield from fifo
 
     def _tenants(self) -> set[str]:
         return {t for tenants in self._classes for t in tenants}

@@ -24,14 +24,10 @@ class RateLimiter:
         self._tokens: dict[str, collections.deque[tuple[float, int]]] = collections.defaultdict(collections.deque)
         self._swept_at = float("-inf")
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.requests_per_minute or self.tokens_per_minute)
-
     def check(self, tenant: str) -> None:
         """Admit one request of ``tenant`` (counted) or raise a 429 with ``Retry-After``."""
-        if not self.enabled:
-            return
+        if not (self.requests_per_minute or self.tokens_per_minute):
+            return  # no limits configured
         now = self.clock()
         if len(self._requests) > SWEEP_ABOVE_TENANTS and now - self._swept_at >= 1.0:
             self._swept_at = now

@@ -1,4 +1,4 @@
-"""One model replica: scheduler, model runner, sampler, engine loop (and later its Ray deployment).
+"""One model replica: scheduler, model runner, sampler, engine loop, and its Ray Serve deployment.
 
 Usable without Ray: ``LLM`` for offline batches, ``AsyncEngine`` for streaming; both shaped
 like vLLM's so moving over is an import change.

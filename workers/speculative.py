@@ -15,7 +15,7 @@ greedy, seeded or not.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence as Seq
+from typing import Any, Mapping, Sequence as SequenceOf
 
 import numpy as np
 
@@ -79,7 +79,7 @@ class SpeculativeConfig:
         return cls(**raw)
 
 
-def propose_ngram(token_ids: Seq[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
+def propose_ngram(token_ids: SequenceOf[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
     """Prompt lookup: the up to ``k`` tokens that followed the latest earlier occurrence of the
     sequence's last n tokens, trying n from ``ngram_max`` down to ``ngram_min``; [] if none."""
     ids = np.asarray(token_ids, np.int64)
