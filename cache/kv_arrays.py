@@ -1,14 +1,13 @@
-"""The device KV pool: sized from a block count or a memory budget, sharded by KV heads."""
+"""The device KV pool's size and element type: blocks for a memory budget, the dtype a
+``kv_cache_dtype`` setting stores (``model.KVCache.create`` makes the pool itself)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
-from model import KVCache, ModelConfig
+from model import ModelConfig
 from model.quantization import QUANTIZED_DTYPES
-from model.sharding import kv_pool_sharding
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
 # ``kv_cache_dtype`` settings: ``auto`` (or unset) stores K/V in the model dtype; int8 / fp8
@@ -61,11 +60,3 @@ def blocks_for_budget(
             f"one block needs {per_block} bytes: raise the budget"
         )
     return int(blocks)
-
-
-def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, mesh: Mesh) -> KVCache:
-    """A zeroed pool of ``num_blocks`` (block 0 = null block), KV heads split over ``tp``."""
-    return KVCache.zeros(
-        config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype,
-        kv_pool_sharding(config, mesh),
-    )

@@ -16,9 +16,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from model.config import ModelConfig
 
 from model.quantization import QUANTIZED_DTYPES, QuantArray, quantize
+from model.sharding import kv_pool_sharding
 
 # Finite stand-in for -inf so fully masked (padding) rows give a defined softmax, not NaN.
 _MASKED = -1e30
@@ -49,20 +52,16 @@ class KVCache(NamedTuple):
         return pool_dtype(self.k)
 
     @classmethod
-    def zeros(
-        cls,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: jnp.dtype,
-        sharding: jax.sharding.Sharding | None = None,
-    ) -> "KVCache":
-        """A zeroed pool (block 0 included, reserved as the null block), placed on ``sharding``
-        (the values' sharding; a quantized pool's scales drop its last, head-dim, entry).
-        ``dtype`` int8 or float8_e4m3fn makes a quantized pool."""
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    def create(
+        cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, mesh: Mesh | None = None
+    ) -> KVCache:
+        """The one constructor of a pool: zeroed, ``num_blocks`` (block 0 included, reserved as
+        the null block) of ``block_size`` tokens for every layer and KV head of ``config``; on
+        ``mesh``, KV heads split by model.sharding's rules (a quantized pool's scales drop the
+        head-dim entry); without one, on the default device. ``dtype`` int8 or float8_e4m3fn
+        makes a quantized pool (a float32 scale per token and KV head)."""
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        sharding = kv_pool_sharding(config, mesh) if mesh is not None else None
         if jnp.dtype(dtype) not in QUANTIZED_DTYPES:
             make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
             return cls(make(), make())

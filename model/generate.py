@@ -21,7 +21,7 @@ from model.forward import decode, prefill
 from model.params import ModelParams
 from model.prompt_checks import check_prompt
 from model.sampling import SimpleSampling, sample_token
-from model.sharding import kv_pool_sharding, make_mesh, shard_params
+from model.sharding import make_mesh, shard_params
 
 MIN_PREFILL_BUCKET = 16
 
@@ -44,11 +44,7 @@ class SingleSequenceGenerator:
         self.kv_dtype = kv_dtype or params.final_norm.dtype  # the model dtype (norms are never quantized)
 
     def _new_kv(self, num_blocks: int) -> KVCache:
-        c = self.config
-        return KVCache.zeros(
-            c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_dtype,
-            kv_pool_sharding(c, self.mesh),
-        )
+        return KVCache.create(self.config, num_blocks, self.block_size, self.kv_dtype, self.mesh)
 
     def _check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
         config = self.config

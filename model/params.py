@@ -20,24 +20,65 @@ devices gives each device whole groups, with the query heads that read its keys.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import jax
+
+if TYPE_CHECKING:
+    from model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    """Everything declared about one parameter, once: its shape for a config, the logical name
+    of each dim (model/sharding.py maps names onto a mesh), and for matrices (``dense``
+    weights, stored [out..., in...]) how many trailing dims are inputs. Matrices are what
+    weight-only quantization replaces by a QuantArray with a scale per output channel
+    (model/quantization.py); the embedding is one too: as the tied LM head it is a [V, D]
+    matrix, and its rows are the lookup's per-token scales. Every array has the model dtype."""
+
+    shape: Callable[[ModelConfig], tuple[int, ...]]
+    logical_axes: tuple[str, ...]
+    input_dims: int | None = None  # None: not a matrix
+
+    def __post_init__(self) -> None:
+        assert self.input_dims is None or 0 < self.input_dims < len(self.logical_axes), self
+
+
+def _param(info: ArrayInfo, optional: bool = False) -> Any:
+    """A dataclass field carrying its ArrayInfo (``optional``: absent for some models, None)."""
+    extra = {"default": None} if optional else {}
+    return dataclasses.field(metadata={"info": info}, **extra)
+
+
+def _norm() -> ArrayInfo:
+    return ArrayInfo(lambda c: (c.hidden_size,), ("embed",))
+
+
+def _vocab_matrix() -> ArrayInfo:
+    return ArrayInfo(lambda c: (c.vocab_size, c.hidden_size), ("vocab", "embed"), input_dims=1)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerParams:
-    """One decoder layer's weights."""
+    """One decoder layer's weights (matrices may be QuantArrays of the same shape)."""
 
-    # Matrices may be QuantArrays (model/quantization.py) of the same shape.
-    attn_norm: jax.Array  # [D]
-    wqkv: jax.Array  # [KVH, G + 2, Dh, D]: per KV head, its G query heads, its key, its value
-    wo: jax.Array  # [D, H, Dh]
-    mlp_norm: jax.Array  # [D]
-    w_gate_up: jax.Array  # [2, I, D]: gate, then up
-    w_down: jax.Array  # [D, I]
-    bqkv: Optional[jax.Array] = None  # [KVH, G + 2, Dh] (Qwen2)
+    attn_norm: jax.Array = _param(_norm())
+    # Per KV head: its G query heads, its key, its value.
+    wqkv: jax.Array = _param(ArrayInfo(lambda c: (c.num_kv_heads, c.q_per_kv + 2, c.head_dim, c.hidden_size),
+                                       ("kv_heads", "qkv", "head_dim", "embed"), input_dims=1))
+    wo: jax.Array = _param(ArrayInfo(lambda c: (c.hidden_size, c.num_heads, c.head_dim),
+                                     ("embed", "heads", "head_dim"), input_dims=2))
+    mlp_norm: jax.Array = _param(_norm())
+    # Gate, then up.
+    w_gate_up: jax.Array = _param(ArrayInfo(lambda c: (2, c.intermediate_size, c.hidden_size),
+                                            ("gate_up", "mlp", "embed"), input_dims=1))
+    w_down: jax.Array = _param(ArrayInfo(lambda c: (c.hidden_size, c.intermediate_size), ("embed", "mlp"),
+                                         input_dims=1))
+    bqkv: Optional[jax.Array] = _param(  # Qwen2's attention bias
+        ArrayInfo(lambda c: (c.num_kv_heads, c.q_per_kv + 2, c.head_dim), ("kv_heads", "qkv", "head_dim")),
+        optional=True)
 
 
 @jax.tree_util.register_dataclass
@@ -45,32 +86,39 @@ class LayerParams:
 class ModelParams:
     """A whole Llama-family model. ``lm_head`` is None when tied to ``embed``."""
 
-    embed: jax.Array  # [V, D]
+    embed: jax.Array = _param(_vocab_matrix())
     layers: tuple[LayerParams, ...]
-    final_norm: jax.Array  # [D]
-    lm_head: Optional[jax.Array] = None  # [V, D], as the tied embedding
+    final_norm: jax.Array = _param(_norm())
+    lm_head: Optional[jax.Array] = _param(_vocab_matrix(), optional=True)  # as the tied embedding
 
 
-# Logical axis names of every parameter, by field. sharding.py maps them onto a mesh.
-LAYER_AXES: dict[str, tuple[str, ...]] = {
-    "attn_norm": ("embed",),
-    "wqkv": ("kv_heads", "qkv", "head_dim", "embed"),
-    "wo": ("embed", "heads", "head_dim"),
-    "mlp_norm": ("embed",),
-    "w_gate_up": ("gate_up", "mlp", "embed"),
-    "w_down": ("embed", "mlp"),
-    "bqkv": ("kv_heads", "qkv", "head_dim"),
-}
-MODEL_AXES: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab", "embed"),
-    "final_norm": ("embed",),
-    "lm_head": ("vocab", "embed"),
-}
-# Matrices (``dense`` weights, stored [out..., in...]) and how many trailing dims are inputs:
-# the fields weight-only quantization replaces by a QuantArray (model/quantization.py), with
-# a scale per output channel. The embedding is one too: as the tied LM head it is a [V, D]
-# matrix, and its rows are the lookup's per-token scales.
-LAYER_MATRIX_INPUT_DIMS: dict[str, int] = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
-MODEL_MATRIX_INPUT_DIMS: dict[str, int] = {"embed": 1, "lm_head": 1}
+def _infos(cls: type) -> dict[str, ArrayInfo]:
+    return {f.name: f.metadata["info"] for f in dataclasses.fields(cls) if "info" in f.metadata}
+
+
+LAYER_INFO: dict[str, ArrayInfo] = _infos(LayerParams)
+MODEL_INFO: dict[str, ArrayInfo] = _infos(ModelParams)  # all but ``layers``
+# Derived views, by field name: logical axes, and the matrices' input dims.
+LAYER_AXES: dict[str, tuple[str, ...]] = {name: info.logical_axes for name, info in LAYER_INFO.items()}
+MODEL_AXES: dict[str, tuple[str, ...]] = {name: info.logical_axes for name, info in MODEL_INFO.items()}
+LAYER_MATRIX_INPUT_DIMS: dict[str, int] = {n: i.input_dims for n, i in LAYER_INFO.items() if i.input_dims}
+MODEL_MATRIX_INPUT_DIMS: dict[str, int] = {n: i.input_dims for n, i in MODEL_INFO.items() if i.input_dims}
 KV_POOL_AXES: tuple[str, ...] = ("layers", "blocks", "block_slot", "kv_heads", "head_dim")
 
+
+def shape_mismatches(params: ModelParams, config: ModelConfig) -> list[str]:
+    """``"field: shape, expected shape"`` for every array whose shape is not what its ArrayInfo
+    says for ``config`` (absent optional fields are not checked)."""
+
+    def check(where: str, info: ArrayInfo, array: Any) -> list[str]:
+        if array is None:
+            return []
+        expected = info.shape(config)
+        return [] if tuple(array.shape) == expected else [f"{where}: {tuple(array.shape)}, expected {expected}"]
+
+    out = [m for name, info in MODEL_INFO.items() for m in check(name, info, getattr(params, name))]
+    for i, layer in enumerate(params.layers):
+        out += [m for name, info in LAYER_INFO.items() for m in check(f"layers[{i}].{name}", info, getattr(layer, name))]
+    if len(params.layers) != config.num_layers:
+        out.append(f"layers: {len(params.layers)}, expected {config.num_layers}")
+    return out

@@ -14,7 +14,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError
-from model.params import LayerParams, ModelParams
+from model.params import LayerParams, ModelParams, shape_mismatches
 
 # Answers an HF tensor name with its array, or None if the checkpoint lacks it.
 TensorSource = Callable[[str], "np.ndarray | None"]
@@ -104,9 +104,13 @@ def build_params(config: ModelConfig, get: TensorSource, source: str, dtype: jnp
     lm_head = None
     if not config.tie_word_embeddings:
         lm_head = jnp.asarray(fetch("lm_head.weight", (V, D)), dtype=dtype)
-    return ModelParams(
+    params = ModelParams(
         embed=jnp.asarray(embed, dtype=dtype),
         layers=tuple(layer(i) for i in range(config.num_layers)),
         final_norm=jnp.asarray(fetch("model.norm.weight", (D,)), dtype=dtype),
         lm_head=lm_head,
     )
+    wrong = shape_mismatches(params, config)  # the fused layout against model/params.py's declarations
+    if wrong:
+        raise ModelLoadError(f"{source}: built parameters have unexpected shapes: " + "; ".join(wrong))
+    return params

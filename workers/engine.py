@@ -12,8 +12,8 @@ import time
 from typing import Callable, Iterable, Sequence as SequenceOf
 
 from cache import BlockPool, model_salt
-from cache.kv_arrays import allocate_kv_cache, blocks_for_budget, kv_pool_dtype
-from model import LoadedModel, PromptTooLongError, make_mesh, parse_dtype
+from cache.kv_arrays import blocks_for_budget, kv_pool_dtype
+from model import KVCache, LoadedModel, PromptTooLongError, make_mesh, parse_dtype
 from model.compilation_cache import enable_compilation_cache
 from model.prompt_checks import check_prompt, prompt_blocks_needed
 from workers.block_manager import BlockManager
@@ -74,11 +74,11 @@ class LLMEngine:
         )
         self.draft_model = draft
         self.runner = ModelRunner(
-            self.config, model.params, allocate_kv_cache(self.config, num_blocks, args.block_size, kv_dtype, mesh),
+            self.config, model.params, KVCache.create(self.config, num_blocks, args.block_size, kv_dtype, mesh),
             mesh, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_ids=self.eos_ids, speculative=spec,
             draft=DraftModel(
-                draft.config, draft.params, allocate_kv_cache(draft.config, num_blocks, args.block_size, kv_dtype, mesh)
+                draft.config, draft.params, KVCache.create(draft.config, num_blocks, args.block_size, kv_dtype, mesh)
             ) if draft else None,
         )
         if args.warmup:

@@ -15,8 +15,8 @@ both see the same machine load (other work on a shared machine shifts both alike
 
     python -m deploy.benchmarks.decode_step_bench --baseline HEAD~1 [--parts steps,offline,prefill,compile]
 
-Workers only use names both trees export (``load_model``, ``KVCache.zeros``, ``decode``,
-``workers.LLM``), so the baseline can be any commit that has them.
+Workers only use names both trees export (``load_model``, ``KVCache.create`` or the older
+``KVCache.zeros``, ``decode``, ``workers.LLM``), so the baseline can be any commit that has them.
 """
 
 from __future__ import annotations
@@ -58,7 +58,10 @@ class Worker:
         from model import KVCache, decode
 
         c, params = self.model.config, self.model.params
-        self.kv = KVCache.zeros(c.num_layers, NUM_BLOCKS, BLOCK_SIZE, c.num_kv_heads, c.head_dim, jnp.float32)
+        if hasattr(KVCache, "create"):
+            self.kv = KVCache.create(c, NUM_BLOCKS, BLOCK_SIZE, jnp.float32)
+        else:  # a baseline from before KVCache.create
+            self.kv = KVCache.zeros(c.num_layers, NUM_BLOCKS, BLOCK_SIZE, c.num_kv_heads, c.head_dim, jnp.float32)
         out = {}
         for r in rows:
             rng = np.random.RandomState(r)

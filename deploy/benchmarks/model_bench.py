@@ -43,8 +43,7 @@ def bench_dtype(model_name: str, dtype: str, prompt_len: int, decode_tokens: int
     config, params = model.config, model.params
     block_size = 16
     width = next_power_of_two(cdiv(prompt_len + decode_tokens, block_size))
-    kv = KVCache.zeros(config.num_layers, width + 1, block_size, config.num_kv_heads, config.head_dim,
-                       params.final_norm.dtype)
+    kv = KVCache.create(config, width + 1, block_size, params.final_norm.dtype)
     table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]
     rng = np.random.RandomState(0)
     tokens = jnp.asarray(rng.randint(100, config.vocab_size, size=(1, prompt_len)), jnp.int32)

@@ -107,7 +107,7 @@ def cost_model(model: LoadedModel, proposers: list[str], repeats: int = 20) -> d
 
     def timed(loaded: LoadedModel, rows: int) -> float:
         cfg = loaded.config
-        kv = KVCache.zeros(cfg.num_layers, 64, 16, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+        kv = KVCache.create(cfg, 64, 16, jnp.float32)
         step = jax.jit(lambda p, kv, t, pos, bt: forward(p, cfg, t, pos, kv, bt, pos[:, 0] + 1, cpu_kernels=True),
                        donate_argnums=1)
         tokens = np.ones((rows, 1), np.int32)
