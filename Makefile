@@ -36,8 +36,8 @@ run: setup
 # quantization suites in the same process, XLA's CPU compiler segfaulted compiling one of their
 # programs (not in a fresh process; not explained yet, README "Speculative decoding").
 test: setup-test
-	$(BIN)/python -m pytest --ignore=tests/test_speculative.py
-	$(BIN)/python -m pytest tests/test_speculative.py
+	$(BIN)/python -m pytest --ignore=tests/workers/test_speculative.py
+	$(BIN)/python -m pytest tests/workers/test_speculative.py
 
 bench: setup
 	$(BIN)/python -m deploy.benchmarks.model_bench

@@ -124,7 +124,7 @@ def compilations():
 
 @pytest.fixture(autouse=True)
 def _persistent_compilation_cache_stays_in_its_test():
-    """``raylm generate`` run in-process (tests/test_cli.py) turns JAX's process-wide persistent
+    """``raylm generate`` run in-process (tests/deploy/test_cli.py) turns JAX's process-wide persistent
     compilation cache on; left on, every later test's programs are serialized into the user's
     cache dir, and the suite depends on test order. Turn it off again after each test."""
     yield

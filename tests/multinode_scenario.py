@@ -1,6 +1,6 @@
 """Multi-node serving and the cluster autoscaler, on one machine.
 
-Run as ``python -m tests.multinode_scenario [--temp-dir DIR]`` (``tests/test_multinode.py`` does).
+Run as ``python -m tests.multinode_scenario [--temp-dir DIR]`` (``tests/cluster/test_multinode.py`` does).
 It starts its own fake multi-node Ray cluster whose autoscaler launches worker "nodes" as extra
 raylets on this machine (Ray's ``fake_multinode`` node provider), deploys raylm with two worker
 replicas that each fill a whole worker node, and checks that

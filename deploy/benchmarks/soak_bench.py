@@ -13,9 +13,10 @@ running / waiting requests and KV blocks) and that a greedy request answers as b
    streams in flight, how each ended, the longest time to end after the kill, and the seconds
    until the replacement replica serves.
 
-The test suite runs the same drivers at a smaller scale (tests/test_hostile_http.py,
-tests/test_faults.py); tests/test_adversarial_http.py and tests/test_load_cancel.py add exact
-answers per hostile case and cancellations at every stage.
+The test suite runs the same drivers at a smaller scale (tests/router/test_hostile_http.py,
+tests/router/test_faults.py); tests/router/test_adversarial_http.py and
+tests/router/test_load_cancel.py add exact answers per hostile case and cancellations at every
+stage.
 
     python -m deploy.benchmarks.soak_bench [--config deploy/default.yaml] [--fuzz 10000] [--load 1000]
 """

@@ -19,7 +19,7 @@ import pytest
 
 from cluster.metrics import ROUTER_METRICS, WORKER_METRICS
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "cluster" / "dashboards" / "raylm.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "dashboards" / "raylm.json"
 
 # Ray Serve's own metrics the dashboard uses (replica counts). Both seen in Ray 2.60's
 # metrics endpoint with a Serve deployment running, with `application` and `deployment`

@@ -10,7 +10,7 @@ import yaml
 from deploy.config import DeployConfigError, load_deploy_config, parse_deploy_config
 from workers import EngineArgs
 
-DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def test_default_yaml_serves_the_bundled_model():

@@ -1,11 +1,11 @@
 """The engine's attention through the CPU paged kernel matches the portable jnp path.
 
-The kernel itself is checked against ``paged_attention`` and numpy in test_paged_decode_kernel;
-these check it wired into the engine, for prompt chunks (each token a query of its own) and
-decode tokens alike: every program of a mixed workload (rows of different context lengths
-crossing block boundaries, multi-step decode, batches that shrink, prompts split into chunks,
-chunks that start after a cached prefix) gives the jnp path's greedy tokens and logprobs, and
-the kernel really is the one running.
+The kernel itself is checked against ``paged_attention`` and numpy in
+tests/model/test_paged_decode_kernel.py; these check it wired into the engine, for prompt
+chunks (each token a query of its own) and decode tokens alike: every program of a mixed
+workload (rows of different context lengths crossing block boundaries, multi-step decode,
+batches that shrink, prompts split into chunks, chunks that start after a cached prefix) gives
+the jnp path's greedy tokens and logprobs, and the kernel really is the one running.
 """
 
 from __future__ import annotations

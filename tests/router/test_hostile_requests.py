@@ -1,7 +1,7 @@
 """Hostile and malformed requests against the router in-process: never a 5xx, always OpenAI
 error JSON, and nothing held afterwards.
 
-Thousands of seeded hostile requests (``tests/hostile_requests.py``) plus hypothesis-drawn
+Thousands of seeded hostile requests (``deploy/benchmarks/hostile_requests.py``) plus hypothesis-drawn
 JSON over the request schema go through the router's ASGI app over a fake worker, 16 at a
 time against 4 run slots so admission queues too. The same generator drives the real server
 in ``test_hostile_http.py`` and the 10,000-request soak benchmark.

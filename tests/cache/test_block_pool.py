@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from cache import BlockPool, NoFreeBlocksError, block_hashes, hash_block
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class BlockPoolMachine(RuleBasedStateMachine):

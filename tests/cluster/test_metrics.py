@@ -1,4 +1,5 @@
-"""Ray's metrics endpoint serves every raylm metric after real traffic, with the right counts."""
+"""Ray's metrics endpoint serves every raylm metric after real traffic, with the right counts;
+tenant tags (without Ray) are ASCII, stable and bounded."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from cluster.metrics import ROUTER_METRICS, WORKER_METRICS
+from cluster.metrics import MAX_TENANT_TAGS, ROUTER_METRICS, WORKER_METRICS, RouterMetrics, tenant_tag
 from tests.serving import TEST_DEPLOY
 
 MODEL = "metrics-model"
@@ -133,3 +134,14 @@ def _check_speculation(values: dict[str, float], expected: dict[str, float]) -> 
     for name, count in expected.items():
         if "spec_decode" in name:
             assert values.get(name) == count, (name, values.get(name), count)
+
+
+def test_tenant_tags_are_ascii_stable_and_bounded():
+    assert tenant_tag("team-a") == "team-a"
+    for hostile in ["josé", "😀", "a b", chr(0xD800), "x" * 65, ""]:
+        tag = tenant_tag(hostile)
+        assert tag.isascii() and tag.startswith("h-") and tag == tenant_tag(hostile)
+    assert tenant_tag("josé") != tenant_tag("josé")
+    metrics = RouterMetrics("m")
+    tags = {metrics._tenant_tag(f"t{i}") for i in range(MAX_TENANT_TAGS + 50)}
+    assert len(tags) == MAX_TENANT_TAGS + 1 and "other" in tags

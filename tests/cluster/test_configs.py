@@ -36,7 +36,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 
 from model import BUNDLED_MODELS, DEFAULT_MODEL
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER_DIR = REPO / "cluster"
 CONFIG_PATHS = sorted(CLUSTER_DIR.glob("*.yaml"))
 CONFIG_IDS = [p.name for p in CONFIG_PATHS]

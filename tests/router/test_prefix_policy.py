@@ -1,0 +1,32 @@
+"""router/prefix_policy.py: matched prefixes are chains; replica choice prefers the longest
+prefix until the load gap is too big, else the less loaded of two random replicas."""
+
+from __future__ import annotations
+
+import random
+
+from router.prefix_policy import LOAD_IMBALANCE, NO_PREFIX, PREFIX_HIT, ReplicaView, choose_replica, matched_prefix
+
+
+def test_prefix_match_is_a_chain():
+    assert matched_prefix([1, 2, 3, 4], {1, 2, 4}) == 2
+    assert matched_prefix([9, 2], {2}) == 0
+    assert matched_prefix([], {1}) == 0
+
+
+def test_replica_choice_prefers_prefix_until_the_load_gap_is_too_big():
+    rng = random.Random(0)
+    views = [ReplicaView("a", 100, 0), ReplicaView("b", 900, 8)]
+    assert choose_replica(views, 1000, rng) == (["b", "a"], PREFIX_HIT)
+    assert choose_replica(views, 500, rng) == (["a", "b"], LOAD_IMBALANCE)
+    assert choose_replica([ReplicaView("a", 5, 0), ReplicaView("b", 1, 0)], 500, rng) == (["b", "a"], NO_PREFIX)
+    longest = [ReplicaView("a", 0, 2), ReplicaView("b", 10, 5), ReplicaView("c", 20, 5)]
+    assert choose_replica(longest, 100, rng)[0][0] == "b"  # longest match, then least load
+    assert choose_replica(longest, 15, rng)[0][0] == "b"  # "c" holds it too, but is too busy
+
+
+def test_power_of_two_choices_never_picks_the_busiest_of_three():
+    rng = random.Random(1)
+    views = [ReplicaView("a", 0, 0), ReplicaView("b", 50, 0), ReplicaView("c", 999, 0)]
+    picks = {choose_replica(views, 100, rng)[0][0] for _ in range(200)}
+    assert picks == {"a", "b"}

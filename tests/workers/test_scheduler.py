@@ -1,0 +1,323 @@
+"""workers/scheduler.py without a model: which tokens of which sequences each step computes.
+
+A real ``BlockPool`` and ``BlockManager`` with small numbers (4-token blocks, a handful of them)
+and real ``Sequence`` objects; ``_apply`` does the engine's bookkeeping between steps
+(``LLMEngine.step`` / ``_consume``), so several steps can be planned in a row. Preemption is
+observed through the queues and the sequences' state.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from cache import BlockPool
+from workers.block_manager import BlockManager
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.sequence import Sequence, SequenceStatus
+
+BLOCK_SIZE = 4
+TOKEN = 7  # every sampled token (only how many there are matters here)
+_arrival = itertools.count()
+_prompt_base = itertools.count(1000, 1000)
+
+
+def _scheduler(usable_blocks: int = 32, prefix_caching: bool = True, **config) -> Scheduler:
+    pool = BlockPool(usable_blocks + 1, BLOCK_SIZE, enable_prefix_caching=prefix_caching)
+    return Scheduler(SchedulerConfig(**config), BlockManager(pool))
+
+
+def _seq(prompt: int | list[int], max_tokens: int = 32, priority: int = 0) -> Sequence:
+    """A sequence as ``LLMEngine.add_request`` makes it (no tokenizer needed). An int prompt is
+    that many tokens no other sequence shares; arrivals are strictly ordered by creation."""
+    if isinstance(prompt, int):
+        base = next(_prompt_base)
+        prompt = list(range(base, base + prompt))
+    arrival = next(_arrival)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    seq = Sequence.create(f"r{arrival}", 0, prompt, params, 0, max_tokens, priority, None)
+    seq.arrival_time = float(arrival)
+    return seq
+
+
+def _add(scheduler: Scheduler, *seqs: Sequence) -> None:
+    for seq in seqs:
+        scheduler.add(seq)
+
+
+def _chunks(plan: SchedulerOutput) -> list[tuple[Sequence, int]]:
+    return [(chunk.seq, chunk.num_tokens) for chunk in plan.prefills]
+
+
+def _apply(scheduler: Scheduler, plan: SchedulerOutput) -> None:
+    """What the engine does with a step's results: a prompt chunk's tokens are computed (and the
+    chunk reaching the last known token samples one), a decode computes its fed-back token and
+    samples ``num_decode_steps`` (each after the first also computed); full blocks are committed
+    to the prefix cache and finished sequences removed. Speculative guesses are all rejected
+    here: a decode with guesses still yields one token."""
+    for chunk in plan.prefills:
+        seq = chunk.seq
+        samples = seq.num_computed_tokens + chunk.num_tokens == seq.num_tokens
+        seq.num_computed_tokens += chunk.num_tokens
+        _sample(scheduler, seq, 1 if samples else 0)
+    for seq in plan.decodes:
+        seq.num_computed_tokens += 1
+        _sample(scheduler, seq, plan.num_decode_steps)
+
+
+def _sample(scheduler: Scheduler, seq: Sequence, count: int) -> None:
+    for i in range(count):
+        if i > 0:
+            seq.num_computed_tokens += 1
+        seq.output_ids.append(TOKEN)
+        if len(seq.output_ids) >= seq.max_tokens:
+            seq.finish_reason = "length"
+            break
+    scheduler.blocks.commit_computed_blocks(seq)
+    if seq.finished:
+        scheduler.remove(seq)
+
+
+def _step(scheduler: Scheduler) -> SchedulerOutput:
+    plan = scheduler.schedule()
+    _apply(scheduler, plan)
+    return plan
+
+
+# -- ordering and the token budget --------------------------------------------------------------------
+def test_decodes_are_scheduled_before_prompt_chunks():
+    """Under FCFS, the default. (The priority policy orders the running queue by priority: a
+    higher-priority prompt's chunk goes before lower-priority decodes and may take the budget.)"""
+    scheduler = _scheduler(max_num_batched_tokens=16)
+    a = _seq(6)
+    _add(scheduler, a)
+    assert _chunks(_step(scheduler)) == [(a, 6)]
+
+    b = _seq(40)
+    _add(scheduler, b)
+    plan = _step(scheduler)
+    assert plan.decodes == [a]
+    assert _chunks(plan) == [(b, 15)]  # the budget of 16 less a's decode token
+
+    c = _seq(3)
+    _add(scheduler, c)
+    plan = _step(scheduler)
+    assert plan.decodes == [a]  # b's remaining 25 tokens would fill the budget
+    assert _chunks(plan) == [(b, 15)]  # the running prompt goes on before a new one starts
+    assert scheduler.waiting == [c]
+
+    plan = _step(scheduler)
+    assert plan.decodes == [a]
+    assert _chunks(plan) == [(b, 10), (c, 3)]
+    assert _step(scheduler).decodes == [a, b, c]
+
+
+def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
+    scheduler = _scheduler(max_num_batched_tokens=16)
+    seq = _seq(40)
+    _add(scheduler, seq)
+    chunks, blocks, outputs = [], [], []
+    for _ in range(3):
+        plan = _step(scheduler)
+        assert plan.decodes == []
+        chunks += [n for _, n in _chunks(plan)]
+        blocks.append(len(seq.block_ids))
+        outputs.append(len(seq.output_ids))
+    assert chunks == [16, 16, 8]
+    assert blocks == [4, 8, 10]  # blocks for the tokens computed so far, 4 per block
+    assert outputs == [0, 0, 1]  # only the chunk reaching the prompt's end samples
+    assert seq.num_computed_tokens == 40
+    assert _step(scheduler).decodes == [seq]
+
+
+def test_without_chunked_prefill_a_prompt_is_computed_whole_or_waits():
+    scheduler = _scheduler(usable_blocks=32, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    too_long = _seq(40)
+    _add(scheduler, too_long)
+    plan = scheduler.schedule()
+    assert plan.empty
+    assert scheduler.waiting == [too_long] and too_long.block_ids == []
+    assert scheduler.blocks.pool.num_free_blocks == 32  # the refused admission holds nothing
+
+    for chunked, expected in [(False, [12]), (True, [12, 4])]:
+        scheduler = _scheduler(max_num_batched_tokens=16, enable_chunked_prefill=chunked)
+        first, second = _seq(12), _seq(12)
+        _add(scheduler, first, second)
+        plan = scheduler.schedule()
+        assert [n for _, n in _chunks(plan)] == expected, chunked
+        assert (second in scheduler.waiting) is not chunked
+
+
+def test_max_num_seqs_caps_admission():
+    scheduler = _scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    s0, s1, s2 = _seq(3, max_tokens=2), _seq(3, max_tokens=2), _seq(3, max_tokens=2)
+    _add(scheduler, s0, s1, s2)
+    plan = _step(scheduler)
+    assert _chunks(plan) == [(s0, 3), (s1, 3)]
+    assert scheduler.waiting == [s2]
+
+    plan = _step(scheduler)  # budget and blocks to spare, but no slot
+    assert plan.decodes == [s0, s1] and plan.prefills == []
+    assert scheduler.waiting == [s2]
+    assert s0.finished and s1.finished and scheduler.running == []
+
+    assert _chunks(_step(scheduler)) == [(s2, 3)]
+
+
+# -- preemption ------------------------------------------------------------------------------------------
+def test_when_blocks_run_out_the_latest_arrival_is_preempted_and_its_blocks_freed():
+    scheduler = _scheduler(usable_blocks=4, prefix_caching=False)
+    pool = scheduler.blocks.pool
+    first, second = _seq(7, max_tokens=3), _seq(7, max_tokens=10)
+    _add(scheduler, first, second)
+    assert _chunks(_step(scheduler)) == [(first, 7), (second, 7)]
+    assert pool.num_free_blocks == 0
+    assert _step(scheduler).decodes == [first, second]  # position 7 still fits each one's 2nd block
+
+    plan = scheduler.schedule()  # position 8 needs a 3rd block each; none is free
+    assert plan.decodes == [first] and plan.prefills == []
+    assert second.status is SequenceStatus.WAITING
+    assert scheduler.running == [first] and scheduler.waiting == [second]
+    assert (second.block_ids, second.num_computed_tokens) == ([], 0)
+    assert (second.num_preemptions, first.num_preemptions, scheduler.num_preemptions) == (1, 0, 1)
+    assert len(first.block_ids) == 3
+    assert pool.num_free_blocks == 1  # second's 2 blocks came back; first took 1 of them
+    _apply(scheduler, plan)
+    assert first.finished and pool.num_free_blocks == 4
+
+    plan = _step(scheduler)
+    assert _chunks(plan) == [(second, 9)]  # it recomputes its prompt and both outputs
+    assert second.status is SequenceStatus.RUNNING and scheduler.num_preemptions == 1
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_victim_is_the_lowest_priority_then_the_latest_arrival(policy):
+    scheduler = _scheduler(usable_blocks=4, prefix_caching=False, policy=policy)
+    low, high = _seq(7, priority=1), _seq(7, priority=0)  # low arrived first
+    _add(scheduler, low, high)
+    _step(scheduler)
+    _step(scheduler)
+    plan = scheduler.schedule()
+    victim, survivor = (high, low) if policy == "fcfs" else (low, high)
+    assert plan.decodes == [survivor]
+    assert scheduler.waiting == [victim] and victim.status is SequenceStatus.WAITING
+    assert (victim.num_preemptions, survivor.num_preemptions) == (1, 0)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_policy_evicts_a_lower_priority_running_sequence_for_a_waiting_one(policy):
+    scheduler = _scheduler(max_num_seqs=1, policy=policy)
+    low = _seq(5, priority=1)
+    _add(scheduler, low)
+    _step(scheduler)
+    high = _seq(5, priority=0)
+    _add(scheduler, high)
+    plan = scheduler.schedule()
+    if policy == "priority":
+        assert _chunks(plan) == [(high, 5)] and plan.decodes == []
+        assert scheduler.running == [high] and scheduler.waiting == [low]
+        assert low.status is SequenceStatus.WAITING and low.block_ids == []
+        assert (low.num_preemptions, scheduler.num_preemptions) == (1, 1)
+    else:
+        assert plan.decodes == [low] and plan.prefills == []
+        assert scheduler.running == [low] and scheduler.waiting == [high]
+        assert scheduler.num_preemptions == 0
+
+
+def test_a_sequence_preempted_this_step_is_not_readmitted_in_the_same_step():
+    """The evicting sequence's prompt is a prefix-cache hit, so it needs fewer blocks than the
+    eviction assumed: after it, the victim would fit again at once (its first block is cached
+    too), yet it waits for the next step."""
+    scheduler = _scheduler(usable_blocks=4, policy="priority", max_num_batched_tokens=64)
+    pool = scheduler.blocks.pool
+    shared = list(range(1, 10))
+    done = _seq(shared, max_tokens=1)  # leaves shared[:8] cached in 2 free blocks
+    _add(scheduler, done)
+    _step(scheduler)
+    assert done.finished and (pool.num_free_blocks, pool.num_cached_blocks) == (4, 2)
+
+    victim = _seq(shared[:4] + [50], priority=1)
+    _add(scheduler, victim)
+    assert _step(scheduler).decodes == [victim]  # 4 cached tokens, 1 to compute: a decode
+    assert pool.num_free_blocks == 2
+
+    urgent = _seq(shared[:8] + [60, 61], priority=0)  # 3 blocks without its hits: not free
+    _add(scheduler, urgent)
+    plan = scheduler.schedule()
+    assert _chunks(plan) == [(urgent, 2)] and plan.decodes == []  # 8 of its tokens were cached
+    assert victim.status is SequenceStatus.WAITING and victim.num_preemptions == 1
+    assert scheduler.waiting == [victim] and scheduler.running == [urgent]
+    assert victim.block_ids == []
+    assert pool.num_free_blocks == 1  # room for the victim's missing block: it still waits
+    _apply(scheduler, plan)
+
+    plan = _step(scheduler)
+    assert plan.decodes == [urgent]
+    assert _chunks(plan) == [(victim, 2)]  # readmitted next step, its first block a cache hit
+    assert pool.num_free_blocks == 0 and scheduler.num_preemptions == 1
+
+
+# -- speculative lookahead and multi-step decoding ------------------------------------------------------------
+@pytest.mark.parametrize("k, guesses, blocks", [(0, 0, 1), (3, 3, 2), (5, 5, 3)])
+def test_speculative_lookahead_grows_blocks_for_the_guesses(k, guesses, blocks):
+    scheduler = _scheduler(num_speculative_tokens=k)
+    seq = _seq(3)
+    _add(scheduler, seq)
+    assert _step(scheduler).guesses == {}  # a prompt chunk carries no guesses
+    plan = scheduler.schedule()
+    assert plan.decodes == [seq]
+    assert plan.guesses == ({seq.seq_id: guesses} if guesses else {})
+    # the fed-back token at position 3 and the guesses after it, 4 positions per block
+    assert len(seq.block_ids) == blocks
+
+
+def test_speculation_is_off_above_disable_by_batch_size():
+    scheduler = _scheduler(num_speculative_tokens=2, speculative_disable_by_batch_size=1)
+    short, long = _seq(3, max_tokens=3), _seq(3, max_tokens=20)
+    _add(scheduler, short, long)
+    _step(scheduler)
+    for _ in range(2):  # two sequences decoding: above the limit of 1
+        plan = _step(scheduler)
+        assert plan.decodes == [short, long] and plan.guesses == {}
+    assert short.finished
+    plan = scheduler.schedule()  # one left: at the limit, guesses again
+    assert plan.decodes == [long] and plan.guesses == {long.seq_id: 2}
+
+
+def test_multi_step_decoding_only_when_no_prompt_is_computed():
+    scheduler = _scheduler(num_scheduler_steps=4, max_num_batched_tokens=16)
+    a = _seq(3)
+    _add(scheduler, a)
+    assert _step(scheduler).num_decode_steps == 1  # a's prompt
+
+    plan = scheduler.schedule()
+    assert plan.decodes == [a] and plan.num_decode_steps == 4
+    assert len(a.block_ids) == 2  # grown for positions 3..6
+    _apply(scheduler, plan)
+    assert (len(a.output_ids), a.num_computed_tokens) == (5, 7)
+
+    b = _seq(36)
+    _add(scheduler, b)
+    # While b's prompt waits or is being computed: one step, and a's blocks grow for one token
+    # (positions 7, 8, 9), not four.
+    for chunk, blocks in [(15, 2), (15, 3), (6, 3)]:
+        plan = scheduler.schedule()
+        assert plan.decodes == [a] and _chunks(plan) == [(b, chunk)] and plan.num_decode_steps == 1
+        assert len(a.block_ids) == blocks
+        _apply(scheduler, plan)
+    plan = scheduler.schedule()
+    assert plan.decodes == [a, b] and plan.num_decode_steps == 4
+
+
+def test_a_sequence_waiting_for_a_slot_keeps_decoding_to_one_step():
+    """So that it starts as soon as a slot frees, not after a multi-step run."""
+    scheduler = _scheduler(num_scheduler_steps=4, max_num_seqs=1)
+    a, b = _seq(3), _seq(3)
+    _add(scheduler, a)
+    _step(scheduler)
+    _add(scheduler, b)
+    plan = scheduler.schedule()
+    assert plan.decodes == [a] and plan.prefills == [] and plan.num_decode_steps == 1
+    assert len(a.block_ids) == 1 and scheduler.waiting == [b]
