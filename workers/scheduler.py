@@ -1,7 +1,10 @@
 """Continuous batching: each step, decide which tokens of which sequences the model computes.
 
-Running sequences go first (decodes, then unfinished prompt chunks), then waiting ones
-are admitted while sequence slots, the token budget and KV blocks allow. Long prompts
+Running sequences go first, in policy order (FCFS: by arrival; priority: by priority, then
+arrival), each with a decode token or its next prompt chunk; then waiting ones are admitted
+while sequence slots, the token budget and KV blocks allow. (Under FCFS a running prompt
+arrived after every decoding sequence, so decodes come first; under the priority policy a
+more urgent prompt's chunk goes before less urgent decodes and may take the budget.) Long prompts
 are split into chunks so they never stall the decodes (chunked prefill). When blocks run
 out, the lowest-priority, latest-arrived running sequence is preempted: its blocks are
 freed and it later recomputes everything it had (its full blocks are likely still in the

@@ -1,8 +1,8 @@
 """workers/scheduler.py without a model: which tokens of which sequences each step computes.
 
 A real ``BlockPool`` and ``BlockManager`` with small numbers (4-token blocks, a handful of them)
-and real ``Sequence`` objects; ``_apply`` does the engine's bookkeeping between steps
-(``LLMEngine.step`` / ``_consume``), so several steps can be planned in a row. Preemption is
+and real ``Sequence`` objects; ``_apply`` feeds each step's samples back through
+``Scheduler.update_from_output`` as the engine does, so several steps can be planned in a row. Preemption is
 observed through the queues and the sequences' state.
 """
 
@@ -14,12 +14,14 @@ import pytest
 
 from cache import BlockPool
 from workers.block_manager import BlockManager
+from workers.sampler import SampleResult
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.sequence import Sequence, SequenceStatus
 
 BLOCK_SIZE = 4
 TOKEN = 7  # every sampled token (only how many there are matters here)
+SAMPLE = SampleResult(TOKEN, 0.0, [], [])
 _arrival = itertools.count()
 _prompt_base = itertools.count(1000, 1000)
 
@@ -52,32 +54,13 @@ def _chunks(plan: SchedulerOutput) -> list[tuple[Sequence, int]]:
 
 
 def _apply(scheduler: Scheduler, plan: SchedulerOutput) -> None:
-    """What the engine does with a step's results: a prompt chunk's tokens are computed (and the
-    chunk reaching the last known token samples one), a decode computes its fed-back token and
-    samples ``num_decode_steps`` (each after the first also computed); full blocks are committed
-    to the prefix cache and finished sequences removed. Speculative guesses are all rejected
-    here: a decode with guesses still yields one token."""
-    for chunk in plan.prefills:
-        seq = chunk.seq
-        samples = seq.num_computed_tokens + chunk.num_tokens == seq.num_tokens
-        seq.num_computed_tokens += chunk.num_tokens
-        _sample(scheduler, seq, 1 if samples else 0)
-    for seq in plan.decodes:
-        seq.num_computed_tokens += 1
-        _sample(scheduler, seq, plan.num_decode_steps)
-
-
-def _sample(scheduler: Scheduler, seq: Sequence, count: int) -> None:
-    for i in range(count):
-        if i > 0:
-            seq.num_computed_tokens += 1
-        seq.output_ids.append(TOKEN)
-        if len(seq.output_ids) >= seq.max_tokens:
-            seq.finish_reason = "length"
-            break
-    scheduler.blocks.commit_computed_blocks(seq)
-    if seq.finished:
-        scheduler.remove(seq)
+    """Feed the step's results back as the engine does (``Scheduler.update_from_output``): a
+    chunk reaching its sequence's last known token samples one token, a decode samples
+    ``num_decode_steps``. Speculative guesses are all rejected here: a decode with guesses
+    still yields one token."""
+    samples = {chunk.seq.seq_id: [SAMPLE] for chunk in plan.prefills if chunk.samples}
+    samples.update({seq.seq_id: [SAMPLE] * plan.num_decode_steps for seq in plan.decodes})
+    scheduler.update_from_output(plan, samples, scheduled_at=0.0)
 
 
 def _step(scheduler: Scheduler) -> SchedulerOutput:
@@ -321,3 +304,48 @@ def test_a_sequence_waiting_for_a_slot_keeps_decoding_to_one_step():
     plan = scheduler.schedule()
     assert plan.decodes == [a] and plan.prefills == [] and plan.num_decode_steps == 1
     assert len(a.block_ids) == 1 and scheduler.waiting == [b]
+
+
+# -- applying a step's results -----------------------------------------------------------------------
+def test_update_from_output_forks_after_the_first_token_and_frees_what_finishes():
+    """n = 2: the second sequence starts from the first's computed prompt once the first token
+    is sampled; counters count prompt and sampled tokens; finished sequences free every block."""
+    scheduler = _scheduler(usable_blocks=8)
+    parent = _seq(6, max_tokens=2)
+    child = Sequence.create(parent.request_id, 1, parent.prompt_ids, parent.params, 1, 2, 0, None)
+    parent.forks = [child]
+    _add(scheduler, parent)
+
+    plan = scheduler.schedule()
+    assert _chunks(plan) == [(parent, 6)] and plan.prefills[0].samples
+    assert scheduler.update_from_output(plan, {parent.seq_id: [SAMPLE]}, scheduled_at=5.0) == [parent]
+    assert parent.output_ids == [TOKEN] and parent.num_computed_tokens == 6 and parent.first_scheduled_time == 5.0
+    assert scheduler.waiting == [child] and child.num_computed_tokens == 5  # the shared prompt minus its last token
+    assert child.block_ids == parent.block_ids[:2]  # the child shares the blocks holding prompt tokens 0..4
+    assert (scheduler.num_prompt_tokens, scheduler.num_generated_tokens) == (6, 1)
+
+    while scheduler.running or scheduler.waiting:
+        _step(scheduler)
+    assert parent.output_ids == child.output_ids == [TOKEN, TOKEN]
+    assert parent.finish_reason == child.finish_reason == "length"
+    assert parent.status == child.status == SequenceStatus.FINISHED
+    assert scheduler.blocks.pool.num_free_blocks == 8
+    # The child's one uncomputed prompt token runs as a decode (it feeds that token back), so
+    # prompt tokens stay at the parent's 6.
+    assert (scheduler.num_prompt_tokens, scheduler.num_generated_tokens) == (6, 4)
+
+
+def test_update_from_output_stops_at_eos_within_a_multi_step_run():
+    """Samples after a finishing token are dropped: a 4-step decode whose second token is EOS
+    emits two tokens and the sequence leaves the running queue."""
+    scheduler = Scheduler(SchedulerConfig(num_scheduler_steps=4), BlockManager(BlockPool(9, BLOCK_SIZE)),
+                          eos_ids=frozenset({2}))
+    seq = _seq(3)
+    _add(scheduler, seq)
+    _step(scheduler)  # the prompt, and its first token
+    plan = scheduler.schedule()
+    assert plan.decodes == [seq] and plan.num_decode_steps == 4
+    eos = SampleResult(2, 0.0, [], [])
+    scheduler.update_from_output(plan, {seq.seq_id: [SAMPLE, eos, SAMPLE, SAMPLE]}, scheduled_at=0.0)
+    assert seq.output_ids == [TOKEN, TOKEN, 2] and seq.finish_reason == "stop"
+    assert scheduler.running == [] and scheduler.blocks.pool.num_free_blocks == 8
