@@ -29,7 +29,7 @@ class Lease:
         self.waited_s = waited_s  # time spent in the admission queue
         self.closed = False
 
-    def charge(self, tokens: int) -> None:
+    def count_tokens(self, tokens: int) -> None:
         """Served tokens count toward the tenant's fair share, rate limit and metrics."""
         if tokens:
             self._on_tokens(self.tenant, tokens)

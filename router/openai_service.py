@@ -228,7 +228,7 @@ class OpenAIService:
     async def _serve(self, parsed: ParsedRequest, priority: int, lease: Lease) -> Response:
         """Generate for an admitted request: a full JSON response, or a streaming one that owns the lease."""
         self.metrics.queue_time(self.settings.priority_classes[priority], lease.waited_s)
-        lease.charge(sum(len(p) for p in parsed.prompts))
+        lease.count_tokens(sum(len(p) for p in parsed.prompts))
         prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         builder = ResponseBuilder(parsed, request_id, int(time.time()), self.tokenizer)
@@ -315,7 +315,7 @@ class OpenAIService:
         ]
         async with contextlib.aclosing(merge_indexed(streams)) as merged:
             async for index, chunk in merged:
-                lease.charge(sum(len(c.token_ids) for c in chunk.choices))
+                lease.count_tokens(sum(len(c.token_ids) for c in chunk.choices))
                 yield index, chunk
 
     async def _worker_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:

@@ -10,7 +10,7 @@ Load is work left in tokens: prompt tokens not yet computed (a cached prefix is 
 the outputs ``max_tokens`` still allows. It is the larger of what the replica reports and
 what this router has in flight there, charged the moment the replica is chosen.
 
-Each chosen replica goes to the request it was chosen for (``OwnChoiceMixin``), and the
+Each chosen replica goes to the request it was chosen for (``ChosenRequestMixin``), and the
 ledger follows what was actually accepted, so loads stay right when a replica refuses one.
 """
 
@@ -21,13 +21,13 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from router.own_choice_mixin import OwnChoiceMixin
+from router.chosen_request_mixin import ChosenRequestMixin
 from router.prefix_policy import ReplicaView, choose_replica, matched_prefix
 from router.routing_ledger import RoutingLedger
 from workers.replica_protocol import GenerateRequest, RoutingReport
 
 
-class PrefixAwareRequestRouter(OwnChoiceMixin, RequestRouter):
+class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
     def initialize_state(self, imbalance_threshold_tokens: int = 2048, max_tracked_blocks: int = 200_000,
                          report_grace_s: float = 3.0, block_size: int = 16, model: str = "",
                          seed: int | None = None) -> None:

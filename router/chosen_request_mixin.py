@@ -22,7 +22,7 @@ from typing import Any, Optional
 from ray.serve.request_router import FIFOMixin, PendingRequest, RunningReplica
 
 
-class OwnChoiceMixin(FIFOMixin):
+class ChosenRequestMixin(FIFOMixin):
     """Use with ``note_choice_for(pending_request)`` called from ``choose_replicas``."""
 
     def __init__(self, *args: Any, **kwargs: Any):

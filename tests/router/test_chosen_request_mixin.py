@@ -1,11 +1,11 @@
-"""router/own_choice_mixin.py: a replica found by a routing task goes to the request it was chosen
+"""router/chosen_request_mixin.py: a replica found by a routing task goes to the request it was chosen
 for, not to the oldest waiting one."""
 
 from __future__ import annotations
 
 import asyncio
 
-from router.own_choice_mixin import OwnChoiceMixin
+from router.chosen_request_mixin import ChosenRequestMixin
 
 
 class _Pending:
@@ -31,14 +31,14 @@ class _FakeRouterBase:
         pass
 
 
-class _OwnChoiceRouter(OwnChoiceMixin, _FakeRouterBase):
+class _ChosenRequestRouter(ChosenRequestMixin, _FakeRouterBase):
     pass
 
 
 def test_a_replica_goes_to_the_request_it_was_chosen_for_not_the_oldest():
     async def scenario() -> dict[str, str]:
         oldest, newer, orphan = _Pending("oldest"), _Pending("newer"), _Pending("orphan")
-        router = _OwnChoiceRouter([oldest, newer, orphan])
+        router = _ChosenRequestRouter([oldest, newer, orphan])
 
         async def routing_task(pending: _Pending, replica: str, delay: float) -> None:
             router.note_choice_for(pending)
