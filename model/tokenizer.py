@@ -91,6 +91,17 @@ class Tokenizer:
         """Token ids of ``text``; special-token strings in it map to their ids."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion prompt's ids. Text that encodes to no tokens (empty, or only characters
+        the vocabulary has no piece for, like most control characters) starts a new document
+        instead, as OpenAI's completions do with an empty prompt: BOS, else the end-of-text
+        token that separates documents. Empty only when the model has neither."""
+        ids = self.encode(text)
+        if ids:
+            return ids
+        start = self.bos_token_id if self.bos_token_id is not None else self.eos_token_id
+        return [start] if start is not None else []
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -12,7 +12,8 @@ from typing import Any, Literal, Mapping
 
 from model import Tokenizer
 from router.errors import OpenAIError, invalid
-from workers.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from router.structured_request import structured_output
+from workers.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 MAX_N = 16
 MAX_STOP_SEQUENCES = 16
@@ -23,10 +24,12 @@ _COMMON_FIELDS = {
     "frequency_penalty", "stream", "stream_options", "user", "logit_bias",
     # extensions (vLLM's names)
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "priority", "stop_token_ids",
-    "skip_special_tokens", "include_stop_str_in_output",
+    "skip_special_tokens", "include_stop_str_in_output", "response_format",
+    # structured output, vLLM's names
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
 }
 _CHAT_FIELDS = _COMMON_FIELDS | {
-    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "store", "metadata", "service_tier", "reasoning_effort", "modalities",
 }
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
@@ -75,9 +78,6 @@ class RequestParser:
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise invalid(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
         logprobs = (top or 0) if want_logprobs else None
-        response_format = body.get("response_format")
-        if response_format not in (None, {"type": "text"}):
-            raise invalid("response_format other than {'type': 'text'} is not supported", "response_format")
         max_tokens = _optional(body, "max_completion_tokens", int)
         if max_tokens is None:
             max_tokens = _optional(body, "max_tokens", int)
@@ -133,7 +133,7 @@ class RequestParser:
         vocab = self.tokenizer.vocab_size
         for item in items:
             if isinstance(item, str):
-                ids.append(self.tokenizer.encode(item))
+                ids.append(self.tokenizer.encode_prompt(item))
                 texts.append(item)
             else:
                 if not item or not all(_is_int(t) for t in item):
@@ -161,8 +161,6 @@ class RequestParser:
         for field in _UNSUPPORTED_IF_SET:
             if body.get(field) not in (None, [], {}):
                 raise invalid(f"{field} is not supported by this server", field)
-        if _optional(body, "logit_bias", dict):
-            raise invalid("logit_bias is not supported by this server", "logit_bias")
         stream = bool(_optional(body, "stream", bool))
         stream_options = _optional(body, "stream_options", dict)
         if stream_options is not None and not stream:
@@ -232,11 +230,35 @@ class RequestParser:
             raise invalid(f"min_tokens must be at most the context length {self.max_model_len}, "
                           f"got {fields['min_tokens']}", "min_tokens")
         given = {k: v for k, v in fields.items() if v is not None}
+        logit_bias = self._logit_bias(body)
+        if logit_bias:
+            given["logit_bias"] = logit_bias
+        structured = structured_output(body)
+        if structured is not None:
+            given["structured_output"] = structured
         try:
             return SamplingParams(n=n, max_tokens=max_tokens, stop=stop, logprobs=logprobs, **given)
         except SamplingParamsError as err:
             field = next((k for k in (*given, "n", "max_tokens", "logprobs") if str(err).startswith(k)), None)
             raise invalid(str(err), field) from None
+
+    def _logit_bias(self, body: Mapping[str, Any]) -> dict[int, float] | None:
+        """OpenAI's ``{"token id": bias}``, ids in the vocabulary, biases in [-100, 100]."""
+        raw = _optional(body, "logit_bias", dict)
+        if not raw:
+            return None
+        if len(raw) > MAX_LOGIT_BIAS:
+            raise invalid(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(raw)}", "logit_bias")
+        vocab = self.tokenizer.vocab_size
+        out = {}
+        for key, bias in raw.items():
+            token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+            if token is None or token >= vocab:
+                raise invalid(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}"[:300], "logit_bias")
+            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100):
+                raise invalid(f"logit_bias values must be numbers in [-100, 100], got {bias!r}"[:300], "logit_bias")
+            out[token] = float(bias)
+        return out
 
 
 _MISSING = object()

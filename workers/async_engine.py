@@ -22,6 +22,7 @@ from workers.engine import LLMEngine, make_engine
 from workers.outputs import RequestOutput
 from workers.replica_protocol import InvalidRequestError
 from workers.sampling_params import SamplingParams
+from workers.structured_output import GrammarError
 
 T = TypeVar("T")
 
@@ -289,6 +290,11 @@ class AsyncEngine:
         """
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_output is not None:  # compile off the engine thread (cached per grammar)
+            try:
+                await asyncio.to_thread(self.engine.grammars.prepare, params.structured_output)
+            except GrammarError as err:
+                raise InvalidRequestError(str(err)) from None
         outputs: asyncio.Queue = asyncio.Queue()
         added = Reply.on_running_loop()
         self._streams[request_id] = (added.loop, outputs)

@@ -28,6 +28,7 @@ from workers.runner import DraftModel, ModelRunner
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence
+from workers.structured_output import GrammarCompiler
 
 
 class LLMEngine:
@@ -83,6 +84,7 @@ class LLMEngine:
         )
         if args.warmup:
             self.runner.warmup(args.num_scheduler_steps, progress)
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_ids)
         self.requests: dict[str, RequestState] = {}
         self._seeds = random.Random(args.seed)
         self.num_requests = 0
@@ -100,7 +102,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(prompt_ids, params)
         max_tokens = self._max_tokens(len(prompt_ids), params)
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
@@ -111,6 +113,9 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        if params.structured_output is not None:  # each sequence follows the grammar on its own
+            for seq in seqs:
+                seq.matcher = self.grammars.matcher(params.structured_output)
         seqs[0].forks = seqs[1:]
         self.requests[request_id] = RequestState(request_id, text, prompt_ids, seqs, time.monotonic())
         self.scheduler.add(seqs[0])
@@ -128,6 +133,9 @@ class LLMEngine:
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_ids)
         check_prompt(prompt_ids, self.config.vocab_size, params.max_tokens or 1, self.max_model_len)
+        bad_bias = [t for t in params.logit_bias or {} if t >= self.config.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
         if not self.args.enable_chunked_prefill and n > self.args.max_num_batched_tokens:
             raise PromptTooLongError(
                 f"prompt has {n} tokens but max_num_batched_tokens is {self.args.max_num_batched_tokens} and "

@@ -7,10 +7,14 @@ held back from streaming.
 
 from __future__ import annotations
 
+import logging
+
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.request_state import RequestState
 from workers.sampler import SampleResult
 from workers.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 def append_token(seq: Sequence, result: SampleResult, eos_ids: frozenset[int]) -> None:
@@ -23,6 +27,7 @@ def append_token(seq: Sequence, result: SampleResult, eos_ids: frozenset[int]) -
         entry[token] = float(result.logprobs)
         seq.logprobs.append(entry)
         seq.cumulative_logprob += float(result.logprobs)
+    grammar_done = seq.matcher is not None and _advance_grammar(seq, token)
     past_min = len(seq.output_ids) >= params.min_tokens
     if past_min and not params.ignore_eos and token in eos_ids:
         _finish_text(seq)
@@ -36,9 +41,24 @@ def append_token(seq: Sequence, result: SampleResult, eos_ids: frozenset[int]) -
         delta = seq.detokenizer.add([token])
         if _apply_stop_strings(seq, len(delta), past_min):
             return
+    if grammar_done:  # the output is complete: nothing but EOS could follow
+        _finish_text(seq)
+        seq.finish_reason = "stop"
+        return
     if len(seq.output_ids) >= seq.max_tokens:
         _finish_text(seq)
         seq.finish_reason = "length"
+
+
+def _advance_grammar(seq: Sequence, token: int) -> bool:
+    """Advance the sequence's grammar by ``token``; True once the grammar cannot go on (it is
+    complete, or ended with EOS). The sampler masks the tokens a grammar refuses, so a refused
+    token means a bug: it is logged and ends the sequence rather than emitting invalid output."""
+    matcher = seq.matcher
+    if not matcher.consume_token(token):
+        logger.error("structured output refused token %d of sequence %d: %s", token, seq.seq_id, matcher.get_error())
+        return True
+    return matcher.is_stopped()
 
 
 def _finish_text(seq: Sequence) -> None:

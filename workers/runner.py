@@ -34,6 +34,7 @@ from workers.sampler import SampleResult, SamplingBatch, advance, build_sampling
 from workers.scheduler import ScheduledChunk
 from workers.sequence import Sequence
 from workers.speculative import SpecDecodeStats, SpeculativeConfig, propose_ngram
+from workers.structured_output import allow_all, fill_bitmask
 
 MIN_TOKEN_BUCKET = 16
 MIN_WIDTH_BUCKET = 8
@@ -267,10 +268,21 @@ class ModelRunner:
         with_penalties = any(p.uses_penalties for p in params)
         sbatch = build_sampling_batch(
             [(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids) for s in seqs],
-            rows, self.config.vocab_size, self.eos_ids, with_penalties,
+            rows, self.config.vocab_size, self.eos_ids, with_penalties, self._token_bitmask(seqs, rows),
         )
         flags = dict(num_logprobs=logprobs_bucket(params), with_penalties=with_penalties)
         return sbatch, flags
+
+    def _token_bitmask(self, seqs: list[Sequence], rows: int) -> np.ndarray | None:
+        """Structured output's allowed next tokens per row (all allowed for free rows), or None
+        when no row is constrained. Valid for the next sampled token only."""
+        if not any(s.matcher is not None for s in seqs):
+            return None
+        mask = allow_all(rows, cdiv(self.config.vocab_size, 32))
+        for r, seq in enumerate(seqs):
+            if seq.matcher is not None:
+                fill_bitmask(seq.matcher, mask, r)
+        return mask
 
     # -- execution ------------------------------------------------------------------------------------
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -303,6 +315,7 @@ class ModelRunner:
         else:
             pending = [self._dispatch_prefill(group, length) for group, length in self._prefill_groups(chunks)]
         if seqs:
+            assert num_steps == 1 or all(s.matcher is None for s in seqs), "structured output decodes one step at a time"
             pending.append(self._dispatch_decode_step(seqs, num_steps, guesses or {}))
         out: dict[int, list[SampleResult]] = {}
         for collect in pending:

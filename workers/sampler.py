@@ -4,7 +4,9 @@ Every row carries its own temperature, top-k/top-p/min-p, penalties and seed. A 
 randomness is ``fold_in(key(seed), output_index)``, so its tokens do not depend on what
 else shares the batch. Greedy batches take a fast path (argmax, no sort).
 Logprobs are those of the model's raw distribution (before temperature and filtering),
-as vLLM reports them.
+as vLLM reports them. Logit biases (OpenAI's ``logit_bias``) and structured output's
+bitmask of allowed tokens apply to a batch only when one of its rows asks for them: their
+absence is part of the program's shape, so free batches run the same program as before.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from workers.sampling_params import MAX_LOGPROBS, SamplingParams
+from workers.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_IDS = 16  # ids banned while a row is below min_tokens (EOS set + stop_token_ids)
 
@@ -39,6 +41,9 @@ class SamplingBatch:
     stop_ids: jax.Array  # [B, MAX_STOP_IDS] i32, -1 padded
     output_counts: jax.Array | None = None  # [B, V] i32 (only when penalties are used)
     prompt_mask: jax.Array | None = None  # [B, V] bool
+    bias_ids: jax.Array | None = None  # [B, MAX_LOGIT_BIAS] i32, 0 padded (only when a row has logit_bias)
+    bias_values: jax.Array | None = None  # [B, MAX_LOGIT_BIAS] f32, 0 padded
+    token_bitmask: jax.Array | None = None  # [B, ceil(V / 32)] i32: token t allowed iff bit t % 32 of word t // 32
 
 
 class SampleResult(NamedTuple):
@@ -54,8 +59,10 @@ def build_sampling_batch(
     vocab_size: int,
     eos_ids: frozenset[int],
     with_penalties: bool,
+    token_bitmask: np.ndarray | None = None,
 ) -> SamplingBatch:
-    """Host-side assembly. Each row: (params, seed, output_index, prompt_ids, output_ids)."""
+    """Host-side assembly. Each row: (params, seed, output_index, prompt_ids, output_ids).
+    ``token_bitmask`` (structured output's allowed tokens, all ones for free rows) is passed on."""
     temperature = np.zeros(batch, np.float32)
     top_k = np.zeros(batch, np.int32)
     top_p = np.ones(batch, np.float32)
@@ -69,6 +76,9 @@ def build_sampling_batch(
     stop_ids = np.full((batch, MAX_STOP_IDS), -1, np.int32)
     counts = np.zeros((batch, vocab_size), np.int32) if with_penalties else None
     prompt_mask = np.zeros((batch, vocab_size), bool) if with_penalties else None
+    with_bias = any(row[0].logit_bias for row in rows)
+    bias_ids = np.zeros((batch, MAX_LOGIT_BIAS), np.int32) if with_bias else None
+    bias_values = np.zeros((batch, MAX_LOGIT_BIAS), np.float32) if with_bias else None
     for r, (p, seed, out_index, prompt_ids, output_ids) in enumerate(rows):
         temperature[r], top_k[r], top_p[r], min_p[r] = p.temperature, p.top_k, p.top_p, p.min_p
         presence[r], frequency[r], repetition[r] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
@@ -79,10 +89,13 @@ def build_sampling_batch(
         if with_penalties and p.uses_penalties:
             np.add.at(counts[r], np.asarray(output_ids, np.int64), 1)
             prompt_mask[r, np.asarray(prompt_ids, np.int64)] = True
+        if with_bias and p.logit_bias:
+            bias_ids[r, : len(p.logit_bias)] = list(p.logit_bias)
+            bias_values[r, : len(p.logit_bias)] = list(p.logit_bias.values())
     # numpy arrays: jit transfers them with its arguments (no eager device op, no extra program).
     return SamplingBatch(
         temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, index, min_left, stop_ids,
-        counts, prompt_mask,
+        counts, prompt_mask, bias_ids, bias_values, token_bitmask,
     )
 
 
@@ -94,6 +107,19 @@ def _apply_penalties(logits: jax.Array, s: SamplingBatch) -> jax.Array:
     counts = s.output_counts.astype(logits.dtype)
     logits = logits - s.frequency_penalty[:, None] * counts
     return logits - s.presence_penalty[:, None] * (counts > 0)
+
+
+def _apply_logit_bias(logits: jax.Array, s: SamplingBatch) -> jax.Array:
+    """Add each row's biases (padding adds 0 to token 0)."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, s.bias_ids].add(s.bias_values)
+
+
+def _mask_disallowed(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf for every token the row's bitmask does not allow."""
+    t = jnp.arange(logits.shape[-1])
+    allowed = jnp.bitwise_and(jnp.right_shift(bitmask[:, t // 32], t % 32), 1)
+    return jnp.where(allowed == 1, logits, -jnp.inf)
 
 
 def _ban_stops_below_min_tokens(logits: jax.Array, s: SamplingBatch) -> jax.Array:
@@ -141,6 +167,10 @@ def sample(logits: jax.Array, s: SamplingBatch, *, num_logprobs: int, with_penal
     raw = logits
     if with_penalties:
         logits = _apply_penalties(logits, s)
+    if s.bias_ids is not None:
+        logits = _apply_logit_bias(logits, s)
+    if s.token_bitmask is not None:
+        logits = _mask_disallowed(logits, s.token_bitmask)
     logits = _ban_stops_below_min_tokens(logits, s)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tokens = jax.lax.cond(

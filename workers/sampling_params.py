@@ -6,9 +6,13 @@ Shaped like vLLM's ``SamplingParams`` so code moving from vLLM keeps working.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
+from workers.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 _INT32_MAX = 2**31 - 1  # the sampler's per-row arrays are int32: a larger value would fail a whole batch
 
 
@@ -37,6 +41,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per sampled token (the sampled one always included)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
+    structured_output: StructuredOutput | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +85,15 @@ class SamplingParams:
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         check(all(isinstance(t, int) and 0 <= t <= _INT32_MAX for t in self.stop_token_ids),
               f"stop_token_ids must be ids in [0, {_INT32_MAX}]")
+        bias = self.logit_bias or {}
+        check(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS,
+              f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        check(all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _INT32_MAX for t in bias),
+              f"logit_bias keys must be token ids in [0, {_INT32_MAX}]")
+        check(all(isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) and -100 <= b <= 100
+                  for b in bias.values()), "logit_bias values must be numbers in [-100, 100]")
+        check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+              "structured_output must be a StructuredOutput")
 
     @property
     def greedy(self) -> bool:

@@ -171,7 +171,9 @@ class Scheduler:
         if self._by_priority:
             self._make_room_for_higher_priority(preempted)
         any_prefill = any(s.is_prefilling for s in self.running) or bool(self.waiting)
-        steps = 1 if any_prefill else cfg.num_scheduler_steps
+        # A structured-output row needs the host's bitmask before each token: one step at a time.
+        constrained = any(s.matcher is not None for s in self.running)
+        steps = 1 if any_prefill or constrained else cfg.num_scheduler_steps
         lookahead = self._lookahead()
         guesses: dict[int, int] = {}
 
@@ -184,7 +186,7 @@ class Scheduler:
                 want = min(seq.num_uncomputed_tokens, budget)
                 if not self._may_compute(seq, want):
                     continue
-            elif lookahead:
+            elif lookahead and seq.matcher is None:  # guesses are not checked against a grammar
                 want = min(1 + lookahead, seq.max_tokens - len(seq.output_ids))
                 if not self.blocks.can_grow(seq, want) and self.blocks.can_grow(seq, 1):
                     want = 1  # guesses only where blocks are free: never preempt a sequence for them

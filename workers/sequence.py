@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import itertools
 import time
+from typing import Any
 
 from model import IncrementalDetokenizer, Tokenizer
 from workers.outputs import TokenLogprobs
@@ -62,6 +63,9 @@ class Sequence:
     text: str = ""
     emitted: int = 0
     emitted_tokens: int = 0
+    # Structured output: this sequence's grammar state (an llguidance matcher), advanced by
+    # every sampled token; None when the output is free.
+    matcher: Any = None
 
     @classmethod
     def create(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.serving import TEST_DEPLOY
@@ -130,3 +132,40 @@ def test_logprobs(client, raylm_app):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == legacy.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+
+
+PERSON = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string",
+          "maxLength": 30}}, "required": ["city", "country"], "additionalProperties": False}
+
+
+def test_structured_output_through_the_openai_client(client, raylm_app):
+    """response_format json_schema (streamed and not), vLLM's guided_choice as an extra body
+    field, and a schema that cannot compile: 400 with the compiler's message."""
+    kwargs = dict(model=raylm_app.model, messages=QUESTION, temperature=0, max_tokens=60,
+                  response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": PERSON}})
+    reply = client.chat.completions.create(**kwargs)
+    value = json.loads(reply.choices[0].message.content)
+    assert set(value) == {"city", "country"} and reply.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(**kwargs, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == reply.choices[0].message.content
+
+    choice = client.completions.create(model=raylm_app.model, prompt="Is Paris in France? Answer:", max_tokens=5,
+                                       temperature=0, extra_body={"guided_choice": [" yes", " no"]})
+    assert choice.choices[0].text in (" yes", " no") and choice.choices[0].finish_reason == "stop"
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**{**kwargs, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}}})
+    assert "Invalid type: nonsense" in err.value.message
+
+
+def test_logit_bias_through_the_openai_client(client, raylm_app, bundled_model):
+    prompt = "The capital of France is"
+    kwargs = dict(model=raylm_app.model, prompt=prompt, temperature=0, max_tokens=4)
+    free = client.completions.create(**kwargs).choices[0].text
+    first = bundled_model.tokenizer.encode(free)[0]  # the greedy reply's first token
+    banned = client.completions.create(**kwargs, logit_bias={str(first): -100}).choices[0].text
+    assert bundled_model.tokenizer.encode(banned)[0] != first
+    forced = bundled_model.tokenizer.encode(" banana")[0]
+    forced_text = client.completions.create(**kwargs, logit_bias={str(forced): 100}).choices[0].text
+    assert forced_text == bundled_model.tokenizer.decode([forced] * 4)

@@ -14,6 +14,7 @@ from model import DEFAULT_MODEL, load_model_info
 from router.errors import OpenAIError
 from router.json_body import MAX_JSON_DEPTH, parse_json_body
 from router.protocol import RequestParser
+from workers.structured_output import StructuredOutput
 
 MSG = [{"role": "user", "content": "Hi"}]
 
@@ -30,7 +31,18 @@ def parser():
         ("chat", {"messages": [{"role": {"a": 1}, "content": "Hi"}]}, "messages[0].role"),
         ("chat", {"messages": [{"role": "user", "content": "Hi", "name": 7}]}, "messages[0].name"),
         ("chat", {"messages": MSG, "logit_bias": []}, "logit_bias"),
-        ("chat", {"messages": MSG, "logit_bias": {"1": 5}}, "logit_bias"),
+        ("chat", {"messages": MSG, "logit_bias": {"one": 5}}, "logit_bias"),
+        ("chat", {"messages": MSG, "logit_bias": {"1": 101}}, "logit_bias"),
+        ("chat", {"messages": MSG, "logit_bias": {"49152": 1}}, "logit_bias"),  # the vocabulary is 49152
+        ("chat", {"messages": MSG, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ("chat", {"messages": MSG, "response_format": {"type": "xml"}}, "response_format"),
+        ("chat", {"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ("chat", {"messages": MSG, "guided_json": "{not json"}, "guided_json"),
+        ("chat", {"messages": MSG, "guided_choice": []}, "guided_choice"),
+        ("completion", {"prompt": "x", "guided_regex": ""}, "guided_regex"),
+        ("completion", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ("completion", {"prompt": "x", "structured_outputs": {"grammar": 5}}, "structured_outputs.grammar"),
+        ("chat", {"messages": MSG, "response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
         ("chat", {"messages": MSG, "stream": True, "stream_options": {"include_usage": "maybe"}},
          "stream_options.include_usage"),
         ("chat", {"messages": MSG, "stop_token_ids": [10**12]}, "stop_token_ids"),
@@ -48,6 +60,27 @@ def test_malformed_fields_are_refused_by_name(parser, kind, body, param):
     assert err.value.status == 400 and err.value.param == param, err.value.message
 
 
+def test_structured_output_and_logit_bias_reach_the_sampling_params(parser):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}},
+         StructuredOutput.json_schema(schema)),
+        ({"guided_json": json.dumps(schema)}, StructuredOutput.json_schema(schema)),
+        ({"guided_regex": "[ab]+"}, StructuredOutput("regex", "[ab]+")),
+        ({"guided_choice": ["yes", "no"]}, StructuredOutput.choice(["yes", "no"])),
+        ({"guided_grammar": 'start: "a"'}, StructuredOutput("grammar", 'start: "a"')),
+        ({"structured_outputs": {"json_object": True}}, StructuredOutput("json_object")),
+        ({"structured_outputs": {"choice": ["x"]}}, StructuredOutput.choice(["x"])),
+    ]
+    for extra, expected in cases:
+        assert parser.parse_chat({"model": "m", "messages": MSG, **extra}).params.structured_output == expected, extra
+        assert parser.parse_completion({"model": "m", "prompt": "x", **extra}).params.structured_output == expected
+    params = parser.parse_chat({"model": "m", "messages": MSG, "logit_bias": {"5": -100, "17": 2.5}}).params
+    assert params.logit_bias == {5: -100.0, 17: 2.5}
+
+
 def test_completions_max_tokens_null_is_the_default_16(parser):
     assert parser.parse_completion({"model": "m", "prompt": "x", "max_tokens": None}).params.max_tokens == 16
 
@@ -57,6 +90,14 @@ def test_valid_unusual_fields_pass(parser):
                                 "logit_bias": {}, "user": "josé\u200b", "stop_token_ids": [2]})
     assert parsed.user == "josé\u200b" and parsed.params.stop_token_ids == [2]
     assert parser.parse_completion({"model": "m", "prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
+
+
+def test_a_text_prompt_without_tokens_starts_a_new_document(parser):
+    """Hypothesis found "\x16": text the vocabulary has no piece for encodes to nothing; like
+    an empty prompt it is served from the document start (BOS), as OpenAI serves "" prompts."""
+    bos = parser.tokenizer.bos_token_id
+    assert parser.parse_completion({"model": "m", "prompt": ["\x16", "", "hi"]}).prompts == [
+        [bos], [bos], parser.tokenizer.encode("hi")]
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ decoding's over 20k samples (chi-square, fixed seeds, so deterministic).
 from __future__ import annotations
 
 import collections
+import json
 
 import jax
 import numpy as np
@@ -396,3 +397,29 @@ def test_the_bundled_models_shipped_draft_serves_the_same_tokens(bundled_model):
     assert _spec_stats(llm).acceptance_rate > 0.6
     with pytest.raises(ValueError, match="already served int8.*method: ngram"):
         LLM(bundled_model, quantization="int8", num_kv_blocks=64, speculative={"method": "draft"})
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_structured_output_rows_decode_exactly_beside_speculating_rows(bundled_model, method):
+    """Constrained rows carry no guesses (their grammar admits tokens one at a time); free rows
+    in the same batch keep speculating. Every row's greedy output equals plain decoding's."""
+    from workers.structured_output import StructuredOutput
+
+    chat = lambda q: {"prompt_token_ids": bundled_model.tokenizer.encode_chat([{"role": "user", "content": q}])}  # noqa: E731
+    prompts = [chat("Describe Ann, 31, as JSON."), chat("Count from 1 to 20, separated by commas."),
+               chat("Give me a phone number."), chat("Repeat after me: the cat sat on the mat, the cat sat on the mat.")]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    params = [SamplingParams(max_tokens=40, temperature=0, structured_output=StructuredOutput.json_schema(schema)),
+              SamplingParams(max_tokens=40, temperature=0),
+              SamplingParams(max_tokens=12, temperature=0, structured_output=StructuredOutput("regex", r"[0-9]{3}-[0-9]{4}")),
+              SamplingParams(max_tokens=40, temperature=0)]
+    plain = LLM(bundled_model, max_model_len=256, num_kv_blocks=200).generate(prompts, params)
+    spec = dict(method="ngram", num_speculative_tokens=3) if method == "ngram" else \
+        dict(method="draft", num_layers=2, num_speculative_tokens=3)
+    llm = LLM(bundled_model, max_model_len=256, num_kv_blocks=200, speculative=spec)
+    out = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert set(json.loads(out[0].outputs[0].text)) == {"name", "age"}
+    assert _spec_stats(llm).num_draft_tokens > 0  # the free rows did speculate
+    _assert_no_leak(llm)
