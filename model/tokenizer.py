@@ -126,9 +126,17 @@ class Tokenizer:
             **extra,
         )
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a rendered conversation (the template itself places BOS)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        """Token ids of a rendered conversation (the template itself places BOS); ``extra``
+        are more template variables (``tools``)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special_tokens=False)
+
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` variable (else tools go in the system message)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
 
     @classmethod
     def from_hf_dir(cls, path: str | Path, extra_eos_ids: Iterable[int] = ()) -> "Tokenizer":

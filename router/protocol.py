@@ -13,6 +13,7 @@ from typing import Any, Literal, Mapping
 from model import Tokenizer
 from router.errors import OpenAIError, invalid
 from router.structured_request import structured_output
+from router.tools import ToolUse, forced_calls_grammar, parse_tool_use, template_messages
 from workers.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 MAX_N = 16
@@ -33,8 +34,8 @@ _CHAT_FIELDS = _COMMON_FIELDS | {
     "parallel_tool_calls", "store", "metadata", "service_tier", "reasoning_effort", "modalities",
 }
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-_UNSUPPORTED_IF_SET = {"tools", "tool_choice", "suffix", "modalities", "reasoning_effort", "functions"}
-_ROLES = {"system", "developer", "user", "assistant"}
+_UNSUPPORTED_IF_SET = {"suffix", "modalities", "reasoning_effort", "functions"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 @dataclasses.dataclass
@@ -52,6 +53,7 @@ class ParsedRequest:
     echo: bool
     user: str | None
     priority: str | int | None  # a priority class name or index; the router maps it
+    tool_use: ToolUse | None = None  # chat: the tools the model may call
 
 
 class RequestParser:
@@ -67,8 +69,10 @@ class RequestParser:
         _refuse_unknown(body, _CHAT_FIELDS)
         model = self._model(body)
         messages = _messages(body.get("messages"))
+        tool_use = parse_tool_use(body)
+        messages, extra = template_messages(messages, tool_use, self.tokenizer.chat_template_takes_tools)
         try:
-            prompt_ids = self.tokenizer.encode_chat(messages)
+            prompt_ids = self.tokenizer.encode_chat(messages, **extra)
         except Exception as err:  # a template may raise on odd role orders
             raise invalid(f"cannot render the chat template for these messages: {err}", "messages") from None
         want_logprobs = _optional(body, "logprobs", bool)
@@ -81,7 +85,15 @@ class RequestParser:
         max_tokens = _optional(body, "max_completion_tokens", int)
         if max_tokens is None:
             max_tokens = _optional(body, "max_tokens", int)
-        return self._finish(body, "chat", model, [prompt_ids], [None], max_tokens, logprobs, echo=False)
+        parsed = self._finish(body, "chat", model, [prompt_ids], [None], max_tokens, logprobs, echo=False)
+        forced = forced_calls_grammar(tool_use) if tool_use else None
+        if forced is not None:
+            if parsed.params.structured_output is not None:
+                raise invalid("tool_choice required or a named function cannot be combined with structured output",
+                              "tool_choice")
+            parsed.params = dataclasses.replace(parsed.params, structured_output=forced)
+        parsed.tool_use = tool_use
+        return parsed
 
     def parse_completion(self, body: Any) -> ParsedRequest:
         body = _require_object(body)
@@ -332,5 +344,26 @@ def _messages(messages: Any) -> list[dict[str, str]]:
                 content = ""
             else:
                 raise invalid(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            entry["tool_call_id"] = _optional(message, "tool_call_id", str, f"{where}.tool_call_id") or ""
+        out.append(entry)
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's earlier calls: ``[{id, type: function, function: {name, arguments}}]``."""
+    if not isinstance(calls, list):
+        raise invalid(f"{where} must be a list", where)
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments", ""), str)):
+            raise invalid(f"{where}[{i}] must be {{'id': ..., 'type': 'function', 'function': "
+                          "{'name': ..., 'arguments': '<JSON text>'}}", f"{where}[{i}]")
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": function["name"], "arguments": function.get("arguments", "")}})
     return out

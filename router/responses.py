@@ -1,7 +1,9 @@
 """Shape worker deltas into OpenAI responses: streaming chunks and the final JSON with usage.
 
 Choice index ``i * n + j`` is completion ``j`` of prompt ``i`` (the completions API's rule for
-a list of prompts); chat always has one prompt.
+a list of prompts); chat always has one prompt. When a chat request offers tools, the calls a
+reply makes are read back (``router/tools.py``) into ``tool_calls`` with ``finish_reason:
+tool_calls``; streamed, the content before a call goes out as it comes and the calls at the end.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 
 from model import Tokenizer
 from router.protocol import ParsedRequest
+from router.tools import held_back, parse_tool_calls
 from workers.replica_protocol import ChoiceDelta, GenerateChunk
 
 
@@ -20,6 +23,7 @@ class _Choice:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    streamed: int = 0  # characters of content streamed (a reply that may call tools holds some back)
 
 
 class ResponseBuilder:
@@ -71,15 +75,16 @@ class ResponseBuilder:
     # -- final responses -----------------------------------------------------------------------------
     def final(self) -> dict[str, Any]:
         if self.parsed.kind == "chat":
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs),
-                    "finish_reason": c.finish_reason,
-                }
-                for i, c in enumerate(self.choices)
-            ]
+            choices = []
+            for i, c in enumerate(self.choices):
+                message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+                finish = c.finish_reason
+                content, calls = self._calls(c.text)
+                if calls:
+                    message.update(content=content, tool_calls=calls)
+                    finish = "tool_calls"
+                choices.append({"index": i, "message": message, "logprobs": self._chat_logprobs(c.token_ids, c.logprobs),
+                                "finish_reason": finish})
             obj = "chat.completion"
         else:
             choices = [
@@ -113,12 +118,18 @@ class ResponseBuilder:
     def stream_delta(self, index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
         """The chunk for one choice's delta (None when there is nothing to tell the client)."""
         finish = _openai_finish_reason(delta.finish_reason) if delta.finish_reason else None
-        if not delta.text and finish is None and not (self.parsed.logprobs is not None and delta.token_ids):
+        text, calls = self._streamable(index, delta.text, finish is not None)
+        if calls:
+            finish = "tool_calls"
+        if not text and not calls and finish is None and not (self.parsed.logprobs is not None and delta.token_ids):
             return None
         if self.parsed.kind == "chat":
+            message: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
             choice = {
                 "index": index,
-                "delta": {"content": delta.text} if delta.text else {},
+                "delta": message,
                 "logprobs": self._chat_logprobs(delta.token_ids, delta.logprobs or []),
                 "finish_reason": finish,
             }
@@ -131,6 +142,29 @@ class ResponseBuilder:
                 "finish_reason": finish,
             }
         return self._stream_chunk(choice)
+
+    def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A chat reply's content and tool calls (none when the request offered no tools)."""
+        if self.parsed.tool_use is None:
+            return text, []
+        return parse_tool_calls(text, self.parsed.tool_use)
+
+    def _streamable(self, index: int, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        """The content to stream now for a delta of ``text``, and the calls once the reply ends.
+        Without tools that is the delta itself; with them, content stops before anything that
+        may be a call until the reply ends and the calls are known."""
+        if self.parsed.tool_use is None:
+            return text, []
+        choice = self.choices[index]
+        calls: list[dict[str, Any]] = []
+        if finished:
+            content, calls = self._calls(choice.text)
+            visible = (content or "") if calls else choice.text
+        else:
+            visible = choice.text[: held_back(choice.text)]
+        new = visible[choice.streamed:] if len(visible) > choice.streamed else ""
+        choice.streamed = max(choice.streamed, len(visible))
+        return new, calls
 
     def stream_usage(self) -> dict[str, Any]:
         return {**self._envelope(self._chunk_object()), "choices": [], "usage": self.usage()}

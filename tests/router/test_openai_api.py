@@ -169,3 +169,43 @@ def test_logit_bias_through_the_openai_client(client, raylm_app, bundled_model):
     forced = bundled_model.tokenizer.encode(" banana")[0]
     forced_text = client.completions.create(**kwargs, logit_bias={str(forced): 100}).choices[0].text
     assert forced_text == bundled_model.tokenizer.decode([forced] * 4)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_tool_calls_through_the_openai_client(client, raylm_app):
+    """required and a named function give calls that follow the tool's schema (streamed too);
+    a conversation carrying the call and its result gets an answer."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kwargs = dict(model=raylm_app.model, messages=ask, temperature=0, max_tokens=60, tools=[WEATHER_TOOL, TIME_TOOL])
+    reply = client.chat.completions.create(**kwargs, tool_choice="required").choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.tool_calls
+    call = reply.message.tool_calls[0]
+    arguments = json.loads(call.function.arguments)
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, set(arguments)) in (("get_weather", {"city"}), ("get_time", {"zone"}))
+
+    named = client.chat.completions.create(**kwargs, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+
+    stream = list(client.chat.completions.create(**kwargs, tool_choice={"type": "function",
+                                                                        "function": {"name": "get_time"}}, stream=True))
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    (streamed,) = [t for d in deltas for t in (d.tool_calls or [])]
+    assert streamed.function.name == "get_time"
+    assert json.loads(streamed.function.arguments) == json.loads(call.function.arguments)
+    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "tool_calls"
+
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    answer = client.chat.completions.create(**{**kwargs, "messages": history}, tool_choice="none").choices[0]
+    assert answer.message.content and not answer.message.tool_calls

@@ -1,0 +1,203 @@
+"""OpenAI tool calling on any model: which tools a request offers, how the prompt shows them and
+the conversation's earlier calls, how ``tool_choice: required`` or a named function is
+enforced, and how a reply's calls are read back.
+
+The call format is Hermes' (Qwen2's and NousResearch's templates, the ``hermes`` parser of the
+deploy file's ``model.tool_call_parser``): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n
+</tool_call>``. A chat template that takes ``tools`` renders them itself; for one that does not
+(SmolLM2's) the tools and the format are described in the system message, earlier calls are
+shown in that format and tool results as ``<tool_response>`` user turns, as Qwen2's template
+does. ``required`` and a named function are enforced with a grammar (structured output), so
+they work with any model; ``auto`` lets the model choose and parses what it wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from typing import Any, Mapping
+
+from router.errors import invalid
+from workers.structured_output import StructuredOutput
+
+TOOL_CALL_PARSERS = ("hermes",)
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+OPEN_TAG = "<tool_call>"
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+# JSON inside a call: compact, like structured output's (workers/structured_output.py).
+_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolUse:
+    """The tools a request offers (OpenAI ``function`` objects) and its ``tool_choice``."""
+
+    functions: tuple[Mapping[str, Any], ...]
+    choice: str  # "auto", "required", or the name of the function that must be called
+    parallel: bool = True
+
+    @property
+    def names(self) -> list[str]:
+        return [f["name"] for f in self.functions]
+
+
+def parse_tool_use(body: Mapping[str, Any]) -> ToolUse | None:
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` of a chat request; None when no tool
+    may be called (no tools, or ``tool_choice: none``)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools in (None, []):
+        if choice not in (None, "none"):
+            raise invalid("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise invalid("tools must be a list of {'type': 'function', 'function': {...}}", "tools")
+    functions = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise invalid(f"{where} must be {{'type': 'function', 'function': {{'name': ..., ...}}}}", where)
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise invalid(f"{where}.function.name must be 1-64 letters, digits, _ or -", f"{where}.function.name")
+        parameters = function.get("parameters", _NO_PARAMETERS)
+        if not isinstance(parameters, dict):
+            raise invalid(f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise invalid(f"{where}.function.description must be a string", f"{where}.function.description")
+        functions.append({"name": name, "description": description or "", "parameters": parameters})
+    if len({f["name"] for f in functions}) != len(functions):
+        raise invalid("tools have duplicate function names", "tools")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    if choice in (None, "auto", "required"):
+        return ToolUse(tuple(functions), choice or "auto", parallel)
+    if choice == "none":
+        return None
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if named is None:
+        raise invalid("tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}",
+                      "tool_choice")
+    if named not in {f["name"] for f in functions}:
+        raise invalid(f"tool_choice names {named!r}, which is not one of the tools"[:300], "tool_choice")
+    return ToolUse(tuple(functions), named, parallel)
+
+
+# -- the prompt -----------------------------------------------------------------------------------------
+def template_messages(messages: list[dict[str, Any]], tool_use: ToolUse | None,
+                      template_takes_tools: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Messages (and extra template variables) for the chat template. A template that takes
+    ``tools`` gets them and the structured history as HF templates expect it; any other gets
+    the tools described in the system message and the history written out in Hermes' format."""
+    if template_takes_tools:
+        extra = {"tools": [{"type": "function", "function": dict(f)} for f in tool_use.functions]} if tool_use else {}
+        return [_for_tool_template(m) for m in messages], extra
+    out = [_as_text(m) for m in messages]
+    if tool_use is not None:
+        instructions = _tool_instructions(tool_use)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{instructions}"}
+        else:
+            out.insert(0, {"role": "system", "content": instructions})
+    return out, {}
+
+
+def _tool_instructions(tool_use: ToolUse) -> str:
+    signatures = "\n".join(json.dumps({"type": "function", "function": dict(f)}) for f in tool_use.functions)
+    return (
+        "You may call one or more functions to assist with the user query. The function signatures are "
+        f"within <tools></tools> XML tags:\n<tools>\n{signatures}\n</tools>\n\nFor each function call, return a "
+        "json object with the function name and arguments within <tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+
+def _call_text(call: Mapping[str, Any]) -> str:
+    function = call["function"]
+    return f'<tool_call>\n{json.dumps({"name": function["name"], "arguments": _arguments(function)})}\n</tool_call>'
+
+
+def _arguments(function: Mapping[str, Any]) -> Any:
+    """A call's arguments as a value (OpenAI sends them as JSON text)."""
+    try:
+        return json.loads(function.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        return function.get("arguments")
+
+
+def _as_text(message: dict[str, Any]) -> dict[str, Any]:
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+    if message.get("tool_calls"):
+        calls = "\n".join(_call_text(c) for c in message["tool_calls"])
+        return {"role": "assistant", "content": f"{message['content']}\n{calls}" if message["content"] else calls}
+    return {"role": message["role"], "content": message["content"]}
+
+
+def _for_tool_template(message: dict[str, Any]) -> dict[str, Any]:
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "function": {"name": c["function"]["name"], "arguments": _arguments(c["function"])}}
+             for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
+
+
+# -- enforcing required / a named function --------------------------------------------------------------
+def forced_calls_grammar(tool_use: ToolUse) -> StructuredOutput | None:
+    """For ``required`` (any of the tools, several when parallel calls are allowed) or a named
+    function (that one, once): a grammar of Hermes calls whose JSON follows each function's
+    schema. None for ``auto``."""
+    if tool_use.choice == "auto":
+        return None
+    functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+    rules = []
+    for i, function in enumerate(functions):
+        schema = {"type": "object", "properties": {"name": {"const": function["name"]},
+                                                   "arguments": function["parameters"]},
+                  "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _LAYOUT}
+        rules.append(f"f{i}: %json {json.dumps(schema)}")
+    alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
+    repeat = ' ("\\n" call)*' if tool_use.parallel and tool_use.choice == "required" else ""
+    grammar = "\n".join([f"start: call{repeat}", f'call: "<tool_call>\\n" ({alternatives}) "\\n</tool_call>"', *rules])
+    return StructuredOutput("grammar", grammar)
+
+
+# -- reading calls back -----------------------------------------------------------------------------------
+def parse_tool_calls(text: str, tool_use: ToolUse) -> tuple[str | None, list[dict[str, Any]]]:
+    """The reply's content (before the first call; None when empty) and its calls, OpenAI-shaped.
+    A block that is not a JSON call of an offered function leaves the whole text as content."""
+    start = text.find(OPEN_TAG)
+    if start < 0:
+        return text, []
+    calls = []
+    for body in _CALL.findall(text[start:]):
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(value, dict) or value.get("name") not in tool_use.names:
+            return text, []
+        arguments = value.get("arguments", value.get("parameters", {}))
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": value["name"], "arguments": json.dumps(arguments)}})
+    if not calls:
+        return text, []
+    content = text[:start].strip()
+    return content or None, calls
+
+
+def held_back(text: str) -> int:
+    """Where streamed content must stop for now: before a call (or what may become its tag)."""
+    start = text.find(OPEN_TAG)
+    if start >= 0:
+        return start
+    for size in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
+        if OPEN_TAG.startswith(text[-size:]):
+            return len(text) - size
+    return len(text)

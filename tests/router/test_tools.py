@@ -1,0 +1,152 @@
+"""router/tools.py and its use by the parser and the response builder: which tools a request
+offers, the prompt they make, the grammar that forces calls, and calls read back from replies
+(whole and streamed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model import DEFAULT_MODEL, load_model_info
+from router.errors import OpenAIError
+from router.protocol import RequestParser
+from router.responses import ResponseBuilder
+from router.tools import ToolUse, forced_calls_grammar, held_back, parse_tool_calls, parse_tool_use, template_messages
+from workers.replica_protocol import ChoiceDelta, GenerateChunk
+from workers.structured_output import GrammarCompiler
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                                  "required": ["a", "b"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_model_info(DEFAULT_MODEL).tokenizer
+
+
+@pytest.fixture(scope="module")
+def parser(tokenizer):
+    return RequestParser(tokenizer, ["m"], 2048)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": {"a": 1}}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_malformed_tools_are_refused_by_name(body, param):
+    with pytest.raises(OpenAIError) as err:
+        parse_tool_use(body)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_tool_choice_forms():
+    assert parse_tool_use({}) is None and parse_tool_use({"tools": [WEATHER], "tool_choice": "none"}) is None
+    assert parse_tool_use({"tools": [WEATHER]}).choice == "auto"
+    use = parse_tool_use({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}},
+                          "parallel_tool_calls": False})
+    assert (use.choice, use.names, use.parallel) == ("add", ["get_weather", "add"], False)
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message_and_the_history_as_text():
+    use = parse_tool_use({"tools": [WEATHER]})
+    history = [{"role": "system", "content": "Be brief."}, *ASK,
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "content": "18 C, sunny", "tool_call_id": "c1"}]
+    messages, extra = template_messages(history, use, template_takes_tools=False)
+    assert extra == {}
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.\n\nYou may call")
+    assert json.dumps(WEATHER) in messages[0]["content"]
+    assert messages[2] == {"role": "assistant",
+                           "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'}
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n18 C, sunny\n</tool_response>"}
+    templated, extra = template_messages(history, use, template_takes_tools=True)
+    assert extra == {"tools": [WEATHER]} and templated[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert templated[3]["role"] == "tool"
+
+
+def test_required_and_named_grammars_admit_exactly_well_formed_calls(tokenizer):
+    compiler = GrammarCompiler(tokenizer, 49152, frozenset({0, 2}))
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+    def accepts(use: ToolUse, text: str) -> bool:
+        matcher = compiler.matcher(forced_calls_grammar(use))
+        ids = tokenizer.encode(text)
+        return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    required = parse_tool_use({"tools": [WEATHER, ADD], "tool_choice": "required"})
+    assert accepts(required, call) and accepts(required, weather) and accepts(required, f"{call}\n{weather}")
+    assert not accepts(required, '<tool_call>\n{"name": "add", "arguments": {"a": "one", "b": 2}}\n</tool_call>')
+    assert not accepts(required, "Sure! " + call)
+    named = parse_tool_use({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    assert accepts(named, call) and not accepts(named, weather) and not accepts(named, f"{call}\n{call}")
+    assert forced_calls_grammar(parse_tool_use({"tools": [WEATHER]})) is None  # auto: free
+
+
+def test_calls_are_read_back_and_anything_else_stays_content():
+    use = parse_tool_use({"tools": [WEATHER, ADD]})
+    content, calls = parse_tool_calls(
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>', use)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    for text in ("No tools needed.", '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',
+                 "<tool_call>{not json</tool_call>", '<tool_call>\n{"name": "add", "argum'):
+        assert parse_tool_calls(text, use) == (text, [])
+    assert [held_back(t) for t in ("abc", "abc<tool", "abc<tool_call>{", "a<")] == [3, 3, 3, 1]
+
+
+def _chunks(texts: list[str], finish: str = "stop") -> list[GenerateChunk]:
+    return [GenerateChunk("r", [ChoiceDelta(0, t, [1], None, finish if i == len(texts) - 1 else None)], 5, 0,
+                          i == len(texts) - 1) for i, t in enumerate(texts)]
+
+
+def test_the_response_builder_reports_calls_whole_and_streamed(parser):
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WEATHER]})
+    pieces = ["I will look", " it up.\n<tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}',
+              "\n</tool_call>"]
+    whole = ResponseBuilder(parsed, "id", 0, parser.tokenizer)
+    for chunk in _chunks(pieces):
+        whole.add(0, chunk)
+    choice = whole.final()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "I will look it up."
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+    streamed = ResponseBuilder(parsed, "id", 0, parser.tokenizer)
+    deltas = [streamed.stream_delta(i, d) for chunk in _chunks(pieces) for i, d in streamed.add(0, chunk)]
+    sent = [d["choices"][0]["delta"] for d in deltas if d is not None]
+    assert "".join(d.get("content", "") for d in sent) == "I will look it up.\n"
+    assert [d["choices"][0]["finish_reason"] for d in deltas if d is not None][-1] == "tool_calls"
+    (call,) = sent[-1]["tool_calls"]
+    assert call["index"] == 0 and call["function"]["name"] == "get_weather"
+
+    plain = ResponseBuilder(parsed, "id", 0, parser.tokenizer)  # no call: everything is content
+    deltas = [plain.stream_delta(i, d) for chunk in _chunks(["Paris is", " sunny <tool"]) for i, d in plain.add(0, chunk)]
+    assert "".join(d["choices"][0]["delta"].get("content", "") for d in deltas if d) == "Paris is sunny <tool"
+    assert deltas[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_forced_calls_cannot_be_combined_with_structured_output(parser):
+    with pytest.raises(OpenAIError) as err:
+        parser.parse_chat({"model": "m", "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+                           "response_format": {"type": "json_object"}})
+    assert err.value.param == "tool_choice"
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
+    assert parsed.params.structured_output.kind == "grammar" and parsed.tool_use.choice == "required"
