@@ -36,7 +36,9 @@ def forward(
     all_logits: bool = False,
     cpu_kernels: bool = False,
     logits_rows: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache]:
+    pool_segments: jax.Array | None = None,
+    num_pool_segments: int = 0,
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, PooledHidden]:
     """Run ``tokens [B, S]`` through the model, writing their K/V into ``kv``.
 
     Returns float32 logits ``[B, S, V]`` if ``all_logits`` else ``[B, V]`` for each row's
@@ -48,6 +50,10 @@ def forward(
     projections by ``model.dense``. Pass False for a program sharded over several devices
     (XLA cannot partition a custom call) to keep the jnp path. ``logits_rows [R]``
     keeps only those rows' logits (``[R, V]``): packed chunks need each chunk's last token's.
+
+    With ``pool_segments [B, S]`` (a segment id per token, -1 for none) it also returns the
+    final-normed hidden states of the tokens pooled per segment (``PooledHidden``: their sum
+    over ``num_pool_segments`` segments, and each logits row's own), for embeddings.
     """
     valid = (positions >= 0) & (positions < context_lens[:, None])
     block, offset = slot_indices(positions, block_tables, valid, kv.block_size)
@@ -68,6 +74,12 @@ def forward(
         with jax.named_scope(f"layer_{i}"):  # traces (``raylm profile``) read as layers and ops
             x, k_pool, v_pool = _layer(lp, config, batch, i, x, k_pool, v_pool)
 
+    sums = None
+    if pool_segments is not None:
+        with jax.named_scope("pooling"):
+            hidden = rms_norm(x, params.final_norm, eps).astype(jnp.float32)
+            ids = jnp.where(valid & (pool_segments >= 0), pool_segments, num_pool_segments).reshape(-1)
+            sums = jax.ops.segment_sum(hidden.reshape(-1, hidden.shape[-1]), ids, num_pool_segments + 1)
     if not all_logits:
         last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
@@ -75,6 +87,8 @@ def forward(
             x = x[logits_rows]  # [R, 1, D]
     with jax.named_scope("final_norm"):
         x = rms_norm(x, params.final_norm, eps)
+    if sums is not None:
+        pooled = PooledHidden(sums[:num_pool_segments], x.astype(jnp.float32).reshape(x.shape[0], -1, x.shape[-1]))
     # Tied or not, the head is [V, D] and read as stored (``embed.T`` made XLA CPU copy the
     # whole matrix into a transposed buffer on every step).
     head = params.embed if params.lm_head is None else params.lm_head
@@ -82,7 +96,16 @@ def forward(
         logits = dense(x, head, kernel=cpu_kernels, out_dtype=jnp.float32)
     if not all_logits:
         logits = logits[:, 0]
+    if sums is not None:
+        return logits, KVCache(k_pool, v_pool), pooled
     return logits, KVCache(k_pool, v_pool)
+
+
+class PooledHidden(NamedTuple):
+    """Final-normed hidden states for embeddings (float32)."""
+
+    sums: jax.Array  # [num_pool_segments, D]: summed over each segment's tokens
+    last: jax.Array  # [R, 1, D] (or [B, S, D] with all_logits): the logits rows' own
 
 
 class _Batch(NamedTuple):

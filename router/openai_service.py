@@ -11,6 +11,7 @@ in-process with a fake worker.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -18,6 +19,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import numpy as np
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from starlette.applications import Starlette
@@ -58,6 +60,13 @@ def error_response(err: OpenAIError) -> Response:
     """OpenAI's error JSON. ASCII-escaped: a message may quote client text of any kind."""
     return Response(json.dumps(err.body()), status_code=err.status, headers=err.headers,
                     media_type="application/json")
+
+
+def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's encodings: a list of floats, or base64 of little-endian float32s."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
+    return vector
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -154,6 +163,7 @@ class OpenAIService:
             routes=[
                 Route("/v1/chat/completions", self._endpoint(self.parser.parse_chat), methods=["POST"]),
                 Route("/v1/completions", self._endpoint(self.parser.parse_completion), methods=["POST"]),
+                Route("/v1/embeddings", self._endpoint(self.parser.parse_embedding), methods=["POST"]),
                 Route("/v1/models", self.list_models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -229,8 +239,10 @@ class OpenAIService:
         """Generate for an admitted request: a full JSON response, or a streaming one that owns the lease."""
         self.metrics.queue_time(self.settings.priority_classes[priority], lease.waited_s)
         lease.count_tokens(sum(len(p) for p in parsed.prompts))
-        prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
+        prefix = {"chat": "chatcmpl", "completion": "cmpl", "embedding": "embd"}[parsed.kind]
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        if parsed.kind == "embedding":
+            return await self._serve_embeddings(parsed, request_id, priority, lease)
         builder = ResponseBuilder(parsed, request_id, int(time.time()), self.tokenizer)
         chunks = lease.attach(self._generate(parsed, request_id, priority, lease))
         try:
@@ -250,6 +262,22 @@ class OpenAIService:
         except OpenAIError as err:
             return error_response(err)
         return JSONResponse(builder.final(), headers={"X-Request-Id": request_id})
+
+    async def _serve_embeddings(self, parsed: ParsedRequest, request_id: str, priority: int, lease: Lease) -> Response:
+        """Every input through the workers as a prompt-only request; one JSON list of vectors."""
+        vectors: dict[int, list[float]] = {}
+        try:
+            async for index, chunk in lease.attach(self._generate(parsed, request_id, priority, lease)):
+                if chunk.embedding is not None:
+                    vectors[index] = chunk.embedding
+        except OpenAIError as err:
+            return error_response(err)
+        data = [{"object": "embedding", "index": i, "embedding": _encode_embedding(vectors[i], parsed.encoding_format)}
+                for i in range(len(parsed.prompts))]
+        tokens = sum(len(p) for p in parsed.prompts)
+        return JSONResponse({"object": "list", "data": data, "model": parsed.model,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                            headers={"X-Request-Id": request_id})
 
     def _count_tokens(self, tenant: str, tokens: int) -> None:
         """Served tokens count toward the tenant's fair share, rate limit and metrics."""
@@ -309,6 +337,7 @@ class OpenAIService:
                     params=parsed.params,
                     priority=priority,
                     block_hashes=block_hashes(prompt, self.settings.block_size, self.settings.cache_salt),
+                    embed=parsed.kind == "embedding",
                 )
             )
             for i, prompt in enumerate(parsed.prompts)

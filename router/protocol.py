@@ -34,6 +34,8 @@ _CHAT_FIELDS = _COMMON_FIELDS | {
     "parallel_tool_calls", "store", "metadata", "service_tier", "reasoning_effort", "modalities",
 }
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+_EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "priority"}
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit
 _UNSUPPORTED_IF_SET = {"suffix", "modalities", "reasoning_effort", "functions"}
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -42,7 +44,7 @@ _ROLES = {"system", "developer", "user", "assistant", "tool"}
 class ParsedRequest:
     """A validated request, ready for the worker replicas."""
 
-    kind: Literal["chat", "completion"]
+    kind: Literal["chat", "completion", "embedding"]
     model: str
     prompts: list[list[int]]  # one engine request per prompt (completions may send several)
     prompt_texts: list[str | None]
@@ -54,6 +56,7 @@ class ParsedRequest:
     user: str | None
     priority: str | int | None  # a priority class name or index; the router maps it
     tool_use: ToolUse | None = None  # chat: the tools the model may call
+    encoding_format: str = "float"  # embeddings: "float" or "base64"
 
 
 class RequestParser:
@@ -114,6 +117,29 @@ class RequestParser:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         return self._finish(body, "completion", model, prompts, texts, max_tokens, logprobs, echo)
 
+    def parse_embedding(self, body: Any) -> ParsedRequest:
+        """``/v1/embeddings``: ``input`` as a string, strings, token ids or lists of them."""
+        body = _require_object(body)
+        _refuse_unknown(body, _EMBEDDING_FIELDS)
+        model = self._model(body)
+        prompts, texts = self._prompts(body.get("input", _MISSING), "input")
+        if len(prompts) > MAX_EMBEDDING_INPUTS:
+            raise invalid(f"input may hold at most {MAX_EMBEDDING_INPUTS} items, got {len(prompts)}", "input")
+        encoding_format = _optional(body, "encoding_format", str) or "float"
+        if encoding_format not in ("float", "base64"):
+            raise invalid(f"encoding_format must be float or base64, got {encoding_format!r}"[:300], "encoding_format")
+        if _optional(body, "dimensions", int) is not None:
+            raise invalid("dimensions is not supported: embeddings have the model's hidden size", "dimensions")
+        self._check_context(prompts, None, "input")
+        priority = body.get("priority")
+        if priority is not None and not (isinstance(priority, str) or _is_int(priority)):
+            raise invalid("priority must be a priority class name or index", "priority")
+        return ParsedRequest(
+            kind="embedding", model=model, prompts=prompts, prompt_texts=texts,
+            params=SamplingParams(max_tokens=1, temperature=0), stream=False, include_usage=False, logprobs=None,
+            echo=False, user=_optional(body, "user", str), priority=priority, encoding_format=encoding_format,
+        )
+
     # -- shared -------------------------------------------------------------------------------------
     def _model(self, body: Mapping[str, Any]) -> str:
         model = body.get("model")
@@ -128,10 +154,10 @@ class RequestParser:
             )
         return model
 
-    def _prompts(self, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
+    def _prompts(self, prompt: Any, param: str = "prompt") -> tuple[list[list[int]], list[str | None]]:
         """A string, a list of strings, a list of token ids, or a list of token-id lists."""
         if prompt is _MISSING:
-            raise invalid("you must provide a prompt parameter", "prompt")
+            raise invalid(f"you must provide a{'n' if param[0] in 'aeiou' else ''} {param} parameter", param)
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
@@ -140,7 +166,7 @@ class RequestParser:
                                                       or all(isinstance(p, list) for p in prompt)):
             items = prompt
         else:
-            raise invalid("prompt must be a string, a list of strings, a list of token ids or a list of those", "prompt")
+            raise invalid(f"{param} must be a string, a list of strings, a list of token ids or a list of those", param)
         ids, texts = [], []
         vocab = self.tokenizer.vocab_size
         for item in items:
@@ -149,20 +175,20 @@ class RequestParser:
                 texts.append(item)
             else:
                 if not item or not all(_is_int(t) for t in item):
-                    raise invalid("a token-id prompt must be a non-empty list of integers", "prompt")
+                    raise invalid(f"a token-id {param} must be a non-empty list of integers", param)
                 bad = [t for t in item if not 0 <= t < vocab]
                 if bad:
-                    raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+                    raise invalid(f"{param} token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param)
                 ids.append(list(item))
                 texts.append(None)
         if any(not p for p in ids):
-            raise invalid("the prompt is empty: give at least one token", "prompt")
+            raise invalid(f"the {param} is empty: give at least one token", param)
         return ids, texts
 
     def _finish(
         self,
         body: Mapping[str, Any],
-        kind: Literal["chat", "completion"],
+        kind: Literal["chat", "completion", "embedding"],
         model: str,
         prompts: list[list[int]],
         texts: list[str | None],

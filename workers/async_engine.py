@@ -86,6 +86,7 @@ class Add:
     params: SamplingParams
     priority: int
     reply: Reply
+    embed: bool = False
 
 
 @dataclasses.dataclass
@@ -184,9 +185,9 @@ class AsyncEngine:
 
     def _execute(self, command: Command) -> Any:
         match command:
-            case Add(request_id, prompt, params, priority):
+            case Add(request_id, prompt, params, priority, _, embed):
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority)
+                    self.engine.add_request(request_id, prompt, params, priority, embed=embed)
                 except ValueError as err:  # the request itself is bad: a client error, unlike a step's
                     raise InvalidRequestError(str(err)) from err
             case Abort(request_id):
@@ -282,8 +283,10 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        embed: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Stream this request's outputs; cancelling the iteration aborts it and frees its blocks.
+        ``embed``: the request wants its prompt's embedding (the final output's ``embedding``).
 
         Raises InvalidRequestError if the engine refuses the request, EngineStepError if a step
         fails while it runs, EngineShutdownError if the engine stops first.
@@ -300,7 +303,8 @@ class AsyncEngine:
         self._streams[request_id] = (added.loop, outputs)
         finished = False
         try:
-            self._submit(Add(request_id, prompt if isinstance(prompt, str) else list(prompt), params, priority, added))
+            self._submit(Add(request_id, prompt if isinstance(prompt, str) else list(prompt), params, priority, added,
+                             embed))
             await added.future
             while True:
                 item = await outputs.get()

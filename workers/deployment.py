@@ -84,7 +84,7 @@ class LLMWorker:
         recorder = RequestMetricsRecorder(self.metrics)
         try:
             async for output in self.engine.generate(
-                request.prompt_token_ids, request.params, request.request_id, request.priority
+                request.prompt_token_ids, request.params, request.request_id, request.priority, embed=request.embed
             ):
                 started = True
                 recorder.on_output(output)

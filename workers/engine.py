@@ -19,6 +19,7 @@ from model.prompt_checks import check_prompt, prompt_blocks_needed
 from workers.block_manager import BlockManager
 from workers.engine_args import EngineArgs
 from workers.draft_loader import load_draft
+from workers.embedding import EmbeddingState
 from workers.engine_stats import EngineStats, remaining_work
 from workers.output_processor import request_output
 from workers.outputs import RequestOutput
@@ -97,8 +98,12 @@ class LLMEngine:
         prompt: str | SequenceOf[int],
         params: SamplingParams,
         priority: int = 0,
+        embed: bool = False,
     ) -> None:
-        """Queue a request; raises ValueError (e.g. PromptTooLongError) if it can never run."""
+        """Queue a request; raises ValueError (e.g. PromptTooLongError) if it can never run.
+        ``embed``: the request wants its prompt's embedding (``RequestOutput.embedding``, pooled
+        as ``EngineArgs.embedding_pooling`` says) instead of a completion; ``params`` must ask
+        for one sequence."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -113,6 +118,10 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        if embed:
+            if params.n != 1 or params.structured_output is not None:
+                raise ValueError("an embedding request takes one sequence and no structured output")
+            seqs[0].embedding = EmbeddingState(self.args.embedding_pooling)
         if params.structured_output is not None:  # each sequence follows the grammar on its own
             for seq in seqs:
                 seq.matcher = self.grammars.matcher(params.structured_output)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from cache.kv_arrays import kv_pool_dtype
 from model.quantization import parse_quantization
+from workers.embedding import EmbeddingState
 from workers.speculative import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -40,6 +41,7 @@ class EngineArgs:
     compilation_cache_dir: str | None = None  # persistent XLA cache (the CLI uses ~/.cache/raylm/jax)
     # Speculative decoding (workers/speculative.py); a mapping is accepted and parsed.
     speculative: SpeculativeConfig | None = None
+    embedding_pooling: str = "mean"  # embedding requests: "mean" of the prompt's hidden states, or "last"
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """The context a replica serves: ``max_model_len`` capped by the model's positions."""
@@ -60,6 +62,7 @@ class EngineArgs:
                              f"with num_scheduler_steps={self.num_scheduler_steps}; set num_scheduler_steps to 1")
         kv_pool_dtype(self.kv_cache_dtype, jnp.float32)  # raises, naming the choices, on an unknown name
         parse_quantization(self.quantization)  # likewise
+        EmbeddingState(self.embedding_pooling)  # likewise
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -45,6 +45,18 @@ class LLM:
             ids.append(request_id)
         return self._run(ids)
 
+    def embed(self, prompts: PromptInput | Sequence[PromptInput]) -> list[list[float]]:
+        """The normalised embedding of every prompt (pooled as ``embedding_pooling`` says), in
+        input order; batched with each other like any prompts."""
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        ids = []
+        for prompt in prompts:
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, _prompt_of(prompt), SamplingParams(max_tokens=1), embed=True)
+            ids.append(request_id)
+        return [out.embedding for out in self._run(ids)]
+
     def chat(
         self,
         messages: Messages | Sequence[Messages],

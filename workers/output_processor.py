@@ -124,4 +124,5 @@ def request_output(state: RequestState, final: bool) -> RequestOutput:
         num_cached_tokens=state.seqs[0].num_cached_tokens,
         arrival_time=state.arrival_time,
         first_scheduled_time=state.seqs[0].first_scheduled_time,
+        embedding=state.seqs[0].embedding.vector if state.seqs[0].embedding is not None else None,
     )

@@ -40,3 +40,4 @@ class RequestOutput:
     # time.monotonic() stamps for metrics (vLLM keeps these in RequestOutput.metrics)
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
+    embedding: list[float] | None = None  # embedding requests: the pooled, normalised prompt

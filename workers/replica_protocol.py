@@ -33,6 +33,7 @@ class GenerateRequest:
     params: SamplingParams
     priority: int = 0  # lower runs first (vLLM's convention)
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # of the prompt's full blocks, for routing
+    embed: bool = False  # the prompt's embedding instead of a completion (the final chunk's ``embedding``)
 
 
 @dataclasses.dataclass
@@ -56,6 +57,7 @@ class GenerateChunk:
     prompt_tokens: int
     num_cached_tokens: int
     finished: bool
+    embedding: list[float] | None = None  # embedding requests, in the final chunk
 
 
 def chunk_from_output(output: RequestOutput, reported_finished: set[int]) -> GenerateChunk:
@@ -88,6 +90,7 @@ def chunk_from_output(output: RequestOutput, reported_finished: set[int]) -> Gen
         prompt_tokens=len(output.prompt_token_ids),
         num_cached_tokens=output.num_cached_tokens,
         finished=output.finished,
+        embedding=output.embedding,
     )
 
 

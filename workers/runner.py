@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from model import KVCache, ModelConfig, ModelParams, forward, paged_decode, shard_params
+from model.forward import PooledHidden
 from model.buckets import bucket, cdiv, power_buckets
 from workers.sampler import SampleResult, SamplingBatch, advance, build_sampling_batch, logprobs_bucket, sample
 from workers.scheduler import ScheduledChunk
@@ -42,39 +43,45 @@ MIN_WIDTH_BUCKET = 8
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties"),
+    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties", "num_pool_segments"),
     donate_argnames=("kv", "draft_kv"),
 )
-def _prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block_tables, context_lens, sbatch, *,
-                     config, draft_config, num_logprobs, with_penalties):
+def _prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block_tables, context_lens, sbatch,
+                     pool_segments=None, *, config, draft_config, num_logprobs, with_penalties, num_pool_segments=0):
     """Prompt chunks a row each (``tokens [B, S]``), attention by the jnp path (see
     ``_packed_prefill_program`` for the kernel's). A draft model (``draft_config``) computes
-    the same chunks into its own pool, so it can propose from the prompt on."""
-    logits, kv = forward(params, config, tokens, positions, kv, block_tables, context_lens)
+    the same chunks into its own pool, so it can propose from the prompt on. With
+    ``pool_segments`` it also returns the chunks' pooled hidden states (embeddings)."""
+    out = forward(params, config, tokens, positions, kv, block_tables, context_lens, pool_segments=pool_segments,
+                  num_pool_segments=num_pool_segments)
+    logits, kv, pooled = out if pool_segments is not None else (*out, None)
     if draft_config is not None:
         _, draft_kv = forward(draft_params, draft_config, tokens, positions, draft_kv, block_tables, context_lens)
-    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv
+    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties"),
+    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties", "num_pool_segments"),
     donate_argnames=("kv", "draft_kv"),
 )
 def _packed_prefill_program(params, kv, draft_params, draft_kv, tokens, positions, token_rows, block_tables,
-                            last_tokens, sbatch, *, config, draft_config, num_logprobs, with_penalties):
+                            last_tokens, sbatch, pool_segments=None, *, config, draft_config, num_logprobs,
+                            with_penalties, num_pool_segments=0):
     """Prompt chunks packed one token per row (``tokens [T]``, padding at position -1), attention
     by the paged kernel; ``token_rows [T]`` picks each token's chunk in ``block_tables [R, P]``
     and ``last_tokens [R]`` each chunk's last token, whose logits are sampled. A draft model
     computes the same tokens into its own pool."""
     context_lens = jnp.where(positions >= 0, positions + 1, 0)
     tables = block_tables[token_rows]
-    logits, kv = forward(params, config, tokens[:, None], positions[:, None], kv, tables, context_lens,
-                         cpu_kernels=True, logits_rows=last_tokens)
+    out = forward(params, config, tokens[:, None], positions[:, None], kv, tables, context_lens, cpu_kernels=True,
+                  logits_rows=last_tokens, pool_segments=None if pool_segments is None else pool_segments[:, None],
+                  num_pool_segments=num_pool_segments)
+    logits, kv, pooled = out if pool_segments is not None else (*out, None)
     if draft_config is not None:
         _, draft_kv = forward(draft_params, draft_config, tokens[:, None], positions[:, None], draft_kv, tables,
                               context_lens, cpu_kernels=True, logits_rows=last_tokens[:1])
-    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv
+    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled
 
 
 @functools.partial(
@@ -377,13 +384,18 @@ class ModelRunner:
             last_tokens[r] = at + n - 1
             at += n
         sbatch, flags = self._sampling(seqs, rows)
-        result, self.kv, draft_kv = _packed_prefill_program(
+        embeds = np.array([c.seq.embedding is not None for c in chunks] + [False] * (rows - len(chunks)))
+        pooling = {}
+        if embeds.any():
+            pooling = dict(pool_segments=np.where(embeds[token_rows] & (positions >= 0), token_rows, -1).astype(np.int32),
+                           num_pool_segments=rows)
+        result, self.kv, draft_kv, pooled = _packed_prefill_program(
             self.params, self.kv, *self._draft_args, tokens, positions, token_rows,
             self._block_table(seqs, rows, self.max_width), last_tokens, sbatch, config=self.config,
-            draft_config=self._draft_config, **flags,
+            draft_config=self._draft_config, **flags, **pooling,
         )
         self._set_draft_kv(draft_kv)
-        return self._collect_chunks(chunks, result)
+        return self._collect_chunks(chunks, result, pooled)
 
     def _dispatch_prefill(
         self, chunks: list[ScheduledChunk], length: int
@@ -400,24 +412,34 @@ class ModelRunner:
             positions[r] = np.arange(start, start + length)
             context[r] = start + n
         sbatch, flags = self._sampling(seqs, rows)
-        result, self.kv, draft_kv = _prefill_program(
+        pooling = {}
+        if any(c.seq.embedding is not None for c in chunks):
+            embeds = np.array([c.seq.embedding is not None for c in chunks] + [False] * (rows - len(chunks)))
+            pooling = dict(pool_segments=np.where(embeds[:, None], np.arange(rows)[:, None], -1).repeat(length, 1)
+                           .astype(np.int32), num_pool_segments=rows)
+        result, self.kv, draft_kv, pooled = _prefill_program(
             self.params, self.kv, *self._draft_args, tokens, positions, self._block_table(seqs, rows, width),
-            context, sbatch, config=self.config, draft_config=self._draft_config, **flags,
+            context, sbatch, config=self.config, draft_config=self._draft_config, **flags, **pooling,
         )
         self._set_draft_kv(draft_kv)
-        return self._collect_chunks(chunks, result)
+        return self._collect_chunks(chunks, result, pooled)
 
     @staticmethod
     def _collect_chunks(
-        chunks: list[ScheduledChunk], result: SampleResult
+        chunks: list[ScheduledChunk], result: SampleResult, pooled: PooledHidden | None
     ) -> Callable[[], dict[int, list[SampleResult]]]:
-        """Fetches a prefill call's samples: row ``r`` belongs to ``chunks[r]``, if it samples."""
+        """Fetches a prefill call's samples: row ``r`` belongs to ``chunks[r]``, if it samples.
+        Embedding chunks fold their pooled hidden states into their sequence instead."""
         for chunk in chunks:
             chunk.seq.draft_lag = 0  # a draft model computed the chunk too
-        sampled = [(c.seq.seq_id, r) for r, c in enumerate(chunks) if c.samples]
+        sampled = [(c.seq.seq_id, r) for r, c in enumerate(chunks) if c.samples and c.seq.embedding is None]
+        embedded = [(c, r) for r, c in enumerate(chunks) if c.seq.embedding is not None]
 
         def collect() -> dict[int, list[SampleResult]]:
-            fetched = jax.device_get(result)
+            fetched, hidden = jax.device_get((result, pooled))
+            for chunk, r in embedded:
+                chunk.seq.embedding.add_chunk(chunk.start, chunk.num_tokens, hidden.sums[r], hidden.last[r, 0],
+                                              chunk.samples)
             return {seq_id: [_row(fetched, r)] for seq_id, r in sampled}
 
         return collect
@@ -564,7 +586,7 @@ class ModelRunner:
         draft = dict(draft_config=self._draft_config)
         if kind == "packed":
             (num_tokens,) = dims
-            _, self.kv, draft_kv = _packed_prefill_program(
+            _, self.kv, draft_kv, _ = _packed_prefill_program(
                 self.params, self.kv, *self._draft_args, zeros(num_tokens), np.full(num_tokens, -1, np.int32),
                 zeros(num_tokens), zeros(rows, self.max_width), zeros(rows), sbatch, config=self.config, **draft,
                 **flags,
@@ -572,7 +594,7 @@ class ModelRunner:
             self._set_draft_kv(draft_kv)
         elif kind == "prefill":
             _, length, width = dims
-            _, self.kv, draft_kv = _prefill_program(
+            _, self.kv, draft_kv, _ = _prefill_program(
                 self.params, self.kv, *self._draft_args, zeros(rows, length), zeros(rows, length),
                 zeros(rows, width), zeros(rows), sbatch, config=self.config, **draft, **flags,
             )

@@ -170,7 +170,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         if self._by_priority:
             self._make_room_for_higher_priority(preempted)
-        any_prefill = any(s.is_prefilling for s in self.running) or bool(self.waiting)
+        any_prefill = any(s.runs_as_chunk for s in self.running) or bool(self.waiting)
         # A structured-output row needs the host's bitmask before each token: one step at a time.
         constrained = any(s.matcher is not None for s in self.running)
         steps = 1 if any_prefill or constrained else cfg.num_scheduler_steps
@@ -182,7 +182,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running or budget <= 0:
                 continue
-            if seq.is_prefilling:
+            if seq.runs_as_chunk:
                 want = min(seq.num_uncomputed_tokens, budget)
                 if not self._may_compute(seq, want):
                     continue
@@ -200,7 +200,7 @@ class Scheduler:
             if seq not in self.running:
                 continue
             self.blocks.grow(seq, want)
-            if seq.is_prefilling:
+            if seq.runs_as_chunk:
                 prefills.append(ScheduledChunk.of(seq, want))
                 budget -= want
             else:
@@ -217,7 +217,8 @@ class Scheduler:
                 break
             if seq in preempted:
                 break  # do not re-admit what this step just evicted
-            lookup = self.blocks.reuse_cached_prefix(seq)
+            lookup = self.blocks.reuse_cached_prefix(seq) if seq.embedding is None or \
+                seq.embedding.reuses_cached_prefix else None
             want = min(seq.num_uncomputed_tokens, budget)
             if not self._may_compute(seq, want):
                 self.blocks.free(seq)
@@ -230,7 +231,7 @@ class Scheduler:
                 self._count_first_admission(seq, lookup)
             admitted.append(seq)
             budget -= want
-            if want > 1 or seq.is_prefilling:
+            if want > 1 or seq.runs_as_chunk:
                 prefills.append(ScheduledChunk.of(seq, want))
             else:
                 decodes.append(seq)
@@ -266,7 +267,14 @@ class Scheduler:
             seq.num_computed_tokens += chunk.num_tokens
             self.num_prompt_tokens += chunk.num_tokens
             seq.first_scheduled_time = seq.first_scheduled_time or scheduled_at
-            self._append_samples(seq, samples.get(seq.seq_id, ()))
+            if seq.embedding is not None:  # its embedding was pooled by the runner: done at the prompt's end
+                if chunk.samples:
+                    seq.finish_reason = "stop"
+                self.blocks.commit_computed_blocks(seq)
+                if seq.finished:
+                    self.remove(seq)
+            else:
+                self._append_samples(seq, samples.get(seq.seq_id, ()))
             progressed.append(seq)
         for seq in plan.decodes:
             seq.num_computed_tokens += 1  # the fed-back last token; further steps count below

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from model import IncrementalDetokenizer, Tokenizer
+from workers.embedding import EmbeddingState
 from workers.outputs import TokenLogprobs
 from workers.sampling_params import SamplingParams
 
@@ -66,6 +67,8 @@ class Sequence:
     # Structured output: this sequence's grammar state (an llguidance matcher), advanced by
     # every sampled token; None when the output is free.
     matcher: Any = None
+    # Embedding requests: the pooling of the prompt's hidden states (no tokens are sampled).
+    embedding: EmbeddingState | None = None
 
     @classmethod
     def create(
@@ -100,6 +103,12 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """More than one token to compute (a prompt, or a recompute after preemption)."""
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def runs_as_chunk(self) -> bool:
+        """Its next tokens are computed as a prompt chunk, not decoded: a prompt (or recompute)
+        of more than one token, or any part of an embedding request's prompt (it samples nothing)."""
+        return self.is_prefilling or self.embedding is not None
 
     @property
     def finished(self) -> bool:

@@ -209,3 +209,28 @@ def test_tool_calls_through_the_openai_client(client, raylm_app):
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
     answer = client.chat.completions.create(**{**kwargs, "messages": history}, tool_choice="none").choices[0]
     assert answer.message.content and not answer.message.tool_calls
+
+
+def test_embeddings_through_the_openai_client(client, raylm_app, offline_engine, bundled_model):
+    """Floats and base64 (the client's default) decode to the offline engine's vectors; token-id
+    input works; a bad field is a 400 naming it."""
+    texts = ["The cat sat on the mat.", "Revenue grew by twelve percent."]
+    reply = client.embeddings.create(model=raylm_app.model, input=texts, encoding_format="float")
+    assert [d.index for d in reply.data] == [0, 1] and reply.model == raylm_app.model
+    ids = [bundled_model.tokenizer.encode(t) for t in texts]
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(map(len, ids))
+    for i, prompt in enumerate(ids):
+        offline_engine.add_request(f"embed-{i}", prompt, SamplingParams(max_tokens=1), embed=True)
+    expected = {}
+    while offline_engine.has_unfinished_requests():
+        for out in offline_engine.step():
+            if out.finished:
+                expected[out.request_id] = out.embedding
+    for i, data in enumerate(reply.data):
+        assert len(data.embedding) == bundled_model.config.hidden_size
+        assert max(abs(a - b) for a, b in zip(data.embedding, expected[f"embed-{i}"])) < 1e-5
+    by_ids = client.embeddings.create(model=raylm_app.model, input=ids[1])  # base64 on the wire
+    assert max(abs(a - b) for a, b in zip(by_ids.data[0].embedding, expected["embed-1"])) < 1e-5
+    with pytest.raises(openai.BadRequestError) as err:
+        client.embeddings.create(model=raylm_app.model, input=texts, dimensions=64)
+    assert err.value.body["param"] == "dimensions"

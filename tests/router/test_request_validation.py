@@ -43,6 +43,12 @@ def parser():
         ("completion", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ("completion", {"prompt": "x", "structured_outputs": {"grammar": 5}}, "structured_outputs.grammar"),
         ("chat", {"messages": MSG, "response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ("embedding", {}, "input"),
+        ("embedding", {"input": [{"text": "a"}]}, "input"),
+        ("embedding", {"input": [[]]}, "input"),
+        ("embedding", {"input": "a", "encoding_format": "int8"}, "encoding_format"),
+        ("embedding", {"input": "a", "dimensions": 8}, "dimensions"),
+        ("embedding", {"input": "a", "temperature": 0}, "temperature"),
         ("chat", {"messages": MSG, "stream": True, "stream_options": {"include_usage": "maybe"}},
          "stream_options.include_usage"),
         ("chat", {"messages": MSG, "stop_token_ids": [10**12]}, "stop_token_ids"),
@@ -54,7 +60,7 @@ def parser():
     ],
 )
 def test_malformed_fields_are_refused_by_name(parser, kind, body, param):
-    parse = parser.parse_chat if kind == "chat" else parser.parse_completion
+    parse = {"chat": parser.parse_chat, "completion": parser.parse_completion, "embedding": parser.parse_embedding}[kind]
     with pytest.raises(OpenAIError) as err:
         parse({"model": "m", **body})
     assert err.value.status == 400 and err.value.param == param, err.value.message
