@@ -32,12 +32,8 @@ serve: setup
 run: setup
 	$(BIN)/raylm generate --model smollm2-135m-instruct --chat --prompt "$(PROMPT)" --max-tokens 64 --temperature 0
 
-# The speculative decoding tests run in a pytest process of their own: after the kernel and
-# quantization suites in the same process, XLA's CPU compiler segfaulted compiling one of their
-# programs (not in a fresh process; not explained yet, README "Speculative decoding").
 test: setup-test
-	$(BIN)/python -m pytest --ignore=tests/workers/test_speculative.py
-	$(BIN)/python -m pytest tests/workers/test_speculative.py
+	$(BIN)/python -m pytest
 
 bench: setup
 	$(BIN)/python -m deploy.benchmarks.model_bench

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -120,6 +121,18 @@ def compilations():
         yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_released_after_each_module():
+    """Every XLA CPU executable holds a few memory mappings until it is released, and jit keeps
+    every program it compiled. The whole suite in one process compiles enough programs (each
+    module builds engines of its own shapes) to reach the kernel's ``vm.max_map_count`` (65530
+    by default), where compiling the next one segfaults inside XLA. Release each module's
+    programs when it ends; the next module compiles what it uses."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
