@@ -94,6 +94,7 @@ def router_settings(config: DeployConfig) -> RouterSettings:
         requests_per_minute=router.rate_limits.requests_per_minute,
         tokens_per_minute=router.rate_limits.tokens_per_minute,
         block_size=engine_args.block_size,
+        tool_call_parser=config.model.tool_call_parser,
         cache_salt=model_salt(config.model.name, engine_args.dtype, config.model.quantization),
     )
 

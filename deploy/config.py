@@ -35,6 +35,8 @@ class ModelSection(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     quantization: Literal["none", "int8", "fp8"] = Field(
         "none", description="weight-only: every matrix stored 8-bit with a scale per output channel")
+    tool_call_parser: Literal["hermes"] = Field(
+        RouterSettings.tool_call_parser, description="the format tool calls are written and read in (router/tools.py)")
 
 
 class NgramSection(_Section):

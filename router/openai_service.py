@@ -122,7 +122,8 @@ class OpenAIService:
         self.worker = worker
         self.settings = settings
         self.tokenizer = tokenizer
-        self.parser = RequestParser(tokenizer, [settings.served_model_name], settings.max_model_len)
+        self.parser = RequestParser(tokenizer, [settings.served_model_name], settings.max_model_len,
+                                    settings.tool_call_parser)
         self.created = int(time.time())
         self.metrics = RouterMetrics(settings.served_model_name)
         self.queue = FairQueue(len(settings.priority_classes), settings.max_queue_size, settings.tenant_weights)
@@ -338,6 +339,7 @@ class OpenAIService:
                     priority=priority,
                     block_hashes=block_hashes(prompt, self.settings.block_size, self.settings.cache_salt),
                     embed=parsed.kind == "embedding",
+                    beam=parsed.beam,
                 )
             )
             for i, prompt in enumerate(parsed.prompts)

@@ -13,7 +13,8 @@ from typing import Any, Literal, Mapping
 from model import Tokenizer
 from router.errors import OpenAIError, invalid
 from router.structured_request import structured_output
-from router.tools import ToolUse, forced_calls_grammar, parse_tool_use, template_messages
+from router.tools import TOOL_CALL_PARSERS, ToolUse, forced_calls_grammar, parse_tool_use, template_messages
+from workers.beam_search import BeamSearchParams
 from workers.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 MAX_N = 16
@@ -28,6 +29,8 @@ _COMMON_FIELDS = {
     "skip_special_tokens", "include_stop_str_in_output", "response_format",
     # structured output, vLLM's names
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    # beam search, vLLM's names (the beam width is n)
+    "use_beam_search", "length_penalty",
 }
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
@@ -57,15 +60,20 @@ class ParsedRequest:
     priority: str | int | None  # a priority class name or index; the router maps it
     tool_use: ToolUse | None = None  # chat: the tools the model may call
     encoding_format: str = "float"  # embeddings: "float" or "base64"
+    beam: BeamSearchParams | None = None  # use_beam_search: n beams instead of n samples
 
 
 class RequestParser:
     """Turns JSON bodies into ``ParsedRequest`` for one served model."""
 
-    def __init__(self, tokenizer: Tokenizer, served_model_names: list[str], max_model_len: int):
+    def __init__(self, tokenizer: Tokenizer, served_model_names: list[str], max_model_len: int,
+                 tool_call_parser: str = "hermes"):
+        if tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
+        self.tool_call_parser = tool_call_parser
 
     def parse_chat(self, body: Any) -> ParsedRequest:
         body = _require_object(body)
@@ -96,6 +104,8 @@ class RequestParser:
                               "tool_choice")
             parsed.params = dataclasses.replace(parsed.params, structured_output=forced)
         parsed.tool_use = tool_use
+        if parsed.beam is not None and tool_use is not None:
+            raise invalid("use_beam_search cannot be combined with tools", "use_beam_search")
         return parsed
 
     def parse_completion(self, body: Any) -> ParsedRequest:
@@ -218,7 +228,28 @@ class RequestParser:
         return ParsedRequest(
             kind=kind, model=model, prompts=prompts, prompt_texts=texts, params=params, stream=stream,
             include_usage=include_usage, logprobs=logprobs, echo=echo, user=user, priority=priority,
+            beam=self._beam_search(body, params, prompts),
         )
+
+    def _beam_search(self, body: Mapping[str, Any], params: SamplingParams,
+                     prompts: list[list[int]]) -> BeamSearchParams | None:
+        """vLLM's ``use_beam_search``: ``n`` beams, ranked with ``length_penalty``. It takes the
+        model's own distribution, so sampling, stops, logprobs and constraints do not apply."""
+        length_penalty = _optional(body, "length_penalty", float)
+        if not _optional(body, "use_beam_search", bool):
+            if length_penalty is not None:
+                raise invalid("length_penalty needs use_beam_search", "length_penalty")
+            return None
+        for field in ("stop", "logprobs", "top_logprobs", "echo", "logit_bias", "response_format", "guided_json",
+                      "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if body.get(field) not in (None, False, [], {}):
+                raise invalid(f"{field} cannot be combined with use_beam_search", field)
+        max_tokens = params.max_tokens or self.max_model_len - max(map(len, prompts))
+        try:
+            return BeamSearchParams(beam_width=params.n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
+                                    length_penalty=1.0 if length_penalty is None else length_penalty)
+        except ValueError as err:
+            raise invalid(f"use_beam_search: {err} (the beam width is n)", "n") from None
 
     def _check_context(self, prompts: list[list[int]], max_tokens: int | None, where: str) -> None:
         for ids in prompts:

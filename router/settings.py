@@ -34,6 +34,7 @@ class RouterSettings:
     api_keys_env: str | None = "RAYLM_API_KEYS"
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    tool_call_parser: str = "hermes"  # router/tools.py: how tool calls are written and read back
     # Prefix hashing (must match the workers' block pool)
     block_size: int = EngineArgs.block_size
     cache_salt: str = ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -18,8 +19,9 @@ import time
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from model import LoadedModel
+from workers.beam_search import BeamSearch, BeamSearchParams
 from workers.engine import LLMEngine, make_engine
-from workers.outputs import RequestOutput
+from workers.outputs import CompletionOutput, RequestOutput
 from workers.replica_protocol import InvalidRequestError
 from workers.sampling_params import SamplingParams
 from workers.structured_output import GrammarError
@@ -318,6 +320,25 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._submit(Abort(request_id, reply=None))
+
+    async def beam_search(self, prompt_ids: Sequence[int], params: BeamSearchParams,
+                          request_id: str) -> list[CompletionOutput]:
+        """The ``beam_width`` best continuations by beam search (``workers/beam_search.py``):
+        each step, every live beam runs as a one-token request; cancelling aborts them all."""
+        search = BeamSearch(params, self.engine.eos_ids)
+        step_params = params.step_params()
+        for step in itertools.count():
+            if search.done:
+                return search.outputs(self.engine.tokenizer)
+
+            async def candidates(j: int, tokens: tuple[int, ...]) -> dict[int, float]:
+                final = None
+                async for output in self.generate([*prompt_ids, *tokens], step_params, f"{request_id}-{step}-{j}"):
+                    final = output
+                return final.outputs[0].logprobs[0]
+
+            search.advance(await asyncio.gather(*(candidates(j, b.tokens) for j, b in enumerate(search.live))))
+        raise AssertionError("unreachable")
 
     async def abort(self, request_id: str) -> None:
         """Abort a request from outside its stream: its blocks are freed and its stream ends

@@ -24,6 +24,7 @@ from workers.replica_metrics import EngineStatsReporter, RequestMetricsRecorder
 from workers.deployment_options import DEFAULT_STUCK_AFTER_S, WorkerDeploymentOptions
 from workers.engine_stats import EngineStats
 from workers.replica_protocol import (
+    ChoiceDelta,
     GenerateChunk,
     GenerateRequest,
     ReplicaDrainingError,
@@ -79,6 +80,9 @@ class LLMWorker:
         """
         if self.draining:
             raise ReplicaDrainingError("this replica is shutting down; retry")
+        if request.beam is not None:
+            yield await self._beam_search(request)
+            return
         reported: set[int] = set()
         started = False
         recorder = RequestMetricsRecorder(self.metrics)
@@ -94,6 +98,15 @@ class LLMWorker:
         finally:
             if started:
                 recorder.finish()
+
+    async def _beam_search(self, request: GenerateRequest) -> GenerateChunk:
+        """A beam search request's one chunk: every beam, finished."""
+        try:
+            beams = await self.engine.beam_search(request.prompt_token_ids, request.beam, request.request_id)
+        except EngineShutdownError as err:
+            raise ReplicaDrainingError(f"this replica's engine stopped ({err}); retry") from None
+        choices = [ChoiceDelta(b.index, b.text, b.token_ids, None, b.finish_reason) for b in beams]
+        return GenerateChunk(request.request_id, choices, len(request.prompt_token_ids), 0, True)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

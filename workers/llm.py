@@ -7,7 +7,8 @@ from typing import Any, Mapping, Sequence, Union
 
 from model import LoadedModel, Tokenizer
 from workers.engine import make_engine
-from workers.outputs import RequestOutput
+from workers.beam_search import BeamSearch, BeamSearchParams
+from workers.outputs import CompletionOutput, RequestOutput
 from workers.sampling_params import SamplingParams
 
 PromptInput = Union[str, Mapping[str, Any]]
@@ -56,6 +57,36 @@ class LLM:
             self.engine.add_request(request_id, _prompt_of(prompt), SamplingParams(max_tokens=1), embed=True)
             ids.append(request_id)
         return [out.embedding for out in self._run(ids)]
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams) -> list[list[CompletionOutput]]:
+        """The ``beam_width`` best continuations of every prompt by beam search (best first;
+        ``cumulative_logprob`` is the beam's). Each step runs every live beam of every prompt
+        as one batch of one-token requests; the prefix cache shares what beams have in common."""
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        prompt_ids = [self._token_ids(p) for p in prompts]
+        searches = [BeamSearch(params, self.engine.eos_ids) for _ in prompt_ids]
+        step = params.step_params()
+        while not all(s.done for s in searches):
+            ids = {}
+            for i, (prompt, search) in enumerate(zip(prompt_ids, searches)):
+                for j, beam in enumerate(search.live):
+                    request_id = f"beam-{next(self._ids)}"
+                    self.engine.add_request(request_id, prompt + list(beam.tokens), step)
+                    ids[request_id] = (i, j)
+            outputs = self._run(list(ids))
+            candidates: list[list[dict[int, float]]] = [[{} for _ in s.live] for s in searches]
+            for out in outputs:
+                i, j = ids[out.request_id]
+                candidates[i][j] = out.outputs[0].logprobs[0]
+            for search, found in zip(searches, candidates):
+                if not search.done:
+                    search.advance(found)
+        return [s.outputs(self.engine.tokenizer) for s in searches]
+
+    def _token_ids(self, prompt: PromptInput) -> list[int]:
+        value = _prompt_of(prompt)
+        return self.engine.tokenizer.encode_prompt(value) if isinstance(value, str) else value
 
     def chat(
         self,

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
+from workers.beam_search import BeamSearchParams
 from workers.engine_stats import EngineStats
 from workers.outputs import RequestOutput, TokenLogprobs
 from workers.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class GenerateRequest:
     priority: int = 0  # lower runs first (vLLM's convention)
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # of the prompt's full blocks, for routing
     embed: bool = False  # the prompt's embedding instead of a completion (the final chunk's ``embedding``)
+    beam: BeamSearchParams | None = None  # beam search: ``beam_width`` completions in one final chunk
 
 
 @dataclasses.dataclass

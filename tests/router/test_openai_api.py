@@ -234,3 +234,21 @@ def test_embeddings_through_the_openai_client(client, raylm_app, offline_engine,
     with pytest.raises(openai.BadRequestError) as err:
         client.embeddings.create(model=raylm_app.model, input=texts, dimensions=64)
     assert err.value.body["param"] == "dimensions"
+
+
+def test_beam_search_through_the_api(client, raylm_app, bundled_model):
+    """vLLM's use_beam_search: n beams, best first, the offline engine's beams."""
+    from workers import LLM
+    from workers.beam_search import BeamSearchParams
+
+    prompt = "The capital of France is"
+    reply = client.completions.create(model=raylm_app.model, prompt=prompt, n=3, max_tokens=8,
+                                      extra_body={"use_beam_search": True})
+    offline = LLM(bundled_model, **TEST_DEPLOY["engine"]).beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=8))
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == [b.text for b in offline[0]]
+    assert len({c.text for c in reply.choices}) == 3
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=raylm_app.model, prompt=prompt, n=2, max_tokens=4, stop=["."],
+                                  extra_body={"use_beam_search": True})
+    assert err.value.body["param"] == "stop"

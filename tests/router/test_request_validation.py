@@ -14,6 +14,7 @@ from model import DEFAULT_MODEL, load_model_info
 from router.errors import OpenAIError
 from router.json_body import MAX_JSON_DEPTH, parse_json_body
 from router.protocol import RequestParser
+from workers.beam_search import BeamSearchParams
 from workers.structured_output import StructuredOutput
 
 MSG = [{"role": "user", "content": "Hi"}]
@@ -43,6 +44,12 @@ def parser():
         ("completion", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ("completion", {"prompt": "x", "structured_outputs": {"grammar": 5}}, "structured_outputs.grammar"),
         ("chat", {"messages": MSG, "response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ("completion", {"prompt": "x", "use_beam_search": True, "stop": ["."]}, "stop"),
+        ("completion", {"prompt": "x", "use_beam_search": True, "logprobs": 2}, "logprobs"),
+        ("completion", {"prompt": "x", "use_beam_search": True, "n": 11}, "n"),
+        ("completion", {"prompt": "x", "length_penalty": 0.5}, "length_penalty"),
+        ("chat", {"messages": MSG, "use_beam_search": True, "tools": [
+            {"type": "function", "function": {"name": "f"}}]}, "use_beam_search"),
         ("embedding", {}, "input"),
         ("embedding", {"input": [{"text": "a"}]}, "input"),
         ("embedding", {"input": [[]]}, "input"),
@@ -85,6 +92,15 @@ def test_structured_output_and_logit_bias_reach_the_sampling_params(parser):
         assert parser.parse_completion({"model": "m", "prompt": "x", **extra}).params.structured_output == expected
     params = parser.parse_chat({"model": "m", "messages": MSG, "logit_bias": {"5": -100, "17": 2.5}}).params
     assert params.logit_bias == {5: -100.0, 17: 2.5}
+
+
+def test_beam_search_fields_reach_the_parsed_request(parser):
+    parsed = parser.parse_completion({"model": "m", "prompt": "x", "n": 4, "max_tokens": 9, "use_beam_search": True,
+                                      "length_penalty": 0.5, "ignore_eos": True})
+    assert parsed.beam == BeamSearchParams(beam_width=4, max_tokens=9, ignore_eos=True, length_penalty=0.5)
+    assert parser.parse_completion({"model": "m", "prompt": "x"}).beam is None
+    chat = parser.parse_chat({"model": "m", "messages": MSG, "use_beam_search": True})
+    assert chat.beam.max_tokens == 512 - len(chat.prompts[0])  # chat's default: the rest of the context
 
 
 def test_completions_max_tokens_null_is_the_default_16(parser):
