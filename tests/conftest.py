@@ -123,16 +123,22 @@ def compilations():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _compiled_programs_released_after_each_module():
-    """Every XLA CPU executable holds a few memory mappings until it is released, and jit keeps
-    every program it compiled. The whole suite in one process compiles enough programs (each
-    module builds engines of its own shapes) to reach the kernel's ``vm.max_map_count`` (65530
-    by default), where compiling the next one segfaults inside XLA. Release each module's
-    programs when it ends; the next module compiles what it uses."""
+MAX_MEMORY_MAPPINGS = 16_384  # a quarter of the kernel's default vm.max_map_count (65530)
+
+
+@pytest.fixture(autouse=True)
+def _compiled_programs_released_before_mappings_run_out():
+    """Every XLA CPU executable holds memory mappings until it is released, and jit keeps every
+    program it compiled. The whole suite in one process compiles enough programs (each test
+    builds engines of its own shapes; the speculative module alone passed 40,000 mappings) to
+    reach the kernel's ``vm.max_map_count``, where compiling the next one segfaults inside XLA.
+    After a test that leaves the process holding many, release them all; later tests compile
+    what they use."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    with open("/proc/self/maps") as maps:
+        if sum(1 for _ in maps) > MAX_MEMORY_MAPPINGS:
+            jax.clear_caches()
+            gc.collect()
 
 
 @pytest.fixture(autouse=True)

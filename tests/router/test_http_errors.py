@@ -66,7 +66,7 @@ def chat_body(app, **extra) -> dict:
         (CHAT, {"model": "M", "messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
         (CHAT, {"model": "M", "messages": [{"role": "user", "content": "Hi"}], "bogus": 1}, 400, "bogus"),
         (CHAT, {"model": "M", "messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}, 400,
-         "tools"),
+         "tools[0]"),
         (CHAT, {"model": "M", "messages": [{"role": "user", "content": "Hi"}], "stream_options": {}}, 400,
          "stream_options"),
         (COMPLETIONS, {"model": "M"}, 400, "prompt"),
