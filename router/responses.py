@@ -82,7 +82,7 @@ class ResponseBuilder:
                 content, calls = self._calls(c.text)
                 if calls:
                     message.update(content=content, tool_calls=calls)
-                    finish = "tool_calls"
+                    finish = "length" if finish == "length" else "tool_calls"  # cut short: say so
                 choices.append({"index": i, "message": message, "logprobs": self._chat_logprobs(c.token_ids, c.logprobs),
                                 "finish_reason": finish})
             obj = "chat.completion"
@@ -119,7 +119,7 @@ class ResponseBuilder:
         """The chunk for one choice's delta (None when there is nothing to tell the client)."""
         finish = _openai_finish_reason(delta.finish_reason) if delta.finish_reason else None
         text, calls = self._streamable(index, delta.text, finish is not None)
-        if calls:
+        if calls and finish != "length":  # a reply cut short keeps saying so, with its complete calls
             finish = "tool_calls"
         if not text and not calls and finish is None and not (self.parsed.logprobs is not None and delta.token_ids):
             return None

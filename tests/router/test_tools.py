@@ -137,6 +137,12 @@ def test_the_response_builder_reports_calls_whole_and_streamed(parser):
     (call,) = sent[-1]["tool_calls"]
     assert call["index"] == 0 and call["function"]["name"] == "get_weather"
 
+    cut = ResponseBuilder(parsed, "id", 0, parser.tokenizer)  # max_tokens ran out inside a second call
+    for chunk in _chunks([*pieces, '\n<tool_call>\n{"name": "get_w'], finish="length"):
+        cut.add(0, chunk)
+    choice = cut.final()["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["message"]["tool_calls"]) == 1
+
     plain = ResponseBuilder(parsed, "id", 0, parser.tokenizer)  # no call: everything is content
     deltas = [plain.stream_delta(i, d) for chunk in _chunks(["Paris is", " sunny <tool"]) for i, d in plain.add(0, chunk)]
     assert "".join(d["choices"][0]["delta"].get("content", "") for d in deltas if d) == "Paris is sunny <tool"
