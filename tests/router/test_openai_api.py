@@ -185,7 +185,7 @@ def test_tool_calls_through_the_openai_client(client, raylm_app):
     a conversation carrying the call and its result gets an answer."""
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     kwargs = dict(model=raylm_app.model, messages=ask, temperature=0, max_tokens=60, tools=[WEATHER_TOOL, TIME_TOOL])
-    reply = client.chat.completions.create(**kwargs, tool_choice="required").choices[0]
+    reply = client.chat.completions.create(**kwargs, tool_choice="required", parallel_tool_calls=False).choices[0]
     assert reply.finish_reason == "tool_calls" and reply.message.tool_calls
     call = reply.message.tool_calls[0]
     arguments = json.loads(call.function.arguments)
