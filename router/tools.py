@@ -20,15 +20,13 @@ import uuid
 from typing import Any, Mapping
 
 from router.errors import invalid
-from workers.structured_output import StructuredOutput
+from workers.structured_output import JSON_LAYOUT, StructuredOutput
 
 TOOL_CALL_PARSERS = ("hermes",)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"
 _NO_PARAMETERS = {"type": "object", "properties": {}}
-# JSON inside a call: compact, like structured output's (workers/structured_output.py).
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +158,7 @@ def forced_calls_grammar(tool_use: ToolUse) -> StructuredOutput | None:
     for i, function in enumerate(functions):
         schema = {"type": "object", "properties": {"name": {"const": function["name"]},
                                                    "arguments": function["parameters"]},
-                  "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _LAYOUT}
+                  "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_LAYOUT}
         rules.append(f"f{i}: %json {json.dumps(schema)}")
     alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
     repeat = ' ("\\n" call)*' if tool_use.parallel and tool_use.choice == "required" else ""

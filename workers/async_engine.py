@@ -327,18 +327,17 @@ class AsyncEngine:
         each step, every live beam runs as a one-token request; cancelling aborts them all."""
         search = BeamSearch(params, self.engine.eos_ids)
         step_params = params.step_params()
-        for step in itertools.count():
-            if search.done:
-                return search.outputs(self.engine.tokenizer)
+        ids = itertools.count()
 
-            async def candidates(j: int, tokens: tuple[int, ...]) -> dict[int, float]:
-                final = None
-                async for output in self.generate([*prompt_ids, *tokens], step_params, f"{request_id}-{step}-{j}"):
-                    final = output
-                return final.outputs[0].logprobs[0]
+        async def candidates(tokens: tuple[int, ...]) -> dict[int, float]:
+            final = None
+            async for output in self.generate([*prompt_ids, *tokens], step_params, f"{request_id}-{next(ids)}"):
+                final = output
+            return final.outputs[0].logprobs[0]
 
-            search.advance(await asyncio.gather(*(candidates(j, b.tokens) for j, b in enumerate(search.live))))
-        raise AssertionError("unreachable")
+        while not search.done:
+            search.advance(await asyncio.gather(*(candidates(beam.tokens) for beam in search.live)))
+        return search.outputs(self.engine.tokenizer)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request from outside its stream: its blocks are freed and its stream ends

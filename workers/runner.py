@@ -189,6 +189,18 @@ def _spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, wind
     return samples, accepted, kv, draft_kv
 
 
+def _pooling_args(chunks: list[ScheduledChunk], rows: int, token_rows: np.ndarray) -> dict:
+    """A prefill program's arguments to pool embedding chunks' hidden states, none when no chunk
+    is an embedding's: each token's segment is its chunk's row (``token_rows``), -1 for tokens
+    of other chunks (padding tokens the program leaves out itself)."""
+    embeds = [r for r, c in enumerate(chunks) if c.seq.embedding is not None]
+    if not embeds:
+        return {}
+    pooled = np.zeros(rows, bool)
+    pooled[embeds] = True
+    return dict(pool_segments=np.where(pooled[token_rows], token_rows, -1).astype(np.int32), num_pool_segments=rows)
+
+
 @functools.partial(jax.jit, donate_argnames=("kv",))
 def _copy_blocks(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copy blocks ``src`` to ``dst`` in every layer (a quantized pool's scales with its values)."""
@@ -285,7 +297,7 @@ class ModelRunner:
         when no row is constrained. Valid for the next sampled token only."""
         if not any(s.matcher is not None for s in seqs):
             return None
-        mask = allow_all(rows, cdiv(self.config.vocab_size, 32))
+        mask = allow_all(rows, self.config.vocab_size)
         for r, seq in enumerate(seqs):
             if seq.matcher is not None:
                 fill_bitmask(seq.matcher, mask, r)
@@ -384,11 +396,7 @@ class ModelRunner:
             last_tokens[r] = at + n - 1
             at += n
         sbatch, flags = self._sampling(seqs, rows)
-        embeds = np.array([c.seq.embedding is not None for c in chunks] + [False] * (rows - len(chunks)))
-        pooling = {}
-        if embeds.any():
-            pooling = dict(pool_segments=np.where(embeds[token_rows] & (positions >= 0), token_rows, -1).astype(np.int32),
-                           num_pool_segments=rows)
+        pooling = _pooling_args(chunks, rows, token_rows)
         result, self.kv, draft_kv, pooled = _packed_prefill_program(
             self.params, self.kv, *self._draft_args, tokens, positions, token_rows,
             self._block_table(seqs, rows, self.max_width), last_tokens, sbatch, config=self.config,
@@ -412,11 +420,7 @@ class ModelRunner:
             positions[r] = np.arange(start, start + length)
             context[r] = start + n
         sbatch, flags = self._sampling(seqs, rows)
-        pooling = {}
-        if any(c.seq.embedding is not None for c in chunks):
-            embeds = np.array([c.seq.embedding is not None for c in chunks] + [False] * (rows - len(chunks)))
-            pooling = dict(pool_segments=np.where(embeds[:, None], np.arange(rows)[:, None], -1).repeat(length, 1)
-                           .astype(np.int32), num_pool_segments=rows)
+        pooling = _pooling_args(chunks, rows, np.arange(rows)[:, None].repeat(length, 1))
         result, self.kv, draft_kv, pooled = _prefill_program(
             self.params, self.kv, *self._draft_args, tokens, positions, self._block_table(seqs, rows, width),
             context, sbatch, config=self.config, draft_config=self._draft_config, **flags, **pooling,

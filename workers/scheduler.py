@@ -267,14 +267,9 @@ class Scheduler:
             seq.num_computed_tokens += chunk.num_tokens
             self.num_prompt_tokens += chunk.num_tokens
             seq.first_scheduled_time = seq.first_scheduled_time or scheduled_at
-            if seq.embedding is not None:  # its embedding was pooled by the runner: done at the prompt's end
-                if chunk.samples:
-                    seq.finish_reason = "stop"
-                self.blocks.commit_computed_blocks(seq)
-                if seq.finished:
-                    self.remove(seq)
-            else:
-                self._append_samples(seq, samples.get(seq.seq_id, ()))
+            if seq.embedding is not None and chunk.samples:  # the runner pooled it: done, nothing sampled
+                seq.finish_reason = "stop"
+            self._append_samples(seq, samples.get(seq.seq_id, ()))
             progressed.append(seq)
         for seq in plan.decodes:
             seq.num_computed_tokens += 1  # the fed-back last token; further steps count below

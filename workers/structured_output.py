@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from model.buckets import cdiv
+
 if TYPE_CHECKING:
     import llguidance
 
@@ -32,7 +34,7 @@ Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
 # JSON without free whitespace: with it, small models (and random logits) loop on blanks and
 # never close the object; OpenAI's and vLLM's outputs look like this too.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CACHED_GRAMMARS = 256
 
 
@@ -84,11 +86,6 @@ class GrammarCompiler:
         self._templates: collections.OrderedDict[StructuredOutput, llguidance.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    @property
-    def mask_words(self) -> int:
-        """int32 words per row of a token bitmask (token ``t`` is bit ``t % 32`` of word ``t // 32``)."""
-        return -(-self.vocab_size // 32)
-
     def prepare(self, output: StructuredOutput) -> None:
         """Compile ``output`` unless cached; raises GrammarError naming the problem."""
         self._template(output)
@@ -137,9 +134,9 @@ def _grammar(output: StructuredOutput) -> str:
     try:
         match output.kind:
             case "json_object":
-                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_LAYOUT)
+                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_LAYOUT)
             case "json_schema":
-                return llguidance.LLMatcher.grammar_from_json_schema(output.spec, overrides=_JSON_LAYOUT)
+                return llguidance.LLMatcher.grammar_from_json_schema(output.spec, overrides=JSON_LAYOUT)
             case "regex":
                 return llguidance.LLMatcher.grammar_from_regex(output.spec)
             case "choice":
@@ -163,6 +160,7 @@ def fill_bitmask(matcher: llguidance.LLMatcher, mask: np.ndarray, row: int) -> N
     llguidance.numpy.fill_next_token_bitmask(matcher, mask, row)
 
 
-def allow_all(rows: int, words: int) -> np.ndarray:
-    """A bitmask that allows every token (the rows of unconstrained sequences)."""
-    return np.full((rows, words), -1, np.int32)
+def allow_all(rows: int, vocab_size: int) -> np.ndarray:
+    """A bitmask that allows every token (the rows of unconstrained sequences): int32 words,
+    token ``t`` is bit ``t % 32`` of word ``t // 32``."""
+    return np.full((rows, cdiv(vocab_size, 32)), -1, np.int32)

@@ -59,7 +59,7 @@ def test_matchers_are_independent_copies_of_one_compiled_grammar(compiler):
     tokenizer = compiler._tokenizer
     assert a.consume_tokens(tokenizer.encode("yes")) and a.is_stopped()
     assert not b.is_stopped()  # b did not see a's tokens
-    mask = allow_all(1, compiler.mask_words)
+    mask = allow_all(1, compiler.vocab_size)
     fill_bitmask(b, mask, 0)
     t = np.arange(compiler.vocab_size)
     allowed = {tokenizer.decode([int(i)]) for i in np.nonzero((mask[0, t // 32] >> (t % 32)) & 1)[0]}
@@ -76,7 +76,7 @@ def test_the_bitmask_leaves_only_allowed_tokens_and_bias_shifts_logits():
     vocab = 100
     logits = jnp.asarray(np.random.RandomState(0).randn(3, vocab).astype(np.float32))
     best = int(jnp.argmax(logits[0]))
-    mask = allow_all(3, 4)
+    mask = allow_all(3, vocab)
     mask[1] = 0
     mask[1, 41 // 32] |= 1 << (41 % 32)
     mask[1, 77 // 32] |= 1 << (77 % 32)
@@ -93,7 +93,7 @@ def test_the_bitmask_leaves_only_allowed_tokens_and_bias_shifts_logits():
         assert int(out.tokens[1]) in (41, 77)
     # Rows without bias or mask are untouched: the same tokens as a batch without either.
     plain = sample(logits, _batch([greedy, greedy, params[2]], vocab), num_logprobs=0, with_penalties=False)
-    mixed = sample(logits, _batch([params[0], greedy, params[2]], vocab, allow_all(3, 4)), num_logprobs=0,
+    mixed = sample(logits, _batch([params[0], greedy, params[2]], vocab, allow_all(3, vocab)), num_logprobs=0,
                    with_penalties=False)
     assert [int(t) for t in plain.tokens[1:]] == [int(t) for t in mixed.tokens[1:]]
 
