@@ -4,9 +4,9 @@ Weights are stored output-first, each output's inputs last and contiguous (``[N.
 HF's ``[out, in]``; see model/params.py). For the few rows of a decode step (1..32
 sequences) XLA's CPU dot reaches a third to a half of what the cores do, and the tied LM
 head alone took 15-30 ms of a 16-row step; ``model/kernels/dense_matmul.cc`` streams each
-weight once while the rows stay in cache (1.3-2.5x XLA at 1-32 rows on an AVX2 dev machine,
-measured per shape). Above ``KERNEL_MAX_ROWS`` rows (prompt chunks, large batches; fewer
-on AVX-512 CPUs) XLA's GEMM is as fast or faster, so it runs there. The kernel is built by
+weight once while the rows stay in cache (1.2-1.5x XLA at 2-32 rows, see ``KERNEL_MAX_ROWS``).
+Above ``KERNEL_MAX_ROWS`` rows (prompt chunks, large batches) XLA's GEMM is as fast or
+faster, so it runs there. The kernel is built by
 ``pip install`` (setup.py); without it, or for non-float32 operands, or on another backend,
 the same program runs ``jnp`` (chosen when the program is lowered, so one traced function
 serves every platform). XLA cannot partition a custom call: sharded programs pass
@@ -26,18 +26,17 @@ import math
 import jax
 import jax.numpy as jnp
 
-from model.kernels import CpuKernel, cpu_has_avx512
+from model.kernels import CpuKernel
 from model.quantization import QuantArray
 
 _KERNEL = CpuKernel("dense_matmul", "RaylmDenseMatmul", "raylm_dense_matmul")
 _QUANTIZED_KERNEL = CpuKernel("dense_matmul", "RaylmDenseMatmulQuantized", "raylm_dense_matmul_quantized")
-# Rows up to which the kernel beats XLA's dot on the bundled model's projections. On AVX2
-# CPUs that is 32 (at 64 rows they tie, above XLA's blocked GEMM wins). The kernel's tiles are
-# 8 lanes wide; on an AVX-512 CPU XLA's dot uses 16 and overtakes it from 8-12 rows (2-core
-# AMD EPYC with AVX-512, all 30 layers' weights streamed from memory, kernel / XLA ms: 8 rows
-# 25.4 / 25.5, 16 rows 34.1 / 30.5, 32 rows 1.2x in XLA's favour; at 1-4 rows the kernel
-# stays 1.1-1.5x ahead).
-KERNEL_MAX_ROWS = 8 if cpu_has_avx512() else 32
+# Rows up to which the kernel beats XLA's dot on the bundled model's projections (all 30
+# layers' weights and the LM head streamed from memory, `python -m
+# deploy.benchmarks.dense_bench`). On a 2-core AMD EPYC with AVX-512, where the kernel runs
+# 16-lane tiles, XLA / kernel time: 1 row 1.0x, 2-16 rows 1.4-1.5x, 32 rows 1.2x, 48 rows 0.95x,
+# 64 rows 0.9x; on AVX2 CPUs (8-lane tiles) the kernel led up to 32 rows and tied at 64.
+KERNEL_MAX_ROWS = 32
 # For 8-bit weights XLA converts the whole matrix before its dot (the LM head at 64 rows took
 # 3x the kernel's time); the kernel widens a panel once per 4 weight rows and stays ahead
 # up to 64 rows (every decode batch of the deploy defaults).

@@ -43,19 +43,6 @@ def unavailable_reason(library: str, symbol: str, target: str) -> str | None:
     return reason
 
 
-@functools.cache
-def cpu_has_avx512() -> bool:
-    """Whether this (Linux, x86) CPU has 512-bit vectors (AVX-512F); False where it cannot tell.
-
-    The dense kernel's tiles are 8 lanes (256 bits) wide: on an AVX-512 CPU XLA's own GEMM
-    uses twice the width and overtakes it at fewer rows (see ``model.dense``)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return any(line.startswith("flags") and "avx512f" in line.split() for line in f)
-    except OSError:
-        return False
-
-
 class CpuKernel(NamedTuple):
     """One kernel library: its file stem under model/kernels, handler symbol and FFI target."""
 

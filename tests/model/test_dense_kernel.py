@@ -1,14 +1,19 @@
 """The C++ small-batch matmul kernel against float64 numpy, and ``model.dense``'s choice of path.
 
-Shapes cover every remainder of the kernel's tiling (rows not a multiple of the 3-row tile,
-weight rows not a multiple of the 4-row tile or the 64-row work item, inputs not a multiple
-of the 8-lane vector), the single-threaded and the thread-pool split, and the projections of
-the bundled model.
+Shapes cover every remainder of the kernel's tiling (rows not a multiple of the 3-row or
+4-row tile, weight rows not a multiple of the 4-row tile or the 64-row work item, inputs not
+a multiple of the 8- or 16-lane vector), the single-threaded and the thread-pool split, and
+the projections of the bundled model. A process runs one tile family (16 lanes on AVX-512
+CPUs, else 8); ``test_eight_lane_tiles_on_any_cpu`` reruns these checks with the 8-lane
+family forced, so an AVX-512 machine checks both.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +39,8 @@ def _reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 31, 32])
-@pytest.mark.parametrize("n,k", [(1, 8), (5, 3), (67, 45), (130, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 9, 16, 31, 32])
+@pytest.mark.parametrize("n,k", [(1, 8), (5, 3), (7, 24), (67, 45), (130, 64), (960, 576), (576, 1536)])
 def test_matches_float64_reference(m, n, k):
     x, w = _operands(m, n, k, seed=m * 1000 + n)
     got = np.asarray(dense_matmul(jnp.asarray(x), jnp.asarray(w)))
@@ -53,6 +58,18 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(n, k):
     for m in (1, 2, 4, 5, 17):
         np.testing.assert_array_equal(np.asarray(dense_matmul(x[-m:], w)), full[-m:])
     np.testing.assert_array_equal(np.asarray(dense_matmul(x[7:8], w)), full[7:8])
+
+
+@needs_kernel
+def test_eight_lane_tiles_on_any_cpu():
+    """The 8-lane family (what AVX2 CPUs run) is forced by RAYLM_DENSE_NARROW_TILES; on an
+    AVX2 CPU this repeats the checks above, on an AVX-512 one it covers the other family."""
+    env = {**os.environ, "RAYLM_DENSE_NARROW_TILES": "1"}
+    checks = "test_matches_float64_reference or test_a_row_does_not_depend_on_the_rest_of_the_batch"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
 
 
 @needs_kernel
