@@ -31,7 +31,15 @@ from jax.sharding import Mesh
 from model import KVCache, ModelConfig, ModelParams, forward, paged_decode, shard_params
 from model.forward import PooledHidden
 from model.buckets import bucket, cdiv, power_buckets
-from workers.sampler import SampleResult, SamplingBatch, advance, build_sampling_batch, logprobs_bucket, sample
+from workers.sampler import (
+    SampleResult,
+    SamplingBatch,
+    advance,
+    argmax,
+    build_sampling_batch,
+    logprobs_bucket,
+    sample,
+)
 from workers.scheduler import ScheduledChunk
 from workers.sequence import Sequence
 from workers.speculative import SpecDecodeStats, SpeculativeConfig, propose_ngram
@@ -156,7 +164,7 @@ def _spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, wind
     if draft_config is not None:
         logits, draft_kv = _forward_rows(draft_params, draft_config, draft_kv, window_tokens, window_positions,
                                          block_tables, cpu_kernels=cpu_kernels, last_only=True)
-        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        first = argmax(logits)
 
         # Unrolled (k is small): a scan carrying the pool made XLA copy the whole pool each step.
         guesses = [first]
@@ -164,7 +172,7 @@ def _spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, wind
             position = jnp.where(j < num_drafts, last_positions + j, -1)
             logits, draft_kv = _forward_rows(draft_params, draft_config, draft_kv, guesses[-1][:, None],
                                              position[:, None], block_tables, cpu_kernels=cpu_kernels, last_only=True)
-            guesses.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+            guesses.append(argmax(logits))
         proposals = jnp.stack(guesses, axis=1)
     if K == 0:
         proposals = jnp.zeros((window_tokens.shape[0], 0), jnp.int32)

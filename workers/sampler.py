@@ -150,6 +150,21 @@ def _row_key(seed: jax.Array, index: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), index)
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` as int32 (the first maximum; the first NaN if a row has one),
+    computed as a max, then the least index holding it. XLA CPU runs ``jnp.argmax``'s
+    (value, index) reduction one element at a time: over the vocabulary of a 64-row batch it took
+    6.8 ms against 2.0 ms for these two reductions (16 rows 1.8 vs 0.4 ms; 2-core AMD EPYC), ~5%
+    of a 64-row decode step."""
+    size = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)  # NaN or not: XLA CPU's max may skip NaNs
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    # NaN positions rank below every maximum (negative keys), so the first NaN wins.
+    key = jnp.where(jnp.isnan(logits), index - size, jnp.where(logits == top, index, size))
+    first = jnp.min(key, axis=-1)
+    return jnp.where(first < 0, first + size, first)
+
+
 def _sample_rows(logits: jax.Array, s: SamplingBatch, greedy_tokens: jax.Array) -> jax.Array:
     temperature = jnp.where(s.temperature > 0, s.temperature, 1.0)
     filtered = jax.vmap(_filter_row)(logits / temperature[:, None], s.top_k, s.top_p, s.min_p)
@@ -172,7 +187,7 @@ def sample(logits: jax.Array, s: SamplingBatch, *, num_logprobs: int, with_penal
     if s.token_bitmask is not None:
         logits = _mask_disallowed(logits, s.token_bitmask)
     logits = _ban_stops_below_min_tokens(logits, s)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tokens = argmax(logits)
     tokens = jax.lax.cond(
         jnp.all(s.temperature == 0),
         lambda: greedy_tokens,
