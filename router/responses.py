@@ -3,7 +3,8 @@
 Choice index ``i * n + j`` is completion ``j`` of prompt ``i`` (the completions API's rule for
 a list of prompts); chat always has one prompt. When a chat request offers tools, the calls a
 reply makes are read back (``router/tools.py``) into ``tool_calls`` with ``finish_reason:
-tool_calls``; streamed, the content before a call goes out as it comes and the calls at the end.
+tool_calls``; streamed, the content before a call goes out as it comes, then each call's name
+and its arguments piece by piece, as OpenAI streams them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from model import Tokenizer
 from router.protocol import ParsedRequest
-from router.tools import held_back, parse_tool_calls
+from router.tools import ToolCallStream, held_back, parse_tool_calls
 from workers.replica_protocol import ChoiceDelta, GenerateChunk
 
 
@@ -24,6 +25,7 @@ class _Choice:
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     streamed: int = 0  # characters of content streamed (a reply that may call tools holds some back)
+    tool_calls: ToolCallStream | None = None  # a streamed reply's calls, when the request offers tools
 
 
 class ResponseBuilder:
@@ -118,15 +120,15 @@ class ResponseBuilder:
     def stream_delta(self, index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
         """The chunk for one choice's delta (None when there is nothing to tell the client)."""
         finish = _openai_finish_reason(delta.finish_reason) if delta.finish_reason else None
-        text, calls = self._streamable(index, delta.text, finish is not None)
-        if calls and finish != "length":  # a reply cut short keeps saying so, with its complete calls
+        text, calls, called = self._streamable(index, delta.text, finish is not None)
+        if finish is not None and called and finish != "length":  # a reply cut short keeps saying so
             finish = "tool_calls"
         if not text and not calls and finish is None and not (self.parsed.logprobs is not None and delta.token_ids):
             return None
         if self.parsed.kind == "chat":
             message: dict[str, Any] = {"content": text} if text else {}
             if calls:
-                message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                message["tool_calls"] = calls
             choice = {
                 "index": index,
                 "delta": message,
@@ -149,22 +151,23 @@ class ResponseBuilder:
             return text, []
         return parse_tool_calls(text, self.parsed.tool_use)
 
-    def _streamable(self, index: int, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
-        """The content to stream now for a delta of ``text``, and the calls once the reply ends.
-        Without tools that is the delta itself; with them, content stops before anything that
-        may be a call until the reply ends and the calls are known."""
+    def _streamable(self, index: int, text: str, finished: bool) -> tuple[str, list[dict[str, Any]], bool]:
+        """For a delta of ``text``: the content to stream now, the ``tool_calls`` entries to send
+        now (a call's name as soon as it is written, then its arguments as they grow; see
+        ``ToolCallStream``), and whether the reply has made a call. Without tools that is the
+        delta itself; with them, content stops before anything that may be a call, and a reply
+        that ends with no call sends the rest of its text as content."""
         if self.parsed.tool_use is None:
-            return text, []
+            return text, [], False
         choice = self.choices[index]
-        calls: list[dict[str, Any]] = []
-        if finished:
-            content, calls = self._calls(choice.text)
-            visible = (content or "") if calls else choice.text
-        else:
-            visible = choice.text[: held_back(choice.text)]
+        if choice.tool_calls is None:
+            choice.tool_calls = ToolCallStream(self.parsed.tool_use)
+        calls = choice.tool_calls.deltas(choice.text, finished)
+        called = choice.tool_calls.called
+        visible = choice.text if finished and not called else choice.text[: held_back(choice.text)]
         new = visible[choice.streamed:] if len(visible) > choice.streamed else ""
         choice.streamed = max(choice.streamed, len(visible))
-        return new, calls
+        return new, calls, called
 
     def stream_usage(self) -> dict[str, Any]:
         return {**self._envelope(self._chunk_object()), "choices": [], "usage": self.usage()}

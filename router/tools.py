@@ -25,7 +25,9 @@ from workers.structured_output import JSON_LAYOUT, StructuredOutput
 TOOL_CALL_PARSERS = ("hermes",)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-OPEN_TAG = "<tool_call>"
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+# A call written name-first, up to where its arguments' text begins.
+_HEADER = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -183,19 +185,109 @@ def parse_tool_calls(text: str, tool_use: ToolUse) -> tuple[str | None, list[dic
             return text, []
         arguments = value.get("arguments", value.get("parameters", {}))
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": value["name"], "arguments": json.dumps(arguments)}})
+                      "function": {"name": value["name"], "arguments": _arguments_text(body, arguments)}})
     if not calls:
         return text, []
     content = text[:start].strip()
     return content or None, calls
 
 
+def _arguments_text(body: str, arguments: Any) -> str:
+    """A call's ``arguments`` string: the model's own text of them when the call is written
+    name-first (what a stream sends piece by piece, see ``ToolCallStream``), else the JSON."""
+    header = _HEADER.match(body)
+    if header and body.endswith("}"):
+        raw = body[header.end():-1].rstrip()
+        try:
+            if json.loads(raw) == arguments:
+                return raw
+        except json.JSONDecodeError:
+            pass
+    return json.dumps(arguments)
+
+
 def held_back(text: str) -> int:
     """Where streamed content must stop for now: before a call (or what may become its tag)."""
     start = text.find(OPEN_TAG)
-    if start >= 0:
-        return start
-    for size in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
-        if OPEN_TAG.startswith(text[-size:]):
+    return start if start >= 0 else _before_partial_tag(text, OPEN_TAG)
+
+
+def _before_partial_tag(text: str, tag: str) -> int:
+    """The length of ``text`` without a final piece that may be the start of ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
             return len(text) - size
     return len(text)
+
+
+class ToolCallStream:
+    """One streamed reply's tool calls as OpenAI sends them: a call's index, id and name as soon
+    as its name is written, then its ``arguments`` text piece by piece as the model writes it.
+
+    A call is announced only once its name is one of the offered functions; its arguments are
+    the model's text up to the call's closing brace, of which the brace (and the whitespace
+    around it) is held back until the call ends, so the pieces concatenate to what
+    ``parse_tool_calls`` reports for the whole reply. Calls written another way (arguments
+    first) go out whole when the reply ends. Once announced, a call stays one: if its JSON
+    then turns out malformed (``auto`` only; forced calls follow a grammar), the client has
+    what the model wrote, where the non-streamed reply would return the text as content."""
+
+    def __init__(self, tool_use: ToolUse):
+        self.tool_use = tool_use
+        self._ids: list[str] = []  # announced calls' ids, by index
+        self._sent: list[int] = []  # characters of each announced call's arguments sent
+
+    def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        """The ``tool_calls`` entries to send now for the reply so far (``text``)."""
+        out = self._growing(text)
+        return out + self._final(text) if finished else out
+
+    def _growing(self, text: str) -> list[dict[str, Any]]:
+        """Announcements and argument pieces of the calls written so far."""
+        start = text.find(OPEN_TAG)
+        if start < 0:
+            return []
+        out = []
+        for index, block in enumerate(text[start:].split(OPEN_TAG)[1:]):
+            body, closed, _ = block.partition(CLOSE_TAG)
+            body = body if closed else body[: _before_partial_tag(body, CLOSE_TAG)]
+            body = body.lstrip()
+            header = _HEADER.match(body)
+            if not header or header.group(1) not in self.tool_use.names:
+                break  # later calls wait for this one: indices stay in order
+            if index == len(self._ids):
+                self._ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                self._sent.append(0)
+                out.append({"index": index, "id": self._ids[index], "type": "function",
+                            "function": {"name": header.group(1), "arguments": ""}})
+            arguments = body[header.end():].rstrip()
+            if arguments.endswith("}"):  # maybe the call's own closing brace
+                arguments = arguments[:-1].rstrip()
+            out += self._arguments(index, arguments)
+        return out
+
+    def _arguments(self, index: int, arguments: str) -> list[dict[str, Any]]:
+        piece = arguments[self._sent[index]:]
+        if not piece:
+            return []
+        self._sent[index] = len(arguments)
+        return [{"index": index, "function": {"arguments": piece}}]
+
+    def _final(self, text: str) -> list[dict[str, Any]]:
+        """At the end: what the announced calls still lack, and any call not announced yet."""
+        _, calls = parse_tool_calls(text, self.tool_use)
+        out = []
+        for index, call in enumerate(calls):
+            if index < len(self._ids):
+                out += self._arguments(index, call["function"]["arguments"])
+            else:
+                self._ids.append(call["id"])
+                self._sent.append(len(call["function"]["arguments"]))
+                out.append({"index": index, **call})
+        return out
+
+    @property
+    def called(self) -> bool:
+        """Whether the client has been told of a call (the reply then finishes with tool_calls
+        and its content ends where the first call begins)."""
+        return bool(self._ids)

@@ -199,9 +199,13 @@ def test_tool_calls_through_the_openai_client(client, raylm_app):
     stream = list(client.chat.completions.create(**kwargs, tool_choice={"type": "function",
                                                                         "function": {"name": "get_time"}}, stream=True))
     deltas = [c.choices[0].delta for c in stream if c.choices]
-    (streamed,) = [t for d in deltas for t in (d.tool_calls or [])]
-    assert streamed.function.name == "get_time"
-    assert json.loads(streamed.function.arguments) == json.loads(call.function.arguments)
+    entries = [t for d in deltas for t in (d.tool_calls or [])]
+    # OpenAI's stream shape: the id and name first, then the arguments in pieces; put together
+    # (as the client's stream helpers do) they are the non-streamed call.
+    assert len(entries) >= 2 and {t.index for t in entries} == {0}
+    assert entries[0].id.startswith("call_") and entries[0].function.name == "get_time"
+    assert all(t.id is None and t.function.name is None for t in entries[1:])
+    assert "".join(t.function.arguments or "" for t in entries) == call.function.arguments
     assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "tool_calls"
 
     history = ask + [{"role": "assistant", "content": None, "tool_calls": [

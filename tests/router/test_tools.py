@@ -134,8 +134,13 @@ def test_the_response_builder_reports_calls_whole_and_streamed(parser):
     sent = [d["choices"][0]["delta"] for d in deltas if d is not None]
     assert "".join(d.get("content", "") for d in sent) == "I will look it up.\n"
     assert [d["choices"][0]["finish_reason"] for d in deltas if d is not None][-1] == "tool_calls"
-    (call,) = sent[-1]["tool_calls"]
-    assert call["index"] == 0 and call["function"]["name"] == "get_weather"
+    entries = [t for d in sent for t in d.get("tool_calls", [])]
+    # The name as soon as it is written, then the arguments as they grow (OpenAI's stream shape).
+    assert entries[0] == {"index": 0, "id": entries[0]["id"], "type": "function",
+                          "function": {"name": "get_weather", "arguments": ""}}
+    pieces_sent = [t["function"]["arguments"] for t in entries[1:]]
+    assert all(t["index"] == 0 and set(t) == {"index", "function"} for t in entries[1:])
+    assert "".join(pieces_sent) == choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
 
     cut = ResponseBuilder(parsed, "id", 0, parser.tokenizer)  # max_tokens ran out inside a second call
     for chunk in _chunks([*pieces, '\n<tool_call>\n{"name": "get_w'], finish="length"):
@@ -147,6 +152,59 @@ def test_the_response_builder_reports_calls_whole_and_streamed(parser):
     deltas = [plain.stream_delta(i, d) for chunk in _chunks(["Paris is", " sunny <tool"]) for i, d in plain.add(0, chunk)]
     assert "".join(d["choices"][0]["delta"].get("content", "") for d in deltas if d) == "Paris is sunny <tool"
     assert deltas[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def _streamed_calls(builder: ResponseBuilder, texts: list[str], finish: str = "stop") -> tuple[list, str | None]:
+    """Every tool_calls entry a stream sends, and its last finish_reason."""
+    deltas = [d for chunk in _chunks(texts, finish) for i, delta in builder.add(0, chunk)
+              if (d := builder.stream_delta(i, delta)) is not None]
+    entries = [t for d in deltas for t in d["choices"][0]["delta"].get("tool_calls", [])]
+    return entries, deltas[-1]["choices"][0]["finish_reason"]
+
+
+def _joined(entries: list[dict]) -> dict[int, dict[str, str]]:
+    """Stream entries put together per call index, as a client does."""
+    calls: dict[int, dict[str, str]] = {}
+    for t in entries:
+        call = calls.setdefault(t["index"], {"id": "", "name": "", "arguments": ""})
+        call["id"] += t.get("id", "")
+        call["name"] += t.get("function", {}).get("name", "")
+        call["arguments"] += t["function"].get("arguments", "")
+    return calls
+
+
+@pytest.mark.parametrize("split", [1, 3, 7, 1000])
+def test_streamed_calls_put_together_equal_the_whole_reply(parser, split):
+    """Parallel calls streamed in pieces of any size join into the calls of the non-streamed
+    reply; a call written arguments-first (no name to announce early) comes out whole at the end."""
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WEATHER, ADD]})
+    reply = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Saint-\\"Malo\\" }"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"nested": [2, 3]}}}\n</tool_call>\n'
+             '<tool_call>{"arguments": {"a": 5, "b": 6}, "name": "add"}</tool_call>')
+    texts = [reply[k:k + split] for k in range(0, len(reply), split)]
+    whole = ResponseBuilder(parsed, "id", 0, parser.tokenizer)
+    for chunk in _chunks(texts):
+        whole.add(0, chunk)
+    expected = whole.final()["choices"][0]["message"]["tool_calls"]
+    entries, finish = _streamed_calls(ResponseBuilder(parsed, "id", 0, parser.tokenizer), texts)
+    joined = _joined(entries)
+    assert finish == "tool_calls" and sorted(joined) == [0, 1, 2]
+    assert [(c["name"], c["arguments"]) for c in joined.values()] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in expected]
+    assert json.loads(joined[1]["arguments"]) == {"a": 1, "b": {"nested": [2, 3]}}
+    assert all(c["id"].startswith("call_") for c in joined.values())
+
+
+def test_a_stream_cut_short_inside_a_call_finishes_with_length(parser):
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WEATHER]})
+    entries, finish = _streamed_calls(ResponseBuilder(parsed, "id", 0, parser.tokenizer),
+                                      ['<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Par'], "length")
+    assert finish == "length" and _joined(entries)[0]["arguments"] == '{"city": "Par'
+    # A name that is not an offered function is never announced: the reply stays content.
+    builder = ResponseBuilder(parsed, "id", 0, parser.tokenizer)
+    text = '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>'
+    entries, finish = _streamed_calls(builder, [text])
+    assert entries == [] and finish == "stop" and builder.choices[0].streamed == len(text)
 
 
 def test_forced_calls_cannot_be_combined_with_structured_output(parser):
