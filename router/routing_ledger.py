@@ -27,6 +27,9 @@ import time
 from typing import Callable, Hashable, Sequence
 
 
+PENDING_TTL_S = 5.0  # how long a choice no replica accepted stays charged at most
+
+
 @dataclasses.dataclass
 class Charge:
     request_id: str
@@ -52,8 +55,8 @@ class RoutingLedger:
     completion callback names only the id and the replica, so each sibling keeps its own charge
     and a completion releases one of them on that replica."""
 
-    def __init__(self, max_tracked_blocks: int = 200_000, pending_ttl_s: float = 5.0, report_grace_s: float = 3.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_tracked_blocks: int = 200_000, pending_ttl_s: float = PENDING_TTL_S,
+                 report_grace_s: float = 3.0, clock: Callable[[], float] = time.monotonic):
         self.max_tracked_blocks = max_tracked_blocks
         self.pending_ttl_s = pending_ttl_s
         self.report_grace_s = report_grace_s

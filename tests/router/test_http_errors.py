@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from router.routing_ledger import PENDING_TTL_S
 from workers.replica_protocol import replica_reports
 
 CHAT = "/v1/chat/completions"
@@ -182,8 +183,10 @@ def test_two_replicas_both_serve(raylm_app):
     _wait_idle()
     # The request router sees each replica's load as of its last report (every stats_period_s):
     # right after a busy test, a replica's stale report would still show that test's work and
-    # rightly send the whole burst to the other one. Start from a quiet state as the router sees it.
-    time.sleep(3 * raylm_app.config.router.prefix_routing.stats_period_s + 1.0)
+    # rightly send the whole burst to the other one. So would the charges of choices no replica
+    # accepted (the overload test's cancelled streams), until PENDING_TTL_S after them. Start
+    # from a quiet state as the router sees it.
+    time.sleep(max(3 * raylm_app.config.router.prefix_routing.stats_period_s, PENDING_TTL_S) + 1.0)
     before = {rid: r.engine.requests for rid, r in replica_reports().items()}
     assert len(before) == 2
 
