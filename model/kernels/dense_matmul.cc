@@ -46,10 +46,22 @@ inline float Widen(float w) { return w; }
 inline float Widen(int8_t w) { return static_cast<float>(w); }
 inline float Widen(Fp8E4m3 w) { return raylm::Fp8ToFloat(w); }
 
+// float8 e4m3fn bytes to float32 on every lane of a vector whose 32-bit lanes hold one byte
+// each at their top (`top`, unsigned lanes): raylm::Fp8ToFloat (fp8_e4m3.h) lane-wise. Both
+// lane widths below place the bytes, then share these steps.
+template <typename V, typename U>
+__attribute__((always_inline)) inline V Fp8FromLaneTops(U top) {
+  const U sign = top & 0x80000000u, exponent_mantissa = (top >> 4) & 0x07F00000u;
+  const U bias = U{} + (120u << 23);
+  const V value = reinterpret_cast<V>((sign | exponent_mantissa) + bias);
+  const V subnormal = (value - reinterpret_cast<V>(sign | bias)) * 2.0f;
+  return (exponent_mantissa & 0x07800000u) == 0 ? subnormal : value;
+}
+
 // Vector lanes: Lanes<V> loads float32 and 8-bit values into a V of float32 lanes (8-bit
 // values widened exactly) and sums a V's lanes in its fixed order. Two specialisations: eight
 // lanes (AVX2; the tiles below are cloned for AVX-512, AVX2 and SSE) and, on x86-64 with GCC,
-// sixteen lanes (AVX-512 only, see WideLanes below).
+// sixteen lanes (AVX-512 only, Lanes<Vec16> below).
 template <typename V>
 struct Lanes;
 
@@ -90,14 +102,8 @@ struct Lanes<Vec8> {
   // int8: an arithmetic shift sign-extends the top byte, then an exact conversion.
   static Vec8 Load(const int8_t* p) { return __builtin_convertvector(BytesAtLaneTops(p) >> 24, Vec8); }
 
-  // float8 e4m3fn: raylm::Fp8ToFloat (fp8_e4m3.h) on eight lanes, the byte already at the top.
   static Vec8 Load(const Fp8E4m3* p) {
-    const U32x8 top = reinterpret_cast<U32x8>(BytesAtLaneTops(p));
-    const U32x8 sign = top & 0x80000000u, exponent_mantissa = (top >> 4) & 0x07F00000u;
-    const U32x8 bias = U32x8{} + (120u << 23);
-    const Vec8 value = reinterpret_cast<Vec8>((sign | exponent_mantissa) + bias);
-    const Vec8 subnormal = (value - reinterpret_cast<Vec8>(sign | bias)) * 2.0f;
-    return (exponent_mantissa & 0x07800000u) == 0 ? subnormal : value;
+    return Fp8FromLaneTops<Vec8>(reinterpret_cast<U32x8>(BytesAtLaneTops(p)));
   }
 
   static float Sum(Vec8 v) {  // in lane order
@@ -107,7 +113,6 @@ struct Lanes<Vec8> {
   }
 
   static constexpr bool kSumsTiles = false;  // see Lanes<Vec16>::SumTile
-  static void SumTile(const Vec8 (&)[4][4], const float*, float*, int64_t) {}
 };
 
 // y[i, j] = x[i, :] . w[j, :] for i < MR, j < NR: MR*NR vector accumulators, NR weight vectors
@@ -229,15 +234,9 @@ struct Lanes<Vec16> {
     return reinterpret_cast<Vec16>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
   }
 
-  // The same steps as the eight-lane Load (and raylm::Fp8ToFloat), on sixteen lanes.
   static Vec16 Load(const Fp8E4m3* p) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const U32x16 top = reinterpret_cast<U32x16>(_mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 24));
-    const U32x16 sign = top & 0x80000000u, exponent_mantissa = (top >> 4) & 0x07F00000u;
-    const U32x16 bias = U32x16{} + (120u << 23);
-    const Vec16 value = reinterpret_cast<Vec16>((sign | exponent_mantissa) + bias);
-    const Vec16 subnormal = (value - reinterpret_cast<Vec16>(sign | bias)) * 2.0f;
-    return (exponent_mantissa & 0x07800000u) == 0 ? subnormal : value;
+    return Fp8FromLaneTops<Vec16>(reinterpret_cast<U32x16>(_mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 24)));
   }
 
   static float Sum(Vec16 v) {

@@ -16,8 +16,8 @@ struct Fp8E4m3 {
 // rebiased by adding 120 (127 - 7). That is exact for normal numbers; a subnormal (exponent
 // 0, value m/8 * 2^-6) comes out as 2^-7 * (1 + m/8), so 2^-7 is subtracted and the rest
 // doubled, again exactly. Branch-free (a loop around it vectorises) and no float32 denormal
-// appears, so flush-to-zero modes do not matter. (dense_matmul.cc's LoadWeights is the same
-// steps on eight lanes.)
+// appears, so flush-to-zero modes do not matter. (dense_matmul.cc's Fp8FromLaneTops is the same
+// steps on vector lanes.)
 inline float Fp8ToFloat(Fp8E4m3 x) {
   const uint32_t sign = static_cast<uint32_t>(x.bits & 0x80) << 24;
   const uint32_t exponent_mantissa = static_cast<uint32_t>(x.bits & 0x7F) << 20;
