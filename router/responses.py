@@ -84,7 +84,7 @@ class ResponseBuilder:
                 content, calls = self._calls(c.text)
                 if calls:
                     message.update(content=content, tool_calls=calls)
-                    finish = "length" if finish == "length" else "tool_calls"  # cut short: say so
+                    finish = _finish_with_calls(finish)
                 choices.append({"index": i, "message": message, "logprobs": self._chat_logprobs(c.token_ids, c.logprobs),
                                 "finish_reason": finish})
             obj = "chat.completion"
@@ -121,8 +121,8 @@ class ResponseBuilder:
         """The chunk for one choice's delta (None when there is nothing to tell the client)."""
         finish = _openai_finish_reason(delta.finish_reason) if delta.finish_reason else None
         text, calls, called = self._streamable(index, delta.text, finish is not None)
-        if finish is not None and called and finish != "length":  # a reply cut short keeps saying so
-            finish = "tool_calls"
+        if finish is not None and called:
+            finish = _finish_with_calls(finish)
         if not text and not calls and finish is None and not (self.parsed.logprobs is not None and delta.token_ids):
             return None
         if self.parsed.kind == "chat":
@@ -226,6 +226,12 @@ class ResponseBuilder:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finish_with_calls(reason: str) -> str:
+    """A reply that made tool calls finishes with tool_calls, unless it was cut short (length,
+    with its complete calls): then it keeps saying so."""
+    return "length" if reason == "length" else "tool_calls"
 
 
 def _openai_finish_reason(reason: str) -> str:

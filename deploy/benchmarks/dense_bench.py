@@ -67,7 +67,7 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: jnp.asarray(rng.standard_normal((rows, k)), jnp.float32) for k in {w.shape[1] for w in weights}}
         times: dict[str, list[float]] = {name: [] for name in paths}
-        for name, run in paths.items():
+        for run in paths.values():
             _time(run, inputs, weights)  # compile
         for _ in range(args.rounds):
             for name, run in paths.items():
