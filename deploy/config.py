@@ -35,6 +35,9 @@ class ModelSection(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     quantization: Literal["none", "int8", "fp8"] = Field(
         "none", description="weight-only: every matrix stored 8-bit with a scale per output channel")
+    gguf_blocks: Literal["auto", "keep", "expand"] = Field(
+        "auto", description="a GGUF's Q4_0/Q4_1/Q8_0 matrices: kept as stored (exact float32 results, a sixth "
+        "of the bytes; auto: on one CPU device in float32) or expanded to float32 at load")
     tool_call_parser: Literal["hermes"] = Field(
         RouterSettings.tool_call_parser, description="the format tool calls are written and read in (router/tools.py)")
 
@@ -57,7 +60,7 @@ class SpeculativeSection(_Section):
 
 
 # Engine settings come from EngineArgs itself so the YAML can never drift from the engine.
-_ENGINE_OWNED_ELSEWHERE = {"dtype", "quantization", "tensor_parallel_size"}
+_ENGINE_OWNED_ELSEWHERE = {"dtype", "quantization", "gguf_blocks", "tensor_parallel_size"}
 _ENGINE_SECTIONS = {"speculative": (SpeculativeSection | None, None)}  # nested: its own schema
 _engine_hints = typing.get_type_hints(EngineArgs)
 EngineSection = pydantic.create_model(
@@ -209,6 +212,7 @@ class DeployConfig(_Section):
             return EngineArgs(
                 dtype=self.model.dtype,
                 quantization=self.model.quantization,
+                gguf_blocks=self.model.gguf_blocks,
                 tensor_parallel_size=self.workers.tensor_parallel_size,
                 **self.engine.model_dump(),
             )

@@ -12,6 +12,7 @@ from model import DEFAULT_MODEL, ModelError, load_model
 from model.buckets import cdiv
 from model.chat_template import ChatTemplateError
 from model.compilation_cache import enable_compilation_cache
+from model.loader import GGUF_BLOCKS_CHOICES, keep_gguf_blocks
 from model.quantization import SCHEMES
 from workers import EngineArgs, LLMEngine, SamplingParams
 
@@ -29,6 +30,8 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--quantization", choices=SCHEMES, default="none",
                    help="weight-only 8-bit matrices with per-output-channel scales")
+    p.add_argument("--gguf-blocks", choices=GGUF_BLOCKS_CHOICES, default="auto",
+                   help="a GGUF's Q4_0/Q4_1/Q8_0 matrices kept as stored (exact) or expanded to float32")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (local devices)")
     p.add_argument("--speculative-method", choices=["draft", "ngram"], default=None,
                    help="speculative decoding (default: off; draft when --speculative-model is given)")
@@ -66,7 +69,8 @@ def run_generate(args: argparse.Namespace) -> int:
         enable_compilation_cache()
         quantized = "" if args.quantization == "none" else f", {args.quantization} weights"
         with _step(f"loading {args.model} ({args.dtype}{quantized})"):
-            model = load_model(args.model, args.dtype, args.quantization)
+            keep_blocks = keep_gguf_blocks(args.gguf_blocks, args.dtype, args.tp)
+            model = load_model(args.model, args.dtype, args.quantization, keep_blocks)
         tokenizer = model.tokenizer
         if args.chat:
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
@@ -78,7 +82,7 @@ def run_generate(args: argparse.Namespace) -> int:
         engine = LLMEngine(
             model,
             EngineArgs(
-                dtype=args.dtype, quantization=args.quantization, tensor_parallel_size=args.tp, max_num_seqs=1,
+                dtype=args.dtype, quantization=args.quantization, gguf_blocks=args.gguf_blocks, tensor_parallel_size=args.tp, max_num_seqs=1,
                 num_kv_blocks=2 + cdiv(len(prompt_ids) + args.max_tokens + lookahead, block_size),
                 speculative=speculative,
             ),

@@ -1,12 +1,12 @@
 """Linear layers: ``x . w^T`` by a C++ small-batch kernel on CPU, XLA's dot elsewhere.
 
 Weights are stored output-first, each output's inputs last and contiguous (``[N..., K...]``,
-HF's ``[out, in]``; see model/params.py). For the few rows of a decode step (1..32
+HF's ``[out, in]``; see model/params.py). For the few rows of a decode step (1..64
 sequences) XLA's CPU dot reaches a third to a half of what the cores do, and the tied LM
 head alone took 15-30 ms of a 16-row step; ``model/kernels/dense_matmul.cc`` streams each
-weight once while the rows stay in cache (1.2-1.5x XLA at 2-32 rows, see ``KERNEL_MAX_ROWS``).
-Above ``KERNEL_MAX_ROWS`` rows (prompt chunks, large batches) XLA's GEMM is as fast or
-faster, so it runs there. The kernel is built by
+weight once while the rows stay in cache (1.2-2x XLA at 2-32 rows, see ``KERNEL_MAX_ROWS``).
+Above ``KERNEL_MAX_ROWS`` rows (prompt chunks, large batches) XLA's GEMM is faster, so it
+runs there. The kernel is built by
 ``pip install`` (setup.py); without it, or for non-float32 operands, or on another backend,
 the same program runs ``jnp`` (chosen when the program is lowered, so one traced function
 serves every platform). XLA cannot partition a custom call: sharded programs pass
@@ -17,6 +17,11 @@ directly and applies the per-output-channel scale to its sums; XLA's paths conve
 8-bit matrix to the activation dtype for their dot and scale its result (XLA CPU writes the
 converted matrix out on every call, which prompt-sized batches amortise; accelerators fuse
 the conversion into the dot).
+
+Weights may be ``GgufBlocks`` (model/gguf_blocks.py): a GGUF's Q4_0 / Q4_1 / Q8_0 matrices as
+stored. The block kernel widens them exactly and runs the float32 tiles, so wherever the
+float32 kernel would run it gives the float32 matrix's results bit for bit; elsewhere XLA's
+dot runs on the exactly dequantized matrix.
 """
 
 from __future__ import annotations
@@ -26,26 +31,29 @@ import math
 import jax
 import jax.numpy as jnp
 
+from model.gguf_blocks import GgufBlocks
 from model.kernels import CpuKernel
 from model.quantization import QuantArray
 
 _KERNEL = CpuKernel("dense_matmul", "RaylmDenseMatmul", "raylm_dense_matmul")
 _QUANTIZED_KERNEL = CpuKernel("dense_matmul", "RaylmDenseMatmulQuantized", "raylm_dense_matmul_quantized")
-# Rows up to which the kernel beats XLA's dot on the bundled model's projections (all 30
-# layers' weights and the LM head streamed from memory, `python -m
-# deploy.benchmarks.dense_bench`). On a 2-core AMD EPYC with AVX-512, where the kernel runs
-# 16-lane tiles, XLA / kernel time: 1 row 1.0x, 2-16 rows 1.4-1.5x, 32 rows 1.2x, 48 rows 0.95x,
-# 64 rows 0.9x; on AVX2 CPUs (8-lane tiles) the kernel led up to 32 rows and tied at 64.
-KERNEL_MAX_ROWS = 32
-# For 8-bit weights XLA converts the whole matrix before its dot (the LM head at 64 rows took
-# 3x the kernel's time); the kernel widens a panel once per 4 weight rows and stays ahead
-# up to 64 rows (every decode batch of the deploy defaults).
-QUANTIZED_KERNEL_MAX_ROWS = 64
+_GGUF_KERNEL = CpuKernel("dense_matmul", "RaylmGgufMatmul", "raylm_gguf_matmul")
+# Rows up to which the kernels run, for every weight format: every decode batch of the deploy
+# defaults. Measured on the bundled model's projections (all 30 layers' weights and the LM
+# head streamed from memory, `python -m deploy.benchmarks.dense_bench`) on a 2-core AMD EPYC
+# with AVX-512 (16-lane tiles), XLA / float32 kernel time: 1 row 1.0x, 2-16 rows 1.4-2.0x,
+# 32 rows 1.2-1.3x, 48 rows 0.97x, 64 rows 0.93x; on AVX2 CPUs (8-lane tiles) the kernel led
+# up to 32 rows and tied at 64. Above 32 rows a float32 call gives up at most a few percent
+# so that 8-bit and GGUF block weights stay on their kernels, for which XLA's dot would
+# first convert the whole matrix (the 8-bit LM head at 64 rows took 3x the kernel's time):
+# and since GGUF blocks give the float32 kernel's sums, one limit keeps a model served from
+# blocks bit-identical to the same model expanded to float32 at every batch size.
+KERNEL_MAX_ROWS = 64
 
 
 def available() -> bool:
     """Whether the C++ kernel is built and registered with JAX (CPU only)."""
-    return _KERNEL.available() and _QUANTIZED_KERNEL.available()
+    return _KERNEL.available() and _QUANTIZED_KERNEL.available() and _GGUF_KERNEL.available()
 
 
 def dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -71,8 +79,20 @@ def quantized_matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     return jax.ffi.ffi_call(_QUANTIZED_KERNEL.target, out)(x, w.q, w.scale.astype(jnp.float32))
 
 
+def gguf_matmul(x: jax.Array, w: GgufBlocks) -> jax.Array:
+    """``x [M, K] . w [N, K]^T -> [M, N]`` for a 2-D ``GgufBlocks`` by the C++ kernel: the
+    float32 kernel's result on ``w.dequantize()``, bit for bit; raises if unavailable."""
+    _GGUF_KERNEL.require()
+    if x.dtype != jnp.float32:
+        raise ValueError(f"the GGUF block kernel takes float32 activations, got {x.dtype}")
+    if x.ndim != 2 or w.q.ndim != 2 or w.shape[1:] != x.shape[1:]:
+        raise ValueError(f"gguf_matmul takes x [M, K] and 2-D blocks [N, K], got {x.shape} and {w.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(_GGUF_KERNEL.target, out)(x, w.q, w.scale, w.offset)
+
+
 def dense(
-    x: jax.Array, w: jax.Array | QuantArray, contract: int = 1, *, kernel: bool, out_dtype: jnp.dtype | None = None
+    x: jax.Array, w: jax.Array | QuantArray | GgufBlocks, contract: int = 1, *, kernel: bool, out_dtype: jnp.dtype | None = None
 ) -> jax.Array:
     """Contract ``x``'s last ``contract`` dims with ``w``'s last ``contract`` dims.
 
@@ -84,6 +104,8 @@ def dense(
     """
     if isinstance(w, QuantArray):
         return _quantized_dense(x, w, contract, kernel=kernel, out_dtype=out_dtype)
+    if isinstance(w, GgufBlocks):
+        return _gguf_dense(x, w, contract, kernel=kernel, out_dtype=out_dtype)
     k_dims = x.shape[x.ndim - contract:]
     if w.shape[w.ndim - contract:] != k_dims:
         raise ValueError(f"dense: x {x.shape} and w {w.shape} differ in their last {contract} dims")
@@ -116,7 +138,7 @@ def dense(
 def _quantized_dense(
     x: jax.Array, w: QuantArray, contract: int, *, kernel: bool, out_dtype: jnp.dtype | None
 ) -> jax.Array:
-    """``dense`` for 8-bit weights: the kernel where it runs (up to ``QUANTIZED_KERNEL_MAX_ROWS``
+    """``dense`` for 8-bit weights: the kernel where it runs (up to ``KERNEL_MAX_ROWS``
     rows), else ``dense`` over the converted matrix, times the scales."""
     if w.num_input_dims != contract:
         raise ValueError(f"dense: weight {w.shape} has {w.num_input_dims} input dims, contracted {contract}")
@@ -128,7 +150,7 @@ def _quantized_dense(
 
     lead, size = x.shape[: x.ndim - contract], math.prod(x.shape[x.ndim - contract:])
     rows = math.prod(lead)
-    if not (kernel and available() and x.dtype == jnp.float32 and 0 < rows <= QUANTIZED_KERNEL_MAX_ROWS):
+    if not (kernel and available() and x.dtype == jnp.float32 and 0 < rows <= KERNEL_MAX_ROWS):
         return by_xla(x, w.q, w.scale)
 
     def by_kernel(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -136,3 +158,29 @@ def _quantized_dense(
         return quantized_matmul(x.reshape(rows, size), flat).reshape(*lead, *scale.shape).astype(dtype)
 
     return jax.lax.platform_dependent(x, w.q, w.scale, cpu=by_kernel, default=by_xla)
+
+
+def _gguf_dense(
+    x: jax.Array, w: GgufBlocks, contract: int, *, kernel: bool, out_dtype: jnp.dtype | None
+) -> jax.Array:
+    """``dense`` for GGUF blocks: the block kernel wherever the float32 kernel would run (so a
+    program gives the float32 matrix's results bit for bit), else ``dense`` over the exactly
+    dequantized matrix."""
+    if w.num_input_dims != contract:
+        raise ValueError(f"dense: weight {w.shape} has {w.num_input_dims} input dims, contracted {contract}")
+    lead, size = x.shape[: x.ndim - contract], math.prod(x.shape[x.ndim - contract:])
+    rows = math.prod(lead)
+
+    def by_xla(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array) -> jax.Array:
+        matrix = GgufBlocks(q, scale, offset, w.input_shape).dequantize(x.dtype)
+        return dense(x, matrix, contract, kernel=kernel, out_dtype=out_dtype)
+
+    if not (kernel and available() and x.dtype == jnp.float32 and 0 < rows <= KERNEL_MAX_ROWS):
+        return by_xla(x, w.q, w.scale, w.offset)
+
+    def by_kernel(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array) -> jax.Array:
+        flat = GgufBlocks(q, scale, offset, w.input_shape).flat()
+        y = gguf_matmul(x.reshape(rows, size), flat).reshape(*lead, *scale.shape[:-1])
+        return y if out_dtype is None else y.astype(out_dtype)
+
+    return jax.lax.platform_dependent(x, w.q, w.scale, w.offset, cpu=by_kernel, default=by_xla)

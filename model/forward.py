@@ -22,6 +22,7 @@ from model.dense import dense
 from model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu_mlp
 from model.paged_decode import decode_attention
 from model.params import LayerParams, ModelParams
+from model.gguf_blocks import GgufBlocks
 from model.quantization import QuantArray
 
 
@@ -66,7 +67,7 @@ def forward(
         kernel_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
     batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin, kernel_lens)
     embed = params.embed
-    x = embed.rows(tokens, params.final_norm.dtype) if isinstance(embed, QuantArray) else embed[tokens]
+    x = embed.rows(tokens, params.final_norm.dtype) if isinstance(embed, (QuantArray, GgufBlocks)) else embed[tokens]
     eps = config.rms_norm_eps
 
     k_pool, v_pool = kv.k, kv.v

@@ -1,8 +1,11 @@
-"""Load a llama.cpp GGUF file: metadata -> ModelConfig, tensors dequantized -> ModelParams.
+"""Load a llama.cpp GGUF file: metadata -> ModelConfig, tensors -> ModelParams.
 
-Every tensor type the ``gguf`` package can dequantize is accepted. llama.cpp's converter
-permutes the Q/K projection rows of llama-arch models for its interleaved RoPE; we undo
-that here so the same rotate-half RoPE serves HF and GGUF checkpoints.
+Every tensor type the ``gguf`` package can dequantize is accepted. With ``keep_blocks``,
+matrices in Q4_0 / Q4_1 / Q8_0 stay in their blocks (model/gguf_blocks.py: the same float32
+numbers from a sixth of the bytes); everything else is dequantized to float32 here.
+llama.cpp's converter permutes the Q/K projection rows of llama-arch models for its
+interleaved RoPE; we undo that here so the same rotate-half RoPE serves HF and GGUF
+checkpoints.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from gguf.quants import dequantize
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError, UnsupportedModelError
+from model.gguf_blocks import GGUF_BLOCK_TYPES, GgufBlocks, from_gguf, map_rows
 from model.params import ModelParams
 from model.weights import build_params
 
@@ -83,11 +87,15 @@ class GGUFFile:
         """Metadata as plain Python values (strings, numbers, lists)."""
         return {name: field.contents() for name, field in self._reader.fields.items()}
 
-    def tensor(self, name: str) -> np.ndarray | None:
-        """Dequantized float32 tensor in numpy (= HF ``[out, in]``) layout, or None if absent."""
+    def tensor(self, name: str, keep_blocks: bool = False) -> np.ndarray | GgufBlocks | None:
+        """The tensor in numpy (= HF ``[out, in]``) layout, or None if absent: dequantized to
+        float32, or with ``keep_blocks`` a Q4_0 / Q4_1 / Q8_0 matrix as ``GgufBlocks``."""
         info = self._tensors.get(name)
         if info is None:
             return None
+        shape = tuple(int(d) for d in reversed(info.shape))
+        if keep_blocks and info.tensor_type in GGUF_BLOCK_TYPES and len(shape) == 2:
+            return from_gguf(info.data, info.tensor_type, shape)  # type: ignore[arg-type]
         try:
             array = dequantize(info.data, info.tensor_type)
         except NotImplementedError:
@@ -95,7 +103,6 @@ class GGUFFile:
                 f"{self.path}: tensor {name!r} uses GGML type {info.tensor_type.name}, "
                 "which the gguf package cannot dequantize"
             ) from None
-        shape = tuple(int(d) for d in reversed(info.shape))
         return np.asarray(array, dtype=np.float32).reshape(shape)
 
     def config(self) -> ModelConfig:
@@ -105,21 +112,22 @@ class GGUFFile:
 
 
 def load_gguf_checkpoint(
-    path: str | Path | GGUFFile, dtype: jnp.dtype = jnp.float32
+    path: str | Path | GGUFFile, dtype: jnp.dtype = jnp.float32, keep_blocks: bool = False
 ) -> tuple[ModelConfig, ModelParams]:
-    """Read config and (dequantized) weights of a llama/qwen2 GGUF file (a path or an open one)."""
+    """Read config and weights of a llama/qwen2 GGUF file (a path or an open one): dequantized,
+    or with ``keep_blocks`` (float32 models only) its Q4_0 / Q4_1 / Q8_0 matrices as stored."""
     file = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = file.config()
     permuted = config.architecture == "llama"
 
-    def get(hf_name: str) -> np.ndarray | None:
+    def get(hf_name: str) -> np.ndarray | GgufBlocks | None:
         name = gguf_tensor_name(hf_name)
-        array = None if name is None else file.tensor(name)
+        array = None if name is None else file.tensor(name, keep_blocks)
         if array is not None and permuted:
             if hf_name.endswith("q_proj.weight"):
-                array = unpermute_qk(array, config.num_heads)
+                array = map_rows(lambda a: unpermute_qk(a, config.num_heads), array)
             elif hf_name.endswith("k_proj.weight"):
-                array = unpermute_qk(array, config.num_kv_heads)
+                array = map_rows(lambda a: unpermute_qk(a, config.num_kv_heads), array)
         return array
 
     return config, build_params(config, get, str(file.path), dtype)

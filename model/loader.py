@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
@@ -17,6 +18,27 @@ from model.safetensors_loader import load_safetensors_checkpoint
 from model.tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# What happens to a GGUF's Q4_0 / Q4_1 / Q8_0 matrices (model/gguf_blocks.py): "keep" them as
+# stored (the float32 numbers, a sixth of the bytes; float32 models on one device), "expand"
+# them to float32 at load, or "auto": keep them where that is possible and pays (one CPU device).
+GGUF_BLOCKS_CHOICES: tuple[str, ...] = ("auto", "keep", "expand")
+
+
+def keep_gguf_blocks(choice: str, dtype: str, tensor_parallel_size: int) -> bool:
+    """Whether to load GGUF matrices as blocks for ``gguf_blocks=choice``; an impossible
+    "keep" is an error naming the setting."""
+    if choice not in GGUF_BLOCKS_CHOICES:
+        raise ValueError(f"gguf_blocks must be one of {', '.join(GGUF_BLOCKS_CHOICES)}, got {choice!r}")
+    possible = dtype == "float32" and tensor_parallel_size == 1
+    if choice == "keep" and not possible:
+        raise ValueError(
+            "gguf_blocks=keep serves a float32 model on one device; got "
+            f"dtype={dtype}, tensor_parallel_size={tensor_parallel_size} (use gguf_blocks=auto or expand)"
+        )
+    if choice == "auto":
+        # On accelerators XLA's dot would dequantize the whole matrix on every call.
+        return possible and jax.default_backend() == "cpu"
+    return choice == "keep"
 
 
 @dataclasses.dataclass
@@ -68,13 +90,16 @@ def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
     return dtype
 
 
-def load_checkpoint(path: str | Path, dtype: str | jnp.dtype = "float32") -> tuple[ModelConfig, ModelParams]:
-    """Weights and config of a ``.gguf`` file or an HF safetensors directory."""
+def load_checkpoint(
+    path: str | Path, dtype: str | jnp.dtype = "float32", keep_blocks: bool = False
+) -> tuple[ModelConfig, ModelParams]:
+    """Weights and config of a ``.gguf`` file (``keep_blocks``: see load_gguf_checkpoint) or an
+    HF safetensors directory."""
     path = Path(path)
     if path.is_dir():
         return load_safetensors_checkpoint(path, parse_dtype(dtype))
     if path.suffix == ".gguf":
-        return load_gguf_checkpoint(path, parse_dtype(dtype))
+        return load_gguf_checkpoint(path, parse_dtype(dtype), keep_blocks)
     raise ModelLoadError(f"{path} is neither an HF checkpoint directory nor a .gguf file")
 
 
@@ -118,19 +143,23 @@ def _with_tokenizer_eos(config: ModelConfig, tokenizer: Tokenizer) -> ModelConfi
 
 
 def load_model(
-    name_or_path: str | Path, dtype: str | jnp.dtype = "float32", quantization: str | None = None
+    name_or_path: str | Path,
+    dtype: str | jnp.dtype = "float32",
+    quantization: str | None = None,
+    keep_blocks: bool = False,
 ) -> LoadedModel:
     """Resolve a registry name or path and load everything a replica needs, its matrices
-    quantized by ``quantization`` (int8 / fp8; see model/quantization.py) if given."""
+    quantized by ``quantization`` (int8 / fp8; see model/quantization.py) if given, a GGUF's
+    block matrices kept as stored with ``keep_blocks`` (see ``keep_gguf_blocks``)."""
     scheme = parse_quantization(quantization)  # a bad name fails before the weights load
     path = resolve_model_path(name_or_path)
     source: Path | GGUFFile = path
     if path.suffix == ".gguf" and path.is_file():
         # Parsed once for weights and tokenizer: the reader is slow on large vocabularies.
         source = GGUFFile(path)
-        config, params = load_gguf_checkpoint(source, parse_dtype(dtype))
+        config, params = load_gguf_checkpoint(source, parse_dtype(dtype), keep_blocks)
     else:
-        config, params = load_checkpoint(path, dtype)
+        config, params = load_checkpoint(path, dtype, keep_blocks)
     tokenizer = load_tokenizer(source, config)
     loaded = LoadedModel(str(name_or_path), path, _with_tokenizer_eos(config, tokenizer), params, tokenizer)
     return loaded.quantized(scheme)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model.gguf_blocks import GgufBlocks
 from model.params import LAYER_MATRIX_INPUT_DIMS, MODEL_MATRIX_INPUT_DIMS, LayerParams, ModelParams
 
 Scheme = Literal["int8", "fp8"]
@@ -78,14 +79,15 @@ class QuantArray:
 
 
 @functools.partial(jax.jit, static_argnames=("scheme", "num_input_dims"))
-def quantize(w: jax.Array | np.ndarray, scheme: Scheme, num_input_dims: int = 1) -> QuantArray:
+def quantize(w: jax.Array | np.ndarray | GgufBlocks, scheme: Scheme, num_input_dims: int = 1) -> QuantArray:
     """Quantize ``w [N..., K...]`` (the last ``num_input_dims`` dims are inputs) per output channel.
 
-    Computed in float32, jitted (a model's matrices share a few shapes).
+    Computed in float32, jitted (a model's matrices share a few shapes). GGUF blocks are
+    dequantized first (exactly, so the result is that of the expanded matrix).
     """
     if scheme not in _RANGE:
         raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
-    w = w.astype(jnp.float32)
+    w = w.dequantize() if isinstance(w, GgufBlocks) else w.astype(jnp.float32)
     if not 0 < num_input_dims < w.ndim:
         raise ValueError(f"a {w.ndim}-D weight cannot have {num_input_dims} input dims")
     flat = w.reshape(*w.shape[: w.ndim - num_input_dims], math.prod(w.shape[w.ndim - num_input_dims:]))

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from model.config import ModelConfig
 from model.errors import UnsupportedModelError
 from model.params import KV_POOL_AXES, LAYER_AXES, MODEL_AXES, LayerParams, ModelParams
+from model.gguf_blocks import GgufBlocks
 from model.quantization import QuantArray
 
 TP_AXIS = "tp"
@@ -89,9 +90,17 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
     """A ModelParams-shaped tree of NamedShardings (None where the field is absent)."""
     rules = rules_for(config, mesh.shape[TP_AXIS])
 
-    def named(axes: Sequence[str], leaf: object) -> NamedSharding | QuantArray | None:
+    def named(axes: Sequence[str], leaf: object) -> NamedSharding | QuantArray | GgufBlocks | None:
         if isinstance(leaf, QuantArray):  # the scales follow the matrix's output dims
             return QuantArray(named(axes, leaf.q), named(axes[: leaf.scale.ndim], leaf.scale))
+        if isinstance(leaf, GgufBlocks):  # served by the unsharded kernel only
+            if mesh.devices.size > 1:
+                raise ValueError(
+                    "GGUF blocks are served on one device; load the model with gguf_blocks='expand' "
+                    f"to shard it over {mesh.devices.size}"
+                )
+            whole = NamedSharding(mesh, PartitionSpec())
+            return GgufBlocks(whole, whole, whole, leaf.input_shape)
         return None if leaf is None else NamedSharding(mesh, spec_for(axes, rules))
 
     def layer(lp: LayerParams) -> LayerParams:

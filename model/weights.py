@@ -1,23 +1,26 @@
 """Turn a checkpoint's per-layer HF-named tensors into the ``ModelParams`` pytree.
 
 Every format loader (safetensors, GGUF) only has to answer "give me the tensor HF calls
-``name``, as a float numpy array in HF's ``[out, in]`` layout"; naming, orientation,
-fusing (QKV grouped by KV head, gate/up), shape checks and the dtype cast live here once.
+``name``, as a float numpy array in HF's ``[out, in]`` layout" (or, for a GGUF matrix kept
+in its blocks, a ``GgufBlocks`` of that shape); naming, orientation, fusing (QKV grouped by
+KV head, gate/up), shape checks and the dtype cast live here once.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError
+from model.gguf_blocks import GgufBlocks, map_rows
 from model.params import LayerParams, ModelParams, shape_mismatches
 
 # Answers an HF tensor name with its array, or None if the checkpoint lacks it.
-TensorSource = Callable[[str], "np.ndarray | None"]
+TensorSource = Callable[[str], "np.ndarray | GgufBlocks | None"]
 
 _PREFIX = "model.layers.{i}."
 _HF_NAMES = {
@@ -37,20 +40,21 @@ _HF_NAMES = {
 
 
 def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, num_kv_heads: int) -> np.ndarray:
-    """``[..., H*Dh]``, ``[..., KVH*Dh]`` x2 (HF's output-last order) -> ``[..., KVH, G+2, Dh]``.
+    """``[H*Dh, ...]``, ``[KVH*Dh, ...]`` x2 (HF's output dim first) -> ``[KVH, G+2, Dh, ...]``.
 
     Grouped by KV head (its G query heads, its key, its value) so a tensor-parallel split of
-    the KV-head axis keeps each query head with the keys it reads.
+    the KV-head axis keeps each query head with the keys it reads. Only the leading dim is
+    rearranged, so the same call fuses weights, biases and GGUF blocks' arrays.
     """
-    lead = q.shape[:-1]
-    Dh = k.shape[-1] // num_kv_heads
+    rest = q.shape[1:]
+    Dh = k.shape[0] // num_kv_heads
     return np.concatenate(
         [
-            q.reshape(*lead, num_kv_heads, -1, Dh),
-            k.reshape(*lead, num_kv_heads, 1, Dh),
-            v.reshape(*lead, num_kv_heads, 1, Dh),
+            q.reshape(num_kv_heads, -1, Dh, *rest),
+            k.reshape(num_kv_heads, 1, Dh, *rest),
+            v.reshape(num_kv_heads, 1, Dh, *rest),
         ],
-        axis=-2,
+        axis=1,
     )
 
 
@@ -70,7 +74,7 @@ def _hf_shape(field: str, config: ModelConfig) -> tuple[int, ...]:
 def build_params(config: ModelConfig, get: TensorSource, source: str, dtype: jnp.dtype) -> ModelParams:
     """Assemble and validate ``ModelParams`` from HF-named tensors, cast to ``dtype``."""
 
-    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray | GgufBlocks:
         array = get(name)
         if array is None:
             raise ModelLoadError(f"{source}: tensor {name!r} is missing (expected shape {shape})")
@@ -80,32 +84,41 @@ def build_params(config: ModelConfig, get: TensorSource, source: str, dtype: jnp
             )
         return array
 
+    def on_device(array: np.ndarray | GgufBlocks) -> jax.Array | GgufBlocks:
+        if isinstance(array, GgufBlocks):
+            if jnp.dtype(dtype) != jnp.float32:
+                raise ModelLoadError(f"{source}: GGUF blocks are kept only for a float32 model, not {jnp.dtype(dtype)}")
+            return array.to_device()
+        return jnp.asarray(array, dtype=dtype)
+
     H, KVH, Dh, D = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
 
     def layer(i: int) -> LayerParams:
-        def hf(field: str) -> np.ndarray:
+        def hf(field: str) -> np.ndarray | GgufBlocks:
             name = (_PREFIX + _HF_NAMES[field]).format(i=i)
-            return fetch(name, _hf_shape(field, config)).astype(np.float32, copy=False)
+            array = fetch(name, _hf_shape(field, config))
+            return array if isinstance(array, GgufBlocks) else array.astype(np.float32, copy=False)
 
+        wo = hf("wo")
         fields = {
             "attn_norm": hf("attn_norm"),
-            "wqkv": np.moveaxis(fuse_qkv(hf("wq").T, hf("wk").T, hf("wv").T, KVH), 0, -1),
-            "wo": hf("wo").reshape(D, H, Dh),
+            "wqkv": map_rows(lambda q, k, v: fuse_qkv(q, k, v, KVH), hf("wq"), hf("wk"), hf("wv")),
+            "wo": wo.with_input_shape((H, Dh)) if isinstance(wo, GgufBlocks) else wo.reshape(D, H, Dh),
             "mlp_norm": hf("mlp_norm"),
-            "w_gate_up": np.stack([hf("w_gate"), hf("w_up")]),
+            "w_gate_up": map_rows(lambda g, u: np.stack([g, u]), hf("w_gate"), hf("w_up")),
             "w_down": hf("w_down"),
         }
         if config.attention_bias:
             fields["bqkv"] = fuse_qkv(hf("bq"), hf("bk"), hf("bv"), KVH)
-        return LayerParams(**{f: jnp.asarray(a, dtype=dtype) for f, a in fields.items()})
+        return LayerParams(**{f: on_device(a) for f, a in fields.items()})
 
     V = config.vocab_size
     embed = fetch("model.embed_tokens.weight", (V, D))
     lm_head = None
     if not config.tie_word_embeddings:
-        lm_head = jnp.asarray(fetch("lm_head.weight", (V, D)), dtype=dtype)
+        lm_head = on_device(fetch("lm_head.weight", (V, D)))
     params = ModelParams(
-        embed=jnp.asarray(embed, dtype=dtype),
+        embed=on_device(embed),
         layers=tuple(layer(i) for i in range(config.num_layers)),
         final_norm=jnp.asarray(fetch("model.norm.weight", (D,)), dtype=dtype),
         lm_head=lm_head,

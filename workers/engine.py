@@ -216,6 +216,7 @@ def make_engine(model: str | LoadedModel, **engine_args) -> LLMEngine:
     from model import load_model
 
     args = EngineArgs.from_kwargs(**engine_args)
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, args.dtype, args.quantization)
-    return LLMEngine(loaded, args)
+    if isinstance(model, LoadedModel):
+        return LLMEngine(model, args)
+    return LLMEngine(load_model(model, args.dtype, args.quantization, args.keep_gguf_blocks()), args)
 

@@ -8,6 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from cache.kv_arrays import kv_pool_dtype
+from model.loader import keep_gguf_blocks
 from model.quantization import parse_quantization
 from workers.embedding import EmbeddingState
 from workers.speculative import SpeculativeConfig
@@ -23,6 +24,9 @@ class EngineArgs:
     # Weight-only int8 / fp8 (model/quantization.py); None: as loaded (a model given already
     # quantized stays so), "none": float weights.
     quantization: str | None = None
+    # A GGUF's Q4_0 / Q4_1 / Q8_0 matrices: kept as stored (exact), or expanded to float32
+    # (model/loader.py's keep_gguf_blocks; "auto": kept on one CPU device in float32).
+    gguf_blocks: str = "auto"
     kv_cache_dtype: str | None = None  # auto (None): the model dtype; int8 / fp8: 8-bit with scales
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact pool size; else sized from the memory budget
@@ -43,6 +47,10 @@ class EngineArgs:
     speculative: SpeculativeConfig | None = None
     embedding_pooling: str = "mean"  # embedding requests: "mean" of the prompt's hidden states, or "last"
 
+    def keep_gguf_blocks(self) -> bool:
+        """Whether this replica loads a GGUF's block matrices as stored."""
+        return keep_gguf_blocks(self.gguf_blocks, self.dtype, self.tensor_parallel_size)
+
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """The context a replica serves: ``max_model_len`` capped by the model's positions."""
         return min(max_position_embeddings, self.max_model_len or DEFAULT_MAX_MODEL_LEN)
@@ -62,6 +70,7 @@ class EngineArgs:
                              f"with num_scheduler_steps={self.num_scheduler_steps}; set num_scheduler_steps to 1")
         kv_pool_dtype(self.kv_cache_dtype, jnp.float32)  # raises, naming the choices, on an unknown name
         parse_quantization(self.quantization)  # likewise
+        keep_gguf_blocks(self.gguf_blocks, self.dtype, self.tensor_parallel_size)  # likewise, and an impossible keep
         EmbeddingState(self.embedding_pooling)  # likewise
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

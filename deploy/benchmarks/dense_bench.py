@@ -2,10 +2,13 @@
 
 Every projection of the bundled model (30 layers' fused QKV, output, fused gate/up and down,
 plus the tied LM head) runs once per call with the model's own float32 weights, so weights
-stream from memory as in a real step (540 MB, far above the caches). Both paths are jitted
-programs over the same arrays and are timed in alternating rounds; the ratio column is XLA's
-time over the kernel's (above 1: the kernel is faster). This is what ``model.dense``'s
-``KERNEL_MAX_ROWS`` is chosen from.
+stream from memory as in a real step (540 MB, far above the caches). A third path runs the
+block kernel on the same matrices kept in their GGUF blocks (model/gguf_blocks.py, 112 MB);
+its results must equal the float32 kernel's bit for bit, which the script checks. The paths
+are jitted programs over the same arrays and are timed in alternating rounds; the ratio
+columns are XLA's time over the kernel's and the float32 kernel's over the block kernel's
+(above 1: the second is faster). This is what ``model.dense``'s ``KERNEL_MAX_ROWS`` is
+chosen from.
 
     python -m deploy.benchmarks.dense_bench [--rows 1,2,4,8,16,32,64] [--rounds 5]
 """
@@ -22,17 +25,24 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _matrices() -> list[jax.Array]:
-    """Every matmul weight of the bundled model as a 2-D ``[N, K]`` float32 array."""
-    from model import DEFAULT_MODEL, load_model
+def _matrices() -> tuple[list[jax.Array], list]:
+    """Every matmul weight of the bundled model as a 2-D ``[N, K]`` float32 array, and the same
+    matrices as 2-D GGUF blocks."""
+    from model import DEFAULT_MODEL
+    from model.gguf_loader import load_gguf_checkpoint
+    from model.registry import resolve_model_path
 
-    params = load_model(DEFAULT_MODEL, "float32").params
-    out = []
-    for layer in params.layers:
-        out += [layer.wqkv.reshape(-1, layer.wqkv.shape[-1]), layer.wo.reshape(layer.wo.shape[0], -1),
-                layer.w_gate_up.reshape(-1, layer.w_gate_up.shape[-1]), layer.w_down]
-    out.append(params.lm_head if params.lm_head is not None else params.embed)
-    return out
+    def flat(params: object) -> list:
+        out = []
+        for layer in params.layers:
+            out += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
+        out.append(params.lm_head if params.lm_head is not None else params.embed)
+        return out
+
+    path = resolve_model_path(DEFAULT_MODEL)
+    blocks = [w.flat() for w in flat(load_gguf_checkpoint(path, keep_blocks=True)[1])]
+    floats = [w.reshape(b.shape) for w, b in zip(flat(load_gguf_checkpoint(path)[1]), blocks)]
+    return floats, blocks
 
 
 def _program(matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable:
@@ -57,23 +67,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    from model.dense import dense_matmul
+    from model.dense import dense_matmul, gguf_matmul
 
-    weights = _matrices()
-    paths = {"kernel": _program(dense_matmul),
-             "xla": _program(lambda x, w: jnp.einsum("mk,nk->mn", x, w))}
+    floats, blocks = _matrices()
+    paths = {"kernel": (_program(dense_matmul), floats),
+             "blocks": (_program(gguf_matmul), blocks),
+             "xla": (_program(lambda x, w: jnp.einsum("mk,nk->mn", x, w)), floats)}
+    exact = jax.jit(lambda x, w, b: jnp.all(dense_matmul(x, w) == gguf_matmul(x, b)))
     rng = np.random.default_rng(0)
-    print(f"{'rows':>5} {'kernel ms':>10} {'xla ms':>10} {'xla/kernel':>11}")
+    print(f"{'rows':>5} {'kernel ms':>10} {'blocks ms':>10} {'xla ms':>10} {'xla/kernel':>11} {'kernel/blocks':>14}")
     for rows in (int(r) for r in args.rows.split(",")):
-        inputs = {k: jnp.asarray(rng.standard_normal((rows, k)), jnp.float32) for k in {w.shape[1] for w in weights}}
+        inputs = {k: jnp.asarray(rng.standard_normal((rows, k)), jnp.float32) for k in {w.shape[1] for w in floats}}
+        if not all(bool(exact(inputs[w.shape[1]], w, b)) for w, b in zip(floats, blocks)):
+            raise SystemExit(f"{rows} rows: the block kernel's results differ from the float32 kernel's")
         times: dict[str, list[float]] = {name: [] for name in paths}
-        for run in paths.values():
+        for run, weights in paths.values():
             _time(run, inputs, weights)  # compile
         for _ in range(args.rounds):
-            for name, run in paths.items():
+            for name, (run, weights) in paths.items():
                 times[name].append(_time(run, inputs, weights))
-        kernel, xla = (statistics.median(times[name]) for name in ("kernel", "xla"))
-        print(f"{rows:>5} {kernel:>10.1f} {xla:>10.1f} {xla / kernel:>10.2f}x", flush=True)
+        kernel, block, xla = (statistics.median(times[name]) for name in ("kernel", "blocks", "xla"))
+        print(f"{rows:>5} {kernel:>10.1f} {block:>10.1f} {xla:>10.1f} {xla / kernel:>10.2f}x {kernel / block:>13.2f}x",
+              flush=True)
 
 
 if __name__ == "__main__":

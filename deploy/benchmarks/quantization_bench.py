@@ -1,7 +1,9 @@
 """Quantized weights and KV cache side by side with float32, in one process on the same machine.
 
-For each variant on the bundled model (``float32``; ``int8`` / ``fp8`` weights;
-``kv_int8`` / ``kv_fp8`` KV pools; ``int8+kv_int8`` both):
+For each variant on the bundled model (``float32``: the GGUF's matrices expanded to float32;
+``gguf_blocks``: the same numbers from its Q4_1 / Q8_0 blocks kept as stored, what serving
+does by default on CPU; ``int8`` / ``fp8`` weights; ``kv_int8`` / ``kv_fp8`` KV pools;
+``int8+kv_int8`` both):
 
 1. ``weight_bytes``: what the parameters hold (8-bit matrices and their scales as stored).
 2. ``kv_blocks``: blocks the default KV budget (2 GiB on CPU) holds, and the largest batch of
@@ -62,14 +64,15 @@ REFERENCE_PROMPTS: tuple[str, ...] = (
     "How can I improve my sleep?",
 )
 AGREEMENT_TOKENS = 32
-# name -> (weight quantization, kv_cache_dtype)
-VARIANTS: dict[str, tuple[str, str]] = {
-    "float32": ("none", "auto"),
-    "int8": ("int8", "auto"),
-    "fp8": ("fp8", "auto"),
-    "kv_int8": ("none", "int8"),
-    "kv_fp8": ("none", "fp8"),
-    "int8+kv_int8": ("int8", "int8"),
+# name -> (weight quantization, kv_cache_dtype, GGUF blocks kept)
+VARIANTS: dict[str, tuple[str, str, bool]] = {
+    "float32": ("none", "auto", False),
+    "gguf_blocks": ("none", "auto", True),
+    "int8": ("int8", "auto", False),
+    "fp8": ("fp8", "auto", False),
+    "kv_int8": ("none", "int8", False),
+    "kv_fp8": ("none", "fp8", False),
+    "int8+kv_int8": ("int8", "int8", False),
 }
 
 
@@ -108,8 +111,8 @@ def agreement(reference: list, other: list) -> dict[str, Any]:
 
 
 def bench_variant(args: argparse.Namespace, variant: str, reference: list | None) -> tuple[dict[str, Any], list]:
-    quantization, kv_cache_dtype = VARIANTS[variant]
-    model = load_model(args.model, "float32", quantization)
+    quantization, kv_cache_dtype, keep_blocks = VARIANTS[variant]
+    model = load_model(args.model, "float32", quantization, keep_blocks)
     row: dict[str, Any] = {"weight_bytes": weight_bytes(model.params)}
     c = model.config
     blocks = blocks_for_budget(c, 16, kv_pool_dtype(kv_cache_dtype, jnp.float32), None, 0.8)

@@ -16,6 +16,14 @@
 // them in registers (never an f32 copy of the matrix): at one to a few rows a step is bound
 // by reading weights, so a quarter of the bytes is most of the speed-up.
 //
+// GGUF block weights (model/gguf_blocks.py): llama.cpp's Q4_0 / Q4_1 / Q8_0 matrices kept as
+// stored, 32 weights per block along k with a float32 scale (and offset) per block, widened
+// with exactly the arithmetic of the gguf package's dequantization (gguf_blocks.h). With up to
+// one row tile of inputs the widened weights stay in registers (GgufTile); with more, each
+// tile of weight rows is widened once into an L1 panel that every row tile then reads. Either
+// way the sums are the float32 tiles' on the dequantized matrix, bit for bit, from a fifth of
+// the bytes.
+//
 // Every output element is summed in the same order whatever M, the tile it falls in or the
 // thread that computes it (lanes over k, then the lanes in a fixed order, then the k tail), so
 // a row's result does not depend on what else is in the batch. There are two tile families,
@@ -32,10 +40,12 @@
 #include <thread>
 
 #include "fp8_e4m3.h"
+#include "gguf_blocks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 using raylm::Fp8E4m3;
+using raylm::GgufRows;
 
 namespace {
 
@@ -171,6 +181,17 @@ __attribute__((always_inline)) inline void WidenRowsOf(const W* __restrict w, fl
   for (; i < count; ++i) out[i] = Widen(w[i]);
 }
 
+// Touches the next `count` block rows from row n, so they arrive while this tile computes.
+inline void PrefetchGgufRows(const GgufRows& w, int64_t n, int64_t count) {
+  const auto* q = reinterpret_cast<const char*>(w.q + n * w.RowBytes());
+  for (int64_t i = 0; i < count * w.RowBytes(); i += 64) __builtin_prefetch(q + i);
+  for (const float* p : {w.scale, w.offset}) {
+    if (!p) continue;
+    const auto* row = reinterpret_cast<const char*>(p + n * w.RowBlocks());
+    for (int64_t i = 0; i < count * w.RowBlocks() * int64_t{sizeof(float)}; i += 64) __builtin_prefetch(row + i);
+  }
+}
+
 // The eight-lane tiles. MR = 3, NR = 4 measured best of 2x4, 4x3, 2x5, 3x4 and 4x2 on an
 // AVX2 dev machine. Multiversioned so the same binary uses AVX-512 / AVX2+FMA where the CPU
 // has them.
@@ -192,6 +213,18 @@ struct NarrowTiles {
 #endif
   static void WidenRows(const W* w, float* out, int64_t count) {
     WidenRowsOf<Vec8>(w, out, count);
+  }
+
+  static constexpr bool kWidensGgufRows = false;  // calls of few rows use the panel too
+  template <int R, int NR>
+  static void GgufTile(const float*, const GgufRows&, int64_t, float*, int64_t, int64_t, bool) {}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+  static void WidenGgufRows(const GgufRows& w, int64_t n, int64_t count, float* out, bool prefetch_next) {
+    if (prefetch_next) PrefetchGgufRows(w, n + count, count);
+    raylm::WidenGgufRowsPortable(w, n, count, out);
   }
 };
 
@@ -293,6 +326,92 @@ struct WideTiles {
   static void WidenRows(const W* w, float* out, int64_t count) {
     WidenRowsOf<Vec16>(w, out, count);
   }
+
+  // Up to a tile's MR input rows against NR block rows, the weights widened in registers (no
+  // panel): with one row tile the panel's store and reload were a quarter of the work. The
+  // same sums as Tile<R, NR> on the widened rows: lanes over k in order (a block's low then
+  // high vector), then Sum or SumTile. `prefetch_next`: fetch the next NR rows meanwhile.
+  static constexpr bool kWidensGgufRows = true;
+  template <int R, int NR>
+  static void GgufTile(const float* x, const GgufRows& w, int64_t n, float* y, int64_t K, int64_t N,
+                       bool prefetch_next) {
+    const int64_t blocks = w.RowBlocks(), bytes_per_block = w.RowBytes() / blocks;
+    const __m512i low_half = _mm512_set1_epi32(0x0F);
+    Vec16 acc[R][NR];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = Vec16{};
+    for (int64_t b = 0; b < blocks; ++b) {
+      // A cache line per row every few blocks, spread over the loop: block rows are too short
+      // for the hardware prefetcher, and a burst of prefetches per tile left loads waiting.
+      if (prefetch_next) {
+        if ((b * bytes_per_block) % 64 < bytes_per_block)
+          for (int j = 0; j < NR; ++j) __builtin_prefetch(w.q + (n + NR + j) * w.RowBytes() + b * bytes_per_block);
+        if (b % 16 == 0)
+          for (int j = 0; j < NR; ++j) {
+            __builtin_prefetch(w.scale + (n + NR + j) * blocks + b);
+            if (w.offset) __builtin_prefetch(w.offset + (n + NR + j) * blocks + b);
+          }
+      }
+      __m512 weights[NR][2];
+      for (int j = 0; j < NR; ++j) {
+        const int64_t block = (n + j) * blocks + b;
+        const uint8_t* q = w.q + (n + j) * w.RowBytes() + b * bytes_per_block;
+        const __m512 d = _mm512_set1_ps(w.scale[block]);
+        if (w.Nibbles()) {
+          const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+          const __m512 m = _mm512_set1_ps(w.offset[block]);
+          weights[j][0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_half)), m);
+          weights[j][1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), m);
+        } else {
+          for (int h = 0; h < 2; ++h)
+            weights[j][h] = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h)))), d);
+        }
+      }
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < R; ++i) {
+          const Vec16 xv = Lanes<Vec16>::Load(x + i * K + raylm::kGgufBlock * b + 16 * h);
+          for (int j = 0; j < NR; ++j) acc[i][j] += xv * reinterpret_cast<Vec16>(weights[j][h]);
+        }
+    }
+    if constexpr (R == 4 && NR == 4) return Lanes<Vec16>::SumTile(acc, nullptr, y, N);
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < NR; ++j) y[i * N + j] = Lanes<Vec16>::Sum(acc[i][j]);
+  }
+
+  // gguf_blocks.h's widening, a block (two vectors) per step. A fused multiply-add is exact
+  // here: d * q is (see gguf_blocks.h).
+  static void WidenGgufRows(const GgufRows& w, int64_t n, int64_t count, float* out, bool prefetch_next) {
+    const int64_t blocks = count * w.RowBlocks();
+    const float* scale = w.scale + n * w.RowBlocks();
+    const uint8_t* q = w.q + n * w.RowBytes();
+    if (w.Nibbles()) {
+      const float* offset = w.offset + n * w.RowBlocks();
+      const __m512i low_half = _mm512_set1_epi32(0x0F);
+      for (int64_t b = 0; b < blocks; ++b, q += raylm::kGgufBlock / 2, out += raylm::kGgufBlock) {
+        if (prefetch_next) {  // the next `count` rows, as GgufTile does
+          if (b % 4 == 0) __builtin_prefetch(q + count * w.RowBytes());
+          if (b % 16 == 0) __builtin_prefetch(scale + b + blocks), __builtin_prefetch(offset + b + blocks);
+        }
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+        const __m512 d = _mm512_set1_ps(scale[b]), m = _mm512_set1_ps(offset[b]);
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_half)), m));
+        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), m));
+      }
+    } else {
+      for (int64_t b = 0; b < blocks; ++b, q += raylm::kGgufBlock, out += raylm::kGgufBlock) {
+        if (prefetch_next) {
+          if (b % 2 == 0) __builtin_prefetch(q + count * w.RowBytes());
+          if (b % 16 == 0) __builtin_prefetch(scale + b + blocks);
+        }
+        const __m512 d = _mm512_set1_ps(scale[b]);
+        for (int h = 0; h < 2; ++h) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
+          _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d));
+        }
+      }
+    }
+  }
 };
 
 #pragma GCC diagnostic pop
@@ -375,6 +494,56 @@ void Columns(const float* x, const W* w, const float* scale, float* y, int64_t M
   Columns<NarrowTiles>(x, w, scale, y, M, N, K, n_begin, n_end, panel);
 }
 
+
+// One row tile (M <= 4 input rows) against NR block rows widened in registers.
+template <typename Tiles, int NR>
+void DirectGgufTile(int64_t M, const float* x, const GgufRows& w, int64_t n, float* y, int64_t K, int64_t N,
+                    bool prefetch_next) {
+  static_assert(Tiles::MR <= 4, "row tiles of up to four rows");
+  switch (M) {
+    case 4: if constexpr (Tiles::MR >= 4) return Tiles::template GgufTile<4, NR>(x, w, n, y, K, N, prefetch_next);
+            break;
+    case 3: return Tiles::template GgufTile<3, NR>(x, w, n, y, K, N, prefetch_next);
+    case 2: return Tiles::template GgufTile<2, NR>(x, w, n, y, K, N, prefetch_next);
+    case 1: return Tiles::template GgufTile<1, NR>(x, w, n, y, K, N, prefetch_next);
+  }
+}
+
+// Columns for GGUF block weights: every tile of weight rows is widened into `panel` (exact, see
+// gguf_blocks.h), then the float32 tiles run on it exactly as on a float32 matrix, so each
+// output is the float32 kernel's sum over the dequantized weights, whatever M.
+template <typename Tiles>
+void GgufColumns(const float* x, const GgufRows& w, float* y, int64_t M, int64_t N, int64_t K, int64_t n_begin,
+                 int64_t n_end, float* panel) {
+  constexpr int MR = Tiles::MR, NR = Tiles::NR;
+  static_assert(NR <= kMaxWeightRowsPerTile, "the panel holds kMaxWeightRowsPerTile rows");
+  int64_t n = n_begin;
+  if (Tiles::kWidensGgufRows && M <= MR) {
+    for (; n + NR <= n_end; n += NR) DirectGgufTile<Tiles, NR>(M, x, w, n, y + n, K, N, n + 2 * NR <= n_end);
+    for (; n < n_end; ++n) DirectGgufTile<Tiles, 1>(M, x, w, n, y + n, K, N, false);
+    return;
+  }
+  for (; n + NR <= n_end; n += NR) {
+    Tiles::WidenGgufRows(w, n, NR, panel, n + 2 * NR <= n_end);
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) Tiles::template Tile<MR, NR>(x + m * K, panel, nullptr, y + m * N + n, K, N, nullptr);
+    RemainderRows<Tiles, NR>(M - m, x + m * K, panel, nullptr, y + m * N + n, K, N, nullptr);
+  }
+  for (; n < n_end; ++n) {
+    Tiles::WidenGgufRows(w, n, 1, panel, false);
+    for (int64_t m = 0; m < M; ++m)
+      Tiles::template Tile<1, 1>(x + m * K, panel, nullptr, y + m * N + n, K, N, nullptr);
+  }
+}
+
+void GgufColumns(const float* x, const GgufRows& w, float* y, int64_t M, int64_t N, int64_t K, int64_t n_begin,
+                 int64_t n_end, float* panel) {
+#ifdef RAYLM_WIDE_TILES
+  if (UseWideTiles()) return GgufColumns<WideTiles>(x, w, y, M, N, K, n_begin, n_end, panel);
+#endif
+  GgufColumns<NarrowTiles>(x, w, y, M, N, K, n_begin, n_end, panel);
+}
+
 // Weight rows per work item: a multiple of the tile, small enough that two threads share
 // the work evenly, large enough that claiming an item costs nothing next to computing it.
 constexpr int64_t kColumnsPerItem = 64;
@@ -385,12 +554,13 @@ constexpr int64_t kColumnsPerItem = 64;
 // converting them, which the second core shares.)
 constexpr int64_t kMinParallelWeights = int64_t{1} << 16;
 
-// Splits the columns over the calling thread and XLA's intra-op pool. Items are claimed one
-// by one from a shared counter, so the caller never waits for an item nobody has started and
-// a helper that starts late finds nothing left and touches only `state`.
-template <typename W>
-void Run(const float* x, const W* w, const float* scale, float* y, int64_t M, int64_t N, int64_t K,
-         ffi::ThreadPool& pool) {
+// Splits output columns [0, N) over the calling thread and XLA's intra-op pool:
+// `columns(n_begin, n_end, panel)` computes a range, `panel` being `panel_floats` of scratch
+// per thread (null when 0). Items are claimed one by one from a shared counter, so the caller
+// never waits for an item nobody has started and a helper that starts late finds nothing left
+// and touches only `state`.
+template <typename ColumnsFn>
+void Run(int64_t N, int64_t K, int64_t panel_floats, ColumnsFn columns, ffi::ThreadPool& pool) {
   const int64_t items = (N + kColumnsPerItem - 1) / kColumnsPerItem;
   const int64_t threads =
       N * K >= kMinParallelWeights ? std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) : 1;
@@ -398,16 +568,25 @@ void Run(const float* x, const W* w, const float* scale, float* y, int64_t M, in
     std::atomic<int64_t> next{0}, done{0};
   };
   auto state = std::make_shared<State>();
-  auto participate = [state, items, x, w, scale, y, M, N, K] {
-    std::unique_ptr<float[]> panel(sizeof(W) == 1 && M > 1 ? new float[kMaxWeightRowsPerTile * K] : nullptr);
+  auto participate = [state, items, N, panel_floats, columns] {
+    std::unique_ptr<float[]> panel(panel_floats ? new float[panel_floats] : nullptr);
     for (int64_t i = state->next.fetch_add(1); i < items; i = state->next.fetch_add(1)) {
-      Columns(x, w, scale, y, M, N, K, i * kColumnsPerItem, std::min(N, (i + 1) * kColumnsPerItem), panel.get());
+      columns(i * kColumnsPerItem, std::min(N, (i + 1) * kColumnsPerItem), panel.get());
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
   for (int64_t t = 1; t < threads; ++t) pool.Schedule(decltype(participate)(participate));
   participate();
   while (state->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+}
+
+template <typename W>
+void RunDense(const float* x, const W* w, const float* scale, float* y, int64_t M, int64_t N, int64_t K,
+              ffi::ThreadPool& pool) {
+  const int64_t panel_floats = sizeof(W) == 1 && M > 1 ? kMaxWeightRowsPerTile * K : 0;
+  Run(N, K, panel_floats,
+      [=](int64_t n_begin, int64_t n_end, float* panel) { Columns(x, w, scale, y, M, N, K, n_begin, n_end, panel); },
+      pool);
 }
 
 // Checks x [M, K], w [N, K], scale [N] (when given) and y [M, N] agree; an empty message
@@ -426,7 +605,7 @@ ffi::Error DenseMatmul(ffi::ThreadPool thread_pool, Matrix x, Matrix w, ffi::Res
   const std::string error = ShapeError(x.dimensions(), w.dimensions(), nullptr, y->dimensions());
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
-  if (M > 0 && N > 0) Run(x.typed_data(), w.typed_data(), nullptr, y->typed_data(), M, N, K, thread_pool);
+  if (M > 0 && N > 0) RunDense(x.typed_data(), w.typed_data(), nullptr, y->typed_data(), M, N, K, thread_pool);
   return ffi::Error::Success();
 }
 
@@ -442,16 +621,49 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer
   if (M == 0 || N == 0) return ffi::Error::Success();
   switch (w.element_type()) {
     case ffi::DataType::S8:
-      Run(x.typed_data(), static_cast<const int8_t*>(w.untyped_data()), scale.typed_data(), y->typed_data(), M,
+      RunDense(x.typed_data(), static_cast<const int8_t*>(w.untyped_data()), scale.typed_data(), y->typed_data(), M,
           N, K, thread_pool);
       return ffi::Error::Success();
     case ffi::DataType::F8E4M3FN:
-      Run(x.typed_data(), static_cast<const Fp8E4m3*>(w.untyped_data()), scale.typed_data(), y->typed_data(), M,
+      RunDense(x.typed_data(), static_cast<const Fp8E4m3*>(w.untyped_data()), scale.typed_data(), y->typed_data(), M,
           N, K, thread_pool);
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument("dense_matmul: quantized weights must be int8 or float8_e4m3fn");
   }
+}
+
+// GGUF block weights: q [N, K/2] uint8 (4-bit blocks, with offset [N, K/32]) or [N, K] int8
+// (8-bit blocks, offset [N, 0]), scale [N, K/32]; K a multiple of 32.
+ffi::Error GgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, Matrix scale, Matrix offset,
+                      ffi::Result<Matrix> y) {
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = scale.dimensions()[0];
+  const bool nibbles = q.element_type() == ffi::DataType::U8;
+  if (!nibbles && q.element_type() != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("gguf_matmul: q must be uint8 (4-bit blocks) or int8 (8-bit blocks)");
+  const auto qd = q.dimensions();
+  const int64_t blocks = K / raylm::kGgufBlock;
+  const bool shapes_agree = K % raylm::kGgufBlock == 0 && qd.size() == 2 && qd[0] == N &&
+                            qd[1] == (nibbles ? K / 2 : K) && scale.dimensions()[1] == blocks &&
+                            offset.dimensions()[0] == N && offset.dimensions()[1] == (nibbles ? blocks : 0) &&
+                            y->dimensions()[0] == M && y->dimensions()[1] == N;
+  if (!shapes_agree)
+    return ffi::Error::InvalidArgument(
+        "gguf_matmul: x [M, K] with K a multiple of 32, q [N, K/2] uint8 or [N, K] int8, scale [N, K/32], "
+        "offset [N, K/32] (uint8 q) or [N, 0] (int8 q), y [M, N]; got x [" + std::to_string(M) + ", " +
+        std::to_string(K) + "], q [" + std::to_string(qd.size() == 2 ? qd[0] : -1) + ", " +
+        std::to_string(qd.size() == 2 ? qd[1] : -1) + "], scale [" + std::to_string(N) + ", " +
+        std::to_string(scale.dimensions()[1]) + "], offset [" + std::to_string(offset.dimensions()[0]) + ", " +
+        std::to_string(offset.dimensions()[1]) + "]");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const GgufRows w{static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+                   nibbles ? offset.typed_data() : nullptr, K};
+  const float* xs = x.typed_data();
+  float* ys = y->typed_data();
+  Run(N, K, kMaxWeightRowsPerTile * K,
+      [=](int64_t n_begin, int64_t n_end, float* panel) { GgufColumns(xs, w, ys, M, N, K, n_begin, n_end, panel); },
+      thread_pool);
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -469,4 +681,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmulQuantized, QuantizedMatmul,
                                   .Arg<Matrix>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Scales>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufMatmul, GgufMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Matrix>()
+                                  .Arg<Matrix>()
                                   .Ret<Matrix>());

@@ -15,13 +15,21 @@ from tests.serving import TEST_DEPLOY
 
 
 def test_status_shows_nodes_replicas_and_queue(raylm_app, capsys):
-    assert main(["status", "--app", "raylm"]) == 0
-    out = capsys.readouterr().out
+    # The app is ready once one worker replica has reported its batch slots; the router's
+    # capacity counts the second replica's 16 from its first report on (a second or so).
+    full = "Router queue: high 0, normal 0, low 0; running 0 of 32 slots"
+    deadline = time.monotonic() + 30
+    while True:
+        assert main(["status", "--app", "raylm"]) == 0
+        out = capsys.readouterr().out
+        if full in out or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert "Nodes (1 alive)" in out
     assert "Application raylm: RUNNING" in out
     for replica_id in replica_stats("raylm"):
         assert replica_id in out
-    assert "Router queue: high 0, normal 0, low 0; running 0 of 32 slots" in out
+    assert full in out
 
 
 def test_status_names_a_missing_app(raylm_app, capsys):

@@ -31,10 +31,11 @@ def test_serve_config_file_args_are_a_valid_deploy_config():
 def test_every_engine_arg_is_settable_from_yaml():
     config = parse_deploy_config({"engine": {"num_kv_blocks": 64, "max_num_seqs": 8, "scheduling_policy": "priority"},
                                   "workers": {"tensor_parallel_size": 2},
-                                  "model": {"dtype": "bfloat16", "quantization": "int8"}})
+                                  "model": {"dtype": "bfloat16", "quantization": "int8", "gguf_blocks": "expand"}})
     args = config.engine_args()
     assert (args.num_kv_blocks, args.max_num_seqs, args.scheduling_policy) == (64, 8, "priority")
     assert (args.tensor_parallel_size, args.dtype, args.quantization) == (2, "bfloat16", "int8")
+    assert args.gguf_blocks == "expand" and not args.keep_gguf_blocks()
 
 
 @pytest.mark.parametrize(
@@ -47,6 +48,9 @@ def test_every_engine_arg_is_settable_from_yaml():
         ({"model": {"dtype": "int3"}}, "model.dtype"),
         ({"model": {"quantization": "int4"}}, "model.quantization"),
         ({"engine": {"quantization": "int8"}}, "engine.quantization: unknown key"),
+        ({"model": {"gguf_blocks": "sometimes"}}, "model.gguf_blocks"),
+        ({"model": {"gguf_blocks": "keep"}, "workers": {"tensor_parallel_size": 3}},
+         "gguf_blocks=keep serves a float32 model on one device"),
         ({"workers": {"num_replicas": 2, "autoscaling_config": {"max_replicas": 3}}}, "not both"),
         ({"workers": {"autoscaling_config": {"min_replicas": 4, "max_replicas": 2}}}, "exceeds max_replicas"),
         ({"workers": {"num_gpus": -1}}, "workers.num_gpus"),

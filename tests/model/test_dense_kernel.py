@@ -92,7 +92,7 @@ def _lowered(fn, *args) -> str:
 
 @pytest.mark.parametrize(
     "x_shape,w_shape,contract",
-    [((4, 1, 64), (2, 4, 8, 64), 1), ((3, 1, 4, 16), (64, 4, 16), 2), ((40, 64), (96, 64), 1)],
+    [((4, 1, 64), (2, 4, 8, 64), 1), ((3, 1, 4, 16), (64, 4, 16), 2), ((72, 64), (96, 64), 1)],
     ids=["fused qkv", "output projection", "more rows than the kernel takes"],
 )
 @pytest.mark.parametrize("kernel", [True, False])

@@ -30,7 +30,7 @@ from model.params import (
 from model.quantization import SCHEMES, QuantArray, parse_quantization, quantize, quantize_params, weight_bytes
 from model.sharding import make_mesh, param_shardings, rules_for, shard_params, spec_for
 
-from model.dense import QUANTIZED_KERNEL_MAX_ROWS as MAX_ROWS
+from model.dense import KERNEL_MAX_ROWS as MAX_ROWS
 
 needs_kernel = pytest.mark.skipif(
     not dense_module.available(),
