@@ -38,6 +38,7 @@ from model.quantization import QuantArray
 _KERNEL = CpuKernel("dense_matmul", "RaylmDenseMatmul", "raylm_dense_matmul")
 _QUANTIZED_KERNEL = CpuKernel("dense_matmul", "RaylmDenseMatmulQuantized", "raylm_dense_matmul_quantized")
 _GGUF_KERNEL = CpuKernel("dense_matmul", "RaylmGgufMatmul", "raylm_gguf_matmul")
+_GGUF_DEQUANTIZE = CpuKernel("dense_matmul", "RaylmGgufDequantize", "raylm_gguf_dequantize")
 # Rows up to which the kernels run, for every weight format: every decode batch of the deploy
 # defaults. Measured on the bundled model's projections (all 30 layers' weights and the LM
 # head streamed from memory, `python -m deploy.benchmarks.dense_bench`) on a 2-core AMD EPYC
@@ -53,7 +54,7 @@ KERNEL_MAX_ROWS = 64
 
 def available() -> bool:
     """Whether the C++ kernel is built and registered with JAX (CPU only)."""
-    return _KERNEL.available() and _QUANTIZED_KERNEL.available() and _GGUF_KERNEL.available()
+    return all(k.available() for k in (_KERNEL, _QUANTIZED_KERNEL, _GGUF_KERNEL, _GGUF_DEQUANTIZE))
 
 
 def dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -89,6 +90,16 @@ def gguf_matmul(x: jax.Array, w: GgufBlocks) -> jax.Array:
         raise ValueError(f"gguf_matmul takes x [M, K] and 2-D blocks [N, K], got {x.shape} and {w.shape}")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(_GGUF_KERNEL.target, out)(x, w.q, w.scale, w.offset)
+
+
+def gguf_dequantize(w: GgufBlocks) -> jax.Array:
+    """A 2-D ``GgufBlocks`` as its float32 matrix by the C++ kernel (``w.dequantize()``'s
+    values, both threads writing); raises if unavailable."""
+    _GGUF_DEQUANTIZE.require()
+    if w.q.ndim != 2:
+        raise ValueError(f"gguf_dequantize takes 2-D blocks [N, K], got {w.shape}")
+    out = jax.ShapeDtypeStruct(w.shape, jnp.float32)
+    return jax.ffi.ffi_call(_GGUF_DEQUANTIZE.target, out)(w.q, w.scale, w.offset)
 
 
 def dense(
@@ -175,8 +186,16 @@ def _gguf_dense(
         matrix = GgufBlocks(q, scale, offset, w.input_shape).dequantize(x.dtype)
         return dense(x, matrix, contract, kernel=kernel, out_dtype=out_dtype)
 
-    if not (kernel and available() and x.dtype == jnp.float32 and 0 < rows <= KERNEL_MAX_ROWS):
+    def by_dequantizing_kernel(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array) -> jax.Array:
+        # Prompt-sized batches: XLA's GEMM on the matrix, widened by the kernel (XLA's own
+        # widening of it ran single-threaded inside a step: prompt tokens/s 0.78x float32's).
+        matrix = gguf_dequantize(GgufBlocks(q, scale, offset, w.input_shape).flat()).reshape(w.shape)
+        return dense(x, matrix, contract, kernel=kernel, out_dtype=out_dtype)
+
+    if not (kernel and available() and x.dtype == jnp.float32 and rows > 0):
         return by_xla(x, w.q, w.scale, w.offset)
+    if rows > KERNEL_MAX_ROWS:
+        return jax.lax.platform_dependent(x, w.q, w.scale, w.offset, cpu=by_dequantizing_kernel, default=by_xla)
 
     def by_kernel(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array) -> jax.Array:
         flat = GgufBlocks(q, scale, offset, w.input_shape).flat()

@@ -666,6 +666,36 @@ ffi::Error GgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, M
   return ffi::Error::Success();
 }
 
+// GGUF blocks widened to the float32 matrix y [N, K] (q, scale and offset as for GgufMatmul):
+// what XLA's dot multiplies prompt-sized batches by. XLA's own fusion of the same arithmetic
+// ran on one thread inside a step; this splits the rows over the pool like the matmul.
+ffi::Error GgufDequantize(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, Matrix scale, Matrix offset,
+                          ffi::Result<Matrix> y) {
+  const int64_t N = y->dimensions()[0], K = y->dimensions()[1];
+  const bool nibbles = q.element_type() == ffi::DataType::U8;
+  const auto qd = q.dimensions();
+  const int64_t blocks = K / raylm::kGgufBlock;
+  if ((!nibbles && q.element_type() != ffi::DataType::S8) || K % raylm::kGgufBlock != 0 || qd.size() != 2 ||
+      qd[0] != N || qd[1] != (nibbles ? K / 2 : K) || scale.dimensions()[0] != N || scale.dimensions()[1] != blocks ||
+      offset.dimensions()[0] != N || offset.dimensions()[1] != (nibbles ? blocks : 0))
+    return ffi::Error::InvalidArgument(
+        "gguf_dequantize: q [N, K/2] uint8 or [N, K] int8, scale [N, K/32], offset [N, K/32] (uint8 q) or "
+        "[N, 0], y [N, K] with K a multiple of 32");
+  if (N == 0) return ffi::Error::Success();
+  const GgufRows w{static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+                   nibbles ? offset.typed_data() : nullptr, K};
+  float* out = y->typed_data();
+  Run(N, K, 0,
+      [=](int64_t n_begin, int64_t n_end, float*) {
+#ifdef RAYLM_WIDE_TILES
+        if (UseWideTiles()) return WideTiles::WidenGgufRows(w, n_begin, n_end - n_begin, out + n_begin * K, false);
+#endif
+        NarrowTiles::WidenGgufRows(w, n_begin, n_end - n_begin, out + n_begin * K, false);
+      },
+      thread_pool);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmul, DenseMatmul,
@@ -687,6 +717,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufMatmul, GgufMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Matrix>()
+                                  .Arg<Matrix>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufDequantize, GgufDequantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Matrix>()
                                   .Arg<Matrix>()
