@@ -116,6 +116,13 @@ struct Lanes<Vec8> {
     return Fp8FromLaneTops<Vec8>(reinterpret_cast<U32x8>(BytesAtLaneTops(p)));
   }
 
+  // The eight bytes at p as 4-bit values: their low halves and their high halves.
+  static void LoadNibbles(const uint8_t* p, Vec8* low, Vec8* high) {
+    const U32x8 tops = reinterpret_cast<U32x8>(BytesAtLaneTops(p));
+    *low = __builtin_convertvector(reinterpret_cast<I32x8>((tops >> 24) & 0x0Fu), Vec8);
+    *high = __builtin_convertvector(reinterpret_cast<I32x8>(tops >> 28), Vec8);
+  }
+
   static float Sum(Vec8 v) {  // in lane order
     float s = 0.0f;
     for (int i = 0; i < 8; ++i) s += v[i];
@@ -181,14 +188,90 @@ __attribute__((always_inline)) inline void WidenRowsOf(const W* __restrict w, fl
   for (; i < count; ++i) out[i] = Widen(w[i]);
 }
 
-// Touches the next `count` block rows from row n, so they arrive while this tile computes.
-inline void PrefetchGgufRows(const GgufRows& w, int64_t n, int64_t count) {
-  const auto* q = reinterpret_cast<const char*>(w.q + n * w.RowBytes());
-  for (int64_t i = 0; i < count * w.RowBytes(); i += 64) __builtin_prefetch(q + i);
-  for (const float* p : {w.scale, w.offset}) {
-    if (!p) continue;
-    const auto* row = reinterpret_cast<const char*>(p + n * w.RowBlocks());
-    for (int64_t i = 0; i < count * w.RowBlocks() * int64_t{sizeof(float)}; i += 64) __builtin_prefetch(row + i);
+// Up to a tile's MR input rows against NR GGUF block rows, the weights widened in registers
+// (no panel): with one row tile the panel's store and reload were a quarter of the work. The
+// same sums as TileOf<V, R, NR> on the widened rows: lanes over k in order (a block's vectors
+// low nibbles first, as GGUF orders them), then Sum or SumTile. `prefetch_next`: fetch the
+// next NR rows meanwhile.
+template <typename V, int R, int NR>
+__attribute__((always_inline)) inline void GgufTileOf(const float* __restrict x, const GgufRows& w, int64_t n,
+                                                      float* __restrict y, int64_t K, int64_t N, bool prefetch_next) {
+  constexpr int kLanes = sizeof(V) / sizeof(float), kVectors = raylm::kGgufBlock / kLanes;
+  const int64_t blocks = w.RowBlocks(), bytes_per_block = w.RowBytes() / blocks;
+  V acc[R][NR];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = V{};
+  for (int64_t b = 0; b < blocks; ++b) {
+    // A cache line per row every few blocks, spread over the loop: block rows are too short
+    // for the hardware prefetcher, and a burst of prefetches per tile left loads waiting.
+    if (prefetch_next) {
+      if ((b * bytes_per_block) % 64 < bytes_per_block)
+        for (int j = 0; j < NR; ++j) __builtin_prefetch(w.q + (n + NR + j) * w.RowBytes() + b * bytes_per_block);
+      if (b % 16 == 0)
+        for (int j = 0; j < NR; ++j) {
+          __builtin_prefetch(w.scale + (n + NR + j) * blocks + b);
+          if (w.offset) __builtin_prefetch(w.offset + (n + NR + j) * blocks + b);
+        }
+    }
+    V weights[NR][kVectors];
+    for (int j = 0; j < NR; ++j) {
+      const int64_t block = (n + j) * blocks + b;
+      const uint8_t* q = w.q + (n + j) * w.RowBytes() + b * bytes_per_block;
+      const float d = w.scale[block];
+      if (w.Nibbles()) {
+        const float m = w.offset[block];
+        for (int h = 0; h < kVectors / 2; ++h) {
+          V low, high;
+          Lanes<V>::LoadNibbles(q + h * kLanes, &low, &high);
+          weights[j][h] = d * low + m;  // exact with or without a fused multiply-add
+          weights[j][h + kVectors / 2] = d * high + m;
+        }
+      } else {
+        for (int v = 0; v < kVectors; ++v)
+          weights[j][v] = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) * d;
+      }
+    }
+    for (int v = 0; v < kVectors; ++v)
+      for (int i = 0; i < R; ++i) {
+        const V xv = Lanes<V>::Load(x + i * K + raylm::kGgufBlock * b + v * kLanes);
+        for (int j = 0; j < NR; ++j) acc[i][j] += xv * weights[j][v];
+      }
+  }
+  if constexpr (Lanes<V>::kSumsTiles && R == 4 && NR == 4) return Lanes<V>::SumTile(acc, nullptr, y, N);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NR; ++j) y[i * N + j] = Lanes<V>::Sum(acc[i][j]);
+}
+
+// Block rows [n, n + count) widened into out[count * K] (gguf_blocks.h's arithmetic), for the
+// panel; `prefetch_next`: fetch the next `count` rows meanwhile, spread as in GgufTileOf.
+template <typename V>
+__attribute__((always_inline)) inline void WidenGgufRowsOf(const GgufRows& w, int64_t n, int64_t count,
+                                                           float* __restrict out, bool prefetch_next) {
+  constexpr int kLanes = sizeof(V) / sizeof(float), kVectors = raylm::kGgufBlock / kLanes;
+  const int64_t blocks = count * w.RowBlocks(), bytes_per_block = w.RowBytes() / w.RowBlocks();
+  const uint8_t* q = w.q + n * w.RowBytes();
+  const float* scale = w.scale + n * w.RowBlocks();
+  const float* offset = w.offset ? w.offset + n * w.RowBlocks() : nullptr;
+  for (int64_t b = 0; b < blocks; ++b, q += bytes_per_block, out += raylm::kGgufBlock) {
+    if (prefetch_next) {  // the next rows start `count` rows on
+      if ((b * bytes_per_block) % 64 < bytes_per_block) __builtin_prefetch(q + count * w.RowBytes());
+      if (b % 16 == 0) {
+        __builtin_prefetch(scale + b + blocks);
+        if (offset) __builtin_prefetch(offset + b + blocks);
+      }
+    }
+    V values[kVectors];
+    if (offset) {
+      for (int h = 0; h < kVectors / 2; ++h) {
+        V low, high;
+        Lanes<V>::LoadNibbles(q + h * kLanes, &low, &high);
+        values[h] = scale[b] * low + offset[b];  // exact with or without a fused multiply-add
+        values[h + kVectors / 2] = scale[b] * high + offset[b];
+      }
+    } else {
+      for (int v = 0; v < kVectors; ++v) values[v] = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) * scale[b];
+    }
+    std::memcpy(out, values, sizeof values);
   }
 }
 
@@ -215,16 +298,20 @@ struct NarrowTiles {
     WidenRowsOf<Vec8>(w, out, count);
   }
 
-  static constexpr bool kWidensGgufRows = false;  // calls of few rows use the panel too
   template <int R, int NR>
-  static void GgufTile(const float*, const GgufRows&, int64_t, float*, int64_t, int64_t, bool) {}
+#if defined(__x86_64__) && defined(__GNUC__)
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+  static void GgufTile(const float* x, const GgufRows& w, int64_t n, float* y, int64_t K, int64_t N,
+                       bool prefetch_next) {
+    GgufTileOf<Vec8, R, NR>(x, w, n, y, K, N, prefetch_next);
+  }
 
 #if defined(__x86_64__) && defined(__GNUC__)
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
   static void WidenGgufRows(const GgufRows& w, int64_t n, int64_t count, float* out, bool prefetch_next) {
-    if (prefetch_next) PrefetchGgufRows(w, n + count, count);
-    raylm::WidenGgufRowsPortable(w, n, count, out);
+    WidenGgufRowsOf<Vec8>(w, n, count, out, prefetch_next);
   }
 };
 
@@ -242,9 +329,10 @@ struct NarrowTiles {
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")
 // GCC 12 reports its own _mm512_undefined_* placeholders inside these intrinsics as
-// maybe-uninitialized (a known false positive).
+// (maybe-)uninitialized (a known false positive).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 typedef float Vec16 __attribute__((vector_size(64)));
@@ -270,6 +358,12 @@ struct Lanes<Vec16> {
   static Vec16 Load(const Fp8E4m3* p) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return Fp8FromLaneTops<Vec16>(reinterpret_cast<U32x16>(_mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 24)));
+  }
+
+  static void LoadNibbles(const uint8_t* p, Vec16* low, Vec16* high) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    *low = reinterpret_cast<Vec16>(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))));
+    *high = reinterpret_cast<Vec16>(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)));
   }
 
   static float Sum(Vec16 v) {
@@ -327,90 +421,14 @@ struct WideTiles {
     WidenRowsOf<Vec16>(w, out, count);
   }
 
-  // Up to a tile's MR input rows against NR block rows, the weights widened in registers (no
-  // panel): with one row tile the panel's store and reload were a quarter of the work. The
-  // same sums as Tile<R, NR> on the widened rows: lanes over k in order (a block's low then
-  // high vector), then Sum or SumTile. `prefetch_next`: fetch the next NR rows meanwhile.
-  static constexpr bool kWidensGgufRows = true;
   template <int R, int NR>
   static void GgufTile(const float* x, const GgufRows& w, int64_t n, float* y, int64_t K, int64_t N,
                        bool prefetch_next) {
-    const int64_t blocks = w.RowBlocks(), bytes_per_block = w.RowBytes() / blocks;
-    const __m512i low_half = _mm512_set1_epi32(0x0F);
-    Vec16 acc[R][NR];
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < NR; ++j) acc[i][j] = Vec16{};
-    for (int64_t b = 0; b < blocks; ++b) {
-      // A cache line per row every few blocks, spread over the loop: block rows are too short
-      // for the hardware prefetcher, and a burst of prefetches per tile left loads waiting.
-      if (prefetch_next) {
-        if ((b * bytes_per_block) % 64 < bytes_per_block)
-          for (int j = 0; j < NR; ++j) __builtin_prefetch(w.q + (n + NR + j) * w.RowBytes() + b * bytes_per_block);
-        if (b % 16 == 0)
-          for (int j = 0; j < NR; ++j) {
-            __builtin_prefetch(w.scale + (n + NR + j) * blocks + b);
-            if (w.offset) __builtin_prefetch(w.offset + (n + NR + j) * blocks + b);
-          }
-      }
-      __m512 weights[NR][2];
-      for (int j = 0; j < NR; ++j) {
-        const int64_t block = (n + j) * blocks + b;
-        const uint8_t* q = w.q + (n + j) * w.RowBytes() + b * bytes_per_block;
-        const __m512 d = _mm512_set1_ps(w.scale[block]);
-        if (w.Nibbles()) {
-          const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-          const __m512 m = _mm512_set1_ps(w.offset[block]);
-          weights[j][0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_half)), m);
-          weights[j][1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), m);
-        } else {
-          for (int h = 0; h < 2; ++h)
-            weights[j][h] = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h)))), d);
-        }
-      }
-      for (int h = 0; h < 2; ++h)
-        for (int i = 0; i < R; ++i) {
-          const Vec16 xv = Lanes<Vec16>::Load(x + i * K + raylm::kGgufBlock * b + 16 * h);
-          for (int j = 0; j < NR; ++j) acc[i][j] += xv * reinterpret_cast<Vec16>(weights[j][h]);
-        }
-    }
-    if constexpr (R == 4 && NR == 4) return Lanes<Vec16>::SumTile(acc, nullptr, y, N);
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < NR; ++j) y[i * N + j] = Lanes<Vec16>::Sum(acc[i][j]);
+    GgufTileOf<Vec16, R, NR>(x, w, n, y, K, N, prefetch_next);
   }
 
-  // gguf_blocks.h's widening, a block (two vectors) per step. A fused multiply-add is exact
-  // here: d * q is (see gguf_blocks.h).
   static void WidenGgufRows(const GgufRows& w, int64_t n, int64_t count, float* out, bool prefetch_next) {
-    const int64_t blocks = count * w.RowBlocks();
-    const float* scale = w.scale + n * w.RowBlocks();
-    const uint8_t* q = w.q + n * w.RowBytes();
-    if (w.Nibbles()) {
-      const float* offset = w.offset + n * w.RowBlocks();
-      const __m512i low_half = _mm512_set1_epi32(0x0F);
-      for (int64_t b = 0; b < blocks; ++b, q += raylm::kGgufBlock / 2, out += raylm::kGgufBlock) {
-        if (prefetch_next) {  // the next `count` rows, as GgufTile does
-          if (b % 4 == 0) __builtin_prefetch(q + count * w.RowBytes());
-          if (b % 16 == 0) __builtin_prefetch(scale + b + blocks), __builtin_prefetch(offset + b + blocks);
-        }
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-        const __m512 d = _mm512_set1_ps(scale[b]), m = _mm512_set1_ps(offset[b]);
-        _mm512_storeu_ps(out, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_half)), m));
-        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), m));
-      }
-    } else {
-      for (int64_t b = 0; b < blocks; ++b, q += raylm::kGgufBlock, out += raylm::kGgufBlock) {
-        if (prefetch_next) {
-          if (b % 2 == 0) __builtin_prefetch(q + count * w.RowBytes());
-          if (b % 16 == 0) __builtin_prefetch(scale + b + blocks);
-        }
-        const __m512 d = _mm512_set1_ps(scale[b]);
-        for (int h = 0; h < 2; ++h) {
-          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
-          _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d));
-        }
-      }
-    }
+    WidenGgufRowsOf<Vec16>(w, n, count, out, prefetch_next);
   }
 };
 
@@ -518,7 +536,7 @@ void GgufColumns(const float* x, const GgufRows& w, float* y, int64_t M, int64_t
   constexpr int MR = Tiles::MR, NR = Tiles::NR;
   static_assert(NR <= kMaxWeightRowsPerTile, "the panel holds kMaxWeightRowsPerTile rows");
   int64_t n = n_begin;
-  if (Tiles::kWidensGgufRows && M <= MR) {
+  if (M <= MR) {
     for (; n + NR <= n_end; n += NR) DirectGgufTile<Tiles, NR>(M, x, w, n, y + n, K, N, n + 2 * NR <= n_end);
     for (; n < n_end; ++n) DirectGgufTile<Tiles, 1>(M, x, w, n, y + n, K, N, false);
     return;

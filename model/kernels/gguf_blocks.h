@@ -1,6 +1,5 @@
-// llama.cpp's legacy block-quantized matrices (Q4_0, Q4_1, Q8_0) as the dense kernel reads them,
-// and their exact widening to float32 (model/gguf_blocks.py lays them out; dense_matmul.cc runs
-// them).
+// llama.cpp's legacy block-quantized matrices (Q4_0, Q4_1, Q8_0) as the dense kernel reads them
+// (model/gguf_blocks.py lays them out; dense_matmul.cc widens and multiplies them).
 //
 // Each row of K weights is K/32 blocks of 32 along k. Per block a float32 scale d and, for 4-bit
 // blocks, a float32 offset m: Q4_1's w = d * q + m with q in 0..15, Q4_0's w = d * (q - 8) held
@@ -30,31 +29,6 @@ struct GgufRows {
   int64_t RowBytes() const { return Nibbles() ? K / 2 : K; }
   int64_t RowBlocks() const { return K / kGgufBlock; }
 };
-
-// Rows [n, n + count) widened into out[count * K], in plain loops the compiler vectorises for
-// whatever target the caller is cloned for (the sixteen-lane tiles have their own intrinsics).
-__attribute__((always_inline)) inline void WidenGgufRowsPortable(const GgufRows& w, int64_t n, int64_t count,
-                                                                 float* __restrict out) {
-  const int64_t blocks = count * w.RowBlocks();
-  const float* scale = w.scale + n * w.RowBlocks();
-  if (w.Nibbles()) {
-    const uint8_t* q = w.q + n * w.RowBytes();
-    const float* offset = w.offset + n * w.RowBlocks();
-    for (int64_t b = 0; b < blocks; ++b, q += kGgufBlock / 2, out += kGgufBlock) {
-      const float d = scale[b], m = offset[b];
-      for (int i = 0; i < kGgufBlock / 2; ++i) {
-        out[i] = d * static_cast<float>(q[i] & 0x0F) + m;
-        out[i + kGgufBlock / 2] = d * static_cast<float>(q[i] >> 4) + m;
-      }
-    }
-  } else {
-    const int8_t* q = reinterpret_cast<const int8_t*>(w.q) + n * w.RowBytes();
-    for (int64_t b = 0; b < blocks; ++b, q += kGgufBlock, out += kGgufBlock) {
-      const float d = scale[b];
-      for (int i = 0; i < kGgufBlock; ++i) out[i] = static_cast<float>(q[i]) * d;
-    }
-  }
-}
 
 }  // namespace raylm
 
