@@ -288,13 +288,15 @@ def test_concurrent_prompts_with_different_prefixes_each_reach_their_own_cache(r
 def test_a_burst_of_new_prompts_is_spread_over_the_replicas(raylm_app):
     """Serve asks for every replica choice of a burst before any replica has accepted one:
     unless each choice is charged to its replica at once, they all see the same loads and
-    land on one replica."""
+    land on one replica. The requests are long enough (32 tokens) that none completes while
+    the burst is still being routed: two-token ones finished so fast on the current engine
+    that choices saw idle replicas again (CI: all 16 on one replica)."""
     before = _prefix_stats()
 
     async def burst() -> None:
         async with httpx.AsyncClient(timeout=300) as client:
             responses = await asyncio.gather(*(
-                client.post(f"{raylm_app.base_url}/v1/completions", json=_completion(raylm_app, 5000 + i, 2))
+                client.post(f"{raylm_app.base_url}/v1/completions", json=_completion(raylm_app, 5000 + i, 32))
                 for i in range(16)))
         assert all(r.status_code == 200 for r in responses)
 
