@@ -651,31 +651,37 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer
   }
 }
 
-// GGUF block weights: q [N, K/2] uint8 (4-bit blocks, with offset [N, K/32]) or [N, K] int8
-// (8-bit blocks, offset [N, 0]), scale [N, K/32]; K a multiple of 32.
-ffi::Error GgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, Matrix scale, Matrix offset,
-                      ffi::Result<Matrix> y) {
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = scale.dimensions()[0];
+// GGUF block weights of N rows of K: q [N, K/2] uint8 (4-bit blocks, with offset [N, K/32]) or
+// [N, K] int8 (8-bit blocks, offset [N, 0]), scale [N, K/32]; K a multiple of 32. Checks the
+// buffers agree and fills `rows`; an empty message when they do.
+std::string GgufRowsOf(ffi::AnyBuffer q, Matrix scale, Matrix offset, int64_t N, int64_t K, GgufRows* rows) {
   const bool nibbles = q.element_type() == ffi::DataType::U8;
-  if (!nibbles && q.element_type() != ffi::DataType::S8)
-    return ffi::Error::InvalidArgument("gguf_matmul: q must be uint8 (4-bit blocks) or int8 (8-bit blocks)");
   const auto qd = q.dimensions();
   const int64_t blocks = K / raylm::kGgufBlock;
-  const bool shapes_agree = K % raylm::kGgufBlock == 0 && qd.size() == 2 && qd[0] == N &&
-                            qd[1] == (nibbles ? K / 2 : K) && scale.dimensions()[1] == blocks &&
-                            offset.dimensions()[0] == N && offset.dimensions()[1] == (nibbles ? blocks : 0) &&
-                            y->dimensions()[0] == M && y->dimensions()[1] == N;
-  if (!shapes_agree)
-    return ffi::Error::InvalidArgument(
-        "gguf_matmul: x [M, K] with K a multiple of 32, q [N, K/2] uint8 or [N, K] int8, scale [N, K/32], "
-        "offset [N, K/32] (uint8 q) or [N, 0] (int8 q), y [M, N]; got x [" + std::to_string(M) + ", " +
-        std::to_string(K) + "], q [" + std::to_string(qd.size() == 2 ? qd[0] : -1) + ", " +
-        std::to_string(qd.size() == 2 ? qd[1] : -1) + "], scale [" + std::to_string(N) + ", " +
-        std::to_string(scale.dimensions()[1]) + "], offset [" + std::to_string(offset.dimensions()[0]) + ", " +
-        std::to_string(offset.dimensions()[1]) + "]");
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  const GgufRows w{static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+  const bool agree = (nibbles || q.element_type() == ffi::DataType::S8) && K % raylm::kGgufBlock == 0 &&
+                     qd.size() == 2 && qd[0] == N && qd[1] == (nibbles ? K / 2 : K) &&
+                     scale.dimensions()[0] == N && scale.dimensions()[1] == blocks && offset.dimensions()[0] == N &&
+                     offset.dimensions()[1] == (nibbles ? blocks : 0);
+  if (!agree)
+    return "q [N, K/2] uint8 or [N, K] int8, scale [N, K/32], offset [N, K/32] (uint8 q) or [N, 0] (int8 q), "
+           "K a multiple of 32; got N " + std::to_string(N) + ", K " + std::to_string(K) + ", q [" +
+           std::to_string(qd.size() == 2 ? qd[0] : -1) + ", " + std::to_string(qd.size() == 2 ? qd[1] : -1) +
+           "], scale [" + std::to_string(scale.dimensions()[0]) + ", " + std::to_string(scale.dimensions()[1]) +
+           "], offset [" + std::to_string(offset.dimensions()[0]) + ", " + std::to_string(offset.dimensions()[1]) + "]";
+  *rows = GgufRows{static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
                    nibbles ? offset.typed_data() : nullptr, K};
+  return "";
+}
+
+// x [M, K] . blocks^T -> y [M, N].
+ffi::Error GgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, Matrix scale, Matrix offset,
+                      ffi::Result<Matrix> y) {
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
+  GgufRows w{};
+  std::string error = GgufRowsOf(q, scale, offset, N, K, &w);
+  if (error.empty() && y->dimensions()[0] != M) error = "y must be [M, N]";
+  if (!error.empty()) return ffi::Error::InvalidArgument("gguf_matmul: x [M, K], y [M, N]; " + error);
+  if (M == 0 || N == 0) return ffi::Error::Success();
   const float* xs = x.typed_data();
   float* ys = y->typed_data();
   Run(N, K, kMaxWeightRowsPerTile * K,
@@ -684,24 +690,16 @@ ffi::Error GgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, M
   return ffi::Error::Success();
 }
 
-// GGUF blocks widened to the float32 matrix y [N, K] (q, scale and offset as for GgufMatmul):
-// what XLA's dot multiplies prompt-sized batches by. XLA's own fusion of the same arithmetic
-// ran on one thread inside a step; this splits the rows over the pool like the matmul.
+// GGUF blocks widened to the float32 matrix y [N, K]: what XLA's dot multiplies prompt-sized
+// batches by. XLA's own fusion of the same arithmetic ran on one thread inside a step; this
+// splits the rows over the pool like the matmul.
 ffi::Error GgufDequantize(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, Matrix scale, Matrix offset,
                           ffi::Result<Matrix> y) {
   const int64_t N = y->dimensions()[0], K = y->dimensions()[1];
-  const bool nibbles = q.element_type() == ffi::DataType::U8;
-  const auto qd = q.dimensions();
-  const int64_t blocks = K / raylm::kGgufBlock;
-  if ((!nibbles && q.element_type() != ffi::DataType::S8) || K % raylm::kGgufBlock != 0 || qd.size() != 2 ||
-      qd[0] != N || qd[1] != (nibbles ? K / 2 : K) || scale.dimensions()[0] != N || scale.dimensions()[1] != blocks ||
-      offset.dimensions()[0] != N || offset.dimensions()[1] != (nibbles ? blocks : 0))
-    return ffi::Error::InvalidArgument(
-        "gguf_dequantize: q [N, K/2] uint8 or [N, K] int8, scale [N, K/32], offset [N, K/32] (uint8 q) or "
-        "[N, 0], y [N, K] with K a multiple of 32");
+  GgufRows w{};
+  const std::string error = GgufRowsOf(q, scale, offset, N, K, &w);
+  if (!error.empty()) return ffi::Error::InvalidArgument("gguf_dequantize: y [N, K]; " + error);
   if (N == 0) return ffi::Error::Success();
-  const GgufRows w{static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
-                   nibbles ? offset.typed_data() : nullptr, K};
   float* out = y->typed_data();
   Run(N, K, 0,
       [=](int64_t n_begin, int64_t n_end, float*) {
