@@ -7,7 +7,7 @@ from model.attention import KVCache
 from model.config import ModelConfig, RopeScaling
 from model.detokenizer import IncrementalDetokenizer
 from model.errors import ModelError, ModelLoadError, PromptTooLongError, UnsupportedModelError
-from model.forward import decode, forward, prefill
+from model.forward import forward
 from model.generate import SingleSequenceGenerator
 from model.loader import LoadedModel, ModelInfo, load_checkpoint, load_model, load_model_info, load_tokenizer, parse_dtype
 from model.params import LayerParams, ModelParams
@@ -20,6 +20,6 @@ __all__ = [
     "BUNDLED_MODELS", "DEFAULT_MODEL", "IncrementalDetokenizer", "KVCache", "LayerParams", "LoadedModel",
     "ModelConfig", "ModelError", "ModelInfo", "ModelLoadError", "ModelParams", "PromptTooLongError", "RopeScaling",
     "SimpleSampling", "SingleSequenceGenerator", "Tokenizer", "UnsupportedModelError",
-    "decode", "forward", "load_checkpoint", "load_model", "load_model_info", "load_tokenizer", "make_mesh", "parse_dtype",
-    "prefill", "resolve_model_path", "shard_params",
+    "forward", "load_checkpoint", "load_model", "load_model_info", "load_tokenizer", "make_mesh", "parse_dtype",
+    "resolve_model_path", "shard_params",
 ]

@@ -1,4 +1,7 @@
-"""The Llama-family forward pass over a paged KV pool, and its jitted prefill/decode entry points.
+"""The Llama-family forward pass over a paged KV pool.
+
+It is not jitted here: the engine's programs (``workers/runner.py``) and the reference loop
+(``model/generate.py``) each jit it with what they add (bucketing and sampling, or nothing).
 
 Variable sizes travel as data: each row ``b`` holds tokens at ``positions[b]``; a token is
 real when ``0 <= position < context_lens[b]`` (``context_lens`` counts the row's tokens
@@ -10,7 +13,6 @@ place when the caller donates it.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -157,42 +159,3 @@ def _layer(
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
         return x + swiglu_mlp(h, lp.w_gate_up, lp.w_down, kernel=batch.cpu_kernels), k_pool, v_pool
-
-
-@functools.partial(jax.jit, static_argnames=("config", "all_logits"), donate_argnames=("kv",))
-def prefill(
-    params: ModelParams,
-    kv: KVCache,
-    tokens: jax.Array,
-    positions: jax.Array,
-    block_tables: jax.Array,
-    context_lens: jax.Array,
-    *,
-    config: ModelConfig,
-    all_logits: bool = False,
-) -> tuple[jax.Array, KVCache]:
-    """Jitted prompt (chunk) step: ``tokens [B, S]`` -> last-token logits ``[B, V]``."""
-    return forward(params, config, tokens, positions, kv, block_tables, context_lens, all_logits)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "cpu_kernels"), donate_argnames=("kv",))
-def decode(
-    params: ModelParams,
-    kv: KVCache,
-    tokens: jax.Array,
-    positions: jax.Array,
-    block_tables: jax.Array,
-    context_lens: jax.Array,
-    *,
-    config: ModelConfig,
-    cpu_kernels: bool = False,
-) -> tuple[jax.Array, KVCache]:
-    """Jitted one-token step: ``tokens [B]`` at ``positions [B]`` -> logits ``[B, V]``.
-
-    The jnp path unless ``cpu_kernels`` (the reference loop stays independent of the
-    kernels; benchmarks ask for them)."""
-    logits, kv = forward(
-        params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens,
-        cpu_kernels=cpu_kernels,
-    )
-    return logits, kv

@@ -2,11 +2,14 @@
 
 It uses the same paged forward pass as the engine, with a trivially allocated block table
 (blocks 1..n for the one sequence), so it doubles as the exactness reference for the
-batched engine.
+batched engine. Its two jitted steps are its own, on the jnp path, and share nothing with
+the engine's programs but ``model.forward.forward``: no buckets, kernels or batched sampling
+of the code it checks.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator, Sequence
 
 import jax
@@ -17,13 +20,31 @@ from jax.sharding import Mesh
 from model.attention import KVCache
 from model.buckets import cdiv, next_power_of_two
 from model.config import ModelConfig
-from model.forward import decode, prefill
+from model.forward import forward
 from model.params import ModelParams
 from model.prompt_checks import check_prompt
 from model.sampling import SimpleSampling, sample_token
 from model.sharding import make_mesh, shard_params
 
 MIN_PREFILL_BUCKET = 16
+
+
+@functools.partial(jax.jit, static_argnames=("config", "all_logits"), donate_argnames=("kv",))
+def _prompt_step(
+    params: ModelParams, kv: KVCache, tokens: jax.Array, positions: jax.Array, block_tables: jax.Array,
+    context_lens: jax.Array, *, config: ModelConfig, all_logits: bool = False,
+) -> tuple[jax.Array, KVCache]:
+    """The whole prompt ``tokens [1, S]`` -> last-token logits ``[1, V]`` (every token's with ``all_logits``)."""
+    return forward(params, config, tokens, positions, kv, block_tables, context_lens, all_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
+def _token_step(
+    params: ModelParams, kv: KVCache, token: jax.Array, position: jax.Array, block_tables: jax.Array,
+    context_lens: jax.Array, *, config: ModelConfig,
+) -> tuple[jax.Array, KVCache]:
+    """One token ``[1]`` at ``position [1]`` -> logits ``[1, V]``."""
+    return forward(params, config, token[:, None], position[:, None], kv, block_tables, context_lens)
 
 
 class SingleSequenceGenerator:
@@ -56,7 +77,7 @@ class SingleSequenceGenerator:
         self._check(prompt_ids, 0)
         width = next_power_of_two(cdiv(n, self.block_size))
         tokens, positions = self._padded_prompt(prompt_ids)
-        logits, _ = prefill(
+        logits, _ = _prompt_step(
             self.params, self._new_kv(width + 1), tokens, positions,
             jnp.arange(1, width + 1, dtype=jnp.int32)[None], jnp.array([n], jnp.int32),
             config=self.config, all_logits=True,
@@ -86,7 +107,7 @@ class SingleSequenceGenerator:
         kv = self._new_kv(width + 1)
         block_table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]
         tokens, positions = self._padded_prompt(prompt_ids)
-        logits, kv = prefill(
+        logits, kv = _prompt_step(
             self.params, kv, tokens, positions, block_table, jnp.array([n], jnp.int32), config=self.config
         )
         key = jax.random.key(sampling.seed if sampling.seed is not None else np.random.randint(2**31))
@@ -104,7 +125,7 @@ class SingleSequenceGenerator:
             if token in stops or step == max_tokens - 1:
                 return
             position = n + step
-            logits, kv = decode(
+            logits, kv = _token_step(
                 self.params, kv, jnp.array([token], jnp.int32), jnp.array([position], jnp.int32),
                 block_table, jnp.array([position + 1], jnp.int32), config=self.config,
             )

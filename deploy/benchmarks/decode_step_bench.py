@@ -4,8 +4,9 @@ A baseline commit is exported (``git archive``) to a temporary directory and eac
 in its own worker process with the bundled model loaded; the parent asks them in turn, so
 both see the same machine load (other work on a shared machine shifts both alike). Reports:
 
-1. ``steps``: one jitted ``model.decode`` step (pool 512 blocks, block-table width 16,
-   context 100 tokens per row) at 1/4/16/64 rows, median ms, and its compile time.
+1. ``steps``: one jitted one-token step of ``model.forward`` with the CPU kernels, as the
+   engine's decode programs run it without their sampling (pool 512 blocks, block-table
+   width 16, context 100 tokens per row) at 1/4/16/64 rows, median ms, and its compile time.
 2. ``offline``: ``workers.LLM`` output tokens/s for 1 and 16 sequences (128-token prompts,
    128 output tokens, EOS ignored, prefix caching off, timed after a first run compiled).
 3. ``prefill``: ``workers.LLM`` prompt tokens/s for 8 prompts of 512 tokens (one output
@@ -16,7 +17,7 @@ both see the same machine load (other work on a shared machine shifts both alike
     python -m deploy.benchmarks.decode_step_bench --baseline HEAD~1 [--parts steps,offline,prefill,compile]
 
 Workers only use names both trees export (``load_model``, ``KVCache.create`` or the older
-``KVCache.zeros``, ``decode``, ``workers.LLM``), so the baseline can be any commit that has them.
+``KVCache.zeros``, ``forward``, ``workers.LLM``), so the baseline can be any commit that has them.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ class Worker:
 
     def setup_steps(self, rows: list[int]) -> dict[str, float]:
         """Compile the decode step at each row count; returns compile seconds per row count."""
+        import jax
         import jax.numpy as jnp
         import numpy as np
 
-        from model import KVCache, decode
+        from model import KVCache, forward
 
         c, params = self.model.config, self.model.params
         if hasattr(KVCache, "create"):
@@ -71,8 +73,12 @@ class Worker:
             start = time.perf_counter()
             lowered = None  # the kernels where this tree has them, by each tree's flag name
             for flags in ({"cpu_kernels": True}, {"attention_kernel": True}, {}):
+                def one_token(params, kv, tokens, positions, table, lens, flags=flags):
+                    out = forward(params, c, tokens[:, None], positions[:, None], kv, table, lens, **flags)
+                    return out[0], out[1]
+
                 try:
-                    lowered = decode.lower(params, self.kv, *args, config=c, **flags)
+                    lowered = jax.jit(one_token, donate_argnums=1).lower(params, self.kv, *args)
                     break
                 except TypeError:
                     continue
