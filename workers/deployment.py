@@ -100,11 +100,15 @@ class LLMWorker:
                 recorder.finish()
 
     async def _beam_search(self, request: GenerateRequest) -> GenerateChunk:
-        """A beam search request's one chunk: every beam, finished."""
+        """A beam search request's one chunk: every beam, finished (recorded as one request)."""
+        recorder = RequestMetricsRecorder(self.metrics, prompt_tokens=len(request.prompt_token_ids))
         try:
             beams = await self.engine.beam_search(request.prompt_token_ids, request.beam, request.request_id)
+            recorder.on_beams(beams)
         except EngineShutdownError as err:
             raise ReplicaDrainingError(f"this replica's engine stopped ({err}); retry") from None
+        finally:
+            recorder.finish()
         choices = [ChoiceDelta(b.index, b.text, b.token_ids, None, b.finish_reason) for b in beams]
         return GenerateChunk(request.request_id, choices, len(request.prompt_token_ids), 0, True)
 

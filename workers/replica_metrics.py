@@ -8,22 +8,23 @@ counters (prefix cache, preemptions) turned into counter increments.
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 from cluster.metrics import WorkerMetrics
 from workers.engine_stats import EngineStats
-from workers.outputs import RequestOutput
+from workers.outputs import CompletionOutput, RequestOutput
 from workers.speculative import SpecDecodeStats
 
 
 class RequestMetricsRecorder:
     """Watches one request's outputs as they stream; records everything once it ends."""
 
-    def __init__(self, metrics: WorkerMetrics):
+    def __init__(self, metrics: WorkerMetrics, prompt_tokens: int = 0):
         self.metrics = metrics
         self.start = time.monotonic()
         self.last_token_at: float | None = None
         self.first_token_at: float | None = None
-        self.prompt_tokens = 0
+        self.prompt_tokens = prompt_tokens
         self.generated = 0
         self.arrival: float | None = None
         self.first_scheduled: float | None = None
@@ -51,6 +52,16 @@ class RequestMetricsRecorder:
             self.metrics.inc("raylm_generation_tokens_total", new)
         if output.finished:
             self.finish_reasons = [c.finish_reason or "abort" for c in output.outputs]
+
+    def on_beams(self, beams: Sequence[CompletionOutput]) -> None:
+        """A beam search request answers once, at its end: its client's first token arrives
+        with every beam's last, so its time to first token is its whole latency."""
+        now = time.monotonic()
+        self.first_token_at = self.last_token_at = now
+        self.metrics.observe("raylm_time_to_first_token_seconds", now - self.start)
+        self.generated = sum(len(b.token_ids) for b in beams)
+        self.metrics.inc("raylm_generation_tokens_total", self.generated)
+        self.finish_reasons = [b.finish_reason or "abort" for b in beams]
 
     def finish(self) -> None:
         """Called once when the stream ends, normally or not (a cancelled stream is an abort)."""

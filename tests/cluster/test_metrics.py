@@ -63,6 +63,12 @@ def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_
             async with client.stream("POST", f"{base}/v1/completions", json=stream) as response:
                 lines = [line async for line in response.aiter_lines() if line.startswith("data: {")]
             usages.append(__import__("json").loads(lines[-1][6:])["usage"])
+            # A beam search request is one request with one success per beam.
+            beams = await client.post(f"{base}/v1/completions", json={
+                "model": MODEL, "prompt": "The weather today", "max_tokens": 4, "n": 2, "use_beam_search": True,
+                "temperature": 0})
+            assert beams.status_code == 200, beams.text
+            usages.append(beams.json()["usage"])
             assert (await client.post(f"{base}/v1/completions", json={"model": "nope", "prompt": "x"})).status_code == 404
             assert (await client.post(f"{base}/v1/completions", json={"model": MODEL})).status_code == 400
             return usages
@@ -77,9 +83,10 @@ def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_
     expected = {
         "ray_raylm_generation_tokens_total": completion_tokens,
         "ray_raylm_prompt_tokens_total": prompt_tokens,
-        "ray_raylm_time_to_first_token_seconds_count": 5,
-        "ray_raylm_request_success_total": 5,
-        "ray_raylm_router_routing_decisions_total": 5,
+        "ray_raylm_time_to_first_token_seconds_count": 6,
+        "ray_raylm_e2e_request_latency_seconds_count": 6,
+        "ray_raylm_request_success_total": 7,
+        "ray_raylm_router_routing_decisions_total": 6,
         "ray_raylm_router_requests_rejected_total": 2,
         "ray_raylm_router_tenant_tokens_total": prompt_tokens + completion_tokens,
         **_speculation_expected(),
@@ -100,12 +107,13 @@ def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_
     for name in ("raylm_num_requests_running", "raylm_num_requests_waiting", "raylm_kv_cache_usage_perc",
                  "raylm_router_queue_depth"):
         assert f"ray_{name}" in values, name
-    assert values["ray_raylm_time_to_first_token_seconds_count"] == 5
-    assert values["ray_raylm_request_success_total"] == 5
+    assert values["ray_raylm_time_to_first_token_seconds_count"] == 6
+    assert values["ray_raylm_e2e_request_latency_seconds_count"] == 6
+    assert values["ray_raylm_request_success_total"] == 7
     assert values["ray_raylm_prefix_cache_hits_total"] > 0  # the four chats share their prompt
     assert values["ray_raylm_prefix_cache_queries_total"] >= values["ray_raylm_prefix_cache_hits_total"]
     assert values["ray_raylm_num_preemptions_total"] > 0
-    assert values["ray_raylm_router_routing_decisions_total"] == 5
+    assert values["ray_raylm_router_routing_decisions_total"] == 6
     assert values["ray_raylm_router_requests_rejected_total"] == 2
     assert values["ray_raylm_router_tenant_tokens_total"] == prompt_tokens + completion_tokens
     _check_speculation(values, expected)
