@@ -42,6 +42,6 @@ def _kernel(name: str) -> Extension:
     )
 
 
-kernels = [_kernel("paged_decode_attention"), _kernel("dense_matmul")] if include_dir else []
+kernels = [_kernel("paged_decode_attention"), _kernel("dense_matmul"), _kernel("kv_write")] if include_dir else []
 
 setup(ext_modules=kernels)

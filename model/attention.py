@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from model import kv_write
 from model.config import ModelConfig
-
 from model.quantization import QUANTIZED_DTYPES, QuantArray, quantize
 from model.sharding import kv_pool_sharding
 
@@ -86,15 +86,27 @@ def slot_indices(
     return block, offset
 
 
-def write_kv(pool: Pool, layer: jax.Array, block: jax.Array, offset: jax.Array, values: jax.Array) -> Pool:
+def write_kv(
+    pool: Pool, layer: jax.Array | int, block: jax.Array, offset: jax.Array, values: jax.Array, cpu_kernel: bool = False
+) -> Pool:
     """Scatter ``values [B, S, KVH, Dh]`` into ``pool[layer, block, offset]`` in place
-    (quantized per token and kv head first, for an 8-bit pool)."""
+    (quantized per token and kv head first, for an 8-bit pool). With ``cpu_kernel`` (a CPU
+    program on one device), element types XLA's CPU scatter would upcast, rewriting the
+    whole pool, are written by ``model.kv_write``'s kernel."""
     if isinstance(pool, QuantArray):
         quantized = quantize(values, pool.scheme, 1)
         return QuantArray(
-            pool.q.at[layer, block, offset].set(quantized.q), pool.scale.at[layer, block, offset].set(quantized.scale)
+            _store(pool.q, layer, block, offset, quantized.q, cpu_kernel),
+            pool.scale.at[layer, block, offset].set(quantized.scale),
         )
-    return pool.at[layer, block, offset].set(values.astype(pool.dtype))
+    return _store(pool, layer, block, offset, values.astype(pool.dtype), cpu_kernel)
+
+
+def _store(array: jax.Array, layer: jax.Array | int, block: jax.Array, offset: jax.Array, values: jax.Array,
+           cpu_kernel: bool) -> jax.Array:
+    if cpu_kernel and kv_write.wanted(array):
+        return kv_write.kv_write(array, layer, block, offset, values)
+    return array.at[layer, block, offset].set(values)
 
 
 def gather_blocks(pool: Pool, layer: jax.Array, block_tables: jax.Array, dtype: jnp.dtype) -> jax.Array:

@@ -145,8 +145,8 @@ def _layer(
         k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
         q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)
     with jax.named_scope("kv_write"):
-        k_pool = write_kv(k_pool, i, batch.block, batch.offset, k)
-        v_pool = write_kv(v_pool, i, batch.block, batch.offset, v)
+        k_pool = write_kv(k_pool, i, batch.block, batch.offset, k, batch.cpu_kernels)
+        v_pool = write_kv(v_pool, i, batch.block, batch.offset, v, batch.cpu_kernels)
     with jax.named_scope("attention"):
         if batch.kernel_lens is not None:
             attn = decode_attention(q[:, 0], k_pool, v_pool, i, batch.block_tables, batch.kernel_lens)[:, None]

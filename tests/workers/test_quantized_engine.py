@@ -10,6 +10,7 @@ distance of float32's and most greedy continuations are identical.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import pytest
 from cache.block_hash import model_salt
 from cache.kv_arrays import blocks_for_budget, kv_pool_dtype
 from deploy.benchmarks.quantization_bench import REFERENCE_PROMPTS, agreement, greedy_continuations
-from model import SingleSequenceGenerator, load_model
+from model import SingleSequenceGenerator, kv_write, load_model
 from model.quantization import QuantArray, weight_bytes
 from tests.checkpoints import build_tiny_checkpoint
 from workers import LLM, EngineArgs, SamplingParams
@@ -85,7 +86,10 @@ ENGINE_CONFIGS = {
 # Weights and KV quantized together, so each run crosses the quantized matmuls (kernel and
 # XLA paths, sharded and not) and the quantized pool (writes, paged reads, block copies,
 # prefix hits, recomputation after preemption); int8 through every configuration.
-CASES = [("int8 weights and kv", c) for c in ENGINE_CONFIGS] + [("fp8 weights and kv", "default")]
+# An fp8 pool is written by model.kv_write's kernel on CPU, the reference's by XLA's scatter:
+# preemption adds block copies and recomputation to the prefix hits.
+CASES = [("int8 weights and kv", c) for c in ENGINE_CONFIGS] + [
+    ("fp8 weights and kv", "default"), ("fp8 weights and kv", "preemption")]
 
 
 @pytest.mark.parametrize("variant,name", CASES, ids=[f"{v}, {c}" for v, c in CASES])
@@ -99,6 +103,27 @@ def test_greedy_equals_the_reference_on_the_same_quantization(quantized, variant
     if name == "default":  # prefix-cache hits on a second pass give the same tokens
         assert _run(llm, prompts) == expected and llm.engine.stats().pool.prefix_hits > 0
     _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("name", ["default", "chunked, small batches, multi-step", "preemption"])
+def test_a_bfloat16_pool_written_by_the_kernel_holds_what_the_scatter_writes(tiny_path, name, monkeypatch):
+    """A bfloat16 pool is written by model.kv_write's kernel on CPU; the engine's output is
+    the same as with XLA's scatter. (The reference loop is not the reference here: it reads
+    bfloat16 keys through the jnp attention, which rounds differently from the paged kernel.)"""
+    model = load_model(tiny_path)
+    rng = np.random.RandomState(2)
+    prompts = [rng.randint(3, 320, size=n).tolist() for n in [1, 16, 17, 200] + rng.randint(1, 200, 6).tolist()]
+    engine = dict(max_model_len=512, num_kv_blocks=600, kv_cache_dtype="bfloat16") | ENGINE_CONFIGS[name]
+    kernel = LLM(model, **engine)
+    assert kv_write.wanted(kernel.engine.runner.kv.k) == kv_write.available()
+    got = _run(kernel, prompts)
+    _assert_no_leak(kernel)
+    monkeypatch.setattr(kv_write, "wanted", lambda pool: False)
+    jax.clear_caches()  # the programs are traced again, now with the scatter
+    try:
+        assert _run(LLM(model, **engine), prompts) == got
+    finally:
+        jax.clear_caches()  # and later tests do not reuse them
 
 
 def test_n_forks_copy_a_quantized_pool_on_write(quantized):
