@@ -102,6 +102,24 @@ def write_kv(
     return _store(pool, layer, block, offset, values.astype(pool.dtype), cpu_kernel)
 
 
+def copy_blocks(pool: Pool, src: jax.Array, dst: jax.Array, cpu_kernel: bool = False) -> Pool:
+    """``pool`` with blocks ``src [n]`` copied to ``dst [n]`` in every layer (an 8-bit pool's
+    scales with its values); every source is read before any block is written. With
+    ``cpu_kernel``, as in ``write_kv``."""
+
+    def copy(array: jax.Array) -> jax.Array:
+        if not (cpu_kernel and kv_write.wanted(array)):
+            return array.at[:, dst].set(array[:, src])
+        block_size = array.shape[2]
+        block = jnp.repeat(dst, block_size)
+        offset = jnp.tile(jnp.arange(block_size, dtype=jnp.int32), dst.shape[0])
+        for layer in range(array.shape[0]):  # layers are disjoint: each reads its sources first
+            array = kv_write.kv_write(array, layer, block, offset, array[layer, src])
+        return array
+
+    return jax.tree.map(copy, pool)
+
+
 def _store(array: jax.Array, layer: jax.Array | int, block: jax.Array, offset: jax.Array, values: jax.Array,
            cpu_kernel: bool) -> jax.Array:
     if cpu_kernel and kv_write.wanted(array):

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from model import KVCache, ModelConfig, ModelParams, forward, paged_decode, shard_params
+from model.attention import copy_blocks
 from model.forward import PooledHidden
 from model.buckets import bucket, cdiv, power_buckets
 from workers.sampler import (
@@ -209,10 +210,10 @@ def _pooling_args(chunks: list[ScheduledChunk], rows: int, token_rows: np.ndarra
     return dict(pool_segments=np.where(pooled[token_rows], token_rows, -1).astype(np.int32), num_pool_segments=rows)
 
 
-@functools.partial(jax.jit, donate_argnames=("kv",))
-def _copy_blocks(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copy blocks ``src`` to ``dst`` in every layer (a quantized pool's scales with its values)."""
-    return jax.tree.map(lambda pool: pool.at[:, dst].set(pool[:, src]), kv)
+@functools.partial(jax.jit, static_argnames=("cpu_kernels",), donate_argnames=("kv",))
+def _copy_blocks(kv: KVCache, src: jax.Array, dst: jax.Array, *, cpu_kernels: bool) -> KVCache:
+    """Copy blocks ``src`` to ``dst`` in every layer (``model.attention.copy_blocks``)."""
+    return KVCache(copy_blocks(kv.k, src, dst, cpu_kernels), copy_blocks(kv.v, src, dst, cpu_kernels))
 
 
 @dataclasses.dataclass
@@ -320,9 +321,9 @@ class ModelRunner:
             src_arr = np.zeros(n, np.int32)
             dst_arr = np.zeros(n, np.int32)
             src_arr[: len(src)], dst_arr[: len(dst)] = src, dst
-            self.kv = _copy_blocks(self.kv, src_arr, dst_arr)
+            self.kv = _copy_blocks(self.kv, src_arr, dst_arr, cpu_kernels=self.cpu_kernels)
             if self.draft is not None:
-                self.draft.kv = _copy_blocks(self.draft.kv, src_arr, dst_arr)
+                self.draft.kv = _copy_blocks(self.draft.kv, src_arr, dst_arr, cpu_kernels=self.cpu_kernels)
 
     def execute(
         self, chunks: list[ScheduledChunk], seqs: list[Sequence], num_steps: int,
@@ -591,7 +592,7 @@ class ModelRunner:
         rows = self._packed_rows(dims[0]) if kind == "packed" else dims[0]
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         if kind == "copy":
-            self.kv = _copy_blocks(self.kv, zeros(rows), zeros(rows))
+            self.kv = _copy_blocks(self.kv, zeros(rows), zeros(rows), cpu_kernels=self.cpu_kernels)
             return
         sbatch = build_sampling_batch([], rows, self.config.vocab_size, self.eos_ids, False)
         flags = dict(num_logprobs=0, with_penalties=False)

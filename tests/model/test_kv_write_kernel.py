@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from model import kv_write
-from model.attention import write_kv
+from model.attention import copy_blocks, write_kv
 from model.quantization import QuantArray
 
 needs_kernel = pytest.mark.skipif(
@@ -90,3 +90,21 @@ def test_only_element_types_that_xla_cpu_upcasts_take_the_kernel():
     for dtype, wanted in [(jnp.float32, False), (jnp.int8, False), (jnp.bfloat16, True), (jnp.float16, True),
                           (jnp.float8_e4m3fn, True)]:
         assert kv_write.wanted(jnp.zeros((1,), dtype)) == (wanted and kv_write.available()), dtype
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_block_copies_with_the_kernel_equal_the_scatters(dtype):
+    """Every layer; a chain (3 -> 5 and 5 -> 7: 7 gets 5's old contents) and null-block padding."""
+    rng = np.random.default_rng(11)
+    pool = _pool(rng, dtype)
+    if jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)):
+        pool = QuantArray(pool, jnp.asarray(rng.random(SHAPE[:4]), jnp.float32))
+    src, dst = jnp.array([3, 5, 1, 0], jnp.int32), jnp.array([5, 7, 8, 0], jnp.int32)
+    step = jax.jit(copy_blocks, static_argnums=3)
+    plain, kernel = step(pool, src, dst, False), step(pool, src, dst, True)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(kernel)):
+        assert (np.asarray(a).view(np.uint8) == np.asarray(b).view(np.uint8)).all()
+    first = jax.tree.leaves(pool)[0]
+    assert (np.asarray(jax.tree.leaves(kernel)[0][:, 7]).view(np.uint8)
+            == np.asarray(first[:, 5]).view(np.uint8)).all()
