@@ -44,7 +44,7 @@ from workers.sampler import (
 from workers.scheduler import ScheduledChunk
 from workers.sequence import Sequence
 from workers.speculative import SpecDecodeStats, SpeculativeConfig, propose_ngram
-from workers.structured_output import allow_all, fill_bitmask
+from workers.structured_output import accepted_prefix, allow_all, fill_bitmask, fill_bitmasks_along
 
 MIN_TOKEN_BUCKET = 16
 MIN_WIDTH_BUCKET = 8
@@ -135,49 +135,72 @@ def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_ke
     return (logits if last_only else logits.reshape(B, S, -1)), kv
 
 
+def _window_last(window_tokens: jax.Array, window_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's last known token and its position (-1 for a padding row)."""
+    last = jnp.sum(window_positions >= 0, axis=1) - 1
+    rows = jnp.arange(window_tokens.shape[0])
+    last_tokens = window_tokens[rows, jnp.maximum(last, 0)]
+    return last_tokens, jnp.where(last >= 0, window_positions[rows, jnp.maximum(last, 0)], -1)
+
+
+def _draft_guesses(draft_params, draft_config, draft_kv, window_tokens, window_positions, num_drafts, block_tables,
+                   num_speculative, cpu_kernels):
+    """The draft model computes each row's window, then proposes ``num_speculative`` tokens by
+    its argmax, writing positions only up to what the row may draft (``num_drafts [B]``).
+    Returns the guesses ``[B, K]`` and the draft's pool."""
+    _, last_positions = _window_last(window_tokens, window_positions)
+    logits, draft_kv = _forward_rows(draft_params, draft_config, draft_kv, window_tokens, window_positions,
+                                     block_tables, cpu_kernels=cpu_kernels, last_only=True)
+    # Unrolled (k is small): a scan carrying the pool made XLA copy the whole pool each step.
+    guesses = [argmax(logits)]
+    for j in range(1, num_speculative):
+        position = jnp.where(j < num_drafts, last_positions + j, -1)
+        logits, draft_kv = _forward_rows(draft_params, draft_config, draft_kv, guesses[-1][:, None],
+                                         position[:, None], block_tables, cpu_kernels=cpu_kernels, last_only=True)
+        guesses.append(argmax(logits))
+    return jnp.stack(guesses, axis=1), draft_kv
+
+
+@functools.partial(
+    jax.jit, static_argnames=("draft_config", "num_speculative", "cpu_kernels"), donate_argnames=("draft_kv",),
+)
+def _draft_program(draft_params, draft_kv, window_tokens, window_positions, num_drafts, block_tables, *,
+                   draft_config, num_speculative, cpu_kernels):
+    """The draft model's guesses alone (``_draft_guesses``), for a step whose guesses the host
+    checks before the target verifies them (structured output rows)."""
+    return _draft_guesses(draft_params, draft_config, draft_kv, window_tokens, window_positions, num_drafts,
+                          block_tables, num_speculative, cpu_kernels)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("config", "draft_config", "num_speculative", "num_logprobs", "with_penalties", "cpu_kernels"),
     donate_argnames=("kv", "draft_kv"),
 )
 def _spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, window_positions, proposals,
-                         num_drafts, block_tables, sbatch, *, config, draft_config, num_speculative, num_logprobs,
-                         with_penalties, cpu_kernels):
+                         num_drafts, block_tables, sbatch, position_bitmasks=None, *, config, draft_config,
+                         num_speculative, num_logprobs, with_penalties, cpu_kernels):
     """One speculative decode step: propose, then verify every row's ``1 + num_drafts`` tokens.
 
     ``window_tokens/positions [B, 2]`` hold each row's known tokens the draft has not computed
     (its last token, after the one it is behind by when the previous step accepted every
-    guess), padding at -1. A draft model (``draft_config``) computes the window, then proposes
-    ``num_speculative`` tokens by its argmax, writing positions only up to what the row may
-    draft (``num_drafts [B]``: blocks and max_tokens allow it); otherwise ``proposals [B, K]``
-    come from the host (n-gram). The target then scores the row's last token and its guesses
-    in one call and samples at each position with the state plain decoding would have there
-    (penalty counts and the random stream advanced past the guesses before it). A guess is
-    accepted while it equals the target's own token, so rows emit ``accepted + 1`` tokens.
-    Returns the samples ``[K + 1, B]``, ``accepted [B]``, and both pools.
+    guess), padding at -1. A draft model (``draft_config``) proposes (``_draft_guesses``);
+    otherwise ``proposals [B, K]`` come from the host (n-gram, or a draft's guesses the host
+    checked). The target then scores the row's last token and its guesses in one call and
+    samples at each position with the state plain decoding would have there (penalty counts
+    and the random stream advanced past the guesses before it, and with
+    ``position_bitmasks [K + 1, B, W]`` structured output's allowed tokens after them). A
+    guess is accepted while it equals the target's own token, so rows emit ``accepted + 1``
+    tokens. Returns the samples ``[K + 1, B]``, ``accepted [B]``, and both pools.
     """
     K = num_speculative
-    last = jnp.sum(window_positions >= 0, axis=1) - 1
-    rows = jnp.arange(window_tokens.shape[0])
-    last_tokens = window_tokens[rows, jnp.maximum(last, 0)]
-    last_positions = jnp.where(last >= 0, window_positions[rows, jnp.maximum(last, 0)], -1)
-    steps = jnp.arange(K)
+    last_tokens, last_positions = _window_last(window_tokens, window_positions)
     if draft_config is not None:
-        logits, draft_kv = _forward_rows(draft_params, draft_config, draft_kv, window_tokens, window_positions,
-                                         block_tables, cpu_kernels=cpu_kernels, last_only=True)
-        first = argmax(logits)
-
-        # Unrolled (k is small): a scan carrying the pool made XLA copy the whole pool each step.
-        guesses = [first]
-        for j in range(1, K):
-            position = jnp.where(j < num_drafts, last_positions + j, -1)
-            logits, draft_kv = _forward_rows(draft_params, draft_config, draft_kv, guesses[-1][:, None],
-                                             position[:, None], block_tables, cpu_kernels=cpu_kernels, last_only=True)
-            guesses.append(argmax(logits))
-        proposals = jnp.stack(guesses, axis=1)
+        proposals, draft_kv = _draft_guesses(draft_params, draft_config, draft_kv, window_tokens, window_positions,
+                                             num_drafts, block_tables, K, cpu_kernels)
     if K == 0:
         proposals = jnp.zeros((window_tokens.shape[0], 0), jnp.int32)
-    drafts = jnp.where(steps[None, :] < num_drafts[:, None], proposals, -1)
+    drafts = jnp.where(jnp.arange(K)[None, :] < num_drafts[:, None], proposals, -1)
 
     offsets = jnp.arange(K + 1)
     verify_tokens = jnp.concatenate([last_tokens[:, None], jnp.maximum(drafts, 0)], axis=1)
@@ -189,6 +212,8 @@ def _spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, wind
                                cpu_kernels=cpu_kernels, last_only=False)
     results = []
     for j in range(K + 1):
+        if position_bitmasks is not None:
+            sbatch = dataclasses.replace(sbatch, token_bitmask=position_bitmasks[j])
         results.append(sample(logits[:, j], sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties))
         if j < K:
             sbatch = advance(sbatch, jnp.maximum(drafts[:, j], 0))
@@ -291,12 +316,17 @@ class ModelRunner:
             table[r, : len(seq.block_ids)] = seq.block_ids
         return table
 
-    def _sampling(self, seqs: list[Sequence], rows: int) -> tuple[SamplingBatch, dict]:
+    def _sampling(self, seqs: list[Sequence], rows: int,
+                  token_bitmask: np.ndarray | None = None) -> tuple[SamplingBatch, dict]:
+        """The rows' sampling batch and program flags; the structured output bitmask is the
+        next token's (``_token_bitmask``) unless one is given."""
         params = [s.params for s in seqs]
         with_penalties = any(p.uses_penalties for p in params)
+        if token_bitmask is None:
+            token_bitmask = self._token_bitmask(seqs, rows)
         sbatch = build_sampling_batch(
             [(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids) for s in seqs],
-            rows, self.config.vocab_size, self.eos_ids, with_penalties, self._token_bitmask(seqs, rows),
+            rows, self.config.vocab_size, self.eos_ids, with_penalties, token_bitmask,
         )
         flags = dict(num_logprobs=logprobs_bucket(params), with_penalties=with_penalties)
         return sbatch, flags
@@ -311,6 +341,18 @@ class ModelRunner:
             if seq.matcher is not None:
                 fill_bitmask(seq.matcher, mask, r)
         return mask
+
+    def _position_bitmasks(self, seqs: list[Sequence], rows: int, guesses: np.ndarray,
+                           num_drafts: np.ndarray) -> np.ndarray:
+        """``[K + 1, rows, W]``: at verify position ``j``, the tokens each constrained row's
+        grammar allows after its first ``j`` guesses (all tokens for free rows and past a
+        row's guesses, where nothing is accepted)."""
+        K = guesses.shape[1]
+        masks = np.stack([allow_all(rows, self.config.vocab_size)] * (K + 1))
+        for r, seq in enumerate(seqs):
+            if seq.matcher is not None:
+                fill_bitmasks_along(seq.matcher, guesses[r, : num_drafts[r]], masks, r)
+        return masks
 
     # -- execution ------------------------------------------------------------------------------------
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -503,6 +545,8 @@ class ModelRunner:
             proposals = [
                 propose_ngram(seq.all_ids, k, spec.ngram_min, spec.ngram_max) if k else [] for seq, k in zip(seqs, limits)
             ]
+            proposals = [p if seq.matcher is None else p[: accepted_prefix(seq.matcher, p)]
+                         for seq, p in zip(seqs, proposals)]  # guesses the grammar refuses are dropped
             if not any(proposals):
                 return self._dispatch_decode(seqs, 1)
             limits = [min(k, len(p)) for k, p in zip(limits, proposals)]
@@ -534,14 +578,34 @@ class ModelRunner:
             num_drafts[r] = limits[r]
             if proposals is not None:
                 guesses[r, : limits[r]] = proposals[r][: limits[r]]
-        sbatch, flags = self._sampling(seqs, rows)
+        table = self._block_table(seqs, rows, self._width(seqs))
+        drafted = num_drafts.copy()  # what the draft model computes (its lag depends on it)
+        draft_args, draft_config = self._draft_args, self._draft_config
+        constrained = K > 0 and any(s.matcher is not None for s in seqs)
+        if constrained and self.draft is not None:
+            # Structured output rows: the draft proposes alone, the host checks its guesses
+            # against the grammars, and the target verifies what they accept.
+            proposed, self.draft.kv = _draft_program(
+                self.draft.params, self.draft.kv, window_tokens, window_positions, num_drafts, table,
+                draft_config=self.draft.config, num_speculative=K, cpu_kernels=self.cpu_kernels,
+            )
+            guesses = np.array(jax.device_get(proposed))
+            for r, seq in enumerate(seqs):
+                if seq.matcher is not None:
+                    num_drafts[r] = accepted_prefix(seq.matcher, guesses[r, : num_drafts[r]])
+            draft_args, draft_config = (None, None), None
+        bitmasks = self._position_bitmasks(seqs, rows, guesses, num_drafts) if constrained else None
+        sbatch, flags = self._sampling(seqs, rows, None if bitmasks is None else bitmasks[0])
+        # Passed only when there are some: an argument given as None is another signature to
+        # jit than one left out, and the warmed-up programs leave it out.
+        masks = {} if bitmasks is None else {"position_bitmasks": bitmasks}
         samples, accepted, self.kv, draft_kv = _spec_decode_program(
-            self.params, self.kv, *self._draft_args, window_tokens, window_positions, guesses, num_drafts,
-            self._block_table(seqs, rows, self._width(seqs)), sbatch,
-            config=self.config, draft_config=self._draft_config, num_speculative=K, cpu_kernels=self.cpu_kernels,
-            **flags,
+            self.params, self.kv, *draft_args, window_tokens, window_positions, guesses, num_drafts, table, sbatch,
+            config=self.config, draft_config=draft_config, num_speculative=K, cpu_kernels=self.cpu_kernels,
+            **masks, **flags,
         )
-        self._set_draft_kv(draft_kv)
+        if draft_config is not None:
+            self._set_draft_kv(draft_kv)
 
         def collect() -> dict[int, list[SampleResult]]:
             fetched, accepted_host = jax.device_get((samples, accepted))
@@ -551,7 +615,7 @@ class ModelRunner:
                 self.spec_stats.record(int(num_drafts[r]), a)
                 # The draft computed the window and its guesses but the last: after a fully
                 # accepted run it is one token behind the target.
-                seq.draft_lag = int(self.draft is not None and 0 < num_drafts[r] == a)
+                seq.draft_lag = int(self.draft is not None and 0 < drafted[r] == a)
                 out[seq.seq_id] = [_row(fetched, (j, r)) for j in range(a + 1)]
             return out
 

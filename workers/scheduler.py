@@ -186,7 +186,7 @@ class Scheduler:
                 want = min(seq.num_uncomputed_tokens, budget)
                 if not self._may_compute(seq, want):
                     continue
-            elif lookahead and seq.matcher is None:  # guesses are not checked against a grammar
+            elif lookahead:  # a structured output row's guesses are checked against its grammar
                 want = min(1 + lookahead, seq.max_tokens - len(seq.output_ids))
                 if not self.blocks.can_grow(seq, want) and self.blocks.can_grow(seq, 1):
                     want = 1  # guesses only where blocks are free: never preempt a sequence for them

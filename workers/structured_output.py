@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import json
 import threading
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import numpy as np
 
@@ -158,6 +158,25 @@ def fill_bitmask(matcher: llguidance.LLMatcher, mask: np.ndarray, row: int) -> N
     import llguidance.numpy
 
     llguidance.numpy.fill_next_token_bitmask(matcher, mask, row)
+
+
+def accepted_prefix(matcher: llguidance.LLMatcher, tokens: Sequence[int]) -> int:
+    """How many of ``tokens`` the grammar takes in a row from its current state: speculative
+    guesses past the first it refuses are dropped before the target verifies them."""
+    return matcher.validate_tokens(list(tokens)) if len(tokens) else 0
+
+
+def fill_bitmasks_along(matcher: llguidance.LLMatcher, tokens: Sequence[int], masks: np.ndarray, row: int) -> None:
+    """``masks[j][row]``: the tokens allowed after ``tokens[:j]``, for ``j`` up to
+    ``len(tokens)`` (which the grammar must accept, see ``accepted_prefix``). The matcher
+    advances through them and rolls back, so it is left as it was."""
+    fill_bitmask(matcher, masks[0], row)
+    for j, token in enumerate(tokens, 1):
+        if not matcher.consume_token(int(token)):
+            raise AssertionError(f"the grammar refused guess {token}, which it had accepted: {matcher.get_error()}")
+        fill_bitmask(matcher, masks[j], row)
+    if len(tokens):
+        matcher.rollback(len(tokens))
 
 
 def allow_all(rows: int, vocab_size: int) -> np.ndarray:

@@ -401,13 +401,16 @@ def test_the_bundled_models_shipped_draft_serves_the_same_tokens(bundled_model):
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_structured_output_rows_decode_exactly_beside_speculating_rows(bundled_model, method):
-    """Constrained rows carry no guesses (their grammar admits tokens one at a time); free rows
-    in the same batch keep speculating. Every row's greedy output equals plain decoding's."""
+    """Constrained rows speculate too: their guesses are checked against their grammar (the
+    ones it refuses dropped) and each verified position is sampled under the grammar's mask
+    after the guesses before it. Every row's greedy output equals plain decoding's, batched
+    with free rows or alone, and the constrained rows alone still have guesses accepted."""
     from workers.structured_output import StructuredOutput
 
     chat = lambda q: {"prompt_token_ids": bundled_model.tokenizer.encode_chat([{"role": "user", "content": q}])}  # noqa: E731
     prompts = [chat("Describe Ann, 31, as JSON."), chat("Count from 1 to 20, separated by commas."),
-               chat("Give me a phone number."), chat("Repeat after me: the cat sat on the mat, the cat sat on the mat.")]
+               chat("Repeat this phone number: 555-1234, 555-1234."),
+               chat("Repeat after me: the cat sat on the mat, the cat sat on the mat.")]
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
     params = [SamplingParams(max_tokens=40, temperature=0, structured_output=StructuredOutput.json_schema(schema)),
@@ -423,3 +426,17 @@ def test_structured_output_rows_decode_exactly_beside_speculating_rows(bundled_m
     assert set(json.loads(out[0].outputs[0].text)) == {"name", "age"}
     assert _spec_stats(llm).num_draft_tokens > 0  # the free rows did speculate
     _assert_no_leak(llm)
+
+    # Alone, with a draft as deep as the target (the 2-layer one's JSON guesses all fail):
+    # every guess the grammar accepts is the target's own token, so each must be accepted.
+    constrained = [0, 2]
+    if method == "draft":
+        spec = dict(spec, num_layers=bundled_model.config.num_layers)
+    alone = LLM(bundled_model, max_model_len=256, num_kv_blocks=200, speculative=spec)
+    out = alone.generate([prompts[i] for i in constrained], [params[i] for i in constrained])
+    assert [o.outputs[0].token_ids for o in out] == [plain[i].outputs[0].token_ids for i in constrained]
+    stats = _spec_stats(alone)
+    assert stats.num_accepted_tokens > 0, stats
+    if method == "draft":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens, stats
+    _assert_no_leak(alone)

@@ -15,7 +15,9 @@ import pytest
 from workers import LLM, AsyncEngine, SamplingParams
 from workers.replica_protocol import InvalidRequestError
 from workers.sampler import build_sampling_batch, sample
-from workers.structured_output import GrammarCompiler, GrammarError, StructuredOutput, allow_all, fill_bitmask
+from workers.structured_output import (
+    GrammarCompiler, GrammarError, StructuredOutput, accepted_prefix, allow_all, fill_bitmask, fill_bitmasks_along,
+)
 
 SCHEMA = {
     "type": "object",
@@ -64,6 +66,25 @@ def test_matchers_are_independent_copies_of_one_compiled_grammar(compiler):
     t = np.arange(compiler.vocab_size)
     allowed = {tokenizer.decode([int(i)]) for i in np.nonzero((mask[0, t // 32] >> (t % 32)) & 1)[0]}
     assert allowed == {"y", "ye", "yes", "n", "no"}
+
+
+def test_speculative_guesses_are_cut_where_the_grammar_refuses_and_masked_along_the_rest(compiler):
+    phone = StructuredOutput("regex", PHONE)
+    tokenizer = compiler._tokenizer
+    good = tokenizer.encode("555-1234")
+    matcher = compiler.matcher(phone)
+    assert matcher.consume_tokens(good[:2])  # a row two tokens into its output
+    guesses = good[2:5] + tokenizer.encode("x") + good[5:]
+    assert accepted_prefix(matcher, guesses) == 3 and accepted_prefix(matcher, []) == 0
+    masks = np.stack([allow_all(2, compiler.vocab_size)] * 4)
+    fill_bitmasks_along(matcher, guesses[:3], masks, 1)
+    for j in range(4):  # a fresh matcher fed the same tokens allows the same next tokens
+        fresh = compiler.matcher(phone)
+        assert fresh.consume_tokens(good[:2] + guesses[:j])
+        expected = allow_all(1, compiler.vocab_size)
+        fill_bitmask(fresh, expected, 0)
+        assert (masks[j, 1] == expected[0]).all() and (masks[j, 0] == -1).all()
+    assert accepted_prefix(matcher, good[2:]) == len(good) - 2  # the matcher was rolled back
 
 
 # -- the sampler ---------------------------------------------------------------------------------------
