@@ -41,7 +41,8 @@ def forward(
     logits_rows: jax.Array | None = None,
     pool_segments: jax.Array | None = None,
     num_pool_segments: int = 0,
-) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, PooledHidden]:
+    hidden_sink: HiddenSink | None = None,
+) -> tuple:
     """Run ``tokens [B, S]`` through the model, writing their K/V into ``kv``.
 
     Returns float32 logits ``[B, S, V]`` if ``all_logits`` else ``[B, V]`` for each row's
@@ -57,6 +58,11 @@ def forward(
     With ``pool_segments [B, S]`` (a segment id per token, -1 for none) it also returns the
     final-normed hidden states of the tokens pooled per segment (``PooledHidden``: their sum
     over ``num_pool_segments`` segments, and each logits row's own), for embeddings.
+
+    With ``hidden_sink`` it writes every token's hidden states, as HF's
+    ``output_hidden_states`` numbers them (0: the embeddings, ``i``: the residual stream after
+    layer ``i - 1``, ``L``: the final-normed output), into the sink's buffers, and returns the
+    updated buffers last.
     """
     valid = (positions >= 0) & (positions < context_lens[:, None])
     block, offset = slot_indices(positions, block_tables, valid, kv.block_size)
@@ -73,9 +79,15 @@ def forward(
     eps = config.rms_norm_eps
 
     k_pool, v_pool = kv.k, kv.v
+    sink = None if hidden_sink is None else hidden_sink.write(0, x, valid)
     for i, lp in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):  # traces (``raylm profile``) read as layers and ops
             x, k_pool, v_pool = _layer(lp, config, batch, i, x, k_pool, v_pool)
+        if sink is not None and i + 1 < len(params.layers):
+            sink = sink.write(i + 1, x, valid)
+    if sink is not None:
+        with jax.named_scope("hidden_states"):
+            sink = sink.write(len(params.layers), rms_norm(x, params.final_norm, eps), valid)
 
     sums = None
     if pool_segments is not None:
@@ -99,9 +111,30 @@ def forward(
         logits = dense(x, head, kernel=cpu_kernels, out_dtype=jnp.float32)
     if not all_logits:
         logits = logits[:, 0]
+    out = (logits, KVCache(k_pool, v_pool))
     if sums is not None:
-        return logits, KVCache(k_pool, v_pool), pooled
-    return logits, KVCache(k_pool, v_pool)
+        out += (pooled,)
+    if sink is not None:
+        out += (sink.buffers,)
+    return out
+
+
+class HiddenSink(NamedTuple):
+    """Where a step writes hidden states: ``buffers [slots, L + 1, capacity, D]`` (float32), and
+    for each token its request's slot (``slots [B, S]``, out of range for none) and its index
+    in that slot's buffer (``index [B, S]``)."""
+
+    buffers: jax.Array
+    slots: jax.Array
+    index: jax.Array
+
+    def write(self, layer: int, x: jax.Array, valid: jax.Array) -> HiddenSink:
+        """Store ``x [B, S, D]`` as entry ``layer`` of the real tokens that have a slot."""
+        num_slots, _, capacity, _ = self.buffers.shape
+        keep = valid & (self.index >= 0) & (self.index < capacity)  # (a negative index would wrap)
+        slots = jnp.where(keep, self.slots, num_slots)  # out of range: dropped
+        buffers = self.buffers.at[slots, layer, self.index].set(x.astype(self.buffers.dtype), mode="drop")
+        return self._replace(buffers=buffers)
 
 
 class PooledHidden(NamedTuple):

@@ -36,7 +36,11 @@ _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "store", "metadata", "service_tier", "reasoning_effort", "modalities",
 }
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {
+    "prompt", "logprobs", "echo", "suffix", "best_of",
+    # hidden-state extraction (workers/hidden_states.py), raylm's extension
+    "return_hidden_states", "hidden_states_include_prompt",
+}
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "priority"}
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit
 _UNSUPPORTED_IF_SET = {"suffix", "modalities", "reasoning_effort", "functions"}
@@ -241,7 +245,7 @@ class RequestParser:
                 raise invalid("length_penalty needs use_beam_search", "length_penalty")
             return None
         for field in ("stop", "logprobs", "top_logprobs", "echo", "logit_bias", "response_format", "guided_json",
-                      "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+                      "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "return_hidden_states"):
             if body.get(field) not in (None, False, [], {}):
                 raise invalid(f"{field} cannot be combined with use_beam_search", field)
         max_tokens = params.max_tokens or self.max_model_len - max(map(len, prompts))
@@ -288,6 +292,8 @@ class RequestParser:
             "stop_token_ids": _optional(body, "stop_token_ids", list),
             "skip_special_tokens": _optional(body, "skip_special_tokens", bool),
             "include_stop_str_in_output": _optional(body, "include_stop_str_in_output", bool),
+            "return_hidden_states": _optional(body, "return_hidden_states", list),
+            "hidden_states_include_prompt": _optional(body, "hidden_states_include_prompt", bool),
         }
         if fields["temperature"] is not None and fields["temperature"] > 2:
             raise invalid(f"temperature must be in [0, 2], got {fields['temperature']}", "temperature")

@@ -9,8 +9,11 @@ and its arguments piece by piece, as OpenAI streams them.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from typing import Any
+
+import numpy as np
 
 from model import Tokenizer
 from router.protocol import ParsedRequest
@@ -25,6 +28,7 @@ class _Choice:
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     streamed: int = 0  # characters of content streamed (a reply that may call tools holds some back)
+    hidden_states: np.ndarray | None = None  # return_hidden_states: [layers, positions, D]
     tool_calls: ToolCallStream | None = None  # a streamed reply's calls, when the request offers tools
 
 
@@ -61,6 +65,8 @@ class ResponseBuilder:
                 choice.logprobs += delta.logprobs
             if delta.finish_reason is not None:
                 choice.finish_reason = _openai_finish_reason(delta.finish_reason)
+            if delta.hidden_states is not None:
+                choice.hidden_states = delta.hidden_states
             out.append((index, delta))
         return out
 
@@ -95,6 +101,7 @@ class ResponseBuilder:
                     "text": c.text,
                     "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0),
                     "finish_reason": c.finish_reason,
+                    **self._hidden_states(c.hidden_states),
                 }
                 for i, c in enumerate(self.choices)
             ]
@@ -123,7 +130,9 @@ class ResponseBuilder:
         text, calls, called = self._streamable(index, delta.text, finish is not None)
         if finish is not None and called:
             finish = _finish_with_calls(finish)
-        if not text and not calls and finish is None and not (self.parsed.logprobs is not None and delta.token_ids):
+        hidden = self._hidden_states(delta.hidden_states)
+        if (not text and not calls and finish is None and not hidden
+                and not (self.parsed.logprobs is not None and delta.token_ids)):
             return None
         if self.parsed.kind == "chat":
             message: dict[str, Any] = {"content": text} if text else {}
@@ -142,8 +151,18 @@ class ResponseBuilder:
                 "text": delta.text,
                 "logprobs": self._completion_logprobs(delta.token_ids, delta.logprobs or [], offset),
                 "finish_reason": finish,
+                **hidden,
             }
         return self._stream_chunk(choice)
+
+    def _hidden_states(self, hidden: np.ndarray | None) -> dict[str, Any]:
+        """The ``hidden_states`` field of a completion choice that asked for them: the layers,
+        the array's shape and its float32 bytes (little-endian, C order), base64-encoded."""
+        if hidden is None:
+            return {}
+        data = np.ascontiguousarray(hidden, dtype="<f4")
+        return {"hidden_states": {"layers": list(self.parsed.params.return_hidden_states), "shape": list(data.shape),
+                                  "dtype": "float32", "data": base64.b64encode(data.tobytes()).decode("ascii")}}
 
     def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """A chat reply's content and tool calls (none when the request offered no tools)."""

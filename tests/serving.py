@@ -39,6 +39,8 @@ TEST_DEPLOY: dict[str, Any] = {
         "num_scheduler_steps": 2,
         "scheduling_policy": "priority",
         "compilation_cache_dir": "~/.cache/raylm/jax",
+        "hidden_state_slots": 1,  # 4.6 MB of buffers for 64 positions of the bundled model
+        "hidden_state_max_tokens": 64,
     },
     "router": {"max_queue_size": 16, "prefix_routing": {"stats_period_s": 0.5, "imbalance_threshold_tokens": 1500}},
 }

@@ -21,6 +21,7 @@ from workers.engine_args import EngineArgs
 from workers.draft_loader import load_draft
 from workers.embedding import EmbeddingState
 from workers.engine_stats import EngineStats, remaining_work
+from workers.hidden_states import HiddenStateSlots, check_capture
 from workers.output_processor import request_output
 from workers.outputs import RequestOutput
 from workers.progress import StderrProgress
@@ -73,6 +74,7 @@ class LLMEngine:
             ),
             self.blocks,
             self.eos_ids,
+            HiddenStateSlots(args.hidden_state_slots),
         )
         self.draft_model = draft
         self.runner = ModelRunner(
@@ -82,6 +84,7 @@ class LLMEngine:
             draft=DraftModel(
                 draft.config, draft.params, KVCache.create(draft.config, num_blocks, args.block_size, kv_dtype, mesh)
             ) if draft else None,
+            hidden_state_buffers=(args.hidden_state_slots, args.hidden_state_max_tokens),
         )
         if args.warmup:
             self.runner.warmup(args.num_scheduler_steps, progress)
@@ -122,6 +125,13 @@ class LLMEngine:
             if params.n != 1 or params.structured_output is not None:
                 raise ValueError("an embedding request takes one sequence and no structured output")
             seqs[0].embedding = EmbeddingState(self.args.embedding_pooling)
+        if params.return_hidden_states is not None:
+            if params.n != 1 or embed:
+                raise ValueError("return_hidden_states takes one sequence (n = 1) and no embedding")
+            seqs[0].hidden = check_capture(
+                params.return_hidden_states, self.config.num_layers, len(prompt_ids), max_tokens,
+                params.hidden_states_include_prompt, self.args.hidden_state_slots, self.args.hidden_state_max_tokens,
+            )
         if params.structured_output is not None:  # each sequence follows the grammar on its own
             for seq in seqs:
                 seq.matcher = self.grammars.matcher(params.structured_output)
@@ -182,6 +192,9 @@ class LLMEngine:
         self.runner.copy_blocks(plan.block_copies)
         samples = self.runner.execute(plan.prefills, plan.decodes, plan.num_decode_steps, plan.guesses)
         progressed = self.scheduler.update_from_output(plan, samples, scheduled_at)
+        for seq in progressed:  # finished captures: read before the next step reuses their slot
+            if seq.finished and seq.hidden is not None:
+                seq.hidden.result = self.runner.read_hidden_states(seq.hidden, seq.num_tokens)
 
         outputs = []
         for state in {seq.request_id: self.requests[seq.request_id] for seq in progressed}.values():

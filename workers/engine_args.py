@@ -46,6 +46,10 @@ class EngineArgs:
     # Speculative decoding (workers/speculative.py); a mapping is accepted and parsed.
     speculative: SpeculativeConfig | None = None
     embedding_pooling: str = "mean"  # embedding requests: "mean" of the prompt's hidden states, or "last"
+    # Hidden-state extraction (workers/hidden_states.py): requests served at once (0: off) and
+    # positions each may capture; the buffers take slots x (layers + 1) x tokens x hidden x 4 bytes.
+    hidden_state_slots: int = 0
+    hidden_state_max_tokens: int = 1024
 
     def keep_gguf_blocks(self) -> bool:
         """Whether this replica loads a GGUF's block matrices as stored."""
@@ -72,6 +76,13 @@ class EngineArgs:
         parse_quantization(self.quantization)  # likewise
         keep_gguf_blocks(self.gguf_blocks, self.dtype, self.tensor_parallel_size)  # likewise, and an impossible keep
         EmbeddingState(self.embedding_pooling)  # likewise
+        if not (isinstance(self.hidden_state_slots, int) and self.hidden_state_slots >= 0):
+            raise ValueError(f"hidden_state_slots must be an integer >= 0, got {self.hidden_state_slots!r}")
+        if not (isinstance(self.hidden_state_max_tokens, int) and self.hidden_state_max_tokens >= 1):
+            raise ValueError(f"hidden_state_max_tokens must be an integer >= 1, got {self.hidden_state_max_tokens!r}")
+        if self.hidden_state_slots and self.speculative is not None:
+            raise ValueError("hidden-state extraction does not combine with speculative decoding; "
+                             "set hidden_state_slots to 0 or remove speculative")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -108,6 +108,7 @@ def completion_output(seq: Sequence) -> CompletionOutput:
         stop_reason=seq.stop_reason,
         text_delta=visible[seq.emitted :],
         token_ids_delta=seq.output_ids[seq.emitted_tokens :],
+        hidden_states=seq.hidden.result if seq.hidden is not None else None,
     )
     seq.emitted, seq.emitted_tokens = len(visible), len(seq.output_ids)
     return out

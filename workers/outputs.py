@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 # One position's logprobs: token id -> logprob (the sampled token always included).
 TokenLogprobs = dict[int, float]
 
@@ -21,6 +23,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     text_delta: str = ""
     token_ids_delta: list[int] = dataclasses.field(default_factory=list)
+    # SamplingParams.return_hidden_states, in the final output: float32 [layers, positions, D]
+    hidden_states: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,8 +7,9 @@ step would ship O(n^2) tokens through Ray for a long completion.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
+
+import numpy as np
 
 from cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
 from workers.beam_search import BeamSearchParams
@@ -48,6 +49,7 @@ class ChoiceDelta:
     logprobs: list[TokenLogprobs] | None  # one entry per token in ``token_ids``
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    hidden_states: np.ndarray | None = None  # SamplingParams.return_hidden_states, with the finish
 
 
 @dataclasses.dataclass
@@ -84,6 +86,7 @@ def chunk_from_output(output: RequestOutput, reported_finished: set[int]) -> Gen
                 logprobs=logprobs,
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
+                hidden_states=completion.hidden_states if newly_finished else None,
             )
         )
     return GenerateChunk(

@@ -30,8 +30,9 @@ from jax.sharding import Mesh
 
 from model import KVCache, ModelConfig, ModelParams, forward, paged_decode, shard_params
 from model.attention import copy_blocks
-from model.forward import PooledHidden
+from model.forward import HiddenSink, PooledHidden
 from model.buckets import bucket, cdiv, power_buckets
+from workers.hidden_states import HiddenStateCapture
 from workers.sampler import (
     SampleResult,
     SamplingBatch,
@@ -53,65 +54,92 @@ MIN_WIDTH_BUCKET = 8
 @functools.partial(
     jax.jit,
     static_argnames=("config", "draft_config", "num_logprobs", "with_penalties", "num_pool_segments"),
-    donate_argnames=("kv", "draft_kv"),
+    donate_argnames=("kv", "draft_kv", "hidden_buffers"),
 )
 def _prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block_tables, context_lens, sbatch,
-                     pool_segments=None, *, config, draft_config, num_logprobs, with_penalties, num_pool_segments=0):
+                     pool_segments=None, hidden_buffers=None, hidden_where=None, *, config, draft_config,
+                     num_logprobs, with_penalties, num_pool_segments=0):
     """Prompt chunks a row each (``tokens [B, S]``), attention by the jnp path (see
     ``_packed_prefill_program`` for the kernel's). A draft model (``draft_config``) computes
     the same chunks into its own pool, so it can propose from the prompt on. With
-    ``pool_segments`` it also returns the chunks' pooled hidden states (embeddings)."""
-    out = forward(params, config, tokens, positions, kv, block_tables, context_lens, pool_segments=pool_segments,
-                  num_pool_segments=num_pool_segments)
-    logits, kv, pooled = out if pool_segments is not None else (*out, None)
+    ``pool_segments`` it also returns the chunks' pooled hidden states (embeddings); with
+    ``hidden_buffers`` (donated) and ``hidden_where`` (each token's slot and index, see
+    ``model.forward.HiddenSink``) it writes their hidden states there and returns the buffers
+    last (else None)."""
+    hidden = _sink(hidden_buffers, hidden_where)
+    logits, kv, pooled, hidden = _forward_extras(forward(
+        params, config, tokens, positions, kv, block_tables, context_lens, pool_segments=pool_segments,
+        num_pool_segments=num_pool_segments, hidden_sink=hidden), pool_segments, hidden)
     if draft_config is not None:
         _, draft_kv = forward(draft_params, draft_config, tokens, positions, draft_kv, block_tables, context_lens)
-    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled
+    return (sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled,
+            hidden)
+
+
+def _sink(buffers: jax.Array | None, where: tuple | None) -> HiddenSink | None:
+    return None if buffers is None else HiddenSink(buffers, *where)
+
+
+def _forward_extras(out: tuple, pool_segments, hidden) -> tuple:
+    """``forward``'s result as (logits, kv, pooled or None, hidden buffers or None)."""
+    logits, kv, *extras = out
+    pooled = extras.pop(0) if pool_segments is not None else None
+    return logits, kv, pooled, extras.pop(0) if hidden is not None else None
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("config", "draft_config", "num_logprobs", "with_penalties", "num_pool_segments"),
-    donate_argnames=("kv", "draft_kv"),
+    donate_argnames=("kv", "draft_kv", "hidden_buffers"),
 )
 def _packed_prefill_program(params, kv, draft_params, draft_kv, tokens, positions, token_rows, block_tables,
-                            last_tokens, sbatch, pool_segments=None, *, config, draft_config, num_logprobs,
-                            with_penalties, num_pool_segments=0):
+                            last_tokens, sbatch, pool_segments=None, hidden_buffers=None, hidden_where=None, *,
+                            config, draft_config, num_logprobs, with_penalties, num_pool_segments=0):
     """Prompt chunks packed one token per row (``tokens [T]``, padding at position -1), attention
     by the paged kernel; ``token_rows [T]`` picks each token's chunk in ``block_tables [R, P]``
     and ``last_tokens [R]`` each chunk's last token, whose logits are sampled. A draft model
-    computes the same tokens into its own pool."""
+    computes the same tokens into its own pool. ``hidden_*`` as in ``_prefill_program``, one
+    slot and index per token (``[T, 1]``)."""
+    hidden = _sink(hidden_buffers, hidden_where)
     context_lens = jnp.where(positions >= 0, positions + 1, 0)
     tables = block_tables[token_rows]
-    out = forward(params, config, tokens[:, None], positions[:, None], kv, tables, context_lens, cpu_kernels=True,
-                  logits_rows=last_tokens, pool_segments=None if pool_segments is None else pool_segments[:, None],
-                  num_pool_segments=num_pool_segments)
-    logits, kv, pooled = out if pool_segments is not None else (*out, None)
+    logits, kv, pooled, hidden = _forward_extras(forward(
+        params, config, tokens[:, None], positions[:, None], kv, tables, context_lens, cpu_kernels=True,
+        logits_rows=last_tokens, pool_segments=None if pool_segments is None else pool_segments[:, None],
+        num_pool_segments=num_pool_segments, hidden_sink=hidden), pool_segments, hidden)
     if draft_config is not None:
         _, draft_kv = forward(draft_params, draft_config, tokens[:, None], positions[:, None], draft_kv, tables,
                               context_lens, cpu_kernels=True, logits_rows=last_tokens[:1])
-    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled
+    return (sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled,
+            hidden)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("config", "num_steps", "num_logprobs", "with_penalties", "cpu_kernels"),
-    donate_argnames=("kv",),
+    donate_argnames=("kv", "hidden_buffers"),
 )
-def _decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, *, config, num_steps,
-                    num_logprobs, with_penalties, cpu_kernels):
-    """``num_steps`` decode steps with sampling in one call; rows stop writing at ``limits``."""
+def _decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, hidden_buffers=None,
+                    hidden_where=None, *, config, num_steps, num_logprobs, with_penalties, cpu_kernels):
+    """``num_steps`` decode steps with sampling in one call; rows stop writing at ``limits``.
+    With ``hidden_*`` as in ``_prefill_program`` (``[B, 1]``: each row's slot and its index
+    at the first step) every step writes its rows' hidden states there, without leaving the
+    device; the buffers are returned last (else None)."""
+    hidden = _sink(hidden_buffers, hidden_where)
 
     def step(carry, _):
-        kv, tokens, positions, sbatch = carry
+        kv, tokens, positions, sbatch, hidden = carry
         context_lens = jnp.where(positions < limits, positions + 1, 0)
-        logits, kv = forward(params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens,
-                             cpu_kernels=cpu_kernels)
+        logits, kv, _, buffers = _forward_extras(forward(
+            params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens,
+            cpu_kernels=cpu_kernels, hidden_sink=hidden), None, hidden)
+        if hidden is not None:
+            hidden = hidden._replace(buffers=buffers, index=hidden.index + 1)
         result = sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties)
-        return (kv, result.tokens, positions + 1, advance(sbatch, result.tokens)), result
+        return (kv, result.tokens, positions + 1, advance(sbatch, result.tokens), hidden), result
 
-    (kv, *_), results = jax.lax.scan(step, (kv, tokens, positions, sbatch), None, length=num_steps)
-    return results, kv
+    (kv, *_, hidden), results = jax.lax.scan(step, (kv, tokens, positions, sbatch, hidden), None, length=num_steps)
+    return results, kv, None if hidden is None else hidden.buffers
 
 
 def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_kernels, last_only):
@@ -235,6 +263,12 @@ def _pooling_args(chunks: list[ScheduledChunk], rows: int, token_rows: np.ndarra
     return dict(pool_segments=np.where(pooled[token_rows], token_rows, -1).astype(np.int32), num_pool_segments=rows)
 
 
+@jax.jit
+def _read_hidden(buffers: jax.Array, slot: jax.Array, layers: jax.Array) -> jax.Array:
+    """``buffers[slot, layers]``: one program per number of layers, whichever slot."""
+    return buffers[slot][layers]
+
+
 @functools.partial(jax.jit, static_argnames=("cpu_kernels",), donate_argnames=("kv",))
 def _copy_blocks(kv: KVCache, src: jax.Array, dst: jax.Array, *, cpu_kernels: bool) -> KVCache:
     """Copy blocks ``src`` to ``dst`` in every layer (``model.attention.copy_blocks``)."""
@@ -268,6 +302,7 @@ class ModelRunner:
         eos_ids: frozenset[int],
         speculative: SpeculativeConfig | None = None,
         draft: DraftModel | None = None,
+        hidden_state_buffers: tuple[int, int] = (0, 0),
     ):
         self.config = config
         self.mesh = mesh
@@ -284,6 +319,30 @@ class ModelRunner:
             draft = dataclasses.replace(draft, params=shard_params(draft.params, draft.config, mesh))
         self.draft = draft
         self.spec_stats = SpecDecodeStats()
+        # Hidden-state extraction (workers/hidden_states.py): [slots, L + 1, max_tokens, D].
+        slots, max_tokens = hidden_state_buffers
+        self.hidden_buffers = jnp.zeros((slots, config.num_layers + 1, max_tokens, config.hidden_size), jnp.float32) \
+            if slots else None
+
+    def _hidden_sink(self, seqs: list[Sequence | None], positions: np.ndarray) -> dict:
+        """The ``hidden`` argument of a program whose token ``[b, s]`` belongs to ``seqs[b]``
+        at ``positions[b, s]``; none (the program without it) when no sequence captures."""
+        if not any(s is not None and s.hidden is not None for s in seqs):
+            return {}
+        num_slots = self.hidden_buffers.shape[0]
+        slots = np.full(positions.shape, num_slots, np.int32)
+        index = np.zeros(positions.shape, np.int32)
+        for b, seq in enumerate(seqs):
+            if seq is not None and seq.hidden is not None:
+                slots[b] = seq.hidden.slot
+                index[b] = positions[b] - seq.hidden.start
+        return {"hidden_buffers": self.hidden_buffers, "hidden_where": (slots, index)}
+
+    def read_hidden_states(self, capture: HiddenStateCapture, num_tokens: int) -> np.ndarray:
+        """A finished capture's requested layers, ``[layers, positions, D]`` (one transfer)."""
+        count = capture.count(num_tokens)
+        layers = _read_hidden(self.hidden_buffers, np.int32(capture.slot), np.asarray(capture.layers, np.int32))
+        return np.asarray(jax.device_get(layers))[:, :count].copy()
 
     @property
     def _draft_args(self) -> tuple:
@@ -293,6 +352,11 @@ class ModelRunner:
     @property
     def _draft_config(self) -> ModelConfig | None:
         return self.draft.config if self.draft else None
+
+    def _keep_hidden(self, buffers: jax.Array | None) -> None:
+        """A program's updated hidden-state buffers (it was given them donated)."""
+        if buffers is not None:
+            self.hidden_buffers = buffers
 
     def _set_draft_kv(self, kv: KVCache | None) -> None:
         if self.draft is not None:
@@ -448,12 +512,15 @@ class ModelRunner:
             at += n
         sbatch, flags = self._sampling(seqs, rows)
         pooling = _pooling_args(chunks, rows, token_rows)
-        result, self.kv, draft_kv, pooled = _packed_prefill_program(
+        token_seqs = [seqs[r] if p >= 0 else None for r, p in zip(token_rows, positions)]
+        sink = self._hidden_sink(token_seqs, positions[:, None])
+        result, self.kv, draft_kv, pooled, hidden = _packed_prefill_program(
             self.params, self.kv, *self._draft_args, tokens, positions, token_rows,
             self._block_table(seqs, rows, self.max_width), last_tokens, sbatch, config=self.config,
-            draft_config=self._draft_config, **flags, **pooling,
+            draft_config=self._draft_config, **flags, **pooling, **sink,
         )
         self._set_draft_kv(draft_kv)
+        self._keep_hidden(hidden)
         return self._collect_chunks(chunks, result, pooled)
 
     def _dispatch_prefill(
@@ -472,11 +539,13 @@ class ModelRunner:
             context[r] = start + n
         sbatch, flags = self._sampling(seqs, rows)
         pooling = _pooling_args(chunks, rows, np.arange(rows)[:, None].repeat(length, 1))
-        result, self.kv, draft_kv, pooled = _prefill_program(
+        sink = self._hidden_sink(seqs + [None] * (rows - len(seqs)), positions)
+        result, self.kv, draft_kv, pooled, hidden = _prefill_program(
             self.params, self.kv, *self._draft_args, tokens, positions, self._block_table(seqs, rows, width),
-            context, sbatch, config=self.config, draft_config=self._draft_config, **flags, **pooling,
+            context, sbatch, config=self.config, draft_config=self._draft_config, **flags, **pooling, **sink,
         )
         self._set_draft_kv(draft_kv)
+        self._keep_hidden(hidden)
         return self._collect_chunks(chunks, result, pooled)
 
     @staticmethod
@@ -515,10 +584,12 @@ class ModelRunner:
             positions[r] = seq.num_tokens - 1
             limits[r] = min(len(seq.block_ids) * self.block_size, seq.num_tokens - 1 + num_steps)
         sbatch, flags = self._sampling(seqs, rows)
-        results, self.kv = _decode_program(
+        sink = self._hidden_sink(seqs + [None] * (rows - len(seqs)), positions[:, None])
+        results, self.kv, hidden = _decode_program(
             self.params, self.kv, tokens, positions, self._block_table(seqs, rows, width), limits, sbatch,
-            config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels, **flags,
+            config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels, **flags, **sink,
         )
+        self._keep_hidden(hidden)
 
         def collect() -> dict[int, list[SampleResult]]:
             fetched = jax.device_get(results)
@@ -663,7 +734,7 @@ class ModelRunner:
         draft = dict(draft_config=self._draft_config)
         if kind == "packed":
             (num_tokens,) = dims
-            _, self.kv, draft_kv, _ = _packed_prefill_program(
+            _, self.kv, draft_kv, _, _ = _packed_prefill_program(
                 self.params, self.kv, *self._draft_args, zeros(num_tokens), np.full(num_tokens, -1, np.int32),
                 zeros(num_tokens), zeros(rows, self.max_width), zeros(rows), sbatch, config=self.config, **draft,
                 **flags,
@@ -671,7 +742,7 @@ class ModelRunner:
             self._set_draft_kv(draft_kv)
         elif kind == "prefill":
             _, length, width = dims
-            _, self.kv, draft_kv, _ = _prefill_program(
+            _, self.kv, draft_kv, _, _ = _prefill_program(
                 self.params, self.kv, *self._draft_args, zeros(rows, length), zeros(rows, length),
                 zeros(rows, width), zeros(rows), sbatch, config=self.config, **draft, **flags,
             )
@@ -686,7 +757,7 @@ class ModelRunner:
             self._set_draft_kv(draft_kv)
         else:
             _, width, steps = dims
-            _, self.kv = _decode_program(
+            _, self.kv, _ = _decode_program(
                 self.params, self.kv, zeros(rows), zeros(rows), zeros(rows, width), zeros(rows), sbatch,
                 config=self.config, num_steps=steps, cpu_kernels=self.cpu_kernels, **flags,
             )

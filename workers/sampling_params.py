@@ -43,6 +43,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
     structured_output: StructuredOutput | None = None  # a grammar the output must follow
+    # Hidden states of these layers (HF's numbering: 0 embeddings .. L final-normed output)
+    # for every generated token, and the prompt's with ``hidden_states_include_prompt``
+    # (workers/hidden_states.py): ``CompletionOutput.hidden_states [layers, positions, D]``.
+    return_hidden_states: Sequence[int] | None = None
+    hidden_states_include_prompt: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +99,11 @@ class SamplingParams:
                   for b in bias.values()), "logit_bias values must be numbers in [-100, 100]")
         check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
               "structured_output must be a StructuredOutput")
+        layers = self.return_hidden_states
+        check(layers is None or (isinstance(layers, (list, tuple)) and 0 < len(layers) <= 1024
+                                 and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)),
+              "return_hidden_states must be a non-empty list of layer indices")
+        check(isinstance(self.hidden_states_include_prompt, bool), "hidden_states_include_prompt must be a boolean")
 
     @property
     def greedy(self) -> bool:

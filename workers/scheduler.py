@@ -22,6 +22,7 @@ import time
 from typing import Iterable, Mapping
 
 from workers.block_manager import BlockManager, PrefixLookup
+from workers.hidden_states import HiddenStateSlots
 from workers.output_processor import append_token
 from workers.sampler import SampleResult
 from workers.sequence import Sequence, SequenceStatus
@@ -85,10 +86,12 @@ class Scheduler:
     """Owns the waiting and running queues and every sequence's progress; the engine feeds it
     sequences and each step's samples."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, eos_ids: frozenset[int] = frozenset()):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, eos_ids: frozenset[int] = frozenset(),
+                 hidden_slots: HiddenStateSlots | None = None):
         self.config = config
         self.blocks = blocks
         self.eos_ids = eos_ids
+        self.hidden_slots = hidden_slots or HiddenStateSlots(0)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -110,6 +113,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
+        if seq.hidden is not None:
+            self.hidden_slots.release(seq.hidden)
         seq.status = SequenceStatus.FINISHED
 
     def _preempt(self, victim: Sequence, preempted: list[Sequence]) -> None:
@@ -217,8 +222,9 @@ class Scheduler:
                 break
             if seq in preempted:
                 break  # do not re-admit what this step just evicted
-            lookup = self.blocks.reuse_cached_prefix(seq) if seq.embedding is None or \
-                seq.embedding.reuses_cached_prefix else None
+            if seq.hidden is not None and not self.hidden_slots.acquire(seq.hidden):
+                continue  # waits for a hidden-state buffer; others go ahead
+            lookup = self.blocks.reuse_cached_prefix(seq) if _reuses_cached_prefix(seq) else None
             want = min(seq.num_uncomputed_tokens, budget)
             if not self._may_compute(seq, want):
                 self.blocks.free(seq)
@@ -299,3 +305,11 @@ class Scheduler:
         self.blocks.commit_computed_blocks(seq)
         if seq.finished:
             self.remove(seq)
+
+
+def _reuses_cached_prefix(seq: Sequence) -> bool:
+    """Whether ``seq`` may skip cached prompt blocks: not when it needs the hidden states of
+    every prompt token (mean-pooled embeddings, hidden states with the prompt)."""
+    if seq.embedding is not None and not seq.embedding.reuses_cached_prefix:
+        return False
+    return seq.hidden is None or not seq.hidden.includes_prompt

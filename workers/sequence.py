@@ -14,6 +14,7 @@ from typing import Any
 
 from model import IncrementalDetokenizer, Tokenizer
 from workers.embedding import EmbeddingState
+from workers.hidden_states import HiddenStateCapture
 from workers.outputs import TokenLogprobs
 from workers.sampling_params import SamplingParams
 
@@ -69,6 +70,8 @@ class Sequence:
     matcher: Any = None
     # Embedding requests: the pooling of the prompt's hidden states (no tokens are sampled).
     embedding: EmbeddingState | None = None
+    # Hidden-state extraction: the layers asked for, the device slot, and the result.
+    hidden: HiddenStateCapture | None = None
 
     @classmethod
     def create(

@@ -256,3 +256,44 @@ def test_beam_search_through_the_api(client, raylm_app, bundled_model):
         client.completions.create(model=raylm_app.model, prompt=prompt, n=2, max_tokens=4, stop=["."],
                                   extra_body={"use_beam_search": True})
     assert err.value.body["param"] == "stop"
+
+
+def test_hidden_states_through_the_api(client, raylm_app, bundled_model):
+    """raylm's extension on /v1/completions: the layers asked for, base64 float32, equal to the
+    offline engine's; streamed, they come with the finish. Bad asks are 400s."""
+    import base64
+
+    import httpx
+    import numpy as np
+
+    from workers import LLM
+
+    prompt, layers = "The capital of France is", [0, 7, bundled_model.config.num_layers]
+    extra = {"return_hidden_states": layers, "hidden_states_include_prompt": True}
+    reply = client.completions.create(model=raylm_app.model, prompt=prompt, max_tokens=6, temperature=0,
+                                      extra_body=extra).model_dump()["choices"][0]
+    hidden = reply["hidden_states"]
+    array = np.frombuffer(base64.b64decode(hidden["data"]), "<f4").reshape(hidden["shape"])
+    offline = LLM(bundled_model, **TEST_DEPLOY["engine"]).generate(
+        prompt, SamplingParams(max_tokens=6, temperature=0, return_hidden_states=layers,
+                               hidden_states_include_prompt=True))[0]
+    assert hidden["layers"] == layers and hidden["dtype"] == "float32"
+    assert array.shape == offline.outputs[0].hidden_states.shape
+    assert array.shape[1] == len(offline.prompt_token_ids) + 6 - 1
+    np.testing.assert_allclose(array, offline.outputs[0].hidden_states, atol=1e-4, rtol=1e-4)
+
+    stream = client.completions.create(model=raylm_app.model, prompt=prompt, max_tokens=6, temperature=0,
+                                       stream=True, extra_body=extra)
+    finals = [c.model_dump()["choices"][0] for c in stream if c.choices and c.choices[0].finish_reason]
+    assert finals and finals[-1]["hidden_states"]["shape"] == hidden["shape"]
+
+    for body, param in [({"return_hidden_states": [999]}, None), ({"return_hidden_states": "all"}, "return_hidden_states"),
+                        ({"return_hidden_states": [1], "n": 2}, None)]:
+        response = httpx.post(f"{raylm_app.base_url}/v1/completions", timeout=60,
+                              json={"model": raylm_app.model, "prompt": prompt, "max_tokens": 4, **body})
+        assert response.status_code == 400, response.text
+        if param:
+            assert response.json()["error"]["param"] == param
+    chat = httpx.post(f"{raylm_app.base_url}/v1/chat/completions", timeout=60, json={
+        "model": raylm_app.model, "messages": QUESTION, "return_hidden_states": [1]})
+    assert chat.status_code == 400 and "return_hidden_states" in chat.text
