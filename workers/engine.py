@@ -125,6 +125,8 @@ class LLMEngine:
             if params.n != 1 or params.structured_output is not None:
                 raise ValueError("an embedding request takes one sequence and no structured output")
             seqs[0].embedding = EmbeddingState(self.args.embedding_pooling)
+        if params.logits_processors and (embed or self.args.speculative is not None):
+            raise ValueError("logits_processors do not combine with speculative decoding or embeddings")
         if params.return_hidden_states is not None:
             if params.n != 1 or embed:
                 raise ValueError("return_hidden_states takes one sequence (n = 1) and no embedding")
@@ -201,7 +203,18 @@ class LLMEngine:
             outputs.append(request_output(state, final=state.finished))
             if state.finished:
                 del self.requests[state.request_id]
+        outputs += self._abort_failed_processors()
         return outputs
+
+    def _abort_failed_processors(self) -> list[RequestOutput]:
+        """Requests whose logits processor failed this step end now ("abort"; it was logged)."""
+        failed = self.runner.processor_failures
+        if not failed:
+            return []
+        ended = [self.abort(state.request_id) for state in list(self.requests.values())
+                 if any(seq.seq_id in failed for seq in state.seqs)]
+        failed.clear()
+        return [out for out in ended if out is not None]
 
     # -- introspection -----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 from typing import Callable, Iterable, Mapping
 
 import jax
@@ -33,6 +34,7 @@ from model.attention import copy_blocks
 from model.forward import HiddenSink, PooledHidden
 from model.buckets import bucket, cdiv, power_buckets
 from workers.hidden_states import HiddenStateCapture
+from workers.logits_processors import LogitsProcessorError, apply_processors
 from workers.sampler import (
     SampleResult,
     SamplingBatch,
@@ -47,25 +49,28 @@ from workers.sequence import Sequence
 from workers.speculative import SpecDecodeStats, SpeculativeConfig, propose_ngram
 from workers.structured_output import accepted_prefix, allow_all, fill_bitmask, fill_bitmasks_along
 
+logger = logging.getLogger(__name__)
+
 MIN_TOKEN_BUCKET = 16
 MIN_WIDTH_BUCKET = 8
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties", "num_pool_segments"),
+    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties", "num_pool_segments", "return_logits"),
     donate_argnames=("kv", "draft_kv", "hidden_buffers"),
 )
 def _prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block_tables, context_lens, sbatch,
                      pool_segments=None, hidden_buffers=None, hidden_where=None, *, config, draft_config,
-                     num_logprobs, with_penalties, num_pool_segments=0):
+                     num_logprobs, with_penalties, num_pool_segments=0, return_logits=False):
     """Prompt chunks a row each (``tokens [B, S]``), attention by the jnp path (see
     ``_packed_prefill_program`` for the kernel's). A draft model (``draft_config``) computes
     the same chunks into its own pool, so it can propose from the prompt on. With
     ``pool_segments`` it also returns the chunks' pooled hidden states (embeddings); with
     ``hidden_buffers`` (donated) and ``hidden_where`` (each token's slot and index, see
     ``model.forward.HiddenSink``) it writes their hidden states there and returns the buffers
-    last (else None)."""
+    last (else None). With ``return_logits`` the sampled logits come last too (logits
+    processors run on them on the host; ``workers/logits_processors.py``)."""
     hidden = _sink(hidden_buffers, hidden_where)
     logits, kv, pooled, hidden = _forward_extras(forward(
         params, config, tokens, positions, kv, block_tables, context_lens, pool_segments=pool_segments,
@@ -73,7 +78,7 @@ def _prefill_program(params, kv, draft_params, draft_kv, tokens, positions, bloc
     if draft_config is not None:
         _, draft_kv = forward(draft_params, draft_config, tokens, positions, draft_kv, block_tables, context_lens)
     return (sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled,
-            hidden)
+            hidden, logits if return_logits else None)
 
 
 def _sink(buffers: jax.Array | None, where: tuple | None) -> HiddenSink | None:
@@ -89,17 +94,18 @@ def _forward_extras(out: tuple, pool_segments, hidden) -> tuple:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties", "num_pool_segments"),
+    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties", "num_pool_segments", "return_logits"),
     donate_argnames=("kv", "draft_kv", "hidden_buffers"),
 )
 def _packed_prefill_program(params, kv, draft_params, draft_kv, tokens, positions, token_rows, block_tables,
                             last_tokens, sbatch, pool_segments=None, hidden_buffers=None, hidden_where=None, *,
-                            config, draft_config, num_logprobs, with_penalties, num_pool_segments=0):
+                            config, draft_config, num_logprobs, with_penalties, num_pool_segments=0,
+                            return_logits=False):
     """Prompt chunks packed one token per row (``tokens [T]``, padding at position -1), attention
     by the paged kernel; ``token_rows [T]`` picks each token's chunk in ``block_tables [R, P]``
     and ``last_tokens [R]`` each chunk's last token, whose logits are sampled. A draft model
-    computes the same tokens into its own pool. ``hidden_*`` as in ``_prefill_program``, one
-    slot and index per token (``[T, 1]``)."""
+    computes the same tokens into its own pool. ``hidden_*`` and ``return_logits`` as in
+    ``_prefill_program``, one slot and index per token (``[T, 1]``)."""
     hidden = _sink(hidden_buffers, hidden_where)
     context_lens = jnp.where(positions >= 0, positions + 1, 0)
     tables = block_tables[token_rows]
@@ -111,20 +117,22 @@ def _packed_prefill_program(params, kv, draft_params, draft_kv, tokens, position
         _, draft_kv = forward(draft_params, draft_config, tokens[:, None], positions[:, None], draft_kv, tables,
                               context_lens, cpu_kernels=True, logits_rows=last_tokens[:1])
     return (sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled,
-            hidden)
+            hidden, logits if return_logits else None)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "num_steps", "num_logprobs", "with_penalties", "cpu_kernels"),
+    static_argnames=("config", "num_steps", "num_logprobs", "with_penalties", "cpu_kernels", "return_logits"),
     donate_argnames=("kv", "hidden_buffers"),
 )
 def _decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, hidden_buffers=None,
-                    hidden_where=None, *, config, num_steps, num_logprobs, with_penalties, cpu_kernels):
+                    hidden_where=None, *, config, num_steps, num_logprobs, with_penalties, cpu_kernels,
+                    return_logits=False):
     """``num_steps`` decode steps with sampling in one call; rows stop writing at ``limits``.
     With ``hidden_*`` as in ``_prefill_program`` (``[B, 1]``: each row's slot and its index
     at the first step) every step writes its rows' hidden states there, without leaving the
-    device; the buffers are returned last (else None)."""
+    device; the buffers are returned next (else None), then with ``return_logits`` every
+    step's logits ``[num_steps, B, V]`` (else None)."""
     hidden = _sink(hidden_buffers, hidden_where)
 
     def step(carry, _):
@@ -136,10 +144,12 @@ def _decode_program(params, kv, tokens, positions, block_tables, limits, sbatch,
         if hidden is not None:
             hidden = hidden._replace(buffers=buffers, index=hidden.index + 1)
         result = sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties)
-        return (kv, result.tokens, positions + 1, advance(sbatch, result.tokens), hidden), result
+        carry = (kv, result.tokens, positions + 1, advance(sbatch, result.tokens), hidden)
+        return carry, (result, logits if return_logits else None)
 
-    (kv, *_, hidden), results = jax.lax.scan(step, (kv, tokens, positions, sbatch, hidden), None, length=num_steps)
-    return results, kv, None if hidden is None else hidden.buffers
+    (kv, *_, hidden), (results, logits) = jax.lax.scan(
+        step, (kv, tokens, positions, sbatch, hidden), None, length=num_steps)
+    return results, kv, None if hidden is None else hidden.buffers, logits
 
 
 def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_kernels, last_only):
@@ -263,6 +273,17 @@ def _pooling_args(chunks: list[ScheduledChunk], rows: int, token_rows: np.ndarra
     return dict(pool_segments=np.where(pooled[token_rows], token_rows, -1).astype(np.int32), num_pool_segments=rows)
 
 
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "with_penalties"))
+def _resample(logits: jax.Array, sbatch: SamplingBatch, *, num_logprobs: int, with_penalties: bool) -> SampleResult:
+    """``sample`` again, on logits the host's logits processors rewrote."""
+    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties)
+
+
+def _logits_flag(seqs: list[Sequence]) -> dict:
+    """A program returns its logits only when a row has logits processors (another variant)."""
+    return {"return_logits": True} if any(s.params.logits_processors for s in seqs) else {}
+
+
 @jax.jit
 def _read_hidden(buffers: jax.Array, slot: jax.Array, layers: jax.Array) -> jax.Array:
     """``buffers[slot, layers]``: one program per number of layers, whichever slot."""
@@ -319,6 +340,8 @@ class ModelRunner:
             draft = dataclasses.replace(draft, params=shard_params(draft.params, draft.config, mesh))
         self.draft = draft
         self.spec_stats = SpecDecodeStats()
+        # Requests whose logits processor failed this step (seq_id -> error): the engine aborts them.
+        self.processor_failures: dict[int, str] = {}
         # Hidden-state extraction (workers/hidden_states.py): [slots, L + 1, max_tokens, D].
         slots, max_tokens = hidden_state_buffers
         self.hidden_buffers = jnp.zeros((slots, config.num_layers + 1, max_tokens, config.hidden_size), jnp.float32) \
@@ -449,7 +472,7 @@ class ModelRunner:
         else:
             pending = [self._dispatch_prefill(group, length) for group, length in self._prefill_groups(chunks)]
         if seqs:
-            assert num_steps == 1 or all(s.matcher is None for s in seqs), "structured output decodes one step at a time"
+            assert num_steps == 1 or not any(s.host_before_each_token for s in seqs), "one step at a time"
             pending.append(self._dispatch_decode_step(seqs, num_steps, guesses or {}))
         out: dict[int, list[SampleResult]] = {}
         for collect in pending:
@@ -514,14 +537,15 @@ class ModelRunner:
         pooling = _pooling_args(chunks, rows, token_rows)
         token_seqs = [seqs[r] if p >= 0 else None for r, p in zip(token_rows, positions)]
         sink = self._hidden_sink(token_seqs, positions[:, None])
-        result, self.kv, draft_kv, pooled, hidden = _packed_prefill_program(
+        result, self.kv, draft_kv, pooled, hidden, logits = _packed_prefill_program(
             self.params, self.kv, *self._draft_args, tokens, positions, token_rows,
             self._block_table(seqs, rows, self.max_width), last_tokens, sbatch, config=self.config,
-            draft_config=self._draft_config, **flags, **pooling, **sink,
+            draft_config=self._draft_config, **flags, **pooling, **sink, **_logits_flag(seqs),
         )
         self._set_draft_kv(draft_kv)
         self._keep_hidden(hidden)
-        return self._collect_chunks(chunks, result, pooled)
+        return self._collect_chunks(chunks, result, pooled, self._processing(
+            seqs, logits, sbatch, flags, [c.samples for c in chunks]))
 
     def _dispatch_prefill(
         self, chunks: list[ScheduledChunk], length: int
@@ -540,20 +564,53 @@ class ModelRunner:
         sbatch, flags = self._sampling(seqs, rows)
         pooling = _pooling_args(chunks, rows, np.arange(rows)[:, None].repeat(length, 1))
         sink = self._hidden_sink(seqs + [None] * (rows - len(seqs)), positions)
-        result, self.kv, draft_kv, pooled, hidden = _prefill_program(
+        result, self.kv, draft_kv, pooled, hidden, logits = _prefill_program(
             self.params, self.kv, *self._draft_args, tokens, positions, self._block_table(seqs, rows, width),
             context, sbatch, config=self.config, draft_config=self._draft_config, **flags, **pooling, **sink,
+            **_logits_flag(seqs),
         )
         self._set_draft_kv(draft_kv)
         self._keep_hidden(hidden)
-        return self._collect_chunks(chunks, result, pooled)
+        return self._collect_chunks(chunks, result, pooled, self._processing(
+            seqs, logits, sbatch, flags, [c.samples for c in chunks]))
 
-    @staticmethod
+    def _processing(self, seqs: list[Sequence], logits: jax.Array | None, sbatch: SamplingBatch, flags: dict,
+                    samples: list[bool] | None = None) -> Callable[[SampleResult, int], SampleResult] | None:
+        """For a call whose rows ``seqs`` include logits processors: a function taking the
+        fetched samples of one step (``[B]`` rows) and returning them with those rows sampled
+        again from their processed logits (``workers/logits_processors.py``). A row whose
+        processor fails keeps no sample and its request is recorded in ``processor_failures``.
+        ``samples``: which rows sample (a prompt chunk that does not end its prompt does not)."""
+        if logits is None:
+            return None
+
+        def process(fetched: SampleResult, step: int | None = None) -> SampleResult:
+            host = np.array(jax.device_get(logits if step is None else logits[step]))
+            rows = []
+            for r, seq in enumerate(seqs):
+                if seq.params.logits_processors and (samples is None or samples[r]):
+                    try:
+                        host[r] = apply_processors(seq.params.logits_processors, seq.prompt_ids, seq.output_ids,
+                                                   host[r])
+                        rows.append(r)
+                    except LogitsProcessorError as err:
+                        logger.error("request %s: %s", seq.request_id, err)
+                        self.processor_failures[seq.seq_id] = str(err)
+            again = jax.device_get(_resample(jnp.asarray(host), sbatch, **flags))
+            picked = np.zeros(len(host), bool)
+            picked[rows] = True
+            return SampleResult(*(np.where(picked.reshape(-1, *[1] * (np.ndim(a) - 1)), b, a)
+                                  for a, b in zip(fetched, again)))
+
+        return process
+
     def _collect_chunks(
-        chunks: list[ScheduledChunk], result: SampleResult, pooled: PooledHidden | None
+        self, chunks: list[ScheduledChunk], result: SampleResult, pooled: PooledHidden | None,
+        process: Callable[[SampleResult], SampleResult] | None = None,
     ) -> Callable[[], dict[int, list[SampleResult]]]:
         """Fetches a prefill call's samples: row ``r`` belongs to ``chunks[r]``, if it samples.
-        Embedding chunks fold their pooled hidden states into their sequence instead."""
+        Embedding chunks fold their pooled hidden states into their sequence instead; rows
+        with logits processors are sampled again from their processed logits (``process``)."""
         for chunk in chunks:
             chunk.seq.draft_lag = 0  # a draft model computed the chunk too
         sampled = [(c.seq.seq_id, r) for r, c in enumerate(chunks) if c.samples and c.seq.embedding is None]
@@ -564,7 +621,9 @@ class ModelRunner:
             for chunk, r in embedded:
                 chunk.seq.embedding.add_chunk(chunk.start, chunk.num_tokens, hidden.sums[r], hidden.last[r, 0],
                                               chunk.samples)
-            return {seq_id: [_row(fetched, r)] for seq_id, r in sampled}
+            if process is not None:
+                fetched = process(fetched)
+            return {seq_id: [_row(fetched, r)] for seq_id, r in sampled if seq_id not in self.processor_failures}
 
         return collect
 
@@ -585,18 +644,23 @@ class ModelRunner:
             limits[r] = min(len(seq.block_ids) * self.block_size, seq.num_tokens - 1 + num_steps)
         sbatch, flags = self._sampling(seqs, rows)
         sink = self._hidden_sink(seqs + [None] * (rows - len(seqs)), positions[:, None])
-        results, self.kv, hidden = _decode_program(
+        results, self.kv, hidden, logits = _decode_program(
             self.params, self.kv, tokens, positions, self._block_table(seqs, rows, width), limits, sbatch,
             config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels, **flags, **sink,
+            **_logits_flag(seqs),
         )
         self._keep_hidden(hidden)
+        process = self._processing(seqs, logits, sbatch, flags)
 
         def collect() -> dict[int, list[SampleResult]]:
             fetched = jax.device_get(results)
+            if process is not None:  # one step (rows with processors decode one at a time)
+                fetched = SampleResult(*(a[None] for a in process(_row(fetched, 0), 0)))
             out = {}
             for r, seq in enumerate(seqs):
-                steps = int(limits[r] - positions[r])
-                out[seq.seq_id] = [_row(fetched, (i, r)) for i in range(steps)]
+                if seq.seq_id not in self.processor_failures:
+                    steps = int(limits[r] - positions[r])
+                    out[seq.seq_id] = [_row(fetched, (i, r)) for i in range(steps)]
             return out
 
         return collect
@@ -734,7 +798,7 @@ class ModelRunner:
         draft = dict(draft_config=self._draft_config)
         if kind == "packed":
             (num_tokens,) = dims
-            _, self.kv, draft_kv, _, _ = _packed_prefill_program(
+            _, self.kv, draft_kv, _, _, _ = _packed_prefill_program(
                 self.params, self.kv, *self._draft_args, zeros(num_tokens), np.full(num_tokens, -1, np.int32),
                 zeros(num_tokens), zeros(rows, self.max_width), zeros(rows), sbatch, config=self.config, **draft,
                 **flags,
@@ -742,7 +806,7 @@ class ModelRunner:
             self._set_draft_kv(draft_kv)
         elif kind == "prefill":
             _, length, width = dims
-            _, self.kv, draft_kv, _, _ = _prefill_program(
+            _, self.kv, draft_kv, _, _, _ = _prefill_program(
                 self.params, self.kv, *self._draft_args, zeros(rows, length), zeros(rows, length),
                 zeros(rows, width), zeros(rows), sbatch, config=self.config, **draft, **flags,
             )
@@ -757,7 +821,7 @@ class ModelRunner:
             self._set_draft_kv(draft_kv)
         else:
             _, width, steps = dims
-            _, self.kv, _ = _decode_program(
+            _, self.kv, _, _ = _decode_program(
                 self.params, self.kv, zeros(rows), zeros(rows), zeros(rows, width), zeros(rows), sbatch,
                 config=self.config, num_steps=steps, cpu_kernels=self.cpu_kernels, **flags,
             )

@@ -9,6 +9,7 @@ import dataclasses
 import math
 from typing import Sequence
 
+from workers.logits_processors import LogitsProcessor, check_processors
 from workers.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
@@ -48,6 +49,8 @@ class SamplingParams:
     # (workers/hidden_states.py): ``CompletionOutput.hidden_states [layers, positions, D]``.
     return_hidden_states: Sequence[int] | None = None
     hidden_states_include_prompt: bool = False
+    # Offline only: callables rewriting the logits before each token (workers/logits_processors.py).
+    logits_processors: Sequence[LogitsProcessor] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +107,11 @@ class SamplingParams:
                                  and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)),
               "return_hidden_states must be a non-empty list of layer indices")
         check(isinstance(self.hidden_states_include_prompt, bool), "hidden_states_include_prompt must be a boolean")
+        if self.logits_processors is not None:
+            try:
+                check_processors(self.logits_processors)
+            except ValueError as err:
+                raise SamplingParamsError(str(err)) from None
 
     @property
     def greedy(self) -> bool:

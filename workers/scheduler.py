@@ -176,8 +176,8 @@ class Scheduler:
         if self._by_priority:
             self._make_room_for_higher_priority(preempted)
         any_prefill = any(s.runs_as_chunk for s in self.running) or bool(self.waiting)
-        # A structured-output row needs the host's bitmask before each token: one step at a time.
-        constrained = any(s.matcher is not None for s in self.running)
+        # Structured output and logits processors need the host before each token: one step at a time.
+        constrained = any(s.host_before_each_token for s in self.running)
         steps = 1 if any_prefill or constrained else cfg.num_scheduler_steps
         lookahead = self._lookahead()
         guesses: dict[int, int] = {}
@@ -280,7 +280,7 @@ class Scheduler:
         for seq in plan.decodes:
             seq.num_computed_tokens += 1  # the fed-back last token; further steps count below
             seq.first_scheduled_time = seq.first_scheduled_time or scheduled_at
-            self._append_samples(seq, samples[seq.seq_id])
+            self._append_samples(seq, samples.get(seq.seq_id, ()))  # none: its logits processor failed
             progressed.append(seq)
         return progressed
 

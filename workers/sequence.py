@@ -114,6 +114,11 @@ class Sequence:
         return self.is_prefilling or self.embedding is not None
 
     @property
+    def host_before_each_token(self) -> bool:
+        """Its next token needs the host first (a grammar's mask, logits processors)."""
+        return self.matcher is not None or bool(self.params.logits_processors)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
