@@ -23,7 +23,8 @@ def metrics_app(serve_cluster):
         # A pool of 11 blocks (176 tokens) for 4 concurrent ~90-token requests: preemptions happen.
         # N-gram speculation (counting repeats itself) exports the spec_decode counters.
         "engine": {**TEST_DEPLOY["engine"], "num_kv_blocks": 12, "max_num_seqs": 4, "max_model_len": 160,
-                   "num_scheduler_steps": 1, "speculative": {"method": "ngram", "num_speculative_tokens": 3}},
+                   "num_scheduler_steps": 1, "speculative": {"method": "ngram", "num_speculative_tokens": 3},
+                   "hidden_state_slots": 0},  # (hidden states do not combine with speculation)
         "router": {"prefix_routing": {"stats_period_s": 0.5}},
     }, route_prefix="/metrics-app")
     yield app
