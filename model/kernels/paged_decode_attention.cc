@@ -26,6 +26,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "fp8_e4m3.h"
@@ -101,12 +102,26 @@ inline float Dot(const float* __restrict q, const KV* __restrict k, int64_t n) {
 }
 
 // Per-thread working memory for one row: the scores of one block for the query heads of
-// one kv head, and each query head's running max, denominator and float32 accumulator.
+// one kv head, each query head's running max, denominator and float32 accumulator, and one
+// kv head's K and V rows of a block widened to float32 (for 16- and 8-bit pools).
 struct Scratch {
-  std::vector<float> scores, max, denom, acc;
+  std::vector<float> scores, max, denom, acc, k_rows, v_rows;
   Scratch(int64_t heads, int64_t group, int64_t block_size, int64_t head_dim)
-      : scores(group * block_size), max(heads), denom(heads), acc(heads * head_dim) {}
+      : scores(group * block_size), max(heads), denom(heads), acc(heads * head_dim),
+        k_rows(block_size * head_dim), v_rows(block_size * head_dim) {}
 };
+
+// Rows `n` of `dh` elements, `stride` apart, widened into `out` ([n, dh], contiguous). Every
+// query head of the GQA group reads them: widening once instead of per head took 16 rows at
+// 550 keys (30 layers, 2-core AVX-512) from 32.7 to 11.7 ms with an fp8 pool (float32: 10.3),
+// int8 from 14.4 to 9.3 and bfloat16 from 13.5 to 10.4 (an e4m3 element takes ~8 integer ops).
+template <typename KV>
+inline void WidenRows(const KV* __restrict rows, int64_t stride, int64_t n, int64_t dh, float* __restrict out) {
+  for (int64_t t = 0; t < n; ++t) {
+#pragma omp simd
+    for (int64_t d = 0; d < dh; ++d) out[t * dh + d] = ToFloat(rows[t * stride + d]);
+  }
+}
 
 struct Problem {
   const float* q;           // [B, H, Dh]
@@ -201,13 +216,26 @@ void AttendRow(const Problem& pr, int64_t b, int64_t kv_begin, int64_t kv_end, S
     }
     for (int64_t kvh = kv_begin; kvh < kv_end; ++kvh) {
       const int64_t h0 = (kvh - kv_begin) * group;  // this group's first head, row-local
-      const KV* __restrict k = k_block + kvh * L.head_stride;
-      const KV* __restrict v = v_block + kvh * L.head_stride;
+      // This kv head's K and V rows as float32: in place for a float32 pool, else widened once.
+      const float* __restrict k;
+      const float* __restrict v;
+      int64_t stride;
+      if constexpr (std::is_same_v<KV, float>) {
+        k = k_block + kvh * L.head_stride;
+        v = v_block + kvh * L.head_stride;
+        stride = L.token_stride;
+      } else {
+        WidenRows(k_block + kvh * L.head_stride, L.token_stride, n, dh, s.k_rows.data());
+        WidenRows(v_block + kvh * L.head_stride, L.token_stride, n, dh, s.v_rows.data());
+        k = s.k_rows.data();
+        v = s.v_rows.data();
+        stride = dh;
+      }
       // Heads outer, keys inner: a head's query (then its accumulator) stays in registers
       // across the block while the block's K (then V) rows come from L1.
       for (int64_t h = 0; h < group; ++h)
         for (int64_t t = 0; t < n; ++t)
-          scores[h * bs + t] = Dot(q + (h0 + h) * dh, k + t * L.token_stride, dh) * pr.scale;
+          scores[h * bs + t] = Dot(q + (h0 + h) * dh, k + t * stride, dh) * pr.scale;
       if (pr.k_scale_layer) {
         const float* ks = pr.k_scale_layer + scale_block + kvh;
         for (int64_t h = 0; h < group; ++h)
@@ -221,9 +249,9 @@ void AttendRow(const Problem& pr, int64_t b, int64_t kv_begin, int64_t kv_end, S
           const float p =
               pr.v_scale_layer ? scores[h * bs + t] * pr.v_scale_layer[scale_block + t * L.num_kv_heads + kvh]
                                : scores[h * bs + t];
-          const KV* __restrict vt = v + t * L.token_stride;
+          const float* __restrict vt = v + t * stride;
 #pragma omp simd
-          for (int64_t d = 0; d < dh; ++d) ah[d] += p * ToFloat(vt[d]);
+          for (int64_t d = 0; d < dh; ++d) ah[d] += p * vt[d];
         }
       }
     }
