@@ -13,6 +13,7 @@ verified row. Output is checked identical to ``none``'s on every run.
 (a verify of k guesses is R = k + 1 rows per sequence) and one draft step, in ms.
 
     python -m deploy.benchmarks.speculative_bench [--proposers none,ngram,self-int8] [--k 3]
+        [--gguf-blocks auto|keep|expand]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 
 from deploy.benchmarks.quantization_bench import REFERENCE_PROMPTS
 from model import DEFAULT_MODEL, KVCache, LoadedModel, forward, load_model
+from model.loader import GGUF_BLOCKS_CHOICES, keep_gguf_blocks
 from workers import LLM, SamplingParams
 
 CODE = '''def moving_average(values, window):
@@ -140,9 +142,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--parts", default="run,cost")
+    parser.add_argument("--gguf-blocks", default="auto", choices=GGUF_BLOCKS_CHOICES,
+                        help="the target's GGUF matrices as served (auto: kept as blocks on CPU) or expanded")
     args = parser.parse_args()
     proposers = args.proposers.split(",")
-    model = load_model(args.model)
+    keep = keep_gguf_blocks(args.gguf_blocks, "float32", 1)
+    model = load_model(args.model, keep_blocks=keep)
+    print(f"target: {args.model}, GGUF matrices {'kept as blocks' if keep else 'expanded to float32'}")
     parts = args.parts.split(",")
     if "run" in parts:
         workloads, batches = args.workloads.split(","), [int(b) for b in args.batches.split(",")]

@@ -21,7 +21,7 @@ import scipy.stats
 
 from cache import BlockPool
 from cache.kv_arrays import bytes_per_block
-from model import SingleSequenceGenerator, load_model
+from model import DEFAULT_MODEL, SingleSequenceGenerator, load_model
 from tests.checkpoints import build_tiny_checkpoint
 from workers import LLM, EngineArgs, SamplingParams
 from workers.block_manager import BlockManager
@@ -397,6 +397,9 @@ def test_the_bundled_models_shipped_draft_serves_the_same_tokens(bundled_model):
     assert _spec_stats(llm).acceptance_rate > 0.6
     with pytest.raises(ValueError, match="already served int8.*method: ngram"):
         LLM(bundled_model, quantization="int8", num_kv_blocks=64, speculative={"method": "draft"})
+    # Served as GGUF blocks (the CPU default), the int8 copy reads more bytes than the model.
+    with pytest.raises(ValueError, match="served as GGUF blocks.*0.71x.*method: ngram.*gguf_blocks: expand"):
+        LLM(DEFAULT_MODEL, gguf_blocks="keep", num_kv_blocks=64, speculative={"method": "draft"})
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
