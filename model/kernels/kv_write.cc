@@ -17,20 +17,16 @@
 #include <cstring>
 #include <string>
 
+#include "ffi_shape.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using raylm::Shape;
 
 namespace {
 
 using IndexBuffer = ffi::Buffer<ffi::S32, 1>;  // [T]
 using LayerBuffer = ffi::Buffer<ffi::S32, 0>;  // []
-
-std::string Shape(const ffi::AnyBuffer::Dimensions& d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
 
 ffi::Error KvWrite(ffi::AnyBuffer pool, LayerBuffer layer, IndexBuffer block, IndexBuffer offset,
                    ffi::AnyBuffer values, ffi::Result<ffi::AnyBuffer> out) {

@@ -29,11 +29,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "ffi_shape.h"
 #include "fp8_e4m3.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 using raylm::Fp8E4m3;
+using raylm::Shape;
 
 namespace {
 
@@ -311,12 +313,6 @@ void Run(const Problem& pr, int64_t batch, RowFn row, ffi::ThreadPool& pool) {
     pool.Schedule(decltype(participate)(participate));
   participate();
   while (state->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
-}
-
-std::string Shape(const ffi::AnyBuffer::Dimensions& d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
 }
 
 // Checks the operands and fills `pr` (all but the scales); an error message when they do not fit.
