@@ -61,27 +61,30 @@ def check_capture(layers: SequenceOf[int], num_layers: int, prompt_len: int, max
 
 
 class HiddenStateSlots:
-    """The device buffers' slots: which are free. A capture keeps its ``slot`` number after
-    release, so its finished buffers can be read before the next step writes them."""
+    """The device buffers' slots: which are free, and which capture owns each taken one. A
+    capture keeps its ``slot`` number after release, so its finished buffers can be read
+    before the next step writes them."""
 
     def __init__(self, num_slots: int):
-        self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
-        self._held: set[int] = set()  # id() of the captures that hold one
+        self._owners: dict[int, HiddenStateCapture] = {}
+
+    def _holds(self, capture: HiddenStateCapture) -> bool:
+        return capture.slot is not None and self._owners.get(capture.slot) is capture
 
     def acquire(self, capture: HiddenStateCapture) -> bool:
         """Give ``capture`` a slot (it keeps the one it holds); False when none is free."""
-        if id(capture) in self._held:
+        if self._holds(capture):
             return True
         if not self._free:
             return False
         capture.slot = self._free.pop()
-        self._held.add(id(capture))
+        self._owners[capture.slot] = capture
         return True
 
     def release(self, capture: HiddenStateCapture) -> None:
-        if id(capture) in self._held:
-            self._held.remove(id(capture))
+        if self._holds(capture):
+            del self._owners[capture.slot]
             self._free.append(capture.slot)
 
     @property

@@ -348,8 +348,9 @@ class ModelRunner:
             if slots else None
 
     def _hidden_sink(self, seqs: list[Sequence | None], positions: np.ndarray) -> dict:
-        """The ``hidden`` argument of a program whose token ``[b, s]`` belongs to ``seqs[b]``
-        at ``positions[b, s]``; none (the program without it) when no sequence captures."""
+        """The ``hidden_buffers`` / ``hidden_where`` arguments of a program whose token
+        ``[b, s]`` belongs to ``seqs[b]`` at ``positions[b, s]``; none (the program without
+        them) when no sequence captures."""
         if not any(s is not None and s.hidden is not None for s in seqs):
             return {}
         num_slots = self.hidden_buffers.shape[0]
