@@ -47,7 +47,7 @@ from workers.sampler import (
 from workers.scheduler import ScheduledChunk
 from workers.sequence import Sequence
 from workers.speculative import SpecDecodeStats, SpeculativeConfig, propose_ngram
-from workers.structured_output import accepted_prefix, allow_all, fill_bitmask, fill_bitmasks_along
+from workers.structured_output import accepted_prefix, allow_all, fill_bitmasks_along
 
 logger = logging.getLogger(__name__)
 
@@ -424,11 +424,8 @@ class ModelRunner:
         when no row is constrained. Valid for the next sampled token only."""
         if not any(s.matcher is not None for s in seqs):
             return None
-        mask = allow_all(rows, self.config.vocab_size)
-        for r, seq in enumerate(seqs):
-            if seq.matcher is not None:
-                fill_bitmask(seq.matcher, mask, r)
-        return mask
+        no_guesses = np.zeros((rows, 0), np.int32)
+        return self._position_bitmasks(seqs, rows, no_guesses, np.zeros(rows, np.int32))[0]
 
     def _position_bitmasks(self, seqs: list[Sequence], rows: int, guesses: np.ndarray,
                            num_drafts: np.ndarray) -> np.ndarray:
