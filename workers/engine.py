@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Sequence as SequenceOf
 from cache import BlockPool, model_salt
 from cache.kv_arrays import blocks_for_budget, kv_pool_dtype
 from model import KVCache, LoadedModel, PromptTooLongError, make_mesh, parse_dtype
+from model.backend_support import check_fp8
 from model.compilation_cache import enable_compilation_cache
 from model.prompt_checks import check_prompt, prompt_blocks_needed
 from workers.block_manager import BlockManager
@@ -33,6 +34,18 @@ from workers.sequence import Sequence
 from workers.structured_output import GrammarCompiler
 
 
+def _fp8_settings(model: LoadedModel, args: EngineArgs) -> list[str]:
+    """The settings of ``args`` (and the model as loaded) that store 8-bit floats."""
+    settings = []
+    if args.quantization == "fp8" or (args.quantization is None and model.quantization == "fp8"):
+        settings.append("model.quantization: fp8")
+    if args.kv_cache_dtype == "fp8":
+        settings.append("engine.kv_cache_dtype: fp8")
+    if args.speculative is not None and args.speculative.quantization == "fp8":
+        settings.append("engine.speculative.quantization: fp8")
+    return settings
+
+
 class LLMEngine:
     """Continuous-batching engine over one model replica (possibly tensor-parallel)."""
 
@@ -40,6 +53,7 @@ class LLMEngine:
         self, model: LoadedModel, args: EngineArgs = EngineArgs(),
         progress: Callable[[Iterable], Iterable] = StderrProgress("compiling shape buckets"),
     ):
+        check_fp8(_fp8_settings(model, args))
         float_model = model
         if args.quantization is not None:
             model = model.quantized(args.quantization)
