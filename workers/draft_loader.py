@@ -15,7 +15,8 @@ def load_draft(spec: SpeculativeConfig, target: LoadedModel, float_target: Loade
     """The draft for ``target`` (as served) described by ``spec``; ``float_target`` is the
     target before weight quantization, which a draft with its own scheme is cut from."""
     if spec.model is not None:
-        draft = load_model(spec.model, dtype, spec.quantization)
+        draft = (spec.model.quantized(spec.quantization) if isinstance(spec.model, LoadedModel)
+                 else load_model(spec.model, dtype, spec.quantization))
         if spec.num_layers is not None:
             draft = draft.first_layers(spec.num_layers)
         _check_vocabulary(draft, target)

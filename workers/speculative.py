@@ -15,9 +15,12 @@ greedy, seeded or not.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence as SequenceOf
+from typing import TYPE_CHECKING, Any, Mapping, Sequence as SequenceOf
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from model import LoadedModel
 
 METHODS = ("draft", "ngram")
 
@@ -27,7 +30,8 @@ class SpeculativeConfig:
     """``engine.speculative`` in the deploy file, ``LLM(speculative={...})``.
 
     ``method: draft`` runs a draft model inside the replica: ``model`` names one (registry
-    name, GGUF file or HF directory sharing the target's tokenizer), or, left out, the draft
+    name, GGUF file or HF directory sharing the target's tokenizer; offline, also a
+    ``LoadedModel`` already in memory, as a training script has it), or, left out, the draft
     is derived from the target: its first ``num_layers`` layers (layer skipping) with
     ``quantization`` applied; a bundled model has a measured default (``model.registry``).
     ``method: ngram`` looks the sequence's last ``ngram_max``..``ngram_min`` tokens up in its
@@ -36,7 +40,7 @@ class SpeculativeConfig:
     """
 
     method: str = "draft"
-    model: str | None = None
+    model: "str | LoadedModel | None" = None
     num_layers: int | None = None
     quantization: str | None = None
     num_speculative_tokens: int = 3

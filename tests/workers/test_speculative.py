@@ -119,6 +119,19 @@ def test_a_draft_equal_to_the_target_accepts_everything(tiny, workload):
     _assert_no_leak(llm)
 
 
+def test_a_draft_model_in_memory_is_used_as_given(tiny, workload):
+    """Offline, ``model`` may be a LoadedModel (a training script's draft): here the target
+    itself, so every guess is accepted."""
+    prompts, expected = workload
+    llm = LLM(tiny, max_model_len=512, num_kv_blocks=900,
+              speculative=dict(method="draft", model=tiny, num_speculative_tokens=2))
+    assert llm.engine.draft_model is tiny
+    assert _run(llm, prompts) == expected
+    stats = _spec_stats(llm)
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    _assert_no_leak(llm)
+
+
 def test_an_unrelated_draft_accepts_little_and_output_still_matches(tiny, workload, tmp_path):
     prompts, expected = workload
     other, _ = build_tiny_checkpoint("llama-gqa", tmp_path / "draft", seed=7, num_hidden_layers=1)
