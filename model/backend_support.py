@@ -6,7 +6,7 @@ recent GPUs have it natively, and an older accelerator or a plugin may have no l
 it at all. A setting the backend cannot run must stop the replica at start-up with the
 setting's name, not surface as a compile error deep inside warm-up or a user's first request.
 The probe runs the operations the fp8 paths are made of (scale and store as e4m3fn, widen,
-multiply) once per device kind, and compares the result with the host's exact answer.
+multiply) once per device, and compares the result with the host's exact answer.
 """
 
 from __future__ import annotations

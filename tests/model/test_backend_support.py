@@ -9,15 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model import backend_support, load_model
-from tests.checkpoints import build_tiny_checkpoint
+from model import backend_support
 from workers import LLM
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("fp8-probe") / "m")
-    return load_model(path)
 
 
 @pytest.fixture
@@ -62,10 +55,10 @@ def test_wrong_values_are_refused_too(monkeypatch):
     ({"speculative": {"method": "draft", "num_layers": 1, "quantization": "fp8"}},
      "engine.speculative.quantization: fp8"),
 ])
-def test_the_engine_refuses_each_fp8_setting_at_start_up(tiny_model, backend_without_fp8, engine_args, setting):
+def test_the_engine_refuses_each_fp8_setting_at_start_up(tiny_gqa_model, backend_without_fp8, engine_args, setting):
     with pytest.raises(ValueError, match=f"^{setting}: this backend"):
-        LLM(tiny_model, num_kv_blocks=16, **engine_args)
+        LLM(tiny_gqa_model, num_kv_blocks=16, **engine_args)
 
 
-def test_the_engine_starts_with_int8_on_that_backend(tiny_model, backend_without_fp8):
-    LLM(tiny_model, num_kv_blocks=16, quantization="int8", kv_cache_dtype="int8")
+def test_the_engine_starts_with_int8_on_that_backend(tiny_gqa_model, backend_without_fp8):
+    LLM(tiny_gqa_model, num_kv_blocks=16, quantization="int8", kv_cache_dtype="int8")

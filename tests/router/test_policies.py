@@ -4,12 +4,12 @@ admission control, API keys and rate limits."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 import httpx
 import pytest
 
+from deploy.benchmarks.prometheus_scrape import counter_by_label
 from tests.serving import TEST_DEPLOY
 from workers.replica_protocol import replica_reports
 
@@ -286,15 +286,10 @@ def test_concurrent_prompts_with_different_prefixes_each_reach_their_own_cache(r
     assert [delta[home[s]] for s in (0, 1)] == [(half, half * hits_per_request[s]) for s in (0, 1)], delta
 
 
-def _routing_decisions(metrics_port: int, model: str) -> dict[str, float]:
-    """``raylm_router_routing_decisions_total`` by reason, from Ray's metrics endpoint."""
-    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
-    counts: dict[str, float] = {}
-    for match in re.finditer(r'^ray_raylm_router_routing_decisions_total\{([^}]*)\}\s+(\S+)$', text, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
-        if labels.get("model_name") == model:
-            counts[labels["reason"]] = counts.get(labels["reason"], 0.0) + float(match.group(2))
-    return counts
+def _routing_decisions(metrics_port: int) -> dict[str, float]:
+    """``raylm_router_routing_decisions_total`` by reason, from Ray's metrics endpoint (every
+    app of the test cluster; only the one under test routes while it runs)."""
+    return counter_by_label(metrics_port, "ray_raylm_router_routing_decisions_total", "reason")
 
 
 def test_a_burst_of_new_prompts_is_spread_over_the_replicas(raylm_app, serve_cluster):
@@ -310,7 +305,7 @@ def test_a_burst_of_new_prompts_is_spread_over_the_replicas(raylm_app, serve_clu
     on what the policy decided: requests that reached the less loaded replica plus those Serve
     moved away from it."""
     before = _prefix_stats()
-    decisions_before = _routing_decisions(serve_cluster.metrics_port, raylm_app.model)
+    decisions_before = _routing_decisions(serve_cluster.metrics_port)
     num_requests = 16
 
     async def burst() -> None:
@@ -324,7 +319,7 @@ def test_a_burst_of_new_prompts_is_spread_over_the_replicas(raylm_app, serve_clu
     per_replica = sorted(n for n, _ in _stats_delta(before).values())
     deadline = time.monotonic() + 30  # Ray exports the router's counters every second
     while True:
-        decisions = _routing_decisions(serve_cluster.metrics_port, raylm_app.model)
+        decisions = _routing_decisions(serve_cluster.metrics_port)
         delta = {reason: decisions[reason] - decisions_before.get(reason, 0.0) for reason in decisions}
         if sum(delta.values()) >= num_requests or time.monotonic() > deadline:
             break

@@ -10,15 +10,8 @@ import numpy as np
 import pytest
 
 import workers.runner as runner_module
-from model import SingleSequenceGenerator, load_model
-from tests.checkpoints import build_tiny_checkpoint
+from model import SingleSequenceGenerator
 from workers import LLM, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("small") / "m")
-    return load_model(path)
 
 
 @pytest.fixture
@@ -36,14 +29,14 @@ def decode_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("num_scheduler_steps", [1, 4])
-def test_batches_of_one_and_two_match_reference(tiny, decode_rows, num_scheduler_steps):
+def test_batches_of_one_and_two_match_reference(tiny_gqa_model, decode_rows, num_scheduler_steps):
     rng = np.random.RandomState(7)
     prompts = [rng.randint(3, 320, size=n).tolist() for n in (5, 40, 23)]
     max_tokens = [6, 14, 22]  # the batch shrinks 3 -> 2 -> 1 as requests finish
-    reference = SingleSequenceGenerator(tiny.config, tiny.params)
+    reference = SingleSequenceGenerator(tiny_gqa_model.config, tiny_gqa_model.params)
     expected = [list(reference.generate(p, n)) for p, n in zip(prompts, max_tokens)]
 
-    llm = LLM(tiny, max_model_len=256, num_kv_blocks=64, num_scheduler_steps=num_scheduler_steps)
+    llm = LLM(tiny_gqa_model, max_model_len=256, num_kv_blocks=64, num_scheduler_steps=num_scheduler_steps)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
 
@@ -51,10 +44,10 @@ def test_batches_of_one_and_two_match_reference(tiny, decode_rows, num_scheduler
     assert {1, 2} <= set(decode_rows) and max(decode_rows) == 4
 
 
-def test_single_stream_decodes_one_row(tiny, decode_rows):
+def test_single_stream_decodes_one_row(tiny_gqa_model, decode_rows):
     prompt = np.random.RandomState(8).randint(3, 320, size=33).tolist()
-    expected = list(SingleSequenceGenerator(tiny.config, tiny.params).generate(prompt, 20))
-    llm = LLM(tiny, max_model_len=256, num_kv_blocks=64)
+    expected = list(SingleSequenceGenerator(tiny_gqa_model.config, tiny_gqa_model.params).generate(prompt, 20))
+    llm = LLM(tiny_gqa_model, max_model_len=256, num_kv_blocks=64)
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected
     assert set(decode_rows) == {1}
