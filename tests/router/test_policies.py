@@ -292,6 +292,21 @@ def _routing_decisions(metrics_port: int) -> dict[str, float]:
     return counter_by_label(metrics_port, "ray_raylm_router_routing_decisions_total", "reason")
 
 
+def _settled_routing_decisions(metrics_port: int, quiet_s: float = 3.0, timeout_s: float = 60.0) -> dict[str, float]:
+    """The counters once earlier tests' decisions have all been exported: Ray exports them
+    every second, so a burst routed just before still arrives after it (CI: the previous
+    test's 16 decisions landed inside this test's window). Settled = unchanged for ``quiet_s``."""
+    deadline = time.monotonic() + timeout_s
+    counts = _routing_decisions(metrics_port)
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        latest = _routing_decisions(metrics_port)
+        if latest == counts:
+            return counts
+        counts = latest
+    raise AssertionError(f"routing decision counters still changing after {timeout_s} s: {counts}")
+
+
 def test_a_burst_of_new_prompts_is_spread_over_the_replicas(raylm_app, serve_cluster):
     """Serve asks for every replica choice of a burst before any replica has accepted one:
     unless each choice is charged to its replica at once, they all see the same loads and
@@ -305,7 +320,7 @@ def test_a_burst_of_new_prompts_is_spread_over_the_replicas(raylm_app, serve_clu
     on what the policy decided: requests that reached the less loaded replica plus those Serve
     moved away from it."""
     before = _prefix_stats()
-    decisions_before = _routing_decisions(serve_cluster.metrics_port)
+    decisions_before = _settled_routing_decisions(serve_cluster.metrics_port)
     num_requests = 16
 
     async def burst() -> None:
