@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -115,13 +118,44 @@ def test_padding_row_is_zero():
 @needs_kernel
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size",
-    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16), (6, 2, 80, 4)],
-    ids=["smollm-gqa", "mha", "mqa-dh128", "odd-dh-small-blocks"],
+    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16), (6, 2, 80, 4), (8, 2, 64, 4), (9, 3, 64, 32),
+     (4, 1, 128, 8)],
+    ids=["smollm-gqa", "mha", "mqa-dh128", "odd-dh-small-blocks", "dh64-blocks-of-4", "dh64-blocks-of-32",
+         "dh128-blocks-of-8"],
 )
 def test_head_layouts(heads, kv_heads, head_dim, block_size):
+    """Head dims 64 and 128 take the lane-tree path, whose key groups (8 or 16 keys) may be
+    larger than a block, fill it, or split it in two; other head dims the scalar path."""
     lens = (1, block_size - 1, block_size, 3 * block_size + 1, 8 * block_size)
     case = make_case(2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, lens=lens)
     np.testing.assert_allclose(kernel(case, 1), jnp_reference(case, 1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kernel(case, 1), naive_reference(case, 1), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("lens", [(1, 15, 16, 17, 0, 100, 128), (256,) * 15 + (0,)], ids=["one-thread", "threads"])
+def test_a_row_does_not_depend_on_the_rest_of_the_batch(lens):
+    """Bit for bit, each row alone equals that row in the batch (greedy output must not change
+    with batching): on one thread and split over the pool's threads."""
+    case = make_case(14, width=max(lens) // 16 + 8, lens=lens)
+    batch = kernel(case, 1)
+    for b in range(len(lens)):
+        alone = dict(case, q=case["q"][b:b + 1], block_tables=case["block_tables"][b:b + 1],
+                     context_lens=case["context_lens"][b:b + 1])
+        np.testing.assert_array_equal(kernel(alone, 1)[0], batch[b])
+
+
+@needs_kernel
+def test_eight_lane_family_on_any_cpu():
+    """The eight-lane family (what AVX2 CPUs run) is forced by RAYLM_ATTENTION_NARROW_LANES; on
+    an AVX2 CPU this repeats the checks, on an AVX-512 one it covers the other family."""
+    env = {**os.environ, "RAYLM_ATTENTION_NARROW_LANES": "1"}
+    checks = ("test_float32_matches_references or test_head_layouts or test_a_row_does_not_depend "
+              "or test_quantized_pool_matches_references or test_bfloat16_pool_matches_float32")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
 
 
 @needs_kernel
