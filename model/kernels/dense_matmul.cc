@@ -33,7 +33,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -41,6 +40,7 @@
 
 #include "fp8_e4m3.h"
 #include "gguf_blocks.h"
+#include "wide_lanes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -441,10 +441,7 @@ struct WideTiles {
 // AVX-512 machines too). Decided once, so every call of a process sums alike.
 bool UseWideTiles() {
 #ifdef RAYLM_WIDE_TILES
-  static const bool wide = std::getenv("RAYLM_DENSE_NARROW_TILES") == nullptr &&
-                           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                           __builtin_cpu_supports("avx512cd");
+  static const bool wide = raylm::CpuRunsWideLanes("RAYLM_DENSE_NARROW_TILES");
   return wide;
 #else
   return false;

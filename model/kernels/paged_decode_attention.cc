@@ -21,7 +21,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -31,6 +30,7 @@
 #include <vector>
 
 #include "ffi_shape.h"
+#include "wide_lanes.h"
 #include "fp8_e4m3.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -421,10 +421,7 @@ void AttendRowWide(const Problem& pr, int64_t b, int64_t kv_begin, int64_t kv_en
 // AVX-512 machines too). Decided once, so every call of a process sums alike.
 bool UseWideAttention() {
 #ifdef RAYLM_WIDE_ATTENTION
-  static const bool wide = std::getenv("RAYLM_ATTENTION_NARROW_LANES") == nullptr &&
-                           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                           __builtin_cpu_supports("avx512cd");
+  static const bool wide = raylm::CpuRunsWideLanes("RAYLM_ATTENTION_NARROW_LANES");
   return wide;
 #else
   return false;
