@@ -203,5 +203,6 @@ def main() -> None:
     if costs:
         print(json.dumps({"cost_ms": costs}, indent=1))
 
+
 if __name__ == "__main__":
     main()
