@@ -29,21 +29,35 @@ def _prompts(model: LoadedModel, count: int, length: int, seed: int) -> list[lis
     return [rng.randint(1000, model.config.vocab_size, size=length).tolist() for _ in range(count)]
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
-    """Submit everything at once, step to completion; returns wall time, tokens and peak KV use."""
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"b{time.monotonic_ns()}-{i}", prompt, params)
+def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+               concurrency: int | None = None) -> dict[str, float]:
+    """Step ``prompts`` to completion; returns wall time, tokens and peak KV use. All are submitted
+    at once, or with ``concurrency`` that many are in flight and each finished request is
+    replaced before the next step (what a closed-loop client does, minus its round trip)."""
+    waiting = list(enumerate(prompts))
+    in_flight = 0
+
+    def submit() -> None:
+        nonlocal in_flight
+        while waiting and (concurrency is None or in_flight < concurrency):
+            i, prompt = waiting.pop(0)
+            engine.add_request(f"b{time.monotonic_ns()}-{i}", prompt, params)
+            in_flight += 1
+
     prompt_before = engine.scheduler.num_prompt_tokens
     out_tokens, peak_blocks, peak_fill = 0, 0, 1.0
     start = time.perf_counter()
+    submit()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                in_flight -= 1
         used = engine.pool.num_used_blocks
         if used > peak_blocks:
             stored = sum(s.num_computed_tokens for s in engine.scheduler.running)
             peak_blocks, peak_fill = used, stored / (used * engine.pool.block_size)
+        submit()
     wall = time.perf_counter() - start
     return {
         "wall_s": wall,

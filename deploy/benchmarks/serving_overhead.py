@@ -3,20 +3,21 @@
 Both runs use the deploy file's engine settings and the same token-id prompts (the
 ``raylm bench`` prompt generator), greedy, ``ignore_eos``, ``--output-tokens`` each:
 
-1. offline: an ``LLMEngine`` in this process, every request submitted at once, stepped to
-   completion (the engine alone);
+1. offline: an ``LLMEngine`` in this process, built as the worker builds it (same model
+   loading, GGUF blocks included), stepped to completion with the workload's concurrency:
+   that many requests in flight, each finished one replaced before the next step (the
+   engine alone);
 2. served: the deploy file on a local Ray cluster (one worker replica unless the file says
-   otherwise), the same requests as streaming ``/v1/completions`` with ``--concurrency``
-   clients (default: all at once, like the offline run).
+   otherwise), the same requests as streaming ``/v1/completions`` from that many clients.
 
-Both are warmed with a full workload of other prompts first (compilation, no shared prefix),
+Both are warmed with a full workload of other prompts first (compilation; other prefixes too),
 then measured in alternating rounds, one at a time so they never share the CPU, each round
 with fresh prompts: on a shared machine whose speed drifts by tens of percent between
 minutes, only measurements taken side by side compare. The Ray cluster stays up (idle) during
 the offline runs. The ratio served / offline is the serving overhead's complement (goal >= 0.9);
 the median over rounds is reported.
 
-    python -m deploy.benchmarks.serving_overhead [--config deploy/default.yaml]
+    python -m deploy.benchmarks.serving_overhead [--config deploy/default.yaml] [--workload shared-prefix]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import dataclasses
 import statistics
 from collections.abc import Iterator
 
-from deploy.benchmarks.http_bench import Workload, make_prompts, run_workload
+from deploy.benchmarks.http_bench import WORKLOADS, Workload, make_prompts, run_workload
 from deploy.benchmarks.local_serve import local_serve
 from deploy.benchmarks.offline_bench import run_engine
 from deploy.config import DeployConfig, load_deploy_config
@@ -38,15 +39,17 @@ class OfflineRunner:
     """The deploy file's engine in this process: the same model, engine args and sampling."""
 
     def __init__(self, config: DeployConfig, workload: Workload):
-        from model import load_model
-        from workers import LLMEngine, SamplingParams
+        from workers import SamplingParams
+        from workers.engine import make_engine
 
-        self.engine = LLMEngine(load_model(config.model.name, config.model.dtype), config.engine_args())
+        # As the worker builds it: a GGUF's blocks kept or expanded as the deploy file says.
+        self.engine = make_engine(config.model.name, **dataclasses.asdict(config.engine_args()))
         self.params = SamplingParams(max_tokens=workload.output_tokens, temperature=0, ignore_eos=True)
         self.workload = workload
 
     def tok_s(self, seed: int) -> float:
-        return run_engine(self.engine, make_prompts(self.workload, seed=seed), self.params)["tok_s"]
+        prompts = make_prompts(self.workload, seed=seed)
+        return run_engine(self.engine, prompts, self.params, self.workload.concurrency)["tok_s"]
 
 
 @contextlib.contextmanager
@@ -64,6 +67,8 @@ def served_endpoint(config: DeployConfig, port: int) -> Iterator[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="deploy/default.yaml")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default=None,
+                        help="a raylm bench workload instead of the flags below")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=None, help="default: --num-requests (all at once)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -72,9 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8020)
     args = parser.parse_args(argv)
     config = load_deploy_config(args.config)
-    workload = Workload("overhead", num_requests=args.num_requests,
-                        concurrency=args.concurrency or args.num_requests,
-                        prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
+    workload = WORKLOADS[args.workload] if args.workload else Workload(
+        "overhead", num_requests=args.num_requests, concurrency=args.concurrency or args.num_requests,
+        prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
     model = config.served_model_name
     print(f"workload: {dataclasses.asdict(workload)}; engine: max_num_seqs {config.engine.max_num_seqs}, "
           f"num_scheduler_steps {config.engine.num_scheduler_steps}, dtype {config.model.dtype}", flush=True)
