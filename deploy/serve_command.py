@@ -2,7 +2,8 @@
 
 Attaches to a running cluster (``--address``, or the one ``ray start`` left on this machine);
 otherwise starts a local Ray head owned by this process. Ctrl-C (or SIGTERM) deletes the
-application, and shuts Serve and Ray down when this process started them.
+application, and shuts Serve and Ray down when this process started them, at any point,
+start-up included.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from deploy.readiness import wait_healthy
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 READY_TIMEOUT_S = 900.0  # model load + warm-up compile of every bucket on a slow machine
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -39,7 +41,14 @@ def run_serve(args: argparse.Namespace) -> int:
     host = args.host or config.http.host
     port = config.http.port if args.port is None else args.port
     apply_local_ray_env()
+    _stop_on_signals()
+    try:
+        return _serve(args, config, host, port)
+    except KeyboardInterrupt:  # SIGINT or SIGTERM: _serve has cleaned up
+        return 0
 
+
+def _serve(args: argparse.Namespace, config: DeployConfig, host: str, port: int) -> int:
     import ray
     from ray import serve
 
@@ -59,8 +68,10 @@ def run_serve(args: argparse.Namespace) -> int:
         serve.run(app, name=config.name, route_prefix=config.route_prefix, blocking=False)
         wait_healthy(_base_url(config, host, port), READY_TIMEOUT_S)
         _announce(config, host, port)
-        _wait_for_signal()
+        threading.Event().wait()  # until a signal raises KeyboardInterrupt
     finally:
+        for sig in STOP_SIGNALS:  # a second Ctrl-C must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
         print("\nstopping ...", file=sys.stderr, flush=True)
         if serve_was_running:
             serve.delete(config.name)
@@ -120,8 +131,14 @@ def _announce(config: DeployConfig, host: str, port: int) -> None:
     )
 
 
-def _wait_for_signal() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+def _stop_on_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt from here on, wherever the main thread is.
+    Installed before Ray starts, so a signal during start-up stops the server too: a process
+    started in the background by a non-interactive shell begins with SIGINT ignored, and
+    SIGTERM's default would exit without the clean-up."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, interrupt)

@@ -76,3 +76,38 @@ def test_serve_attaches_to_a_cluster_and_ctrl_c_removes_the_app(serve_cluster, r
     assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 404
     # The other application on the same cluster is untouched.
     assert httpx.get(f"{raylm_app.base_url}/v1/models", timeout=30).status_code == 200
+
+
+def _ignore_sigint() -> None:
+    """What a non-interactive shell does to a command it starts in the background (``cmd &``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_a_signal_during_start_up_stops_it_even_started_in_the_background(serve_cluster, tmp_path):
+    import ray
+
+    config = {
+        "name": "cli-early-stop",
+        "route_prefix": "/early",
+        "workers": {"num_replicas": 1},
+        "engine": {"num_kv_blocks": 64, "max_model_len": 512},
+        "http": {"port": serve_cluster.http_port},
+    }
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "serve", str(path), "--address", address],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_ignore_sigint,
+    )
+    try:
+        _wait_for(_lines(proc), "deploying smollm2-135m-instruct", timeout_s=240)
+        proc.send_signal(signal.SIGINT)  # before the app is healthy
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    from ray import serve
+
+    assert "cli-early-stop" not in serve.status().applications
+    assert httpx.get(f"http://127.0.0.1:{serve_cluster.http_port}/early/v1/models", timeout=30).status_code == 404
