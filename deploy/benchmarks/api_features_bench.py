@@ -2,7 +2,7 @@
 
 1. ``mask``: structured output's per-token grammar mask: output tokens/s of constrained rows
    (a regex the output can follow for the whole length) against the same prompts free, at 1
-   and 16 sequences, with the deploy defaults' 4-step decode (constrained rows force 1 step).
+   and 16 sequences, with 4-step decode (constrained rows force 1 step).
 2. ``compile``: compiling a typical JSON schema, cold (a new schema) and cached.
 3. ``embed``: embeddings per second for 32 inputs of ~64 tokens in one call.
 

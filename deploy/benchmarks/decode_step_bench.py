@@ -36,7 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 RESULT = "RESULT "
 NUM_BLOCKS, BLOCK_SIZE, WIDTH, CONTEXT = 512, 16, 16, 100
-DEPLOY_DEFAULTS = dict(max_num_seqs=64, max_num_batched_tokens=512, num_scheduler_steps=4, max_model_len=4096,
+DEPLOY_DEFAULTS = dict(max_num_seqs=64, max_num_batched_tokens=512, num_scheduler_steps=8, max_model_len=4096,
                        num_kv_blocks=2049)
 
 
