@@ -41,12 +41,13 @@ def _wait_for(lines: queue.Queue, needle: str, timeout_s: float) -> list[str]:
     raise AssertionError(f"{needle!r} not printed; output was:\n{''.join(seen)}")
 
 
-def test_serve_attaches_to_a_cluster_and_ctrl_c_removes_the_app(serve_cluster, raylm_app, tmp_path):
+def _start_serve(serve_cluster, tmp_path, name: str, route_prefix: str, **popen) -> subprocess.Popen:
+    """``raylm serve`` of a one-replica app attached to the test cluster, output piped."""
     import ray
 
     config = {
-        "name": "cli-app",
-        "route_prefix": "/cli",
+        "name": name,
+        "route_prefix": route_prefix,
         "workers": {"num_replicas": 1},
         "engine": {"num_kv_blocks": 64, "max_model_len": 512},
         "http": {"port": serve_cluster.http_port},
@@ -54,10 +55,14 @@ def test_serve_attaches_to_a_cluster_and_ctrl_c_removes_the_app(serve_cluster, r
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     address = ray.get_runtime_context().gcs_address
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", str(path), "--address", address],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen,
     )
+
+
+def test_serve_attaches_to_a_cluster_and_ctrl_c_removes_the_app(serve_cluster, raylm_app, tmp_path):
+    proc = _start_serve(serve_cluster, tmp_path, "cli-app", "/cli")
     try:
         lines = _lines(proc)
         output = "".join(_wait_for(lines, "Press Ctrl-C to stop", timeout_s=240))
@@ -84,22 +89,7 @@ def _ignore_sigint() -> None:
 
 
 def test_a_signal_during_start_up_stops_it_even_started_in_the_background(serve_cluster, tmp_path):
-    import ray
-
-    config = {
-        "name": "cli-early-stop",
-        "route_prefix": "/early",
-        "workers": {"num_replicas": 1},
-        "engine": {"num_kv_blocks": 64, "max_model_len": 512},
-        "http": {"port": serve_cluster.http_port},
-    }
-    path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    address = ray.get_runtime_context().gcs_address
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "serve", str(path), "--address", address],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_ignore_sigint,
-    )
+    proc = _start_serve(serve_cluster, tmp_path, "cli-early-stop", "/early", preexec_fn=_ignore_sigint)
     try:
         _wait_for(_lines(proc), "deploying smollm2-135m-instruct", timeout_s=240)
         proc.send_signal(signal.SIGINT)  # before the app is healthy
