@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model import kv_write
-from model.config import ModelConfig
+from model.config import AttentionSpec, ModelConfig
 from model.quantization import QUANTIZED_DTYPES, QuantArray, quantize
 from model.sharding import kv_pool_sharding
 
@@ -144,13 +144,17 @@ def paged_attention(
     positions: jax.Array,
     context_lens: jax.Array,
     valid: jax.Array,
+    spec: AttentionSpec | None = None,
 ) -> jax.Array:
     """Causal GQA attention of queries ``q [B, S, H, Dh]`` over each row's cached keys.
 
     A query at position ``p`` sees the keys at positions ``0..p`` of its own row (which
-    includes the K/V just written for this step). Returns ``[B, S, H, Dh]``.
+    includes the K/V just written for this step), only ``p - window + 1..p`` for a sliding
+    ``spec.window``; scores are ``q.k * spec.scale`` (default ``Dh ** -0.5``), soft-capped
+    by ``spec.softcap`` (``cap * tanh(s / cap)``) before the mask. Returns ``[B, S, H, Dh]``.
     """
     B, S, H, Dh = q.shape
+    spec = spec or AttentionSpec(Dh**-0.5)
     k = gather_blocks(k_pool, layer, block_tables, q.dtype)  # [B, P, bs, KVH, Dh]
     v = gather_blocks(v_pool, layer, block_tables, q.dtype)
     P, bs, KVH = k.shape[1], k.shape[2], k.shape[3]
@@ -161,13 +165,17 @@ def paged_attention(
     qg = q.reshape(B, S, KVH, H // KVH, Dh).transpose(0, 2, 3, 1, 4).reshape(B, KVH, -1, Dh)  # [B,KVH,G*S,Dh]
 
     scores = jnp.einsum("bkqd,bktd->bkqt", qg, k, preferred_element_type=jnp.float32)
-    scores = scores.reshape(B, KVH, H // KVH, S, P * bs) * (Dh**-0.5)
+    scores = scores.reshape(B, KVH, H // KVH, S, P * bs) * spec.scale
+    if spec.softcap is not None:
+        scores = jnp.tanh(scores / spec.softcap) * spec.softcap
     key_pos = jnp.arange(P * bs)
     mask = (
         (key_pos[None, None, :] <= positions[:, :, None])
         & (key_pos[None, None, :] < context_lens[:, None, None])
         & valid[:, :, None]
     )  # [B, S, T]
+    if spec.window is not None:
+        mask &= key_pos[None, None, :] > positions[:, :, None] - spec.window
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, KVH, -1, P * bs)
     out = jnp.einsum("bkqt,bktd->bkqd", probs, v, preferred_element_type=jnp.float32)

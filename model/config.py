@@ -1,42 +1,41 @@
 """Model hyper-parameters, read from an HF ``config.json`` or from GGUF metadata.
 
-One frozen dataclass describes every Llama-family model raylm runs (Llama, Mistral,
-Qwen2, SmolLM); the forward pass reads nothing else.
+One frozen dataclass describes every decoder raylm runs: the Llama body plus the differences
+a family declares (model/families.py) and the numbers its config gives (head size, windows,
+soft-caps, RoPE kinds). The forward pass reads nothing else. A config option that raylm does
+not implement is a load error naming it, never a silent default.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
 from model.errors import ModelLoadError, UnsupportedModelError
+from model.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
+from model.rope_config import RopeScaling, parse_rope_scaling
 
-# HF architecture name -> whether q/k/v projections carry a bias.
-SUPPORTED_HF_ARCHITECTURES: dict[str, bool] = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-}
-SUPPORTED_GGUF_ARCHITECTURES: dict[str, bool] = {"llama": False, "qwen2": True}
-SUPPORTED_ROPE_SCALING = ("linear", "llama3")
+SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = tuple(HF_FAMILIES)
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_FAMILIES)
+_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 
 
 @dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling as HF defines it (``rope_scaling`` in config.json)."""
+class AttentionSpec:
+    """How one layer's attention scores are formed: ``softmax(softcap(q.k * scale))`` over the
+    keys at positions ``p - window < k <= p`` (all ``k <= p`` when ``window`` is None)."""
 
-    rope_type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Everything the forward pass needs to know about a Llama-family model."""
+    """Everything the forward pass needs to know about a model."""
 
     architecture: str
     vocab_size: int
@@ -54,6 +53,18 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # The declared differences (defaults: Llama).
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    sandwich_norms: bool = False  # RMSNorm of the attention and MLP outputs before each residual add
+    activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embed_scale: float | None = None  # input embeddings times this (Gemma: sqrt(hidden))
+    query_scale: float | None = None  # attention scores' scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # tanh soft-cap of attention scores
+    final_softcap: float | None = None  # tanh soft-cap of the output logits
+    # Per layer: its sliding window (keys it sees, its own included), None for full attention;
+    # empty when no layer slides.
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of sliding layers (Gemma 3), default RoPE
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -61,42 +72,81 @@ class ModelConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}; GQA needs whole groups"
             )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ModelLoadError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
 
     @property
     def q_per_kv(self) -> int:
         """Query heads sharing one KV head (the GQA group size)."""
         return self.num_heads // self.num_kv_heads
 
+    def layer_window(self, layer: int) -> int | None:
+        """Keys a query of ``layer`` sees (its own included), None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def max_window(self) -> int | None:
+        """The widest sliding window if every layer slides, else None (some layer sees all keys)."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)  # type: ignore[type-var]
+
+    def attention(self, layer: int) -> AttentionSpec:
+        """Layer ``layer``'s scale, window and soft-cap."""
+        scale = self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+        return AttentionSpec(scale, self.layer_window(layer), self.attn_softcap)
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates with the sliding layers' own RoPE base."""
+        return self.local_rope_theta is not None and self.layer_window(layer) is not None
+
     @classmethod
     def from_hf_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
         """Build from the parsed contents of an HF ``config.json``."""
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_HF_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in HF_FAMILIES), None)
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or raw.get('model_type')!r} in {source}; "
                 f"raylm supports {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
             )
+        family = HF_FAMILIES[arch]
+        _refuse_unimplemented(raw, family, source)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
+            layers = int(raw["num_hidden_layers"])
+            max_positions = int(raw.get("max_position_embeddings", 2048))
+            global_rope, local_rope = _rope_parameters(raw)
+            act = raw.get("hidden_activation") or raw.get("hidden_act") or family.default_act
             config = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
+                num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(_rope_theta(raw)),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", SUPPORTED_HF_ARCHITECTURES[arch])),
-                rope_scaling=_rope_scaling(raw.get("rope_scaling") or raw.get("rope_parameters"), source),
+                rope_theta=float(global_rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+                max_position_embeddings=max_positions,
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.gemma)),
+                attention_bias=bool(raw.get("attention_bias") or family.attention_bias),
+                rope_scaling=parse_rope_scaling(
+                    global_rope, source, max_positions, raw.get("original_max_position_embeddings")
+                ),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
+                qk_norm=family.qk_norm,
+                sandwich_norms=family.gemma,
+                activation=_activation(act, source),
+                embed_scale=math.sqrt(hidden) if family.gemma else None,
+                query_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if family.gemma else None,
+                attn_softcap=_optional_float(raw.get("attn_logit_softcapping")),
+                final_softcap=_optional_float(raw.get("final_logit_softcapping")),
+                layer_windows=_layer_windows(raw, family, layers, source),
+                local_rope_theta=_local_rope_theta(local_rope, source),
             )
         except KeyError as missing:
             raise ModelLoadError(f"{source} lacks required key {missing}") from None
@@ -126,11 +176,12 @@ class ModelConfig:
     def from_gguf_fields(cls, fields: Mapping[str, Any], source: str) -> "ModelConfig":
         """Build from GGUF key/value metadata (already decoded to Python values)."""
         arch = fields.get("general.architecture")
-        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        if arch not in GGUF_FAMILIES:
             raise UnsupportedModelError(
                 f"unsupported GGUF architecture {arch!r} in {source}; "
                 f"raylm supports {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
             )
+        family = HF_FAMILIES[GGUF_FAMILIES[arch]]
 
         def get(key: str, default: Any = None) -> Any:
             value = fields.get(f"{arch}.{key}", default)
@@ -141,10 +192,11 @@ class ModelConfig:
         hidden = int(get("embedding_length"))
         heads = int(get("attention.head_count"))
         vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens", ()))
+        max_positions = int(get("context_length", 2048))
         scaling = None
         scaling_type = fields.get(f"{arch}.rope.scaling.type")
         if scaling_type not in (None, "none"):
-            scaling = _rope_scaling(
+            scaling = parse_rope_scaling(
                 {
                     "rope_type": scaling_type,
                     "factor": fields.get(f"{arch}.rope.scaling.factor", 1.0),
@@ -153,6 +205,7 @@ class ModelConfig:
                     ),
                 },
                 source,
+                max_positions,
             )
         return cls(
             architecture=arch,
@@ -165,41 +218,100 @@ class ModelConfig:
             head_dim=int(fields.get(f"{arch}.attention.key_length") or hidden // heads),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(get("context_length", 2048)),
+            max_position_embeddings=max_positions,
             # Tied when the file has no separate output matrix; the loader decides that.
             tie_word_embeddings=False,
-            attention_bias=SUPPORTED_GGUF_ARCHITECTURES[arch],
+            attention_bias=family.attention_bias,
             rope_scaling=scaling,
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_as_id_tuple(fields.get("tokenizer.ggml.eos_token_id")),
+            qk_norm=family.qk_norm,
+            sandwich_norms=family.gemma,
+            activation=ACTIVATIONS[family.default_act],
         )
 
 
-def _rope_theta(raw: Mapping[str, Any]) -> float:
-    if "rope_theta" in raw:
-        return raw["rope_theta"]
-    params = raw.get("rope_parameters") or {}
-    return params.get("rope_theta", 10000.0)
-
-
-def _rope_scaling(raw: Mapping[str, Any] | None, source: str) -> RopeScaling | None:
-    if not raw:
-        return None
-    rope_type = raw.get("rope_type") or raw.get("type")
-    if rope_type == "default":
-        return None
-    if rope_type not in SUPPORTED_ROPE_SCALING:
+def _refuse_unimplemented(raw: Mapping[str, Any], family: Family, source: str) -> None:
+    """Options HF implements for these architectures and raylm does not: load errors."""
+    if raw.get("attention_bias") and not family.attention_bias:
         raise UnsupportedModelError(
-            f"unsupported rope_scaling type {rope_type!r} in {source}; "
-            f"raylm supports {', '.join(SUPPORTED_ROPE_SCALING)}"
+            f"attention_bias=true in {source}: raylm implements q/k/v biases (Qwen2) only, not o_proj's"
         )
-    return RopeScaling(
-        rope_type=rope_type,
-        factor=float(raw.get("factor", 1.0)),
-        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
-    )
+    if raw.get("mlp_bias"):
+        raise UnsupportedModelError(f"mlp_bias=true in {source} is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"use_bidirectional_attention=true in {source}: raylm serves causal decoders")
+    partial = raw.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedModelError(f"partial_rotary_factor={partial} in {source}: raylm rotates whole heads only")
+    if not family.gemma:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if raw.get(key) is not None:
+                raise UnsupportedModelError(f"{key} in {source} is read only for Gemma architectures")
+
+
+def _rope_parameters(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(global RoPE dict, sliding layers' own or None), from ``rope_parameters`` (transformers
+    5, possibly per layer type) or the older ``rope_theta`` / ``rope_scaling`` /
+    ``rope_local_base_freq`` keys."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, Mapping) and "full_attention" in params:
+        return dict(params["full_attention"]), dict(params.get("sliding_attention") or {}) or None
+    merged = dict(raw.get("rope_scaling") or params or {})
+    if "rope_theta" in raw:
+        merged.setdefault("rope_theta", raw["rope_theta"])
+    local = {"rope_theta": raw["rope_local_base_freq"]} if "rope_local_base_freq" in raw else None
+    return merged, local
+
+
+def _local_rope_theta(local: Mapping[str, Any] | None, source: str) -> float | None:
+    if local is None:
+        return None
+    if (local.get("rope_type") or "default") != "default":
+        raise UnsupportedModelError(
+            f"sliding layers' RoPE type {local.get('rope_type')!r} in {source}: raylm scales global layers' RoPE only"
+        )
+    return float(local.get("rope_theta", 10000.0))
+
+
+def _layer_windows(raw: Mapping[str, Any], family: Family, layers: int, source: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window as HF applies it, or () when no layer slides."""
+    window = raw.get("sliding_window")
+    if family.window_on_all_layers:
+        kinds = [window is not None] * layers
+    elif raw.get("layer_types") is not None:
+        types = list(raw["layer_types"])
+        unknown = sorted(set(types) - set(_LAYER_TYPES))
+        if unknown or len(types) != layers:
+            raise UnsupportedModelError(
+                f"layer_types in {source}: expected {layers} of {', '.join(_LAYER_TYPES)}, got {types}"
+            )
+        kinds = [_LAYER_TYPES[t] for t in types]
+    elif raw.get("use_sliding_window") and window is not None:  # Qwen2/3 configs before layer_types
+        first = int(raw.get("max_window_layers", layers))
+        kinds = [i >= first for i in range(layers)]
+    elif family.sliding_pattern and window is not None:  # Gemma configs before layer_types
+        pattern = int(raw.get("sliding_window_pattern") or family.sliding_pattern)
+        kinds = [(i + 1) % pattern != 0 for i in range(layers)]
+    else:
+        kinds = [False] * layers
+    if window is None or not any(kinds):
+        return ()
+    if int(window) < 1:
+        raise UnsupportedModelError(f"sliding_window={window} in {source}: it must be at least 1")
+    return tuple(int(window) if sliding else None for sliding in kinds)
+
+
+def _activation(name: str, source: str) -> str:
+    if name not in ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"MLP activation {name!r} in {source}: raylm supports {', '.join(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[name]
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

@@ -1,4 +1,6 @@
-"""The Llama-family forward pass over a paged KV pool.
+"""The decoder forward pass over a paged KV pool: one body for every family, reading what a
+family changes (q/k norms, sandwich norms, GeGLU, embedding scale, soft-caps, per-layer windows
+and RoPE) from ``ModelConfig``.
 
 It is not jitted here: the engine's programs (``workers/runner.py``) and the reference loop
 (``model/generate.py``) each jit it with what they add (bucketing and sampling, or nothing).
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 from model.attention import KVCache, paged_attention, slot_indices, write_kv
 from model.config import ModelConfig
 from model.dense import dense
-from model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu_mlp
+from model.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin, rope_for
 from model.paged_decode import decode_attention
 from model.params import LayerParams, ModelParams
 from model.gguf_blocks import GgufBlocks
@@ -66,16 +68,20 @@ def forward(
     """
     valid = (positions >= 0) & (positions < context_lens[:, None])
     block, offset = slot_indices(positions, block_tables, valid, kv.block_size)
-    cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
+    rotations = {False: rope_cos_sin(positions, rope_for(config))}
+    if config.local_rope_theta is not None:
+        rotations[True] = rope_cos_sin(positions, rope_for(config, local=True))
     kernel_lens = None
     if cpu_kernels:
         if tokens.shape[1] != 1:
             raise ValueError(f"the paged kernel takes one query per row (pack prompt chunks), got {tokens.shape}")
         # Keys each query sees (its position + 1; 0 for a padding row): the kernel's contract.
         kernel_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
-    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, cos, sin, kernel_lens)
+    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, rotations, kernel_lens)
     embed = params.embed
     x = embed.rows(tokens, params.final_norm.dtype) if isinstance(embed, (QuantArray, GgufBlocks)) else embed[tokens]
+    if config.embed_scale is not None:  # in the model dtype, as HF Gemma rounds it
+        x = x * jnp.asarray(config.embed_scale, x.dtype)
     eps = config.rms_norm_eps
 
     k_pool, v_pool = kv.k, kv.v
@@ -109,6 +115,8 @@ def forward(
     head = params.embed if params.lm_head is None else params.lm_head
     with jax.named_scope("lm_head"):
         logits = dense(x, head, kernel=cpu_kernels, out_dtype=jnp.float32)
+        if config.final_softcap is not None:
+            logits = jnp.tanh(logits / config.final_softcap) * config.final_softcap
     if not all_logits:
         logits = logits[:, 0]
     out = (logits, KVCache(k_pool, v_pool))
@@ -153,8 +161,7 @@ class _Batch(NamedTuple):
     valid: jax.Array  # [B, S]
     block: jax.Array  # [B, S] physical block of each token's K/V
     offset: jax.Array  # [B, S] slot in that block
-    cos: jax.Array  # [B, S, Dh]
-    sin: jax.Array  # [B, S, Dh]
+    rotations: dict[bool, tuple[jax.Array, jax.Array]]  # local RoPE? -> cos/sin [B, S, Dh] each
     kernel_lens: jax.Array | None  # [B] keys each query sees when the CPU kernels run, else None
 
     @property
@@ -166,29 +173,40 @@ class _Batch(NamedTuple):
 def _layer(
     lp: LayerParams, config: ModelConfig, batch: _Batch, i: int, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One decoder layer: fused QKV, RoPE, K/V write into layer ``i``, attention, fused MLP."""
+    """One decoder layer: fused QKV, (q/k norm), RoPE, K/V write into layer ``i``, attention,
+    fused MLP; with sandwich norms each block's output is normed before its residual add."""
     B, S, _ = x.shape
     G = config.q_per_kv
+    eps = config.rms_norm_eps
+    spec = config.attention(i)
     with jax.named_scope("qkv"):
-        h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
+        h = rms_norm(x, lp.attn_norm, eps)
         qkv = dense(h, lp.wqkv, kernel=batch.cpu_kernels)  # [B, S, KVH, G + 2, Dh]
         if lp.bqkv is not None:
             qkv = qkv + lp.bqkv
         q = qkv[:, :, :, :G].reshape(B, S, config.num_heads, config.head_dim)
         k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
-        q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)
+        if lp.q_norm is not None:
+            q, k = rms_norm(q, lp.q_norm, eps), rms_norm(k, lp.k_norm, eps)
+        cos, sin = batch.rotations[config.uses_local_rope(i)]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     with jax.named_scope("kv_write"):
         k_pool = write_kv(k_pool, i, batch.block, batch.offset, k, batch.cpu_kernels)
         v_pool = write_kv(v_pool, i, batch.block, batch.offset, v, batch.cpu_kernels)
     with jax.named_scope("attention"):
         if batch.kernel_lens is not None:
-            attn = decode_attention(q[:, 0], k_pool, v_pool, i, batch.block_tables, batch.kernel_lens)[:, None]
+            attn = decode_attention(
+                q[:, 0], k_pool, v_pool, i, batch.block_tables, batch.kernel_lens, spec
+            )[:, None]
         else:
             attn = paged_attention(
-                q, k_pool, v_pool, i, batch.block_tables, batch.positions, batch.context_lens, batch.valid
+                q, k_pool, v_pool, i, batch.block_tables, batch.positions, batch.context_lens, batch.valid, spec
             )
     with jax.named_scope("wo"):
-        x = x + dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
+        out = dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
+        x = x + (out if lp.post_attn_norm is None else rms_norm(out, lp.post_attn_norm, eps))
     with jax.named_scope("mlp"):
-        h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
-        return x + swiglu_mlp(h, lp.w_gate_up, lp.w_down, kernel=batch.cpu_kernels), k_pool, v_pool
+        h = rms_norm(x, lp.mlp_norm, eps)
+        out = gated_mlp(h, lp.w_gate_up, lp.w_down, config.activation, kernel=batch.cpu_kernels)
+        x = x + (out if lp.post_mlp_norm is None else rms_norm(out, lp.post_mlp_norm, eps))
+        return x, k_pool, v_pool

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from model.attention import Pool, paged_attention, pool_dtype
+from model.config import AttentionSpec
 from model.kernels import CpuKernel
 from model.quantization import QUANTIZED_DTYPES, QuantArray
 
@@ -83,11 +84,12 @@ def reference_decode_attention(
     layer: jax.Array | int,
     block_tables: jax.Array,
     context_lens: jax.Array,
+    spec: AttentionSpec | None = None,
 ) -> jax.Array:
     """The same contract as ``paged_decode_attention``, by the portable jnp ``paged_attention``."""
     valid = (context_lens > 0)[:, None]
     positions = (context_lens - 1)[:, None]
-    out = paged_attention(q[:, None], k_pool, v_pool, layer, block_tables, positions, context_lens, valid)
+    out = paged_attention(q[:, None], k_pool, v_pool, layer, block_tables, positions, context_lens, valid, spec)
     return jnp.where(valid[:, :, None], out[:, 0], 0).astype(q.dtype)
 
 
@@ -98,13 +100,18 @@ def decode_attention(
     layer: jax.Array | int,
     block_tables: jax.Array,
     context_lens: jax.Array,
+    spec: AttentionSpec | None = None,
 ) -> jax.Array:
     """Decode attention by the kernel when it can run here (CPU, built, dtype), else by jnp.
 
     The choice of platform is made when the program is lowered, so the same traced function
-    also lowers for GPU/TPU (to the jnp path).
+    also lowers for GPU/TPU (to the jnp path). ``spec``: see ``paged_attention``.
     """
     args = (q, k_pool, v_pool, layer, block_tables, context_lens)
+    default = q.shape[-1] ** -0.5
+    if spec is not None and (spec.window is not None or spec.softcap is not None or spec.scale != default):
+        # The kernel computes plain causal attention only (for now).
+        return reference_decode_attention(*args, spec)
     if not available() or not _kernel_reads(k_pool, v_pool):
         return reference_decode_attention(*args)
     return jax.lax.platform_dependent(*args, cpu=paged_decode_attention, default=reference_decode_attention)

@@ -55,6 +55,10 @@ def _norm() -> ArrayInfo:
     return ArrayInfo(lambda c: (c.hidden_size,), ("embed",))
 
 
+def _head_norm() -> ArrayInfo:
+    return ArrayInfo(lambda c: (c.head_dim,), ("head_dim",))
+
+
 def _vocab_matrix() -> ArrayInfo:
     return ArrayInfo(lambda c: (c.vocab_size, c.hidden_size), ("vocab", "embed"), input_dims=1)
 
@@ -79,6 +83,10 @@ class LayerParams:
     bqkv: Optional[jax.Array] = _param(  # Qwen2's attention bias
         ArrayInfo(lambda c: (c.num_kv_heads, c.q_per_kv + 2, c.head_dim), ("kv_heads", "qkv", "head_dim")),
         optional=True)
+    q_norm: Optional[jax.Array] = _param(_head_norm(), optional=True)  # qk_norm models (Qwen3, Gemma 3)
+    k_norm: Optional[jax.Array] = _param(_head_norm(), optional=True)
+    post_attn_norm: Optional[jax.Array] = _param(_norm(), optional=True)  # sandwich_norms models (Gemma)
+    post_mlp_norm: Optional[jax.Array] = _param(_norm(), optional=True)
 
 
 @jax.tree_util.register_dataclass

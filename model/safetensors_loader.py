@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError
+from model.families import HF_FAMILIES
 from model.params import ModelParams
 from model.weights import build_params
 
@@ -51,7 +52,7 @@ def _open(file: Path):
 def load_safetensors_checkpoint(
     path: str | Path, dtype: jnp.dtype = jnp.float32
 ) -> tuple[ModelConfig, ModelParams]:
-    """Read config and weights of an HF Llama/Mistral/Qwen2 checkpoint directory."""
+    """Read config and weights of an HF checkpoint directory of a supported architecture."""
     path = Path(path)
     config = ModelConfig.from_hf_dir(path)
     names = _tensor_files(path)
@@ -70,7 +71,7 @@ def load_safetensors_checkpoint(
             except (SafetensorError, OSError, ValueError) as err:
                 raise ModelLoadError(f"cannot read tensor {name!r} from {file}: {err}") from None
 
-        params = build_params(config, get, str(path), dtype)
+        params = build_params(config, get, str(path), dtype, norm_offset=1.0 if HF_FAMILIES[config.architecture].gemma else 0.0)
     return config, params
 
 

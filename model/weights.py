@@ -8,6 +8,7 @@ KV head, gate/up), shape checks and the dtype cast live here once.
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import jax
@@ -23,6 +24,7 @@ from model.params import LayerParams, ModelParams, shape_mismatches
 TensorSource = Callable[[str], "np.ndarray | GgufBlocks | None"]
 
 _PREFIX = "model.layers.{i}."
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _HF_NAMES = {
     "attn_norm": "input_layernorm.weight",
     "wq": "self_attn.q_proj.weight",
@@ -36,6 +38,22 @@ _HF_NAMES = {
     "bq": "self_attn.q_proj.bias",
     "bk": "self_attn.k_proj.bias",
     "bv": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+}
+# Sandwich-norm models (Gemma) name their norms after their place: "post_attention" follows
+# attention, and the norm before the MLP is "pre_feedforward" (Llama's "post_attention").
+_SANDWICH_NAMES = {
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
+_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
+# Checkpoints that store Q/K/V as one matrix and gate/up as another (Phi-3): HF name of the
+# fused tensor -> the parts it stacks along its rows, in order.
+_FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
 
 
@@ -68,11 +86,48 @@ def _hf_shape(field: str, config: ModelConfig) -> tuple[int, ...]:
         "wq": (H * Dh, D), "wk": (KVH * Dh, D), "wv": (KVH * Dh, D), "wo": (D, H * Dh),
         "w_gate": (I, D), "w_up": (I, D), "w_down": (D, I),
         "bq": (H * Dh,), "bk": (KVH * Dh,), "bv": (KVH * Dh,),
+        "q_norm": (Dh,), "k_norm": (Dh,), "post_attn_norm": (D,), "post_mlp_norm": (D,),
     }[field]
 
 
-def build_params(config: ModelConfig, get: TensorSource, source: str, dtype: jnp.dtype) -> ModelParams:
-    """Assemble and validate ``ModelParams`` from HF-named tensors, cast to ``dtype``."""
+def unfused(get: TensorSource, config: ModelConfig) -> TensorSource:
+    """``get`` that also answers a part (q/k/v, gate/up) of a fused checkpoint tensor by
+    slicing its rows (blocks stay blocks: their rows are whole)."""
+    H, KVH, Dh, I = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
+    rows = {"self_attn.qkv_proj.weight": (H * Dh, KVH * Dh, KVH * Dh), "mlp.gate_up_proj.weight": (I, I)}
+
+    def answer(name: str) -> np.ndarray | GgufBlocks | None:
+        found = get(name)
+        if found is not None:
+            return found
+        match = _LAYER_RE.fullmatch(name)
+        if match is None:
+            return None
+        for fused, parts in _FUSED.items():
+            if match.group(2) in parts:
+                whole = get(f"model.layers.{match.group(1)}.{fused}")
+                if whole is None:
+                    return None
+                sizes = rows[fused]
+                if whole.shape[0] != sum(sizes):
+                    raise ModelLoadError(f"tensor {fused!r} of layer {match.group(1)} has {whole.shape[0]} rows, "
+                                         f"expected {sum(sizes)}")
+                start = sum(sizes[: parts.index(match.group(2))])
+                stop = start + sizes[parts.index(match.group(2))]
+                return map_rows(lambda a: a[start:stop], whole)
+        return None
+
+    return answer
+
+
+def build_params(
+    config: ModelConfig, get: TensorSource, source: str, dtype: jnp.dtype, norm_offset: float = 0.0
+) -> ModelParams:
+    """Assemble and validate ``ModelParams`` from HF-named tensors, cast to ``dtype``.
+
+    ``norm_offset`` is added to every RMSNorm weight: HF's Gemma checkpoints store ``w`` for
+    a norm that multiplies by ``1 + w`` (llama.cpp's GGUF files store ``1 + w`` already)."""
+    get = unfused(get, config)
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray | GgufBlocks:
         array = get(name)
@@ -95,9 +150,12 @@ def build_params(config: ModelConfig, get: TensorSource, source: str, dtype: jnp
 
     def layer(i: int) -> LayerParams:
         def hf(field: str) -> np.ndarray | GgufBlocks:
-            name = (_PREFIX + _HF_NAMES[field]).format(i=i)
-            array = fetch(name, _hf_shape(field, config))
-            return array if isinstance(array, GgufBlocks) else array.astype(np.float32, copy=False)
+            names = {**_HF_NAMES, **_SANDWICH_NAMES} if config.sandwich_norms else _HF_NAMES
+            array = fetch((_PREFIX + names[field]).format(i=i), _hf_shape(field, config))
+            if isinstance(array, GgufBlocks):
+                return array
+            array = array.astype(np.float32, copy=False)
+            return array + np.float32(norm_offset) if field in _NORMS and norm_offset else array
 
         wo = hf("wo")
         fields = {
@@ -110,6 +168,10 @@ def build_params(config: ModelConfig, get: TensorSource, source: str, dtype: jnp
         }
         if config.attention_bias:
             fields["bqkv"] = fuse_qkv(hf("bq"), hf("bk"), hf("bv"), KVH)
+        if config.qk_norm:
+            fields.update(q_norm=hf("q_norm"), k_norm=hf("k_norm"))
+        if config.sandwich_norms:
+            fields.update(post_attn_norm=hf("post_attn_norm"), post_mlp_norm=hf("post_mlp_norm"))
         return LayerParams(**{f: on_device(a) for f, a in fields.items()})
 
     V = config.vocab_size
@@ -120,7 +182,7 @@ def build_params(config: ModelConfig, get: TensorSource, source: str, dtype: jnp
     params = ModelParams(
         embed=on_device(embed),
         layers=tuple(layer(i) for i in range(config.num_layers)),
-        final_norm=jnp.asarray(fetch("model.norm.weight", (D,)), dtype=dtype),
+        final_norm=jnp.asarray(fetch("model.norm.weight", (D,)) + np.float32(norm_offset), dtype=dtype),
         lm_head=lm_head,
     )
     wrong = shape_mismatches(params, config)  # the fused layout against model/params.py's declarations

@@ -49,6 +49,38 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
     ),
     "mistral": (transformers.MistralConfig, dict(rope_theta=1e6, sliding_window=None, head_dim=32)),
     "qwen2": (transformers.Qwen2Config, dict(rope_theta=1e6, tie_word_embeddings=True)),
+    "llama-yarn": (
+        transformers.LlamaConfig,
+        dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                  original_max_position_embeddings=128)),
+    ),
+    # head_dim independent of hidden / heads, q/k norms.
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=True)),
+    # A 16-token window on every layer: the test prompts and generations run past it.
+    "mistral-sliding": (transformers.MistralConfig, dict(head_dim=16, sliding_window=16)),
+    # Soft-caps small enough to bite on random weights; query_pre_attn_scalar != head_dim;
+    # sliding layers 0 and 2.
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=5.0,
+             final_logit_softcapping=8.0),
+    ),
+    # q/k norms, sliding layers with their own RoPE base, linear-scaled RoPE on the global one.
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(head_dim=32, sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                                  full_attention=dict(rope_type="linear", rope_theta=1e6, factor=2.0))),
+    ),
+    # Fused qkv / gate_up in the checkpoint; LongRoPE with its long factors (the served context,
+    # 512, exceeds the original 32, and the test prompts are longer than 32).
+    "phi3-longrope": (
+        transformers.Phi3Config,
+        dict(pad_token_id=0, eos_token_id=2, original_max_position_embeddings=32,
+             rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                  short_factor=[1.0 + 0.1 * i for i in range(8)],
+                                  long_factor=[1.5 + 0.5 * i for i in range(8)])),
+    ),
 }
 
 _CORPUS = [
@@ -82,7 +114,12 @@ def build_tiny_checkpoint(variant: str, directory: Path, seed: int = 0, **overri
         transformers.LlamaConfig: transformers.LlamaForCausalLM,
         transformers.MistralConfig: transformers.MistralForCausalLM,
         transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
+        transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+        transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
+        transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM,
+        transformers.Phi3Config: transformers.Phi3ForCausalLM,
     }[config_cls]
+    config._attn_implementation = "eager"  # soft-capping and windows as the modeling code writes them
     model = model_cls(config).eval().to(torch.float32)
     # Random init leaves norms at 1 and biases at 0; perturb them so loading errors show.
     with torch.no_grad():

@@ -69,9 +69,38 @@ def test_shape_mismatch(checkpoint):
 
 
 def test_unsupported_rope_scaling(checkpoint):
-    _edit_config(checkpoint, rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None)
-    with pytest.raises(UnsupportedModelError, match="rope_scaling type 'yarn'"):
+    _edit_config(checkpoint, rope_scaling={"rope_type": "dynamic", "factor": 4.0}, rope_parameters=None)
+    with pytest.raises(UnsupportedModelError, match="rope_scaling type 'dynamic'"):
         load_checkpoint(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(attention_bias=True), "attention_bias=true .* not o_proj's"),
+        (dict(mlp_bias=True), "mlp_bias=true"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+         "partial_rotary_factor=0.5"),
+        (dict(hidden_act="relu2"), "MLP activation 'relu2'"),
+        (dict(final_logit_softcapping=30.0), "final_logit_softcapping .* only for Gemma"),
+        (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+        (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
+         "longrope RoPE .* needs original_max_position_embeddings"),
+    ],
+)
+def test_unimplemented_config_options_are_refused(checkpoint, changes, message):
+    """An option HF implements and raylm does not must fail the load, never fall back."""
+    _edit_config(checkpoint, **changes)
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_checkpoint(checkpoint)
+
+
+def test_unknown_layer_type_is_refused(tmp_path):
+    path, _ = build_tiny_checkpoint("qwen3", tmp_path / "q")
+    _edit_config(path, layer_types=["full_attention", "chunked_attention", "full_attention"])
+    with pytest.raises(UnsupportedModelError, match="layer_types .* chunked_attention"):
+        load_checkpoint(path)
 
 
 def test_corrupt_gguf(tmp_path):

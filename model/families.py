@@ -1,0 +1,54 @@
+"""What each supported architecture changes in the one decoder (model/forward.py).
+
+Families are data, not copies of the forward pass: a ``Family`` declares the differences a
+checkpoint's architecture name implies; config.json / GGUF metadata supply the numbers
+(windows, soft-caps, scales). ``model.config`` reads both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """The declared differences of one architecture from Llama."""
+
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
+    # Gemma: norms also after attention and after the MLP (before each residual add), RMSNorm
+    # weights stored as ``w`` for ``1 + w``, embeddings scaled by sqrt(hidden), attention
+    # scaled by ``query_pre_attn_scalar``, GeGLU by default.
+    gemma: bool = False
+    default_act: str = "silu"
+    gguf_name: str = "llama"
+    # Sliding window from config.json's ``sliding_window`` on every layer (Mistral, Phi-3);
+    # otherwise only the layers ``layer_types`` marks sliding.
+    window_on_all_layers: bool = False
+    # Configs without ``layer_types``: every this-many-th layer is global, the rest slide
+    # (Gemma 2: 2, Gemma 3: 6, overridden by ``sliding_window_pattern``); 0: none slide.
+    sliding_pattern: int = 0
+
+
+HF_FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(),
+    "MistralForCausalLM": Family(window_on_all_layers=True),
+    "Qwen2ForCausalLM": Family(attention_bias=True, gguf_name="qwen2"),
+    "Qwen3ForCausalLM": Family(qk_norm=True, gguf_name="qwen3"),
+    "Gemma2ForCausalLM": Family(gemma=True, default_act="gelu_pytorch_tanh", gguf_name="gemma2", sliding_pattern=2),
+    "Gemma3ForCausalLM": Family(
+        qk_norm=True, gemma=True, default_act="gelu_pytorch_tanh", gguf_name="gemma3", sliding_pattern=6
+    ),
+    "Phi3ForCausalLM": Family(window_on_all_layers=True, gguf_name="phi3"),
+}
+# llama.cpp's architecture names -> the HF family they hold (Mistral converts to "llama").
+GGUF_FAMILIES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+# HF's names for the same activations.
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
