@@ -80,6 +80,15 @@ class ModelConfig:
         """Query heads sharing one KV head (the GQA group size)."""
         return self.num_heads // self.num_kv_heads
 
+    def first_layers(self, num_layers: int) -> "ModelConfig":
+        """This config cut after its first ``num_layers`` decoder layers (a layer-skipping draft)."""
+        return dataclasses.replace(self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers])
+
+    def served_at(self, context_len: int) -> "ModelConfig":
+        """This config for a replica serving at most ``context_len`` tokens per sequence: what
+        depends on the served context (LongRoPE's factor choice) follows it."""
+        return dataclasses.replace(self, max_position_embeddings=min(self.max_position_embeddings, context_len))
+
     def layer_window(self, layer: int) -> int | None:
         """Keys a query of ``layer`` sees (its own included), None for full attention."""
         return self.layer_windows[layer] if self.layer_windows else None
@@ -282,10 +291,13 @@ def _layer_windows(raw: Mapping[str, Any], family: Family, layers: int, source: 
     elif raw.get("layer_types") is not None:
         types = list(raw["layer_types"])
         unknown = sorted(set(types) - set(_LAYER_TYPES))
-        if unknown or len(types) != layers:
+        if unknown:
             raise UnsupportedModelError(
-                f"layer_types in {source}: expected {layers} of {', '.join(_LAYER_TYPES)}, got {types}"
+                f"layer_types in {source}: {', '.join(unknown)} not supported (raylm implements "
+                f"{', '.join(_LAYER_TYPES)})"
             )
+        if len(types) != layers:
+            raise ModelLoadError(f"layer_types in {source} lists {len(types)} layers, the model has {layers}")
         kinds = [_LAYER_TYPES[t] for t in types]
     elif raw.get("use_sliding_window") and window is not None:  # Qwen2/3 configs before layer_types
         first = int(raw.get("max_window_layers", layers))

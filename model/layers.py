@@ -104,9 +104,10 @@ def _yarn(theta: float, dim: int, s: RopeScaling) -> Rope:
 
 
 def _longrope(theta: float, dim: int, s: RopeScaling, max_positions: int) -> Rope:
-    """Phi-3's LongRoPE: a rescale factor per frequency, the long ones when the served context
-    exceeds the original (llama.cpp's static choice by context; HF switches by the running
-    sequence's length, the same for every sequence within the original length)."""
+    """Phi-3's LongRoPE: a rescale factor per frequency, the long ones when the context
+    (``max_positions``: the served one, see ``ModelConfig.served_at``) exceeds the original.
+    That is llama.cpp's static choice; HF switches factors once a running sequence grows past
+    the original length, which equals this for every sequence of a replica serving within it."""
     original = s.original_max_position_embeddings
     attention = s.attention_factor
     if attention is None:

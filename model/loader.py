@@ -77,7 +77,7 @@ class LoadedModel:
         return dataclasses.replace(
             self,
             name=f"{self.name}[:{num_layers}]",
-            config=dataclasses.replace(self.config, num_layers=num_layers),
+            config=self.config.first_layers(num_layers),
             params=dataclasses.replace(self.params, layers=self.params.layers[:num_layers]),
         )
 

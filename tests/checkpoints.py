@@ -72,6 +72,15 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
              rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
                                   full_attention=dict(rope_type="linear", rope_theta=1e6, factor=2.0))),
     ),
+    # Fused qkv / gate_up in the checkpoint, a 24-token window on every layer, LongRoPE within
+    # its original context (short factors, as HF uses them for every sequence that fits).
+    "phi3": (
+        transformers.Phi3Config,
+        dict(pad_token_id=0, eos_token_id=2, sliding_window=24, original_max_position_embeddings=1024,
+             rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                  short_factor=[1.0 + 0.1 * i for i in range(8)],
+                                  long_factor=[1.5 + 0.5 * i for i in range(8)])),
+    ),
     # Fused qkv / gate_up in the checkpoint; LongRoPE with its long factors (the served context,
     # 512, exceeds the original 32, and the test prompts are longer than 32).
     "phi3-longrope": (

@@ -64,6 +64,7 @@ class LLMEngine:
         self.config = model.config
         self.tokenizer = model.tokenizer
         self.max_model_len = args.resolve_max_model_len(self.config.max_position_embeddings)
+        self.config = self.config.served_at(self.max_model_len)
         self.eos_ids = frozenset(self.config.eos_token_ids)
         if args.compilation_cache_dir:
             enable_compilation_cache(args.compilation_cache_dir)

@@ -108,7 +108,7 @@ def distill(teacher: LoadedModel, layers: int, minutes: float, tokens: np.ndarra
             answer_starts: np.ndarray, labels: tuple[np.ndarray, np.ndarray, np.ndarray]) -> dict:
     """The trained layers and final norm; prints agreement on held-out answers as it goes."""
     probs, ids, argmax = labels
-    config = dataclasses.replace(teacher.config, num_layers=layers)
+    config = teacher.config.first_layers(layers)
 
     def params(trained):
         return dataclasses.replace(teacher.params, layers=trained["layers"], final_norm=trained["final_norm"])
