@@ -12,8 +12,11 @@ over the kv-head axis): XLA cannot partition a custom call by itself.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from model.attention import Pool, paged_attention, pool_dtype
 from model.config import AttentionSpec
@@ -48,6 +51,7 @@ def paged_decode_attention(
     layer: jax.Array | int,
     block_tables: jax.Array,
     context_lens: jax.Array,
+    spec: AttentionSpec | None = None,
 ) -> jax.Array:
     """One decode query per row ``q [B, H, Dh]`` over its paged keys, by the C++ kernel.
 
@@ -55,9 +59,11 @@ def paged_decode_attention(
     or QuantArrays of 8-bit values with per (token, kv head) scales; read in place at
     ``layer``); row ``b`` sees its first ``context_lens[b]`` keys through
     ``block_tables [B, P]`` (for a decode token at position ``p``: ``p + 1``; 0 for a padding
-    row, which gets zeros). Computes in float32, returns ``[B, H, Dh]`` in ``q``'s dtype.
-    Raises if the kernel is unavailable or the pool dtype unsupported; ``decode_attention``
-    falls back instead.
+    row, which gets zeros). ``spec`` (scale, sliding window, soft-cap; default plain
+    ``Dh ** -0.5`` causal attention) as in ``paged_attention``; a windowed row reads only the
+    blocks its window touches, so the table entries before them may be the null block.
+    Computes in float32, returns ``[B, H, Dh]`` in ``q``'s dtype. Raises if the kernel is
+    unavailable or the pool dtype unsupported; ``decode_attention`` falls back instead.
     """
     _KERNEL.require()
     if not _kernel_reads(k_pool, v_pool):
@@ -67,13 +73,18 @@ def paged_decode_attention(
             "jnp path"
         )
     rest = (jnp.asarray(layer, jnp.int32).reshape(()), block_tables.astype(jnp.int32), context_lens.astype(jnp.int32))
+    spec = spec or AttentionSpec(q.shape[-1] ** -0.5)
+    attributes = dict(  # 0 means none for the kernel
+        scale=np.float32(spec.scale), softcap=np.float32(spec.softcap or 0), window=np.int64(spec.window or 0)
+    )
     out_type = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     if isinstance(k_pool, QuantArray):
         _QUANTIZED_KERNEL.require()
         call = jax.ffi.ffi_call(_QUANTIZED_KERNEL.target, out_type)
-        out = call(q.astype(jnp.float32), k_pool.q, k_pool.scale, v_pool.q, v_pool.scale, *rest)
+        out = call(q.astype(jnp.float32), k_pool.q, k_pool.scale, v_pool.q, v_pool.scale, *rest, **attributes)
     else:
-        out = jax.ffi.ffi_call(_KERNEL.target, out_type)(q.astype(jnp.float32), k_pool, v_pool, *rest)
+        call = jax.ffi.ffi_call(_KERNEL.target, out_type)
+        out = call(q.astype(jnp.float32), k_pool, v_pool, *rest, **attributes)
     return out.astype(q.dtype)
 
 
@@ -108,10 +119,8 @@ def decode_attention(
     also lowers for GPU/TPU (to the jnp path). ``spec``: see ``paged_attention``.
     """
     args = (q, k_pool, v_pool, layer, block_tables, context_lens)
-    default = q.shape[-1] ** -0.5
-    if spec is not None and (spec.window is not None or spec.softcap is not None or spec.scale != default):
-        # The kernel computes plain causal attention only (for now).
-        return reference_decode_attention(*args, spec)
+    reference = functools.partial(reference_decode_attention, spec=spec)
     if not available() or not _kernel_reads(k_pool, v_pool):
-        return reference_decode_attention(*args)
-    return jax.lax.platform_dependent(*args, cpu=paged_decode_attention, default=reference_decode_attention)
+        return reference(*args)
+    kernel = functools.partial(paged_decode_attention, spec=spec)
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)

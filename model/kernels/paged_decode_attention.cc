@@ -13,6 +13,13 @@
 // zeros for rows with no keys. Block ids and the layer are clamped, so no input can make
 // the kernel read outside the pool.
 //
+// Attributes (model.config.AttentionSpec): `scale` multiplies q.k; `softcap` > 0 turns a
+// score s into softcap * tanh(s / softcap) before the softmax (Gemma 2), 0 leaves it;
+// `window` > 0 lets a row with n keys see only keys max(0, n - window) .. n - 1 (sliding
+// window layers), 0 all n. A windowed row starts at the block holding its first visible key
+// and never reads the table entries or blocks before it: the engine may have freed those
+// blocks and pointed their entries at the null block.
+//
 // The quantized variant takes 8-bit pools (int8 or float8 e4m3fn) and after each a float32
 // scale per (token, kv head), [L, num_blocks, block_size, KVH]: a key's score is its 8-bit
 // dot product times its scale, a value row's weight is its probability times its scale.
@@ -177,47 +184,63 @@ struct LaneTree<Vec16> {
   }
 };
 
+// Head dims above this are processed in slices of this many dims, so a slice of the query (or
+// of the value accumulator) stays in registers: a whole 256-dim query is 16 AVX-512 registers
+// beside 16 lane-tree accumulators, more than the 32 there are.
+constexpr int kMaxSliceDims = 128;
+
+template <int DH>
+constexpr int kSliceDims = DH < kMaxSliceDims ? DH : kMaxSliceDims;
+
 // Scores of one query head against the n keys of a block (rows `stride` apart), times
 // `scale`, into out[0, n) (out has room up to n rounded up to the lanes). Keys go W at a
-// time: W dot products accumulate in W vectors side by side (DH / W multiply-adds each),
-// then one lane tree sums them into a vector of W scores.
+// time: W dot products accumulate in W vectors side by side (slice / W multiply-adds each),
+// then one lane tree sums them into a vector of W scores; a head dim of several slices adds
+// the slices' sums in order.
 template <typename V, int DH>
 __attribute__((always_inline)) inline void BlockScores(const float* __restrict q, const float* __restrict k,
                                                        int64_t stride, int64_t n, float scale, float* __restrict out) {
-  constexpr int W = kLanesOf<V>, C = DH / W;
-  V qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = LoadVec<V>(q + c * W);
-  for (int64_t t0 = 0; t0 < n; t0 += W) {
-    V acc[W];
-    const int64_t m = std::min<int64_t>(W, n - t0);
-    for (int i = 0; i < W; ++i) {
-      V a = V{};
-      if (i < m) {
-        const float* kt = k + (t0 + i) * stride;
-        a = qv[0] * LoadVec<V>(kt);
-        for (int c = 1; c < C; ++c) a += qv[c] * LoadVec<V>(kt + c * W);
+  constexpr int W = kLanesOf<V>, S = kSliceDims<DH>, C = S / W;
+  static_assert(DH % S == 0, "head dim must be a whole number of slices");
+  for (int d0 = 0; d0 < DH; d0 += S) {
+    V qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = LoadVec<V>(q + d0 + c * W);
+    for (int64_t t0 = 0; t0 < n; t0 += W) {
+      V acc[W];
+      const int64_t m = std::min<int64_t>(W, n - t0);
+      for (int i = 0; i < W; ++i) {
+        V a = V{};
+        if (i < m) {
+          const float* kt = k + (t0 + i) * stride + d0;
+          a = qv[0] * LoadVec<V>(kt);
+          for (int c = 1; c < C; ++c) a += qv[c] * LoadVec<V>(kt + c * W);
+        }
+        acc[i] = a;
       }
-      acc[i] = a;
+      V sums = LaneTree<V>::Sum(acc);
+      if (d0 > 0) sums += LoadVec<V>(out + t0);
+      if (d0 + S == DH) sums *= scale;
+      std::memcpy(out + t0, &sums, sizeof sums);
     }
-    const V sums = LaneTree<V>::Sum(acc) * scale;
-    std::memcpy(out + t0, &sums, sizeof sums);
   }
 }
 
-// acc[0, DH) += sum over the block's n keys of p[t] * v_t, the accumulator held in
-// registers across the block.
+// acc[0, DH) += sum over the block's n keys of p[t] * v_t, a slice of the accumulator held
+// in registers across the block.
 template <typename V, int DH>
 __attribute__((always_inline)) inline void AccumulateValues(const float* __restrict p, const float* __restrict v,
                                                             int64_t stride, int64_t n, float* __restrict acc) {
-  constexpr int W = kLanesOf<V>, C = DH / W;
-  V a[C];
-  for (int c = 0; c < C; ++c) a[c] = LoadVec<V>(acc + c * W);
-  for (int64_t t = 0; t < n; ++t) {
-    const V pt = V{} + p[t];
-    const float* vt = v + t * stride;
-    for (int c = 0; c < C; ++c) a[c] += pt * LoadVec<V>(vt + c * W);
+  constexpr int W = kLanesOf<V>, S = kSliceDims<DH>, C = S / W;
+  for (int d0 = 0; d0 < DH; d0 += S) {
+    V a[C];
+    for (int c = 0; c < C; ++c) a[c] = LoadVec<V>(acc + d0 + c * W);
+    for (int64_t t = 0; t < n; ++t) {
+      const V pt = V{} + p[t];
+      const float* vt = v + t * stride + d0;
+      for (int c = 0; c < C; ++c) a[c] += pt * LoadVec<V>(vt + c * W);
+    }
+    for (int c = 0; c < C; ++c) std::memcpy(acc + d0 + c * W, &a[c], sizeof a[c]);
   }
-  for (int c = 0; c < C; ++c) std::memcpy(acc + c * W, &a[c], sizeof a[c]);
 }
 
 // Rows `n` of `dh` elements, `stride` apart, widened into `out` ([n, dh], contiguous). Every
@@ -244,7 +267,46 @@ struct Problem {
   PoolLayout pool;
   int64_t num_heads, table_width;
   float scale;
+  float softcap;            // 0: none
+  int64_t window;           // 0: none
 };
+
+// The keys row `b` sees, [first, end): the first `lens[b]` (clamped to the table), or only
+// the last `window` of them.
+struct KeyRange {
+  int64_t first, end;
+};
+
+inline KeyRange VisibleKeys(const Problem& pr, int64_t b) {
+  const int64_t end = std::clamp<int64_t>(pr.lens[b], 0, pr.table_width * pr.pool.block_size);
+  return {pr.window > 0 ? std::max<int64_t>(end - pr.window, 0) : 0, end};
+}
+
+// tanh(x) as plain arithmetic, so the soft-cap loop vectorises (std::tanh is a library call
+// per score). Cephes' tanhf: an odd polynomial below |x| = 0.625, else 1 - 2 / (e^2|x| + 1)
+// with e^-2|x| from ExpNonPositive; relative error a few float32 ulps.
+inline float Tanh(float x) {
+  const float a = std::fabs(x), z = x * x;
+  float small = -5.70498872745e-3f;
+  small = small * z + 2.06390887954e-2f;
+  small = small * z - 5.37397155531e-2f;
+  small = small * z + 1.33314422036e-1f;
+  small = small * z - 3.33332819422e-1f;
+  small = small * z * x + x;
+  const float e = ExpNonPositive(-2.0f * a);
+  const float large = std::copysign((1.0f - e) / (1.0f + e), x);
+  return a < 0.625f ? small : large;
+}
+
+// Scores of `group` heads ([group, stride], first n valid) soft-capped in place.
+inline void SoftCap(float* __restrict sc, int64_t stride, int64_t n, int64_t group, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t h = 0; h < group; ++h) {
+    float* __restrict sh = sc + h * stride;
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) sh[t] = cap * Tanh(sh[t] * inv);
+  }
+}
 
 // Blocks sit at random places in the pool, beyond what the hardware prefetcher guesses. The
 // first kilobyte of the next block's K and V is asked for while this one is computed; the
@@ -308,8 +370,8 @@ __attribute__((always_inline)) inline void AttendRowOf(const Problem& pr, int64_
   const int64_t h_begin = kv_begin * group, h_count = (kv_end - kv_begin) * group;
   const float* __restrict q = pr.q + (b * pr.num_heads + h_begin) * dh;
   float* __restrict out = pr.out + (b * pr.num_heads + h_begin) * dh;
-  const int64_t num_keys = std::clamp<int64_t>(pr.lens[b], 0, pr.table_width * bs);
-  if (num_keys == 0) {
+  const KeyRange keys = VisibleKeys(pr, b);
+  if (keys.end == keys.first) {
     std::fill(out, out + h_count * dh, 0.0f);
     return;
   }
@@ -320,14 +382,16 @@ __attribute__((always_inline)) inline void AttendRowOf(const Problem& pr, int64_
   std::fill_n(s.denom.begin(), h_count, 0.0f);
   std::fill_n(s.acc.begin(), h_count * dh, 0.0f);
 
-  for (int64_t j = 0; j * bs < num_keys; ++j) {
+  for (int64_t j = keys.first / bs; j * bs < keys.end; ++j) {
     const int64_t block = std::clamp<int64_t>(table[j], 0, L.num_blocks - 1);
-    const int64_t n = std::min(bs, num_keys - j * bs);
-    const KV* k_block = static_cast<const KV*>(pr.k_layer) + block * L.block_stride;
-    const KV* v_block = static_cast<const KV*>(pr.v_layer) + block * L.block_stride;
-    // Scales of this block: [block_size, KVH], one per (token, kv head).
-    const int64_t scale_block = block * bs * L.num_kv_heads;
-    if ((j + 1) * bs < num_keys) {
+    // This block's visible keys are its slots [t0, t0 + n): t0 > 0 only where a window starts.
+    const int64_t t0 = std::max<int64_t>(keys.first - j * bs, 0);
+    const int64_t n = std::min(bs, keys.end - j * bs) - t0;
+    const KV* k_block = static_cast<const KV*>(pr.k_layer) + block * L.block_stride + t0 * L.token_stride;
+    const KV* v_block = static_cast<const KV*>(pr.v_layer) + block * L.block_stride + t0 * L.token_stride;
+    // Scales of these keys: [block_size, KVH] per block, one per (token, kv head).
+    const int64_t scale_block = (block * bs + t0) * L.num_kv_heads;
+    if ((j + 1) * bs < keys.end) {
       const int64_t next = std::clamp<int64_t>(table[j + 1], 0, L.num_blocks - 1);
       const int64_t count = std::min<int64_t>(kPrefetchBytes / sizeof(KV), L.block_stride);
       Prefetch(static_cast<const KV*>(pr.k_layer) + next * L.block_stride, count);
@@ -364,6 +428,7 @@ __attribute__((always_inline)) inline void AttendRowOf(const Problem& pr, int64_
         for (int64_t h = 0; h < group; ++h)
           for (int64_t t = 0; t < n; ++t) scores[h * ss + t] *= ks[t * L.num_kv_heads];
       }
+      if (pr.softcap > 0.0f) SoftCap(scores, ss, n, group, pr.softcap);
       SoftmaxUpdate(scores, ss, n, group, dh, s.max.data() + h0, s.denom.data() + h0, acc + h0 * dh);
       if (pr.v_scale_layer) {  // a value row's weight: its probability times its scale
         const float* vs = pr.v_scale_layer + scale_block + kvh;
@@ -430,22 +495,40 @@ bool UseWideAttention() {
 
 using RowFn = void (*)(const Problem&, int64_t, int64_t, int64_t, Scratch&);
 
+// Head dims with a compiled instance (lane trees, accumulators in registers): those of the
+// supported families (SmolLM / Llama 3.2 64, Phi-3 96, Llama / Qwen / Mistral 128, Gemma 256)
+// and 80; any other runs the scalar reductions (correct, slower). Each listed dim adds an
+// instance per pool type and lane family (and the eight-lane family's three clones).
+template <typename KV, template <typename, int> class Row>
+RowFn RowOfHeadDim(int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return Row<KV, 64>::Fn();
+    case 80: return Row<KV, 80>::Fn();
+    case 96: return Row<KV, 96>::Fn();
+    case 128: return Row<KV, 128>::Fn();
+    case 256: return Row<KV, 256>::Fn();
+    default: return Row<KV, 0>::Fn();
+  }
+}
+
+template <typename KV, int DH>
+struct NarrowRow {
+  static RowFn Fn() { return AttendRow<KV, DH>; }
+};
+
+#ifdef RAYLM_WIDE_ATTENTION
+template <typename KV, int DH>
+struct WideRow {
+  static RowFn Fn() { return AttendRowWide<KV, DH>; }
+};
+#endif
+
 template <typename KV>
 RowFn RowKernel(int64_t head_dim) {
 #ifdef RAYLM_WIDE_ATTENTION
-  if (UseWideAttention()) {
-    switch (head_dim) {
-      case 64: return AttendRowWide<KV, 64>;
-      case 128: return AttendRowWide<KV, 128>;
-      default: return AttendRowWide<KV, 0>;
-    }
-  }
+  if (UseWideAttention()) return RowOfHeadDim<KV, WideRow>(head_dim);
 #endif
-  switch (head_dim) {
-    case 64: return AttendRow<KV, 64>;
-    case 128: return AttendRow<KV, 128>;
-    default: return AttendRow<KV, 0>;
-  }
+  return RowOfHeadDim<KV, NarrowRow>(head_dim);
 }
 
 // Below this many (key, query head) pairs a call runs on the calling thread alone: waking a
@@ -459,8 +542,10 @@ constexpr int64_t kMinParallelWork = 16384;
 void Run(const Problem& pr, int64_t batch, RowFn row, ffi::ThreadPool& pool) {
   const PoolLayout& L = pr.pool;
   int64_t work = 0;
-  for (int64_t b = 0; b < batch; ++b)
-    work += std::clamp<int64_t>(pr.lens[b], 0, pr.table_width * L.block_size) * pr.num_heads;
+  for (int64_t b = 0; b < batch; ++b) {
+    const KeyRange keys = VisibleKeys(pr, b);
+    work += (keys.end - keys.first) * pr.num_heads;
+  }
   const int64_t threads = work >= kMinParallelWork ? std::max<int64_t>(pool.num_threads(), 1) : 1;
   // Whole rows when there are enough of them, else one item per (row, kv head).
   const int64_t chunks = batch >= 2 * threads ? 1 : L.num_kv_heads;
@@ -487,10 +572,14 @@ void Run(const Problem& pr, int64_t batch, RowFn row, ffi::ThreadPool& pool) {
   while (state->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
 }
 
-// Checks the operands and fills `pr` (all but the scales); an error message when they do not fit.
+// Checks the operands and attributes and fills `pr` (all but the 8-bit pools' scales); an
+// error message when they do not fit.
 std::string Prepare(QueryBuffer& q, ffi::AnyBuffer& k_pool, ffi::AnyBuffer& v_pool, LayerBuffer& layer,
                     TableBuffer& block_tables, LensBuffer& context_lens, ffi::Result<QueryBuffer>& out,
-                    Problem& pr) {
+                    float scale, float softcap, int64_t window, Problem& pr) {
+  if (!std::isfinite(scale) || !std::isfinite(softcap) || softcap < 0.0f || window < 0)
+    return "paged_decode_attention: scale must be finite, softcap and window >= 0 (0: none); got scale " +
+           std::to_string(scale) + ", softcap " + std::to_string(softcap) + ", window " + std::to_string(window);
   const auto qd = q.dimensions();
   const auto kd = k_pool.dimensions();
   const int64_t batch = qd[0], num_heads = qd[1];
@@ -515,17 +604,17 @@ std::string Prepare(QueryBuffer& q, ffi::AnyBuffer& k_pool, ffi::AnyBuffer& v_po
                static_cast<const char*>(v_pool.untyped_data()) + l * pool.layer_stride * elem,
                nullptr, nullptr,
                block_tables.typed_data(), context_lens.typed_data(), out->typed_data(), pool,
-               num_heads, td[1],
-               static_cast<float>(1.0 / std::sqrt(static_cast<double>(pool.head_dim)))};
+               num_heads, td[1], scale, softcap, window};
   return "";
 }
 
 ffi::Error PagedDecodeAttention(ffi::ThreadPool thread_pool, QueryBuffer q,
                                 ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, LayerBuffer layer,
-                                TableBuffer block_tables, LensBuffer context_lens,
-                                ffi::Result<QueryBuffer> out) {
+                                TableBuffer block_tables, LensBuffer context_lens, float scale, float softcap,
+                                int64_t window, ffi::Result<QueryBuffer> out) {
   Problem pr{};
-  const std::string error = Prepare(q, k_pool, v_pool, layer, block_tables, context_lens, out, pr);
+  const std::string error =
+      Prepare(q, k_pool, v_pool, layer, block_tables, context_lens, out, scale, softcap, window, pr);
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   const int64_t batch = q.dimensions()[0];
   switch (k_pool.element_type()) {
@@ -545,9 +634,11 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool thread_pool, QueryBuffer q,
 ffi::Error QuantizedPagedDecodeAttention(ffi::ThreadPool thread_pool, QueryBuffer q, ffi::AnyBuffer k_pool,
                                          ScaleBuffer k_scale, ffi::AnyBuffer v_pool, ScaleBuffer v_scale,
                                          LayerBuffer layer, TableBuffer block_tables, LensBuffer context_lens,
+                                         float scale, float softcap, int64_t window,
                                          ffi::Result<QueryBuffer> out) {
   Problem pr{};
-  const std::string error = Prepare(q, k_pool, v_pool, layer, block_tables, context_lens, out, pr);
+  const std::string error =
+      Prepare(q, k_pool, v_pool, layer, block_tables, context_lens, out, scale, softcap, window, pr);
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   const PoolLayout& L = pr.pool;
   const auto kd = k_pool.dimensions();
@@ -583,6 +674,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmPagedDecodeAttention, PagedDecodeAttention,
                                   .Arg<LayerBuffer>()
                                   .Arg<TableBuffer>()
                                   .Arg<LensBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("window")
                                   .Ret<QueryBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmQuantizedPagedDecodeAttention, QuantizedPagedDecodeAttention,
@@ -596,4 +690,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmQuantizedPagedDecodeAttention, QuantizedPaged
                                   .Arg<LayerBuffer>()
                                   .Arg<TableBuffer>()
                                   .Arg<LensBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("window")
                                   .Ret<QueryBuffer>());

@@ -23,16 +23,17 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.int8]
 SHAPE = (3, 9, 16, 2, 64)  # [L, num_blocks, block_size, KVH, Dh]
 
 
-def _pool(rng: np.random.Generator, dtype) -> jax.Array:
-    return jnp.asarray(rng.standard_normal(SHAPE) * 4, jnp.float32).astype(dtype)
+def _pool(rng: np.random.Generator, dtype, shape: tuple[int, ...] = SHAPE) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape) * 4, jnp.float32).astype(dtype)
 
 
-def _writes(rng: np.random.Generator, tokens: int = 21, rows: int = 3) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _writes(rng: np.random.Generator, tokens: int = 21, rows: int = 3,
+            shape: tuple[int, ...] = SHAPE) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``[rows, tokens // rows]`` distinct (block, offset) slots, padding (block 0) in every row."""
-    slots = rng.permutation(np.arange(16, (SHAPE[1]) * SHAPE[2]))[:tokens]
-    block, offset = (slots // SHAPE[2]).reshape(rows, -1), (slots % SHAPE[2]).reshape(rows, -1)
+    slots = rng.permutation(np.arange(16, (shape[1]) * shape[2]))[:tokens]
+    block, offset = (slots // shape[2]).reshape(rows, -1), (slots % shape[2]).reshape(rows, -1)
     block[:, -1] = offset[:, -1] = 0  # a padding token per row writes the null block
-    values = rng.standard_normal((rows, tokens // rows, *SHAPE[3:])) * 4
+    values = rng.standard_normal((rows, tokens // rows, *shape[3:])) * 4
     return jnp.asarray(block, jnp.int32), jnp.asarray(offset, jnp.int32), jnp.asarray(values, jnp.float32)
 
 
@@ -49,6 +50,19 @@ def test_the_kernel_writes_what_the_scatter_writes(dtype, layer):
     as_bits = lambda a: a.view(np.uint8)
     assert (as_bits(got[:, 1:]) == as_bits(expected[:, 1:])).all()
     assert (as_bits(got[:layer]) == as_bits(np.asarray(pool)[:layer])).all()  # other layers untouched
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_heads,head_dim", [(4, 128), (1, 256), (3, 80), (2, 96)])
+def test_head_sizes_of_every_family(kv_heads, head_dim):
+    """A token's row is KVH x Dh elements copied whole, whatever the head size."""
+    shape = (2, 9, 16, kv_heads, head_dim)
+    rng = np.random.default_rng(head_dim)
+    pool = _pool(rng, jnp.bfloat16, shape)
+    block, offset, values = _writes(rng, shape=shape)
+    expected = np.asarray(pool.at[1, block, offset].set(values.astype(jnp.bfloat16)))
+    got = np.asarray(jax.jit(kv_write.kv_write, static_argnums=1)(pool, 1, block, offset, values))
+    assert (got[:, 1:].view(np.uint16) == expected[:, 1:].view(np.uint16)).all()
 
 
 @needs_kernel

@@ -3,7 +3,8 @@
 Pools are random, block ids shuffled, the null block and unused table slots hold large
 values (so reading them shows), rows mix lengths (one key, partial last blocks, exact
 block ends, the whole table) and include a padding row; tables are wider than needed,
-as the engine's width buckets are.
+as the engine's width buckets are. Sliding-window cases point the table entries before
+each row's window at the null block, as the engine does once it frees those blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import pytest
 from deploy.benchmarks.decode_attention_bench import attention_step
 from model import paged_decode
 from model.attention import paged_attention
-from model.quantization import quantize
+from model.config import AttentionSpec
+from model.quantization import QuantArray, quantize
 
 needs_kernel = pytest.mark.skipif(
     not paged_decode.available(),
@@ -31,14 +33,18 @@ needs_kernel = pytest.mark.skipif(
 
 
 def make_case(seed, *, layers=3, heads=9, kv_heads=3, head_dim=64, block_size=16, width=8,
-              lens=(1, 15, 16, 17, 0, 100, 128), pool_dtype=jnp.float32):
-    """Random pools and shuffled block tables; slots past a row's context point at garbage."""
+              lens=(1, 15, 16, 17, 0, 100, 128), pool_dtype=jnp.float32, window=None, null=1e4):
+    """Random pools and shuffled block tables; slots past a row's context point at garbage.
+
+    With a ``window``, a row's keys before its window that share a block with it get K = 0
+    and V = 1e4 (a score like a visible key's, so reading one shows in the output) and its
+    table entries before that block point at the null block, filled with ``null``."""
     rng = np.random.default_rng(seed)
     batch = len(lens)
     num_blocks = batch * width + 1
     shape = (layers, num_blocks, block_size, kv_heads, head_dim)
     k, v = rng.standard_normal(shape), rng.standard_normal(shape)
-    k[:, 0] = v[:, 0] = 1e4  # the null block: never read by a real key
+    k[:, 0] = v[:, 0] = null  # the null block: never read by a real key
     tables = rng.permutation(np.arange(1, num_blocks)).reshape(batch, width)
     for b, n in enumerate(lens):
         used = -(-n // block_size)
@@ -46,6 +52,11 @@ def make_case(seed, *, layers=3, heads=9, kv_heads=3, head_dim=64, block_size=16
             k[:, tables[b, used - 1], n % block_size:] = v[:, tables[b, used - 1], n % block_size:] = -1e4
         k[:, tables[b, used:]] = v[:, tables[b, used:]] = -1e4  # blocks past this row's context
         tables[b, used + 1:] = 0  # and the rest of the bucket padded with the null block
+        if window is not None and n:
+            first = max(n - window, 0)
+            k[:, tables[b, first // block_size], :first % block_size] = 0
+            v[:, tables[b, first // block_size], :first % block_size] = 1e4
+            tables[b, :first // block_size] = 0
     q = rng.standard_normal((batch, heads, head_dim))
     return dict(
         q=jnp.asarray(q, jnp.float32),
@@ -56,35 +67,40 @@ def make_case(seed, *, layers=3, heads=9, kv_heads=3, head_dim=64, block_size=16
     )
 
 
-def jnp_reference(case, layer):
+def jnp_reference(case, layer, spec=None):
     """``paged_attention`` as the engine calls it for one decode token per row."""
     lens = case["context_lens"]
     out = paged_attention(case["q"][:, None], case["k_pool"], case["v_pool"], jnp.int32(layer),
-                          case["block_tables"], (lens - 1)[:, None], lens, (lens > 0)[:, None])
+                          case["block_tables"], (lens - 1)[:, None], lens, (lens > 0)[:, None], spec)
     return np.asarray(out[:, 0], np.float32)
 
 
-def naive_reference(case, layer):
-    """Per row: the first ``context_len`` keys in logical order, softmax in float64."""
+def naive_reference(case, layer, spec=None):
+    """Per row: the first ``context_len`` keys in logical order (only the last ``spec.window``
+    of them), scores scaled and soft-capped as ``spec`` says, softmax in float64."""
     q = np.asarray(case["q"], np.float64)
     k = np.asarray(case["k_pool"].astype(jnp.float32), np.float64)[layer]
     v = np.asarray(case["v_pool"].astype(jnp.float32), np.float64)[layer]
     tables, lens = np.asarray(case["block_tables"]), np.asarray(case["context_lens"])
     batch, heads, head_dim = q.shape
+    spec = spec or AttentionSpec(head_dim**-0.5)
     group = heads // k.shape[2]
     out = np.zeros_like(q)
     for b in range(batch):
-        keys = k[tables[b]].reshape(-1, *k.shape[2:])[: lens[b]]  # [T, KVH, Dh]
-        vals = v[tables[b]].reshape(-1, *v.shape[2:])[: lens[b]]
+        first = max(lens[b] - spec.window, 0) if spec.window else 0
+        keys = k[tables[b]].reshape(-1, *k.shape[2:])[first: lens[b]]  # [T, KVH, Dh]
+        vals = v[tables[b]].reshape(-1, *v.shape[2:])[first: lens[b]]
         for h in range(heads if lens[b] else 0):
-            s = keys[:, h // group] @ q[b, h] * head_dim**-0.5
+            s = keys[:, h // group] @ q[b, h] * spec.scale
+            if spec.softcap:
+                s = spec.softcap * np.tanh(s / spec.softcap)
             p = np.exp(s - s.max())
             out[b, h] = p @ vals[:, h // group] / p.sum()
     return out
 
 
-def kernel(case, layer):
-    return np.asarray(paged_decode.paged_decode_attention(layer=layer, **case))
+def kernel(case, layer, spec=None):
+    return np.asarray(paged_decode.paged_decode_attention(layer=layer, spec=spec, **case))
 
 
 @needs_kernel
@@ -148,10 +164,13 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(lens):
 @needs_kernel
 def test_eight_lane_family_on_any_cpu():
     """The eight-lane family (what AVX2 CPUs run) is forced by RAYLM_ATTENTION_NARROW_LANES; on
-    an AVX2 CPU this repeats the checks, on an AVX-512 one it covers the other family."""
+    an AVX2 CPU this repeats the checks, on an AVX-512 one it covers the other family
+    (attention specs on float32 pools: other pools differ only in how rows are widened,
+    which the 8-bit and bfloat16 checks cover)."""
     env = {**os.environ, "RAYLM_ATTENTION_NARROW_LANES": "1"}
     checks = ("test_float32_matches_references or test_head_layouts or test_a_row_does_not_depend "
-              "or test_quantized_pool_matches_references or test_bfloat16_pool_matches_float32")
+              "or test_quantized_pool_matches_references or test_bfloat16_pool_matches_float32 "
+              "or test_sliding_window_matches or (test_attention_spec_matches and float32)")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -310,3 +329,114 @@ def test_mixed_pools_are_refused():
     mixed = dict(case, k_pool=quantize(case["k_pool"], "int8", 1))
     with pytest.raises(ValueError, match="8-bit pools with scales"):
         paged_decode.paged_decode_attention(layer=0, **mixed)
+
+
+def _null_scales(case, value):
+    """An 8-bit case with its pools' null-block scales set to ``value`` (NaN: any read shows)."""
+    def pool(p):
+        return QuantArray(p.q, p.scale.at[:, 0].set(value))
+    return dict(case, k_pool=pool(case["k_pool"]), v_pool=pool(case["v_pool"]))
+
+
+def _spec_case(seed, *, window, pool_dtype, null, **kwargs):
+    """A case for ``window`` whose null block holds ``null`` (NaN for 8-bit pools: their scales)."""
+    scheme = {"int8": "int8", "fp8": "fp8"}.get(pool_dtype)
+    case = make_case(seed, window=window, pool_dtype=jnp.float32 if scheme else pool_dtype,
+                     null=1e4 if scheme else null, **kwargs)
+    if scheme:
+        case = _quantized(case, scheme)
+        if np.isnan(null):
+            case = _null_scales(case, np.nan)
+    return case
+
+
+# Windows against a block of 16: inside one block, a whole block, spanning blocks, wider than
+# any context. The lengths put the window's first key at a block start, inside a block, at 0.
+WINDOW_LENS = (1, 4, 5, 6, 15, 16, 17, 21, 0, 40, 41, 100, 128)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [5, 16, 40, 1000])
+def test_sliding_window_matches_references(window):
+    """Each row sees only its last ``window`` keys; the table entries before the window's first
+    block point at the null block, filled with NaN, so the kernel matches only if it never reads
+    them. The jnp reference runs on the same case with a finite null block (it gathers every
+    entry), the naive one on the NaN case."""
+    spec = AttentionSpec(64**-0.5, window=window)
+    finite = make_case(20, lens=WINDOW_LENS, window=window)
+    nan = make_case(20, lens=WINDOW_LENS, window=window, null=np.nan)
+    got = kernel(nan, 1, spec)
+    np.testing.assert_array_equal(got, kernel(finite, 1, spec))
+    np.testing.assert_allclose(got, naive_reference(nan, 1, spec), rtol=1e-5, atol=1e-6)
+    real = np.asarray(finite["context_lens"]) > 0
+    np.testing.assert_allclose(got[real], jnp_reference(finite, 1, spec)[real], rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_sliding_window_start_is_exact():
+    """The references above are sharp at the window's first key: a window one key wider reads
+    a planted V = 1e4, one key narrower drops a visible key, and both miss by far more than
+    the tolerance; the plain (windowless) kernel differs too."""
+    case = make_case(21, lens=WINDOW_LENS, window=40)
+    got = kernel(case, 1, AttentionSpec(64**-0.5, window=40))
+    for wrong in (39, 41):
+        off = naive_reference(case, 1, AttentionSpec(64**-0.5, window=wrong))
+        assert not np.allclose(got, off, rtol=1e-3, atol=1e-3), wrong
+    assert not np.allclose(got, kernel(case, 1), rtol=1e-3, atol=1e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("pool_dtype", ["float32", "bfloat16", "int8", "fp8"])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 4, 4), (128, 8, 4), (256, 8, 2), (96, 8, 1), (80, 6, 3)],
+                         ids=["dh64-mha", "dh128-gqa2", "dh256-gqa4", "dh96-gqa8", "dh80-gqa2"])
+def test_attention_spec_matches_references(pool_dtype, head_dim, heads, kv_heads):
+    """A Gemma 2-like layer (custom scale, soft-cap, window spanning blocks) on every pool type,
+    the head dims of the supported families (64, 128, 256 sliced in two, 96) and an odd one,
+    GQA groups 1 to 8. Against the naive path on the same values (8-bit pools dequantized),
+    and for float32 and 8-bit pools against the jnp path (a bfloat16 pool's jnp path rounds
+    the probabilities to bfloat16)."""
+    spec = AttentionSpec(0.3, window=21, softcap=2.0)
+    lens = (1, 20, 21, 22, 0, 37, 64)
+    shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, width=5, lens=lens, pool_dtype=pool_dtype)
+    case = _spec_case(22, window=21, null=np.nan, **shape)
+    got = kernel(case, 1, spec)
+    values = _dequantized(case) if pool_dtype in ("int8", "fp8") else case
+    tol = dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, naive_reference(values, 1, spec), **tol)
+    if pool_dtype != "bfloat16":
+        finite = _spec_case(22, window=21, null=1e4, **shape)
+        real = np.asarray(case["context_lens"]) > 0
+        np.testing.assert_allclose(got[real], jnp_reference(finite, 1, spec)[real], **tol)
+
+
+@needs_kernel
+def test_attention_spec_soft_cap_and_scale_take_effect():
+    """Soft-cap and scale each change the output (so the spec tests above can fail on them)."""
+    case = make_case(23)
+    plain = kernel(case, 1)
+    capped = kernel(case, 1, AttentionSpec(64**-0.5, softcap=0.5))
+    scaled = kernel(case, 1, AttentionSpec(0.5))
+    np.testing.assert_allclose(capped, naive_reference(case, 1, AttentionSpec(64**-0.5, softcap=0.5)),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(scaled, naive_reference(case, 1, AttentionSpec(0.5)), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(plain, capped, rtol=1e-3, atol=1e-3)
+    assert not np.allclose(plain, scaled, rtol=1e-3, atol=1e-3)
+
+
+@needs_kernel
+def test_decode_attention_runs_the_kernel_for_every_spec():
+    """``decode_attention`` lowers a windowed, soft-capped, rescaled layer to the kernel on CPU
+    (no jnp fallback) and gives the kernel's result."""
+    spec = AttentionSpec(0.2, window=20, softcap=30.0)
+    case = make_case(24, window=20)
+    fn = functools.partial(paged_decode.decode_attention, layer=1, spec=spec)
+    cpu = jax.jit(fn).trace(**case).lower(lowering_platforms=("cpu",)).as_text()
+    assert "raylm_paged_decode_attention" in cpu
+    np.testing.assert_array_equal(np.asarray(jax.jit(fn)(**case)), kernel(case, 1, spec))
+
+
+@needs_kernel
+def test_rejects_a_bad_attention_spec():
+    case = make_case(25)
+    with pytest.raises(Exception, match="softcap and window >= 0"):
+        kernel(case, 0, AttentionSpec(0.1, window=-1))
