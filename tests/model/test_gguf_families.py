@@ -23,7 +23,12 @@ from tests.reference import hf_greedy
 
 PROMPT_LEN = 45
 # Gemma GGUFs imply llama.cpp's query scale 1/sqrt(head_dim): the checkpoints are built so.
-_OVERRIDES = {"gemma2": dict(query_pre_attn_scalar=32), "gemma3": dict(query_pre_attn_scalar=32)}
+# Phi-3 gets a window (on every layer, as HF applies it) shorter than the prompt.
+_OVERRIDES = {
+    "gemma2": dict(query_pre_attn_scalar=32),
+    "gemma3": dict(query_pre_attn_scalar=32),
+    "phi3-longrope": dict(sliding_window=24),
+}
 FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-sliding", "llama3-rope"]
 
 
@@ -80,6 +85,10 @@ def test_config_follows_llama_cpp_conventions(tmp_path):
     config = GGUFFile(path).config()
     assert config.local_rope_theta == 10000.0 and config.rope_theta == 1e6
     assert config.rope_scaling.rope_type == "linear" and config.rope_scaling.factor == 2.0
+    path, _ = _export("phi3-longrope", tmp_path)
+    config = GGUFFile(path).config()
+    assert config.layer_windows == (24, 24, 24) and config.rope_scaling.rope_type == "longrope"
+    assert config.rope_scaling.long_factor[-1] == 5.0 and config.rope_scaling.original_max_position_embeddings == 32
 
 
 def _fields(**extra):
