@@ -44,7 +44,7 @@ def sentencepiece_backend(fields: Mapping[str, Any], source: str) -> BackendToke
     if not len(tokens) == len(types) == len(scores):
         raise UnsupportedModelError(f"{source}: {len(tokens)} tokens, {len(types)} token types, {len(scores)} scores")
     vocab = {token: index for index, token in enumerate(tokens)}
-    unk_id = fields.get("tokenizer.ggml.unknown_token_id")
+    unk_id = fields.get("tokenizer.ggml.unknown_token_id", next((i for i, k in enumerate(types) if k == UNKNOWN), None))
     backend = BackendTokenizer(
         models.BPE(
             vocab=vocab,
