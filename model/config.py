@@ -12,8 +12,9 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+from model import gguf_metadata
 from model.errors import ModelLoadError, UnsupportedModelError
 from model.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
 from model.rope_config import RopeScaling, parse_rope_scaling
@@ -182,8 +183,12 @@ class ModelConfig:
         return config
 
     @classmethod
-    def from_gguf_fields(cls, fields: Mapping[str, Any], source: str) -> "ModelConfig":
-        """Build from GGUF key/value metadata (already decoded to Python values)."""
+    def from_gguf_fields(
+        cls, fields: Mapping[str, Any], source: str, rope_tensors: Mapping[str, Sequence[float]] | None = None
+    ) -> "ModelConfig":
+        """Build from GGUF key/value metadata (already decoded to Python values), read as
+        llama.cpp reads each architecture (model/gguf_metadata.py); ``rope_tensors`` are the
+        file's RoPE factor tensors (``gguf_metadata.ROPE_TENSORS``) that it has."""
         arch = fields.get("general.architecture")
         if arch not in GGUF_FAMILIES:
             raise UnsupportedModelError(
@@ -191,42 +196,28 @@ class ModelConfig:
                 f"raylm supports {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
             )
         family = HF_FAMILIES[GGUF_FAMILIES[arch]]
-
-        def get(key: str, default: Any = None) -> Any:
-            value = fields.get(f"{arch}.{key}", default)
-            if value is None:
-                raise ModelLoadError(f"{source} lacks GGUF metadata key {arch}.{key}")
-            return value
-
-        hidden = int(get("embedding_length"))
-        heads = int(get("attention.head_count"))
-        vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens", ()))
-        max_positions = int(get("context_length", 2048))
-        scaling = None
-        scaling_type = fields.get(f"{arch}.rope.scaling.type")
-        if scaling_type not in (None, "none"):
-            scaling = parse_rope_scaling(
-                {
-                    "rope_type": scaling_type,
-                    "factor": fields.get(f"{arch}.rope.scaling.factor", 1.0),
-                    "original_max_position_embeddings": fields.get(
-                        f"{arch}.rope.scaling.original_context_length", 8192
-                    ),
-                },
-                source,
-                max_positions,
-            )
+        meta = gguf_metadata.GgufMetadata(fields, arch, source)
+        hidden = int(meta.get("embedding_length", required=True))
+        heads = int(meta.get("attention.head_count", required=True))
+        layers = int(meta.get("block_count", required=True))
+        head_dim = int(meta.get("attention.key_length") or hidden // heads)
+        gguf_metadata.refuse_unimplemented(meta, family, head_dim)
+        vocab = meta.get("vocab_size") or len(fields.get("tokenizer.ggml.tokens", ()))
+        max_positions = int(meta.get("context_length", 2048))
+        scaling, local_theta = gguf_metadata.rope(meta, max_positions, head_dim, rope_tensors or {})
+        attn_softcap, final_softcap = gguf_metadata.softcaps(meta)
+        windows = gguf_metadata.layer_windows(meta, layers)
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            intermediate_size=int(meta.get("feed_forward_length", required=True)),
+            num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(fields.get(f"{arch}.attention.key_length") or hidden // heads),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            num_kv_heads=int(meta.get("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(meta.get("rope.freq_base", 10000.0)),
             max_position_embeddings=max_positions,
             # Tied when the file has no separate output matrix; the loader decides that.
             tie_word_embeddings=False,
@@ -237,6 +228,12 @@ class ModelConfig:
             qk_norm=family.qk_norm,
             sandwich_norms=family.gemma,
             activation=ACTIVATIONS[family.default_act],
+            embed_scale=math.sqrt(hidden) if family.gemma else None,
+            query_scale=gguf_metadata.query_scale(meta, hidden, heads, head_dim, layers),
+            attn_softcap=attn_softcap,
+            final_softcap=final_softcap,
+            layer_windows=windows,
+            local_rope_theta=local_theta if windows else None,
         )
 
 

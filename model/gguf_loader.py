@@ -3,9 +3,10 @@
 Every tensor type the ``gguf`` package can dequantize is accepted. With ``keep_blocks``,
 matrices in Q4_0 / Q4_1 / Q8_0 stay in their blocks (model/gguf_blocks.py: the same float32
 numbers from a sixth of the bytes); everything else is dequantized to float32 here.
-llama.cpp's converter permutes the Q/K projection rows of llama-arch models for its
-interleaved RoPE; we undo that here so the same rotate-half RoPE serves HF and GGUF
-checkpoints.
+llama.cpp's converter permutes the Q/K projection rows of llama-arch models (only those) for
+its interleaved RoPE; we undo that here so the same rotate-half RoPE serves HF and GGUF
+checkpoints. Tensor names are llama.cpp's (gguf.constants.TENSOR_NAMES), mapped to HF's
+per architecture; Gemma's norms are stored as ``1 + w`` already, so they load as they are.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from gguf.quants import dequantize
 from model.config import ModelConfig
 from model.errors import ModelLoadError, UnsupportedModelError
 from model.gguf_blocks import GGUF_BLOCK_TYPES, GgufBlocks, from_gguf, map_rows
+from model.gguf_metadata import ROPE_TENSORS
 from model.params import ModelParams
 from model.weights import build_params
 
@@ -36,10 +38,30 @@ _LAYER_NAMES = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+}
+# What an architecture names differently (None: the file has no such tensor). Gemma's HF
+# "post_attention" norm follows attention (llama.cpp's post_attention_norm) and its norm
+# before the MLP is "pre_feedforward" (llama.cpp's ffn_norm). Phi-3 keeps HF's fused Q/K/V
+# as attn_qkv and gate/up (gate first) as ffn_up.
+_GEMMA_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+_ARCH_LAYER_NAMES: dict[str, dict[str, str | None]] = {
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "phi3": {
+        "self_attn.qkv_proj.weight": "attn_qkv.weight",
+        "mlp.gate_up_proj.weight": "ffn_up.weight",
+        "mlp.up_proj.weight": None,
+    },
 }
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -49,14 +71,17 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def gguf_tensor_name(hf_name: str) -> str | None:
-    """The GGUF name of the tensor HF calls ``hf_name`` (None if GGUF has no equivalent)."""
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str | None:
+    """The GGUF name of the tensor HF calls ``hf_name`` in a file of llama.cpp architecture
+    ``arch`` (None if GGUF has no equivalent)."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     match = _LAYER_RE.fullmatch(hf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"blk.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    return None
+    if match is None:
+        return None
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    name = names.get(match.group(2))
+    return None if name is None else f"blk.{match.group(1)}.{name}"
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -81,11 +106,16 @@ class GGUFFile:
         except Exception as err:  # gguf raises ValueError/struct.error/IndexError on junk
             raise ModelLoadError(f"cannot read {self.path} as GGUF: {err}") from None
         self._tensors = {t.name: t for t in self._reader.tensors}
+        self.read: set[str] = set()  # names of the tensors asked for (see load_gguf_checkpoint)
 
     @cached_property
     def fields(self) -> dict[str, Any]:
         """Metadata as plain Python values (strings, numbers, lists)."""
         return {name: field.contents() for name, field in self._reader.fields.items()}
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return tuple(self._tensors)
 
     def tensor(self, name: str, keep_blocks: bool = False) -> np.ndarray | GgufBlocks | None:
         """The tensor in numpy (= HF ``[out, in]``) layout, or None if absent: dequantized to
@@ -93,6 +123,7 @@ class GGUFFile:
         info = self._tensors.get(name)
         if info is None:
             return None
+        self.read.add(name)
         shape = tuple(int(d) for d in reversed(info.shape))
         if keep_blocks and info.tensor_type in GGUF_BLOCK_TYPES and len(shape) == 2:
             return from_gguf(info.data, info.tensor_type, shape)  # type: ignore[arg-type]
@@ -106,22 +137,26 @@ class GGUFFile:
         return np.asarray(array, dtype=np.float32).reshape(shape)
 
     def config(self) -> ModelConfig:
-        """ModelConfig from metadata; embeddings are tied when the file has no output matrix."""
-        config = ModelConfig.from_gguf_fields(self.fields, str(self.path))
+        """ModelConfig from metadata and RoPE factor tensors; embeddings are tied when the file
+        has no output matrix."""
+        rope_tensors = {name: self.tensor(name).ravel().tolist() for name in ROPE_TENSORS if name in self._tensors}
+        config = ModelConfig.from_gguf_fields(self.fields, str(self.path), rope_tensors)
         return dataclasses.replace(config, tie_word_embeddings="output.weight" not in self._tensors)
 
 
 def load_gguf_checkpoint(
     path: str | Path | GGUFFile, dtype: jnp.dtype = jnp.float32, keep_blocks: bool = False
 ) -> tuple[ModelConfig, ModelParams]:
-    """Read config and weights of a llama/qwen2 GGUF file (a path or an open one): dequantized,
-    or with ``keep_blocks`` (float32 models only) its Q4_0 / Q4_1 / Q8_0 matrices as stored."""
+    """Read config and weights of a GGUF file (a path or an open one) of an architecture in
+    ``SUPPORTED_GGUF_ARCHITECTURES``: dequantized, or with ``keep_blocks`` (float32 models
+    only) its Q4_0 / Q4_1 / Q8_0 matrices as stored. A tensor the file holds and the model
+    does not read is a load error (it belongs to a variant raylm does not implement)."""
     file = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = file.config()
     permuted = config.architecture == "llama"
 
     def get(hf_name: str) -> np.ndarray | GgufBlocks | None:
-        name = gguf_tensor_name(hf_name)
+        name = gguf_tensor_name(hf_name, config.architecture)
         array = None if name is None else file.tensor(name, keep_blocks)
         if array is not None and permuted:
             if hf_name.endswith("q_proj.weight"):
@@ -130,4 +165,11 @@ def load_gguf_checkpoint(
                 array = map_rows(lambda a: unpermute_qk(a, config.num_kv_heads), array)
         return array
 
-    return config, build_params(config, get, str(file.path), dtype)
+    params = build_params(config, get, str(file.path), dtype)
+    unread = sorted(set(file.tensor_names) - file.read)
+    if unread:
+        raise UnsupportedModelError(
+            f"{file.path}: tensors raylm does not use for a {config.architecture} model: {', '.join(unread[:8])}"
+            + (f" and {len(unread) - 8} more" if len(unread) > 8 else "")
+        )
+    return config, params

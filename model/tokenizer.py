@@ -1,4 +1,4 @@
-"""Tokenizer: HF ``tokenizers`` from ``tokenizer.json``, or rebuilt from a GGUF's vocab and merges.
+"""Tokenizer: HF ``tokenizers`` from ``tokenizer.json``, or rebuilt from a GGUF's vocabulary.
 
 Besides encode/decode it knows the special tokens, the full set of end-of-generation ids
 (an instruct model may end a turn with ``<|im_end|>`` *or* ``<|endoftext|>``) and the chat
@@ -16,6 +16,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from model.chat_template import render_chat_template
 from model.errors import ModelLoadError, UnsupportedModelError
+from model.gguf_sentencepiece import sentencepiece_backend
 
 # Tokens that end a turn in common chat formats; any present in the vocab joins the EOS set.
 END_OF_GENERATION_TOKENS = (
@@ -169,41 +170,56 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_fields(cls, fields: Mapping[str, Any], source: str) -> "Tokenizer":
-        """Rebuild the byte-level BPE tokenizer llama.cpp would use from GGUF metadata."""
+        """Rebuild the tokenizer llama.cpp would use from GGUF metadata: byte-level BPE
+        (``tokenizer.ggml.model = gpt2``) or SentencePiece (``llama``: model/gguf_sentencepiece.py)."""
         kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind == "gpt2":
+            backend = _byte_level_backend(fields)
+        elif kind == "llama":
+            backend = sentencepiece_backend(fields, source)
+        else:
             raise UnsupportedModelError(
-                f"{source}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
-                "use the model's HF directory with tokenizer.json instead"
+                f"{source}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
+                "SentencePiece 'llama' are); use the model's HF directory with tokenizer.json instead"
             )
         tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
-        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
-        types = list(fields.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-        backend = BackendTokenizer(
-            models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
-        )
-        backend.pre_tokenizer = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre", "default"))
-        backend.decoder = decoders.ByteLevel()
-        # GGUF token types: 3 = control (special), 4 = user-defined (matched verbatim, decoded).
-        backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3]
-        )
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == 4])
 
         def token(key: str) -> str | None:
             index = fields.get(key)
             return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
-        bos = token("tokenizer.ggml.bos_token_id")
-        if fields.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        # llama.cpp (and HF) add BOS to a SentencePiece vocabulary that does not say otherwise.
+        bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
+        add_bos = bos is not None and fields.get("tokenizer.ggml.add_bos_token", kind == "llama")
+        add_eos = eos is not None and fields.get("tokenizer.ggml.add_eos_token", False)
+        if add_bos or add_eos:
+            single, ends = "$A", []
+            if add_bos:
+                single, ends = f"{bos} {single}", [*ends, (bos, fields["tokenizer.ggml.bos_token_id"])]
+            if add_eos:
+                single, ends = f"{single} {eos}", [*ends, (eos, fields["tokenizer.ggml.eos_token_id"])]
             backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, fields["tokenizer.ggml.bos_token_id"])]
+                single=single, pair=f"{single} {single.replace('$A', '$B')}", special_tokens=ends
             )
         extra = [fields[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in fields]
         return cls(
             backend,
             bos_token=bos,
-            eos_token=token("tokenizer.ggml.eos_token_id"),
+            eos_token=eos,
             extra_eos_ids=extra,
             chat_template=fields.get("tokenizer.chat_template"),
         )
+
+
+def _byte_level_backend(fields: Mapping[str, Any]) -> BackendTokenizer:
+    """A GGUF's byte-level BPE vocabulary and merges, with llama.cpp's pre-tokenizer."""
+    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+    types = list(fields.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    backend = BackendTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    # GGUF token types: 3 = control (special), 4 = user-defined (matched verbatim, decoded).
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == 4])
+    return backend

@@ -66,9 +66,10 @@ def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, num_kv_heads: int) -> 
     """
     rest = q.shape[1:]
     Dh = k.shape[0] // num_kv_heads
+    groups = q.shape[0] // k.shape[0]  # explicit, not -1: Q8_0 blocks' offsets are [rows, 0]
     return np.concatenate(
         [
-            q.reshape(num_kv_heads, -1, Dh, *rest),
+            q.reshape(num_kv_heads, groups, Dh, *rest),
             k.reshape(num_kv_heads, 1, Dh, *rest),
             v.reshape(num_kv_heads, 1, Dh, *rest),
         ],

@@ -1,0 +1,208 @@
+"""Write a tiny HF checkpoint as the GGUF llama.cpp's convert_hf_to_gguf.py would (test support).
+
+Independent of raylm's loader: tensor names come from the gguf package's own HF -> GGUF map
+(``gguf.get_tensor_name_map``) and the metadata keys from its writer, per architecture as the
+converter writes them (its LlamaModel for Llama and Mistral, Qwen3Model, Gemma2Model,
+Gemma3Model, Phi3MiniModel): Q/K rows permuted for llama only, ``1 + w`` in Gemma's norms,
+Phi-3's fused qkv / gate_up kept whole with its LongRoPE factors as tensors, Llama 3's RoPE
+as a ``rope_freqs`` tensor. Two things the converter drops and these tests need are written
+in the keys llama.cpp defines for them: a Mistral window (``attention.sliding_window``) and
+a Gemma 3 layer pattern other than five-in-six (``attention.sliding_window_pattern``, one
+flag per layer). A setting GGUF cannot express (Gemma's query scale other than llama.cpp's
+rule, Gemma 2's RoPE base) is an error here rather than a silently different file.
+
+The tokenizer is the checkpoint's byte-level BPE (``tokenizer.ggml.model = gpt2``), padded
+to the model's vocabulary with ``[PADn]`` tokens as the converter does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+_ARCHES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+}
+
+
+def export_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+    """Write ``hf_dir`` as ``out``; 2-D matrices in ``qtype`` (F32, Q8_0 or Q4_0), vectors F32."""
+    hp = json.loads((hf_dir / "config.json").read_text())
+    arch = _ARCHES[hp["architectures"][0]]
+    writer = gguf.GGUFWriter(str(out), arch)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    _write_metadata(writer, arch, hp)
+    _write_tokenizer(writer, hf_dir, hp["vocab_size"])
+    for name, array in _tensors(writer, arch, hp, tensors):
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _rope_params(hp: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(global, sliding) RoPE parameters of a transformers-5 config."""
+    params = hp.get("rope_parameters") or {}
+    if "full_attention" in params:
+        return params["full_attention"], params.get("sliding_attention") or {}
+    return params, {}
+
+
+def _head_dim(hp: dict[str, Any]) -> int:
+    return hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+
+
+def _write_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
+    rope, local_rope = _rope_params(hp)
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch == "phi3":  # Phi3MiniModel writes its own set, no scaling type
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_dimension_count(hp["hidden_size"] // hp["num_attention_heads"])
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_sliding_window(hp.get("sliding_window") or 0)
+        scale = hp["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])) if scale > 1 else 1.0
+        )
+        return
+    if arch == "gemma2":  # Gemma2Model writes no RoPE keys: llama.cpp's base 10000 applies
+        assert rope.get("rope_theta", 10000.0) == 10000.0 and rope.get("rope_type", "default") == "default", rope
+    else:
+        kind = rope.get("rope_type", "default")
+        if kind == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
+        elif kind == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        else:
+            assert kind in ("default", "llama3"), rope  # llama3: the rope_freqs tensor
+        w.add_rope_freq_base(rope["rope_theta"])
+        if "rope_theta" in local_rope:
+            w.add_rope_freq_base_swa(local_rope["rope_theta"])
+    if hp.get("head_dim") is not None:
+        w.add_key_length(hp["head_dim"])
+        w.add_value_length(hp["head_dim"])
+    if arch == "llama":
+        w.add_vocab_size(hp["vocab_size"])
+        w.add_rope_dimension_count(_head_dim(hp))
+        if hp.get("sliding_window"):
+            w.add_sliding_window(hp["sliding_window"])
+    if arch in ("gemma2", "gemma3"):
+        _write_gemma(w, arch, hp)
+
+
+def _write_gemma(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
+    layers = hp["num_hidden_layers"]
+    # llama.cpp's query scale: 1/sqrt(head_dim), hidden/heads for the 27B (46 / 62 layers).
+    big = layers == {"gemma2": 46, "gemma3": 62}[arch]
+    scalar = hp["hidden_size"] // hp["num_attention_heads"] if big else hp["head_dim"]
+    if hp.get("query_pre_attn_scalar") != scalar:
+        raise ValueError(f"query_pre_attn_scalar={hp.get('query_pre_attn_scalar')}: a {arch} GGUF implies {scalar}")
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(hp["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    elif hp.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    if hp.get("sliding_window"):
+        w.add_sliding_window(hp["sliding_window"])
+        period = 2 if arch == "gemma2" else 6
+        sliding = [t == "sliding_attention" for t in hp["layer_types"]]
+        if sliding != [i % period < period - 1 for i in range(layers)]:
+            w.add_sliding_window_pattern(sliding)
+
+
+def _tensors(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], tensors: dict[str, np.ndarray]):
+    """(GGUF name, array) pairs, as the converter's modify_tensors / generate_extra_tensors give."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hp["num_hidden_layers"])
+    heads, kv_heads = hp["num_attention_heads"], hp["num_key_value_heads"]
+    for hf_name, array in tensors.items():
+        if hf_name == "lm_head.weight" and hp.get("tie_word_embeddings"):
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ValueError(f"no GGUF name for {hf_name} in a {arch} file")
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            array = _permute(array, heads)
+        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+            array = _permute(array, kv_heads)
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            array = array + 1
+        yield name, array
+    rope, _ = _rope_params(hp)
+    if arch == "phi3" and rope.get("long_factor"):
+        yield "rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32)
+        yield "rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32)
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        yield "rope_freqs.weight", _llama3_divisors(rope, _head_dim(hp))
+
+
+def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: rotate-half pairs -> interleaved pairs."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _llama3_divisors(rope: dict[str, Any], dim: int) -> np.ndarray:
+    """Per-frequency divisors of Llama 3's RoPE, as LlamaModel.generate_extra_tensors computes them."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def _write_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, vocab_size: int) -> None:
+    spec = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = dict(spec["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    vocab.update(special)
+    by_id = {i: t for t, i in vocab.items()}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    types = [
+        gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED
+        for i, t in enumerate(tokens)
+    ]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    settings = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab[settings["bos_token"]])
+    w.add_eos_token_id(vocab[settings["eos_token"]])

@@ -1,0 +1,159 @@
+"""GGUF files of the new families load to the logits of the HF checkpoint they were made from.
+
+Each tiny HF checkpoint is written as llama.cpp's converter writes its architecture
+(tests/gguf_export.py, names and keys from the gguf package), loaded by raylm, and compared
+with HF transformers on the same weights: logits within 1e-4 over a prompt that runs past
+the 16-token windows, and 32 greedy tokens. One quantized export per block type checks
+that matrices kept as GGUF blocks give HF's logits on the dequantized weights.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from model import SingleSequenceGenerator, load_checkpoint, load_model
+from model.errors import UnsupportedModelError
+from model.gguf_loader import GGUFFile
+from tests.checkpoints import build_tiny_checkpoint
+from tests.gguf_export import export_gguf
+from tests.reference import hf_greedy
+
+PROMPT_LEN = 45
+# Gemma GGUFs imply llama.cpp's query scale 1/sqrt(head_dim): the checkpoints are built so.
+# Phi-3 gets a window (on every layer, as HF applies it) shorter than the prompt.
+_OVERRIDES = {
+    "gemma2": dict(query_pre_attn_scalar=32),
+    "gemma3": dict(query_pre_attn_scalar=32),
+    "phi3-longrope": dict(sliding_window=24),
+}
+FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-sliding", "llama3-rope"]
+
+
+def _prompt(length: int = PROMPT_LEN) -> list[int]:
+    return np.random.RandomState(0).randint(3, 320, size=length).tolist()
+
+
+def _export(variant: str, tmp_path, qtype=gguf.GGMLQuantizationType.F32):
+    directory, hf_model = build_tiny_checkpoint(variant, tmp_path / variant, **_OVERRIDES.get(variant, {}))
+    return export_gguf(directory, tmp_path / f"{variant}.gguf", qtype), hf_model
+
+
+def _assert_matches_hf(config, params, hf_model) -> None:
+    generator = SingleSequenceGenerator(config, params)
+    ids = _prompt()
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(generator.prompt_logits(ids), reference, atol=1e-4, rtol=1e-4)
+    assert list(generator.generate(ids, 32)) == hf_greedy(hf_model, ids, 32)
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_gguf_logits_and_greedy_match_hf(variant, tmp_path):
+    path, hf_model = _export(variant, tmp_path)
+    config, params = load_checkpoint(path)
+    _assert_matches_hf(config, params, hf_model)
+
+
+@pytest.mark.parametrize(
+    "variant,qtype",
+    [("phi3-longrope", gguf.GGMLQuantizationType.Q8_0), ("gemma3", gguf.GGMLQuantizationType.Q4_0)],
+    ids=["phi3-Q8_0", "gemma3-Q4_0"],
+)
+def test_blocks_kept_as_stored_match_hf_on_the_dequantized_weights(variant, qtype, tmp_path):
+    path, hf_model = _export(variant, tmp_path, qtype)
+    with torch.no_grad():  # the reference: HF on the weights the file holds
+        for param in hf_model.parameters():
+            if param.ndim == 2:
+                stored = gguf.quants.quantize(param.numpy(), qtype)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qtype).reshape(param.shape)))
+    model = load_model(path, keep_blocks=True)
+    assert type(model.params.layers[0].wqkv).__name__ == "GgufBlocks"
+    _assert_matches_hf(model.config, model.params, hf_model)
+
+
+def test_config_follows_llama_cpp_conventions(tmp_path):
+    path, _ = _export("gemma2", tmp_path)
+    config = GGUFFile(path).config()
+    # Every other layer slides (llama.cpp's pattern 2), soft-caps from the file, 1/sqrt(head_dim).
+    assert config.layer_windows == (16, None, 16)
+    assert (config.attn_softcap, config.final_softcap, config.query_scale) == (5.0, 8.0, 32**-0.5)
+    assert config.embed_scale == pytest.approx(8.0) and config.sandwich_norms and config.tie_word_embeddings
+    path, _ = _export("gemma3", tmp_path)
+    config = GGUFFile(path).config()
+    assert config.local_rope_theta == 10000.0 and config.rope_theta == 1e6
+    assert config.rope_scaling.rope_type == "linear" and config.rope_scaling.factor == 2.0
+    path, _ = _export("phi3-longrope", tmp_path)
+    config = GGUFFile(path).config()
+    assert config.layer_windows == (24, 24, 24) and config.rope_scaling.rope_type == "longrope"
+    assert config.rope_scaling.long_factor[-1] == 5.0 and config.rope_scaling.original_max_position_embeddings == 32
+
+
+def _fields(**extra):
+    base = {
+        "general.architecture": "gemma2", "gemma2.embedding_length": 4608, "gemma2.attention.head_count": 32,
+        "gemma2.attention.key_length": 128, "gemma2.block_count": 46, "gemma2.feed_forward_length": 36864,
+        "tokenizer.ggml.tokens": ["a"] * 8,
+    }
+    return {**base, **extra}
+
+
+def test_gemma_defaults_and_27b_query_scale_are_llama_cpps():
+    from model import ModelConfig
+
+    config = ModelConfig.from_gguf_fields(_fields(), "27b.gguf")
+    assert config.query_scale == 144**-0.5  # hidden / heads, not head_dim, for the 27B
+    assert (config.attn_softcap, config.final_softcap) == (50.0, 30.0)
+    assert config.layer_windows[:3] == (4096, None, 4096)
+    config = ModelConfig.from_gguf_fields(_fields(**{"gemma2.block_count": 42}), "9b.gguf")
+    assert config.query_scale == 128**-0.5
+    gemma3 = {k.replace("gemma2", "gemma3"): v for k, v in _fields(**{"gemma2.attention.sliding_window": 512}).items()}
+    gemma3["general.architecture"] = "gemma3"
+    config = ModelConfig.from_gguf_fields(gemma3, "g3.gguf")
+    assert config.layer_windows[:6] == (512,) * 5 + (None,) and config.local_rope_theta == 10000.0
+    config = ModelConfig.from_gguf_fields({**gemma3, "gemma3.attention.sliding_window_pattern": 3}, "g3.gguf")
+    assert config.layer_windows[:3] == (512, 512, None)
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"gemma2.rope.scaling.type": "dynamic"}, r"rope.scaling.type='dynamic'"),
+        ({"general.architecture": "qwen3", "qwen3.embedding_length": 64, "qwen3.attention.head_count": 4,
+          "qwen3.block_count": 2, "qwen3.feed_forward_length": 128, "qwen3.final_logit_softcapping": 30.0},
+         "qwen3.final_logit_softcapping"),
+        ({"gemma2.expert_count": 8}, "gemma2.expert_count"),
+        ({"gemma2.rope.dimension_count": 64}, "gemma2.rope.dimension_count"),
+        ({"gemma2.rope.scaling.type": "linear", "gemma2.rope.scaling.factor": 2.0,
+          "gemma2.rope.scaling.attn_factor": 0.5}, "gemma2.rope.scaling.attn_factor"),
+        ({"gemma2.attention.head_count_kv": [8, 16]}, "per layer"),
+    ],
+)
+def test_metadata_raylm_does_not_implement_is_a_load_error(extra, match):
+    from model import ModelConfig
+
+    with pytest.raises(UnsupportedModelError, match=match):
+        ModelConfig.from_gguf_fields(_fields(**extra), "bad.gguf")
+
+
+def test_a_tensor_the_model_does_not_read_is_a_load_error(tmp_path):
+    path, _ = _export("qwen3", tmp_path)
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(tmp_path / "extra.gguf"), "qwen3")
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            value = field.contents()
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data).reshape(tuple(reversed(tensor.shape.tolist()))))
+    writer.add_tensor("blk.0.attn_q.bias", np.zeros(128, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="blk.0.attn_q.bias"):
+        load_checkpoint(tmp_path / "extra.gguf")
