@@ -30,7 +30,7 @@ _OVERRIDES = {
     "gemma3": dict(query_pre_attn_scalar=32),
     "phi3-longrope": dict(sliding_window=24),
 }
-FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-sliding", "llama3-rope"]
+FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-sliding", "llama3-rope", "llama-yarn", "qwen2"]
 
 
 def _prompt(length: int = PROMPT_LEN) -> list[int]:
