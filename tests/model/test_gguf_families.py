@@ -3,7 +3,7 @@
 Each tiny HF checkpoint is written as llama.cpp's converter writes its architecture
 (tests/gguf_export.py, names and keys from the gguf package), loaded by raylm, and compared
 with HF transformers on the same weights: logits within 1e-4 over a prompt that runs past
-the 16-token windows, and 32 greedy tokens. One quantized export per block type checks
+the 16-token windows, and 16 greedy tokens. One quantized export per block type checks
 that matrices kept as GGUF blocks give HF's logits on the dequantized weights.
 """
 
@@ -22,6 +22,7 @@ from tests.gguf_export import export_gguf
 from tests.reference import hf_greedy
 
 PROMPT_LEN = 45
+GREEDY = 16  # decode steps: the forward pass is test_model_vs_hf's; this checks what the file loads
 # Gemma GGUFs imply llama.cpp's query scale 1/sqrt(head_dim): the checkpoints are built so.
 # Phi-3 gets a window (on every layer, as HF applies it) shorter than the prompt.
 _OVERRIDES = {
@@ -29,7 +30,7 @@ _OVERRIDES = {
     "gemma3": dict(query_pre_attn_scalar=32),
     "phi3-longrope": dict(sliding_window=24),
 }
-FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-sliding", "llama3-rope"]
+FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-sliding", "llama3-rope", "llama-yarn", "qwen2"]
 
 
 def _prompt(length: int = PROMPT_LEN) -> list[int]:
@@ -47,7 +48,7 @@ def _assert_matches_hf(config, params, hf_model) -> None:
     with torch.no_grad():
         reference = hf_model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(generator.prompt_logits(ids), reference, atol=1e-4, rtol=1e-4)
-    assert list(generator.generate(ids, 32)) == hf_greedy(hf_model, ids, 32)
+    assert list(generator.generate(ids, GREEDY)) == hf_greedy(hf_model, ids, GREEDY)
 
 
 @pytest.mark.parametrize("variant", FAMILIES)
