@@ -1,7 +1,7 @@
 """``raylm serve CONFIG.yaml``: deploy the OpenAI server on a Ray cluster and keep it up.
 
 Attaches to a running cluster (``--address``, or the one ``ray start`` left on this machine);
-otherwise starts a local Ray head owned by this process. Ctrl-C (or SIGTERM) deletes the
+otherwise (or with ``--address local``) starts a local Ray head owned by this process. Ctrl-C (or SIGTERM) deletes the
 application, and shuts Serve and Ray down when this process started them, at any point,
 start-up included.
 """
@@ -12,6 +12,7 @@ import argparse
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from cluster.local_ray import apply_local_ray_env
@@ -21,12 +22,16 @@ from deploy.readiness import wait_healthy
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 READY_TIMEOUT_S = 900.0  # model load + warm-up compile of every bucket on a slow machine
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SERVE_SHUTDOWN_TIMEOUT_S = 30.0  # serve.shutdown()'s own limit
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("serve", help="serve a model over the OpenAI HTTP API on Ray")
     p.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="deploy YAML (default: the bundled model)")
-    p.add_argument("--address", default=None, help="Ray cluster to attach to (e.g. auto, ray://host:10001)")
+    p.add_argument(
+        "--address", default=None,
+        help="Ray cluster to attach to (e.g. auto, ray://host:10001); local: start a new one",
+    )
     p.add_argument("--host", default=None, help="override http.host")
     p.add_argument("--port", type=int, default=None, help="override http.port")
     p.set_defaults(run=run_serve)
@@ -76,34 +81,62 @@ def _serve(args: argparse.Namespace, config: DeployConfig, host: str, port: int)
         if serve_was_running:
             serve.delete(config.name)
         else:
-            serve.shutdown()
+            _shutdown_serve(ray)
         if started_ray:
             ray.shutdown()
     return 0
 
 
 def _connect(ray, address: str | None) -> bool:
-    """Attach to ``address`` or a cluster already running here; else start one. True if started."""
-    if address is not None:
+    """Attach to ``address`` or a cluster already running here; else (or for ``local``) start
+    one. True if started."""
+    if address not in (None, "local"):
         ray.init(address=address, log_to_driver=False)
         return False
+    if address is None:
+        try:
+            ray.init(address="auto", log_to_driver=False)
+            return False
+        except ConnectionError:
+            pass
+    ray.init(address="local", log_to_driver=False, include_dashboard=True, dashboard_host="127.0.0.1")
+    return True
+
+
+def _serve_controller(ray):
+    """Serve's controller actor on the cluster, or None when Serve does not run there."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
     try:
-        ray.init(address="auto", log_to_driver=False)
-        return False
-    except ConnectionError:
-        ray.init(log_to_driver=False, include_dashboard=True, dashboard_host="127.0.0.1")
-        return True
+        return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return None
 
 
 def _serve_running(ray) -> bool:
     """Whether Serve's controller already runs on the cluster (then we only remove our app)."""
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    return _serve_controller(ray) is not None
 
-    try:
-        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        return True
-    except ValueError:
-        return False
+
+def _shutdown_serve(ray, timeout_s: float = SERVE_SHUTDOWN_TIMEOUT_S) -> None:
+    """Shut Serve down without the warning ``serve.shutdown()`` makes Ray print.
+
+    ``serve.shutdown()`` waits on a controller call that only ends when the controller, having
+    deleted every application and proxy, kills itself; Ray then reports that call as
+    "Task ServeController.graceful_shutdown failed ... killed by ray.kill", which reads like an
+    error. Here the call only raises the controller's shutdown flag and returns; the same
+    shutdown then runs in the controller's loop while this process waits for the actor to go.
+    """
+    controller = _serve_controller(ray)
+    if controller is None:
+        return
+    ray.get(controller.graceful_shutdown.remote(wait=False))
+    deadline = time.monotonic() + timeout_s
+    while _serve_controller(ray) is not None:
+        if time.monotonic() > deadline:
+            print(f"raylm serve: Serve did not shut down within {timeout_s:.0f} s", file=sys.stderr)
+            return
+        time.sleep(0.2)
 
 
 def _replicas(config: DeployConfig) -> str:

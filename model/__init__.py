@@ -1,25 +1,25 @@
 """Pure JAX Llama-family models: config, paged forward pass, weight loading, tokenizer, sharding.
 
-Knows nothing of Ray or HTTP; the engine (``workers``) builds on these names.
+Knows nothing of Ray or HTTP; the engine (``workers``) builds on these names. They load on
+first use (PEP 562), so the router can use the tokenizer and config without importing JAX.
+The forward pass itself is ``model.forward.forward`` (the module's name would shadow it here).
 """
 
-from model.attention import KVCache
-from model.config import ModelConfig, RopeScaling
-from model.detokenizer import IncrementalDetokenizer
-from model.errors import ModelError, ModelLoadError, PromptTooLongError, UnsupportedModelError
-from model.forward import forward
-from model.generate import SingleSequenceGenerator
-from model.loader import LoadedModel, ModelInfo, load_checkpoint, load_model, load_model_info, load_tokenizer, parse_dtype
-from model.params import LayerParams, ModelParams
-from model.registry import BUNDLED_MODELS, DEFAULT_MODEL, resolve_model_path
-from model.sampling import SimpleSampling
-from model.sharding import make_mesh, shard_params
-from model.tokenizer import Tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "BUNDLED_MODELS", "DEFAULT_MODEL", "IncrementalDetokenizer", "KVCache", "LayerParams", "LoadedModel",
-    "ModelConfig", "ModelError", "ModelInfo", "ModelLoadError", "ModelParams", "PromptTooLongError", "RopeScaling",
-    "SimpleSampling", "SingleSequenceGenerator", "Tokenizer", "UnsupportedModelError",
-    "forward", "load_checkpoint", "load_model", "load_model_info", "load_tokenizer", "make_mesh", "parse_dtype",
-    "resolve_model_path", "shard_params",
-]
+from model.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {  # module -> the names it defines
+    "attention": ("KVCache",),
+    "config": ("ModelConfig", "RopeScaling"),
+    "detokenizer": ("IncrementalDetokenizer",),
+    "errors": ("ModelError", "ModelLoadError", "PromptTooLongError", "UnsupportedModelError"),
+    "generate": ("SingleSequenceGenerator",),
+    "loader": ("LoadedModel", "load_checkpoint", "load_model", "parse_dtype"),
+    "model_info": ("ModelInfo", "load_model_info", "load_tokenizer"),
+    "params": ("LayerParams", "ModelParams"),
+    "registry": ("BUNDLED_MODELS", "DEFAULT_MODEL", "resolve_model_path"),
+    "sampling": ("SimpleSampling",),
+    "sharding": ("make_mesh", "shard_params"),
+    "tokenizer": ("Tokenizer",),
+})

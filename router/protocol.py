@@ -14,8 +14,9 @@ from model import Tokenizer
 from router.errors import OpenAIError, invalid
 from router.structured_request import structured_output
 from router.tools import TOOL_CALL_PARSERS, ToolUse, forced_calls_grammar, parse_tool_use, template_messages
-from workers.beam_search import BeamSearchParams
-from workers.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from workers.sampling_params import (
+    MAX_LOGIT_BIAS, MAX_LOGPROBS, BeamSearchParams, SamplingParams, SamplingParamsError,
+)
 
 MAX_N = 16
 MAX_STOP_SEQUENCES = 16

@@ -6,7 +6,6 @@ import dataclasses
 
 from cluster.names import DEFAULT_APP_NAME
 from router.auth import Secret
-from workers.engine_args import EngineArgs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,7 +14,10 @@ class RouterSettings:
 
     model: str  # registry name or path: the router loads its tokenizer and config, not its weights
     served_model_name: str  # the name clients send as ``model``
-    max_model_len: int  # must equal the workers' (both come from the same engine args)
+    # The workers' engine args, as the app builder read them (the router never imports the engine)
+    max_model_len: int  # must equal the workers'
+    slots_per_replica: int  # their max_num_seqs: at most this x replicas / router replicas in flight
+    block_size: int  # for prefix hashing: must match the workers' block pool
     max_request_bytes: int = 1 << 20
     health_check_timeout_s: float = 10.0
     app_name: str = DEFAULT_APP_NAME  # the Serve application (to find the worker replicas)
@@ -25,8 +27,6 @@ class RouterSettings:
     max_queue_size: int = 256  # per priority class
     queue_timeout_s: float = 60.0
     tenant_weights: dict[str, float] = dataclasses.field(default_factory=dict)
-    # Capacity: the router runs at most slots_per_replica x replicas / router replicas sequences
-    slots_per_replica: int = EngineArgs.max_num_seqs
     num_router_replicas: int = 1
     stats_period_s: float = 1.0
     # Security
@@ -35,6 +35,4 @@ class RouterSettings:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     tool_call_parser: str = "hermes"  # router/tools.py: how tool calls are written and read back
-    # Prefix hashing (must match the workers' block pool)
-    block_size: int = EngineArgs.block_size
     cache_salt: str = ""

@@ -11,10 +11,23 @@ import dataclasses
 import json
 from typing import Any
 
+from model import DEFAULT_MODEL
 from router.openai_service import OpenAIService
+from router.settings import RouterSettings
+from workers.engine_args import EngineArgs
 from workers.replica_protocol import ChoiceDelta, GenerateChunk
 
 HANG = "hang"
+
+
+def fake_settings(**overrides: Any) -> RouterSettings:
+    """Router settings for the bundled model served as model "m", the engine's defaults, a
+    512-token context and no API keys; ``overrides`` replace any of them."""
+    engine = EngineArgs()
+    return RouterSettings(**{
+        "model": DEFAULT_MODEL, "served_model_name": "m", "max_model_len": 512, "api_keys_env": None,
+        "slots_per_replica": engine.max_num_seqs, "block_size": engine.block_size, **overrides,
+    })
 
 
 def chunk(text: str, finished: bool = False) -> GenerateChunk:

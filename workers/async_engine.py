@@ -19,11 +19,11 @@ import time
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from model import LoadedModel
-from workers.beam_search import BeamSearch, BeamSearchParams
+from workers.beam_search import BeamSearch
 from workers.engine import LLMEngine, make_engine
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.replica_protocol import InvalidRequestError
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import BeamSearchParams, SamplingParams
 from workers.structured_output import GrammarError
 
 T = TypeVar("T")

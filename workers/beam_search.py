@@ -13,25 +13,7 @@ from typing import Iterable, Mapping
 
 from model import Tokenizer
 from workers.outputs import CompletionOutput
-from workers.sampling_params import MAX_LOGPROBS, SamplingParams
-
-
-@dataclasses.dataclass(frozen=True)
-class BeamSearchParams:
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    length_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.beam_width, int) and 1 <= self.beam_width <= MAX_LOGPROBS // 2):
-            raise ValueError(f"beam_width must be an integer in [1, {MAX_LOGPROBS // 2}], got {self.beam_width!r}")
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-
-    def step_params(self) -> SamplingParams:
-        """One token per beam per step, with the candidates' logprobs."""
-        return SamplingParams(max_tokens=1, temperature=0, logprobs=2 * self.beam_width, ignore_eos=True)
+from workers.sampling_params import BeamSearchParams
 
 
 @dataclasses.dataclass(frozen=True)

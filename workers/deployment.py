@@ -23,18 +23,53 @@ from workers.async_engine import AsyncEngine, EngineShutdownError
 from workers.replica_metrics import EngineStatsReporter, RequestMetricsRecorder
 from workers.deployment_options import DEFAULT_STUCK_AFTER_S, WorkerDeploymentOptions
 from workers.engine_stats import EngineStats
+from workers.outputs import RequestOutput
 from workers.replica_protocol import (
     ChoiceDelta,
     GenerateChunk,
     GenerateRequest,
     ReplicaDrainingError,
     RoutingReport,
-    chunk_from_output,
 )
 
 logger = logging.getLogger("ray.serve")
 
 DEFAULT_MAX_REPORTED_HASHES = 4096  # 64k tokens of prefix at block size 16; ~40 KB per report
+
+
+def chunk_from_output(output: RequestOutput, reported_finished: set[int]) -> GenerateChunk:
+    """The deltas of ``output``; choices without progress are left out, and a finish is
+    reported once (``reported_finished`` holds the indices already reported, and is updated)."""
+    choices = []
+    for completion in output.outputs:
+        new_tokens = completion.token_ids_delta
+        newly_finished = completion.finished and completion.index not in reported_finished
+        if not (new_tokens or completion.text_delta or newly_finished):
+            continue
+        if newly_finished:
+            reported_finished.add(completion.index)
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = completion.logprobs[len(completion.logprobs) - len(new_tokens) :]
+        choices.append(
+            ChoiceDelta(
+                index=completion.index,
+                text=completion.text_delta,
+                token_ids=list(new_tokens),
+                logprobs=logprobs,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+                hidden_states=completion.hidden_states if newly_finished else None,
+            )
+        )
+    return GenerateChunk(
+        request_id=output.request_id,
+        choices=choices,
+        prompt_tokens=len(output.prompt_token_ids),
+        num_cached_tokens=output.num_cached_tokens,
+        finished=output.finished,
+        embedding=output.embedding,
+    )
 
 
 @serve.deployment(name=WORKER_DEPLOYMENT, **WorkerDeploymentOptions().serve_options())

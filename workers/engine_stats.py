@@ -8,11 +8,13 @@ inside a replica's routing-stats report.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cache import PoolStats
-from workers.sequence import Sequence
 from workers.speculative import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from workers.sequence import Sequence
 
 
 @dataclasses.dataclass(frozen=True)

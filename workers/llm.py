@@ -7,9 +7,9 @@ from typing import Any, Mapping, Sequence, Union
 
 from model import LoadedModel, Tokenizer
 from workers.engine import make_engine
-from workers.beam_search import BeamSearch, BeamSearchParams
+from workers.beam_search import BeamSearch
 from workers.outputs import CompletionOutput, RequestOutput
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import BeamSearchParams, SamplingParams
 
 PromptInput = Union[str, Mapping[str, Any]]
 Messages = Sequence[Mapping[str, Any]]

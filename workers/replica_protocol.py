@@ -1,4 +1,9 @@
-"""What crosses the wire between the router and a worker replica.
+"""What crosses the wire between the router and a worker replica: the request, its streamed
+chunks, the errors a replica answers with, and a replica's routing report.
+
+Plain data, and the router's only view of the engine: this module and the ones it imports
+(sampling parameters, engine counters, output logprobs) load no JAX, so a router replica
+never loads the engine (tests/router/test_wire_imports.py).
 
 The worker streams deltas, never cumulative outputs: a cumulative ``RequestOutput`` per
 step would ship O(n^2) tokens through Ray for a long completion.
@@ -12,10 +17,9 @@ from typing import Any
 import numpy as np
 
 from cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
-from workers.beam_search import BeamSearchParams
 from workers.engine_stats import EngineStats
-from workers.outputs import RequestOutput, TokenLogprobs
-from workers.sampling_params import SamplingParams
+from workers.outputs import TokenLogprobs
+from workers.sampling_params import BeamSearchParams, SamplingParams
 
 
 class InvalidRequestError(ValueError):
@@ -62,41 +66,6 @@ class GenerateChunk:
     num_cached_tokens: int
     finished: bool
     embedding: list[float] | None = None  # embedding requests, in the final chunk
-
-
-def chunk_from_output(output: RequestOutput, reported_finished: set[int]) -> GenerateChunk:
-    """The deltas of ``output``; choices without progress are left out, and a finish is
-    reported once (``reported_finished`` holds the indices already reported, and is updated)."""
-    choices = []
-    for completion in output.outputs:
-        new_tokens = completion.token_ids_delta
-        newly_finished = completion.finished and completion.index not in reported_finished
-        if not (new_tokens or completion.text_delta or newly_finished):
-            continue
-        if newly_finished:
-            reported_finished.add(completion.index)
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = completion.logprobs[len(completion.logprobs) - len(new_tokens) :]
-        choices.append(
-            ChoiceDelta(
-                index=completion.index,
-                text=completion.text_delta,
-                token_ids=list(new_tokens),
-                logprobs=logprobs,
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
-                hidden_states=completion.hidden_states if newly_finished else None,
-            )
-        )
-    return GenerateChunk(
-        request_id=output.request_id,
-        choices=choices,
-        prompt_tokens=len(output.prompt_token_ids),
-        num_cached_tokens=output.num_cached_tokens,
-        finished=output.finished,
-        embedding=output.embedding,
-    )
 
 
 @dataclasses.dataclass(frozen=True)

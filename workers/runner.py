@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from model import KVCache, ModelConfig, ModelParams, forward, paged_decode, shard_params
+from model import KVCache, ModelConfig, ModelParams, paged_decode, shard_params
 from model.attention import copy_blocks
-from model.forward import HiddenSink, PooledHidden
+from model.forward import HiddenSink, PooledHidden, forward
 from model.buckets import bucket, cdiv, power_buckets
 from workers.hidden_states import HiddenStateCapture
 from workers.logits_processors import LogitsProcessorError, apply_processors

@@ -1,6 +1,7 @@
-"""Per-request sampling parameters, validated up front with errors that name the field.
+"""Per-request sampling and beam-search parameters, validated up front with errors that name
+the field. Plain data: the router builds them and they cross Ray inside a ``GenerateRequest``.
 
-Shaped like vLLM's ``SamplingParams`` so code moving from vLLM keeps working.
+Shaped like vLLM's ``SamplingParams`` / ``BeamSearchParams`` so code moving from vLLM keeps working.
 """
 
 from __future__ import annotations
@@ -120,3 +121,24 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search instead of sampling (workers/beam_search.py runs it): ``beam_width``
+    completions, the best by length-penalized cumulative logprob, as vLLM's namesake."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.beam_width, int) and 1 <= self.beam_width <= MAX_LOGPROBS // 2):
+            raise ValueError(f"beam_width must be an integer in [1, {MAX_LOGPROBS // 2}], got {self.beam_width!r}")
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+
+    def step_params(self) -> SamplingParams:
+        """One token per beam per step, with the candidates' logprobs."""
+        return SamplingParams(max_tokens=1, temperature=0, logprobs=2 * self.beam_width, ignore_eos=True)

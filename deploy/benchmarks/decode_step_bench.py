@@ -57,7 +57,8 @@ class Worker:
         import jax.numpy as jnp
         import numpy as np
 
-        from model import KVCache, forward
+        from model import KVCache
+        from model.forward import forward
 
         c, params = self.model.config, self.model.params
         if hasattr(KVCache, "create"):

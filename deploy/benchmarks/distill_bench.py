@@ -35,7 +35,8 @@ import numpy as np
 import optax
 
 from deploy.benchmarks.speculative_bench import run_proposer
-from model import DEFAULT_MODEL, KVCache, LoadedModel, forward, load_model
+from model import DEFAULT_MODEL, KVCache, LoadedModel, load_model
+from model.forward import forward
 from model.loader import keep_gguf_blocks
 from workers import LLM, SamplingParams
 

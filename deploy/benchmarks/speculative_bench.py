@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from deploy.benchmarks.quantization_bench import REFERENCE_PROMPTS
-from model import DEFAULT_MODEL, KVCache, LoadedModel, forward, load_model
+from model import DEFAULT_MODEL, KVCache, LoadedModel, load_model
+from model.forward import forward
 from model.loader import GGUF_BLOCKS_CHOICES, keep_gguf_blocks
 from workers import LLM, SamplingParams
 

@@ -1,4 +1,5 @@
-"""``raylm serve CONFIG --address ...`` in a subprocess: deploys, answers, and Ctrl-C removes it."""
+"""``raylm serve CONFIG --address ...`` in a subprocess: deploys, answers, and Ctrl-C removes it
+quietly (none of Ray's task-failure lines a user would read as an error)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import threading
 import time
 
 import httpx
+import pytest
 import yaml
+
+from tests.serving import free_port
+
+# What Ray prints when serve.shutdown() waits on the controller that kills itself.
+SHUTDOWN_NOISE = "killed by `ray.kill`"
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue:
@@ -41,20 +48,33 @@ def _wait_for(lines: queue.Queue, needle: str, timeout_s: float) -> list[str]:
     raise AssertionError(f"{needle!r} not printed; output was:\n{''.join(seen)}")
 
 
+def _rest(lines: queue.Queue) -> str:
+    """Everything printed until the process closed its output."""
+    seen: list[str] = []
+    while (line := lines.get(timeout=60)) is not None:
+        seen.append(line)
+    return "".join(seen)
+
+
 def _start_serve(serve_cluster, tmp_path, name: str, route_prefix: str, **popen) -> subprocess.Popen:
     """``raylm serve`` of a one-replica app attached to the test cluster, output piped."""
     import ray
 
+    address = ray.get_runtime_context().gcs_address
+    return _raylm_serve(tmp_path, name, route_prefix, serve_cluster.http_port, address, **popen)
+
+
+def _raylm_serve(tmp_path, name: str, route_prefix: str, port: int, address: str, **popen) -> subprocess.Popen:
+    """``raylm serve`` of a one-replica app on the cluster at ``address``, output piped."""
     config = {
         "name": name,
         "route_prefix": route_prefix,
         "workers": {"num_replicas": 1},
         "engine": {"num_kv_blocks": 64, "max_model_len": 512},
-        "http": {"port": serve_cluster.http_port},
+        "http": {"port": port},
     }
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
-    address = ray.get_runtime_context().gcs_address
     return subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", str(path), "--address", address],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen,
@@ -75,6 +95,7 @@ def test_serve_attaches_to_a_cluster_and_ctrl_c_removes_the_app(serve_cluster, r
         assert reply.status_code == 200, reply.text
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
+        assert SHUTDOWN_NOISE not in _rest(lines)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -91,9 +112,11 @@ def _ignore_sigint() -> None:
 def test_a_signal_during_start_up_stops_it_even_started_in_the_background(serve_cluster, tmp_path):
     proc = _start_serve(serve_cluster, tmp_path, "cli-early-stop", "/early", preexec_fn=_ignore_sigint)
     try:
-        _wait_for(_lines(proc), "deploying smollm2-135m-instruct", timeout_s=240)
+        lines = _lines(proc)
+        _wait_for(lines, "deploying smollm2-135m-instruct", timeout_s=240)
         proc.send_signal(signal.SIGINT)  # before the app is healthy
         assert proc.wait(timeout=120) == 0
+        assert SHUTDOWN_NOISE not in _rest(lines)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -101,3 +124,22 @@ def test_a_signal_during_start_up_stops_it_even_started_in_the_background(serve_
 
     assert "cli-early-stop" not in serve.status().applications
     assert httpx.get(f"http://127.0.0.1:{serve_cluster.http_port}/early/v1/models", timeout=30).status_code == 404
+
+
+def test_on_a_cluster_of_its_own_ctrl_c_stops_serve_and_ray_quietly(tmp_path):
+    """The ``make serve`` case: raylm serve started Ray and Serve, so Ctrl-C shuts both down, and
+    prints nothing after "stopping ..." (Ray's line about the killed controller included)."""
+    port = free_port()
+    proc = _raylm_serve(tmp_path, "alone", "/", port, "local")
+    try:
+        lines = _lines(proc)
+        _wait_for(lines, "Press Ctrl-C to stop", timeout_s=240)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+        after_stop = _rest(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert after_stop.strip() == "stopping ...", after_stop
+    with pytest.raises(httpx.ConnectError):  # Serve's proxy went with the cluster
+        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)

@@ -16,7 +16,7 @@ import torch
 
 from model import SingleSequenceGenerator, load_checkpoint, load_model
 from model.errors import UnsupportedModelError
-from model.gguf_loader import GGUFFile
+from model.gguf_file import GGUFFile
 from tests.checkpoints import build_tiny_checkpoint
 from tests.gguf_export import export_gguf
 from tests.reference import hf_greedy

@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 
 from model import DEFAULT_MODEL, load_model_info
 from router.openai_service import OpenAIService
-from router.settings import RouterSettings
-from tests.fake_worker import FakeWorker, asgi_request, chunk, ledger_problems
+from tests.fake_worker import FakeWorker, asgi_request, chunk, fake_settings, ledger_problems
 from deploy.benchmarks.hostile_requests import CHAT, CHAT_FIELDS, COMPLETION_FIELDS, COMPLETIONS, check_answer, generate
 
 
@@ -29,8 +28,7 @@ def tokenizer():
 
 
 def _service(tokenizer) -> OpenAIService:
-    settings = RouterSettings(model=DEFAULT_MODEL, served_model_name="m", max_model_len=512, api_keys_env=None,
-                              max_request_bytes=64 * 1024)
+    settings = fake_settings(max_request_bytes=64 * 1024)
     service = OpenAIService(FakeWorker([chunk("a"), chunk("b", finished=True)]), settings, tokenizer)
     service.admission.set_capacity(4)
     return service

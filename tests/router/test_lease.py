@@ -17,8 +17,7 @@ from ray.exceptions import RayActorError
 
 from model import DEFAULT_MODEL, load_model_info
 from router.openai_service import OpenAIService
-from router.settings import RouterSettings
-from tests.fake_worker import HANG, FakeWorker, chunk, ledger_problems, post_json
+from tests.fake_worker import HANG, FakeWorker, chunk, fake_settings, ledger_problems, post_json
 from workers.replica_protocol import ChoiceDelta, GenerateChunk, InvalidRequestError
 
 
@@ -29,9 +28,7 @@ def tokenizer():
 
 @pytest.fixture
 def service(tokenizer):
-    settings = RouterSettings(model=DEFAULT_MODEL, served_model_name="m", max_model_len=512, api_keys_env=None,
-                              queue_timeout_s=0.3)
-    svc = OpenAIService(FakeWorker(), settings, tokenizer)
+    svc = OpenAIService(FakeWorker(), fake_settings(queue_timeout_s=0.3), tokenizer)
     svc.admission.set_capacity(4)
     return svc
 

@@ -243,7 +243,7 @@ def test_embeddings_through_the_openai_client(client, raylm_app, offline_engine,
 def test_beam_search_through_the_api(client, raylm_app, bundled_model):
     """vLLM's use_beam_search: n beams, best first, the offline engine's beams."""
     from workers import LLM
-    from workers.beam_search import BeamSearchParams
+    from workers.sampling_params import BeamSearchParams
 
     prompt = "The capital of France is"
     reply = client.completions.create(model=raylm_app.model, prompt=prompt, n=3, max_tokens=8,

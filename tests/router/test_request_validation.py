@@ -14,7 +14,7 @@ from model import DEFAULT_MODEL, load_model_info
 from router.errors import OpenAIError
 from router.json_body import MAX_JSON_DEPTH, parse_json_body
 from router.protocol import RequestParser
-from workers.beam_search import BeamSearchParams
+from workers.sampling_params import BeamSearchParams
 from workers.structured_output import StructuredOutput
 
 MSG = [{"role": "user", "content": "Hi"}]

@@ -9,7 +9,8 @@ import pytest
 from model import SingleSequenceGenerator, load_model
 from tests.checkpoints import build_tiny_checkpoint
 from workers import LLM
-from workers.beam_search import Beam, BeamSearch, BeamSearchParams
+from workers.beam_search import Beam, BeamSearch
+from workers.sampling_params import BeamSearchParams
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,76 @@
+"""A parsed llama.cpp GGUF file: metadata, config, and tensors read on demand.
+
+Reading metadata needs no JAX (the router reads a GGUF's config and tokenizer, never its
+weights); ``model/gguf_loader.py`` turns the tensors into ``ModelParams``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import gguf
+import numpy as np
+from gguf.quants import dequantize
+
+from model.config import ModelConfig
+from model.errors import ModelLoadError, UnsupportedModelError
+from model.gguf_metadata import ROPE_TENSORS
+
+if TYPE_CHECKING:
+    from model.gguf_blocks import GgufBlocks
+
+
+class GGUFFile:
+    """A parsed GGUF file: decoded metadata fields and lazily dequantized tensors."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"GGUF file {self.path} not found")
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+        except Exception as err:  # gguf raises ValueError/struct.error/IndexError on junk
+            raise ModelLoadError(f"cannot read {self.path} as GGUF: {err}") from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.read: set[str] = set()  # names of the tensors asked for (see load_gguf_checkpoint)
+
+    @cached_property
+    def fields(self) -> dict[str, Any]:
+        """Metadata as plain Python values (strings, numbers, lists)."""
+        return {name: field.contents() for name, field in self._reader.fields.items()}
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return tuple(self._tensors)
+
+    def tensor(self, name: str, keep_blocks: bool = False) -> np.ndarray | GgufBlocks | None:
+        """The tensor in numpy (= HF ``[out, in]``) layout, or None if absent: dequantized to
+        float32, or with ``keep_blocks`` a Q4_0 / Q4_1 / Q8_0 matrix as ``GgufBlocks``."""
+        info = self._tensors.get(name)
+        if info is None:
+            return None
+        self.read.add(name)
+        shape = tuple(int(d) for d in reversed(info.shape))
+        if keep_blocks:
+            from model.gguf_blocks import GGUF_BLOCK_TYPES, from_gguf  # JAX: only weight loading gets here
+
+            if info.tensor_type in GGUF_BLOCK_TYPES and len(shape) == 2:
+                return from_gguf(info.data, info.tensor_type, shape)  # type: ignore[arg-type]
+        try:
+            array = dequantize(info.data, info.tensor_type)
+        except NotImplementedError:
+            raise UnsupportedModelError(
+                f"{self.path}: tensor {name!r} uses GGML type {info.tensor_type.name}, "
+                "which the gguf package cannot dequantize"
+            ) from None
+        return np.asarray(array, dtype=np.float32).reshape(shape)
+
+    def config(self) -> ModelConfig:
+        """ModelConfig from metadata and RoPE factor tensors; embeddings are tied when the file
+        has no output matrix."""
+        rope_tensors = {name: self.tensor(name).ravel().tolist() for name in ROPE_TENSORS if name in self._tensors}
+        config = ModelConfig.from_gguf_fields(self.fields, str(self.path), rope_tensors)
+        return dataclasses.replace(config, tie_word_embeddings="output.weight" not in self._tensors)
