@@ -18,3 +18,12 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
             tokens.append(token)
             step_input = torch.tensor([[token]])
     return tokens
+
+
+def hf_greedy_choices(model, prompt: list[int], tokens: list[int]) -> list[int]:
+    """HF's argmax after ``prompt`` and each prefix of ``tokens`` (one full forward, no cache):
+    ``tokens`` are HF's greedy tokens exactly when this returns them, at the cost of one forward
+    instead of one per token (for long generations)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].argmax(-1).tolist()

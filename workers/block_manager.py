@@ -3,13 +3,19 @@
 The pool only counts blocks; this class knows which blocks a sequence holds, which of
 them are full (and so hashable and shareable), and when a write would land in a block
 another sequence still reads (copy-on-write after a fork).
+
+Sliding-window attention: when every layer reads only the last ``window`` keys, the blocks
+a sequence's next queries can no longer reach go back to the pool and its block-table entry
+becomes the null block (released entries are always a leading run of the table: block index
+i is position ``i * block_size`` onwards in every layer, so one table serves all layers only
+because all of them slide). A model with any full-attention layer keeps every block.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from cache import BlockPool, hash_block
+from cache import NULL_BLOCK, BlockPool, hash_block
 from model.buckets import cdiv
 from workers.sequence import Sequence
 
@@ -25,10 +31,16 @@ class PrefixLookup:
 class BlockManager:
     """Allocates and frees the KV blocks of sequences; records block copies for the runner."""
 
-    def __init__(self, pool: BlockPool, cache_salt: str = ""):
+    def __init__(self, pool: BlockPool, cache_salt: str = "", window: int | None = None):
+        """``window``: keys a query reads in EVERY layer (a query at p reads p - window + 1 .. p)
+        of the model and of any draft model sharing the block tables; None when some layer
+        attends to the whole context (then no block is released before its sequence ends)."""
+        if window is not None and window < 1:
+            raise ValueError(f"an attention window must be >= 1 token, got {window}")
         self.pool = pool
         self.block_size = pool.block_size
         self.salt = cache_salt
+        self.window = window
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) device copies before next step
 
     # -- prefix cache ---------------------------------------------------------------------
@@ -107,16 +119,50 @@ class BlockManager:
         """Let ``child`` share the parent's computed prompt; it recomputes only the last prompt token."""
         upto = len(parent.prompt_ids) - 1
         shared = parent.block_ids[: cdiv(upto, self.block_size)]
-        self.pool.incref(shared)
-        child.block_ids = list(shared)
+        # Only what the child's first query (at ``upto``) can read; the parent may still hold
+        # more (it released as of its last chunk's start), and the child needs none of it.
+        skipped = min(len(shared), self._num_out_of_window(upto))
+        self.pool.incref(shared[skipped:])
+        child.block_ids = [NULL_BLOCK] * skipped + shared[skipped:]
         child.block_hashes = list(parent.block_hashes[: upto // self.block_size])
         child.num_computed_tokens = upto
         child.num_committed_blocks = upto // self.block_size
 
+    def release_out_of_window(self, seq: Sequence, first_position: int) -> None:
+        """Return the blocks that no query at ``first_position`` or later can read: with a window,
+        those whose last position is before ``first_position - window + 1``. ``first_position``
+        is the first position ``seq``'s next step computes (a draft model behind the target
+        starts earlier). Their entries become the null block; the blocks stay cached, as any
+        freed block does, until evicted. Nothing happens without a window."""
+        end = min(len(seq.block_ids), self._num_out_of_window(first_position))
+        start = end
+        while start > 0 and seq.block_ids[start - 1] != NULL_BLOCK:  # released entries lead the table
+            start -= 1
+        if start < end:
+            self.pool.free(seq.block_ids[start:end])
+            seq.block_ids[start:end] = [NULL_BLOCK] * (end - start)
+
+    def _num_out_of_window(self, first_position: int) -> int:
+        """Leading blocks of a sequence that queries at ``first_position`` and later never read:
+        block i's last position, ``(i + 1) * block_size - 1``, is before the window's first key."""
+        if self.window is None:
+            return 0
+        return max(0, (first_position - self.window + 1) // self.block_size)
+
+    def max_blocks_held(self, num_new_tokens: int) -> int | None:
+        """The most blocks one sequence holds at once when each step computes at most
+        ``num_new_tokens`` of its tokens and the window releases the rest (a step's tokens plus
+        the ``window`` keys before them, one position of draft lag included, at any alignment);
+        None without a window (a sequence then holds a block per ``block_size`` tokens)."""
+        if self.window is None:
+            return None
+        return cdiv(self.window + num_new_tokens, self.block_size) + 1
+
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks (they stay reusable as cached prefix until evicted)."""
-        if seq.block_ids:
-            self.pool.free(seq.block_ids)
+        held = [b for b in seq.block_ids if b != NULL_BLOCK]
+        if held:
+            self.pool.free(held)
         seq.block_ids = []
         seq.num_computed_tokens = seq.num_committed_blocks = 0
 

@@ -11,7 +11,7 @@ import random
 import time
 from typing import Callable, Iterable, Sequence as SequenceOf
 
-from cache import BlockPool, model_salt
+from cache import NULL_BLOCK, BlockPool, model_salt
 from cache.kv_arrays import blocks_for_budget, kv_pool_dtype
 from model import KVCache, LoadedModel, PromptTooLongError, make_mesh, parse_dtype
 from model.backend_support import check_fp8
@@ -76,7 +76,8 @@ class LLMEngine:
         )
         self.pool = BlockPool(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
         salt = model_salt(model.name, args.dtype, model.quantization or "none")
-        self.blocks = BlockManager(self.pool, cache_salt=salt)
+        self.blocks = BlockManager(self.pool, cache_salt=salt, window=_kv_window(
+            [self.config.max_window] + ([draft.config.max_window] if draft else [])))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -161,10 +162,22 @@ class LLMEngine:
         """Outputs a sequence may generate: what was asked for (else up to the context), but no
         more than one sequence can hold in the whole KV pool. Beyond that it could never get
         another block, even alone, and would wait for one forever; it ends with "length" there.
-        The last sampled token is never fed back, so it needs no K/V (hence the + 1)."""
+        The last sampled token is never fed back, so it needs no K/V (hence the + 1). With a
+        sliding window every layer reads, a sequence holds a bounded number of blocks however
+        long it grows: then only the context limits it."""
         asked = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+        held = self.blocks.max_blocks_held(self._max_step_tokens())
+        if held is not None and held <= self.pool.num_usable_blocks:
+            return asked  # its window bounds what it holds: the pool never runs out for it alone
         pool_tokens = self.pool.num_usable_blocks * self.pool.block_size
         return min(asked, pool_tokens + 1 - prompt_len)
+
+    def _max_step_tokens(self) -> int:
+        """The most tokens of one sequence a step computes: a prompt chunk (the token budget),
+        the decode steps of one call, or a speculative step's last token and guesses."""
+        spec = self.args.speculative
+        return max(self.args.max_num_batched_tokens, self.args.num_scheduler_steps,
+                   1 + (spec.num_speculative_tokens if spec else 0))
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_ids)
@@ -178,6 +191,9 @@ class LLMEngine:
                 "chunked prefill is off; enable chunked prefill or raise the budget"
             )
         blocks_needed = prompt_blocks_needed(n, self.args.block_size)
+        held = self.blocks.max_blocks_held(self._max_step_tokens())
+        if held is not None:  # a prompt longer than a chunk releases what its window left behind
+            blocks_needed = min(blocks_needed, held)
         if blocks_needed > self.pool.num_usable_blocks:
             raise PromptTooLongError(
                 f"prompt needs {blocks_needed} KV blocks but the pool holds {self.pool.num_usable_blocks}"
@@ -241,7 +257,8 @@ class LLMEngine:
             waiting=len(scheduler.waiting),
             waiting_tokens=sum(len(s.prompt_ids) + len(s.output_ids) for s in scheduler.waiting),
             work_tokens=sum(remaining_work(s) for s in (*scheduler.running, *scheduler.waiting)),
-            tokens_stored=sum(s.num_computed_tokens for s in scheduler.running),
+            tokens_stored=sum(s.num_computed_tokens - s.block_ids.count(NULL_BLOCK) * self.pool.block_size
+                              for s in scheduler.running),
             token_capacity=self.pool.num_used_blocks * self.pool.block_size,
             num_preemptions=scheduler.num_preemptions,
             requests=self.num_requests,
@@ -250,6 +267,12 @@ class LLMEngine:
             pool=self.pool.stats(),
             spec=copy.deepcopy(spec),
         )
+
+
+def _kv_window(windows: list[int | None]) -> int | None:
+    """The window of the models sharing the block tables (the model and any draft model) that
+    lets blocks go: every layer of every one of them must slide (the widest window counts)."""
+    return None if None in windows else max(windows)  # type: ignore[type-var]
 
 
 def make_engine(model: str | LoadedModel, **engine_args) -> LLMEngine:

@@ -225,6 +225,7 @@ class Scheduler:
             if seq.hidden is not None and not self.hidden_slots.acquire(seq.hidden):
                 continue  # waits for a hidden-state buffer; others go ahead
             lookup = self.blocks.reuse_cached_prefix(seq) if _reuses_cached_prefix(seq) else None
+            self._release_out_of_window(seq)  # cached blocks before its window: not needed
             want = min(seq.num_uncomputed_tokens, budget)
             if not self._may_compute(seq, want):
                 self.blocks.free(seq)
@@ -305,6 +306,14 @@ class Scheduler:
         self.blocks.commit_computed_blocks(seq)
         if seq.finished:
             self.remove(seq)
+        else:  # committed first: released blocks stay in the prefix cache
+            self._release_out_of_window(seq)
+
+    def _release_out_of_window(self, seq: Sequence) -> None:
+        """Sliding-window attention: return the blocks ``seq``'s next step cannot read. It
+        computes from its first uncomputed token on (a draft model that lags the target by
+        ``draft_lag`` tokens recomputes those first)."""
+        self.blocks.release_out_of_window(seq, seq.num_computed_tokens - seq.draft_lag)
 
 
 def _reuses_cached_prefix(seq: Sequence) -> bool:
