@@ -11,7 +11,7 @@ import random
 import time
 from typing import Callable, Iterable, Sequence as SequenceOf
 
-from cache import BlockPool, model_salt
+from cache import BlockPool
 from cache.kv_arrays import blocks_for_budget, kv_pool_dtype
 from model import KVCache, LoadedModel, PromptTooLongError, make_mesh, parse_dtype
 from model.backend_support import check_fp8
@@ -74,18 +74,9 @@ class LLMEngine:
             draft_config=draft.config if draft else None,
         )
         self.pool = BlockPool(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
-        salt = model_salt(model.name, args.dtype, model.quantization or "none")
-        self.blocks = BlockManager(self.pool, cache_salt=salt)
+        self.blocks = BlockManager(self.pool, cache_salt=args.cache_salt(model.name, model.quantization))
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_chunked_prefill=args.enable_chunked_prefill,
-                policy=args.scheduling_policy,
-                num_scheduler_steps=args.num_scheduler_steps,
-                num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-            ),
+            SchedulerConfig.from_engine_args(args),
             self.blocks,
             self.eos_ids,
             HiddenStateSlots(args.hidden_state_slots),

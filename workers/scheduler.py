@@ -22,6 +22,7 @@ import time
 from typing import Iterable, Mapping
 
 from workers.block_manager import BlockManager, PrefixLookup
+from workers.engine_args import EngineArgs
 from workers.hidden_states import HiddenStateSlots
 from workers.output_processor import append_token
 from workers.sampler import SampleResult
@@ -30,13 +31,28 @@ from workers.sequence import Sequence, SequenceStatus
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # or "priority"
-    num_scheduler_steps: int = 1  # decode steps per engine step when no prompt is being computed
+    """The scheduler's part of ``EngineArgs``, whose defaults it takes (they are declared there)."""
+
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
+    enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
+    policy: str = EngineArgs.scheduling_policy  # "fcfs" or "priority"
+    num_scheduler_steps: int = EngineArgs.num_scheduler_steps  # decode steps per engine step without prompts
     num_speculative_tokens: int = 0  # guesses per decoding sequence and step (speculative decoding)
     speculative_disable_by_batch_size: int | None = None  # more decoding sequences: no guesses
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> SchedulerConfig:
+        spec = args.speculative
+        return cls(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            policy=args.scheduling_policy,
+            num_scheduler_steps=args.num_scheduler_steps,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+        )
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
