@@ -15,9 +15,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from model import KVCache, forward
+from model import KVCache
 from model.attention import copy_blocks
-from model.forward import HiddenSink
+from model.forward import HiddenSink, forward
 from workers.sampler import SampleResult, SamplingBatch, advance, sample
 
 

@@ -88,9 +88,9 @@ class Sequence:
         max_tokens: int, priority: int, tokenizer: Tokenizer | None, matcher: Any = None,
         embedding: EmbeddingState | None = None, hidden: HiddenStateCapture | None = None,
     ) -> "Sequence":
+        detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer is not None else None
         return cls(
-            request_id, index, prompt_ids, params, seed, max_tokens, priority,
-            detokenizer=IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None,
+            request_id, index, prompt_ids, params, seed, max_tokens, priority, detokenizer=detokenizer,
             logprobs=[] if params.logprobs is not None else None,
             matcher=matcher, embedding=embedding, hidden=hidden,
         )

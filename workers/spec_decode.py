@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import KVCache, ModelConfig, ModelParams, forward
+from model import KVCache, ModelConfig, ModelParams
+from model.forward import forward
 from workers.sampler import advance, argmax, sample
 from workers.scheduler_output import ScheduledDecode, ScheduledRow
 from workers.speculative import SpeculativeConfig, propose_ngram
