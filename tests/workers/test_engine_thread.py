@@ -103,7 +103,7 @@ def test_a_cancelled_caller_is_not_answered(engine):
 
 
 def test_a_failed_step_is_a_server_error_that_frees_blocks_and_fails_health(engine, monkeypatch, caplog):
-    def broken_step(chunks, seqs, num_steps, guesses):
+    def broken_step(plan):
         raise ValueError("shape mismatch inside the model")
 
     monkeypatch.setattr(engine.llm_engine.runner, "execute", broken_step)
@@ -218,7 +218,7 @@ def test_worker_reports_a_bad_request_as_invalid_and_a_failed_step_as_not(engine
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         _run(_worker_chunks(worker, [5, 10**9], "bad"))
 
-    def broken_step(chunks, seqs, num_steps, guesses):
+    def broken_step(plan):
         raise ValueError("shape mismatch inside the model")
 
     monkeypatch.setattr(engine.llm_engine.runner, "execute", broken_step)
