@@ -1,13 +1,13 @@
 """The device KV pool's size and element type: blocks for a memory budget, the dtype a
-``kv_cache_dtype`` setting stores (``model.KVCache.create`` makes the pool itself)."""
+``kv_cache_dtype`` setting stores (``model.KVCache.abstract`` declares the pool, ``create``
+makes it)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from model import ModelConfig
-from model.quantization import QUANTIZED_DTYPES
+from model import KVCache, ModelConfig
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
 # ``kv_cache_dtype`` settings: ``auto`` (or unset) stores K/V in the model dtype; int8 / fp8
@@ -31,10 +31,7 @@ def kv_pool_dtype(kv_cache_dtype: str | None, model_dtype: jnp.dtype) -> jnp.dty
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
     """K and V of one block across all layers (an 8-bit pool's scales included)."""
-    per_token_head = config.head_dim * jnp.dtype(dtype).itemsize
-    if jnp.dtype(dtype) in QUANTIZED_DTYPES:
-        per_token_head += 4  # its float32 scale
-    return 2 * config.num_layers * block_size * config.num_kv_heads * per_token_head
+    return KVCache.abstract(config, 1, block_size, dtype).nbytes
 
 
 def blocks_for_budget(

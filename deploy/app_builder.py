@@ -13,7 +13,6 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from cache import model_salt
 from deploy.config import DeployConfig, load_deploy_config, parse_deploy_config
 from router.app import OpenAIRouter
 from router.auth import parse_api_keys
@@ -95,7 +94,7 @@ def router_settings(config: DeployConfig) -> RouterSettings:
         tokens_per_minute=router.rate_limits.tokens_per_minute,
         block_size=engine_args.block_size,
         tool_call_parser=config.model.tool_call_parser,
-        cache_salt=model_salt(config.model.name, engine_args.dtype, config.model.quantization),
+        cache_salt=engine_args.cache_salt(config.model.name),
     )
 
 

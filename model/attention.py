@@ -12,16 +12,18 @@ K/V are quantized when written and dequantized when read.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from model import kv_write
 from model.config import AttentionSpec, ModelConfig
 from model.quantization import QUANTIZED_DTYPES, QuantArray, quantize
-from model.sharding import kv_pool_sharding
+from model.sharding import TP_AXIS, rules_for, spec_for
 
 # Finite stand-in for -inf so fully masked (padding) rows give a defined softmax, not NaN.
 _MASKED = -1e30
@@ -35,9 +37,43 @@ def pool_dtype(pool: Pool) -> jnp.dtype:
     return jnp.dtype(pool.q.dtype if isinstance(pool, QuantArray) else pool.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class KVPoolInfo:
+    """The KV pool declared once (as jax-llm-examples' ``KVCache.abstract``): allocation
+    (``KVCache.create``), sharding (``shardings``) and sizing (``cache.kv_arrays``) read it.
+
+    Each of K and V is ``shape`` of ``dtype`` with a logical name per dim (``axes``, mapped
+    onto the mesh by model.sharding's rules); an 8-bit ``dtype`` keeps a float32 scale per
+    (token, kv head) beside its values: ``shape[:4]`` over ``axes[:4]``."""
+
+    shape: tuple[int, int, int, int, int]  # [layers, num_blocks, block_size, kv_heads, head_dim]
+    dtype: jnp.dtype
+    axes: tuple[str, ...] = ("layers", "blocks", "block_slot", "kv_heads", "head_dim")
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in QUANTIZED_DTYPES
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        return self.shape[:4]
+
+    @property
+    def nbytes(self) -> int:
+        """K and V together, an 8-bit pool's scales included."""
+        scales = math.prod(self.scale_shape) * 4 if self.quantized else 0
+        return 2 * (math.prod(self.shape) * self.dtype.itemsize + scales)
+
+    def shardings(self, config: ModelConfig, mesh: Mesh) -> NamedSharding | QuantArray:
+        """How one of K / V lies on ``mesh`` (a QuantArray of the values' and scales' for an 8-bit pool)."""
+        rules = rules_for(config, mesh.shape[TP_AXIS])
+        values = NamedSharding(mesh, spec_for(self.axes, rules))
+        return QuantArray(values, NamedSharding(mesh, spec_for(self.axes[:4], rules))) if self.quantized else values
+
+
 class KVCache(NamedTuple):
     """The paged KV pool of all layers: ``k``/``v`` are ``[L, num_blocks, block_size, KVH, Dh]``
-    arrays, or QuantArrays of that shape for an 8-bit pool."""
+    arrays, or QuantArrays of that shape for an 8-bit pool (``KVPoolInfo``)."""
 
     k: Pool
     v: Pool
@@ -51,27 +87,26 @@ class KVCache(NamedTuple):
         """The stored element type (int8 / float8_e4m3fn for a quantized pool)."""
         return pool_dtype(self.k)
 
+    @staticmethod
+    def abstract(config: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVPoolInfo:
+        """The pool ``create`` makes, described: ``num_blocks`` (block 0 included, reserved as
+        the null block) of ``block_size`` tokens for every layer and KV head of ``config``."""
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        return KVPoolInfo(shape, jnp.dtype(dtype))
+
     @classmethod
     def create(
         cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, mesh: Mesh | None = None
     ) -> KVCache:
-        """The one constructor of a pool: zeroed, ``num_blocks`` (block 0 included, reserved as
-        the null block) of ``block_size`` tokens for every layer and KV head of ``config``; on
-        ``mesh``, KV heads split by model.sharding's rules (a quantized pool's scales drop the
-        head-dim entry); without one, on the default device. ``dtype`` int8 or float8_e4m3fn
-        makes a quantized pool (a float32 scale per token and KV head)."""
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        sharding = kv_pool_sharding(config, mesh) if mesh is not None else None
-        if jnp.dtype(dtype) not in QUANTIZED_DTYPES:
-            make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-            return cls(make(), make())
-        scale_sharding = None
-        if isinstance(sharding, NamedSharding):
-            scale_sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[:4]))
-        make = jax.jit(
-            lambda: QuantArray(jnp.zeros(shape, dtype), jnp.ones(shape[:4], jnp.float32)),
-            out_shardings=QuantArray(sharding, scale_sharding) if sharding is not None else None,
-        )
+        """The one constructor of a pool: ``abstract``'s, zeroed (scales one), on ``mesh`` by
+        its shardings, or without one on the default device."""
+        info = cls.abstract(config, num_blocks, block_size, dtype)
+
+        def zeros() -> Pool:
+            values = jnp.zeros(info.shape, info.dtype)
+            return QuantArray(values, jnp.ones(info.scale_shape, jnp.float32)) if info.quantized else values
+
+        make = jax.jit(zeros, out_shardings=info.shardings(config, mesh) if mesh is not None else None)
         return cls(make(), make())
 
 

@@ -1,4 +1,7 @@
-"""Paged decode attention through a C++ CPU kernel (``jax.ffi``), with the jnp path as fallback.
+"""Paged attention of one query per row through a C++ CPU kernel (``jax.ffi``), with the jnp
+path as fallback. A row is a decode token, or one token of a prompt chunk packed one token per
+row (the runner's packed prefill): each row sees its own context, so "decode" in the names
+means one query per row, not decode steps only.
 
 XLA's CPU backend runs ``model.attention.paged_attention`` by gathering each row's whole
 bucketed block-table width, copying it to a dot-friendly layout and softmaxing over the
@@ -53,7 +56,8 @@ def paged_decode_attention(
     context_lens: jax.Array,
     spec: AttentionSpec | None = None,
 ) -> jax.Array:
-    """One decode query per row ``q [B, H, Dh]`` over its paged keys, by the C++ kernel.
+    """One query per row ``q [B, H, Dh]`` (a decode token or a packed prompt token) over its
+    paged keys, by the C++ kernel.
 
     ``k_pool``/``v_pool`` are ``[L, num_blocks, block_size, KVH, Dh]`` (float32 or bfloat16,
     or QuantArrays of 8-bit values with per (token, kv head) scales; read in place at

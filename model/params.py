@@ -111,7 +111,6 @@ LAYER_AXES: dict[str, tuple[str, ...]] = {name: info.logical_axes for name, info
 MODEL_AXES: dict[str, tuple[str, ...]] = {name: info.logical_axes for name, info in MODEL_INFO.items()}
 LAYER_MATRIX_INPUT_DIMS: dict[str, int] = {n: i.input_dims for n, i in LAYER_INFO.items() if i.input_dims}
 MODEL_MATRIX_INPUT_DIMS: dict[str, int] = {n: i.input_dims for n, i in MODEL_INFO.items() if i.input_dims}
-KV_POOL_AXES: tuple[str, ...] = ("layers", "blocks", "block_slot", "kv_heads", "head_dim")
 
 
 def shape_mismatches(params: ModelParams, config: ModelConfig) -> list[str]:

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model.config import ModelConfig
 from model.errors import UnsupportedModelError
-from model.params import KV_POOL_AXES, LAYER_AXES, MODEL_AXES, LayerParams, ModelParams
+from model.params import LAYER_AXES, MODEL_AXES, LayerParams, ModelParams
 from model.gguf_blocks import GgufBlocks
 from model.quantization import QuantArray
 
@@ -119,8 +119,3 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
 def shard_params(params: ModelParams, config: ModelConfig, mesh: Mesh) -> ModelParams:
     """Place every parameter on ``mesh`` according to the rules table."""
     return jax.device_put(params, param_shardings(params, config, mesh))
-
-
-def kv_pool_sharding(config: ModelConfig, mesh: Mesh) -> NamedSharding:
-    """Sharding of a ``[layers, blocks, block_size, kv_heads, head_dim]`` KV array."""
-    return NamedSharding(mesh, spec_for(KV_POOL_AXES, rules_for(config, mesh.shape[TP_AXIS])))

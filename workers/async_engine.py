@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 from model import LoadedModel
 from workers.beam_search import BeamSearch
 from workers.engine import LLMEngine, make_engine
+from workers.engine_stats import EngineStats
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.replica_protocol import InvalidRequestError
 from workers.sampling_params import BeamSearchParams, SamplingParams
@@ -127,8 +128,8 @@ Command = Add | Abort | AbortAll | RunInEngine | Shutdown
 class AsyncEngine:
     """``async for out in engine.generate(prompt, params, request_id)`` streams deltas."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, llm_engine: LLMEngine):
+        self.llm_engine = llm_engine
         self._commands: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # orders ``_closed`` against queueing a command
@@ -152,7 +153,7 @@ class AsyncEngine:
         try:
             while self._running:
                 self._run_commands()
-                if self._running and self.engine.has_unfinished_requests():
+                if self._running and self.llm_engine.has_unfinished_requests():
                     self._step()
         except BaseException as err:  # a bug in the loop itself: say so, and fail every caller below
             logger.exception("the engine thread died")
@@ -164,7 +165,7 @@ class AsyncEngine:
     def _run_commands(self) -> None:
         """Run the queued commands; with nothing to step, wait for one first."""
         try:
-            if not self.engine.has_unfinished_requests():
+            if not self.llm_engine.has_unfinished_requests():
                 self._dispatch(self._commands.get(timeout=IDLE_WAIT_S))
             while self._running:
                 self._dispatch(self._commands.get_nowait())
@@ -189,33 +190,33 @@ class AsyncEngine:
         match command:
             case Add(request_id, prompt, params, priority, _, embed):
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority, embed=embed)
+                    self.llm_engine.add_request(request_id, prompt, params, priority, embed=embed)
                 except ValueError as err:  # the request itself is bad: a client error, unlike a step's
                     raise InvalidRequestError(str(err)) from err
             case Abort(request_id):
-                final = self.engine.abort(request_id)
+                final = self.llm_engine.abort(request_id)
                 if final is not None:
                     self._deliver(request_id, final)
             case AbortAll():
-                request_ids = list(self.engine.requests)
+                request_ids = list(self.llm_engine.requests)
                 for request_id in request_ids:
-                    self._deliver(request_id, self.engine.abort(request_id))
+                    self._deliver(request_id, self.llm_engine.abort(request_id))
                 return len(request_ids)
             case RunInEngine(fn):
-                return fn(self.engine)
+                return fn(self.llm_engine)
             case Shutdown():
                 self._running = False
-                for request_id in list(self.engine.requests):
-                    self.engine.abort(request_id)
+                for request_id in list(self.llm_engine.requests):
+                    self.llm_engine.abort(request_id)
         return None
 
     def _step(self) -> None:
         self.step_started = started = time.monotonic()
         try:
-            outputs = self.engine.step()
+            outputs = self.llm_engine.step()
         except Exception as err:  # a broken step must fail its requests, not hang them
             self.error = err
-            logger.exception("an engine step failed; failing its %d request(s)", len(self.engine.requests))
+            logger.exception("an engine step failed; failing its %d request(s)", len(self.llm_engine.requests))
             self._fail_requests(err)
             return
         finally:
@@ -223,13 +224,13 @@ class AsyncEngine:
         self.last_step_time = time.monotonic()
         for out in outputs:
             self._deliver(out.request_id, out)
-        self._observe_step(self.engine.last_step_tokens, self.last_step_time - started)
+        self._observe_step(self.llm_engine.last_step_tokens, self.last_step_time - started)
 
     def _fail_requests(self, cause: Exception) -> None:
         """After a failed step: free every request's blocks and end its stream with the error."""
-        for request_id in list(self.engine.requests):
+        for request_id in list(self.llm_engine.requests):
             try:
-                self.engine.abort(request_id)
+                self.llm_engine.abort(request_id)
             except Exception:
                 logger.exception("freeing request %r after the failed step failed too", request_id)
             error = EngineStepError(f"an engine step failed: {cause!r}")
@@ -297,7 +298,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.structured_output is not None:  # compile off the engine thread (cached per grammar)
             try:
-                await asyncio.to_thread(self.engine.grammars.prepare, params.structured_output)
+                await asyncio.to_thread(self.llm_engine.grammars.prepare, params.structured_output)
             except GrammarError as err:
                 raise InvalidRequestError(str(err)) from None
         outputs: asyncio.Queue = asyncio.Queue()
@@ -325,7 +326,7 @@ class AsyncEngine:
                           request_id: str) -> list[CompletionOutput]:
         """The ``beam_width`` best continuations by beam search (``workers/beam_search.py``):
         each step, every live beam runs as a one-token request; cancelling aborts them all."""
-        search = BeamSearch(params, self.engine.eos_ids)
+        search = BeamSearch(params, self.llm_engine.eos_ids)
         step_params = params.step_params()
         ids = itertools.count()
 
@@ -337,7 +338,7 @@ class AsyncEngine:
 
         while not search.done:
             search.advance(await asyncio.gather(*(candidates(beam.tokens) for beam in search.live)))
-        return search.outputs(self.engine.tokenizer)
+        return search.outputs(self.llm_engine.tokenizer)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request from outside its stream: its blocks are freed and its stream ends
@@ -352,7 +353,8 @@ class AsyncEngine:
         self._submit(AbortAll(reply))
         return await reply.future
 
-    async def stats(self) -> dict:
+    async def stats(self) -> EngineStats:
+        """The engine's counters, read on the engine thread between steps."""
         return await self.run_in_engine(lambda engine: engine.stats())
 
     async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:

@@ -94,9 +94,9 @@ class LLMWorker:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.metrics = WorkerMetrics(served_model_name or model, replica)
         self.engine.step_observer = lambda tokens, seconds: self.metrics.observe("raylm_iteration_tokens_total", tokens)
-        self._reporter = EngineStatsReporter(self.metrics, self.engine.engine.args.block_size)
+        self._reporter = EngineStatsReporter(self.metrics, self.engine.llm_engine.args.block_size)
         self._metrics_task = asyncio.get_running_loop().create_task(self._report_metrics(metrics_period_s))
-        logger.info("raylm worker ready: %s, %d KV blocks", model, self.engine.engine.pool.num_usable_blocks)
+        logger.info("raylm worker ready: %s, %d KV blocks", model, self.engine.llm_engine.pool.num_usable_blocks)
 
     async def _report_metrics(self, period_s: float) -> None:
         while True:
@@ -168,7 +168,7 @@ class LLMWorker:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom metrics for the LLM autoscaling policy (``cluster.autoscaling``)."""
         stats = await self.engine.stats()
-        slots = self.engine.engine.args.max_num_seqs
+        slots = self.engine.llm_engine.args.max_num_seqs
         return {
             "batch_utilization": min(1.0, (stats.running + stats.waiting) / slots),
             "kv_usage": stats.pool.usage,

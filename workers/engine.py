@@ -11,7 +11,7 @@ import random
 import time
 from typing import Callable, Iterable, Sequence as SequenceOf
 
-from cache import NULL_BLOCK, BlockPool, model_salt
+from cache import NULL_BLOCK, BlockPool
 from cache.kv_arrays import blocks_for_budget, kv_pool_dtype
 from model import KVCache, LoadedModel, PromptTooLongError, make_mesh, parse_dtype
 from model.backend_support import check_fp8
@@ -23,11 +23,12 @@ from workers.draft_loader import load_draft
 from workers.embedding import EmbeddingState
 from workers.engine_stats import EngineStats, remaining_work
 from workers.hidden_states import HiddenStateSlots, check_capture
-from workers.output_processor import request_output
+from workers.output_processor import stream_request_output
 from workers.outputs import RequestOutput
 from workers.progress import StderrProgress
 from workers.request_state import RequestState
-from workers.runner import DraftModel, ModelRunner
+from workers.runner import ModelRunner
+from workers.spec_decode import DraftModel
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence
@@ -75,19 +76,12 @@ class LLMEngine:
             draft_config=draft.config if draft else None,
         )
         self.pool = BlockPool(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
-        salt = model_salt(model.name, args.dtype, model.quantization or "none")
-        self.blocks = BlockManager(self.pool, cache_salt=salt, window=_kv_window(
-            [self.config.max_window] + ([draft.config.max_window] if draft else [])))
+        self.blocks = BlockManager(
+            self.pool, cache_salt=args.cache_salt(model.name, model.quantization),
+            window=_kv_window([self.config.max_window] + ([draft.config.max_window] if draft else [])),
+        )
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_chunked_prefill=args.enable_chunked_prefill,
-                policy=args.scheduling_policy,
-                num_scheduler_steps=args.num_scheduler_steps,
-                num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-            ),
+            SchedulerConfig.from_engine_args(args),
             self.blocks,
             self.eos_ids,
             HiddenStateSlots(args.hidden_state_slots),
@@ -130,32 +124,30 @@ class LLMEngine:
         self._check_prompt(prompt_ids, params)
         max_tokens = self._max_tokens(len(prompt_ids), params)
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
+        if embed and (params.n != 1 or params.structured_output is not None):
+            raise ValueError("an embedding request takes one sequence and no structured output")
+        if params.logits_processors and (embed or self.args.speculative is not None):
+            raise ValueError("logits_processors do not combine with speculative decoding or embeddings")
+        hidden = None
+        if params.return_hidden_states is not None:
+            if params.n != 1 or embed:
+                raise ValueError("return_hidden_states takes one sequence (n = 1) and no embedding")
+            hidden = check_capture(
+                params.return_hidden_states, self.config.num_layers, len(prompt_ids), max_tokens,
+                params.hidden_states_include_prompt, self.args.hidden_state_slots, self.args.hidden_state_max_tokens,
+            )
         seqs = [
             Sequence.create(
                 request_id, i, prompt_ids, params, (base_seed + i * 1_000_003) % 2**32, max_tokens, priority,
                 self.tokenizer,
+                # each sequence follows the grammar on its own
+                matcher=self.grammars.matcher(params.structured_output) if params.structured_output else None,
+                embedding=EmbeddingState(self.args.embedding_pooling) if embed else None, hidden=hidden,
             )
             for i in range(params.n)
         ]
-        if embed:
-            if params.n != 1 or params.structured_output is not None:
-                raise ValueError("an embedding request takes one sequence and no structured output")
-            seqs[0].embedding = EmbeddingState(self.args.embedding_pooling)
-        if params.logits_processors and (embed or self.args.speculative is not None):
-            raise ValueError("logits_processors do not combine with speculative decoding or embeddings")
-        if params.return_hidden_states is not None:
-            if params.n != 1 or embed:
-                raise ValueError("return_hidden_states takes one sequence (n = 1) and no embedding")
-            seqs[0].hidden = check_capture(
-                params.return_hidden_states, self.config.num_layers, len(prompt_ids), max_tokens,
-                params.hidden_states_include_prompt, self.args.hidden_state_slots, self.args.hidden_state_max_tokens,
-            )
-        if params.structured_output is not None:  # each sequence follows the grammar on its own
-            for seq in seqs:
-                seq.matcher = self.grammars.matcher(params.structured_output)
-        seqs[0].forks = seqs[1:]
         self.requests[request_id] = RequestState(request_id, text, prompt_ids, seqs, time.monotonic())
-        self.scheduler.add(seqs[0])
+        self.scheduler.add(seqs[0], forks=seqs[1:])
         self.num_requests += 1
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
@@ -206,9 +198,8 @@ class LLMEngine:
             return None
         for seq in state.seqs:
             if not seq.finished:
-                seq.finish_reason = "abort"
-                self.scheduler.remove(seq)
-        return request_output(state, final=True)
+                self.scheduler.abort(seq)
+        return stream_request_output(state, final=True)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -222,36 +213,33 @@ class LLMEngine:
             return []
         self.last_step_tokens = plan.num_tokens
         scheduled_at = time.monotonic()
-        self.runner.copy_blocks(plan.block_copies)
-        samples = self.runner.execute(plan.prefills, plan.decodes, plan.num_decode_steps, plan.guesses)
-        progressed = self.scheduler.update_from_output(plan, samples, scheduled_at)
+        output = self.runner.execute(plan)
+        progressed = self.scheduler.update_from_output(plan, output, scheduled_at)
         for seq in progressed:  # finished captures: read before the next step reuses their slot
             if seq.finished and seq.hidden is not None:
-                seq.hidden.result = self.runner.read_hidden_states(seq.hidden, seq.num_tokens)
+                self.requests[seq.request_id].hidden_states = self.runner.read_hidden_states(seq.hidden, seq.num_tokens)
 
         outputs = []
         for state in {seq.request_id: self.requests[seq.request_id] for seq in progressed}.values():
-            outputs.append(request_output(state, final=state.finished))
+            outputs.append(stream_request_output(state, final=state.finished))
             if state.finished:
                 del self.requests[state.request_id]
-        outputs += self._abort_failed_processors()
+        outputs += self._abort_failed_processors(output.processor_failures)
         return outputs
 
-    def _abort_failed_processors(self) -> list[RequestOutput]:
+    def _abort_failed_processors(self, failed: dict[int, str]) -> list[RequestOutput]:
         """Requests whose logits processor failed this step end now ("abort"; it was logged)."""
-        failed = self.runner.processor_failures
         if not failed:
             return []
         ended = [self.abort(state.request_id) for state in list(self.requests.values())
                  if any(seq.seq_id in failed for seq in state.seqs)]
-        failed.clear()
         return [out for out in ended if out is not None]
 
     # -- introspection -----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Queue, pool and token counters: what metrics, routing, autoscaling and status read."""
         scheduler = self.scheduler
-        spec = self.runner.spec_stats if self.args.speculative is not None else None
+        spec = scheduler.spec_stats if self.args.speculative is not None else None
         return EngineStats(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from cache import model_salt
 from cache.kv_arrays import kv_pool_dtype
 from model.loader import keep_gguf_blocks
 from model.quantization import parse_quantization
@@ -54,6 +55,13 @@ class EngineArgs:
     def keep_gguf_blocks(self) -> bool:
         """Whether this replica loads a GGUF's block matrices as stored."""
         return keep_gguf_blocks(self.gguf_blocks, self.dtype, self.tensor_parallel_size)
+
+    def cache_salt(self, model_name: str, loaded_quantization: str | None = None) -> str:
+        """The salt of the served model's block hashes, derived here only: the replica's
+        prefix cache and the router's prefix hashing must agree on it. ``loaded_quantization``:
+        the model's own, for an engine given a model already quantized (quantization None)."""
+        quantization = self.quantization if self.quantization is not None else loaded_quantization
+        return model_salt(model_name, self.dtype, quantization or "none")
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """The context a replica serves: ``max_model_len`` capped by the model's positions."""

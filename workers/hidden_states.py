@@ -22,17 +22,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence as SequenceOf
 
-import numpy as np
-
 
 @dataclasses.dataclass
 class HiddenStateCapture:
-    """One sequence's hidden-state request and, once it finished, its result."""
+    """One sequence's hidden-state request (its result goes to ``RequestState.hidden_states``)."""
 
     layers: tuple[int, ...]
     start: int  # the first position captured
     slot: int | None = None  # the buffers' slot, from admission on
-    result: np.ndarray | None = None  # float32 [len(layers), positions, D], once finished
 
     @property
     def includes_prompt(self) -> bool:

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from workers.sequence import Sequence
+
+
+@dataclasses.dataclass
+class StreamCursor:
+    """How much of one sequence's output the request's stream has delivered."""
+
+    chars: int = 0  # of its text; the rest is held back while it could start a stop string
+    tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -14,6 +24,12 @@ class RequestState:
     prompt_ids: list[int]
     seqs: list[Sequence]
     arrival_time: float
+    cursors: list[StreamCursor] = dataclasses.field(default_factory=list)  # one per sequence
+    # Hidden-state extraction (n = 1): float32 [layers, positions, D], read once it finished.
+    hidden_states: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.cursors = self.cursors or [StreamCursor() for _ in self.seqs]
 
     @property
     def finished(self) -> bool:

@@ -10,76 +10,60 @@ out, the lowest-priority, latest-arrived running sequence is preempted: its bloc
 freed and it later recomputes everything it had (its full blocks are likely still in the
 prefix cache).
 
-The scheduler owns sequence state: ``schedule`` plans a step and ``update_from_output`` applies
-its results (computed tokens, sampled tokens, forks, prefix-cache commits, removal of finished
-sequences), so the engine only moves plans and samples between it and the model runner.
+The scheduler owns sequence state: ``schedule`` plans a step as plain data (a
+``SchedulerOutput``: no sequence reaches the runner) and ``update_from_output`` applies the
+runner's ``RunnerOutput`` (computed tokens, sampled tokens, pooled embeddings, draft state,
+forks, prefix-cache commits, removal of finished sequences). It is the only writer of a
+sequence after its creation, so the engine only moves plans and outputs between it and the
+model runner.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable, Mapping
+from typing import Iterable
 
 from workers.block_manager import BlockManager, PrefixLookup
+from workers.engine_args import EngineArgs
 from workers.hidden_states import HiddenStateSlots
-from workers.output_processor import append_token
+from workers.runner_output import RunnerOutput
 from workers.sampler import SampleResult
+from workers.scheduler_output import ScheduledChunk, ScheduledDecode, ScheduledRow, SchedulerOutput
 from workers.sequence import Sequence, SequenceStatus
+from workers.speculative import SpecDecodeStats
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # or "priority"
-    num_scheduler_steps: int = 1  # decode steps per engine step when no prompt is being computed
+    """The scheduler's part of ``EngineArgs``, whose defaults it takes (they are declared there)."""
+
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
+    enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
+    policy: str = EngineArgs.scheduling_policy  # "fcfs" or "priority"
+    num_scheduler_steps: int = EngineArgs.num_scheduler_steps  # decode steps per engine step without prompts
     num_speculative_tokens: int = 0  # guesses per decoding sequence and step (speculative decoding)
     speculative_disable_by_batch_size: int | None = None  # more decoding sequences: no guesses
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> SchedulerConfig:
+        spec = args.speculative
+        return cls(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            policy=args.scheduling_policy,
+            num_scheduler_steps=args.num_scheduler_steps,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+        )
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.num_scheduler_steps < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and num_scheduler_steps must be >= 1")
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledChunk:
-    """Prompt tokens ``[start, start + num_tokens)`` of ``seq`` to compute this step, fixed when
-    the step is planned (the sequence itself changes once the step's results are applied)."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    samples: bool  # the chunk reaches the last known token, so its logits give the next token
-
-    @classmethod
-    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
-        start = seq.num_computed_tokens
-        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    prefills: list[ScheduledChunk]
-    decodes: list[Sequence]
-    num_decode_steps: int
-    block_copies: list[tuple[int, int]]
-    # Speculative decoding: guesses each decoding sequence (by seq_id) may carry this step; its
-    # blocks are grown (copy-on-write included) for them. Absent: none.
-    guesses: dict[int, int] = dataclasses.field(default_factory=dict)
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefills and not self.decodes
-
-    @property
-    def num_tokens(self) -> int:
-        """Positions the step computes: prompt chunks, decode steps and the guesses a verify scores."""
-        return (sum(c.num_tokens for c in self.prefills) + len(self.decodes) * self.num_decode_steps
-                + sum(self.guesses.values()))
 
 
 class Scheduler:
@@ -97,14 +81,22 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompt (and recomputed) tokens computed, lifetime
         self.num_generated_tokens = 0  # tokens sampled, lifetime
+        self.spec_stats = SpecDecodeStats()  # speculative guesses scored and accepted, lifetime
 
     @property
     def _by_priority(self) -> bool:
         return self.config.policy == "priority"
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, forks: Iterable[Sequence] = ()) -> None:
+        """Queue ``seq``; ``forks`` (a request's other n - 1 sequences) join after its first token."""
         seq.status = SequenceStatus.WAITING
+        seq.forks = list(forks)
         self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """End ``seq`` now (``finish_reason`` "abort") and free its blocks."""
+        seq.finish_reason = "abort"
+        self.remove(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks at once."""
@@ -171,7 +163,7 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         prefills: list[ScheduledChunk] = []
-        decodes: list[Sequence] = []
+        decodes: list[ScheduledDecode] = []
         preempted: list[Sequence] = []
         if self._by_priority:
             self._make_room_for_higher_priority(preempted)
@@ -180,7 +172,6 @@ class Scheduler:
         constrained = any(s.host_before_each_token for s in self.running)
         steps = 1 if any_prefill or constrained else cfg.num_scheduler_steps
         lookahead = self._lookahead()
-        guesses: dict[int, int] = {}
 
         # 1. Running sequences, most important first; preempt from the back when blocks run out.
         self.running.sort(key=lambda s: s.order_key(self._by_priority))
@@ -206,13 +197,11 @@ class Scheduler:
                 continue
             self.blocks.grow(seq, want)
             if seq.runs_as_chunk:
-                prefills.append(ScheduledChunk.of(seq, want))
+                prefills.append(_chunk(seq, want))
                 budget -= want
             else:
-                decodes.append(seq)
+                decodes.append(_decode(seq, want - 1 if lookahead and want > 1 else 0))
                 budget -= 1
-                if lookahead and want > 1:
-                    guesses[seq.seq_id] = want - 1
 
         # 2. Admit waiting sequences in policy order while slots, budget and blocks allow.
         self.waiting.sort(key=lambda s: s.order_key(self._by_priority))
@@ -239,9 +228,9 @@ class Scheduler:
             admitted.append(seq)
             budget -= want
             if want > 1 or seq.runs_as_chunk:
-                prefills.append(ScheduledChunk.of(seq, want))
+                prefills.append(_chunk(seq, want))
             else:
-                decodes.append(seq)
+                decodes.append(_decode(seq, 0))
         for seq in admitted:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
@@ -249,7 +238,7 @@ class Scheduler:
 
         if prefills:
             steps = 1
-        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), guesses)
+        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies())
 
     def _lookahead(self) -> int:
         """Guesses per decoding sequence this step: none above the batch size where verifying
@@ -260,37 +249,46 @@ class Scheduler:
         return k
 
     # -- applying a step's results ------------------------------------------------------------------
-    def update_from_output(
-        self, plan: SchedulerOutput, samples: Mapping[int, Iterable[SampleResult]], scheduled_at: float
-    ) -> list[Sequence]:
-        """Apply the results of ``plan``'s step: computed tokens advance, sampled tokens are
-        appended (stop conditions checked), a request's n > 1 forks start after its first token,
-        computed full blocks enter the prefix cache and finished sequences leave (their blocks
-        freed). ``samples`` maps seq_id to its samples in order. Returns the sequences that
-        made progress."""
+    def update_from_output(self, plan: SchedulerOutput, output: RunnerOutput, scheduled_at: float) -> list[Sequence]:
+        """Apply the results of ``plan``'s step: computed tokens advance, embedding chunks fold
+        in their pooled hidden states, the draft model's lag and the speculative counters are
+        updated, sampled tokens are appended (stop conditions checked), a request's n > 1
+        forks start after its first token, computed full blocks enter the prefix cache and
+        finished sequences leave (their blocks freed). Returns the sequences that made progress."""
+        by_id = {seq.seq_id: seq for seq in self.running}
         progressed = []
         for chunk in plan.prefills:
-            seq = chunk.seq
+            seq = by_id[chunk.row.seq_id]
             seq.num_computed_tokens += chunk.num_tokens
             self.num_prompt_tokens += chunk.num_tokens
             seq.first_scheduled_time = seq.first_scheduled_time or scheduled_at
-            if seq.embedding is not None and chunk.samples:  # the runner pooled it: done, nothing sampled
+            pooled = output.pooled.get(seq.seq_id)
+            if pooled is not None:
+                seq.embedding.add_chunk(chunk.start, chunk.num_tokens, pooled.sums, pooled.last, chunk.samples)
+            if seq.embedding is not None and chunk.samples:  # its prompt is pooled: done, nothing sampled
                 seq.finish_reason = "stop"
-            self._append_samples(seq, samples.get(seq.seq_id, ()))
+            self._advance(seq, output)
             progressed.append(seq)
-        for seq in plan.decodes:
+        for decode in plan.decodes:
+            seq = by_id[decode.row.seq_id]
             seq.num_computed_tokens += 1  # the fed-back last token; further steps count below
             seq.first_scheduled_time = seq.first_scheduled_time or scheduled_at
-            self._append_samples(seq, samples.get(seq.seq_id, ()))  # none: its logits processor failed
+            self._advance(seq, output)  # no samples: its logits processor failed
             progressed.append(seq)
+        for scored, accepted in output.accepted.values():
+            self.spec_stats.record(scored, accepted)
         return progressed
+
+    def _advance(self, seq: Sequence, output: RunnerOutput) -> None:
+        seq.draft_lag = output.draft_lags.get(seq.seq_id, seq.draft_lag)
+        self._append_samples(seq, output.samples.get(seq.seq_id, ()))
 
     def _append_samples(self, seq: Sequence, results: Iterable[SampleResult]) -> None:
         """Apply sampled tokens (all but the first feed back one computed token each)."""
         for i, result in enumerate(results):
             if i > 0:
                 seq.num_computed_tokens += 1
-            append_token(seq, result, self.eos_ids)
+            seq.append_token(result, self.eos_ids)
             self.num_generated_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
@@ -314,6 +312,29 @@ class Scheduler:
         computes from its first uncomputed token on (a draft model that lags the target by
         ``draft_lag`` tokens recomputes those first)."""
         self.blocks.release_out_of_window(seq, seq.num_computed_tokens - seq.draft_lag)
+
+
+def _row(seq: Sequence) -> ScheduledRow:
+    """What the runner needs of ``seq`` this step (its blocks as grown for the step)."""
+    hidden = seq.hidden
+    return ScheduledRow(
+        seq.seq_id, seq.request_id, tuple(seq.block_ids), seq.params, seq.seed, seq.prompt_ids, seq.output_ids,
+        seq.matcher, hidden.slot if hidden is not None else None, hidden.start if hidden is not None else 0,
+    )
+
+
+def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
+    """``seq``'s next ``num_tokens`` uncomputed tokens as a prompt chunk."""
+    start = seq.num_computed_tokens
+    return ScheduledChunk(_row(seq), start, tuple(seq.all_ids[start : start + num_tokens]),
+                          start + num_tokens == seq.num_tokens, seq.embedding is not None)
+
+
+def _decode(seq: Sequence, guesses: int) -> ScheduledDecode:
+    """``seq``'s last known token fed back (with the tokens its draft model is behind by)."""
+    last = seq.num_tokens - 1
+    window = tuple(seq.token_at(i) for i in range(last - seq.draft_lag, last + 1))
+    return ScheduledDecode(_row(seq), last, window, guesses)
 
 
 def _reuses_cached_prefix(seq: Sequence) -> bool:

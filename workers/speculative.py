@@ -2,7 +2,8 @@
 
 A proposer guesses the next ``k`` tokens of a sequence; the target model scores the last
 token and the ``k`` guesses in one call and keeps the longest prefix of guesses that equals
-what it samples itself (see ``workers.runner._spec_decode_program``). Both proposers here
+what it samples itself (``workers/spec_decode.py`` runs the step, and keeps a draft model's
+pool in step with the target's: the sequence's ``draft_lag``). Both proposers here
 are deterministic (the draft model proposes its argmax), so a guess is a one-hot proposal
 distribution ``q``: Leviathan et al.'s rule then accepts ``d`` with probability ``p(d)`` and,
 on rejection, samples from ``p`` with ``d`` removed. Sampling the target's own token ``t ~ p``

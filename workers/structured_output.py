@@ -3,7 +3,8 @@ object, a regular expression, one of a list of choices, or a Lark / GBNF grammar
 
 llguidance (a well-kept Rust engine with numpy bindings, no torch or transformers) compiles
 the grammar against the model's tokenizer and, before every sampled token, fills the row's
-bitmask of allowed tokens; the batched sampler masks the logits with it (workers/sampler.py),
+bitmask of allowed tokens (workers/structured_output_masks.py); the batched sampler masks the
+logits with it (workers/sampler.py),
 so constrained and free rows share a batch. After each sampled token the sequence's matcher
 consumes it (workers/output_processor.py); once the grammar cannot be extended the sequence
 finishes with ``stop``.
@@ -19,11 +20,7 @@ import collections
 import dataclasses
 import json
 import threading
-from typing import TYPE_CHECKING, Any, Literal, Sequence
-
-import numpy as np
-
-from model.buckets import cdiv
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import llguidance
@@ -151,35 +148,3 @@ def _grammar(output: StructuredOutput) -> str:
 def _problem(output: StructuredOutput, error: str) -> str:
     """One line (HTTP errors show one), bounded: llguidance's messages quote the grammar."""
     return f"the {output.kind.replace('_', ' ')} cannot be used: {' '.join(error.split())}"[:600]
-
-
-def fill_bitmask(matcher: llguidance.LLMatcher, mask: np.ndarray, row: int) -> None:
-    """Write the tokens ``matcher`` allows next into ``mask[row]`` (int32 words)."""
-    import llguidance.numpy
-
-    llguidance.numpy.fill_next_token_bitmask(matcher, mask, row)
-
-
-def accepted_prefix(matcher: llguidance.LLMatcher, tokens: Sequence[int]) -> int:
-    """How many of ``tokens`` the grammar takes in a row from its current state: speculative
-    guesses past the first it refuses are dropped before the target verifies them."""
-    return matcher.validate_tokens(list(tokens)) if len(tokens) else 0
-
-
-def fill_bitmasks_along(matcher: llguidance.LLMatcher, tokens: Sequence[int], masks: np.ndarray, row: int) -> None:
-    """``masks[j][row]``: the tokens allowed after ``tokens[:j]``, for ``j`` up to
-    ``len(tokens)`` (which the grammar must accept, see ``accepted_prefix``). The matcher
-    advances through them and rolls back, so it is left as it was."""
-    fill_bitmask(matcher, masks[0], row)
-    for j, token in enumerate(tokens, 1):
-        if not matcher.consume_token(int(token)):
-            raise AssertionError(f"the grammar refused guess {token}, which it had accepted: {matcher.get_error()}")
-        fill_bitmask(matcher, masks[j], row)
-    if len(tokens):
-        matcher.rollback(len(tokens))
-
-
-def allow_all(rows: int, vocab_size: int) -> np.ndarray:
-    """A bitmask that allows every token (the rows of unconstrained sequences): int32 words,
-    token ``t`` is bit ``t % 32`` of word ``t // 32``."""
-    return np.full((rows, cdiv(vocab_size, 32)), -1, np.int32)

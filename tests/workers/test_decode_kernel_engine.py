@@ -72,7 +72,7 @@ def test_kernel_programs_use_one_block_table_width(tiny):
     runner = llm.engine.runner
     assert runner.cpu_kernels
     shapes = runner.warmup_shapes(1)
-    assert {dims[1] for kind, dims in shapes if kind == "decode"} == {runner.max_width}
+    assert {dims[1] for kind, dims in shapes if kind == "decode"} == {runner.buckets.max_width}
     # Prompt chunks are packed one token per row: one program per token bucket, no width.
     assert {kind for kind, _ in shapes} == {"packed", "decode", "copy"}
     assert [dims for kind, dims in shapes if kind == "packed"] == [(16,), (32,), (64,), (128,), (256,), (512,)]
@@ -85,7 +85,7 @@ def test_packed_prefill_groups_fill_calls_within_the_budget(tiny):
 
     def plan(*sizes: int) -> list[tuple[list[int], int]]:
         chunks = [SimpleNamespace(num_tokens=n) for n in sizes]
-        return [([c.num_tokens for c in group], n) for group, n in runner._packed_groups(chunks)]
+        return [([c.num_tokens for c in group], n) for group, n in runner.buckets.packed_groups(chunks)]
 
     assert plan(10) == [([10], 16)]
     assert plan(5, 7) == [([5, 7], 32)]  # 12 tokens, but a 16-token call holds one chunk

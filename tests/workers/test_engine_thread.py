@@ -73,7 +73,7 @@ def test_a_failing_command_fails_its_caller_only(engine, monkeypatch):
         raise KeyError(request_id)
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine.engine, "abort", broken_abort)
+        patch.setattr(engine.llm_engine, "abort", broken_abort)
         with pytest.raises(KeyError, match="ghost"):
             _run(engine.abort("ghost"))
     with pytest.raises(ZeroDivisionError):
@@ -103,10 +103,10 @@ def test_a_cancelled_caller_is_not_answered(engine):
 
 
 def test_a_failed_step_is_a_server_error_that_frees_blocks_and_fails_health(engine, monkeypatch, caplog):
-    def broken_step(chunks, seqs, num_steps, guesses):
+    def broken_step(plan):
         raise ValueError("shape mismatch inside the model")
 
-    monkeypatch.setattr(engine.engine.runner, "execute", broken_step)
+    monkeypatch.setattr(engine.llm_engine.runner, "execute", broken_step)
 
     async def main():
         release = threading.Event()
@@ -147,7 +147,7 @@ def test_shutdown_ends_open_streams_and_refuses_later_commands(engine):
             await _collect(engine, [5, 6], SHORT, "late")
 
     _run(main())
-    assert engine.engine.pool.num_used_blocks == 0 and not engine.engine.requests
+    assert engine.llm_engine.pool.num_used_blocks == 0 and not engine.llm_engine.requests
     with pytest.raises(RuntimeError, match="not running"):
         engine.check_health(stuck_after_s=60)
 
@@ -177,7 +177,7 @@ def test_a_dead_engine_thread_fails_its_callers_and_the_health_check(engine, mon
     async def main():
         stream = engine.generate(list(range(3, 30)), LONG, "long")
         await stream.__anext__()
-        monkeypatch.setattr(engine.engine, "has_unfinished_requests", broken)
+        monkeypatch.setattr(engine.llm_engine, "has_unfinished_requests", broken)
         with pytest.raises(EngineShutdownError, match="engine thread died"):
             async for _ in stream:
                 pass
@@ -218,10 +218,10 @@ def test_worker_reports_a_bad_request_as_invalid_and_a_failed_step_as_not(engine
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         _run(_worker_chunks(worker, [5, 10**9], "bad"))
 
-    def broken_step(chunks, seqs, num_steps, guesses):
+    def broken_step(plan):
         raise ValueError("shape mismatch inside the model")
 
-    monkeypatch.setattr(engine.engine.runner, "execute", broken_step)
+    monkeypatch.setattr(engine.llm_engine.runner, "execute", broken_step)
     with pytest.raises(Exception) as caught:
         _run(_worker_chunks(worker, [5, 6, 7], "good"))
     assert not isinstance(caught.value, InvalidRequestError)  # the router answers 500, not 400

@@ -14,6 +14,7 @@ import pytest
 
 from cache import BlockPool
 from workers.block_manager import BlockManager
+from workers.runner_output import RunnerOutput
 from workers.sampler import SampleResult
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -24,6 +25,7 @@ TOKEN = 7  # every sampled token (only how many there are matters here)
 SAMPLE = SampleResult(TOKEN, 0.0, [], [])
 _arrival = itertools.count()
 _prompt_base = itertools.count(1000, 1000)
+_made: dict[int, Sequence] = {}  # every sequence a test made, by id (plans name sequences by id)
 
 
 def _scheduler(usable_blocks: int = 32, prefix_caching: bool = True, **config) -> Scheduler:
@@ -41,6 +43,7 @@ def _seq(prompt: int | list[int], max_tokens: int = 32, priority: int = 0) -> Se
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     seq = Sequence.create(f"r{arrival}", 0, prompt, params, 0, max_tokens, priority, None)
     seq.arrival_time = float(arrival)
+    _made[seq.seq_id] = seq
     return seq
 
 
@@ -50,7 +53,11 @@ def _add(scheduler: Scheduler, *seqs: Sequence) -> None:
 
 
 def _chunks(plan: SchedulerOutput) -> list[tuple[Sequence, int]]:
-    return [(chunk.seq, chunk.num_tokens) for chunk in plan.prefills]
+    return [(_made[chunk.row.seq_id], chunk.num_tokens) for chunk in plan.prefills]
+
+
+def _decoded(plan: SchedulerOutput) -> list[Sequence]:
+    return [_made[decode.row.seq_id] for decode in plan.decodes]
 
 
 def _apply(scheduler: Scheduler, plan: SchedulerOutput) -> None:
@@ -58,9 +65,9 @@ def _apply(scheduler: Scheduler, plan: SchedulerOutput) -> None:
     chunk reaching its sequence's last known token samples one token, a decode samples
     ``num_decode_steps``. Speculative guesses are all rejected here: a decode with guesses
     still yields one token."""
-    samples = {chunk.seq.seq_id: [SAMPLE] for chunk in plan.prefills if chunk.samples}
-    samples.update({seq.seq_id: [SAMPLE] * plan.num_decode_steps for seq in plan.decodes})
-    scheduler.update_from_output(plan, samples, scheduled_at=0.0)
+    samples = {chunk.row.seq_id: [SAMPLE] for chunk in plan.prefills if chunk.samples}
+    samples.update({decode.row.seq_id: [SAMPLE] * plan.num_decode_steps for decode in plan.decodes})
+    scheduler.update_from_output(plan, RunnerOutput(samples), scheduled_at=0.0)
 
 
 def _step(scheduler: Scheduler) -> SchedulerOutput:
@@ -81,20 +88,20 @@ def test_decodes_are_scheduled_before_prompt_chunks():
     b = _seq(40)
     _add(scheduler, b)
     plan = _step(scheduler)
-    assert plan.decodes == [a]
+    assert _decoded(plan) == [a]
     assert _chunks(plan) == [(b, 15)]  # the budget of 16 less a's decode token
 
     c = _seq(3)
     _add(scheduler, c)
     plan = _step(scheduler)
-    assert plan.decodes == [a]  # b's remaining 25 tokens would fill the budget
+    assert _decoded(plan) == [a]  # b's remaining 25 tokens would fill the budget
     assert _chunks(plan) == [(b, 15)]  # the running prompt goes on before a new one starts
     assert scheduler.waiting == [c]
 
     plan = _step(scheduler)
-    assert plan.decodes == [a]
+    assert _decoded(plan) == [a]
     assert _chunks(plan) == [(b, 10), (c, 3)]
-    assert _step(scheduler).decodes == [a, b, c]
+    assert _decoded(_step(scheduler)) == [a, b, c]
 
 
 def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
@@ -104,7 +111,7 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
     chunks, blocks, outputs = [], [], []
     for _ in range(3):
         plan = _step(scheduler)
-        assert plan.decodes == []
+        assert _decoded(plan) == []
         chunks += [n for _, n in _chunks(plan)]
         blocks.append(len(seq.block_ids))
         outputs.append(len(seq.output_ids))
@@ -112,7 +119,7 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
     assert blocks == [4, 8, 10]  # blocks for the tokens computed so far, 4 per block
     assert outputs == [0, 0, 1]  # only the chunk reaching the prompt's end samples
     assert seq.num_computed_tokens == 40
-    assert _step(scheduler).decodes == [seq]
+    assert _decoded(_step(scheduler)) == [seq]
 
 
 def test_without_chunked_prefill_a_prompt_is_computed_whole_or_waits():
@@ -142,7 +149,7 @@ def test_max_num_seqs_caps_admission():
     assert scheduler.waiting == [s2]
 
     plan = _step(scheduler)  # budget and blocks to spare, but no slot
-    assert plan.decodes == [s0, s1] and plan.prefills == []
+    assert _decoded(plan) == [s0, s1] and plan.prefills == []
     assert scheduler.waiting == [s2]
     assert s0.finished and s1.finished and scheduler.running == []
 
@@ -157,10 +164,10 @@ def test_when_blocks_run_out_the_latest_arrival_is_preempted_and_its_blocks_free
     _add(scheduler, first, second)
     assert _chunks(_step(scheduler)) == [(first, 7), (second, 7)]
     assert pool.num_free_blocks == 0
-    assert _step(scheduler).decodes == [first, second]  # position 7 still fits each one's 2nd block
+    assert _decoded(_step(scheduler)) == [first, second]  # position 7 still fits each one's 2nd block
 
     plan = scheduler.schedule()  # position 8 needs a 3rd block each; none is free
-    assert plan.decodes == [first] and plan.prefills == []
+    assert _decoded(plan) == [first] and plan.prefills == []
     assert second.status is SequenceStatus.WAITING
     assert scheduler.running == [first] and scheduler.waiting == [second]
     assert (second.block_ids, second.num_computed_tokens) == ([], 0)
@@ -184,7 +191,7 @@ def test_the_victim_is_the_lowest_priority_then_the_latest_arrival(policy):
     _step(scheduler)
     plan = scheduler.schedule()
     victim, survivor = (high, low) if policy == "fcfs" else (low, high)
-    assert plan.decodes == [survivor]
+    assert _decoded(plan) == [survivor]
     assert scheduler.waiting == [victim] and victim.status is SequenceStatus.WAITING
     assert (victim.num_preemptions, survivor.num_preemptions) == (1, 0)
 
@@ -199,12 +206,12 @@ def test_priority_policy_evicts_a_lower_priority_running_sequence_for_a_waiting_
     _add(scheduler, high)
     plan = scheduler.schedule()
     if policy == "priority":
-        assert _chunks(plan) == [(high, 5)] and plan.decodes == []
+        assert _chunks(plan) == [(high, 5)] and _decoded(plan) == []
         assert scheduler.running == [high] and scheduler.waiting == [low]
         assert low.status is SequenceStatus.WAITING and low.block_ids == []
         assert (low.num_preemptions, scheduler.num_preemptions) == (1, 1)
     else:
-        assert plan.decodes == [low] and plan.prefills == []
+        assert _decoded(plan) == [low] and plan.prefills == []
         assert scheduler.running == [low] and scheduler.waiting == [high]
         assert scheduler.num_preemptions == 0
 
@@ -223,13 +230,13 @@ def test_a_sequence_preempted_this_step_is_not_readmitted_in_the_same_step():
 
     victim = _seq(shared[:4] + [50], priority=1)
     _add(scheduler, victim)
-    assert _step(scheduler).decodes == [victim]  # 4 cached tokens, 1 to compute: a decode
+    assert _decoded(_step(scheduler)) == [victim]  # 4 cached tokens, 1 to compute: a decode
     assert pool.num_free_blocks == 2
 
     urgent = _seq(shared[:8] + [60, 61], priority=0)  # 3 blocks without its hits: not free
     _add(scheduler, urgent)
     plan = scheduler.schedule()
-    assert _chunks(plan) == [(urgent, 2)] and plan.decodes == []  # 8 of its tokens were cached
+    assert _chunks(plan) == [(urgent, 2)] and _decoded(plan) == []  # 8 of its tokens were cached
     assert victim.status is SequenceStatus.WAITING and victim.num_preemptions == 1
     assert scheduler.waiting == [victim] and scheduler.running == [urgent]
     assert victim.block_ids == []
@@ -237,7 +244,7 @@ def test_a_sequence_preempted_this_step_is_not_readmitted_in_the_same_step():
     _apply(scheduler, plan)
 
     plan = _step(scheduler)
-    assert plan.decodes == [urgent]
+    assert _decoded(plan) == [urgent]
     assert _chunks(plan) == [(victim, 2)]  # readmitted next step, its first block a cache hit
     assert pool.num_free_blocks == 0 and scheduler.num_preemptions == 1
 
@@ -250,7 +257,7 @@ def test_speculative_lookahead_grows_blocks_for_the_guesses(k, guesses, blocks):
     _add(scheduler, seq)
     assert _step(scheduler).guesses == {}  # a prompt chunk carries no guesses
     plan = scheduler.schedule()
-    assert plan.decodes == [seq]
+    assert _decoded(plan) == [seq]
     assert plan.guesses == ({seq.seq_id: guesses} if guesses else {})
     # the fed-back token at position 3 and the guesses after it, 4 positions per block
     assert len(seq.block_ids) == blocks
@@ -263,10 +270,10 @@ def test_speculation_is_off_above_disable_by_batch_size():
     _step(scheduler)
     for _ in range(2):  # two sequences decoding: above the limit of 1
         plan = _step(scheduler)
-        assert plan.decodes == [short, long] and plan.guesses == {}
+        assert _decoded(plan) == [short, long] and plan.guesses == {}
     assert short.finished
     plan = scheduler.schedule()  # one left: at the limit, guesses again
-    assert plan.decodes == [long] and plan.guesses == {long.seq_id: 2}
+    assert _decoded(plan) == [long] and plan.guesses == {long.seq_id: 2}
 
 
 def test_multi_step_decoding_only_when_no_prompt_is_computed():
@@ -276,7 +283,7 @@ def test_multi_step_decoding_only_when_no_prompt_is_computed():
     assert _step(scheduler).num_decode_steps == 1  # a's prompt
 
     plan = scheduler.schedule()
-    assert plan.decodes == [a] and plan.num_decode_steps == 4
+    assert _decoded(plan) == [a] and plan.num_decode_steps == 4
     assert len(a.block_ids) == 2  # grown for positions 3..6
     _apply(scheduler, plan)
     assert (len(a.output_ids), a.num_computed_tokens) == (5, 7)
@@ -287,11 +294,11 @@ def test_multi_step_decoding_only_when_no_prompt_is_computed():
     # (positions 7, 8, 9), not four.
     for chunk, blocks in [(15, 2), (15, 3), (6, 3)]:
         plan = scheduler.schedule()
-        assert plan.decodes == [a] and _chunks(plan) == [(b, chunk)] and plan.num_decode_steps == 1
+        assert _decoded(plan) == [a] and _chunks(plan) == [(b, chunk)] and plan.num_decode_steps == 1
         assert len(a.block_ids) == blocks
         _apply(scheduler, plan)
     plan = scheduler.schedule()
-    assert plan.decodes == [a, b] and plan.num_decode_steps == 4
+    assert _decoded(plan) == [a, b] and plan.num_decode_steps == 4
 
 
 def test_a_sequence_waiting_for_a_slot_keeps_decoding_to_one_step():
@@ -302,7 +309,7 @@ def test_a_sequence_waiting_for_a_slot_keeps_decoding_to_one_step():
     _step(scheduler)
     _add(scheduler, b)
     plan = scheduler.schedule()
-    assert plan.decodes == [a] and plan.prefills == [] and plan.num_decode_steps == 1
+    assert _decoded(plan) == [a] and plan.prefills == [] and plan.num_decode_steps == 1
     assert len(a.block_ids) == 1 and scheduler.waiting == [b]
 
 
@@ -313,12 +320,12 @@ def test_update_from_output_forks_after_the_first_token_and_frees_what_finishes(
     scheduler = _scheduler(usable_blocks=8)
     parent = _seq(6, max_tokens=2)
     child = Sequence.create(parent.request_id, 1, parent.prompt_ids, parent.params, 1, 2, 0, None)
-    parent.forks = [child]
-    _add(scheduler, parent)
+    _made[child.seq_id] = child
+    scheduler.add(parent, forks=[child])
 
     plan = scheduler.schedule()
     assert _chunks(plan) == [(parent, 6)] and plan.prefills[0].samples
-    assert scheduler.update_from_output(plan, {parent.seq_id: [SAMPLE]}, scheduled_at=5.0) == [parent]
+    assert scheduler.update_from_output(plan, RunnerOutput({parent.seq_id: [SAMPLE]}), scheduled_at=5.0) == [parent]
     assert parent.output_ids == [TOKEN] and parent.num_computed_tokens == 6 and parent.first_scheduled_time == 5.0
     assert scheduler.waiting == [child] and child.num_computed_tokens == 5  # the shared prompt minus its last token
     assert child.block_ids == parent.block_ids[:2]  # the child shares the blocks holding prompt tokens 0..4
@@ -344,8 +351,8 @@ def test_update_from_output_stops_at_eos_within_a_multi_step_run():
     _add(scheduler, seq)
     _step(scheduler)  # the prompt, and its first token
     plan = scheduler.schedule()
-    assert plan.decodes == [seq] and plan.num_decode_steps == 4
+    assert _decoded(plan) == [seq] and plan.num_decode_steps == 4
     eos = SampleResult(2, 0.0, [], [])
-    scheduler.update_from_output(plan, {seq.seq_id: [SAMPLE, eos, SAMPLE, SAMPLE]}, scheduled_at=0.0)
+    scheduler.update_from_output(plan, RunnerOutput({seq.seq_id: [SAMPLE, eos, SAMPLE, SAMPLE]}), scheduled_at=0.0)
     assert seq.output_ids == [TOKEN, TOKEN, 2] and seq.finish_reason == "stop"
     assert scheduler.running == [] and scheduler.blocks.pool.num_free_blocks == 8

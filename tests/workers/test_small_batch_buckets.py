@@ -18,13 +18,13 @@ from workers import LLM, SamplingParams
 def decode_rows(monkeypatch):
     """Row counts (bucketed batch sizes) of every decode program the runner calls."""
     rows: list[int] = []
-    program = runner_module._decode_program
+    program = runner_module.decode_program
 
     def spy(params, kv, tokens, *args, **kwargs):
         rows.append(int(tokens.shape[0]))
         return program(params, kv, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(runner_module, "_decode_program", spy)
+    monkeypatch.setattr(runner_module, "decode_program", spy)
     return rows
 
 

@@ -15,8 +15,9 @@ import pytest
 from workers import LLM, AsyncEngine, SamplingParams
 from workers.replica_protocol import InvalidRequestError
 from workers.sampler import build_sampling_batch, sample
-from workers.structured_output import (
-    GrammarCompiler, GrammarError, StructuredOutput, accepted_prefix, allow_all, fill_bitmask, fill_bitmasks_along,
+from workers.structured_output import GrammarCompiler, GrammarError, StructuredOutput
+from workers.structured_output_masks import (
+    accepted_prefix, allow_all, fill_bitmask, fill_bitmasks_along,
 )
 
 SCHEMA = {

@@ -1,0 +1,136 @@
+"""The compiled programs of a replica: prompt chunks, (multi-step) decode, block copies, and the
+small helpers around them. Speculative decoding's programs are in ``workers/spec_decode.py``.
+
+Each program is one XLA program per (bucket, variant): static arguments pick the variant
+(sampling flags, a draft model, hidden-state capture, returned logits), array shapes the
+bucket (``workers/batch_inputs.py``). Sampling runs inside the same program as the forward
+pass, so only token ids (and requested logprobs) come back to the host. The pools (and the
+hidden-state buffers) are donated: updated in place, returned, and kept by the runner.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from model import KVCache
+from model.attention import copy_blocks
+from model.forward import HiddenSink, forward
+from workers.sampler import SampleResult, SamplingBatch, advance, sample
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties", "num_pool_segments", "return_logits"),
+    donate_argnames=("kv", "draft_kv", "hidden_buffers"),
+)
+def prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block_tables, context_lens, sbatch,
+                     pool_segments=None, hidden_buffers=None, hidden_where=None, *, config, draft_config,
+                     num_logprobs, with_penalties, num_pool_segments=0, return_logits=False):
+    """Prompt chunks a row each (``tokens [B, S]``), attention by the jnp path (see
+    ``packed_prefill_program`` for the kernel's). A draft model (``draft_config``) computes
+    the same chunks into its own pool, so it can propose from the prompt on. With
+    ``pool_segments`` it also returns the chunks' pooled hidden states (embeddings); with
+    ``hidden_buffers`` (donated) and ``hidden_where`` (each token's slot and index, see
+    ``model.forward.HiddenSink``) it writes their hidden states there and returns the buffers
+    last (else None). With ``return_logits`` the sampled logits come last too (logits
+    processors run on them on the host; ``workers/logits_processors.py``)."""
+    hidden = _sink(hidden_buffers, hidden_where)
+    logits, kv, pooled, hidden = _forward_extras(forward(
+        params, config, tokens, positions, kv, block_tables, context_lens, pool_segments=pool_segments,
+        num_pool_segments=num_pool_segments, hidden_sink=hidden), pool_segments, hidden)
+    if draft_config is not None:
+        _, draft_kv = forward(draft_params, draft_config, tokens, positions, draft_kv, block_tables, context_lens)
+    return (sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled,
+            hidden, logits if return_logits else None)
+
+
+def _sink(buffers: jax.Array | None, where: tuple | None) -> HiddenSink | None:
+    return None if buffers is None else HiddenSink(buffers, *where)
+
+
+def _forward_extras(out: tuple, pool_segments, hidden) -> tuple:
+    """``forward``'s result as (logits, kv, pooled or None, hidden buffers or None)."""
+    logits, kv, *extras = out
+    pooled = extras.pop(0) if pool_segments is not None else None
+    return logits, kv, pooled, extras.pop(0) if hidden is not None else None
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties", "num_pool_segments", "return_logits"),
+    donate_argnames=("kv", "draft_kv", "hidden_buffers"),
+)
+def packed_prefill_program(params, kv, draft_params, draft_kv, tokens, positions, token_rows, block_tables,
+                            last_tokens, sbatch, pool_segments=None, hidden_buffers=None, hidden_where=None, *,
+                            config, draft_config, num_logprobs, with_penalties, num_pool_segments=0,
+                            return_logits=False):
+    """Prompt chunks packed one token per row (``tokens [T]``, padding at position -1), attention
+    by the paged kernel; ``token_rows [T]`` picks each token's chunk in ``block_tables [R, P]``
+    and ``last_tokens [R]`` each chunk's last token, whose logits are sampled. A draft model
+    computes the same tokens into its own pool. ``hidden_*`` and ``return_logits`` as in
+    ``prefill_program``, one slot and index per token (``[T, 1]``)."""
+    hidden = _sink(hidden_buffers, hidden_where)
+    context_lens = jnp.where(positions >= 0, positions + 1, 0)
+    tables = block_tables[token_rows]
+    logits, kv, pooled, hidden = _forward_extras(forward(
+        params, config, tokens[:, None], positions[:, None], kv, tables, context_lens, cpu_kernels=True,
+        logits_rows=last_tokens, pool_segments=None if pool_segments is None else pool_segments[:, None],
+        num_pool_segments=num_pool_segments, hidden_sink=hidden), pool_segments, hidden)
+    if draft_config is not None:
+        _, draft_kv = forward(draft_params, draft_config, tokens[:, None], positions[:, None], draft_kv, tables,
+                              context_lens, cpu_kernels=True, logits_rows=last_tokens[:1])
+    return (sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled,
+            hidden, logits if return_logits else None)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "num_steps", "num_logprobs", "with_penalties", "cpu_kernels", "return_logits"),
+    donate_argnames=("kv", "hidden_buffers"),
+)
+def decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, hidden_buffers=None,
+                    hidden_where=None, *, config, num_steps, num_logprobs, with_penalties, cpu_kernels,
+                    return_logits=False):
+    """``num_steps`` decode steps with sampling in one call; rows stop writing at ``limits``.
+    With ``hidden_*`` as in ``prefill_program`` (``[B, 1]``: each row's slot and its index
+    at the first step) every step writes its rows' hidden states there, without leaving the
+    device; the buffers are returned next (else None), then with ``return_logits`` every
+    step's logits ``[num_steps, B, V]`` (else None)."""
+    hidden = _sink(hidden_buffers, hidden_where)
+
+    def step(carry, _):
+        kv, tokens, positions, sbatch, hidden = carry
+        context_lens = jnp.where(positions < limits, positions + 1, 0)
+        logits, kv, _, buffers = _forward_extras(forward(
+            params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens,
+            cpu_kernels=cpu_kernels, hidden_sink=hidden), None, hidden)
+        if hidden is not None:
+            hidden = hidden._replace(buffers=buffers, index=hidden.index + 1)
+        result = sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties)
+        carry = (kv, result.tokens, positions + 1, advance(sbatch, result.tokens), hidden)
+        return carry, (result, logits if return_logits else None)
+
+    (kv, *_, hidden), (results, logits) = jax.lax.scan(
+        step, (kv, tokens, positions, sbatch, hidden), None, length=num_steps)
+    return results, kv, None if hidden is None else hidden.buffers, logits
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "with_penalties"))
+def resample(logits: jax.Array, sbatch: SamplingBatch, *, num_logprobs: int, with_penalties: bool) -> SampleResult:
+    """``sample`` again, on logits the host's logits processors rewrote."""
+    return sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties)
+
+
+@jax.jit
+def read_hidden(buffers: jax.Array, slot: jax.Array, layers: jax.Array) -> jax.Array:
+    """``buffers[slot, layers]``: one program per number of layers, whichever slot."""
+    return buffers[slot][layers]
+
+
+@functools.partial(jax.jit, static_argnames=("cpu_kernels",), donate_argnames=("kv",))
+def copy_blocks_program(kv: KVCache, src: jax.Array, dst: jax.Array, *, cpu_kernels: bool) -> KVCache:
+    """Copy blocks ``src`` to ``dst`` in every layer (``model.attention.copy_blocks``)."""
+    return KVCache(copy_blocks(kv.k, src, dst, cpu_kernels), copy_blocks(kv.v, src, dst, cpu_kernels))
