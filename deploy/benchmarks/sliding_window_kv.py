@@ -11,9 +11,8 @@ frees its blocks), with the peak over the run and the bound the engine admits by
 
     python -m deploy.benchmarks.sliding_window_kv [--new-tokens 4096] [--window 1024] [--seqs 1]
 
-Speed is printed for completeness only: the windowed run's decode attention still takes the
-jnp path over the whole block table (null entries included) until the C++ decode kernel reads
-windows; the numbers this script is for are the block counts.
+Output tokens/s is printed beside them as a sanity check only (one run each, no alternating
+rounds); the numbers this script is for are the block counts.
 """
 
 from __future__ import annotations
