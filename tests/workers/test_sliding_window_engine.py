@@ -105,7 +105,7 @@ def test_forks_and_a_windowed_draft_model_share_the_released_tables(checkpoints)
     outputs, used = _run(llm, prompts[1:], params)
     assert all(a == b for a, b in outputs)
     _assert_hf_greedy(hf_model, prompts[1:], [a for a, _ in outputs], new_tokens)
-    spec = llm.engine.runner.spec_stats
+    spec = llm.engine.stats().spec
     assert spec.num_accepted_tokens == spec.num_draft_tokens > 0
     held_in_spec = math.ceil((WINDOW + 1 + 3) / BLOCK) + 1
     assert max(used[-new_tokens // 8:]) <= 2 * len(prompts[1:]) * held_in_spec
