@@ -2,7 +2,7 @@
 family changes (q/k norms, sandwich norms, GeGLU, embedding scale, soft-caps, per-layer windows
 and RoPE) from ``ModelConfig``.
 
-It is not jitted here: the engine's programs (``workers/runner.py``) and the reference loop
+It is not jitted here: the engine's programs (``workers/programs.py``) and the reference loop
 (``model/generate.py``) each jit it with what they add (bucketing and sampling, or nothing).
 
 Variable sizes travel as data: each row ``b`` holds tokens at ``positions[b]``; a token is
