@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from model import gguf_metadata
 from model.errors import ModelLoadError, UnsupportedModelError
 from model.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
-from model.rope_config import RopeScaling, parse_rope_scaling
+from model.rope_config import RopeScaling, optional_float, parse_rope_scaling
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = tuple(HF_FAMILIES)
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_FAMILIES)
@@ -153,8 +153,8 @@ class ModelConfig:
                 activation=_activation(act, source),
                 embed_scale=math.sqrt(hidden) if family.gemma else None,
                 query_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if family.gemma else None,
-                attn_softcap=_optional_float(raw.get("attn_logit_softcapping")),
-                final_softcap=_optional_float(raw.get("final_logit_softcapping")),
+                attn_softcap=optional_float(raw.get("attn_logit_softcapping")),
+                final_softcap=optional_float(raw.get("final_logit_softcapping")),
                 layer_windows=_layer_windows(raw, family, layers, source),
                 local_rope_theta=_local_rope_theta(local_rope, source),
             )
@@ -317,10 +317,6 @@ def _activation(name: str, source: str) -> str:
             f"MLP activation {name!r} in {source}: raylm supports {', '.join(ACTIVATIONS)}"
         )
     return ACTIVATIONS[name]
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

@@ -21,7 +21,6 @@ class Family:
     # scaled by ``query_pre_attn_scalar``, GeGLU by default.
     gemma: bool = False
     default_act: str = "silu"
-    gguf_name: str = "llama"
     # Sliding window from config.json's ``sliding_window`` on every layer (Mistral, Phi-3);
     # otherwise only the layers ``layer_types`` marks sliding.
     window_on_all_layers: bool = False
@@ -33,13 +32,11 @@ class Family:
 HF_FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(),
     "MistralForCausalLM": Family(window_on_all_layers=True),
-    "Qwen2ForCausalLM": Family(attention_bias=True, gguf_name="qwen2"),
-    "Qwen3ForCausalLM": Family(qk_norm=True, gguf_name="qwen3"),
-    "Gemma2ForCausalLM": Family(gemma=True, default_act="gelu_pytorch_tanh", gguf_name="gemma2", sliding_pattern=2),
-    "Gemma3ForCausalLM": Family(
-        qk_norm=True, gemma=True, default_act="gelu_pytorch_tanh", gguf_name="gemma3", sliding_pattern=6
-    ),
-    "Phi3ForCausalLM": Family(window_on_all_layers=True, gguf_name="phi3"),
+    "Qwen2ForCausalLM": Family(attention_bias=True),
+    "Qwen3ForCausalLM": Family(qk_norm=True),
+    "Gemma2ForCausalLM": Family(gemma=True, default_act="gelu_pytorch_tanh", sliding_pattern=2),
+    "Gemma3ForCausalLM": Family(qk_norm=True, gemma=True, default_act="gelu_pytorch_tanh", sliding_pattern=6),
+    "Phi3ForCausalLM": Family(window_on_all_layers=True),
 }
 # llama.cpp's architecture names -> the HF family they hold (Mistral converts to "llama").
 GGUF_FAMILIES: dict[str, str] = {

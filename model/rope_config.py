@@ -74,9 +74,9 @@ def parse_rope_scaling(
         beta_fast=float(raw.get("beta_fast") or 32.0),
         beta_slow=float(raw.get("beta_slow") or 1.0),
         truncate=bool(raw.get("truncate", True)),
-        mscale=_optional_float(raw.get("mscale")),
-        mscale_all_dim=_optional_float(raw.get("mscale_all_dim")),
-        attention_factor=_optional_float(raw.get("attention_factor")),
+        mscale=optional_float(raw.get("mscale")),
+        mscale_all_dim=optional_float(raw.get("mscale_all_dim")),
+        attention_factor=optional_float(raw.get("attention_factor")),
         short_factor=tuple(float(f) for f in raw.get("short_factor") or ()),
         long_factor=tuple(float(f) for f in raw.get("long_factor") or ()),
     )
@@ -85,5 +85,6 @@ def parse_rope_scaling(
     return scaling
 
 
-def _optional_float(value: Any) -> float | None:
+def optional_float(value: Any) -> float | None:
+    """``value`` as a float, keeping None (config keys that may be null)."""
     return None if value is None else float(value)
