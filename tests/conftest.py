@@ -21,6 +21,21 @@ if os.environ.get("CI"):
 from model import DEFAULT_MODEL, LoadedModel, load_model, resolve_model_path  # noqa: E402
 
 
+# Tests that start or use a Ray cluster: under pytest-xdist they all run on one worker (one
+# session cluster, and two clusters never compete for the two cores' processes).
+RAY_FIXTURES = frozenset({"serve_cluster", "raylm_app"})
+RAY_PATHS = ("tests/cluster/", "tests/deploy/test_serve_command.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group tests for ``pytest -n N --dist loadgroup`` (``make test``): every module stays on one
+    worker, so its module-scoped models and HF references are built once, and every Ray test
+    joins one group. Without xdist the marks do nothing."""
+    for item in items:
+        uses_ray = RAY_FIXTURES.intersection(item.fixturenames) or item.nodeid.startswith(RAY_PATHS)
+        item.add_marker(pytest.mark.xdist_group("ray" if uses_ray else item.nodeid.split("::")[0]))
+
+
 @pytest.fixture
 def unbuilt_kernels(monkeypatch, tmp_path):
     """The package as installed without a compiler: no C++ kernel libraries to load."""
