@@ -213,6 +213,10 @@ def test_tool_calls_through_the_openai_client(client, raylm_app):
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
     answer = client.chat.completions.create(**{**kwargs, "messages": history}, tool_choice="none").choices[0]
     assert answer.message.content and not answer.message.tool_calls
+    # A tool result must answer a call of the assistant message before it (OpenAI's rule).
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**{**kwargs, "messages": [*history[:2], {**history[2], "tool_call_id": "call_9"}]})
+    assert err.value.body["param"] == "messages[2].tool_call_id" and "'call_9'" in err.value.message
 
 
 def test_embeddings_through_the_openai_client(client, raylm_app, offline_engine, bundled_model):
