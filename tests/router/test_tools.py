@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from model import DEFAULT_MODEL, load_model_info
 from router.errors import OpenAIError
 from router.protocol import RequestParser
 from router.responses import ResponseBuilder
@@ -24,11 +23,6 @@ ADD = {"type": "function", "function": {
     "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                                   "required": ["a", "b"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_model_info(DEFAULT_MODEL).tokenizer
 
 
 @pytest.fixture(scope="module")
