@@ -44,6 +44,11 @@ _COMPLETION_FIELDS = _COMMON_FIELDS | {
     "return_hidden_states", "hidden_states_include_prompt",
 }
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "priority"}
+# vLLM's /tokenize (a prompt, or chat messages) and /detokenize; ``model`` is optional there
+_TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+_TOKENIZE_CHAT_FIELDS = {"model", "messages", "tools", "add_generation_prompt", "add_special_tokens",
+                         "return_token_strs", "continue_final_message", "chat_template", "chat_template_kwargs"}
+_DETOKENIZE_FIELDS = {"model", "tokens"}
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit
 _UNSUPPORTED_IF_SET = {"suffix", "modalities", "reasoning_effort", "functions"}
 
@@ -160,6 +165,48 @@ class RequestParser:
             params=SamplingParams(max_tokens=1, temperature=0), stream=False, include_usage=False, logprobs=None,
             echo=False, user=_optional(body, "user", str), priority=priority, encoding_format=encoding_format,
         )
+
+    def tokenize(self, body: Any) -> dict[str, Any]:
+        """vLLM's ``/tokenize`` answer: a ``prompt`` encoded as completions encode it, or
+        ``messages`` (and ``tools``) rendered and encoded as chat completions do, so ``count`` is
+        what a request would use of ``max_model_len``."""
+        body = _require_object(body)
+        chat = "messages" in body
+        _refuse_unknown(body, _TOKENIZE_CHAT_FIELDS if chat else _TOKENIZE_FIELDS)
+        if body.get("model") is not None:
+            self._model(body)
+        add_special_tokens = _optional(body, "add_special_tokens", bool)
+        if chat:
+            for field in ("continue_final_message", "chat_template", "chat_template_kwargs"):
+                if body.get(field) not in (None, False, {}):
+                    raise invalid(f"{field} is not supported by this server", field)
+            add_generation_prompt = _optional(body, "add_generation_prompt", bool)
+            ids = self._chat_prompt_ids(body, parse_tool_use(body), add_generation_prompt is not False,
+                                        bool(add_special_tokens))
+        else:
+            prompt = body.get("prompt")
+            if prompt is None:
+                raise invalid("you must provide a prompt parameter (or messages, to tokenize a conversation)", "prompt")
+            if not isinstance(prompt, str):
+                raise invalid("prompt must be a string (send messages instead to tokenize a conversation)", "prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
+        strings = [self.tokenizer.id_to_token(i) for i in ids] if _optional(body, "return_token_strs", bool) else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strings}
+
+    def detokenize(self, body: Any) -> dict[str, Any]:
+        """vLLM's ``/detokenize`` answer: the text of ``tokens``, special tokens included."""
+        body = _require_object(body)
+        _refuse_unknown(body, _DETOKENIZE_FIELDS)
+        if body.get("model") is not None:
+            self._model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+            raise invalid("tokens must be a list of token ids", "tokens")
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise invalid(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)}
 
     # -- shared -------------------------------------------------------------------------------------
     def _model(self, body: Mapping[str, Any]) -> str:

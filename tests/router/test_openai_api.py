@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from tests.serving import TEST_DEPLOY
@@ -217,6 +218,22 @@ def test_tool_calls_through_the_openai_client(client, raylm_app):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**{**kwargs, "messages": [*history[:2], {**history[2], "tool_call_id": "call_9"}]})
     assert err.value.body["param"] == "messages[2].tool_call_id" and "'call_9'" in err.value.message
+
+
+def test_tokenize_and_detokenize_over_http(client, raylm_app):
+    """vLLM's endpoints (plain HTTP: the openai client has no call for them): a conversation's
+    count is the prompt_tokens its chat completion reports, and the ids decode to its prompt."""
+    reply = client.chat.completions.create(model=raylm_app.model, messages=QUESTION, max_tokens=1)
+    tokenized = httpx.post(f"{raylm_app.base_url}/tokenize", json={"model": raylm_app.model, "messages": QUESTION},
+                           timeout=60)
+    assert tokenized.status_code == 200, tokenized.text
+    body = tokenized.json()
+    assert body["count"] == len(body["tokens"]) == reply.usage.prompt_tokens and body["max_model_len"] == 1024
+    text = httpx.post(f"{raylm_app.base_url}/detokenize", json={"tokens": body["tokens"]}, timeout=60).json()["prompt"]
+    assert text.startswith("<|im_start|>") and text.endswith(f"{QUESTION[0]['content']}<|im_end|>\n"
+                                                            "<|im_start|>assistant\n")
+    unknown = httpx.post(f"{raylm_app.base_url}/tokenize", json={"model": "gpt-4o", "prompt": "Hi"}, timeout=60)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
 def test_embeddings_through_the_openai_client(client, raylm_app, offline_engine, bundled_model):
