@@ -27,6 +27,9 @@ from model.sharding import TP_AXIS, rules_for, spec_for
 
 # Finite stand-in for -inf so fully masked (padding) rows give a defined softmax, not NaN.
 _MASKED = -1e30
+# Tokens per KV block unless a pool is made otherwise: the engine's default (EngineArgs.block_size)
+# and the single-sequence reference's.
+DEFAULT_BLOCK_SIZE = 16
 
 
 Pool = jax.Array | QuantArray

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from model.attention import KVCache
+from model.attention import DEFAULT_BLOCK_SIZE, KVCache
 from model.buckets import cdiv, next_power_of_two
 from model.config import ModelConfig
 from model.forward import forward
@@ -55,7 +55,7 @@ class SingleSequenceGenerator:
         config: ModelConfig,
         params: ModelParams,
         mesh: Mesh | None = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         kv_dtype: jnp.dtype | None = None,
     ):
         self.config = config

@@ -27,7 +27,8 @@ logger = logging.getLogger("ray.serve")
 @serve.deployment(name=ROUTER_DEPLOYMENT, max_ongoing_requests=4096)
 @serve.ingress()
 class OpenAIRouter:
-    """``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``."""
+    """The OpenAI HTTP API of ``OpenAIService`` (completions, chat, embeddings, models, vLLM's tokenize and
+    detokenize, health)."""
 
     async def __init__(self, worker: DeploymentHandle, settings: RouterSettings):
         self.settings = settings

@@ -116,7 +116,8 @@ class LeasedStreamingResponse(StreamingResponse):
 
 
 class OpenAIService:
-    """``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health`` for one model."""
+    """``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``, ``/tokenize``,
+    ``/detokenize`` and ``/health`` for one model."""
 
     def __init__(self, worker: Any, settings: RouterSettings, tokenizer: Tokenizer):
         self.worker = worker
@@ -165,6 +166,8 @@ class OpenAIService:
                 Route("/v1/chat/completions", self._endpoint(self.parser.parse_chat), methods=["POST"]),
                 Route("/v1/completions", self._endpoint(self.parser.parse_completion), methods=["POST"]),
                 Route("/v1/embeddings", self._endpoint(self.parser.parse_embedding), methods=["POST"]),
+                Route("/tokenize", self._tokenizer_endpoint(self.parser.tokenize), methods=["POST"]),
+                Route("/detokenize", self._tokenizer_endpoint(self.parser.detokenize), methods=["POST"]),
                 Route("/v1/models", self.list_models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -198,6 +201,19 @@ class OpenAIService:
             return error_response(OpenAIError(404, f"The model {request.path_params['model']!r} does not exist",
                                               param="model", code="model_not_found"))
         return JSONResponse(self._model_card())
+
+    def _tokenizer_endpoint(self, answer: Callable[[Any], dict[str, Any]]) -> Callable[[Request], Awaitable[Response]]:
+        """vLLM's ``/tokenize`` and ``/detokenize``: answered here with the router's tokenizer (no
+        worker, no queue), behind the same API keys and body checks as generation."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                self.auth.tenant(request.headers.get("authorization"))
+                return JSONResponse(answer(await self._read_json(request)))
+            except OpenAIError as err:
+                return error_response(err)
+
+        return endpoint
 
     async def health(self, request: Request) -> Response:
         """200 when this router can admit work (a worker replica reported its capacity) and a worker

@@ -28,9 +28,11 @@ from workers.replica_protocol import GenerateRequest, RoutingReport
 
 
 class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
-    def initialize_state(self, imbalance_threshold_tokens: int = 2048, max_tracked_blocks: int = 200_000,
-                         report_grace_s: float = 3.0, block_size: int = 16, model: str = "",
+    def initialize_state(self, *, block_size: int, imbalance_threshold_tokens: int = 2048,
+                         max_tracked_blocks: int = 200_000, report_grace_s: float = 3.0, model: str = "",
                          seed: int | None = None) -> None:
+        """Serve passes the deployment's ``request_router_kwargs``; ``block_size`` is the workers'
+        (their engine's), since cached prefixes are counted in its blocks."""
         self.imbalance_threshold_tokens = imbalance_threshold_tokens
         self.block_size = block_size
         self.rng = random.Random(seed)

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Literal, Mapping
 
 from model import Tokenizer
+from router.chat_messages import parse_messages
 from router.errors import OpenAIError, invalid
 from router.structured_request import structured_output
 from router.tools import TOOL_CALL_PARSERS, ToolUse, forced_calls_grammar, parse_tool_use, template_messages
@@ -43,9 +44,13 @@ _COMPLETION_FIELDS = _COMMON_FIELDS | {
     "return_hidden_states", "hidden_states_include_prompt",
 }
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "priority"}
+# vLLM's /tokenize (a prompt, or chat messages) and /detokenize; ``model`` is optional there
+_TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+_TOKENIZE_CHAT_FIELDS = {"model", "messages", "tools", "add_generation_prompt", "add_special_tokens",
+                         "return_token_strs", "continue_final_message", "chat_template", "chat_template_kwargs"}
+_DETOKENIZE_FIELDS = {"model", "tokens"}
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit
 _UNSUPPORTED_IF_SET = {"suffix", "modalities", "reasoning_effort", "functions"}
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 @dataclasses.dataclass
@@ -84,13 +89,8 @@ class RequestParser:
         body = _require_object(body)
         _refuse_unknown(body, _CHAT_FIELDS)
         model = self._model(body)
-        messages = _messages(body.get("messages"))
         tool_use = parse_tool_use(body)
-        messages, extra = template_messages(messages, tool_use, self.tokenizer.chat_template_takes_tools)
-        try:
-            prompt_ids = self.tokenizer.encode_chat(messages, **extra)
-        except Exception as err:  # a template may raise on odd role orders
-            raise invalid(f"cannot render the chat template for these messages: {err}", "messages") from None
+        prompt_ids = self._chat_prompt_ids(body, tool_use)
         want_logprobs = _optional(body, "logprobs", bool)
         top = _optional(body, "top_logprobs", int)
         if top is not None and not want_logprobs:
@@ -112,6 +112,17 @@ class RequestParser:
         if parsed.beam is not None and tool_use is not None:
             raise invalid("use_beam_search cannot be combined with tools", "use_beam_search")
         return parsed
+
+    def _chat_prompt_ids(self, body: Mapping[str, Any], tool_use: ToolUse | None, add_generation_prompt: bool = True,
+                         add_special_tokens: bool = False) -> list[int]:
+        """The conversation's prompt ids: its messages (and tools) through the chat template."""
+        messages, extra = template_messages(parse_messages(body.get("messages")), tool_use,
+                                            self.tokenizer.chat_template_takes_tools)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **extra)
+        except Exception as err:  # a template may raise on odd role orders
+            raise invalid(f"cannot render the chat template for these messages: {err}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def parse_completion(self, body: Any) -> ParsedRequest:
         body = _require_object(body)
@@ -154,6 +165,48 @@ class RequestParser:
             params=SamplingParams(max_tokens=1, temperature=0), stream=False, include_usage=False, logprobs=None,
             echo=False, user=_optional(body, "user", str), priority=priority, encoding_format=encoding_format,
         )
+
+    def tokenize(self, body: Any) -> dict[str, Any]:
+        """vLLM's ``/tokenize`` answer: a ``prompt`` encoded as completions encode it, or
+        ``messages`` (and ``tools``) rendered and encoded as chat completions do, so ``count`` is
+        what a request would use of ``max_model_len``."""
+        body = _require_object(body)
+        chat = "messages" in body
+        _refuse_unknown(body, _TOKENIZE_CHAT_FIELDS if chat else _TOKENIZE_FIELDS)
+        if body.get("model") is not None:
+            self._model(body)
+        add_special_tokens = _optional(body, "add_special_tokens", bool)
+        if chat:
+            for field in ("continue_final_message", "chat_template", "chat_template_kwargs"):
+                if body.get(field) not in (None, False, {}):
+                    raise invalid(f"{field} is not supported by this server", field)
+            add_generation_prompt = _optional(body, "add_generation_prompt", bool)
+            ids = self._chat_prompt_ids(body, parse_tool_use(body), add_generation_prompt is not False,
+                                        bool(add_special_tokens))
+        else:
+            prompt = body.get("prompt")
+            if prompt is None:
+                raise invalid("you must provide a prompt parameter (or messages, to tokenize a conversation)", "prompt")
+            if not isinstance(prompt, str):
+                raise invalid("prompt must be a string (send messages instead to tokenize a conversation)", "prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
+        strings = [self.tokenizer.id_to_token(i) for i in ids] if _optional(body, "return_token_strs", bool) else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strings}
+
+    def detokenize(self, body: Any) -> dict[str, Any]:
+        """vLLM's ``/detokenize`` answer: the text of ``tokens``, special tokens included."""
+        body = _require_object(body)
+        _refuse_unknown(body, _DETOKENIZE_FIELDS)
+        if body.get("model") is not None:
+            self._model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+            raise invalid("tokens must be a list of token ids", "tokens")
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise invalid(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)}
 
     # -- shared -------------------------------------------------------------------------------------
     def _model(self, body: Mapping[str, Any]) -> str:
@@ -375,59 +428,3 @@ def _optional(body: Mapping[str, Any], field: str, kind: type, param: str | None
         names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object"}
         raise invalid(f"{param} must be {names[kind]}, got {type(value).__name__} {value!r}"[:300], param)
     return float(value) if kind is float else value
-
-
-def _messages(messages: Any) -> list[dict[str, str]]:
-    """Messages with string content (text parts joined); other part types are refused."""
-    if messages is None:
-        raise invalid("you must provide a messages parameter", "messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list", "messages")
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise invalid(f"{where} must be an object with role and content", where)
-        role = message.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise invalid(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}"[:300], f"{where}.role")
-        _optional(message, "name", str, f"{where}.name")
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise invalid(
-                        f"{where}.content[{j}] must be a text part {{'type': 'text', 'text': ...}}; "
-                        "this model reads text only", f"{where}.content",
-                    )
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            if content is None and role == "assistant":
-                content = ""
-            else:
-                raise invalid(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        entry: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
-        if role == "assistant" and message.get("tool_calls") is not None:
-            entry["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
-        if role == "tool":
-            entry["tool_call_id"] = _optional(message, "tool_call_id", str, f"{where}.tool_call_id") or ""
-        out.append(entry)
-    return out
-
-
-def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant turn's earlier calls: ``[{id, type: function, function: {name, arguments}}]``."""
-    if not isinstance(calls, list):
-        raise invalid(f"{where} must be a list", where)
-    out = []
-    for i, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
-                and isinstance(function.get("arguments", ""), str)):
-            raise invalid(f"{where}[{i}] must be {{'id': ..., 'type': 'function', 'function': "
-                          "{'name': ..., 'arguments': '<JSON text>'}}", f"{where}[{i}]")
-        out.append({"id": str(call.get("id", "")), "type": "function",
-                    "function": {"name": function["name"], "arguments": function.get("arguments", "")}})
-    return out

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from cache import model_salt
 from cache.kv_arrays import kv_pool_dtype
+from model.attention import DEFAULT_BLOCK_SIZE
 from model.loader import keep_gguf_blocks
 from model.quantization import parse_quantization
 from workers.embedding import EmbeddingState
@@ -29,7 +30,7 @@ class EngineArgs:
     # (model/loader.py's keep_gguf_blocks; "auto": kept on one CPU device in float32).
     gguf_blocks: str = "auto"
     kv_cache_dtype: str | None = None  # auto (None): the model dtype; int8 / fp8: 8-bit with scales
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None  # exact pool size; else sized from the memory budget
     kv_cache_memory_bytes: int | None = None  # CPU budget (default 2 GiB) / explicit budget
     kv_cache_memory_fraction: float = 0.8  # of free device memory, on accelerators

@@ -57,7 +57,10 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutput:
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+        """The schema as given, key order included: llguidance writes an object's properties in
+        the order the schema lists them (as OpenAI's strict mode does), so sorting the keys here
+        would reorder the output."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
 
     @classmethod
     def choice(cls, choices: list[str]) -> StructuredOutput:

@@ -16,15 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model import DEFAULT_MODEL, load_model_info
 from router.openai_service import OpenAIService
 from tests.fake_worker import FakeWorker, asgi_request, chunk, fake_settings, ledger_problems
 from deploy.benchmarks.hostile_requests import CHAT, CHAT_FIELDS, COMPLETION_FIELDS, COMPLETIONS, check_answer, generate
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_model_info(DEFAULT_MODEL).tokenizer
 
 
 def _service(tokenizer) -> OpenAIService:

@@ -15,15 +15,9 @@ import json
 import pytest
 from ray.exceptions import RayActorError
 
-from model import DEFAULT_MODEL, load_model_info
 from router.openai_service import OpenAIService
 from tests.fake_worker import HANG, FakeWorker, chunk, fake_settings, ledger_problems, post_json
 from workers.replica_protocol import ChoiceDelta, GenerateChunk, InvalidRequestError
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_model_info(DEFAULT_MODEL).tokenizer
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from tests.serving import TEST_DEPLOY
@@ -134,8 +135,8 @@ def test_logprobs(client, raylm_app):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
 
 
-PERSON = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string",
-          "maxLength": 30}}, "required": ["city", "country"], "additionalProperties": False}
+PERSON = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 30}, "city": {"type": "string",
+          "maxLength": 30}}, "required": ["country", "city"], "additionalProperties": False}
 
 
 def test_structured_output_through_the_openai_client(client, raylm_app):
@@ -145,7 +146,7 @@ def test_structured_output_through_the_openai_client(client, raylm_app):
                   response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": PERSON}})
     reply = client.chat.completions.create(**kwargs)
     value = json.loads(reply.choices[0].message.content)
-    assert set(value) == {"city", "country"} and reply.choices[0].finish_reason == "stop"
+    assert list(value) == ["country", "city"] and reply.choices[0].finish_reason == "stop"  # the schema's order
     streamed = client.chat.completions.create(**kwargs, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == reply.choices[0].message.content
 
@@ -213,6 +214,26 @@ def test_tool_calls_through_the_openai_client(client, raylm_app):
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
     answer = client.chat.completions.create(**{**kwargs, "messages": history}, tool_choice="none").choices[0]
     assert answer.message.content and not answer.message.tool_calls
+    # A tool result must answer a call of the assistant message before it (OpenAI's rule).
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**{**kwargs, "messages": [*history[:2], {**history[2], "tool_call_id": "call_9"}]})
+    assert err.value.body["param"] == "messages[2].tool_call_id" and "'call_9'" in err.value.message
+
+
+def test_tokenize_and_detokenize_over_http(client, raylm_app):
+    """vLLM's endpoints (plain HTTP: the openai client has no call for them): a conversation's
+    count is the prompt_tokens its chat completion reports, and the ids decode to its prompt."""
+    reply = client.chat.completions.create(model=raylm_app.model, messages=QUESTION, max_tokens=1)
+    tokenized = httpx.post(f"{raylm_app.base_url}/tokenize", json={"model": raylm_app.model, "messages": QUESTION},
+                           timeout=60)
+    assert tokenized.status_code == 200, tokenized.text
+    body = tokenized.json()
+    assert body["count"] == len(body["tokens"]) == reply.usage.prompt_tokens and body["max_model_len"] == 1024
+    text = httpx.post(f"{raylm_app.base_url}/detokenize", json={"tokens": body["tokens"]}, timeout=60).json()["prompt"]
+    assert text.startswith("<|im_start|>") and text.endswith(f"{QUESTION[0]['content']}<|im_end|>\n"
+                                                            "<|im_start|>assistant\n")
+    unknown = httpx.post(f"{raylm_app.base_url}/tokenize", json={"model": "gpt-4o", "prompt": "Hi"}, timeout=60)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
 def test_embeddings_through_the_openai_client(client, raylm_app, offline_engine, bundled_model):

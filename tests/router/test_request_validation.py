@@ -10,7 +10,6 @@ import json
 
 import pytest
 
-from model import DEFAULT_MODEL, load_model_info
 from router.errors import OpenAIError
 from router.json_body import MAX_JSON_DEPTH, parse_json_body
 from router.protocol import RequestParser
@@ -21,8 +20,8 @@ MSG = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
-def parser():
-    return RequestParser(load_model_info(DEFAULT_MODEL).tokenizer, ["m"], 512)
+def parser(tokenizer):
+    return RequestParser(tokenizer, ["m"], 512)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from model import DEFAULT_MODEL, load_model_info
 from router.errors import OpenAIError
 from router.protocol import RequestParser
 from router.responses import ResponseBuilder
@@ -24,11 +23,6 @@ ADD = {"type": "function", "function": {
     "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                                   "required": ["a", "b"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_model_info(DEFAULT_MODEL).tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +71,41 @@ def test_a_template_without_tools_gets_them_in_the_system_message_and_the_histor
     templated, extra = template_messages(history, use, template_takes_tools=True)
     assert extra == {"tools": [WEATHER]} and templated[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert templated[3]["role"] == "tool"
+
+
+def _call(call_id, name: str = "get_weather", arguments: str = '{"city": "Paris"}') -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+CALLED = [*ASK, {"role": "assistant", "content": None, "tool_calls": [_call("c1"), _call("c2", "add", '{"a": 1}')]}]
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([*CALLED, {"role": "tool", "content": "18 C"}], "messages[2].tool_call_id"),
+    ([*CALLED, {"role": "tool", "content": "18 C", "tool_call_id": ""}], "messages[2].tool_call_id"),
+    ([*CALLED, {"role": "tool", "content": "18 C", "tool_call_id": 1}], "messages[2].tool_call_id"),
+    ([*CALLED, {"role": "tool", "content": "18 C", "tool_call_id": "c9"}], "messages[2].tool_call_id"),
+    ([{"role": "tool", "content": "18 C", "tool_call_id": "c1"}, *ASK], "messages[0].role"),
+    ([*ASK, {"role": "assistant", "content": "Let me see."}, {"role": "tool", "content": "18 C", "tool_call_id": "c1"}],
+     "messages[2].role"),
+    ([*CALLED, {"role": "tool", "content": "18 C", "tool_call_id": "c1"}, {"role": "user", "content": "And?"},
+      {"role": "tool", "content": "3", "tool_call_id": "c2"}], "messages[4].role"),
+    ([*ASK, {"role": "assistant", "content": None, "tool_calls": [_call(7)]}], "messages[1].tool_calls[0].id"),
+])
+def test_a_tool_message_must_answer_a_call_of_the_assistant_message_before_it(parser, messages, param):
+    """OpenAI's rule: a tool result carries the id of a call the preceding assistant turn made."""
+    with pytest.raises(OpenAIError) as err:
+        parser.parse_chat({"model": "m", "messages": messages, "tools": [WEATHER, ADD]})
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+def test_results_of_parallel_calls_in_any_order_pass(parser):
+    history = [*CALLED, {"role": "tool", "content": "3", "tool_call_id": "c2"},
+               {"role": "tool", "content": "18 C", "tool_call_id": "c1"},
+               {"role": "assistant", "content": "", "tool_calls": [_call("c3")]},
+               {"role": "tool", "content": "19 C", "tool_call_id": "c3"}]
+    parsed = parser.parse_chat({"model": "m", "messages": history, "tools": [WEATHER, ADD]})
+    assert parser.tokenizer.decode(parsed.prompts[0]).count("<tool_response>") == 3
 
 
 def test_required_and_named_grammars_admit_exactly_well_formed_calls(tokenizer):

@@ -88,6 +88,18 @@ def test_speculative_guesses_are_cut_where_the_grammar_refuses_and_masked_along_
     assert accepted_prefix(matcher, good[2:]) == len(good) - 2  # the matcher was rolled back
 
 
+def test_a_json_schema_keeps_its_property_order(compiler):
+    """As OpenAI's strict mode: the properties come in the schema's order (here not the sorted one)."""
+    tokenizer = compiler._tokenizer
+
+    def accepts(text: str) -> bool:
+        ids = tokenizer.encode(text)
+        return compiler.matcher(StructuredOutput.json_schema(SCHEMA)).validate_tokens(ids) == len(ids)
+
+    assert accepts('{"name": "Ann", "age": 31, "pets": ["cat"]}')
+    assert not accepts('{"age": 31, "name": "Ann", "pets": ["cat"]}')
+
+
 # -- the sampler ---------------------------------------------------------------------------------------
 def _batch(params: list[SamplingParams], vocab: int, bitmask: np.ndarray | None = None):
     rows = [(p, 7, 0, [1], []) for p in params]
@@ -154,6 +166,7 @@ def alone(bundled_model):
 def test_constrained_outputs_follow_their_grammars(alone):
     (schema_text, r1), _, (choice, r2), (phone, r3), (obj, r4) = alone
     assert _matches_schema(schema_text) and r1 == "stop"
+    assert list(json.loads(schema_text)) == list(SCHEMA["properties"])  # the schema's order, not sorted
     assert choice in ("yes", "no") and r2 == "stop"
     assert re.fullmatch(PHONE, phone) and r3 == "stop"
     assert r4 == "length" or isinstance(json.loads(obj), dict)
