@@ -29,8 +29,10 @@ _OVERRIDES = {
     "gemma2": dict(query_pre_attn_scalar=32),
     "gemma3": dict(query_pre_attn_scalar=32),
     "phi3-longrope": dict(sliding_window=24),
+    "qwen3-moe": dict(mlp_only_layers=[]),  # llama.cpp's qwen3moe has experts on every layer
 }
-FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-sliding", "llama3-rope", "llama-yarn", "qwen2"]
+FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-sliding", "llama3-rope", "llama-yarn", "qwen2",
+            "mixtral", "qwen3-moe", "olmoe"]
 
 
 def _prompt(length: int = PROMPT_LEN) -> list[int]:
@@ -92,6 +94,17 @@ def test_config_follows_llama_cpp_conventions(tmp_path):
     assert config.rope_scaling.long_factor[-1] == 5.0 and config.rope_scaling.original_max_position_embeddings == 32
 
 
+def test_moe_config_follows_llama_cpp_conventions(tmp_path):
+    from model.moe_config import MoeConfig
+
+    path, _ = _export("olmoe", tmp_path)
+    config = GGUFFile(path).config()  # OLMoE: no renormalization, whole-projection q/k norms
+    assert config.moe == MoeConfig(8, 2, 32, False, (True,) * 3) and config.qk_norm_whole
+    path, _ = _export("mixtral", tmp_path)
+    config = GGUFFile(path).config()  # a "llama" file with experts: Mixtral's renormalized top-2
+    assert config.architecture == "llama" and config.moe == MoeConfig(4, 2, 64, True, (True,) * 3)
+
+
 def _fields(**extra):
     base = {
         "general.architecture": "gemma2", "gemma2.embedding_length": 4608, "gemma2.attention.head_count": 32,
@@ -126,6 +139,9 @@ def test_gemma_defaults_and_27b_query_scale_are_llama_cpps():
           "qwen3.block_count": 2, "qwen3.feed_forward_length": 128, "qwen3.final_logit_softcapping": 30.0},
          "qwen3.final_logit_softcapping"),
         ({"gemma2.expert_count": 8}, "gemma2.expert_count"),
+        ({"general.architecture": "qwen3moe", "qwen3moe.embedding_length": 64, "qwen3moe.attention.head_count": 4,
+          "qwen3moe.block_count": 2, "qwen3moe.feed_forward_length": 128, "qwen3moe.expert_count": 8,
+          "qwen3moe.expert_used_count": 2, "qwen3moe.expert_gating_func": 2}, "qwen3moe.expert_gating_func"),
         ({"gemma2.rope.dimension_count": 64}, "gemma2.rope.dimension_count"),
         ({"gemma2.rope.scaling.type": "linear", "gemma2.rope.scaling.factor": 2.0,
           "gemma2.rope.scaling.attn_factor": 0.5}, "gemma2.rope.scaling.attn_factor"),
