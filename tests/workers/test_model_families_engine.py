@@ -1,7 +1,7 @@
 """Every model family through the batching engine: greedy tokens equal HF transformers' own
 greedy decoding on the same weights, with batching, paging, prefix caching, chunked prefill and
 preemption, tensor parallelism and speculative decoding (sliding windows, soft-caps, q/k norms,
-sandwich norms, fused checkpoints included). Where the C++ CPU kernels are built the
+sandwich norms, fused checkpoints, mixtures of experts included). Where the C++ CPU kernels are built the
 single-device engine runs them (decode and packed prompt attention by the paged kernel, windows
 and soft-caps included), so this checks them against HF too."""
 
@@ -29,10 +29,16 @@ ENGINE_SETTINGS = {
     "chunked-preempted": dict(num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=24),
     "tensor-parallel-2": dict(num_kv_blocks=400, tensor_parallel_size=2),
     "draft-speculation": dict(num_kv_blocks=400, speculative=dict(method="draft", num_layers=1, num_speculative_tokens=3)),
+    # All of the first two at once: a small pool that preempts, chunked prompts, and the same
+    # prompts again from the prefix cache.
+    "chunked-preempted-prefix-cached": dict(num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=24),
+    "expert-parallel-2": dict(num_kv_blocks=400, expert_parallel_size=2),
 }
+# Mixtures of experts, one setting each (their routing and experts are the difference).
+MOE_FAMILIES = ["mixtral", "qwen3-moe", "olmoe"]  # (qwen2-moe: tests/model/test_model_vs_hf.py)
 CASES = [(f, s) for f in FAMILIES for s in ("batched-paged-prefix-cached", "chunked-preempted")] + [
     ("gemma3", "tensor-parallel-2"), ("gemma2", "draft-speculation"),
-]
+] + [(f, "chunked-preempted-prefix-cached") for f in MOE_FAMILIES] + [("olmoe", "expert-parallel-2")]
 
 
 @pytest.fixture(scope="module")
@@ -53,22 +59,26 @@ def _family(name, tmp_path_factory):
 def test_engine_greedy_equals_hf(families, name, setting):
     model, prompts, expected = families(name)
     settings = ENGINE_SETTINGS[setting]
-    if setting == "chunked-preempted" and model.config.max_window is not None:
+    if setting.startswith("chunked-preempted") and model.config.max_window is not None:
         # Every layer slides: blocks behind the window go back to the pool, so it takes a smaller
         # pool (a few windows) to make the sequences preempt each other.
         settings = {**settings, "num_kv_blocks": 6}
     llm = LLM(model, max_model_len=256, **settings)
-    if setting != "tensor-parallel-2":  # (a sharded program keeps the jnp path)
+    if "parallel" not in setting:  # (a sharded program keeps the jnp path)
         assert llm.engine.runner.cpu_kernels == paged_decode.available()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     stats = llm.engine.stats()
-    if setting == "chunked-preempted":
+    if "preempted" in setting:
         assert stats.num_preemptions > 0
-    if setting == "batched-paged-prefix-cached":  # the same prompts again come from the prefix cache
-        hits = stats.pool.prefix_hits
-        again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-        assert [o.outputs[0].token_ids for o in again] == expected
+    if "prefix-cached" in setting:  # the same prompts again come from the prefix cache
+        # (A pool small enough to preempt keeps only the latest blocks cached: one prompt, twice.)
+        repeated = [3] if "preempted" in setting else range(len(prompts))
+        if "preempted" in setting:
+            llm.generate([{"prompt_token_ids": prompts[3]}], GREEDY)
+        hits = llm.engine.stats().pool.prefix_hits
+        again = llm.generate([{"prompt_token_ids": prompts[i]} for i in repeated], GREEDY)
+        assert [o.outputs[0].token_ids for o in again] == [expected[i] for i in repeated]
         assert llm.engine.stats().pool.prefix_hits > hits
     stats = llm.engine.stats()
     assert stats.pool.num_used_blocks == 0 and stats.running == 0 and stats.waiting == 0
