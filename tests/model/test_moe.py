@@ -19,6 +19,7 @@ from model.config import ModelConfig
 from model.errors import UnsupportedModelError
 from model.moe import expert_mlps, route
 from model.moe_config import MoeConfig
+from model.quantization import quantize
 from tests.checkpoints import build_tiny_checkpoint
 from workers import LLM, SamplingParams
 
@@ -94,6 +95,21 @@ def test_engine_batch_routed_to_two_experts_equals_each_row_alone(tmp_path):
     batch = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     alone = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
     assert batch == alone
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_quantized_experts_compute_their_dequantized_weights(scheme):
+    """model.quantization: int8 / fp8 quantizes the stacked experts per (expert, output channel);
+    the block computes with exactly those weights, on the kernel and on ragged_dot."""
+    router, gate_up, down = _weights()
+    q_gate_up, q_down = quantize(jnp.asarray(gate_up), scheme), quantize(jnp.asarray(down), scheme)
+    assert q_gate_up.scale.shape == (E, 2, I) and q_down.scale.shape == (E, D)
+    h = jnp.asarray(np.random.RandomState(1).randn(7, D).astype(np.float32))
+    routing = route(h, jnp.asarray(router), _moe())
+    reference = _naive(np.asarray(h), router, np.asarray(q_gate_up.dequantize()), np.asarray(q_down.dequantize()), _moe())
+    for kernel in (False, True):
+        out = jax.jit(lambda h: expert_mlps(h, routing, q_gate_up, q_down, "silu", kernel=kernel))(h)
+        np.testing.assert_allclose(np.asarray(out), reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not grouped_matmul.available(), reason="the C++ kernels are not built")
