@@ -39,9 +39,10 @@ _ARCHES = {
     "MixtralForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "qwen3moe",
     "OlmoeForCausalLM": "olmoe",
+    "Qwen2MoeForCausalLM": "qwen2moe",
 }
 # llama.cpp's fixed choice, per architecture, of renormalizing the top-k expert weights.
-_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
 _EXPERT_RE = re.compile(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight")
 
 
@@ -140,6 +141,8 @@ def _write_experts(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], experts: i
     w.add_expert_used_count(hp["num_experts_per_tok"])
     if "moe_intermediate_size" in hp:
         w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    if hp.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
 
 
 def _write_gemma(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:

@@ -102,6 +102,10 @@ def test_moe_config_follows_llama_cpp_conventions(tmp_path):
     path, _ = _export("mixtral", tmp_path)
     config = GGUFFile(path).config()  # a "llama" file with experts: Mixtral's renormalized top-2
     assert config.architecture == "llama" and config.moe == MoeConfig(4, 2, 64, True, (True,) * 3)
+    directory, _ = build_tiny_checkpoint("qwen2-moe", tmp_path / "q2m", decoder_sparse_step=1)
+    file = GGUFFile(export_gguf(directory, tmp_path / "q2m.gguf"))  # shared expert: its size and tensors
+    assert file.config().moe == MoeConfig(4, 2, 32, False, (True,) * 3, shared_expert_size=64)
+    assert {"blk.0.ffn_gate_inp_shexp.weight", "blk.0.ffn_up_shexp.weight"} <= set(file.tensor_names)
 
 
 def _fields(**extra):
