@@ -27,9 +27,10 @@ def worker_actor_options(config: DeployConfig) -> dict[str, Any]:
     options: dict[str, Any] = {"num_cpus": workers.num_cpus, "num_gpus": workers.num_gpus}
     if workers.memory_bytes:
         options["memory"] = workers.memory_bytes
-    if workers.tensor_parallel_size > 1 and workers.num_gpus == 0:
-        # Tensor parallelism on CPU needs one XLA host device per shard.
-        flags = f"--xla_force_host_platform_device_count={workers.tensor_parallel_size}"
+    devices = workers.tensor_parallel_size * workers.expert_parallel_size
+    if devices > 1 and workers.num_gpus == 0:
+        # Tensor / expert parallelism on CPU needs one XLA host device per shard.
+        flags = f"--xla_force_host_platform_device_count={devices}"
         options["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags}}
     return options
 

@@ -60,7 +60,7 @@ class SpeculativeSection(_Section):
 
 
 # Engine settings come from EngineArgs itself so the YAML can never drift from the engine.
-_ENGINE_OWNED_ELSEWHERE = {"dtype", "quantization", "gguf_blocks", "tensor_parallel_size"}
+_ENGINE_OWNED_ELSEWHERE = {"dtype", "quantization", "gguf_blocks", "tensor_parallel_size", "expert_parallel_size"}
 _ENGINE_SECTIONS = {"speculative": (SpeculativeSection | None, None)}  # nested: its own schema
 _engine_hints = typing.get_type_hints(EngineArgs)
 EngineSection = pydantic.create_model(
@@ -124,6 +124,7 @@ class WorkersSection(_Section):
     num_gpus: NonNegativeFloat = 0.0
     memory_bytes: int | None = Field(None, gt=0, description="Ray memory resource reserved per replica")
     tensor_parallel_size: PositiveInt = 1
+    expert_parallel_size: PositiveInt = Field(1, description="devices a mixture of experts' experts are split over")
     max_ongoing_requests: PositiveInt = _WORKER_DEFAULTS.max_ongoing_requests
     max_queued_requests: int = Field(_WORKER_DEFAULTS.max_queued_requests,
                                      description="per router replica; beyond it requests get 503 (-1: no limit)")
@@ -214,6 +215,7 @@ class DeployConfig(_Section):
                 quantization=self.model.quantization,
                 gguf_blocks=self.model.gguf_blocks,
                 tensor_parallel_size=self.workers.tensor_parallel_size,
+                expert_parallel_size=self.workers.expert_parallel_size,
                 **self.engine.model_dump(),
             )
         except (TypeError, ValueError) as err:

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 from model import gguf_metadata
 from model.errors import ModelLoadError, UnsupportedModelError
 from model.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
+from model.moe_config import MoeConfig, moe_from_gguf, moe_from_hf
 from model.rope_config import RopeScaling, optional_float, parse_rope_scaling
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = tuple(HF_FAMILIES)
@@ -56,6 +57,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # The declared differences (defaults: Llama).
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    qk_norm_whole: bool = False  # ... over all heads' q (and all k) at once (OLMoE)
     sandwich_norms: bool = False  # RMSNorm of the attention and MLP outputs before each residual add
     activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
     embed_scale: float | None = None  # input embeddings times this (Gemma: sqrt(hidden))
@@ -66,6 +68,7 @@ class ModelConfig:
     # empty when no layer slides.
     layer_windows: tuple[int | None, ...] = ()
     local_rope_theta: float | None = None  # RoPE base of sliding layers (Gemma 3), default RoPE
+    moe: MoeConfig | None = None  # mixture-of-experts layers (None: every layer has a dense MLP)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -75,6 +78,8 @@ class ModelConfig:
             )
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ModelLoadError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ModelLoadError(f"{len(self.moe.sparse_layers)} sparse-layer flags for {self.num_layers} layers")
 
     @property
     def q_per_kv(self) -> int:
@@ -83,7 +88,12 @@ class ModelConfig:
 
     def first_layers(self, num_layers: int) -> "ModelConfig":
         """This config cut after its first ``num_layers`` decoder layers (a layer-skipping draft)."""
-        return dataclasses.replace(self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers])
+        moe = self.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, sparse_layers=moe.sparse_layers[:num_layers])
+        return dataclasses.replace(
+            self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers], moe=moe
+        )
 
     def served_at(self, context_len: int) -> "ModelConfig":
         """This config for a replica serving at most ``context_len`` tokens per sequence: what
@@ -105,6 +115,10 @@ class ModelConfig:
         """Layer ``layer``'s scale, window and soft-cap."""
         scale = self.query_scale if self.query_scale is not None else self.head_dim**-0.5
         return AttentionSpec(scale, self.layer_window(layer), self.attn_softcap)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer`` runs a mixture of experts instead of a dense MLP."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     def uses_local_rope(self, layer: int) -> bool:
         """Whether ``layer`` rotates with the sliding layers' own RoPE base."""
@@ -142,13 +156,15 @@ class ModelConfig:
                 rope_theta=float(global_rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
                 max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.gemma)),
-                attention_bias=bool(raw.get("attention_bias") or family.attention_bias),
+                # (Qwen2-MoE names its q/k/v biases' switch qkv_bias.)
+                attention_bias=bool(raw.get("attention_bias") or raw.get("qkv_bias", family.attention_bias)),
                 rope_scaling=parse_rope_scaling(
                     global_rope, source, max_positions, raw.get("original_max_position_embeddings")
                 ),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
                 qk_norm=family.qk_norm,
+                qk_norm_whole=family.qk_norm_whole,
                 sandwich_norms=family.gemma,
                 activation=_activation(act, source),
                 embed_scale=math.sqrt(hidden) if family.gemma else None,
@@ -157,6 +173,7 @@ class ModelConfig:
                 final_softcap=optional_float(raw.get("final_logit_softcapping")),
                 layer_windows=_layer_windows(raw, family, layers, source),
                 local_rope_theta=_local_rope_theta(local_rope, source),
+                moe=moe_from_hf(raw, family, layers, source),
             )
         except KeyError as missing:
             raise ModelLoadError(f"{source} lacks required key {missing}") from None
@@ -207,11 +224,12 @@ class ModelConfig:
         scaling, local_theta = gguf_metadata.rope(meta, max_positions, head_dim, rope_tensors or {})
         attn_softcap, final_softcap = gguf_metadata.softcaps(meta)
         windows = gguf_metadata.layer_windows(meta, layers)
+        dense_size = int(meta.get("feed_forward_length", required=True))
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(meta.get("feed_forward_length", required=True)),
+            intermediate_size=dense_size,
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(meta.get("attention.head_count_kv", heads)),
@@ -226,6 +244,7 @@ class ModelConfig:
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_as_id_tuple(fields.get("tokenizer.ggml.eos_token_id")),
             qk_norm=family.qk_norm,
+            qk_norm_whole=family.qk_norm_whole,
             sandwich_norms=family.gemma,
             activation=ACTIVATIONS[family.default_act],
             embed_scale=math.sqrt(hidden) if family.gemma else None,
@@ -234,6 +253,7 @@ class ModelConfig:
             final_softcap=final_softcap,
             layer_windows=windows,
             local_rope_theta=local_theta if windows else None,
+            moe=moe_from_gguf(meta, layers, dense_size),
         )
 
 
@@ -245,6 +265,8 @@ def _refuse_unimplemented(raw: Mapping[str, Any], family: Family, source: str) -
         )
     if raw.get("mlp_bias"):
         raise UnsupportedModelError(f"mlp_bias=true in {source} is not supported")
+    if raw.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"clip_qkv={raw['clip_qkv']} in {source}: raylm does not clamp q/k/v")
     if raw.get("use_bidirectional_attention"):
         raise UnsupportedModelError(f"use_bidirectional_attention=true in {source}: raylm serves causal decoders")
     partial = raw.get("partial_rotary_factor", 1.0)

@@ -1,6 +1,6 @@
 """The decoder forward pass over a paged KV pool: one body for every family, reading what a
 family changes (q/k norms, sandwich norms, GeGLU, embedding scale, soft-caps, per-layer windows
-and RoPE) from ``ModelConfig``.
+and RoPE, mixture-of-experts layers: model/moe.py) from ``ModelConfig``.
 
 It is not jitted here: the engine's programs (``workers/programs.py``) and the reference loop
 (``model/generate.py``) each jit it with what they add (bucketing and sampling, or nothing).
@@ -24,6 +24,7 @@ from model.attention import KVCache, paged_attention, slot_indices, write_kv
 from model.config import ModelConfig
 from model.dense import dense
 from model.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin, rope_for
+from model.moe import moe_block
 from model.paged_decode import decode_attention
 from model.params import LayerParams, ModelParams
 from model.gguf_blocks import GgufBlocks
@@ -187,7 +188,7 @@ def _layer(
         q = qkv[:, :, :, :G].reshape(B, S, config.num_heads, config.head_dim)
         k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
         if lp.q_norm is not None:
-            q, k = rms_norm(q, lp.q_norm, eps), rms_norm(k, lp.k_norm, eps)
+            q, k = _qk_norm(q, lp.q_norm, config), _qk_norm(k, lp.k_norm, config)
         cos, sin = batch.rotations[config.uses_local_rope(i)]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     with jax.named_scope("kv_write"):
@@ -207,6 +208,18 @@ def _layer(
         x = x + (out if lp.post_attn_norm is None else rms_norm(out, lp.post_attn_norm, eps))
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, eps)
-        out = gated_mlp(h, lp.w_gate_up, lp.w_down, config.activation, kernel=batch.cpu_kernels)
+        if config.is_sparse(i):
+            out = moe_block(h, lp, config.moe, config.activation, kernel=batch.cpu_kernels)
+        else:
+            out = gated_mlp(h, lp.w_gate_up, lp.w_down, config.activation, kernel=batch.cpu_kernels)
         x = x + (out if lp.post_mlp_norm is None else rms_norm(out, lp.post_mlp_norm, eps))
         return x, k_pool, v_pool
+
+
+def _qk_norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:
+    """RMSNorm of ``x [B, S, heads, Dh]``: over each head, or over all heads at once (OLMoE
+    normalizes the whole projection; its heads are in HF's order, see model/params.py)."""
+    if not config.qk_norm_whole:
+        return rms_norm(x, weight, config.rms_norm_eps)
+    B, S, heads, Dh = x.shape
+    return rms_norm(x.reshape(B, S, heads * Dh), weight, config.rms_norm_eps).reshape(B, S, heads, Dh)

@@ -36,7 +36,6 @@ _GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
 # Per-arch keys (after "{arch}.") that change the computation in ways raylm does not
 # implement, with the value that means "off" (None: refused whatever the value).
 _UNIMPLEMENTED: dict[str, Any] = {
-    "expert_count": 0,  # mixture of experts
     "attention.scale": None,
     "attention.causal": True,
     "attention.clamp_kqv": 0.0,

@@ -139,7 +139,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 def gated_mlp(
@@ -148,4 +148,4 @@ def gated_mlp(
     """``down(act(gate(x)) * up(x))`` with gate and up as one ``[2, I, D]`` matmul: SwiGLU for
     ``silu``, GeGLU for ``gelu_tanh`` (``kernel``: see ``model.dense``)."""
     gate_up = dense(x, w_gate_up, kernel=kernel)  # [B, S, 2, I]
-    return dense(_ACTIVATIONS[activation](gate_up[:, :, 0]) * gate_up[:, :, 1], w_down, kernel=kernel)
+    return dense(ACTIVATIONS[activation](gate_up[:, :, 0]) * gate_up[:, :, 1], w_down, kernel=kernel)

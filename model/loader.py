@@ -26,16 +26,16 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 GGUF_BLOCKS_CHOICES: tuple[str, ...] = ("auto", "keep", "expand")
 
 
-def keep_gguf_blocks(choice: str, dtype: str, tensor_parallel_size: int) -> bool:
+def keep_gguf_blocks(choice: str, dtype: str, num_devices: int) -> bool:
     """Whether to load GGUF matrices as blocks for ``gguf_blocks=choice``; an impossible
     "keep" is an error naming the setting."""
     if choice not in GGUF_BLOCKS_CHOICES:
         raise ValueError(f"gguf_blocks must be one of {', '.join(GGUF_BLOCKS_CHOICES)}, got {choice!r}")
-    possible = dtype == "float32" and tensor_parallel_size == 1
+    possible = dtype == "float32" and num_devices == 1
     if choice == "keep" and not possible:
         raise ValueError(
             "gguf_blocks=keep serves a float32 model on one device; got "
-            f"dtype={dtype}, tensor_parallel_size={tensor_parallel_size} (use gguf_blocks=auto or expand)"
+            f"dtype={dtype} on {num_devices} devices (tensor x expert parallel; use gguf_blocks=auto or expand)"
         )
     if choice == "auto":
         # On accelerators XLA's dot would dequantize the whole matrix on every call.

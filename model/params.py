@@ -55,8 +55,9 @@ def _norm() -> ArrayInfo:
     return ArrayInfo(lambda c: (c.hidden_size,), ("embed",))
 
 
-def _head_norm() -> ArrayInfo:
-    return ArrayInfo(lambda c: (c.head_dim,), ("head_dim",))
+def _head_norm(heads: Callable[[ModelConfig], int]) -> ArrayInfo:
+    """A q or k norm: over one head (shared by all), or over all ``heads`` at once (OLMoE)."""
+    return ArrayInfo(lambda c: (heads(c) * c.head_dim if c.qk_norm_whole else c.head_dim,), ("head_dim",))
 
 
 def _vocab_matrix() -> ArrayInfo:
@@ -75,18 +76,35 @@ class LayerParams:
     wo: jax.Array = _param(ArrayInfo(lambda c: (c.hidden_size, c.num_heads, c.head_dim),
                                      ("embed", "heads", "head_dim"), input_dims=2))
     mlp_norm: jax.Array = _param(_norm())
-    # Gate, then up.
-    w_gate_up: jax.Array = _param(ArrayInfo(lambda c: (2, c.intermediate_size, c.hidden_size),
-                                            ("gate_up", "mlp", "embed"), input_dims=1))
-    w_down: jax.Array = _param(ArrayInfo(lambda c: (c.hidden_size, c.intermediate_size), ("embed", "mlp"),
-                                         input_dims=1))
+    # The dense MLP (absent in a sparse layer): gate, then up.
+    w_gate_up: Optional[jax.Array] = _param(ArrayInfo(lambda c: (2, c.intermediate_size, c.hidden_size),
+                                                      ("gate_up", "mlp", "embed"), input_dims=1), optional=True)
+    w_down: Optional[jax.Array] = _param(ArrayInfo(lambda c: (c.hidden_size, c.intermediate_size), ("embed", "mlp"),
+                                                   input_dims=1), optional=True)
     bqkv: Optional[jax.Array] = _param(  # Qwen2's attention bias
         ArrayInfo(lambda c: (c.num_kv_heads, c.q_per_kv + 2, c.head_dim), ("kv_heads", "qkv", "head_dim")),
         optional=True)
-    q_norm: Optional[jax.Array] = _param(_head_norm(), optional=True)  # qk_norm models (Qwen3, Gemma 3)
-    k_norm: Optional[jax.Array] = _param(_head_norm(), optional=True)
+    q_norm: Optional[jax.Array] = _param(_head_norm(lambda c: c.num_heads), optional=True)  # qk_norm models
+    k_norm: Optional[jax.Array] = _param(_head_norm(lambda c: c.num_kv_heads), optional=True)
     post_attn_norm: Optional[jax.Array] = _param(_norm(), optional=True)  # sandwich_norms models (Gemma)
     post_mlp_norm: Optional[jax.Array] = _param(_norm(), optional=True)
+    # A sparse layer's experts (model/moe.py), stacked: the router's logits per expert (kept
+    # unquantized: it picks the experts), each expert's gate/up and down.
+    router: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.moe.num_experts, c.hidden_size), ("router", "embed")), optional=True)
+    w_experts_gate_up: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.moe.num_experts, 2, c.moe.expert_size, c.hidden_size),
+                  ("experts", "gate_up", "expert_mlp", "embed"), input_dims=1), optional=True)
+    w_experts_down: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.moe.num_experts, c.hidden_size, c.moe.expert_size),
+                  ("experts", "embed", "expert_mlp"), input_dims=1), optional=True)
+    # Qwen2-MoE's shared expert: a dense MLP beside the experts, scaled by sigmoid(x . shared_gate).
+    w_shared_gate_up: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (2, c.moe.shared_expert_size, c.hidden_size), ("gate_up", "mlp", "embed"), input_dims=1),
+        optional=True)
+    w_shared_down: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.hidden_size, c.moe.shared_expert_size), ("embed", "mlp"), input_dims=1), optional=True)
+    shared_gate: Optional[jax.Array] = _param(ArrayInfo(lambda c: (c.hidden_size,), ("embed",)), optional=True)
 
 
 @jax.tree_util.register_dataclass

@@ -117,7 +117,9 @@ def quantize_params(params: ModelParams, scheme: Scheme) -> ModelParams:
 
     def layer(lp: LayerParams) -> LayerParams:
         return dataclasses.replace(
-            lp, **{f: quantize(getattr(lp, f), scheme, n) for f, n in LAYER_MATRIX_INPUT_DIMS.items()}
+            lp,
+            **{f: quantize(getattr(lp, f), scheme, n) for f, n in LAYER_MATRIX_INPUT_DIMS.items()
+               if getattr(lp, f) is not None},
         )
 
     matrices = {

@@ -1,4 +1,5 @@
-"""Tensor parallelism: one rules table maps logical axis names onto a ``tp`` mesh axis.
+"""Tensor and expert parallelism: one rules table maps logical axis names onto the mesh axes
+``tp`` and ``ep``.
 
 Attention heads, KV heads and the MLP hidden dimension are split over ``tp``; everything
 else is replicated. jit then inserts the collectives. With one device every spec is
@@ -10,6 +11,13 @@ and ``wo``'s ``heads`` split lines up with it. A quantized matrix's scales are s
 its output dims. When ``tp`` does not divide the KV head count
 but is a multiple of it, KV heads (and so the fused QKV projection) are replicated, as vLLM
 replicates KV heads; ``wo`` and the MLP are still split.
+
+Expert parallelism splits a mixture-of-experts layer's stacked experts over ``ep`` (the mesh
+is ``ep x tp``; everything else is replicated over ``ep``, split over ``tp`` as above). Each
+device then holds ``num_experts / ep`` experts; every device sees the step's tokens, its
+share of the grouped matmul computes the rows routed to its own experts, and summing the
+shares (an all-reduce jit inserts) combines them: dispatch by gather and combine by
+all-reduce rather than all-to-all, which at a decode step's few rows moves less.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from model.gguf_blocks import GgufBlocks
 from model.quantization import QuantArray
 
 TP_AXIS = "tp"
+EP_AXIS = "ep"
 
 # Logical axis -> mesh axis (None = replicated). The one place sharding is decided.
 DEFAULT_RULES: Mapping[str, str | None] = {
@@ -40,24 +49,40 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "qkv": None,
     "mlp": TP_AXIS,
     "gate_up": None,
+    "experts": EP_AXIS,
+    "router": None,  # the router's experts: every device routes every token
+    "expert_mlp": None,
     "blocks": None,
     "block_slot": None,
 }
 
 
-def make_mesh(tp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh named ``tp`` over the first ``tp`` local devices."""
+def make_mesh(tp: int = 1, devices: Sequence[jax.Device] | None = None, ep: int = 1) -> Mesh:
+    """An ``ep x tp`` mesh (axes ``ep``, ``tp``) over the first ``ep * tp`` local devices."""
     devices = list(devices if devices is not None else jax.local_devices())
-    if tp < 1 or tp > len(devices):
+    if tp < 1 or ep < 1 or tp * ep > len(devices):
         raise ValueError(
-            f"tensor parallel size {tp} needs {tp} devices but {len(devices)} are visible; "
-            "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N"
+            f"tensor parallel size {tp} x expert parallel size {ep} needs {tp * ep} devices but {len(devices)} "
+            "are visible; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N"
         )
-    return Mesh(np.array(devices[:tp]), (TP_AXIS,))
+    return Mesh(np.array(devices[: tp * ep]).reshape(ep, tp), (EP_AXIS, TP_AXIS))
 
 
-def rules_for(config: ModelConfig, tp: int) -> dict[str, str | None]:
+def check_expert_parallel(config: ModelConfig, ep: int) -> None:
+    """Checks that ``ep`` devices can split the model's experts evenly."""
+    if ep == 1:
+        return
+    if config.moe is None:
+        raise UnsupportedModelError(f"expert parallel size {ep}: {config.architecture} has no experts")
+    if config.moe.num_experts % ep:
+        raise UnsupportedModelError(
+            f"expert parallel size {ep} does not divide the expert count {config.moe.num_experts}"
+        )
+
+
+def rules_for(config: ModelConfig, tp: int, ep: int = 1) -> dict[str, str | None]:
     """The rules table specialised to a model: checks divisibility, replicates KV heads if needed."""
+    check_expert_parallel(config, ep)
     rules = dict(DEFAULT_RULES)
     if tp == 1:
         return rules
@@ -71,6 +96,9 @@ def rules_for(config: ModelConfig, tp: int) -> dict[str, str | None]:
         raise UnsupportedModelError(
             f"tensor parallel size {tp} does not divide intermediate_size={config.intermediate_size}"
         )
+    shared = config.moe.shared_expert_size if config.moe else 0
+    if shared % tp:
+        raise UnsupportedModelError(f"tensor parallel size {tp} does not divide shared_expert_intermediate_size={shared}")
     if config.num_kv_heads % tp:
         if tp % config.num_kv_heads:
             raise UnsupportedModelError(
@@ -88,7 +116,7 @@ def spec_for(axes: Sequence[str], rules: Mapping[str, str | None]) -> PartitionS
 
 def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> ModelParams:
     """A ModelParams-shaped tree of NamedShardings (None where the field is absent)."""
-    rules = rules_for(config, mesh.shape[TP_AXIS])
+    rules = rules_for(config, mesh.shape[TP_AXIS], mesh.shape.get(EP_AXIS, 1))
 
     def named(axes: Sequence[str], leaf: object) -> NamedSharding | QuantArray | GgufBlocks | None:
         if isinstance(leaf, QuantArray):  # the scales follow the matrix's output dims

@@ -40,7 +40,25 @@ _HF_NAMES = {
     "bv": "self_attn.v_proj.bias",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
+    # A sparse layer (model/moe.py): the router, the experts stacked (llama.cpp's "merged"
+    # names; a checkpoint's per-expert tensors are stacked by ``stacked_experts``), and
+    # Qwen2-MoE's shared expert with its gate.
+    "router": "mlp.gate.weight",
+    "experts_gate": "mlp.experts.gate_proj",
+    "experts_up": "mlp.experts.up_proj",
+    "experts_down": "mlp.experts.down_proj",
+    "shared_gate_proj": "mlp.shared_expert.gate_proj.weight",
+    "shared_up": "mlp.shared_expert.up_proj.weight",
+    "shared_down": "mlp.shared_expert.down_proj.weight",
+    "shared_gate": "mlp.shared_expert_gate.weight",
 }
+# How HF checkpoints name each expert's matrices: Qwen-MoE / OLMoE, and Mixtral (w1 gate, w3
+# up, w2 down, under "block_sparse_moe", its router too).
+_EXPERT_NAMINGS = (
+    ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
+    ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
+)
+_EXPERTS_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
 # Sandwich-norm models (Gemma) name their norms after their place: "post_attention" follows
 # attention, and the norm before the MLP is "pre_feedforward" (Llama's "post_attention").
 _SANDWICH_NAMES = {
@@ -82,12 +100,19 @@ def _hf_shape(field: str, config: ModelConfig) -> tuple[int, ...]:
     H, KVH, Dh, D, I = (
         config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size, config.intermediate_size,
     )
+    if config.moe is not None and field.startswith(("router", "experts", "shared")):
+        E, Ie, Is = config.moe.num_experts, config.moe.expert_size, config.moe.shared_expert_size
+        return {
+            "router": (E, D), "experts_gate": (E, Ie, D), "experts_up": (E, Ie, D), "experts_down": (E, D, Ie),
+            "shared_gate_proj": (Is, D), "shared_up": (Is, D), "shared_down": (D, Is), "shared_gate": (1, D),
+        }[field]
     return {
         "attn_norm": (D,), "mlp_norm": (D,),
         "wq": (H * Dh, D), "wk": (KVH * Dh, D), "wv": (KVH * Dh, D), "wo": (D, H * Dh),
         "w_gate": (I, D), "w_up": (I, D), "w_down": (D, I),
         "bq": (H * Dh,), "bk": (KVH * Dh,), "bv": (KVH * Dh,),
-        "q_norm": (Dh,), "k_norm": (Dh,), "post_attn_norm": (D,), "post_mlp_norm": (D,),
+        "q_norm": (H * Dh if config.qk_norm_whole else Dh,), "k_norm": (KVH * Dh if config.qk_norm_whole else Dh,),
+        "post_attn_norm": (D,), "post_mlp_norm": (D,),
     }[field]
 
 
@@ -121,6 +146,39 @@ def unfused(get: TensorSource, config: ModelConfig) -> TensorSource:
     return answer
 
 
+def stacked_experts(get: TensorSource, config: ModelConfig) -> TensorSource:
+    """``get`` that also answers a layer's stacked experts (``mlp.experts.gate_proj``
+    ``[E, ...]``, up, down) from a checkpoint's one tensor per expert, and the router under
+    Mixtral's name. Formats that store them stacked (GGUF) answer the stacked name itself."""
+    experts = 0 if config.moe is None else config.moe.num_experts
+
+    def answer(name: str) -> np.ndarray | GgufBlocks | None:
+        found = get(name)
+        if found is not None or experts == 0:
+            return found
+        match = _LAYER_RE.fullmatch(name)
+        if match is None:
+            return None
+        layer, rest = match.groups()
+        if rest == "mlp.gate.weight":
+            return get(f"model.layers.{layer}.block_sparse_moe.gate.weight")
+        if _EXPERTS_RE.fullmatch(name) is None:
+            return None
+        proj = rest.rsplit(".", 1)[1]
+        for prefix, names in _EXPERT_NAMINGS:
+            parts = [get(f"model.layers.{layer}.{prefix}.experts.{e}.{names[proj]}.weight") for e in range(experts)]
+            if all(p is not None for p in parts):
+                return np.stack([_host(p) for p in parts])
+        return None
+
+    return answer
+
+
+def _host(array: np.ndarray | GgufBlocks) -> np.ndarray:
+    """A float32 numpy array (GGUF blocks expanded, exactly)."""
+    return np.asarray(array.dequantize()) if isinstance(array, GgufBlocks) else np.asarray(array, np.float32)
+
+
 def build_params(
     config: ModelConfig, get: TensorSource, source: str, dtype: jnp.dtype, norm_offset: float = 0.0
 ) -> ModelParams:
@@ -128,7 +186,7 @@ def build_params(
 
     ``norm_offset`` is added to every RMSNorm weight: HF's Gemma checkpoints store ``w`` for
     a norm that multiplies by ``1 + w`` (llama.cpp's GGUF files store ``1 + w`` already)."""
-    get = unfused(get, config)
+    get = stacked_experts(unfused(get, config), config)
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray | GgufBlocks:
         array = get(name)
@@ -164,9 +222,24 @@ def build_params(
             "wqkv": map_rows(lambda q, k, v: fuse_qkv(q, k, v, KVH), hf("wq"), hf("wk"), hf("wv")),
             "wo": wo.with_input_shape((H, Dh)) if isinstance(wo, GgufBlocks) else wo.reshape(D, H, Dh),
             "mlp_norm": hf("mlp_norm"),
-            "w_gate_up": map_rows(lambda g, u: np.stack([g, u]), hf("w_gate"), hf("w_up")),
-            "w_down": hf("w_down"),
         }
+        if config.is_sparse(i):
+            fields.update(
+                router=_host(hf("router")),
+                w_experts_gate_up=np.stack([_host(hf("experts_gate")), _host(hf("experts_up"))], axis=1),
+                w_experts_down=_host(hf("experts_down")),
+            )
+            if config.moe.shared_expert_size:
+                fields.update(
+                    w_shared_gate_up=map_rows(lambda g, u: np.stack([g, u]), hf("shared_gate_proj"), hf("shared_up")),
+                    w_shared_down=hf("shared_down"),
+                    shared_gate=_host(hf("shared_gate")).reshape(D),
+                )
+        else:
+            fields.update(
+                w_gate_up=map_rows(lambda g, u: np.stack([g, u]), hf("w_gate"), hf("w_up")),
+                w_down=hf("w_down"),
+            )
         if config.attention_bias:
             fields["bqkv"] = fuse_qkv(hf("bq"), hf("bk"), hf("bv"), KVH)
         if config.qk_norm:

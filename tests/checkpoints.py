@@ -90,6 +90,25 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
                                   short_factor=[1.0 + 0.1 * i for i in range(8)],
                                   long_factor=[1.5 + 0.5 * i for i in range(8)])),
     ),
+    # Mixtures of experts (model/moe.py): 4-8 small experts, top-2. Mixtral renormalizes the
+    # top-2; Qwen3-MoE too (norm_topk_prob) with a dense layer among the sparse ones
+    # (mlp_only_layers); OLMoE does not renormalize and norms its whole q / k projections;
+    # Qwen2-MoE has a gated shared expert, q/k/v biases and experts on every other layer only.
+    "mixtral": (
+        transformers.MixtralConfig,
+        dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, rope_theta=1e6),
+    ),
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+             mlp_only_layers=[1]),
+    ),
+    "olmoe": (transformers.OlmoeConfig, dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+    "qwen2-moe": (
+        transformers.Qwen2MoeConfig,
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+             decoder_sparse_step=2),
+    ),
 }
 
 _CORPUS = [
@@ -127,6 +146,10 @@ def build_tiny_checkpoint(variant: str, directory: Path, seed: int = 0, **overri
         transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
         transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM,
         transformers.Phi3Config: transformers.Phi3ForCausalLM,
+        transformers.MixtralConfig: transformers.MixtralForCausalLM,
+        transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
+        transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
+        transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     }[config_cls]
     config._attn_implementation = "eager"  # soft-capping and windows as the modeling code writes them
     model = model_cls(config).eval().to(torch.float32)

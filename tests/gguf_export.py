@@ -3,7 +3,8 @@
 Independent of raylm's loader: tensor names come from the gguf package's own HF -> GGUF map
 (``gguf.get_tensor_name_map``) and the metadata keys from its writer, per architecture as the
 converter writes them (its LlamaModel for Llama and Mistral, Qwen3Model, Gemma2Model,
-Gemma3Model, Phi3MiniModel): Q/K rows permuted for llama only, ``1 + w`` in Gemma's norms,
+Gemma3Model, Phi3MiniModel, and for experts its LlamaModel (Mixtral), Qwen3MoeModel and
+OlmoeModel, which stack each layer's experts into one tensor): Q/K rows permuted for llama only, ``1 + w`` in Gemma's norms,
 Phi-3's fused qkv / gate_up kept whole with its LongRoPE factors as tensors, Llama 3's RoPE
 as a ``rope_freqs`` tensor. Two things the converter drops and these tests need are written
 in the keys llama.cpp defines for them: a Mistral window (``attention.sliding_window``) and
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,14 @@ _ARCHES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "OlmoeForCausalLM": "olmoe",
+    "Qwen2MoeForCausalLM": "qwen2moe",
 }
+# llama.cpp's fixed choice, per architecture, of renormalizing the top-k expert weights.
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
+_EXPERT_RE = re.compile(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight")
 
 
 def export_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
@@ -116,6 +125,24 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
             w.add_sliding_window(hp["sliding_window"])
     if arch in ("gemma2", "gemma3"):
         _write_gemma(w, arch, hp)
+    experts = hp.get("num_local_experts") or hp.get("num_experts")
+    if experts:
+        _write_experts(w, arch, hp, experts)
+
+
+def _write_experts(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], experts: int) -> None:
+    # llama.cpp makes every layer sparse and fixes the renormalization per architecture.
+    if hp.get("mlp_only_layers") or (hp.get("decoder_sparse_step") or 1) != 1:
+        raise ValueError(f"a {arch} GGUF has experts on every layer; this config mixes in dense ones")
+    norm = True if arch == "llama" else bool(hp.get("norm_topk_prob"))
+    if norm != _NORM_TOPK[arch]:
+        raise ValueError(f"norm_topk_prob={norm}: llama.cpp's {arch} implies {_NORM_TOPK[arch]}")
+    w.add_expert_count(experts)
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+    if "moe_intermediate_size" in hp:
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    if hp.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
 
 
 def _write_gemma(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
@@ -142,7 +169,7 @@ def _tensors(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], tensors: dict[st
     """(GGUF name, array) pairs, as the converter's modify_tensors / generate_extra_tensors give."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hp["num_hidden_layers"])
     heads, kv_heads = hp["num_attention_heads"], hp["num_key_value_heads"]
-    for hf_name, array in tensors.items():
+    for hf_name, array in _merged_experts(tensors).items():
         if hf_name == "lm_head.weight" and hp.get("tie_word_embeddings"):
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -161,6 +188,22 @@ def _tensors(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], tensors: dict[st
         yield "rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32)
     if arch == "llama" and rope.get("rope_type") == "llama3":
         yield "rope_freqs.weight", _llama3_divisors(rope, _head_dim(hp))
+
+
+def _merged_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each layer's per-expert matrices stacked into one ``[E, ...]`` tensor named as the
+    converter names it (``...experts.gate_proj.weight``, Mixtral's ``...experts.w1.weight``)."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, array in tensors.items():
+        match = _EXPERT_RE.fullmatch(name)
+        if match is None:
+            out[name] = array
+        else:
+            stacks.setdefault(f"{match.group(1)}.{match.group(3)}.weight", {})[int(match.group(2))] = array
+    for name, parts in stacks.items():
+        out[name] = np.stack([parts[e] for e in range(len(parts))])
+    return out
 
 
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -69,7 +69,7 @@ class LLMEngine:
         self.eos_ids = frozenset(self.config.eos_token_ids)
         if args.compilation_cache_dir:
             enable_compilation_cache(args.compilation_cache_dir)
-        mesh = make_mesh(args.tensor_parallel_size)
+        mesh = make_mesh(args.tensor_parallel_size, ep=args.expert_parallel_size)
         kv_dtype = kv_pool_dtype(args.kv_cache_dtype, parse_dtype(args.dtype))
         num_blocks = args.num_kv_blocks or blocks_for_budget(
             self.config, args.block_size, kv_dtype, args.kv_cache_memory_bytes, args.kv_cache_memory_fraction,

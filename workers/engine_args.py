@@ -42,6 +42,7 @@ class EngineArgs:
     num_scheduler_steps: int = 1
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1  # devices a mixture-of-experts model's experts are split over
     seed: int = 0  # seeds the per-request seeds of requests that give none
     warmup: bool = False  # compile every shape bucket at start-up
     compilation_cache_dir: str | None = None  # persistent XLA cache (the CLI uses ~/.cache/raylm/jax)
@@ -55,7 +56,12 @@ class EngineArgs:
 
     def keep_gguf_blocks(self) -> bool:
         """Whether this replica loads a GGUF's block matrices as stored."""
-        return keep_gguf_blocks(self.gguf_blocks, self.dtype, self.tensor_parallel_size)
+        return keep_gguf_blocks(self.gguf_blocks, self.dtype, self.num_devices)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices one replica spans: tensor x expert parallel."""
+        return self.tensor_parallel_size * self.expert_parallel_size
 
     def cache_salt(self, model_name: str, loaded_quantization: str | None = None) -> str:
         """The salt of the served model's block hashes, derived here only: the replica's
@@ -83,7 +89,7 @@ class EngineArgs:
                              f"with num_scheduler_steps={self.num_scheduler_steps}; set num_scheduler_steps to 1")
         kv_pool_dtype(self.kv_cache_dtype, jnp.float32)  # raises, naming the choices, on an unknown name
         parse_quantization(self.quantization)  # likewise
-        keep_gguf_blocks(self.gguf_blocks, self.dtype, self.tensor_parallel_size)  # likewise, and an impossible keep
+        keep_gguf_blocks(self.gguf_blocks, self.dtype, self.num_devices)  # likewise, and an impossible keep
         EmbeddingState(self.embedding_pooling)  # likewise
         if not (isinstance(self.hidden_state_slots, int) and self.hidden_state_slots >= 0):
             raise ValueError(f"hidden_state_slots must be an integer >= 0, got {self.hidden_state_slots!r}")

@@ -30,11 +30,12 @@ def test_serve_config_file_args_are_a_valid_deploy_config():
 
 def test_every_engine_arg_is_settable_from_yaml():
     config = parse_deploy_config({"engine": {"num_kv_blocks": 64, "max_num_seqs": 8, "scheduling_policy": "priority"},
-                                  "workers": {"tensor_parallel_size": 2},
+                                  "workers": {"tensor_parallel_size": 2, "expert_parallel_size": 2},
                                   "model": {"dtype": "bfloat16", "quantization": "int8", "gguf_blocks": "expand"}})
     args = config.engine_args()
     assert (args.num_kv_blocks, args.max_num_seqs, args.scheduling_policy) == (64, 8, "priority")
     assert (args.tensor_parallel_size, args.dtype, args.quantization) == (2, "bfloat16", "int8")
+    assert args.expert_parallel_size == 2 and args.num_devices == 4
     assert args.gguf_blocks == "expand" and not args.keep_gguf_blocks()
 
 

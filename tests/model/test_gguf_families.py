@@ -30,7 +30,8 @@ _OVERRIDES = {
     "gemma3": dict(query_pre_attn_scalar=32),
     "phi3-longrope": dict(sliding_window=24),
 }
-FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-sliding", "llama3-rope", "llama-yarn", "qwen2"]
+FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-sliding", "llama3-rope", "llama-yarn", "qwen2",
+            "mixtral", "olmoe"]  # (qwen3moe's keys: the refusal test below; its tensors are olmoe's)
 
 
 def _prompt(length: int = PROMPT_LEN) -> list[int]:
@@ -92,6 +93,21 @@ def test_config_follows_llama_cpp_conventions(tmp_path):
     assert config.rope_scaling.long_factor[-1] == 5.0 and config.rope_scaling.original_max_position_embeddings == 32
 
 
+def test_moe_config_follows_llama_cpp_conventions(tmp_path):
+    from model.moe_config import MoeConfig
+
+    path, _ = _export("olmoe", tmp_path)
+    config = GGUFFile(path).config()  # OLMoE: no renormalization, whole-projection q/k norms
+    assert config.moe == MoeConfig(8, 2, 32, False, (True,) * 3) and config.qk_norm_whole
+    path, _ = _export("mixtral", tmp_path)
+    config = GGUFFile(path).config()  # a "llama" file with experts: Mixtral's renormalized top-2
+    assert config.architecture == "llama" and config.moe == MoeConfig(4, 2, 64, True, (True,) * 3)
+    directory, _ = build_tiny_checkpoint("qwen2-moe", tmp_path / "q2m", decoder_sparse_step=1)
+    file = GGUFFile(export_gguf(directory, tmp_path / "q2m.gguf"))  # shared expert: its size and tensors
+    assert file.config().moe == MoeConfig(4, 2, 32, False, (True,) * 3, shared_expert_size=64)
+    assert {"blk.0.ffn_gate_inp_shexp.weight", "blk.0.ffn_up_shexp.weight"} <= set(file.tensor_names)
+
+
 def _fields(**extra):
     base = {
         "general.architecture": "gemma2", "gemma2.embedding_length": 4608, "gemma2.attention.head_count": 32,
@@ -126,6 +142,9 @@ def test_gemma_defaults_and_27b_query_scale_are_llama_cpps():
           "qwen3.block_count": 2, "qwen3.feed_forward_length": 128, "qwen3.final_logit_softcapping": 30.0},
          "qwen3.final_logit_softcapping"),
         ({"gemma2.expert_count": 8}, "gemma2.expert_count"),
+        ({"general.architecture": "qwen3moe", "qwen3moe.embedding_length": 64, "qwen3moe.attention.head_count": 4,
+          "qwen3moe.block_count": 2, "qwen3moe.feed_forward_length": 128, "qwen3moe.expert_count": 8,
+          "qwen3moe.expert_used_count": 2, "qwen3moe.expert_gating_func": 2}, "qwen3moe.expert_gating_func"),
         ({"gemma2.rope.dimension_count": 64}, "gemma2.rope.dimension_count"),
         ({"gemma2.rope.scaling.type": "linear", "gemma2.rope.scaling.factor": 2.0,
           "gemma2.rope.scaling.attn_factor": 0.5}, "gemma2.rope.scaling.attn_factor"),

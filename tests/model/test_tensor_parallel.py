@@ -1,4 +1,4 @@
-"""TP=2 over two forced host devices gives the logits and tokens of TP=1."""
+"""TP=2 (and EP=2) over two forced host devices gives the logits and tokens of one device."""
 
 from __future__ import annotations
 
@@ -35,6 +35,30 @@ def test_tp2_equals_tp1(tmp_path, variant, overrides):
     assert layer.w_gate_up.addressable_shards[0].data.shape[1] == config.intermediate_size // 2
     np.testing.assert_allclose(tp2.prompt_logits(ids), tp1.prompt_logits(ids), atol=1e-4, rtol=1e-5)
     assert list(tp2.generate(ids, 24)) == list(tp1.generate(ids, 24))
+
+
+def test_ep2_equals_ep1(tmp_path):
+    """Experts split over 2 devices (4 each; layer 1 is dense) give the single-device logits and tokens."""
+    path, _ = build_tiny_checkpoint("qwen3-moe", tmp_path / "m")
+    config, params = load_checkpoint(path)
+    ids = np.random.RandomState(3).randint(3, 320, size=40).tolist()
+    ep1 = SingleSequenceGenerator(config, params, mesh=make_mesh(1))
+    ep2 = SingleSequenceGenerator(config, params, mesh=make_mesh(ep=2))
+    layer = ep2.params.layers[0]
+    assert layer.w_experts_gate_up.addressable_shards[0].data.shape[0] == config.moe.num_experts // 2
+    assert layer.wqkv.addressable_shards[0].data.shape == layer.wqkv.shape  # attention replicated
+    np.testing.assert_allclose(ep2.prompt_logits(ids), ep1.prompt_logits(ids), atol=1e-4, rtol=1e-5)
+    assert list(ep2.generate(ids, 24)) == list(ep1.generate(ids, 24))
+
+
+def test_ep_must_divide_experts(tmp_path):
+    path, _ = build_tiny_checkpoint("mixtral", tmp_path / "m")
+    config, _ = load_checkpoint(path)
+    with pytest.raises(UnsupportedModelError, match="does not divide the expert count 4"):
+        rules_for(config, 1, ep=3)
+    dense, _ = load_checkpoint(build_tiny_checkpoint("llama-gqa", tmp_path / "d")[0])
+    with pytest.raises(UnsupportedModelError, match="has no experts"):
+        rules_for(dense, 1, ep=2)
 
 
 def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path):

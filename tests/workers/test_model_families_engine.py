@@ -1,7 +1,7 @@
 """Every model family through the batching engine: greedy tokens equal HF transformers' own
 greedy decoding on the same weights, with batching, paging, prefix caching, chunked prefill and
 preemption, tensor parallelism and speculative decoding (sliding windows, soft-caps, q/k norms,
-sandwich norms, fused checkpoints included). Where the C++ CPU kernels are built the
+sandwich norms, fused checkpoints, mixtures of experts included). Where the C++ CPU kernels are built the
 single-device engine runs them (decode and packed prompt attention by the paged kernel, windows
 and soft-caps included), so this checks them against HF too."""
 
@@ -30,9 +30,12 @@ ENGINE_SETTINGS = {
     "chunked-preempted-prefix-cached": dict(num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=24),
     "tensor-parallel-2": dict(num_kv_blocks=400, tensor_parallel_size=2),
     "draft-speculation": dict(num_kv_blocks=400, speculative=dict(method="draft", num_layers=1, num_speculative_tokens=3)),
+    "expert-parallel-2": dict(num_kv_blocks=400, expert_parallel_size=2),
 }
-CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES] + [
-    ("gemma3", "tensor-parallel-2"), ("gemma2", "draft-speculation"),
+# Mixtures of experts, one setting each (their routing and experts are the difference).
+MOE_FAMILIES = ["mixtral", "qwen3-moe", "olmoe"]  # (qwen2-moe: tests/model/test_model_vs_hf.py)
+CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + MOE_FAMILIES] + [
+    ("gemma3", "tensor-parallel-2"), ("gemma2", "draft-speculation"), ("olmoe", "expert-parallel-2"),
 ]
 
 
@@ -60,7 +63,7 @@ def test_engine_greedy_equals_hf(families, name, setting):
         # pool (a few windows) to make the sequences preempt each other.
         settings = {**settings, "num_kv_blocks": 6}
     llm = LLM(model, max_model_len=256, **settings)
-    if setting != "tensor-parallel-2":  # (a sharded program keeps the jnp path)
+    if "parallel" not in setting:  # (a sharded program keeps the jnp path)
         assert llm.engine.runner.cpu_kernels == paged_decode.available()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
