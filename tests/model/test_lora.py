@@ -63,7 +63,7 @@ def test_rows_with_their_own_adapters_match_merged_hf(base, tmp_path):
     assert np.abs(expected[1] - expected[0]).max() > 1 and np.abs(expected[2] - expected[0]).max() > 1
 
     # More rows than slots (every slot's A as one matrix, masked), then rows gathering their own.
-    for slots in ([1, 2, 0, 1], [2], [1, 0]):
+    for slots in ([1, 2, 0, 1], [2]):
         B = len(slots)
         logits = _logits(params, config, LoraBatch(weights, np.array(slots, np.int32)),
                          np.tile(ids, (B, 1)).astype(np.int32), np.tile(np.arange(40, dtype=np.int32), (B, 1)),

@@ -47,7 +47,8 @@ def test_mixed_adapters_lru_slots_and_prefix_cache_match_merged_hf(served):
     assert len({tuple(tokens) for (p, _), tokens in expected.items() if p == 0}) == len(requests)  # adapters matter
 
     llm = LLM(str(path), enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=5, max_num_seqs=16,
-              num_kv_blocks=64, max_model_len=128, speculative=dict(method="ngram", num_speculative_tokens=3))
+              num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=128,
+              speculative=dict(method="ngram", num_speculative_tokens=3))
     engine = llm.engine
     # Round one: every (prompt, adapter) pair at once. Four adapters fill the slots and share
     # batches with base rows; the fifth waits until a slot's requests finish, then takes it.
