@@ -66,6 +66,7 @@ class FakeWorker:
     def __init__(self, script: list[Any] | None = None):
         self.script: list[Any] = script or []
         self.calls: list[FakeCall] = []
+        self.requests: list[Any] = []  # what each call was given (GenerateRequest)
         self.generate = self
 
     def options(self, **_: Any) -> "FakeWorker":
@@ -74,6 +75,7 @@ class FakeWorker:
     def remote(self, request: Any) -> FakeCall:
         call = FakeCall(list(self.script))
         self.calls.append(call)
+        self.requests.append(request)
         return call
 
 
