@@ -327,17 +327,19 @@ class AsyncEngine:
             if not finished:
                 self._submit(Abort(request_id, reply=None))
 
-    async def beam_search(self, prompt_ids: Sequence[int], params: BeamSearchParams,
-                          request_id: str) -> list[CompletionOutput]:
+    async def beam_search(self, prompt_ids: Sequence[int], params: BeamSearchParams, request_id: str,
+                          lora_request: LoRARequest | None = None) -> list[CompletionOutput]:
         """The ``beam_width`` best continuations by beam search (``workers/beam_search.py``):
-        each step, every live beam runs as a one-token request; cancelling aborts them all."""
+        each step, every live beam runs as a one-token request (with ``lora_request``'s
+        adapter); cancelling aborts them all."""
         search = BeamSearch(params, self.llm_engine.eos_ids)
         step_params = params.step_params()
         ids = itertools.count()
 
         async def candidates(tokens: tuple[int, ...]) -> dict[int, float]:
             final = None
-            async for output in self.generate([*prompt_ids, *tokens], step_params, f"{request_id}-{next(ids)}"):
+            async for output in self.generate([*prompt_ids, *tokens], step_params, f"{request_id}-{next(ids)}",
+                                              lora_request=lora_request):
                 final = output
             return final.outputs[0].logprobs[0]
 

@@ -125,11 +125,10 @@ class LLMWorker:
         lora = None
         if request.lora_name is not None:
             lora = self.loras.get(request.lora_name)
-            if lora is None or request.beam is not None:
-                raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not served by this replica"
-                                          if lora is None else "beam search does not take a LoRA adapter")
+            if lora is None:
+                raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not served by this replica")
         if request.beam is not None:
-            yield await self._beam_search(request)
+            yield await self._beam_search(request, lora)
             return
         reported: set[int] = set()
         started = False
@@ -148,11 +147,11 @@ class LLMWorker:
             if started:
                 recorder.finish()
 
-    async def _beam_search(self, request: GenerateRequest) -> GenerateChunk:
+    async def _beam_search(self, request: GenerateRequest, lora: LoRARequest | None) -> GenerateChunk:
         """A beam search request's one chunk: every beam, finished (recorded as one request)."""
         recorder = RequestMetricsRecorder(self.metrics, prompt_tokens=len(request.prompt_token_ids))
         try:
-            beams = await self.engine.beam_search(request.prompt_token_ids, request.beam, request.request_id)
+            beams = await self.engine.beam_search(request.prompt_token_ids, request.beam, request.request_id, lora)
             recorder.on_beams(beams)
         except EngineShutdownError as err:
             raise ReplicaDrainingError(f"this replica's engine stopped ({err}); retry") from None

@@ -66,10 +66,12 @@ class LLM:
             ids.append(request_id)
         return [out.embedding for out in self._run(ids)]
 
-    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams) -> list[list[CompletionOutput]]:
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[list[CompletionOutput]]:
         """The ``beam_width`` best continuations of every prompt by beam search (best first;
-        ``cumulative_logprob`` is the beam's). Each step runs every live beam of every prompt
-        as one batch of one-token requests; the prefix cache shares what beams have in common."""
+        ``cumulative_logprob`` is the beam's), with ``lora_request``'s adapter. Each step runs
+        every live beam of every prompt as one batch of one-token requests; the prefix cache
+        shares what beams have in common."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompt_ids = [self._token_ids(p) for p in prompts]
@@ -80,7 +82,7 @@ class LLM:
             for i, (prompt, search) in enumerate(zip(prompt_ids, searches)):
                 for j, beam in enumerate(search.live):
                     request_id = f"beam-{next(self._ids)}"
-                    self.engine.add_request(request_id, prompt + list(beam.tokens), step)
+                    self.engine.add_request(request_id, prompt + list(beam.tokens), step, lora_request=lora_request)
                     ids[request_id] = (i, j)
             outputs = self._run(list(ids))
             candidates: list[list[dict[int, float]]] = [[{} for _ in s.live] for s in searches]

@@ -1,5 +1,6 @@
 """LoRA adapters over HTTP on a real Ray cluster, with the official ``openai`` client: the request's
-``model`` picks the adapter, and each answer equals the offline engine's with that adapter."""
+``model`` picks the adapter, and each answer (beam search too) equals the offline engine's with
+that adapter."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from tests.checkpoints import build_tiny_checkpoint
 from tests.lora_adapters import MODULES, write_adapter
 from workers import LLM, LoRARequest, SamplingParams
+from workers.sampling_params import BeamSearchParams
 
 openai = pytest.importorskip("openai")
 
@@ -47,3 +49,10 @@ def test_each_adapter_answers_as_offline(lora_app):
     outputs = offline.generate([{"prompt_token_ids": PROMPT}] * 3, SamplingParams(max_tokens=8, temperature=0),
                                lora_request=requests)
     assert [o.outputs[0].text for o in outputs] == [served["tiny"], served["sql"], served["chat"]]
+
+    # Beam search with an adapter: every beam step runs with it.
+    beams = client.completions.create(model="sql", prompt=PROMPT, n=2, max_tokens=4,
+                                      extra_body={"use_beam_search": True})
+    expected = offline.beam_search({"prompt_token_ids": PROMPT}, BeamSearchParams(beam_width=2, max_tokens=4),
+                                   lora_request=requests[1])
+    assert [c.text for c in beams.choices] == [b.text for b in expected[0]]
