@@ -33,7 +33,7 @@ def lora_app(serve_cluster, tmp_path_factory):
     serve_cluster.remove(app)
 
 
-def test_each_adapter_answers_as_offline(lora_app):
+def test_each_adapter_answers_as_offline(lora_app, capsys):
     app, path, adapters = lora_app
     client = openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     models = {m.id: m for m in client.models.list().data}
@@ -56,3 +56,8 @@ def test_each_adapter_answers_as_offline(lora_app):
     expected = offline.beam_search({"prompt_token_ids": PROMPT}, BeamSearchParams(beam_width=2, max_tokens=4),
                                    lora_request=requests[1])
     assert [c.text for c in beams.choices] == [b.text for b in expected[0]]
+
+    from deploy.cli import main
+
+    assert main(["status", "--app", "lora"]) == 0
+    assert "sql, chat" in capsys.readouterr().out  # the replica's resident adapters, by slot
