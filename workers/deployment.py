@@ -93,8 +93,8 @@ class LLMWorker:
         self.engine = await asyncio.to_thread(AsyncEngine.from_model, model, **engine_args)
         # Served adapters, read now: one that cannot be served fails the replica's start, naming it.
         self.loras = {lora.lora_name: lora for lora in lora_modules}
-        for lora in lora_modules:
-            await asyncio.to_thread(self.engine.llm_engine.loras.add, lora)
+        for lora in lora_modules:  # on the engine thread: its adapter registry is not shared
+            await self.engine.run_in_engine(lambda engine, lora=lora: engine.loras.add(lora))
         self.stuck_after_s = stuck_after_s
         self.draining = False
         replica = serve.get_replica_context().replica_id.unique_id
