@@ -60,6 +60,13 @@ def block_hashes(
     return hashes
 
 
+def adapter_salt(salt: str, adapter: str | None) -> str:
+    """The salt of blocks computed with LoRA adapter ``adapter`` (by name; None: the base model):
+    an adapter changes every layer's K/V, so its blocks never match the base model's or another
+    adapter's."""
+    return salt if adapter is None else f"{salt}:lora:{adapter}"
+
+
 def model_salt(model: str, dtype: str, quantization: str = "none") -> str:
     """The salt of a served model's block hashes: the engine and the router must agree on it.
     Quantized weights compute other K/V, so they hash apart."""

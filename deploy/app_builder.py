@@ -63,7 +63,7 @@ def build_application(config: DeployConfig) -> Application:
         **workers.deployment_options().serve_options(),
     ).bind(
         config.model.name, dataclasses.asdict(engine_args), workers.stuck_after_s,
-        served_model_name=config.served_model_name,
+        served_model_name=config.served_model_name, lora_modules=config.model.lora_requests(),
     )
     return OpenAIRouter.options(
         num_replicas=config.router.num_replicas,
@@ -96,6 +96,7 @@ def router_settings(config: DeployConfig) -> RouterSettings:
         block_size=engine_args.block_size,
         tool_call_parser=config.model.tool_call_parser,
         cache_salt=engine_args.cache_salt(config.model.name),
+        lora_modules={m.name: m.path for m in config.model.lora_modules},
     )
 
 

@@ -18,6 +18,7 @@ from model import DEFAULT_MODEL
 from router.settings import RouterSettings
 from workers.deployment_options import DEFAULT_STUCK_AFTER_S, WorkerDeploymentOptions
 from workers.engine_args import EngineArgs
+from workers.lora_manager import LoRARequest
 from workers.speculative import SpeculativeConfig
 
 
@@ -27,6 +28,13 @@ class DeployConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoraModuleSection(_Section):
+    """One entry of ``model.lora_modules``: a PEFT LoRA adapter directory served under ``name``."""
+
+    name: str = Field(min_length=1, description="what requests send as model to use the adapter")
+    path: str = Field(min_length=1, description="directory with adapter_config.json and adapter_model.safetensors")
 
 
 class ModelSection(_Section):
@@ -40,6 +48,20 @@ class ModelSection(_Section):
         "of the bytes; auto: on one CPU device in float32) or expanded to float32 at load")
     tool_call_parser: Literal["hermes"] = Field(
         RouterSettings.tool_call_parser, description="the format tool calls are written and read in (router/tools.py)")
+    lora_modules: list[LoraModuleSection] = Field(
+        [], description="LoRA adapters served beside the base model (turns engine.enable_lora on)")
+
+    @pydantic.model_validator(mode="after")
+    def _distinct_adapters(self) -> "ModelSection":
+        names = [m.name for m in self.lora_modules]
+        clashes = sorted({n for n in names if names.count(n) > 1} | ({self.name, self.served_model_name} & set(names)))
+        if clashes:
+            raise ValueError(f"lora_modules names must be distinct and differ from the model's: {clashes}")
+        return self
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """The adapters as the engine takes them (ids in file order, from 1)."""
+        return [LoRARequest(m.name, i, str(Path(m.path).expanduser())) for i, m in enumerate(self.lora_modules, 1)]
 
 
 class NgramSection(_Section):
@@ -216,7 +238,7 @@ class DeployConfig(_Section):
                 gguf_blocks=self.model.gguf_blocks,
                 tensor_parallel_size=self.workers.tensor_parallel_size,
                 expert_parallel_size=self.workers.expert_parallel_size,
-                **self.engine.model_dump(),
+                **{**self.engine.model_dump(), "enable_lora": self.engine.enable_lora or bool(self.model.lora_modules)},
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"engine: {err}") from None

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 from cluster.local_ray import apply_local_ray_env
 from cluster.names import DEFAULT_APP_NAME, ROUTER_DEPLOYMENT
+from workers.engine_stats import LoraStats
 from workers.speculative import SpecDecodeStats
 
 
@@ -36,6 +37,13 @@ def speculation_summary(spec: SpecDecodeStats | None) -> str:
     rate = f"{100 * spec.acceptance_rate:.0f}%" if drafted else "-"
     mean = f"{spec.mean_accepted:.2f}" if spec.num_drafts else "-"
     return f"{accepted}/{drafted} ({rate}), {mean} per step"
+
+
+def lora_summary(lora: LoraStats | None) -> str:
+    """The adapters resident on a replica's device, or "off"."""
+    if lora is None:
+        return "off"
+    return ", ".join(lora.resident) or "none"
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -70,10 +78,10 @@ def run_status(args: argparse.Namespace) -> int:
     reports = replica_reports(args.app)
     print("\nWorker replicas")
     print(table(["replica", "node", "running", "waiting", "queued tokens", "KV used", "requests", "generated",
-                 "spec accepted"], [
+                 "spec accepted", "LoRA adapters"], [
         [rid, r.node_id[:12], r.engine.running, r.engine.waiting, r.engine.waiting_tokens,
          f"{100 * r.engine.pool.usage:.1f}%", r.engine.requests, r.engine.generation_tokens,
-         speculation_summary(r.engine.spec)]
+         speculation_summary(r.engine.spec), lora_summary(r.engine.lora)]
         for rid, r in sorted(reports.items())
     ]))
     try:

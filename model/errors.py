@@ -19,3 +19,8 @@ class UnsupportedModelError(ModelError):
 
 class PromptTooLongError(ModelError, ValueError):
     """The prompt (plus requested new tokens) does not fit the model's context window."""
+
+
+class LoraAdapterError(ModelError, ValueError):
+    """A LoRA adapter cannot be served: unreadable or malformed files, a feature raylm lacks
+    (DoRA, ``modules_to_save``, biases), or shapes and ranks its base model or replica refuse."""

@@ -25,6 +25,7 @@ from model.config import ModelConfig
 from model.dense import dense
 from model.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin, rope_for
 from model.moe import moe_block
+from model.lora_weights import LayerLora, LoraBatch
 from model.paged_decode import decode_attention
 from model.params import LayerParams, ModelParams
 from model.gguf_blocks import GgufBlocks
@@ -45,6 +46,7 @@ def forward(
     pool_segments: jax.Array | None = None,
     num_pool_segments: int = 0,
     hidden_sink: HiddenSink | None = None,
+    lora: LoraBatch | None = None,
 ) -> tuple:
     """Run ``tokens [B, S]`` through the model, writing their K/V into ``kv``.
 
@@ -66,6 +68,9 @@ def forward(
     ``output_hidden_states`` numbers them (0: the embeddings, ``i``: the residual stream after
     layer ``i - 1``, ``L``: the final-normed output), into the sink's buffers, and returns the
     updated buffers last.
+
+    With ``lora`` each row ``b`` adds its LoRA adapter's deltas (slot ``lora.slots[b]``, 0 for
+    none) to the projections of every layer (model/lora_weights.py).
     """
     valid = (positions >= 0) & (positions < context_lens[:, None])
     block, offset = slot_indices(positions, block_tables, valid, kv.block_size)
@@ -89,7 +94,8 @@ def forward(
     sink = None if hidden_sink is None else hidden_sink.write(0, x, valid)
     for i, lp in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):  # traces (``raylm profile``) read as layers and ops
-            x, k_pool, v_pool = _layer(lp, config, batch, i, x, k_pool, v_pool)
+            layer_lora = None if lora is None else LayerLora(lora.weights[i], lora.slots, cpu_kernels)
+            x, k_pool, v_pool = _layer(lp, config, batch, i, x, k_pool, v_pool, layer_lora)
         if sink is not None and i + 1 < len(params.layers):
             sink = sink.write(i + 1, x, valid)
     if sink is not None:
@@ -172,10 +178,12 @@ class _Batch(NamedTuple):
 
 
 def _layer(
-    lp: LayerParams, config: ModelConfig, batch: _Batch, i: int, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array
+    lp: LayerParams, config: ModelConfig, batch: _Batch, i: int, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+    lora: LayerLora | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer: fused QKV, (q/k norm), RoPE, K/V write into layer ``i``, attention,
-    fused MLP; with sandwich norms each block's output is normed before its residual add."""
+    fused MLP; with sandwich norms each block's output is normed before its residual add; each
+    projection plus its LoRA delta with ``lora``."""
     B, S, _ = x.shape
     G = config.q_per_kv
     eps = config.rms_norm_eps
@@ -183,6 +191,8 @@ def _layer(
     with jax.named_scope("qkv"):
         h = rms_norm(x, lp.attn_norm, eps)
         qkv = dense(h, lp.wqkv, kernel=batch.cpu_kernels)  # [B, S, KVH, G + 2, Dh]
+        if lora is not None:
+            qkv = qkv + lora.qkv(h)
         if lp.bqkv is not None:
             qkv = qkv + lp.bqkv
         q = qkv[:, :, :, :G].reshape(B, S, config.num_heads, config.head_dim)
@@ -205,13 +215,15 @@ def _layer(
             )
     with jax.named_scope("wo"):
         out = dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
+        if lora is not None:
+            out = out + lora.delta("o_proj", attn)
         x = x + (out if lp.post_attn_norm is None else rms_norm(out, lp.post_attn_norm, eps))
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, eps)
         if config.is_sparse(i):
             out = moe_block(h, lp, config.moe, config.activation, kernel=batch.cpu_kernels)
         else:
-            out = gated_mlp(h, lp.w_gate_up, lp.w_down, config.activation, kernel=batch.cpu_kernels)
+            out = gated_mlp(h, lp.w_gate_up, lp.w_down, config.activation, kernel=batch.cpu_kernels, lora=lora)
         x = x + (out if lp.post_mlp_norm is None else rms_norm(out, lp.post_mlp_norm, eps))
         return x, k_pool, v_pool
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.dense import dense
+from model.lora_weights import LayerLora
 from model.rope_config import RopeScaling
 
 
@@ -143,9 +144,15 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 
 
 def gated_mlp(
-    x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, activation: str = "silu", *, kernel: bool = False
+    x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, activation: str = "silu", *, kernel: bool = False,
+    lora: LayerLora | None = None,
 ) -> jax.Array:
     """``down(act(gate(x)) * up(x))`` with gate and up as one ``[2, I, D]`` matmul: SwiGLU for
-    ``silu``, GeGLU for ``gelu_tanh`` (``kernel``: see ``model.dense``)."""
+    ``silu``, GeGLU for ``gelu_tanh`` (``kernel``: see ``model.dense``); each matmul plus its
+    LoRA delta with ``lora``."""
     gate_up = dense(x, w_gate_up, kernel=kernel)  # [B, S, 2, I]
-    return dense(ACTIVATIONS[activation](gate_up[:, :, 0]) * gate_up[:, :, 1], w_down, kernel=kernel)
+    if lora is not None:
+        gate_up = gate_up + lora.gate_up(x)
+    hidden = ACTIVATIONS[activation](gate_up[:, :, 0]) * gate_up[:, :, 1]
+    out = dense(hidden, w_down, kernel=kernel)
+    return out if lora is None else out + lora.delta("down_proj", hidden)

@@ -5,6 +5,9 @@ Attention heads, KV heads and the MLP hidden dimension are split over ``tp``; ev
 else is replicated. jit then inserts the collectives. With one device every spec is
 trivially replicated, so the single-device path is the same code.
 
+LoRA adapter slots (model/lora_weights.py) follow their base matrices: ``A`` is split like the
+matrix's input dims, ``B`` like its output dims, the slot and rank dims are replicated.
+
 The fused QKV matrix is grouped by KV head (model/params.py), so splitting its ``kv_heads``
 axis hands each device whole groups: its KV heads with the query heads that read them,
 and ``wo``'s ``heads`` split lines up with it. A quantized matrix's scales are split like
@@ -33,6 +36,7 @@ from model.config import ModelConfig
 from model.errors import UnsupportedModelError
 from model.params import LAYER_AXES, MODEL_AXES, LayerParams, ModelParams
 from model.gguf_blocks import GgufBlocks
+from model.lora_weights import LoraPair, LoraWeights, lora_axes
 from model.quantization import QuantArray
 
 TP_AXIS = "tp"
@@ -54,6 +58,8 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "expert_mlp": None,
     "blocks": None,
     "block_slot": None,
+    "lora_slots": None,
+    "lora_rank": None,
 }
 
 
@@ -147,3 +153,15 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
 def shard_params(params: ModelParams, config: ModelConfig, mesh: Mesh) -> ModelParams:
     """Place every parameter on ``mesh`` according to the rules table."""
     return jax.device_put(params, param_shardings(params, config, mesh))
+
+
+def shard_lora(weights: LoraWeights, config: ModelConfig, mesh: Mesh) -> LoraWeights:
+    """Place LoRA slots on ``mesh``: each ``A`` split like its base matrix's inputs, each ``B``
+    like its outputs (model/lora_weights.py), so a row's delta lands where its base output does."""
+    rules = rules_for(config, mesh.shape[TP_AXIS])
+    axes = lora_axes()
+    shardings = tuple(
+        {name: LoraPair(*(NamedSharding(mesh, spec_for(a, rules)) for a in axes[name])) for name in layer}
+        for layer in weights
+    )
+    return jax.device_put(weights, shardings)

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from cache import block_hashes
+from cache import adapter_salt, block_hashes
 from cluster.metrics import RouterMetrics
 from model import Tokenizer
 from model.buckets import cdiv
@@ -123,8 +123,8 @@ class OpenAIService:
         self.worker = worker
         self.settings = settings
         self.tokenizer = tokenizer
-        self.parser = RequestParser(tokenizer, [settings.served_model_name], settings.max_model_len,
-                                    settings.tool_call_parser)
+        self.parser = RequestParser(tokenizer, [settings.served_model_name, *settings.lora_modules],
+                                    settings.max_model_len, settings.tool_call_parser)
         self.created = int(time.time())
         self.metrics = RouterMetrics(settings.served_model_name)
         self.queue = FairQueue(len(settings.priority_classes), settings.max_queue_size, settings.tenant_weights)
@@ -176,31 +176,34 @@ class OpenAIService:
         )
 
     # -- small endpoints --------------------------------------------------------------------------------
-    def _model_card(self) -> dict[str, Any]:
-        return {
-            "id": self.settings.served_model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "raylm",
-            "max_model_len": self.settings.max_model_len,
-        }
+    def _model_cards(self) -> dict[str, dict[str, Any]]:
+        """The served model's card and each LoRA adapter's (vLLM's: ``parent`` is the base model,
+        ``root`` the adapter's directory), by id."""
+        settings = self.settings
+        base = {"id": settings.served_model_name, "object": "model", "created": self.created, "owned_by": "raylm",
+                "root": settings.model, "parent": None, "max_model_len": settings.max_model_len}
+        cards = {base["id"]: base}
+        for name, path in settings.lora_modules.items():
+            cards[name] = {**base, "id": name, "root": path, "parent": settings.served_model_name}
+        return cards
 
     async def list_models(self, request: Request) -> Response:
         try:
             self.auth.tenant(request.headers.get("authorization"))
         except OpenAIError as err:
             return error_response(err)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": list(self._model_cards().values())})
 
     async def get_model(self, request: Request) -> Response:
         try:
             self.auth.tenant(request.headers.get("authorization"))
         except OpenAIError as err:
             return error_response(err)
-        if request.path_params["model"] != self.settings.served_model_name:
+        card = self._model_cards().get(request.path_params["model"])
+        if card is None:
             return error_response(OpenAIError(404, f"The model {request.path_params['model']!r} does not exist",
                                               param="model", code="model_not_found"))
-        return JSONResponse(self._model_card())
+        return JSONResponse(card)
 
     def _tokenizer_endpoint(self, answer: Callable[[Any], dict[str, Any]]) -> Callable[[Request], Awaitable[Response]]:
         """vLLM's ``/tokenize`` and ``/detokenize``: answered here with the router's tokenizer (no
@@ -346,6 +349,8 @@ class OpenAIService:
     async def _generate(
         self, parsed: ParsedRequest, request_id: str, priority: int, lease: Lease
     ) -> AsyncIterator[tuple[int, GenerateChunk]]:
+        lora = parsed.model if parsed.model in self.settings.lora_modules else None
+        salt = adapter_salt(self.settings.cache_salt, lora)
         streams = [
             self._worker_stream(
                 GenerateRequest(
@@ -353,9 +358,10 @@ class OpenAIService:
                     prompt_token_ids=prompt,
                     params=parsed.params,
                     priority=priority,
-                    block_hashes=block_hashes(prompt, self.settings.block_size, self.settings.cache_salt),
+                    block_hashes=block_hashes(prompt, self.settings.block_size, salt),
                     embed=parsed.kind == "embedding",
                     beam=parsed.beam,
+                    lora_name=lora,
                 )
             )
             for i, prompt in enumerate(parsed.prompts)

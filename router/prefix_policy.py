@@ -1,4 +1,5 @@
-"""Replica choice: the longest cached prefix wins unless that replica is too far behind on load.
+"""Replica choice: the longest cached prefix wins unless that replica is too far behind on load;
+without one, a replica holding the request's LoRA adapter wins on the same condition.
 
 Pure and deterministic given ``rng``, so it is tested without Ray; ``PrefixAwareRequestRouter``
 feeds it what the replicas report and what this router sent where.
@@ -13,6 +14,7 @@ from typing import Hashable, Sequence
 PREFIX_HIT = "prefix_hit"  # went to the replica holding the longest prefix
 LOAD_IMBALANCE = "load_imbalance"  # a replica held the prefix but was too busy: chosen by load
 NO_PREFIX = "no_prefix"  # no replica held any of it: chosen by load
+ADAPTER_HIT = "adapter_hit"  # no prefix held, but its LoRA adapter was resident there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +22,7 @@ class ReplicaView:
     replica_id: Hashable
     load: int  # tokens waiting + running
     matched_blocks: int  # leading prompt blocks this replica is believed to hold
+    holds_adapter: bool = False  # the request's LoRA adapter is resident there (never for base requests)
 
 
 def matched_prefix(hashes: Sequence[int], held: set[int] | frozenset[int]) -> int:
@@ -38,7 +41,10 @@ def choose_replica(views: Sequence[ReplicaView], imbalance_threshold_tokens: int
 
     The longest cached prefix wins unless its holder's load is more than the threshold above
     the least loaded replica; among several holders within it, the least loaded (a hot prefix
-    held by two replicas is served by both).
+    held by two replicas is served by both). Failing that, the least loaded replica holding the
+    request's LoRA adapter wins on the same condition (Ray Serve LLM's adapter
+    affinity: no slot to fill, no adapter evicted elsewhere), so a hot adapter spreads to other
+    replicas only once its holders are that much busier.
     """
     if not views:
         return [], NO_PREFIX
@@ -47,6 +53,9 @@ def choose_replica(views: Sequence[ReplicaView], imbalance_threshold_tokens: int
     if best.matched_blocks > 0 and best.load - by_load[0].load <= imbalance_threshold_tokens:
         rest = [v.replica_id for v in by_load if v.replica_id != best.replica_id]
         return [best.replica_id, *rest], PREFIX_HIT
+    holder = next((v for v in by_load if v.holds_adapter), None)
+    if holder is not None and holder.load - by_load[0].load <= imbalance_threshold_tokens:
+        return [holder.replica_id, *(v.replica_id for v in by_load if v is not holder)], ADAPTER_HIT
     reason = LOAD_IMBALANCE if best.matched_blocks > 0 else NO_PREFIX
     if len(views) <= 2:
         return [v.replica_id for v in by_load], reason

@@ -51,7 +51,9 @@ class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
         request = _generate_request(pending_request)
         hashes = request.block_hashes if request is not None else []
         by_id = {r.replica_id: r for r in candidate_replicas}
-        views = [ReplicaView(r.replica_id, self._load(r), self._matched(r, hashes)) for r in candidate_replicas]
+        adapter = request.lora_name if request is not None else None
+        views = [ReplicaView(r.replica_id, self._load(r), self._matched(r, hashes), self._holds(r, adapter))
+                 for r in candidate_replicas]
         ranked, reason = choose_replica(views, self.imbalance_threshold_tokens, self.rng)
         self.note_choice_for(pending_request)
         if request is not None:
@@ -88,6 +90,11 @@ class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
         report = self._report(replica)
         return max(self.ledger.matched_blocks(replica.replica_id, hashes),
                    matched_prefix(hashes, report[1]) if report else 0)
+
+    def _holds(self, replica: RunningReplica, adapter: str | None) -> bool:
+        """Whether the replica's latest report lists LoRA adapter ``adapter`` as resident."""
+        report = self._report(replica) if adapter is not None else None
+        return report is not None and report[0].engine.lora is not None and adapter in report[0].engine.lora.resident
 
     def _report(self, replica: RunningReplica) -> tuple[RoutingReport, frozenset[int]] | None:
         """The replica's latest report and its hashes as a set, parsed only when a new report

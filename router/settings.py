@@ -36,3 +36,6 @@ class RouterSettings:
     tokens_per_minute: int | None = None
     tool_call_parser: str = "hermes"  # router/tools.py: how tool calls are written and read back
     cache_salt: str = ""
+    # LoRA adapters served beside the model (deploy file's model.lora_modules): name -> path.
+    # A request whose ``model`` is one of them generates with it.
+    lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)

@@ -14,6 +14,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {  # module -> the names 
     "engine": ("LLMEngine", "make_engine"),
     "engine_args": ("EngineArgs",),
     "llm": ("LLM",),
+    "lora_manager": ("LoRARequest",),
     "outputs": ("CompletionOutput", "RequestOutput"),
     "sampling_params": ("SamplingParams", "SamplingParamsError"),
 })

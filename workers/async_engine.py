@@ -22,6 +22,7 @@ from model import LoadedModel
 from workers.beam_search import BeamSearch
 from workers.engine import LLMEngine, make_engine
 from workers.engine_stats import EngineStats
+from workers.lora_manager import LoRARequest
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.replica_protocol import InvalidRequestError
 from workers.sampling_params import BeamSearchParams, SamplingParams
@@ -90,6 +91,7 @@ class Add:
     priority: int
     reply: Reply
     embed: bool = False
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass
@@ -188,9 +190,10 @@ class AsyncEngine:
 
     def _execute(self, command: Command) -> Any:
         match command:
-            case Add(request_id, prompt, params, priority, _, embed):
+            case Add(request_id, prompt, params, priority, _, embed, lora_request):
                 try:
-                    self.llm_engine.add_request(request_id, prompt, params, priority, embed=embed)
+                    self.llm_engine.add_request(request_id, prompt, params, priority, embed=embed,
+                                                lora_request=lora_request)
                 except ValueError as err:  # the request itself is bad: a client error, unlike a step's
                     raise InvalidRequestError(str(err)) from err
             case Abort(request_id):
@@ -287,9 +290,11 @@ class AsyncEngine:
         request_id: str,
         priority: int = 0,
         embed: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream this request's outputs; cancelling the iteration aborts it and frees its blocks.
-        ``embed``: the request wants its prompt's embedding (the final output's ``embedding``).
+        ``embed``: the request wants its prompt's embedding (the final output's ``embedding``);
+        ``lora_request``: generate with that LoRA adapter (``LLMEngine.add_request``).
 
         Raises InvalidRequestError if the engine refuses the request, EngineStepError if a step
         fails while it runs, EngineShutdownError if the engine stops first.
@@ -307,7 +312,7 @@ class AsyncEngine:
         finished = False
         try:
             self._submit(Add(request_id, prompt if isinstance(prompt, str) else list(prompt), params, priority, added,
-                             embed))
+                             embed, lora_request))
             await added.future
             while True:
                 item = await outputs.get()
@@ -322,17 +327,19 @@ class AsyncEngine:
             if not finished:
                 self._submit(Abort(request_id, reply=None))
 
-    async def beam_search(self, prompt_ids: Sequence[int], params: BeamSearchParams,
-                          request_id: str) -> list[CompletionOutput]:
+    async def beam_search(self, prompt_ids: Sequence[int], params: BeamSearchParams, request_id: str,
+                          lora_request: LoRARequest | None = None) -> list[CompletionOutput]:
         """The ``beam_width`` best continuations by beam search (``workers/beam_search.py``):
-        each step, every live beam runs as a one-token request; cancelling aborts them all."""
+        each step, every live beam runs as a one-token request (with ``lora_request``'s
+        adapter); cancelling aborts them all."""
         search = BeamSearch(params, self.llm_engine.eos_ids)
         step_params = params.step_params()
         ids = itertools.count()
 
         async def candidates(tokens: tuple[int, ...]) -> dict[int, float]:
             final = None
-            async for output in self.generate([*prompt_ids, *tokens], step_params, f"{request_id}-{next(ids)}"):
+            async for output in self.generate([*prompt_ids, *tokens], step_params, f"{request_id}-{next(ids)}",
+                                              lora_request=lora_request):
                 final = output
             return final.outputs[0].logprobs[0]
 

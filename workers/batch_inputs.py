@@ -130,6 +130,13 @@ def logits_flag(rows: Sequence[ScheduledRow]) -> dict:
     return {"return_logits": True} if any(row.params.logits_processors for row in rows) else {}
 
 
+def lora_slots(rows: Sequence[ScheduledRow], num_rows: int) -> np.ndarray:
+    """Each row's LoRA slot (0: the base model, and for padding rows)."""
+    slots = np.zeros(num_rows, np.int32)
+    slots[: len(rows)] = [row.lora_slot for row in rows]
+    return slots
+
+
 def hidden_where(rows: Sequence[ScheduledRow | None], positions: np.ndarray,
                  num_slots: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Where a program writes the hidden states of token ``[b, s]`` (of ``rows[b]``, at

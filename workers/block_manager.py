@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cache import NULL_BLOCK, BlockPool, hash_block
+from cache import NULL_BLOCK, BlockPool, adapter_salt, hash_block
 from model.buckets import cdiv
 from workers.sequence import Sequence
 
@@ -48,11 +48,12 @@ class BlockManager:
         """Make ``seq.block_hashes`` cover its first ``num_blocks`` full blocks of known tokens."""
         bs = self.block_size
         ids = None
+        salt = adapter_salt(self.salt, None if seq.lora is None else seq.lora.lora_name)
         while len(seq.block_hashes) < num_blocks:
             ids = ids or seq.all_ids
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(hash_block(parent, ids[i * bs : (i + 1) * bs], self.salt))
+            seq.block_hashes.append(hash_block(parent, ids[i * bs : (i + 1) * bs], salt))
 
     def reuse_cached_prefix(self, seq: Sequence) -> PrefixLookup | None:
         """Take the longest cached prefix of ``seq``'s known tokens into use; None if no lookup

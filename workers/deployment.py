@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import ray
 from ray import serve
@@ -23,11 +23,13 @@ from workers.async_engine import AsyncEngine, EngineShutdownError
 from workers.replica_metrics import EngineStatsReporter, RequestMetricsRecorder
 from workers.deployment_options import DEFAULT_STUCK_AFTER_S, WorkerDeploymentOptions
 from workers.engine_stats import EngineStats
+from workers.lora_manager import LoRARequest
 from workers.outputs import RequestOutput
 from workers.replica_protocol import (
     ChoiceDelta,
     GenerateChunk,
     GenerateRequest,
+    InvalidRequestError,
     ReplicaDrainingError,
     RoutingReport,
 )
@@ -84,10 +86,15 @@ class LLMWorker:
         max_reported_hashes: int = DEFAULT_MAX_REPORTED_HASHES,
         served_model_name: str | None = None,
         metrics_period_s: float = 1.0,
+        lora_modules: Sequence[LoRARequest] = (),
     ):
         self.model = model
         self.max_reported_hashes = max_reported_hashes
         self.engine = await asyncio.to_thread(AsyncEngine.from_model, model, **engine_args)
+        # Served adapters, read now: one that cannot be served fails the replica's start, naming it.
+        self.loras = {lora.lora_name: lora for lora in lora_modules}
+        for lora in lora_modules:  # on the engine thread: its adapter registry is not shared
+            await self.engine.run_in_engine(lambda engine, lora=lora: engine.loras.add(lora))
         self.stuck_after_s = stuck_after_s
         self.draining = False
         replica = serve.get_replica_context().replica_id.unique_id
@@ -115,15 +122,21 @@ class LLMWorker:
         """
         if self.draining:
             raise ReplicaDrainingError("this replica is shutting down; retry")
+        lora = None
+        if request.lora_name is not None:
+            lora = self.loras.get(request.lora_name)
+            if lora is None:
+                raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not served by this replica")
         if request.beam is not None:
-            yield await self._beam_search(request)
+            yield await self._beam_search(request, lora)
             return
         reported: set[int] = set()
         started = False
         recorder = RequestMetricsRecorder(self.metrics)
         try:
             async for output in self.engine.generate(
-                request.prompt_token_ids, request.params, request.request_id, request.priority, embed=request.embed
+                request.prompt_token_ids, request.params, request.request_id, request.priority, embed=request.embed,
+                lora_request=lora,
             ):
                 started = True
                 recorder.on_output(output)
@@ -134,11 +147,11 @@ class LLMWorker:
             if started:
                 recorder.finish()
 
-    async def _beam_search(self, request: GenerateRequest) -> GenerateChunk:
+    async def _beam_search(self, request: GenerateRequest, lora: LoRARequest | None) -> GenerateChunk:
         """A beam search request's one chunk: every beam, finished (recorded as one request)."""
         recorder = RequestMetricsRecorder(self.metrics, prompt_tokens=len(request.prompt_token_ids))
         try:
-            beams = await self.engine.beam_search(request.prompt_token_ids, request.beam, request.request_id)
+            beams = await self.engine.beam_search(request.prompt_token_ids, request.beam, request.request_id, lora)
             recorder.on_beams(beams)
         except EngineShutdownError as err:
             raise ReplicaDrainingError(f"this replica's engine stopped ({err}); retry") from None

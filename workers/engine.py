@@ -21,8 +21,9 @@ from workers.block_manager import BlockManager
 from workers.engine_args import EngineArgs
 from workers.draft_loader import load_draft
 from workers.embedding import EmbeddingState
-from workers.engine_stats import EngineStats, remaining_work
+from workers.engine_stats import EngineStats, LoraStats, remaining_work
 from workers.hidden_states import HiddenStateSlots, check_capture
+from workers.lora_manager import LoraAdapters, LoRARequest, LoraSlots
 from workers.output_processor import stream_request_output
 from workers.outputs import RequestOutput
 from workers.progress import StderrProgress
@@ -80,11 +81,14 @@ class LLMEngine:
             self.pool, cache_salt=args.cache_salt(model.name, model.quantization),
             window=_kv_window([self.config.max_window] + ([draft.config.max_window] if draft else [])),
         )
+        self.loras = LoraAdapters(self.config, args.max_lora_rank, args.max_cpu_loras or args.max_loras) \
+            if args.enable_lora else None
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_args(args),
             self.blocks,
             self.eos_ids,
             HiddenStateSlots(args.hidden_state_slots),
+            LoraSlots(args.max_loras, self.loras) if self.loras is not None else None,
         )
         self.draft_model = draft
         self.runner = ModelRunner(
@@ -95,6 +99,7 @@ class LLMEngine:
                 draft.config, draft.params, KVCache.create(draft.config, num_blocks, args.block_size, kv_dtype, mesh)
             ) if draft else None,
             hidden_state_buffers=(args.hidden_state_slots, args.hidden_state_max_tokens),
+            lora_buffers=(args.max_loras, args.max_lora_rank) if args.enable_lora else None,
         )
         if args.warmup:
             self.runner.warmup(args.num_scheduler_steps, progress)
@@ -112,13 +117,20 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         embed: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; raises ValueError (e.g. PromptTooLongError) if it can never run.
         ``embed``: the request wants its prompt's embedding (``RequestOutput.embedding``, pooled
         as ``EngineArgs.embedding_pooling`` says) instead of a completion; ``params`` must ask
-        for one sequence."""
+        for one sequence. ``lora_request``: generate with that LoRA adapter (read now if it is
+        not in host memory: one that cannot be served raises ``LoraAdapterError``)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            if self.loras is None:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} asked of a replica without LoRA; "
+                                 "start it with enable_lora=True")
+            self.loras.add(lora_request)
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(prompt_ids, params)
@@ -143,6 +155,7 @@ class LLMEngine:
                 # each sequence follows the grammar on its own
                 matcher=self.grammars.matcher(params.structured_output) if params.structured_output else None,
                 embedding=EmbeddingState(self.args.embedding_pooling) if embed else None, hidden=hidden,
+                lora=lora_request,
             )
             for i in range(params.n)
         ]
@@ -254,7 +267,14 @@ class LLMEngine:
             generation_tokens=scheduler.num_generated_tokens,
             pool=self.pool.stats(),
             spec=copy.deepcopy(spec),
+            lora=self._lora_stats(),
         )
+
+    def _lora_stats(self) -> LoraStats | None:
+        slots = self.scheduler.lora_slots
+        if slots is None:
+            return None
+        return LoraStats(tuple(sorted(slots.resident, key=slots.resident.get)), slots.num_loads, slots.num_evictions)
 
 
 def _kv_window(windows: list[int | None]) -> int | None:

@@ -53,6 +53,13 @@ class EngineArgs:
     # positions each may capture; the buffers take slots x (layers + 1) x tokens x hidden x 4 bytes.
     hidden_state_slots: int = 0
     hidden_state_max_tokens: int = 1024
+    # LoRA adapters (workers/lora_manager.py): requests may name one; max_loras of them sit in
+    # device slots at once (a batch mixes them), each of rank up to max_lora_rank; host memory
+    # keeps max_cpu_loras (default: max_loras) read adapters.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def keep_gguf_blocks(self) -> bool:
         """Whether this replica loads a GGUF's block matrices as stored."""
@@ -98,6 +105,13 @@ class EngineArgs:
         if self.hidden_state_slots and self.speculative is not None:
             raise ValueError("hidden-state extraction does not combine with speculative decoding; "
                              "set hidden_state_slots to 0 or remove speculative")
+        for name in ("max_loras", "max_lora_rank"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.max_cpu_loras is not None and not (
+                isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -18,6 +18,16 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraStats:
+    """LoRA adapter slots (workers/lora_manager.py): the adapters resident on the device, and
+    lifetime slot fills and evictions."""
+
+    resident: tuple[str, ...]
+    loads: int
+    evictions: int
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineStats:
     running: int  # sequences in the running queue
     waiting: int  # sequences in the waiting queue (new or preempted)
@@ -31,6 +41,7 @@ class EngineStats:
     generation_tokens: int
     pool: PoolStats
     spec: SpecDecodeStats | None = None  # speculative decoding's counters; None when it is off
+    lora: LoraStats | None = None  # LoRA adapter slots; None when LoRA is off
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for a routing-stats report (Serve ships it between processes)."""
@@ -38,8 +49,9 @@ class EngineStats:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineStats:
-        spec = data.get("spec")
-        return cls(**{**data, "pool": PoolStats(**data["pool"]), "spec": SpecDecodeStats(**spec) if spec else None})
+        spec, lora = data.get("spec"), data.get("lora")
+        return cls(**{**data, "pool": PoolStats(**data["pool"]), "spec": SpecDecodeStats(**spec) if spec else None,
+                      "lora": LoraStats(**{**lora, "resident": tuple(lora["resident"])}) if lora else None})
 
 
 def remaining_work(seq: Sequence) -> int:

@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence, Union
 from model import LoadedModel, Tokenizer
 from workers.engine import make_engine
 from workers.beam_search import BeamSearch
+from workers.lora_manager import LoRARequest
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.sampling_params import BeamSearchParams, SamplingParams
 
@@ -30,8 +31,11 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (strings or ``{"prompt_token_ids": [...]}``); results in input order."""
+        """Complete every prompt (strings or ``{"prompt_token_ids": [...]}``); results in input order.
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); the engine needs ``enable_lora=True``."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -39,10 +43,14 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, _prompt_of(prompt), p, priority[i] if priority else 0)
+            self.engine.add_request(request_id, _prompt_of(prompt), p, priority[i] if priority else 0,
+                                    lora_request=loras[i])
             ids.append(request_id)
         return self._run(ids)
 
@@ -58,10 +66,12 @@ class LLM:
             ids.append(request_id)
         return [out.embedding for out in self._run(ids)]
 
-    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams) -> list[list[CompletionOutput]]:
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[list[CompletionOutput]]:
         """The ``beam_width`` best continuations of every prompt by beam search (best first;
-        ``cumulative_logprob`` is the beam's). Each step runs every live beam of every prompt
-        as one batch of one-token requests; the prefix cache shares what beams have in common."""
+        ``cumulative_logprob`` is the beam's), with ``lora_request``'s adapter. Each step runs
+        every live beam of every prompt as one batch of one-token requests; the prefix cache
+        shares what beams have in common."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompt_ids = [self._token_ids(p) for p in prompts]
@@ -72,7 +82,7 @@ class LLM:
             for i, (prompt, search) in enumerate(zip(prompt_ids, searches)):
                 for j, beam in enumerate(search.live):
                     request_id = f"beam-{next(self._ids)}"
-                    self.engine.add_request(request_id, prompt + list(beam.tokens), step)
+                    self.engine.add_request(request_id, prompt + list(beam.tokens), step, lora_request=lora_request)
                     ids[request_id] = (i, j)
             outputs = self._run(list(ids))
             candidates: list[list[dict[int, float]]] = [[{} for _ in s.live] for s in searches]

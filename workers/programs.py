@@ -27,7 +27,7 @@ from workers.sampler import SampleResult, SamplingBatch, advance, sample
     donate_argnames=("kv", "draft_kv", "hidden_buffers"),
 )
 def prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block_tables, context_lens, sbatch,
-                     pool_segments=None, hidden_buffers=None, hidden_where=None, *, config, draft_config,
+                     pool_segments=None, hidden_buffers=None, hidden_where=None, lora=None, *, config, draft_config,
                      num_logprobs, with_penalties, num_pool_segments=0, return_logits=False):
     """Prompt chunks a row each (``tokens [B, S]``), attention by the jnp path (see
     ``packed_prefill_program`` for the kernel's). A draft model (``draft_config``) computes
@@ -36,11 +36,13 @@ def prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block
     ``hidden_buffers`` (donated) and ``hidden_where`` (each token's slot and index, see
     ``model.forward.HiddenSink``) it writes their hidden states there and returns the buffers
     last (else None). With ``return_logits`` the sampled logits come last too (logits
-    processors run on them on the host; ``workers/logits_processors.py``)."""
+    processors run on them on the host; ``workers/logits_processors.py``). With ``lora`` (a
+    ``model.lora_weights.LoraBatch``, a slot per row) the target model runs each row's adapter;
+    a draft model never does."""
     hidden = _sink(hidden_buffers, hidden_where)
     logits, kv, pooled, hidden = _forward_extras(forward(
         params, config, tokens, positions, kv, block_tables, context_lens, pool_segments=pool_segments,
-        num_pool_segments=num_pool_segments, hidden_sink=hidden), pool_segments, hidden)
+        num_pool_segments=num_pool_segments, hidden_sink=hidden, lora=lora), pool_segments, hidden)
     if draft_config is not None:
         _, draft_kv = forward(draft_params, draft_config, tokens, positions, draft_kv, block_tables, context_lens)
     return (sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled,
@@ -64,21 +66,22 @@ def _forward_extras(out: tuple, pool_segments, hidden) -> tuple:
     donate_argnames=("kv", "draft_kv", "hidden_buffers"),
 )
 def packed_prefill_program(params, kv, draft_params, draft_kv, tokens, positions, token_rows, block_tables,
-                            last_tokens, sbatch, pool_segments=None, hidden_buffers=None, hidden_where=None, *,
+                            last_tokens, sbatch, pool_segments=None, hidden_buffers=None, hidden_where=None,
+                            lora=None, *,
                             config, draft_config, num_logprobs, with_penalties, num_pool_segments=0,
                             return_logits=False):
     """Prompt chunks packed one token per row (``tokens [T]``, padding at position -1), attention
     by the paged kernel; ``token_rows [T]`` picks each token's chunk in ``block_tables [R, P]``
     and ``last_tokens [R]`` each chunk's last token, whose logits are sampled. A draft model
-    computes the same tokens into its own pool. ``hidden_*`` and ``return_logits`` as in
-    ``prefill_program``, one slot and index per token (``[T, 1]``)."""
+    computes the same tokens into its own pool. ``hidden_*``, ``return_logits`` and ``lora`` as
+    in ``prefill_program``, one slot and index per token (``[T, 1]``), one LoRA slot per token."""
     hidden = _sink(hidden_buffers, hidden_where)
     context_lens = jnp.where(positions >= 0, positions + 1, 0)
     tables = block_tables[token_rows]
     logits, kv, pooled, hidden = _forward_extras(forward(
         params, config, tokens[:, None], positions[:, None], kv, tables, context_lens, cpu_kernels=True,
         logits_rows=last_tokens, pool_segments=None if pool_segments is None else pool_segments[:, None],
-        num_pool_segments=num_pool_segments, hidden_sink=hidden), pool_segments, hidden)
+        num_pool_segments=num_pool_segments, hidden_sink=hidden, lora=lora), pool_segments, hidden)
     if draft_config is not None:
         _, draft_kv = forward(draft_params, draft_config, tokens[:, None], positions[:, None], draft_kv, tables,
                               context_lens, cpu_kernels=True, logits_rows=last_tokens[:1])
@@ -92,13 +95,13 @@ def packed_prefill_program(params, kv, draft_params, draft_kv, tokens, positions
     donate_argnames=("kv", "hidden_buffers"),
 )
 def decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, hidden_buffers=None,
-                    hidden_where=None, *, config, num_steps, num_logprobs, with_penalties, cpu_kernels,
+                    hidden_where=None, lora=None, *, config, num_steps, num_logprobs, with_penalties, cpu_kernels,
                     return_logits=False):
     """``num_steps`` decode steps with sampling in one call; rows stop writing at ``limits``.
     With ``hidden_*`` as in ``prefill_program`` (``[B, 1]``: each row's slot and its index
     at the first step) every step writes its rows' hidden states there, without leaving the
     device; the buffers are returned next (else None), then with ``return_logits`` every
-    step's logits ``[num_steps, B, V]`` (else None)."""
+    step's logits ``[num_steps, B, V]`` (else None). ``lora`` as in ``prefill_program``."""
     hidden = _sink(hidden_buffers, hidden_where)
 
     def step(carry, _):
@@ -106,7 +109,7 @@ def decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, 
         context_lens = jnp.where(positions < limits, positions + 1, 0)
         logits, kv, _, buffers = _forward_extras(forward(
             params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens,
-            cpu_kernels=cpu_kernels, hidden_sink=hidden), None, hidden)
+            cpu_kernels=cpu_kernels, hidden_sink=hidden, lora=lora), None, hidden)
         if hidden is not None:
             hidden = hidden._replace(buffers=buffers, index=hidden.index + 1)
         result = sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties)

@@ -41,6 +41,7 @@ class GenerateRequest:
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # of the prompt's full blocks, for routing
     embed: bool = False  # the prompt's embedding instead of a completion (the final chunk's ``embedding``)
     beam: BeamSearchParams | None = None  # beam search: ``beam_width`` completions in one final chunk
+    lora_name: str | None = None  # the LoRA adapter to generate with (one of the replica's lora_modules)
 
 
 @dataclasses.dataclass

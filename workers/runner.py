@@ -34,9 +34,12 @@ from jax.sharding import Mesh
 from model import KVCache, ModelConfig, ModelParams, paged_decode, shard_params
 from model.buckets import bucket
 from model.forward import PooledHidden
+from model.lora import LoraAdapter
+from model.lora_weights import LoraBatch, create_lora_weights, slot_values, write_slot
+from model.sharding import shard_lora
 from workers.batch_inputs import (
-    ShapeBuckets, block_table, decode_inputs, hidden_where, logits_flag, packed_prefill_inputs, pooling_args,
-    prefill_inputs, sampling_inputs,
+    ShapeBuckets, block_table, decode_inputs, hidden_where, logits_flag, lora_slots, packed_prefill_inputs,
+    pooling_args, prefill_inputs, sampling_inputs,
 )
 from workers.hidden_states import HiddenStateCapture
 from workers.logits_processors import LogitsProcessorError, apply_processors
@@ -75,6 +78,7 @@ class ModelRunner:
         speculative: SpeculativeConfig | None = None,
         draft: DraftModel | None = None,
         hidden_state_buffers: tuple[int, int] = (0, 0),
+        lora_buffers: tuple[int, int] | None = None,
     ):
         self.config = config
         self.mesh = mesh
@@ -93,6 +97,12 @@ class ModelRunner:
         slots, max_tokens = hidden_state_buffers
         self.hidden_buffers = jnp.zeros((slots, config.num_layers + 1, max_tokens, config.hidden_size), jnp.float32) \
             if slots else None
+        # LoRA adapter slots (model/lora_weights.py): (max_loras, max_lora_rank), None when off.
+        self.lora_weights = None
+        if lora_buffers is not None:
+            self.lora_rank = lora_buffers[1]
+            self.lora_weights = shard_lora(
+                create_lora_weights(config, *lora_buffers, self.params.final_norm.dtype), config, mesh)
 
     # -- the programs -----------------------------------------------------------------------------
     def _program_kinds(self, num_scheduler_steps: int) -> dict[str, tuple[list[tuple[int, ...]], Callable]]:
@@ -128,6 +138,8 @@ class ModelRunner:
         shapes = self.warmup_shapes(num_scheduler_steps)
         for kind, dims in progress(shapes):
             kinds[kind][1]([], *dims)
+        if self.lora_weights is not None:  # filling a slot: one program, compiled on an empty slot
+            self._load_lora(1, None)
         return len(shapes)
 
     # -- a step -----------------------------------------------------------------------------------
@@ -137,6 +149,8 @@ class ModelRunner:
         decode's last token and up to its ``guesses`` verified in one call. Every program is
         dispatched before the first result is fetched (one host wait per step)."""
         b = self.buckets
+        for slot, adapter in plan.lora_loads:
+            self._load_lora(slot, adapter)
         copies = plan.block_copies
         if copies:
             self._launch_copy(copies, bucket(len(copies), 1, max(b.max_batch, len(copies))))
@@ -165,6 +179,17 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.kv = copy_blocks_program(self.draft.kv, src, dst, cpu_kernels=self.cpu_kernels)
 
+    def _load_lora(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Fill LoRA slot ``slot`` with ``adapter`` (None: empty it; every slot and adapter share
+        one program)."""
+        values = slot_values(adapter, self.config, self.lora_rank, self.lora_weights[0]["q_proj"].a.dtype)
+        self.lora_weights = write_slot(self.lora_weights, np.int32(slot - 1), values)
+
+    def _lora(self, slots: np.ndarray) -> dict[str, Any]:
+        """A program's ``lora`` argument: the slots and each forward row's slot; none when LoRA
+        is off (the program without it: an argument given as None is another jit signature)."""
+        return {} if self.lora_weights is None else {"lora": LoraBatch(self.lora_weights, slots)}
+
     def _launch_packed_prefill(self, chunks: list[ScheduledChunk], num_tokens: int) -> Collect:
         rows = self.buckets.packed_rows(num_tokens)
         seqs = [c.row for c in chunks]
@@ -176,6 +201,7 @@ class ModelRunner:
             block_table(seqs, rows, self.buckets.max_width), last_tokens, sbatch, config=self.config,
             draft_config=self._draft_config, **flags, **pooling_args(chunks, rows, token_rows),
             **self._hidden_sink(token_seqs, positions[:, None]), **logits_flag(seqs),
+            **self._lora(lora_slots(seqs, rows)[token_rows]),
         )
         self._keep(draft_kv, hidden)
         return self._collect_chunks(chunks, result, pooled, self._processing(
@@ -189,7 +215,7 @@ class ModelRunner:
             self.params, self.kv, *self._draft_args, tokens, positions, block_table(seqs, rows, width), context,
             sbatch, config=self.config, draft_config=self._draft_config, **flags,
             **pooling_args(chunks, rows, np.arange(rows)[:, None].repeat(length, 1)),
-            **self._hidden_sink(seqs, positions), **logits_flag(seqs),
+            **self._hidden_sink(seqs, positions), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
         )
         self._keep(draft_kv, hidden)
         return self._collect_chunks(chunks, result, pooled, self._processing(
@@ -250,7 +276,7 @@ class ModelRunner:
         results, self.kv, hidden, logits = decode_program(
             self.params, self.kv, tokens, positions, block_table(seqs, rows, width), limits, sbatch,
             config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels, **flags,
-            **self._hidden_sink(seqs, positions[:, None]), **logits_flag(seqs),
+            **self._hidden_sink(seqs, positions[:, None]), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
         )
         self._keep(None, hidden)
         process = self._processing(seqs, logits, sbatch, flags)
@@ -299,7 +325,7 @@ class ModelRunner:
         samples, accepted, self.kv, draft_kv = spec_decode_program(
             self.params, self.kv, *draft_args, window_tokens, window_positions, guesses, num_drafts, table, sbatch,
             config=self.config, draft_config=draft_config, num_speculative=K, cpu_kernels=self.cpu_kernels,
-            **masks, **flags,
+            **masks, **flags, **self._lora(lora_slots(seqs, rows)),
         )
         if draft_config is not None:
             self._keep(draft_kv, None)

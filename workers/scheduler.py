@@ -27,6 +27,7 @@ from typing import Iterable
 from workers.block_manager import BlockManager, PrefixLookup
 from workers.engine_args import EngineArgs
 from workers.hidden_states import HiddenStateSlots
+from workers.lora_manager import LoraSlots
 from workers.runner_output import RunnerOutput
 from workers.sampler import SampleResult
 from workers.scheduler_output import ScheduledChunk, ScheduledDecode, ScheduledRow, SchedulerOutput
@@ -71,11 +72,12 @@ class Scheduler:
     sequences and each step's samples."""
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, eos_ids: frozenset[int] = frozenset(),
-                 hidden_slots: HiddenStateSlots | None = None):
+                 hidden_slots: HiddenStateSlots | None = None, lora_slots: LoraSlots | None = None):
         self.config = config
         self.blocks = blocks
         self.eos_ids = eos_ids
         self.hidden_slots = hidden_slots or HiddenStateSlots(0)
+        self.lora_slots = lora_slots  # None: LoRA is off (no sequence has an adapter)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -105,6 +107,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
+        self._release_lora(seq)
         if seq.hidden is not None:
             self.hidden_slots.release(seq.hidden)
         seq.status = SequenceStatus.FINISHED
@@ -113,6 +116,7 @@ class Scheduler:
         """Evict ``victim`` to the waiting queue (noted in ``preempted``: not re-admitted this step)."""
         self.running.remove(victim)
         self.blocks.free(victim)
+        self._release_lora(victim)
         victim.status = SequenceStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -213,14 +217,14 @@ class Scheduler:
                 break  # do not re-admit what this step just evicted
             if seq.hidden is not None and not self.hidden_slots.acquire(seq.hidden):
                 continue  # waits for a hidden-state buffer; others go ahead
+            if not self._acquire_lora(seq):
+                continue  # waits for a slot for its adapter; others go ahead
             lookup = self.blocks.reuse_cached_prefix(seq) if _reuses_cached_prefix(seq) else None
             self._release_out_of_window(seq)  # cached blocks before its window: not needed
             want = min(seq.num_uncomputed_tokens, budget)
-            if not self._may_compute(seq, want):
+            if not self._may_compute(seq, want) or not self.blocks.can_grow(seq, want):
                 self.blocks.free(seq)
-                break
-            if not self.blocks.can_grow(seq, want):
-                self.blocks.free(seq)
+                self._release_lora(seq)
                 break
             self.blocks.grow(seq, want)
             if lookup is not None and seq.num_preemptions == 0:
@@ -238,7 +242,25 @@ class Scheduler:
 
         if prefills:
             steps = 1
-        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies())
+        loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
+        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), loads)
+
+    def _acquire_lora(self, seq: Sequence) -> bool:
+        """Give ``seq`` its adapter's device slot (loaded with this step if it is not resident);
+        False when every slot is held by other adapters' running sequences."""
+        if seq.lora is None:
+            return True
+        assert self.lora_slots is not None, "a sequence with a LoRA adapter on a replica without LoRA"
+        slot = self.lora_slots.acquire(seq.lora)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = 0
 
     def _lookahead(self) -> int:
         """Guesses per decoding sequence this step: none above the batch size where verifying
@@ -320,6 +342,7 @@ def _row(seq: Sequence) -> ScheduledRow:
     return ScheduledRow(
         seq.seq_id, seq.request_id, tuple(seq.block_ids), seq.params, seq.seed, seq.prompt_ids, seq.output_ids,
         seq.matcher, hidden.slot if hidden is not None else None, hidden.start if hidden is not None else 0,
+        seq.lora_slot,
     )
 
 

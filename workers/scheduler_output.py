@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence as SequenceOf
 
+from model.lora import LoraAdapter
 from workers.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class ScheduledRow:
     matcher: Any = None
     hidden_slot: int | None = None  # hidden-state capture: its buffers' slot ...
     hidden_start: int = 0  # ... and the first position captured there
+    lora_slot: int = 0  # its LoRA adapter's device slot (0: the base model)
 
     @property
     def host_before_each_token(self) -> bool:
@@ -73,10 +75,14 @@ class SchedulerOutput:
     decodes: list[ScheduledDecode]
     num_decode_steps: int
     block_copies: list[tuple[int, int]]  # (src, dst) device copies before the step (copy-on-write)
+    # (slot, adapter) LoRA slots to fill before the step (workers/lora_manager.py)
+    lora_loads: list[tuple[int, LoraAdapter]] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        """Nothing for the device to do (an adapter load left by an admission that then failed
+        still has to happen: the slots' bookkeeping already counts it resident)."""
+        return not self.prefills and not self.decodes and not self.lora_loads
 
     @property
     def guesses(self) -> dict[int, int]:

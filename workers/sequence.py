@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from model import IncrementalDetokenizer, Tokenizer
 from workers.embedding import EmbeddingState
 from workers.hidden_states import HiddenStateCapture
+from workers.lora_manager import LoRARequest
 from workers.outputs import TokenLogprobs
 from workers.sampling_params import SamplingParams
 
@@ -81,18 +82,23 @@ class Sequence:
     embedding: EmbeddingState | None = None
     # Hidden-state extraction: the layers asked for, the device slot, and the result.
     hidden: HiddenStateCapture | None = None
+    # LoRA: the adapter it is generated with (None: the base model), and the device slot it
+    # holds while running (0: none; workers/lora_manager.py).
+    lora: LoRARequest | None = None
+    lora_slot: int = 0
 
     @classmethod
     def create(
         cls, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams, seed: int,
         max_tokens: int, priority: int, tokenizer: Tokenizer | None, matcher: Any = None,
         embedding: EmbeddingState | None = None, hidden: HiddenStateCapture | None = None,
+        lora: LoRARequest | None = None,
     ) -> "Sequence":
         detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer is not None else None
         return cls(
             request_id, index, prompt_ids, params, seed, max_tokens, priority, detokenizer=detokenizer,
             logprobs=[] if params.logprobs is not None else None,
-            matcher=matcher, embedding=embedding, hidden=hidden,
+            matcher=matcher, embedding=embedding, hidden=hidden, lora=lora,
         )
 
     @property

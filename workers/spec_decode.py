@@ -44,15 +44,17 @@ class DraftModel:
     kv: KVCache
 
 
-def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_kernels, last_only):
+def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_kernels, last_only, lora=None):
     """``tokens [B, S]`` at ``positions [B, S]`` (-1: padding, real tokens first in a row) of
     rows with ``block_tables [B, P]``: logits of every token ``[B, S, V]``, or of each row's
     last real token ``[B, V]``. With the CPU kernels the tokens are packed one per row (each
-    sees the keys up to its own position), else one row of S tokens each (the jnp path)."""
+    sees the keys up to its own position), else one row of S tokens each (the jnp path).
+    ``lora``: a LoRA slot per row (``model.lora_weights.LoraBatch``), or None."""
     B, S = tokens.shape
     if not cpu_kernels:
         context = jnp.max(positions, axis=1) + 1
-        logits, kv = forward(params, config, tokens, positions, kv, block_tables, context, all_logits=not last_only)
+        logits, kv = forward(params, config, tokens, positions, kv, block_tables, context, all_logits=not last_only,
+                             lora=lora)
         return logits, kv
     flat = positions.reshape(B * S)
     last = None
@@ -61,6 +63,7 @@ def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_ke
     logits, kv = forward(
         params, config, tokens.reshape(B * S, 1), flat[:, None], kv, jnp.repeat(block_tables, S, axis=0),
         jnp.where(flat >= 0, flat + 1, 0), cpu_kernels=True, logits_rows=last,
+        lora=None if lora is None else lora._replace(slots=jnp.repeat(lora.slots, S)),
     )
     return (logits if last_only else logits.reshape(B, S, -1)), kv
 
@@ -108,7 +111,7 @@ def draft_program(draft_params, draft_kv, window_tokens, window_positions, num_d
     donate_argnames=("kv", "draft_kv"),
 )
 def spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, window_positions, proposals,
-                         num_drafts, block_tables, sbatch, position_bitmasks=None, *, config, draft_config,
+                         num_drafts, block_tables, sbatch, position_bitmasks=None, lora=None, *, config, draft_config,
                          num_speculative, num_logprobs, with_penalties, cpu_kernels):
     """One speculative decode step: propose, then verify every row's ``1 + num_drafts`` tokens.
 
@@ -121,7 +124,8 @@ def spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, windo
     and the random stream advanced past the guesses before it, and with
     ``position_bitmasks [K + 1, B, W]`` structured output's allowed tokens after them). A
     guess is accepted while it equals the target's own token, so rows emit ``accepted + 1``
-    tokens. Returns the samples ``[K + 1, B]``, ``accepted [B]``, and both pools.
+    tokens. Returns the samples ``[K + 1, B]``, ``accepted [B]``, and both pools. With ``lora``
+    (a slot per row) the target scores with each row's adapter.
     """
     K = num_speculative
     last_tokens, last_positions = _window_last(window_tokens, window_positions)
@@ -139,7 +143,7 @@ def spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, windo
         last_positions[:, None] + offsets[None, :], -1,
     )
     logits, kv = _forward_rows(params, config, kv, verify_tokens, verify_positions, block_tables,
-                               cpu_kernels=cpu_kernels, last_only=False)
+                               cpu_kernels=cpu_kernels, last_only=False, lora=lora)
     results = []
     for j in range(K + 1):
         if position_bitmasks is not None:

@@ -57,12 +57,28 @@ def test_every_engine_arg_is_settable_from_yaml():
         ({"workers": {"num_gpus": -1}}, "workers.num_gpus"),
         ({"http": {"port": 70000}}, "http.port"),
         ({"htp": {}}, "htp: unknown key"),
+        ({"model": {"lora_modules": [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]}}, "distinct"),
+        ({"model": {"lora_modules": [{"name": "a"}]}}, "model.lora_modules.0.path"),
+        ({"engine": {"max_loras": 4, "max_cpu_loras": 2}}, "max_cpu_loras must be an integer >= max_loras"),
         ([1, 2], "must be a mapping"),
     ],
 )
 def test_mistakes_are_named(raw, message):
     with pytest.raises(DeployConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
         parse_deploy_config(raw)
+
+
+def test_lora_modules_turn_lora_on_and_are_the_router_s_models():
+    from deploy.app_builder import router_settings
+    from workers import LoRARequest
+
+    config = parse_deploy_config({"model": {"lora_modules": [{"name": "sql", "path": "/adapters/sql"}]},
+                                  "engine": {"max_loras": 2, "max_lora_rank": 8}})
+    args = config.engine_args()
+    assert args.enable_lora and (args.max_loras, args.max_lora_rank) == (2, 8)
+    assert config.model.lora_requests() == [LoRARequest("sql", 1, "/adapters/sql")]
+    assert router_settings(config).lora_modules == {"sql": "/adapters/sql"}
+    assert not parse_deploy_config({}).engine_args().enable_lora
 
 
 def test_unreadable_files_say_so(tmp_path):

@@ -1,11 +1,14 @@
 """router/prefix_policy.py: matched prefixes are chains; replica choice prefers the longest
-prefix until the load gap is too big, else the less loaded of two random replicas."""
+prefix until the load gap is too big, then a replica holding the LoRA adapter, else the less
+loaded of two random replicas."""
 
 from __future__ import annotations
 
 import random
 
-from router.prefix_policy import LOAD_IMBALANCE, NO_PREFIX, PREFIX_HIT, ReplicaView, choose_replica, matched_prefix
+from router.prefix_policy import (
+    ADAPTER_HIT, LOAD_IMBALANCE, NO_PREFIX, PREFIX_HIT, ReplicaView, choose_replica, matched_prefix,
+)
 
 
 def test_prefix_match_is_a_chain():
@@ -23,6 +26,15 @@ def test_replica_choice_prefers_prefix_until_the_load_gap_is_too_big():
     longest = [ReplicaView("a", 0, 2), ReplicaView("b", 10, 5), ReplicaView("c", 20, 5)]
     assert choose_replica(longest, 100, rng)[0][0] == "b"  # longest match, then least load
     assert choose_replica(longest, 15, rng)[0][0] == "b"  # "c" holds it too, but is too busy
+
+
+def test_lora_adapter_holders_win_after_the_prefix_until_too_busy():
+    rng = random.Random(0)
+    views = [ReplicaView("a", 100, 0), ReplicaView("b", 400, 0, True), ReplicaView("c", 300, 0, True)]
+    assert choose_replica(views, 500, rng) == (["c", "a", "b"], ADAPTER_HIT)
+    assert choose_replica(views, 150, rng)[1] == NO_PREFIX  # its holders are too busy: it spreads
+    assert choose_replica([ReplicaView("a", 100, 3), ReplicaView("b", 0, 0, True)], 500, rng) == (["a", "b"], PREFIX_HIT)
+    assert choose_replica([ReplicaView("a", 900, 3), ReplicaView("b", 0, 0, True)], 500, rng) == (["b", "a"], ADAPTER_HIT)
 
 
 def test_power_of_two_choices_never_picks_the_busiest_of_three():

@@ -1,0 +1,126 @@
+"""LoRA adapters on the bundled model: what serving adapters costs against the base model alone.
+
+Random PEFT adapters of rank ``--ranks`` on all seven projections of every layer are written to
+a temporary directory; for each rank one engine with ``enable_lora`` (``max_loras`` =
+``--adapters``) is timed against an engine without LoRA, in the same process, alternating
+rounds (output tokens/s, greedy, EOS ignored, prefill included; a warm-up round compiles
+everything first):
+
+- ``single``: one request at a time, with an adapter, against the base engine's;
+- ``batch``: ``--batch`` requests at once spread over ``--adapters`` adapters, against the
+  same requests on the base engine;
+- ``load``: reading an adapter from disk, and the first token of a request whose adapter is
+  not resident (its slot filled in that step), against one whose adapter is.
+
+    python -m deploy.benchmarks.lora_bench [--ranks 8,64] [--adapters 8] [--batch 16] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from model import DEFAULT_MODEL, ModelConfig, load_model
+from model.lora import TARGETS, load_lora_adapter
+from workers import LLM, LoRARequest, SamplingParams
+
+
+def write_random_adapter(directory: Path, config: ModelConfig, rank: int, seed: int) -> Path:
+    """A PEFT adapter of ``rank`` on every projection of every layer, small random weights."""
+    rng = np.random.RandomState(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for name, target in TARGETS.items():
+            key = f"base_model.model.model.layers.{layer}.{target.module}.lora_"
+            tensors[key + "A.weight"] = (rng.randn(rank, np.prod(target.in_shape(config))) * 0.01).astype(np.float32)
+            tensors[key + "B.weight"] = (rng.randn(np.prod(target.out_shape(config)), rank) * 0.01).astype(np.float32)
+    directory.mkdir(parents=True)
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(TARGETS), "bias": "none"}))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory
+
+
+def _tokens_per_s(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None], new_tokens: int,
+                  one_at_a_time: bool) -> float:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    if one_at_a_time:
+        for prompt, lora in zip(prompts, loras):
+            llm.generate([{"prompt_token_ids": prompt}], params, lora_request=lora)
+    else:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+    return len(prompts) * new_tokens / (time.perf_counter() - start)
+
+
+def _first_token_s(llm: LLM, prompt: list[int], lora: LoRARequest) -> float:
+    engine = llm.engine
+    start = time.perf_counter()
+    engine.add_request("first", prompt, SamplingParams(max_tokens=1, temperature=0.0), lora_request=lora)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", default="8,64")
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--single-requests", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    model = load_model(DEFAULT_MODEL, "float32")
+    config = model.config
+    engine_args = dict(max_num_seqs=args.batch, num_kv_blocks=args.batch * 8 + 8, max_model_len=256)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(1000, 20000, args.prompt).tolist() for _ in range(args.batch)]
+    base = LLM(model, **engine_args)
+    print(f"{DEFAULT_MODEL}, {args.adapters} adapters on q/k/v/o/gate/up/down, {args.batch} requests of "
+          f"{args.prompt} + {args.new_tokens} tokens; tokens/s with LoRA / without (median of {args.rounds} rounds)")
+    with tempfile.TemporaryDirectory() as root:
+        for rank in [int(r) for r in args.ranks.split(",")]:
+            requests = [LoRARequest(f"r{rank}-{i}", i + 1, str(write_random_adapter(
+                Path(root) / f"r{rank}-{i}", config, rank, i))) for i in range(args.adapters + 1)]
+            served, spare = requests[:-1], requests[-1]
+            lora = LLM(model, enable_lora=True, max_loras=args.adapters, max_lora_rank=rank, **engine_args)
+            spread = [served[i % len(served)] for i in range(args.batch)]
+            single = prompts[: args.single_requests]
+            cases = {
+                "single": lambda llm, with_lora: _tokens_per_s(
+                    llm, single, spread[: len(single)] if with_lora else [None] * len(single), args.new_tokens, True),
+                "batch": lambda llm, with_lora: _tokens_per_s(
+                    llm, prompts, spread if with_lora else [None] * len(prompts), args.new_tokens, False),
+            }
+            for name, case in cases.items():
+                case(base, False), case(lora, True)  # compile
+                ratios, rates = [], []
+                for _ in range(args.rounds):
+                    without, with_ = case(base, False), case(lora, True)
+                    ratios.append(with_ / without)
+                    rates.append((with_, without))
+                mid = sorted(range(args.rounds), key=lambda i: ratios[i])[args.rounds // 2]
+                print(f"rank {rank:>3} {name:<7} {rates[mid][0]:7.1f} / {rates[mid][1]:7.1f} tok/s = "
+                      f"{statistics.median(ratios):.2f}x")
+            start = time.perf_counter()
+            load_lora_adapter(spare.lora_name, spare.lora_path, config, rank)
+            read_s = time.perf_counter() - start
+            fresh = [rng.randint(1000, 20000, args.prompt).tolist() for _ in range(2)]  # no prefix-cache hit
+            resident = _first_token_s(lora, fresh[0], served[0])
+            cold = _first_token_s(lora, fresh[1], spare)  # read, evicts a slot and fills it in this step
+            print(f"rank {rank:>3} load    read {1e3 * read_s:.0f} ms; first token {1e3 * cold:.0f} ms not resident, "
+                  f"{1e3 * resident:.0f} ms resident")
+
+
+if __name__ == "__main__":
+    main()
