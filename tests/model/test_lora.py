@@ -120,3 +120,15 @@ def test_unservable_adapters_are_refused_naming_the_problem(base, tmp_path):
             load_lora_adapter("bad", tmp_path / str(i), config, 2 if problem == "max_lora_rank 2" else 4)
     with pytest.raises(LoraAdapterError, match="adapter_config.json"):
         load_lora_adapter("missing", tmp_path / "nowhere", config, 4)
+
+
+def test_an_adapter_of_an_expert_mlp_is_refused(tmp_path):
+    """An MoE layer has no single gate/up/down matrix for a delta: refused at load, by name."""
+    path, _ = build_tiny_checkpoint("mixtral", tmp_path / "moe")
+    config = ModelConfig.from_hf_dir(path)
+    settings = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["up_proj"], "bias": "none"}
+    a = np.zeros((4, config.hidden_size), np.float32)
+    b = np.zeros((config.intermediate_size, 4), np.float32)
+    _write(tmp_path / "a", settings, {lora_key(0, "up_proj", "A"): a, lora_key(0, "up_proj", "B"): b})
+    with pytest.raises(LoraAdapterError, match="mixture of experts"):
+        load_lora_adapter("a", tmp_path / "a", config, 4)
