@@ -137,8 +137,7 @@ class Scheduler:
             if victim.priority <= best.priority:
                 return
             short_of_slots = len(self.running) >= self.config.max_num_seqs
-            short_of_blocks = self.blocks.blocks_needed(best, chunk) > self.blocks.pool.num_free_blocks
-            if not (short_of_slots or short_of_blocks):
+            if not short_of_slots and self.blocks.can_grow(best, chunk):
                 return
             self._preempt(victim, preempted)
 
@@ -238,7 +237,7 @@ class Scheduler:
 
         if prefills:
             steps = 1
-        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies())
+        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), self.blocks.take_copies(1))
 
     def _lookahead(self) -> int:
         """Guesses per decoding sequence this step: none above the batch size where verifying
@@ -320,6 +319,7 @@ def _row(seq: Sequence) -> ScheduledRow:
     return ScheduledRow(
         seq.seq_id, seq.request_id, tuple(seq.block_ids), seq.params, seq.seed, seq.prompt_ids, seq.output_ids,
         seq.matcher, hidden.slot if hidden is not None else None, hidden.start if hidden is not None else 0,
+        tuple(seq.sliding_block_ids),
     )
 
 

@@ -33,6 +33,7 @@ class ScheduledRow:
     matcher: Any = None
     hidden_slot: int | None = None  # hidden-state capture: its buffers' slot ...
     hidden_start: int = 0  # ... and the first position captured there
+    sliding_block_ids: tuple[int, ...] = ()  # the sliding layers' row, when they keep a KV group
 
     @property
     def host_before_each_token(self) -> bool:
@@ -73,6 +74,7 @@ class SchedulerOutput:
     decodes: list[ScheduledDecode]
     num_decode_steps: int
     block_copies: list[tuple[int, int]]  # (src, dst) device copies before the step (copy-on-write)
+    sliding_block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # the sliding group's
 
     @property
     def empty(self) -> bool:
