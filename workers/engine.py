@@ -274,6 +274,7 @@ class LLMEngine:
             generation_tokens=scheduler.num_generated_tokens,
             pool=self.pool.stats(),
             spec=copy.deepcopy(spec),
+            max_prompt_tokens=self.blocks.max_prompt_tokens(self._max_step_tokens()),
         )
 
 
