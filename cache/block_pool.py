@@ -173,6 +173,10 @@ class BlockPool:
             self.record_prefix_lookup(len(hashes), len(found))
         return found
 
+    def cached_block(self, block_hash: int) -> int | None:
+        """The block that caches ``block_hash`` (in use or free), or None; ref counts unchanged."""
+        return self._block_of_hash.get(block_hash)
+
     def record_prefix_lookup(self, num_queried: int, num_hits: int) -> None:
         """Count a lookup made earlier without ``record_stats`` (in blocks): a caller that
         probes until it can act on the result counts only the lookup it acted on."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from model.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {  # module -> the names it defines
-    "attention": ("KVCache",),
+    "attention": ("GroupedKV", "KVCache"),
     "config": ("ModelConfig", "RopeScaling"),
     "detokenizer": ("IncrementalDetokenizer",),
     "errors": ("ModelError", "ModelLoadError", "PromptTooLongError", "UnsupportedModelError"),

@@ -91,19 +91,23 @@ class KVCache(NamedTuple):
         return pool_dtype(self.k)
 
     @staticmethod
-    def abstract(config: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVPoolInfo:
+    def abstract(config: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype,
+                 num_layers: int | None = None) -> KVPoolInfo:
         """The pool ``create`` makes, described: ``num_blocks`` (block 0 included, reserved as
-        the null block) of ``block_size`` tokens for every layer and KV head of ``config``."""
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        the null block) of ``block_size`` tokens for every layer (or ``num_layers``: one KV
+        group's, ``GroupedKV``) and KV head of ``config``."""
+        layers = config.num_layers if num_layers is None else num_layers
+        shape = (layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         return KVPoolInfo(shape, jnp.dtype(dtype))
 
     @classmethod
     def create(
-        cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, mesh: Mesh | None = None
+        cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, mesh: Mesh | None = None,
+        num_layers: int | None = None,
     ) -> KVCache:
         """The one constructor of a pool: ``abstract``'s, zeroed (scales one), on ``mesh`` by
         its shardings, or without one on the default device."""
-        info = cls.abstract(config, num_blocks, block_size, dtype)
+        info = cls.abstract(config, num_blocks, block_size, dtype, num_layers)
 
         def zeros() -> Pool:
             values = jnp.zeros(info.shape, info.dtype)
@@ -111,6 +115,31 @@ class KVCache(NamedTuple):
 
         make = jax.jit(zeros, out_shardings=info.shardings(config, mesh) if mesh is not None else None)
         return cls(make(), make())
+
+
+class GroupedKV(NamedTuple):
+    """The pools of a model that interleaves sliding and full-attention layers: its
+    full-attention layers' and its sliding layers' (each stacked in layer order,
+    ``config.kv_group_layers``), with block counts of their own (vLLM's hybrid KV cache): the
+    sliding layers need only their window's blocks per sequence, so theirs can be the smaller."""
+
+    full: KVCache
+    sliding: KVCache
+
+    @property
+    def block_size(self) -> int:
+        return self.full.block_size
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.full.dtype
+
+    @classmethod
+    def create(cls, config: ModelConfig, num_blocks: tuple[int, int], block_size: int, dtype: jnp.dtype,
+               mesh: Mesh | None = None) -> GroupedKV:
+        """``num_blocks``: the full and the sliding group's (block 0 of each is its null block)."""
+        return cls(*(KVCache.create(config, n, block_size, dtype, mesh, len(layers))
+                     for n, layers in zip(num_blocks, config.kv_group_layers)))
 
 
 def slot_indices(

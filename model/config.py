@@ -111,6 +111,28 @@ class ModelConfig:
             return None
         return max(self.layer_windows)  # type: ignore[type-var]
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The widest window of the sliding layers of a model that also has full-attention
+        layers (Gemma 2 and 3 interleave them), else None: those keep their KV in a block table
+        of their own (``kv_group``), so that what their window left behind can be released."""
+        windows = [w for w in self.layer_windows if w is not None]
+        if not windows or len(windows) == self.num_layers:
+            return None
+        return max(windows)
+
+    def kv_group(self, layer: int) -> int:
+        """Which KV group (block table and pool) ``layer`` reads when sliding and full-attention
+        layers keep separate ones (``sliding_window``): 0 (the full-attention layers', or every
+        layer's), 1 (the sliding layers')."""
+        return int(self.sliding_window is not None and self.layer_window(layer) is not None)
+
+    @property
+    def kv_group_layers(self) -> tuple[tuple[int, ...], ...]:
+        """The layers of each KV group, in order (one group of every layer, or two)."""
+        groups = 1 if self.sliding_window is None else 2
+        return tuple(tuple(i for i in range(self.num_layers) if self.kv_group(i) == g) for g in range(groups))
+
     def attention(self, layer: int) -> AttentionSpec:
         """Layer ``layer``'s scale, window and soft-cap."""
         scale = self.query_scale if self.query_scale is not None else self.head_dim**-0.5

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from model.attention import KVCache, paged_attention, slot_indices, write_kv
+from model.attention import GroupedKV, KVCache, paged_attention, slot_indices, write_kv
 from model.config import ModelConfig
 from model.dense import dense
 from model.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin, rope_for
@@ -37,7 +37,7 @@ def forward(
     config: ModelConfig,
     tokens: jax.Array,
     positions: jax.Array,
-    kv: KVCache,
+    kv: KVCache | GroupedKV,
     block_tables: jax.Array,
     context_lens: jax.Array,
     all_logits: bool = False,
@@ -51,7 +51,11 @@ def forward(
     """Run ``tokens [B, S]`` through the model, writing their K/V into ``kv``.
 
     Returns float32 logits ``[B, S, V]`` if ``all_logits`` else ``[B, V]`` for each row's
-    last real token, and the updated pool. With ``cpu_kernels`` (one token per row, ``S == 1``)
+    last real token, and the updated pool. ``kv`` is one pool with ``block_tables [B, P]`` for
+    every layer, or, for a model whose sliding and full-attention layers keep KV groups of
+    their own, a ``GroupedKV`` with ``block_tables [2, B, P]``: layer ``i`` reads the pool and
+    table of its group, ``config.kv_group(i)``. With ``cpu_kernels`` (one token per row,
+    ``S == 1``)
     the C++ CPU kernels run where they apply: attention by ``decode_attention``, the paged
     kernel whose cost follows each row's real context, not the block-table width (prompt
     chunks use it packed one token per row: each token sees the keys up to its position,
@@ -73,7 +77,11 @@ def forward(
     none) to the projections of every layer (model/lora_weights.py).
     """
     valid = (positions >= 0) & (positions < context_lens[:, None])
-    block, offset = slot_indices(positions, block_tables, valid, kv.block_size)
+    grouped = isinstance(kv, GroupedKV)
+    if block_tables.ndim != (3 if grouped else 2):
+        raise ValueError(f"block tables of shape {block_tables.shape} for {'grouped' if grouped else 'one'} KV pool")
+    tables = tuple(block_tables) if grouped else (block_tables,)
+    slots = tuple(slot_indices(positions, table, valid, kv.block_size) for table in tables)
     rotations = {False: rope_cos_sin(positions, rope_for(config))}
     if config.local_rope_theta is not None:
         rotations[True] = rope_cos_sin(positions, rope_for(config, local=True))
@@ -83,19 +91,23 @@ def forward(
             raise ValueError(f"the paged kernel takes one query per row (pack prompt chunks), got {tokens.shape}")
         # Keys each query sees (its position + 1; 0 for a padding row): the kernel's contract.
         kernel_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
-    batch = _Batch(positions, block_tables, context_lens, valid, block, offset, rotations, kernel_lens)
+    batch = _Batch(positions, tables, context_lens, valid, slots, rotations, kernel_lens)
     embed = params.embed
     x = embed.rows(tokens, params.final_norm.dtype) if isinstance(embed, (QuantArray, GgufBlocks)) else embed[tokens]
     if config.embed_scale is not None:  # in the model dtype, as HF Gemma rounds it
         x = x * jnp.asarray(config.embed_scale, x.dtype)
     eps = config.rms_norm_eps
 
-    k_pool, v_pool = kv.k, kv.v
+    pools = [[group.k, group.v] for group in (kv if grouped else (kv,))]
+    # Each layer's (KV group, index in that group's stacked pool).
+    where = {i: (g, j) for g, layers in enumerate(config.kv_group_layers if grouped else (range(config.num_layers),))
+             for j, i in enumerate(layers)}
     sink = None if hidden_sink is None else hidden_sink.write(0, x, valid)
     for i, lp in enumerate(params.layers):
+        g, j = where[i]
         with jax.named_scope(f"layer_{i}"):  # traces (``raylm profile``) read as layers and ops
             layer_lora = None if lora is None else LayerLora(lora.weights[i], lora.slots, cpu_kernels)
-            x, k_pool, v_pool = _layer(lp, config, batch, i, x, k_pool, v_pool, layer_lora)
+            x, *pools[g] = _layer(lp, config, batch, i, g, j, x, *pools[g], layer_lora)
         if sink is not None and i + 1 < len(params.layers):
             sink = sink.write(i + 1, x, valid)
     if sink is not None:
@@ -126,12 +138,20 @@ def forward(
             logits = jnp.tanh(logits / config.final_softcap) * config.final_softcap
     if not all_logits:
         logits = logits[:, 0]
-    out = (logits, KVCache(k_pool, v_pool))
+    caches = [KVCache(k, v) for k, v in pools]
+    out = (logits, GroupedKV(*caches) if grouped else caches[0])
     if sums is not None:
         out += (pooled,)
     if sink is not None:
         out += (sink.buffers,)
     return out
+
+
+def full_table(block_tables: jax.Array) -> jax.Array:
+    """The full-attention layers' block table (``[B, P]``, of a ``[2, B, P]`` pair): the one a
+    draft model reads in every layer (it shares the target's tables and the full one keeps
+    every block)."""
+    return block_tables if block_tables.ndim == 2 else block_tables[0]
 
 
 class HiddenSink(NamedTuple):
@@ -163,11 +183,10 @@ class _Batch(NamedTuple):
     """What every layer reads of this step's batch (computed once per step)."""
 
     positions: jax.Array  # [B, S]
-    block_tables: jax.Array  # [B, P]
+    block_tables: tuple[jax.Array, ...]  # [B, P] per KV group (one, or the full and sliding layers')
     context_lens: jax.Array  # [B]
     valid: jax.Array  # [B, S]
-    block: jax.Array  # [B, S] physical block of each token's K/V
-    offset: jax.Array  # [B, S] slot in that block
+    slots: tuple[tuple[jax.Array, jax.Array], ...]  # per KV group: each token's K/V block, offset [B, S]
     rotations: dict[bool, tuple[jax.Array, jax.Array]]  # local RoPE? -> cos/sin [B, S, Dh] each
     kernel_lens: jax.Array | None  # [B] keys each query sees when the CPU kernels run, else None
 
@@ -178,12 +197,13 @@ class _Batch(NamedTuple):
 
 
 def _layer(
-    lp: LayerParams, config: ModelConfig, batch: _Batch, i: int, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-    lora: LayerLora | None,
+    lp: LayerParams, config: ModelConfig, batch: _Batch, i: int, group: int, slot: int, x: jax.Array,
+    k_pool: jax.Array, v_pool: jax.Array, lora: LayerLora | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One decoder layer: fused QKV, (q/k norm), RoPE, K/V write into layer ``i``, attention,
-    fused MLP; with sandwich norms each block's output is normed before its residual add; each
-    projection plus its LoRA delta with ``lora``."""
+    """Decoder layer ``i``: fused QKV, (q/k norm), RoPE, K/V write into index ``slot`` of its KV
+    group's pool (``group``: which table it reads), attention, fused MLP; with sandwich norms
+    each block's output is normed before its residual add; each projection plus its LoRA delta
+    with ``lora``."""
     B, S, _ = x.shape
     G = config.q_per_kv
     eps = config.rms_norm_eps
@@ -201,18 +221,16 @@ def _layer(
             q, k = _qk_norm(q, lp.q_norm, config), _qk_norm(k, lp.k_norm, config)
         cos, sin = batch.rotations[config.uses_local_rope(i)]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    table, (block, offset) = batch.block_tables[group], batch.slots[group]
     with jax.named_scope("kv_write"):
-        k_pool = write_kv(k_pool, i, batch.block, batch.offset, k, batch.cpu_kernels)
-        v_pool = write_kv(v_pool, i, batch.block, batch.offset, v, batch.cpu_kernels)
+        k_pool = write_kv(k_pool, slot, block, offset, k, batch.cpu_kernels)
+        v_pool = write_kv(v_pool, slot, block, offset, v, batch.cpu_kernels)
     with jax.named_scope("attention"):
         if batch.kernel_lens is not None:
-            attn = decode_attention(
-                q[:, 0], k_pool, v_pool, i, batch.block_tables, batch.kernel_lens, spec
-            )[:, None]
+            attn = decode_attention(q[:, 0], k_pool, v_pool, slot, table, batch.kernel_lens, spec)[:, None]
         else:
-            attn = paged_attention(
-                q, k_pool, v_pool, i, batch.block_tables, batch.positions, batch.context_lens, batch.valid, spec
-            )
+            attn = paged_attention(q, k_pool, v_pool, slot, table, batch.positions, batch.context_lens, batch.valid,
+                                   spec)
     with jax.named_scope("wo"):
         out = dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
         if lora is not None:

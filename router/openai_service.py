@@ -33,7 +33,6 @@ from cache import adapter_salt, block_hashes
 from cluster.metrics import RouterMetrics
 from model import Tokenizer
 from model.buckets import cdiv
-from model.prompt_checks import prompt_blocks_needed
 from router.admission import AdmissionController
 from router.auth import Authenticator, Secret, parse_api_keys
 from router.errors import OpenAIError, invalid, overloaded
@@ -132,15 +131,17 @@ class OpenAIService:
         keys = {**settings.api_keys.reveal(), **parse_api_keys(None, settings.api_keys_env).reveal()}
         self.auth = Authenticator(Secret(keys))
         self.rate_limiter = RateLimiter(settings.requests_per_minute, settings.tokens_per_minute)
-        self.pool_blocks: int | None = None  # smallest KV pool among the replicas, once reported
+        # The longest prompt every replica's KV pools admit, once reported (None: no such limit).
+        self.max_prompt_tokens: int | None = None
 
     def update_replicas(self, replicas: dict[str, dict[str, Any]]) -> None:
         """The worker replicas' latest routing stats: admission capacity, pool size, queue gauges."""
         settings = self.settings
         slots = len(replicas) * settings.slots_per_replica
         self.admission.set_capacity(cdiv(slots, settings.num_router_replicas))
-        pools = [RoutingReport.from_dict(s).engine.pool.num_usable_blocks for s in replicas.values()]
-        self.pool_blocks = min(pools) if pools else self.pool_blocks
+        if replicas:
+            limits = [RoutingReport.from_dict(s).engine.max_prompt_tokens for s in replicas.values()]
+            self.max_prompt_tokens = min((n for n in limits if n is not None), default=None)
         for index, name in enumerate(settings.priority_classes):
             self.metrics.queue_depth(name, self.queue.depth(index))
 
@@ -322,15 +323,16 @@ class OpenAIService:
                       "priority")
 
     def _check_fits_pool(self, parsed: ParsedRequest) -> None:
-        """A prompt that needs more KV blocks than a replica's whole pool can never run: 400 now."""
-        if self.pool_blocks is None:
+        """A prompt longer than a replica's KV pools can ever admit (as the replicas report it:
+        a sliding-window model's pool may hold prompts longer than itself) never runs: 400 now."""
+        limit = self.max_prompt_tokens
+        if limit is None:
             return
         for prompt in parsed.prompts:
-            needed = prompt_blocks_needed(len(prompt), self.settings.block_size)
-            if needed > self.pool_blocks:
+            if len(prompt) > limit:
                 raise invalid(
-                    f"the prompt has {len(prompt)} tokens and needs {needed} KV blocks, but a worker replica's "
-                    f"KV pool holds {self.pool_blocks} blocks of {self.settings.block_size} tokens; shorten it",
+                    f"the prompt has {len(prompt)} tokens, but a worker replica's KV pool holds prompts of at "
+                    f"most {limit} tokens; shorten it",
                     "messages" if parsed.kind == "chat" else "prompt", code="prompt_too_long_for_kv_cache",
                 )
 

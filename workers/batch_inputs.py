@@ -103,11 +103,14 @@ class ShapeBuckets:
         return next(n for n in self.token_buckets() if n >= need and self.packed_rows(n) >= len(group))
 
 
-def block_table(rows: Sequence[ScheduledRow], num_rows: int, width: int) -> np.ndarray:
-    table = np.zeros((num_rows, width), np.int32)
+def block_table(rows: Sequence[ScheduledRow], num_rows: int, width: int, num_groups: int = 1) -> np.ndarray:
+    """The rows' block tables, ``[num_rows, width]``, or ``[2, num_rows, width]`` for a model
+    whose sliding layers keep a KV group of their own (the full-attention layers' first)."""
+    table = np.zeros((num_groups, num_rows, width), np.int32)
     for r, row in enumerate(rows):
-        table[r, : len(row.block_ids)] = row.block_ids
-    return table
+        for g, ids in enumerate((row.block_ids, row.sliding_block_ids)[:num_groups]):
+            table[g, r, : len(ids)] = ids
+    return table[0] if num_groups == 1 else table
 
 
 def sampling_inputs(rows: Sequence[ScheduledRow], num_rows: int, vocab_size: int, eos_ids: frozenset[int],

@@ -12,8 +12,9 @@ import time
 from typing import Callable, Iterable, Sequence as SequenceOf
 
 from cache import NULL_BLOCK, BlockPool
-from cache.kv_arrays import blocks_for_budget, kv_pool_dtype
-from model import KVCache, LoadedModel, PromptTooLongError, make_mesh, parse_dtype
+from cache.kv_arrays import blocks_for_budget, group_blocks_for_budget, kv_pool_dtype
+from model import GroupedKV, KVCache, LoadedModel, ModelConfig, PromptTooLongError, make_mesh, parse_dtype
+from model.buckets import cdiv
 from model.backend_support import check_fp8
 from model.compilation_cache import enable_compilation_cache
 from model.prompt_checks import check_prompt, prompt_blocks_needed
@@ -72,14 +73,16 @@ class LLMEngine:
             enable_compilation_cache(args.compilation_cache_dir)
         mesh = make_mesh(args.tensor_parallel_size, ep=args.expert_parallel_size)
         kv_dtype = kv_pool_dtype(args.kv_cache_dtype, parse_dtype(args.dtype))
-        num_blocks = args.num_kv_blocks or blocks_for_budget(
-            self.config, args.block_size, kv_dtype, args.kv_cache_memory_bytes, args.kv_cache_memory_fraction,
-            draft_config=draft.config if draft else None,
-        )
+        num_blocks, sliding_blocks = self._kv_block_counts(kv_dtype, draft.config if draft else None)
         self.pool = BlockPool(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
+        # Interleaved sliding and full-attention layers: the sliding layers keep a KV group (block
+        # tables, pool, device arrays) of their own, whose blocks go back behind the window.
+        sliding = self.config.sliding_window
         self.blocks = BlockManager(
             self.pool, cache_salt=args.cache_salt(model.name, model.quantization),
             window=_kv_window([self.config.max_window] + ([draft.config.max_window] if draft else [])),
+            sliding=None if sliding is None else (
+                BlockPool(sliding_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching), sliding),
         )
         self.loras = LoraAdapters(self.config, args.max_lora_rank, args.max_cpu_loras or args.max_loras) \
             if args.enable_lora else None
@@ -92,7 +95,9 @@ class LLMEngine:
         )
         self.draft_model = draft
         self.runner = ModelRunner(
-            self.config, model.params, KVCache.create(self.config, num_blocks, args.block_size, kv_dtype, mesh),
+            self.config, model.params,
+            KVCache.create(self.config, num_blocks, args.block_size, kv_dtype, mesh) if sliding is None else
+            GroupedKV.create(self.config, (num_blocks, sliding_blocks), args.block_size, kv_dtype, mesh),
             mesh, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_ids=self.eos_ids, speculative=spec,
             draft=DraftModel(
@@ -108,6 +113,24 @@ class LLMEngine:
         self._seeds = random.Random(args.seed)
         self.num_requests = 0
         self.last_step_tokens = 0  # tokens the latest step computed (prefill chunks + decode steps)
+
+    def _kv_block_counts(self, kv_dtype, draft_config: ModelConfig | None) -> tuple[int, int | None]:
+        """Blocks of the pool (of the full-attention group's, with a sliding group) and of the
+        sliding group's (None without one). ``num_kv_blocks`` gives each group that many;
+        a memory budget gives the sliding group what its sequences can hold at once (each
+        running sequence its window and a decode step, a step's prompt chunks on top, a block
+        of misalignment each), as far as an even split allows, and the full group the rest."""
+        args, config = self.args, self.config
+        window = config.sliding_window
+        if args.num_kv_blocks:
+            return args.num_kv_blocks, None if window is None else args.num_kv_blocks
+        budget = (args.kv_cache_memory_bytes, args.kv_cache_memory_fraction)
+        if window is None:
+            return blocks_for_budget(config, args.block_size, kv_dtype, *budget, draft_config=draft_config), None
+        decode = self._max_step_tokens(prompts=False)
+        wanted = (args.max_num_seqs * (cdiv(window + decode, args.block_size) + 2)
+                  + cdiv(args.max_num_batched_tokens, args.block_size) + 1)
+        return group_blocks_for_budget(config, args.block_size, kv_dtype, *budget, wanted, draft_config=draft_config)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -167,21 +190,21 @@ class LLMEngine:
         """Outputs a sequence may generate: what was asked for (else up to the context), but no
         more than one sequence can hold in the whole KV pool. Beyond that it could never get
         another block, even alone, and would wait for one forever; it ends with "length" there.
-        The last sampled token is never fed back, so it needs no K/V (hence the + 1). With a
-        sliding window every layer reads, a sequence holds a bounded number of blocks however
-        long it grows: then only the context limits it."""
+        The last sampled token is never fed back, so it needs no K/V (hence the + 1). A KV
+        group whose layers all slide holds a bounded number of blocks of a sequence however
+        long it grows: when every group does, only the context limits it."""
         asked = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
-        held = self.blocks.max_blocks_held(self._max_step_tokens())
-        if held is not None and held <= self.pool.num_usable_blocks:
-            return asked  # its window bounds what it holds: the pool never runs out for it alone
-        pool_tokens = self.pool.num_usable_blocks * self.pool.block_size
+        pool_tokens = self.blocks.max_tokens(self._max_step_tokens())
+        if pool_tokens is None:
+            return asked  # its windows bound what it holds: the pools never run out for it alone
         return min(asked, pool_tokens + 1 - prompt_len)
 
-    def _max_step_tokens(self) -> int:
-        """The most tokens of one sequence a step computes: a prompt chunk (the token budget),
-        the decode steps of one call, or a speculative step's last token and guesses."""
+    def _max_step_tokens(self, prompts: bool = True) -> int:
+        """The most tokens of one sequence a step computes: a prompt chunk (the token budget;
+        not with ``prompts=False``), the decode steps of one call, or a speculative step's last
+        token and guesses."""
         spec = self.args.speculative
-        return max(self.args.max_num_batched_tokens, self.args.num_scheduler_steps,
+        return max(self.args.max_num_batched_tokens if prompts else 1, self.args.num_scheduler_steps,
                    1 + (spec.num_speculative_tokens if spec else 0))
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -195,14 +218,11 @@ class LLMEngine:
                 f"prompt has {n} tokens but max_num_batched_tokens is {self.args.max_num_batched_tokens} and "
                 "chunked prefill is off; enable chunked prefill or raise the budget"
             )
-        blocks_needed = prompt_blocks_needed(n, self.args.block_size)
-        held = self.blocks.max_blocks_held(self._max_step_tokens())
-        if held is not None:  # a prompt longer than a chunk releases what its window left behind
-            blocks_needed = min(blocks_needed, held)
-        if blocks_needed > self.pool.num_usable_blocks:
-            raise PromptTooLongError(
-                f"prompt needs {blocks_needed} KV blocks but the pool holds {self.pool.num_usable_blocks}"
-            )
+        # A prompt longer than a chunk releases what a group's window left behind.
+        blocks = self.blocks.prompt_blocks(prompt_blocks_needed(n, self.args.block_size), self._max_step_tokens())
+        for blocks_needed, usable in blocks:
+            if blocks_needed > usable:
+                raise PromptTooLongError(f"prompt needs {blocks_needed} KV blocks but the pool holds {usable}")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output, if it existed."""
@@ -268,6 +288,7 @@ class LLMEngine:
             pool=self.pool.stats(),
             spec=copy.deepcopy(spec),
             lora=self._lora_stats(),
+            max_prompt_tokens=self.blocks.max_prompt_tokens(self._max_step_tokens()),
         )
 
     def _lora_stats(self) -> LoraStats | None:

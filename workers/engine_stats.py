@@ -42,6 +42,9 @@ class EngineStats:
     pool: PoolStats
     spec: SpecDecodeStats | None = None  # speculative decoding's counters; None when it is off
     lora: LoraStats | None = None  # LoRA adapter slots; None when LoRA is off
+    # The longest prompt the replica's KV pools can ever admit (None: only the context limits
+    # it, its attention windows bound the blocks a sequence holds): the router refuses longer ones.
+    max_prompt_tokens: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for a routing-stats report (Serve ships it between processes)."""

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from model import KVCache
 from model.attention import copy_blocks
-from model.forward import HiddenSink, forward
+from model.forward import HiddenSink, forward, full_table
 from workers.sampler import SampleResult, SamplingBatch, advance, sample
 
 
@@ -44,7 +44,8 @@ def prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block
         params, config, tokens, positions, kv, block_tables, context_lens, pool_segments=pool_segments,
         num_pool_segments=num_pool_segments, hidden_sink=hidden, lora=lora), pool_segments, hidden)
     if draft_config is not None:
-        _, draft_kv = forward(draft_params, draft_config, tokens, positions, draft_kv, block_tables, context_lens)
+        _, draft_kv = forward(draft_params, draft_config, tokens, positions, draft_kv, full_table(block_tables),
+                              context_lens)
     return (sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled,
             hidden, logits if return_logits else None)
 
@@ -77,14 +78,14 @@ def packed_prefill_program(params, kv, draft_params, draft_kv, tokens, positions
     in ``prefill_program``, one slot and index per token (``[T, 1]``), one LoRA slot per token."""
     hidden = _sink(hidden_buffers, hidden_where)
     context_lens = jnp.where(positions >= 0, positions + 1, 0)
-    tables = block_tables[token_rows]
+    tables = block_tables[..., token_rows, :]  # ([G,] T, P): per KV group
     logits, kv, pooled, hidden = _forward_extras(forward(
         params, config, tokens[:, None], positions[:, None], kv, tables, context_lens, cpu_kernels=True,
         logits_rows=last_tokens, pool_segments=None if pool_segments is None else pool_segments[:, None],
         num_pool_segments=num_pool_segments, hidden_sink=hidden, lora=lora), pool_segments, hidden)
     if draft_config is not None:
-        _, draft_kv = forward(draft_params, draft_config, tokens[:, None], positions[:, None], draft_kv, tables,
-                              context_lens, cpu_kernels=True, logits_rows=last_tokens[:1])
+        _, draft_kv = forward(draft_params, draft_config, tokens[:, None], positions[:, None], draft_kv,
+                              full_table(tables), context_lens, cpu_kernels=True, logits_rows=last_tokens[:1])
     return (sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties), kv, draft_kv, pooled,
             hidden, logits if return_logits else None)
 
@@ -135,5 +136,5 @@ def read_hidden(buffers: jax.Array, slot: jax.Array, layers: jax.Array) -> jax.A
 
 @functools.partial(jax.jit, static_argnames=("cpu_kernels",), donate_argnames=("kv",))
 def copy_blocks_program(kv: KVCache, src: jax.Array, dst: jax.Array, *, cpu_kernels: bool) -> KVCache:
-    """Copy blocks ``src`` to ``dst`` in every layer (``model.attention.copy_blocks``)."""
+    """Copy blocks ``src`` to ``dst`` in every layer of one pool (``model.attention.copy_blocks``)."""
     return KVCache(copy_blocks(kv.k, src, dst, cpu_kernels), copy_blocks(kv.v, src, dst, cpu_kernels))

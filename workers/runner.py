@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from model import KVCache, ModelConfig, ModelParams, paged_decode, shard_params
+from model import GroupedKV, KVCache, ModelConfig, ModelParams, paged_decode, shard_params
 from model.buckets import bucket
 from model.forward import PooledHidden
 from model.lora import LoraAdapter
@@ -68,7 +68,7 @@ class ModelRunner:
         self,
         config: ModelConfig,
         params: ModelParams,
-        kv: KVCache,
+        kv: KVCache | GroupedKV,
         mesh: Mesh,
         *,
         max_num_seqs: int,
@@ -87,6 +87,8 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.eos_ids = eos_ids
         self.cpu_kernels = _cpu_kernels_run(mesh, kv)
+        # KV groups: one pool for every layer, or the full-attention and the sliding layers' own.
+        self.num_kv_groups = 2 if isinstance(kv, GroupedKV) else 1
         self.buckets = ShapeBuckets.create(max_num_seqs, max_num_batched_tokens, max_model_len, self.block_size,
                                            self.cpu_kernels)
         self.speculative = speculative
@@ -123,7 +125,7 @@ class ModelRunner:
             # A draft model decodes with no guesses through the speculative program (K = 0) too.
             lookaheads = sorted({self.speculative.num_speculative_tokens} | ({0} if self.draft else set()))
             kinds["spec"] = (list(itertools.product(rows, widths, lookaheads)), self._launch_spec)
-        kinds["copy"] = ([(n,) for n in rows], self._launch_copy)
+        kinds["copy"] = ([(n, g) for n in rows for g in range(self.num_kv_groups)], self._launch_copy)
         return kinds
 
     def warmup_shapes(self, num_scheduler_steps: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -151,9 +153,9 @@ class ModelRunner:
         b = self.buckets
         for slot, adapter in plan.lora_loads:
             self._load_lora(slot, adapter)
-        copies = plan.block_copies
-        if copies:
-            self._launch_copy(copies, bucket(len(copies), 1, max(b.max_batch, len(copies))))
+        for group, copies in enumerate((plan.block_copies, plan.sliding_block_copies)):
+            if copies:
+                self._launch_copy(copies, bucket(len(copies), 1, max(b.max_batch, len(copies))), group)
         chunks, decodes = plan.prefills, plan.decodes
         if b.cpu_kernels:
             pending = [self._launch_packed_prefill(group, n) for group, n in b.packed_groups(chunks)]
@@ -169,14 +171,20 @@ class ModelRunner:
             collect(out)
         return out
 
-    def _launch_copy(self, copies: list[tuple[int, int]], n: int) -> None:
-        """Copy blocks (copy-on-write) in every pool, padded to ``n`` with null-block self copies
-        so the program count stays logarithmic."""
+    def _launch_copy(self, copies: list[tuple[int, int]], n: int, group: int = 0) -> None:
+        """Copy blocks (copy-on-write) of KV group ``group`` in its pool, and in a draft model's
+        (which reads the full-attention group's table), padded to ``n`` with null-block self
+        copies so the program count stays logarithmic."""
         src, dst = np.zeros(n, np.int32), np.zeros(n, np.int32)
         if copies:
             src[: len(copies)], dst[: len(copies)] = zip(*copies)
-        self.kv = copy_blocks_program(self.kv, src, dst, cpu_kernels=self.cpu_kernels)
-        if self.draft is not None:
+        if isinstance(self.kv, GroupedKV):
+            name = self.kv._fields[group]
+            copied = copy_blocks_program(getattr(self.kv, name), src, dst, cpu_kernels=self.cpu_kernels)
+            self.kv = self.kv._replace(**{name: copied})
+        else:
+            self.kv = copy_blocks_program(self.kv, src, dst, cpu_kernels=self.cpu_kernels)
+        if self.draft is not None and group == 0:
             self.draft.kv = copy_blocks_program(self.draft.kv, src, dst, cpu_kernels=self.cpu_kernels)
 
     def _load_lora(self, slot: int, adapter: LoraAdapter | None) -> None:
@@ -198,7 +206,7 @@ class ModelRunner:
         token_seqs = [seqs[r] if p >= 0 else None for r, p in zip(token_rows, positions)]
         result, self.kv, draft_kv, pooled, hidden, logits = packed_prefill_program(
             self.params, self.kv, *self._draft_args, tokens, positions, token_rows,
-            block_table(seqs, rows, self.buckets.max_width), last_tokens, sbatch, config=self.config,
+            self._tables(seqs, rows, self.buckets.max_width), last_tokens, sbatch, config=self.config,
             draft_config=self._draft_config, **flags, **pooling_args(chunks, rows, token_rows),
             **self._hidden_sink(token_seqs, positions[:, None]), **logits_flag(seqs),
             **self._lora(lora_slots(seqs, rows)[token_rows]),
@@ -212,7 +220,7 @@ class ModelRunner:
         tokens, positions, context = prefill_inputs(chunks, rows, length)
         sbatch, flags = self._sampling(seqs, rows)
         result, self.kv, draft_kv, pooled, hidden, logits = prefill_program(
-            self.params, self.kv, *self._draft_args, tokens, positions, block_table(seqs, rows, width), context,
+            self.params, self.kv, *self._draft_args, tokens, positions, self._tables(seqs, rows, width), context,
             sbatch, config=self.config, draft_config=self._draft_config, **flags,
             **pooling_args(chunks, rows, np.arange(rows)[:, None].repeat(length, 1)),
             **self._hidden_sink(seqs, positions), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
@@ -274,7 +282,7 @@ class ModelRunner:
         tokens, positions, limits = decode_inputs(decodes, rows, num_steps, self.block_size)
         sbatch, flags = self._sampling(seqs, rows)
         results, self.kv, hidden, logits = decode_program(
-            self.params, self.kv, tokens, positions, block_table(seqs, rows, width), limits, sbatch,
+            self.params, self.kv, tokens, positions, self._tables(seqs, rows, width), limits, sbatch,
             config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels, **flags,
             **self._hidden_sink(seqs, positions[:, None]), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
         )
@@ -303,7 +311,7 @@ class ModelRunner:
         num_drafts[: len(num_guesses)] = num_guesses
         for r, proposal in enumerate(proposals or ()):
             guesses[r, : num_drafts[r]] = proposal[: num_drafts[r]]
-        table = block_table(seqs, rows, width)
+        table = self._tables(seqs, rows, width)
         drafted = num_drafts.copy()  # what the draft model computes (its lag depends on it)
         draft_args, draft_config = self._draft_args, self._draft_config
         constrained = K > 0 and any(s.matcher is not None for s in seqs)
@@ -343,6 +351,10 @@ class ModelRunner:
         return collect
 
     # -- what the launches share ----------------------------------------------------------------
+    def _tables(self, seqs: list[ScheduledRow], rows: int, width: int) -> np.ndarray:
+        """The rows' block tables, one per KV group (``block_table``)."""
+        return block_table(seqs, rows, width, self.num_kv_groups)
+
     def _sampling(self, seqs: list[ScheduledRow], rows: int,
                   bitmask: np.ndarray | None = None) -> tuple[SamplingBatch, dict]:
         return sampling_inputs(seqs, rows, self.config.vocab_size, self.eos_ids, bitmask)
@@ -407,7 +419,7 @@ class ModelRunner:
             self.hidden_buffers = hidden_buffers
 
 
-def _cpu_kernels_run(mesh: Mesh, kv: KVCache) -> bool:
+def _cpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV) -> bool:
     """Whether the programs run the C++ CPU kernels (``forward``'s ``cpu_kernels``): the paged
     attention kernel built, a CPU backend, an unsharded replica (XLA cannot partition a custom
     call) and a pool dtype it reads. Projections then take the small-batch matmul kernel

@@ -141,8 +141,7 @@ class Scheduler:
             if victim.priority <= best.priority:
                 return
             short_of_slots = len(self.running) >= self.config.max_num_seqs
-            short_of_blocks = self.blocks.blocks_needed(best, chunk) > self.blocks.pool.num_free_blocks
-            if not (short_of_slots or short_of_blocks):
+            if not short_of_slots and self.blocks.can_grow(best, chunk):
                 return
             self._preempt(victim, preempted)
 
@@ -243,7 +242,8 @@ class Scheduler:
         if prefills:
             steps = 1
         loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
-        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), loads)
+        return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), loads,
+                               self.blocks.take_copies(1))
 
     def _acquire_lora(self, seq: Sequence) -> bool:
         """Give ``seq`` its adapter's device slot (loaded with this step if it is not resident);
@@ -343,6 +343,7 @@ def _row(seq: Sequence) -> ScheduledRow:
         seq.seq_id, seq.request_id, tuple(seq.block_ids), seq.params, seq.seed, seq.prompt_ids, seq.output_ids,
         seq.matcher, hidden.slot if hidden is not None else None, hidden.start if hidden is not None else 0,
         seq.lora_slot,
+        tuple(seq.sliding_block_ids),
     )
 
 

@@ -35,6 +35,7 @@ class ScheduledRow:
     hidden_slot: int | None = None  # hidden-state capture: its buffers' slot ...
     hidden_start: int = 0  # ... and the first position captured there
     lora_slot: int = 0  # its LoRA adapter's device slot (0: the base model)
+    sliding_block_ids: tuple[int, ...] = ()  # the sliding layers' row, when they keep a KV group
 
     @property
     def host_before_each_token(self) -> bool:
@@ -77,6 +78,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]]  # (src, dst) device copies before the step (copy-on-write)
     # (slot, adapter) LoRA slots to fill before the step (workers/lora_manager.py)
     lora_loads: list[tuple[int, LoraAdapter]] = dataclasses.field(default_factory=list)
+    sliding_block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # the sliding group's
 
     @property
     def empty(self) -> bool:

@@ -56,6 +56,9 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    # The sliding layers' own block table, for a model that interleaves them with full-attention
+    # layers (workers/block_manager.py); empty otherwise.
+    sliding_block_ids: list[int] = dataclasses.field(default_factory=list)
     block_hashes: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_committed_blocks: int = 0  # leading full blocks already registered in the prefix cache

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import KVCache, ModelConfig, ModelParams
-from model.forward import forward
+from model.forward import forward, full_table
 from workers.sampler import advance, argmax, sample
 from workers.scheduler_output import ScheduledDecode, ScheduledRow
 from workers.speculative import SpeculativeConfig, propose_ngram
@@ -46,10 +46,11 @@ class DraftModel:
 
 def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_kernels, last_only, lora=None):
     """``tokens [B, S]`` at ``positions [B, S]`` (-1: padding, real tokens first in a row) of
-    rows with ``block_tables [B, P]``: logits of every token ``[B, S, V]``, or of each row's
-    last real token ``[B, V]``. With the CPU kernels the tokens are packed one per row (each
-    sees the keys up to its own position), else one row of S tokens each (the jnp path).
-    ``lora``: a LoRA slot per row (``model.lora_weights.LoraBatch``), or None."""
+    rows with ``block_tables [B, P]`` (``[2, B, P]``: per KV group, see ``model.forward``):
+    logits of every token ``[B, S, V]``, or of each row's last real token ``[B, V]``. With the
+    CPU kernels the tokens are packed one per row (each sees the keys up to its own position),
+    else one row of S tokens each (the jnp path). ``lora``: a LoRA slot per row
+    (``model.lora_weights.LoraBatch``), or None."""
     B, S = tokens.shape
     if not cpu_kernels:
         context = jnp.max(positions, axis=1) + 1
@@ -61,7 +62,7 @@ def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_ke
     if last_only:
         last = jnp.arange(B) * S + jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
     logits, kv = forward(
-        params, config, tokens.reshape(B * S, 1), flat[:, None], kv, jnp.repeat(block_tables, S, axis=0),
+        params, config, tokens.reshape(B * S, 1), flat[:, None], kv, jnp.repeat(block_tables, S, axis=-2),
         jnp.where(flat >= 0, flat + 1, 0), cpu_kernels=True, logits_rows=last,
         lora=None if lora is None else lora._replace(slots=jnp.repeat(lora.slots, S)),
     )
@@ -80,7 +81,9 @@ def _draft_guesses(draft_params, draft_config, draft_kv, window_tokens, window_p
                    num_speculative, cpu_kernels):
     """The draft model computes each row's window, then proposes ``num_speculative`` tokens by
     its argmax, writing positions only up to what the row may draft (``num_drafts [B]``).
-    Returns the guesses ``[B, K]`` and the draft's pool."""
+    Returns the guesses ``[B, K]`` and the draft's pool. It reads the full-attention layers'
+    table in every layer (``full_table``)."""
+    block_tables = full_table(block_tables)
     _, last_positions = _window_last(window_tokens, window_positions)
     logits, draft_kv = _forward_rows(draft_params, draft_config, draft_kv, window_tokens, window_positions,
                                      block_tables, cpu_kernels=cpu_kernels, last_only=True)

@@ -8,6 +8,7 @@ draft model share the block tables; beam search reuses released prefixes from th
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from tests.reference import hf_greedy_choices
 from tests.workers.test_beam_search import _naive_beam_search
 from workers import LLM, SamplingParams
 from workers.beam_search import BeamSearchParams
+from workers.engine import LLMEngine
 
 WINDOW = 16  # the "mistral-sliding" variant's
 BLOCK = 8
@@ -50,8 +52,10 @@ def _assert_hf_greedy(hf_model, prompts: list[list[int]], completions: list[list
         assert len(tokens) == n and tokens == hf_greedy_choices(hf_model, prompt, tokens)
 
 
-def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[list[int]]], list[int]]:
-    """Every request to the end; (each request's completions' tokens, used blocks after every step)."""
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams,
+         measure: Callable[[LLMEngine], Any] = lambda engine: engine.pool.num_used_blocks) -> tuple[list, list]:
+    """Every request to the end; (each request's completions' tokens, ``measure`` (used blocks)
+    after every step)."""
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
@@ -60,7 +64,7 @@ def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[li
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = [c.token_ids for c in out.outputs]
-        used.append(engine.pool.num_used_blocks)
+        used.append(measure(engine))
     return [final[str(i)] for i in range(len(prompts))], used
 
 
