@@ -55,7 +55,8 @@ def _program(matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable:
     return run
 
 
-def _time(run: Callable, *args: object) -> float:
+def time_ms(run: Callable, *args: object) -> float:
+    """Wall milliseconds of one call of ``run``, its result fetched (jax dispatch is async)."""
     start = time.perf_counter()
     jax.block_until_ready(run(*args))
     return (time.perf_counter() - start) * 1e3
@@ -82,10 +83,10 @@ def main() -> None:
             raise SystemExit(f"{rows} rows: the block kernel's results differ from the float32 kernel's")
         times: dict[str, list[float]] = {name: [] for name in paths}
         for run, weights in paths.values():
-            _time(run, inputs, weights)  # compile
+            time_ms(run, inputs, weights)  # compile
         for _ in range(args.rounds):
             for name, (run, weights) in paths.items():
-                times[name].append(_time(run, inputs, weights))
+                times[name].append(time_ms(run, inputs, weights))
         kernel, block, xla = (statistics.median(times[name]) for name in ("kernel", "blocks", "xla"))
         print(f"{rows:>5} {kernel:>10.1f} {block:>10.1f} {xla:>10.1f} {xla / kernel:>10.2f}x {kernel / block:>13.2f}x",
               flush=True)

@@ -20,18 +20,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _time(run: Callable, *args: object) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(run(*args))
-    return (time.perf_counter() - start) * 1e3
+from deploy.benchmarks.dense_bench import time_ms
 
 
 def main() -> None:
@@ -96,7 +90,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name in paths:
                 run, params = programs[name]
-                times[name].append(_time(run, x, params))
+                times[name].append(time_ms(run, x, params))
         ms = {p: statistics.median(t) for p, t in times.items()}
         moe_path = "kernel" if "kernel" in ms else "ragged_dot"
         ratios = []
