@@ -128,11 +128,14 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        add_special_tokens: bool = False, **extra: Any,
     ) -> list[int]:
-        """Token ids of a rendered conversation (the template itself places BOS); ``extra``
-        are more template variables (``tools``)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special_tokens=False)
+        """Token ids of a rendered conversation (the template itself places BOS, so no special
+        tokens are added unless asked, as vLLM's ``/tokenize`` may); ``extra`` are more template
+        variables (``tools``)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     @property
     def chat_template_takes_tools(self) -> bool:

@@ -119,10 +119,9 @@ class RequestParser:
         messages, extra = template_messages(parse_messages(body.get("messages")), tool_use,
                                             self.tokenizer.chat_template_takes_tools)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **extra)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt, add_special_tokens, **extra)
         except Exception as err:  # a template may raise on odd role orders
             raise invalid(f"cannot render the chat template for these messages: {err}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def parse_completion(self, body: Any) -> ParsedRequest:
         body = _require_object(body)
@@ -202,10 +201,7 @@ class RequestParser:
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
             raise invalid("tokens must be a list of token ids", "tokens")
-        vocab = self.tokenizer.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise invalid(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        self._check_in_vocabulary(tokens, "tokens", "token ids")
         return {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)}
 
     # -- shared -------------------------------------------------------------------------------------
@@ -222,6 +218,12 @@ class RequestParser:
             )
         return model
 
+    def _check_in_vocabulary(self, ids: list[int], param: str, what: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise invalid(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab})", param)
+
     def _prompts(self, prompt: Any, param: str = "prompt") -> tuple[list[list[int]], list[str | None]]:
         """A string, a list of strings, a list of token ids, or a list of token-id lists."""
         if prompt is _MISSING:
@@ -236,7 +238,6 @@ class RequestParser:
         else:
             raise invalid(f"{param} must be a string, a list of strings, a list of token ids or a list of those", param)
         ids, texts = [], []
-        vocab = self.tokenizer.vocab_size
         for item in items:
             if isinstance(item, str):
                 ids.append(self.tokenizer.encode_prompt(item))
@@ -244,9 +245,7 @@ class RequestParser:
             else:
                 if not item or not all(_is_int(t) for t in item):
                     raise invalid(f"a token-id {param} must be a non-empty list of integers", param)
-                bad = [t for t in item if not 0 <= t < vocab]
-                if bad:
-                    raise invalid(f"{param} token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param)
+                self._check_in_vocabulary(item, param, f"{param} token ids")
                 ids.append(list(item))
                 texts.append(None)
         if any(not p for p in ids):
