@@ -29,9 +29,10 @@ def kv_pool_dtype(kv_cache_dtype: str | None, model_dtype: jnp.dtype) -> jnp.dty
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
-    """K and V of one block across all layers (an 8-bit pool's scales included)."""
-    return KVCache.abstract(config, 1, block_size, dtype).nbytes
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: jnp.dtype, num_layers: int | None = None) -> int:
+    """K and V of one block across all layers, or ``num_layers`` of them (one KV group's; an
+    8-bit pool's scales included)."""
+    return KVCache.abstract(config, 1, block_size, dtype, num_layers).nbytes
 
 
 def kv_budget_bytes(memory_bytes: int | None, memory_fraction: float, device: jax.Device | None = None) -> int:
@@ -70,10 +71,10 @@ def group_blocks_for_budget(
     many blocks as the full group's: it reads that group's table) shares it."""
     memory_bytes = kv_budget_bytes(memory_bytes, memory_fraction, device)
     full_layers, sliding_layers = (len(layers) for layers in config.kv_group_layers)
-    per_full = KVCache.abstract(config, 1, block_size, dtype, full_layers).nbytes
+    per_full = bytes_per_block(config, block_size, dtype, full_layers)
     if draft_config is not None:
         per_full += bytes_per_block(draft_config, block_size, dtype)
-    per_sliding = KVCache.abstract(config, 1, block_size, dtype, sliding_layers).nbytes
+    per_sliding = bytes_per_block(config, block_size, dtype, sliding_layers)
     sliding = max(2, min(sliding_blocks, memory_bytes // (per_full + per_sliding)))
     full = (memory_bytes - sliding * per_sliding) // per_full
     return _at_least_two(full, memory_bytes, block_size, per_full + per_sliding), sliding
