@@ -86,10 +86,6 @@ class LoraAdapter:
     def targets(self) -> list[str]:
         return sorted({target for _, target in self.weights})
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
 
 def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
     """Read the PEFT adapter in directory ``path`` for a base model of ``config``; raises

@@ -71,10 +71,6 @@ class LoraAdapters:
         self._host.move_to_end(request.lora_name)
         return adapter
 
-    @property
-    def in_host_memory(self) -> list[str]:
-        return list(self._host)
-
 
 class LoraSlots:
     """The device slots (numbered 1..n; 0 is the base model): which adapter each holds, how many
