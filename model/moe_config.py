@@ -93,15 +93,6 @@ def moe_from_hf(raw: Mapping[str, Any], family: Family, num_layers: int, source:
 # llama.cpp's per-arch choice of renormalizing the top-k (build_moe_ffn's norm_w): Mixtral
 # (llama) and Qwen3-MoE do, Qwen2-MoE and OLMoE do not. A file's expert_weights_norm wins.
 _GGUF_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
-# GGUF keys of routing variants raylm does not implement, with their "off" value.
-_UNIMPLEMENTED_GGUF: dict[str, Any] = {
-    "expert_gating_func": 1,  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-    "expert_weights_scale": 1.0,
-    "expert_group_count": 0,
-    "expert_group_used_count": 0,
-    "leading_dense_block_count": 0,
-    "moe_every_n_layers": 0,
-}
 
 
 def moe_from_gguf(meta: Any, num_layers: int, dense_size: int) -> MoeConfig | None:
@@ -114,9 +105,6 @@ def moe_from_gguf(meta: Any, num_layers: int, dense_size: int) -> MoeConfig | No
         return None
     if meta.arch not in _GGUF_NORM_TOPK:
         raise meta.refuse("expert_count", "(experts) is not implemented by raylm for this architecture")
-    for key, off in _UNIMPLEMENTED_GGUF.items():
-        if meta.has(key) and meta.get(key) != off:
-            raise meta.refuse(key, "is an MoE routing variant raylm does not implement")
     shared = int(meta.get("expert_shared_feed_forward_length", 0) or 0)
     if shared and meta.arch != "qwen2moe":
         raise meta.refuse("expert_shared_feed_forward_length", "(shared experts) is read for qwen2moe only")
