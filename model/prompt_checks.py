@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from model.buckets import cdiv
 from model.errors import PromptTooLongError
 
 
@@ -23,9 +22,3 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_tokens: int, ma
             f"prompt has {n} tokens and {max_tokens} new tokens were requested, {n + max_tokens} in all, "
             f"but the maximum context is {max_len} tokens; shorten the prompt or lower max_tokens"
         )
-
-
-def prompt_blocks_needed(prompt_len: int, block_size: int) -> int:
-    """KV blocks a prompt needs to produce any output: its own tokens and the first sampled
-    token, whose K/V the next decode step writes."""
-    return cdiv(prompt_len + 1, block_size)

@@ -188,7 +188,10 @@ class RequestParser:
                 raise invalid("you must provide a prompt parameter (or messages, to tokenize a conversation)", "prompt")
             if not isinstance(prompt, str):
                 raise invalid("prompt must be a string (send messages instead to tokenize a conversation)", "prompt")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
+            # As a completion encodes it (an empty prompt starts a new document), unless the
+            # caller asks for the bare text's ids.
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if add_special_tokens is False \
+                else self.tokenizer.encode_prompt(prompt)
         strings = [self.tokenizer.id_to_token(i) for i in ids] if _optional(body, "return_token_strs", bool) else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strings}
 

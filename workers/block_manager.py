@@ -222,20 +222,11 @@ class BlockManager:
 
     def max_prompt_tokens(self, num_new_tokens: int) -> int | None:
         """The longest prompt one sequence alone can be admitted with (its tokens and the first
-        sampled token's K/V, ``prompt_blocks``), computed ``num_new_tokens`` per step: None when
+        sampled token's K/V), computed ``num_new_tokens`` per step: None when
         every group's window bounds what it holds within the group's pool (then only the context
         limits it). What a replica reports to the router, which refuses longer prompts at once."""
         pool_tokens = self.max_tokens(num_new_tokens)
         return None if pool_tokens is None else pool_tokens - 1
-
-    def prompt_blocks(self, num_blocks: int, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Per KV group, the blocks a prompt of ``num_blocks`` blocks holds at once (fewer with
-        a window, computed ``num_new_tokens`` per step) and the blocks its pool has."""
-        out = []
-        for i, group in enumerate(self.groups):
-            held = self.max_blocks_held(num_new_tokens, i)
-            out.append((num_blocks if held is None else min(num_blocks, held), group.pool.num_usable_blocks))
-        return out
 
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks (they stay reusable as cached prefix until evicted)."""

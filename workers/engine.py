@@ -17,7 +17,7 @@ from model import GroupedKV, KVCache, LoadedModel, ModelConfig, PromptTooLongErr
 from model.buckets import cdiv
 from model.backend_support import check_fp8
 from model.compilation_cache import enable_compilation_cache
-from model.prompt_checks import check_prompt, prompt_blocks_needed
+from model.prompt_checks import check_prompt
 from workers.block_manager import BlockManager
 from workers.engine_args import EngineArgs
 from workers.draft_loader import load_draft
@@ -84,6 +84,9 @@ class LLMEngine:
             sliding=None if sliding is None else (
                 BlockPool(sliding_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching), sliding),
         )
+        # What one sequence alone can ever hold (None: its windows bound it): fixed by the pools.
+        self._pool_tokens = self.blocks.max_tokens(self._max_step_tokens())
+        self.max_prompt_tokens = self.blocks.max_prompt_tokens(self._max_step_tokens())
         self.loras = LoraAdapters(self.config, args.max_lora_rank, args.max_cpu_loras or args.max_loras) \
             if args.enable_lora else None
         self.scheduler = Scheduler(
@@ -194,10 +197,9 @@ class LLMEngine:
         group whose layers all slide holds a bounded number of blocks of a sequence however
         long it grows: when every group does, only the context limits it."""
         asked = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
-        pool_tokens = self.blocks.max_tokens(self._max_step_tokens())
-        if pool_tokens is None:
+        if self._pool_tokens is None:
             return asked  # its windows bound what it holds: the pools never run out for it alone
-        return min(asked, pool_tokens + 1 - prompt_len)
+        return min(asked, self._pool_tokens + 1 - prompt_len)
 
     def _max_step_tokens(self, prompts: bool = True) -> int:
         """The most tokens of one sequence a step computes: a prompt chunk (the token budget;
@@ -218,11 +220,10 @@ class LLMEngine:
                 f"prompt has {n} tokens but max_num_batched_tokens is {self.args.max_num_batched_tokens} and "
                 "chunked prefill is off; enable chunked prefill or raise the budget"
             )
-        # A prompt longer than a chunk releases what a group's window left behind.
-        blocks = self.blocks.prompt_blocks(prompt_blocks_needed(n, self.args.block_size), self._max_step_tokens())
-        for blocks_needed, usable in blocks:
-            if blocks_needed > usable:
-                raise PromptTooLongError(f"prompt needs {blocks_needed} KV blocks but the pool holds {usable}")
+        if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens but the KV pool holds prompts of at most {self.max_prompt_tokens} tokens"
+            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output, if it existed."""
@@ -288,7 +289,7 @@ class LLMEngine:
             pool=self.pool.stats(),
             spec=copy.deepcopy(spec),
             lora=self._lora_stats(),
-            max_prompt_tokens=self.blocks.max_prompt_tokens(self._max_step_tokens()),
+            max_prompt_tokens=self.max_prompt_tokens,
         )
 
     def _lora_stats(self) -> LoraStats | None:

@@ -40,13 +40,16 @@ def test_tokenize_gives_the_ids_generation_sends_to_the_workers(tokenizer):
     asyncio.run(post_json(app, {"model": "m", "messages": CHAT, "tools": [WEATHER], "max_tokens": 1},
                           "/v1/chat/completions"))
     asyncio.run(post_json(app, {"model": "m", "prompt": "The capital of France is", "max_tokens": 1}))
-    chat_ids, prompt_ids = (r.prompt_token_ids for r in service.worker.requests)
+    asyncio.run(post_json(app, {"model": "m", "prompt": "", "max_tokens": 1}))  # starts a new document
+    chat_ids, prompt_ids, empty_ids = (r.prompt_token_ids for r in service.worker.requests)
 
     status, chat = _post(service, "/tokenize", {"model": "m", "messages": CHAT, "tools": [WEATHER]})
     assert status == 200 and chat == {"count": len(chat_ids), "max_model_len": 512, "tokens": chat_ids,
                                       "token_strs": None}
     status, plain = _post(service, "/tokenize", {"prompt": "The capital of France is"})  # model is optional
     assert status == 200 and plain["tokens"] == prompt_ids and plain["count"] == len(prompt_ids)
+    _, empty = _post(service, "/tokenize", {"prompt": ""})
+    assert empty["tokens"] == empty_ids and len(empty_ids) == 1
 
     # Without the generation prompt: the same conversation less ChatML's assistant header.
     _, bare = _post(service, "/tokenize", {"messages": CHAT, "tools": [WEATHER], "add_generation_prompt": False})

@@ -101,5 +101,5 @@ def test_a_fork_shares_per_group_and_copies_on_write_in_each():
 def test_admission_limits_come_from_the_group_without_a_window():
     manager = _manager(full_blocks=10, sliding_blocks=4)
     assert manager.max_tokens(1) == 40  # the full group: 10 blocks of 4 tokens
-    assert manager.prompt_blocks(12, 1) == [(12, 10), (3, 4)]  # the sliding group holds 3 at a time
+    assert manager.max_prompt_tokens(1) == 39  # the sliding group holds 3 blocks at a time: no bound
     assert _manager(full_blocks=10, sliding_blocks=2).max_tokens(1) == 8  # 3 > 2 sliding blocks: no bound
