@@ -27,13 +27,24 @@ RAY_FIXTURES = frozenset({"serve_cluster", "raylm_app"})
 RAY_PATHS = ("tests/cluster/", "tests/deploy/test_serve_command.py")
 
 
+# The longest groups (minutes each on 2 cores) start first, so no worker is left running one
+# alone at the end of ``make test``.
+LONGEST_GROUPS = ("ray", "tests/workers/test_speculative.py")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Group tests for ``pytest -n N --dist loadgroup`` (``make test``): every module stays on one
     worker, so its module-scoped models and HF references are built once, and every Ray test
-    joins one group. Without xdist the marks do nothing."""
+    joins one group; the longest groups go first. Without xdist the marks do nothing.
+    ``tryfirst``: xdist's own hook reads the marks, so they must be set before it runs."""
+    groups = {}
     for item in items:
         uses_ray = RAY_FIXTURES.intersection(item.fixturenames) or item.nodeid.startswith(RAY_PATHS)
-        item.add_marker(pytest.mark.xdist_group("ray" if uses_ray else item.nodeid.split("::")[0]))
+        groups[item] = "ray" if uses_ray else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    items.sort(key=lambda item: LONGEST_GROUPS.index(groups[item]) if groups[item] in LONGEST_GROUPS
+               else len(LONGEST_GROUPS))
 
 
 @pytest.fixture
