@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from cluster.local_ray import apply_local_ray_env
 from cluster.names import DEFAULT_APP_NAME, ROUTER_DEPLOYMENT
-from workers.engine_stats import LoraStats
+from workers.engine_stats import EngineStats, LoraStats
 from workers.speculative import SpecDecodeStats
 
 
@@ -46,6 +46,13 @@ def lora_summary(lora: LoraStats | None) -> str:
     return ", ".join(lora.resident) or "none"
 
 
+def state_summary(engine: EngineStats) -> str:
+    """Whether a replica still compiles programs in the background (it serves meanwhile; a
+    request may then wait for one of them), else "serving"."""
+    left = engine.warmup_programs_left
+    return f"warming up ({left} programs left)" if left else "serving"
+
+
 def run_status(args: argparse.Namespace) -> int:
     apply_local_ray_env()
     import ray
@@ -77,9 +84,9 @@ def run_status(args: argparse.Namespace) -> int:
     ]))
     reports = replica_reports(args.app)
     print("\nWorker replicas")
-    print(table(["replica", "node", "running", "waiting", "queued tokens", "KV used", "requests", "generated",
+    print(table(["replica", "node", "state", "running", "waiting", "queued tokens", "KV used", "requests", "generated",
                  "spec accepted", "LoRA adapters"], [
-        [rid, r.node_id[:12], r.engine.running, r.engine.waiting, r.engine.waiting_tokens,
+        [rid, r.node_id[:12], state_summary(r.engine), r.engine.running, r.engine.waiting, r.engine.waiting_tokens,
          f"{100 * r.engine.pool.usage:.1f}%", r.engine.requests, r.engine.generation_tokens,
          speculation_summary(r.engine.spec), lora_summary(r.engine.lora)]
         for rid, r in sorted(reports.items())

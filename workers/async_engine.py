@@ -5,6 +5,10 @@ The engine is not thread-safe, so every mutation and read is a typed command (``
 between steps by one dispatch site. Whatever happens there (a command raises, a step fails,
 the engine is shut down, the thread dies) every caller's future is resolved and every open
 stream ends: nobody waits forever on an engine that will never answer.
+
+A served engine warms up in the background (``LLMEngine(background_warmup=True)``): it compiles
+the programs a request alone takes before it is constructed, and the rest one at a time while
+it has nothing to step, so a new or replacement replica serves seconds sooner.
 """
 
 from __future__ import annotations
@@ -147,7 +151,7 @@ class AsyncEngine:
 
     @classmethod
     def from_model(cls, model: str | LoadedModel, **engine_args: Any) -> "AsyncEngine":
-        return cls(make_engine(model, **engine_args))
+        return cls(make_engine(model, background_warmup=True, **engine_args))
 
     # -- engine thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -157,6 +161,8 @@ class AsyncEngine:
                 self._run_commands()
                 if self._running and self.llm_engine.has_unfinished_requests():
                     self._step()
+                elif self._running and self.llm_engine.warmup_pending:
+                    self._warm_up_next()
         except BaseException as err:  # a bug in the loop itself: say so, and fail every caller below
             logger.exception("the engine thread died")
             self.error = err
@@ -167,7 +173,7 @@ class AsyncEngine:
     def _run_commands(self) -> None:
         """Run the queued commands; with nothing to step, wait for one first."""
         try:
-            if not self.llm_engine.has_unfinished_requests():
+            if not (self.llm_engine.has_unfinished_requests() or self.llm_engine.warmup_pending):
                 self._dispatch(self._commands.get(timeout=IDLE_WAIT_S))
             while self._running:
                 self._dispatch(self._commands.get_nowait())
@@ -212,6 +218,16 @@ class AsyncEngine:
                 for request_id in list(self.llm_engine.requests):
                     self.llm_engine.abort(request_id)
         return None
+
+    def _warm_up_next(self) -> None:
+        """Compile one program the background warm-up left; a failure is logged and ends it
+        (a step that needs the program compiles it, and reports any error, itself)."""
+        try:
+            self.llm_engine.warm_up_next()
+        except Exception:
+            logger.exception("background warm-up failed; %d program(s) left to compile on first use",
+                             len(self.llm_engine.warmup_pending))
+            self.llm_engine.warmup_pending.clear()
 
     def _step(self) -> None:
         self.step_started = started = time.monotonic()

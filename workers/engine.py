@@ -55,6 +55,7 @@ class LLMEngine:
     def __init__(
         self, model: LoadedModel, args: EngineArgs = EngineArgs(),
         progress: Callable[[Iterable], Iterable] = StderrProgress("compiling shape buckets"),
+        background_warmup: bool = False,
     ):
         check_fp8(_fp8_settings(model, args))
         float_model = model
@@ -109,8 +110,15 @@ class LLMEngine:
             hidden_state_buffers=(args.hidden_state_slots, args.hidden_state_max_tokens),
             lora_buffers=(args.max_loras, args.max_lora_rank) if args.enable_lora else None,
         )
+        # Warm-up: every bucket now, or with ``background_warmup`` the ones a request alone takes
+        # now and the rest by ``warm_up_next`` while the engine idles (a server that starts
+        # serving sooner; AsyncEngine does this).
+        self.warmup_pending: list[tuple[str, tuple[int, ...]]] = []
         if args.warmup:
-            self.runner.warmup(args.num_scheduler_steps, progress)
+            shapes = self.runner.warmup_shapes(args.num_scheduler_steps)
+            now = shapes[: self.runner.first_warmup_shapes(args.num_scheduler_steps)] if background_warmup else shapes
+            self.runner.warmup(args.num_scheduler_steps, now, progress, lora_slots=True)
+            self.warmup_pending = shapes[len(now):]
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_ids)
         self.requests: dict[str, RequestState] = {}
         self._seeds = random.Random(args.seed)
@@ -225,6 +233,11 @@ class LLMEngine:
                 f"prompt has {n} tokens but the KV pool holds prompts of at most {self.max_prompt_tokens} tokens"
             )
 
+    def warm_up_next(self) -> None:
+        """Compile the next program ``background_warmup`` left (a fraction of a second)."""
+        shape = self.warmup_pending.pop(0)
+        self.runner.warmup(self.args.num_scheduler_steps, [shape])
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output, if it existed."""
         state = self.requests.pop(request_id, None)
@@ -290,6 +303,7 @@ class LLMEngine:
             spec=copy.deepcopy(spec),
             lora=self._lora_stats(),
             max_prompt_tokens=self.max_prompt_tokens,
+            warmup_programs_left=len(self.warmup_pending),
         )
 
     def _lora_stats(self) -> LoraStats | None:
@@ -305,12 +319,12 @@ def _kv_window(windows: list[int | None]) -> int | None:
     return None if None in windows else max(windows)  # type: ignore[type-var]
 
 
-def make_engine(model: str | LoadedModel, **engine_args) -> LLMEngine:
+def make_engine(model: str | LoadedModel, background_warmup: bool = False, **engine_args) -> LLMEngine:
     """Load ``model`` (name, path or LoadedModel) and build an engine with ``engine_args``."""
     from model import load_model
 
     args = EngineArgs.from_kwargs(**engine_args)
-    if isinstance(model, LoadedModel):
-        return LLMEngine(model, args)
-    return LLMEngine(load_model(model, args.dtype, args.quantization, args.keep_gguf_blocks()), args)
+    if not isinstance(model, LoadedModel):
+        model = load_model(model, args.dtype, args.quantization, args.keep_gguf_blocks())
+    return LLMEngine(model, args, background_warmup=background_warmup)
 

@@ -45,6 +45,7 @@ class EngineStats:
     # The longest prompt the replica's KV pools can ever admit (None: only the context limits
     # it, its attention windows bound the blocks a sequence holds): the router refuses longer ones.
     max_prompt_tokens: int | None = None
+    warmup_programs_left: int = 0  # programs still compiling in the background after start-up
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for a routing-stats report (Serve ships it between processes)."""

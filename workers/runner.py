@@ -129,20 +129,30 @@ class ModelRunner:
         return kinds
 
     def warmup_shapes(self, num_scheduler_steps: int) -> list[tuple[str, tuple[int, ...]]]:
-        """Every (kind, bucket) the engine can hit when no request asks for a variant."""
-        return [(kind, dims) for kind, (shapes, _) in self._program_kinds(num_scheduler_steps).items()
-                for dims in shapes]
+        """Every (kind, bucket) the engine can hit when no request asks for a variant, in the
+        order to compile them: first the ones a request alone takes (its prompt chunk at any
+        length, then one row's decode; ``first_warmup_shapes`` of them), so a replica that
+        serves while it compiles the rest (``workers/async_engine.py``) rarely meets a cold one."""
+        smallest = self.buckets.row_buckets()[0]
+        shapes = [(kind, dims) for kind, (shapes, _) in self._program_kinds(num_scheduler_steps).items()
+                  for dims in shapes]
+        return sorted(shapes, key=lambda shape: not _alone(shape, smallest))
 
-    def warmup(self, num_scheduler_steps: int, progress: Callable[[Iterable], Iterable] = lambda x: x) -> int:
-        """Compile every bucket ahead of traffic (launched with no rows: writes only to the null
-        block; the results are not fetched). Returns the count."""
+    def first_warmup_shapes(self, num_scheduler_steps: int) -> int:
+        """How many of ``warmup_shapes`` a request alone takes."""
+        smallest = self.buckets.row_buckets()[0]
+        return sum(_alone(shape, smallest) for shape in self.warmup_shapes(num_scheduler_steps))
+
+    def warmup(self, num_scheduler_steps: int, shapes: list[tuple[str, tuple[int, ...]]],
+               progress: Callable[[Iterable], Iterable] = lambda x: x, lora_slots: bool = False) -> None:
+        """Compile ``shapes`` ahead of traffic (launched with no rows: writes only to the null
+        block; the results are not fetched), and with ``lora_slots`` the program that fills a
+        LoRA slot (compiled on an empty slot 1: at start-up only, before any adapter is in it)."""
         kinds = self._program_kinds(num_scheduler_steps)
-        shapes = self.warmup_shapes(num_scheduler_steps)
         for kind, dims in progress(shapes):
             kinds[kind][1]([], *dims)
-        if self.lora_weights is not None:  # filling a slot: one program, compiled on an empty slot
+        if lora_slots and self.lora_weights is not None:
             self._load_lora(1, None)
-        return len(shapes)
 
     # -- a step -----------------------------------------------------------------------------------
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -435,3 +445,10 @@ def _cpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV) -> bool:
 def _row(result: SampleResult, index: int | tuple[int, int]) -> SampleResult:
     """Row ``index`` of a fetched sample batch: ``r``, or ``(step, r)`` of a multi-token one."""
     return SampleResult(*(np.asarray(a)[index] for a in result))
+
+
+def _alone(shape: tuple[str, tuple[int, ...]], smallest_rows: int) -> bool:
+    """Whether a request alone takes this (kind, bucket): every prompt chunk bucket, and the
+    programs of the smallest row bucket (decode, speculative, a padded prefill); no copies."""
+    kind, dims = shape
+    return kind == "packed" or (kind in ("prefill", "decode", "spec") and dims[0] == smallest_rows)

@@ -30,6 +30,7 @@ def test_status_shows_nodes_replicas_and_queue(raylm_app, capsys):
     for replica_id in replica_stats("raylm"):
         assert replica_id in out
     assert full in out
+    assert "serving" in out and "warming up" not in out  # the test deploy file compiles on first use
 
 
 def test_status_names_a_missing_app(raylm_app, capsys):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
 from model import load_model
 from tests.checkpoints import build_tiny_checkpoint
-from workers import LLM, SamplingParams
+from workers import LLM, AsyncEngine, SamplingParams
 
 
 def test_no_compilation_after_warmup(tmp_path, compilations):
@@ -26,3 +28,38 @@ def test_no_compilation_after_warmup(tmp_path, compilations):
     llm.generate(prompts[:1], greedy)  # 1-row decode bucket
     llm.generate(prompts[1:3], greedy)  # 2-row decode bucket
     assert compilations == []
+
+
+def test_a_served_engine_serves_while_it_warms_up_and_then_never_compiles(tiny_gqa_model, compilations):
+    """AsyncEngine compiles what a request alone takes before it is built, serves at once, and
+    compiles the rest while idle; the tokens are those of an engine that never warmed up."""
+    args = dict(max_model_len=256, num_kv_blocks=120, max_num_seqs=8, max_num_batched_tokens=64)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(3, 320, size=n).tolist() for n in (1, 5, 17, 60, 130, 31)]
+    expected = [o.outputs[0].token_ids for o in LLM(tiny_gqa_model, **args).generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy)]
+
+    async def generate(engine, indices):
+        streams = [[o async for o in engine.generate(prompts[i], greedy, f"r{i}")] for i in indices]
+        return [stream[-1].outputs[0].token_ids for stream in streams]
+
+    async def main():
+        engine = AsyncEngine.from_model(tiny_gqa_model, warmup=True, **args)
+        try:
+            left = (await engine.stats()).warmup_programs_left
+            first = await generate(engine, [0])  # while the rest compile, between its steps
+            for _ in range(6000):  # up to 5 minutes on a loaded machine
+                if (await engine.stats()).warmup_programs_left == 0:
+                    break
+                await asyncio.sleep(0.05)
+            compilations.clear()
+            rest = await asyncio.gather(*(generate(engine, [i]) for i in range(1, len(prompts))))
+            return left, first + [ids for [ids] in rest], list(compilations)
+        finally:
+            engine.shutdown()
+
+    left, outputs, compiled = asyncio.run(main())
+    assert left > 0, "nothing was left to compile in the background"
+    assert outputs == expected
+    assert compiled == []
