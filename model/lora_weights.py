@@ -27,7 +27,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.dense import dense
-from model.lora import TARGETS, LoraAdapter
+from model.lora import TARGETS, LoraAdapter, layer_targets
 
 
 class LoraPair(NamedTuple):
@@ -37,7 +37,7 @@ class LoraPair(NamedTuple):
     b: jax.Array
 
 
-LoraWeights = tuple  # per layer: dict target name -> LoraPair
+LoraWeights = tuple  # per layer: dict target name -> LoraPair (the targets of model.lora.layer_targets)
 
 
 class LoraBatch(NamedTuple):
@@ -60,20 +60,21 @@ def lora_axes() -> dict[str, LoraPair]:
 
 
 def create_lora_weights(config: ModelConfig, num_slots: int, max_rank: int, dtype: jnp.dtype) -> LoraWeights:
-    """Empty (zero) slots for every layer."""
+    """Empty (zero) slots for every layer's targets (a mixture-of-experts layer has no MLP slots)."""
     shapes = lora_shapes(config, num_slots, max_rank)
-    return tuple({name: LoraPair(jnp.zeros(a, dtype), jnp.zeros(b, dtype)) for name, (a, b) in shapes.items()}
-                 for _ in range(config.num_layers))
+    return tuple({name: LoraPair(jnp.zeros(shapes[name][0], dtype), jnp.zeros(shapes[name][1], dtype))
+                  for name in layer_targets(config, layer)} for layer in range(config.num_layers))
 
 
 def slot_values(adapter: LoraAdapter | None, config: ModelConfig, max_rank: int, dtype: np.dtype) -> LoraWeights:
-    """One slot's contents for ``adapter``: every layer and target, zero where it adapts nothing,
+    """One slot's contents for ``adapter``: every layer's targets, zero where it adapts nothing,
     its rank padded to ``max_rank`` (all zeros for None)."""
     shapes = lora_shapes(config, 1, max_rank)
     out = []
     for layer in range(config.num_layers):
         pairs = {}
-        for name, (a_shape, b_shape) in shapes.items():
+        for name in layer_targets(config, layer):
+            a_shape, b_shape = shapes[name]
             a, b = np.zeros(a_shape[1:], dtype), np.zeros(b_shape[:-2] + b_shape[-1:], dtype)
             found = None if adapter is None else adapter.weights.get((layer, name))
             if found is not None:

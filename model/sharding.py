@@ -158,7 +158,7 @@ def shard_params(params: ModelParams, config: ModelConfig, mesh: Mesh) -> ModelP
 def shard_lora(weights: LoraWeights, config: ModelConfig, mesh: Mesh) -> LoraWeights:
     """Place LoRA slots on ``mesh``: each ``A`` split like its base matrix's inputs, each ``B``
     like its outputs (model/lora_weights.py), so a row's delta lands where its base output does."""
-    rules = rules_for(config, mesh.shape[TP_AXIS])
+    rules = rules_for(config, mesh.shape[TP_AXIS], mesh.shape.get(EP_AXIS, 1))
     axes = lora_axes()
     shardings = tuple(
         {name: LoraPair(*(NamedSharding(mesh, spec_for(a, rules)) for a in axes[name])) for name in layer}
