@@ -70,19 +70,6 @@ class ServeCluster:
         wait_healthy(base)
         return ServedApp(config, base)
 
-    def scrape(self, prefix: str, **labels: str) -> dict[str, float]:
-        """Ray's Prometheus text: the sum of each series named ``prefix...`` whose labels include
-        ``labels``."""
-        import httpx
-
-        wanted = [f'{key}="{value}"' for key, value in labels.items()]
-        values: dict[str, float] = {}
-        for line in httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30).text.splitlines():
-            name, _, rest = line.partition("{")
-            if name.startswith(prefix) and all(label in rest for label in wanted):
-                values[name] = values.get(name, 0.0) + float(rest.rsplit(" ", 1)[1])
-        return values
-
     def remove(self, app: "ServedApp") -> None:
         from ray import serve
 

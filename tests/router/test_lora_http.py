@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from cluster.replicas import replica_stats
-from workers.replica_protocol import RoutingReport
+from deploy.benchmarks.prometheus_scrape import counter_by_label
+from workers.replica_protocol import replica_reports
 
 from tests.checkpoints import build_tiny_checkpoint
 from tests.lora_adapters import MODULES, write_adapter
@@ -117,18 +117,17 @@ def test_adapters_load_and_unload_during_traffic(lora_app, serve_cluster, tmp_pa
 
     deadline = time.monotonic() + 30
     while True:  # the replica's report and Prometheus trail the traffic by a period or two
-        (report,) = replica_stats("lora").values()
-        engine = RoutingReport.from_dict(report).engine
-        counted = serve_cluster.scrape("ray_raylm_lora_", model_name="tiny", lora_name="fresh")
-        # sql, chat and fresh over two slots: some adapter was evicted
-        evicted = serve_cluster.scrape("ray_raylm_lora_evictions", model_name="tiny")
+        (engine,) = (report.engine for report in replica_reports("lora").values())
+        counted = {name: counter_by_label(serve_cluster.metrics_port, f"ray_raylm_lora_{name}_total", "lora_name")
+                   for name in ("requests", "generation_tokens", "loads", "evictions")}
         idle = engine.running == engine.waiting == engine.pool.num_used_blocks == engine.lora.in_use == 0
-        arrived = counted.get("ray_raylm_lora_requests_total") == 4 and sum(evicted.values()) >= 1
+        # sql, chat and fresh over two slots: some adapter was evicted
+        evictions = sum(engine.lora.evictions.values())
+        arrived = counted["requests"].get("fresh") == 4 and sum(counted["evictions"].values()) == evictions >= 1
         if (idle and arrived) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert idle, engine
-    assert counted.get("ray_raylm_lora_requests_total") == 4, counted
-    assert counted.get("ray_raylm_lora_generation_tokens_total") == 4 * 16, counted
-    assert counted.get("ray_raylm_lora_loads_total", 0) >= 2, counted
-    assert sum(engine.lora.evictions.values()) >= 1 and sum(evicted.values()) >= 1, evicted
+    assert counted["requests"].get("fresh") == 4 and counted["generation_tokens"].get("fresh") == 4 * 16, counted
+    assert counted["loads"].get("fresh", 0) >= 2 and counted["requests"].get("sql", 0) >= 1, counted
+    assert sum(counted["evictions"].values()) == evictions >= 1, (counted, engine.lora)
