@@ -61,7 +61,8 @@ def block_hashes(
 
 
 def adapter_salt(salt: str, adapter: str | None) -> str:
-    """The salt of blocks computed with LoRA adapter ``adapter`` (by name; None: the base model):
+    """The salt of blocks computed with LoRA adapter ``adapter`` (its ``LoRARequest.cache_key``;
+    None: the base model):
     an adapter changes every layer's K/V, so its blocks never match the base model's or another
     adapter's."""
     return salt if adapter is None else f"{salt}:lora:{adapter}"

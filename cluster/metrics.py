@@ -50,6 +50,16 @@ WORKER_METRICS = {
     "raylm_spec_decode_num_draft_tokens_total": ("counter", "Speculative guesses scored by the model."),
     "raylm_spec_decode_num_accepted_tokens_total": ("counter", "Speculative guesses the model accepted."),
     "raylm_spec_decode_num_accepted_tokens_per_pos": ("counter", "Accepted guesses by position in the draft."),
+    "raylm_lora_requests_total": ("counter", "Finished requests per LoRA adapter (lora_name)."),
+    "raylm_lora_generation_tokens_total": ("counter", "Generated tokens per LoRA adapter."),
+    "raylm_lora_loads_total": ("counter", "LoRA adapters written into a device slot, per adapter."),
+    "raylm_lora_evictions_total": ("counter", "LoRA adapters evicted from a device slot, per adapter."),
+}
+# Worker metrics with a tag beyond model_name and replica.
+_WORKER_TAGS = {
+    "raylm_request_success_total": ("finished_reason",),
+    "raylm_spec_decode_num_accepted_tokens_per_pos": ("position",),
+    **{name: ("lora_name",) for name in WORKER_METRICS if name.startswith("raylm_lora_")},
 }
 ROUTER_METRICS = {
     "raylm_router_queue_depth": ("gauge", "Requests waiting in the router queue, per priority class."),
@@ -80,11 +90,8 @@ class WorkerMetrics:
                    "raylm_request_decode_time_seconds"}
         self.m = {}
         for name in WORKER_METRICS:
-            if name == "raylm_request_success_total":
-                self.m[name] = _make(name, WORKER_METRICS, keys + ("finished_reason",))
-                continue
-            if name == "raylm_spec_decode_num_accepted_tokens_per_pos":
-                self.m[name] = _make(name, WORKER_METRICS, keys + ("position",))
+            if name in _WORKER_TAGS:
+                self.m[name] = _make(name, WORKER_METRICS, keys + _WORKER_TAGS[name])
                 continue
             buckets = (LATENCY_BUCKETS_S if name in latency else ITL_BUCKETS_S
                        if name == "raylm_inter_token_latency_seconds" else TOKEN_BUCKETS)
@@ -139,6 +146,15 @@ class RouterMetrics:
                 return "other"
             self._tenant_tags.add(tag)
         return tag
+
+
+def adapter_tag(name: str) -> str:
+    """A LoRA adapter's name as a metric tag value: kept when Ray can record it (printable
+    ASCII; names like ``org/adapter`` stay readable), else a stable hash. Names come from the
+    deploy file or an admin's load request, so their number stays bounded."""
+    if name.isascii() and name.isprintable() and len(name) <= 128:
+        return name
+    return "h-" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def tenant_tag(tenant: str) -> str:

@@ -72,7 +72,8 @@ def build_application(config: DeployConfig) -> Application:
 
 
 # The router section's keys that are RouterSettings fields of the same name and meaning.
-_SHARED_ROUTER_KEYS = {"max_request_bytes", "default_priority", "max_queue_size", "queue_timeout_s", "api_keys_env"}
+_SHARED_ROUTER_KEYS = {"max_request_bytes", "default_priority", "max_queue_size", "queue_timeout_s", "api_keys_env",
+                       "admin_api_keys_env"}
 
 
 def router_settings(config: DeployConfig) -> RouterSettings:
@@ -91,12 +92,16 @@ def router_settings(config: DeployConfig) -> RouterSettings:
         num_router_replicas=router.num_replicas,
         stats_period_s=router.prefix_routing.stats_period_s,
         api_keys=parse_api_keys(router.api_keys, None),
+        admin_api_keys=parse_api_keys(router.admin_api_keys, None),
         requests_per_minute=router.rate_limits.requests_per_minute,
         tokens_per_minute=router.rate_limits.tokens_per_minute,
         block_size=engine_args.block_size,
         tool_call_parser=config.model.tool_call_parser,
         cache_salt=engine_args.cache_salt(config.model.name),
-        lora_modules={m.name: m.path for m in config.model.lora_modules},
+        # the workers' LoRARequests, by name: the router resolves a name to the same request (id)
+        lora_modules={r.lora_name: r.lora_path for r in config.model.lora_requests()},
+        enable_lora=engine_args.enable_lora,
+        max_lora_rank=engine_args.max_lora_rank,
     )
 
 

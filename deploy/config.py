@@ -193,6 +193,10 @@ class RouterSection(_Section):
     api_keys: list[str] | dict[str, str] = Field([], description="keys, or {key: tenant}; empty: no auth")
     api_keys_env: str | None = Field(RouterSettings.api_keys_env,
                                      description="env var with more keys (KEY or KEY=TENANT, comma-separated)")
+    admin_api_keys: list[str] = Field([], description="keys that may also load and unload LoRA adapters over "
+                                      "HTTP; with any key configured, only these may")
+    admin_api_keys_env: str | None = Field(RouterSettings.admin_api_keys_env,
+                                           description="env var with more admin keys (comma-separated)")
     rate_limits: RateLimitSection = RateLimitSection()
     prefix_routing: PrefixRoutingSection = PrefixRoutingSection()
 
@@ -206,7 +210,7 @@ class RouterSection(_Section):
 
     def __repr_args__(self):  # never print API keys
         for name, value in super().__repr_args__():
-            yield name, ("<hidden>" if name == "api_keys" and value else value)
+            yield name, ("<hidden>" if name in ("api_keys", "admin_api_keys") and value else value)
 
 
 class HTTPSection(_Section):

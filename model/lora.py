@@ -68,6 +68,14 @@ TARGETS: dict[str, Target] = {
     "up_proj": Target("mlp.up_proj", _hidden, ("embed",), _mlp, ("mlp",)),
     "down_proj": Target("mlp.down_proj", _mlp, ("mlp",), _hidden, ("embed",)),
 }
+
+
+def layer_targets(config: ModelConfig, layer: int) -> list[str]:
+    """The targets an adapter may adapt in ``layer``: all seven, but only the attention ones in a
+    mixture-of-experts layer (LoRA on expert MLPs is not supported)."""
+    return [name for name in TARGETS if not (config.is_sparse(layer) and TARGETS[name].module.startswith("mlp."))]
+
+
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
 
@@ -116,7 +124,7 @@ def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank
             raise LoraAdapterError(f"{label} has lora_{''.join(pair)} without lora_{'B' if 'A' in pair else 'A'}")
         if layer >= config.num_layers:
             raise LoraAdapterError(f"{label}: the base model has {config.num_layers} layers")
-        if TARGETS[target].module.startswith("mlp.") and config.is_sparse(layer):
+        if target not in layer_targets(config, layer):
             raise LoraAdapterError(f"{label}: that layer of the base model is a mixture of experts "
                                    "(LoRA on expert MLPs is not supported; attention targets are)")
         weights[(layer, target)] = _slot_layout(pair["A"], pair["B"], TARGETS[target], config, rank, scale, label)

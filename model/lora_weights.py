@@ -1,12 +1,14 @@
 """A replica's LoRA adapter slots on the device, and each row's delta computed from its own slot.
 
-The slots are fixed buffers, allocated once: for every layer and every target matrix
-(``model.lora.TARGETS``) ``a [n, R, in...]`` and ``b [out..., n, R]`` (``n`` = ``max_loras``,
-``R`` = ``max_lora_rank``; an adapter of lower rank is padded with zeros, its scale is in ``b``).
-Filling a slot writes arrays of the same shapes, so no program is compiled per adapter, and a
-batch's rows carry their slot as data (``slots [B]``): 0 is the base model (no delta), slot
-``s >= 1`` is buffer ``s - 1``. The delta ``x A_s^T B_s^T`` is added to the base matmul's result
-whatever computed it (XLA's dot, the CPU kernels, 8-bit or GGUF block weights).
+The slots are fixed buffers, allocated once. Per layer, the ``A`` matrices of targets that read
+the same input are one buffer, their ranks side by side (q/k/v: ``[n, 3R, D]``, gate/up:
+``[n, 2R, D]``, o and down alone), so one matmul computes ``x A^T`` for all of them; each
+target keeps its ``B [out..., n, R]`` (``n`` = ``max_loras``, ``R`` = ``max_lora_rank``; an
+adapter of lower rank is padded with zeros, its scale is in ``B``). Filling a slot writes
+arrays of the same shapes, so no program is compiled per adapter, and a batch's rows carry
+their slot as data (``slots [B]``): 0 is the base model (no delta), slot ``s >= 1`` is buffer
+``s - 1``. The delta ``x A_s^T B_s^T`` is added to the base matmul's result whatever computed
+it (XLA's dot, the CPU kernels, 8-bit or GGUF block weights).
 
 Two ways to compute it, chosen per program by its static shapes, the same numbers either way:
 with no more rows than slots each row gathers its own adapter (punica's BGMV: it reads only the
@@ -27,17 +29,25 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.dense import dense
-from model.lora import TARGETS, LoraAdapter
+from model.lora import TARGETS, LoraAdapter, layer_targets
 
 
-class LoraPair(NamedTuple):
-    """One target matrix's slots: ``a [n, R, in...]``, ``b [out..., n, R]``."""
+# Targets whose A share a buffer (they read the same input), in the order of their ranks in it.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
 
-    a: jax.Array
-    b: jax.Array
+
+class LayerSlots(NamedTuple):
+    """One layer's slots: ``a`` by group (``[n, len(group) * R, in...]``), ``b`` by target
+    (``[out..., n, R]``); a mixture-of-experts layer has no MLP ones."""
+
+    a: dict[str, jax.Array]
+    b: dict[str, jax.Array]
 
 
-LoraWeights = tuple  # per layer: dict target name -> LoraPair
+LoraWeights = tuple  # LayerSlots per layer
 
 
 class LoraBatch(NamedTuple):
@@ -47,39 +57,49 @@ class LoraBatch(NamedTuple):
     slots: jax.Array
 
 
-def lora_shapes(config: ModelConfig, num_slots: int, max_rank: int) -> dict[str, tuple[tuple, tuple]]:
-    """Per target: the shapes of its ``a`` and ``b`` slot buffers."""
-    return {name: ((num_slots, max_rank, *t.in_shape(config)), (*t.out_shape(config), num_slots, max_rank))
-            for name, t in TARGETS.items()}
+def _groups(config: ModelConfig, layer: int) -> dict[str, tuple[str, ...]]:
+    targets = layer_targets(config, layer)
+    return {group: members for group, members in GROUPS.items() if members[0] in targets}
 
 
-def lora_axes() -> dict[str, LoraPair]:
-    """Per target: the logical axis names of ``a`` and ``b`` (for ``model.sharding``)."""
-    return {name: LoraPair(("lora_slots", "lora_rank", *t.in_axes), (*t.out_axes, "lora_slots", "lora_rank"))
-            for name, t in TARGETS.items()}
+def lora_shapes(config: ModelConfig, layer: int, num_slots: int, max_rank: int) -> LayerSlots:
+    """The shapes of one layer's slot buffers."""
+    return LayerSlots(
+        {g: (num_slots, len(m) * max_rank, *TARGETS[m[0]].in_shape(config)) for g, m in _groups(config, layer).items()},
+        {t: (*TARGETS[t].out_shape(config), num_slots, max_rank) for t in layer_targets(config, layer)},
+    )
+
+
+def lora_axes(config: ModelConfig, layer: int) -> LayerSlots:
+    """The logical axis names of one layer's buffers (for ``model.sharding``): each ``A`` split
+    like its matrices' inputs, each ``B`` like its matrix's outputs."""
+    return LayerSlots(
+        {g: ("lora_slots", "lora_rank", *TARGETS[m[0]].in_axes) for g, m in _groups(config, layer).items()},
+        {t: (*TARGETS[t].out_axes, "lora_slots", "lora_rank") for t in layer_targets(config, layer)},
+    )
 
 
 def create_lora_weights(config: ModelConfig, num_slots: int, max_rank: int, dtype: jnp.dtype) -> LoraWeights:
     """Empty (zero) slots for every layer."""
-    shapes = lora_shapes(config, num_slots, max_rank)
-    return tuple({name: LoraPair(jnp.zeros(a, dtype), jnp.zeros(b, dtype)) for name, (a, b) in shapes.items()}
-                 for _ in range(config.num_layers))
+    return tuple(jax.tree.map(lambda shape: jnp.zeros(shape, dtype), lora_shapes(config, layer, num_slots, max_rank),
+                              is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x))
+                 for layer in range(config.num_layers))
 
 
 def slot_values(adapter: LoraAdapter | None, config: ModelConfig, max_rank: int, dtype: np.dtype) -> LoraWeights:
-    """One slot's contents for ``adapter``: every layer and target, zero where it adapts nothing,
-    its rank padded to ``max_rank`` (all zeros for None)."""
-    shapes = lora_shapes(config, 1, max_rank)
+    """One slot's contents for ``adapter`` (the buffers without their slot axis): every layer,
+    zero where it adapts nothing, its rank padded to ``max_rank`` (all zeros for None)."""
     out = []
     for layer in range(config.num_layers):
-        pairs = {}
-        for name, (a_shape, b_shape) in shapes.items():
-            a, b = np.zeros(a_shape[1:], dtype), np.zeros(b_shape[:-2] + b_shape[-1:], dtype)
-            found = None if adapter is None else adapter.weights.get((layer, name))
-            if found is not None:
-                a[: adapter.rank], b[..., : adapter.rank] = found
-            pairs[name] = LoraPair(a, b)
-        out.append(pairs)
+        shapes = lora_shapes(config, layer, 1, max_rank)
+        a = {g: np.zeros(shape[1:], dtype) for g, shape in shapes.a.items()}
+        b = {t: np.zeros(shape[:-2] + shape[-1:], dtype) for t, shape in shapes.b.items()}
+        for group, members in _groups(config, layer).items():
+            for j, target in enumerate(members):
+                found = None if adapter is None else adapter.weights.get((layer, target))
+                if found is not None:
+                    a[group][j * max_rank : j * max_rank + adapter.rank], b[target][..., : adapter.rank] = found
+        out.append(LayerSlots(a, b))
     return tuple(out)
 
 
@@ -87,40 +107,58 @@ def slot_values(adapter: LoraAdapter | None, config: ModelConfig, max_rank: int,
 def write_slot(weights: LoraWeights, index: jax.Array, values: LoraWeights) -> LoraWeights:
     """``weights`` with buffer ``index`` (slot ``index + 1``) replaced by ``values`` (one
     program for every slot and adapter; the buffers are updated in place)."""
-    return jax.tree.map(
-        lambda pair, new: LoraPair(pair.a.at[index].set(new.a), pair.b.at[..., index, :].set(new.b)),
-        weights, values, is_leaf=lambda x: isinstance(x, LoraPair),
+    return tuple(
+        LayerSlots(jax.tree.map(lambda old, new: old.at[index].set(new), layer.a, new.a),
+                   jax.tree.map(lambda old, new: old.at[..., index, :].set(new), layer.b, new.b))
+        for layer, new in zip(weights, values)
     )
 
 
 class LayerLora(NamedTuple):
     """One layer's slots and the rows' slots: the deltas ``model.forward`` adds to its matmuls."""
 
-    pairs: dict[str, LoraPair]
+    weights: LayerSlots
     slots: jax.Array  # [B]
     kernel: bool  # the program is unsharded: the masked form's matmuls may take the CPU kernel
 
     def qkv(self, h: jax.Array) -> jax.Array:
         """The fused QKV's delta ``[B, S, KVH, G + 2, Dh]``."""
-        q, k, v = (self.delta(name, h) for name in ("q_proj", "k_proj", "v_proj"))
+        q, k, v = self.deltas("qkv", h)
         return jnp.concatenate([q, k[:, :, :, None], v[:, :, :, None]], axis=3)
 
     def gate_up(self, h: jax.Array) -> jax.Array:
         """The fused gate/up's delta ``[B, S, 2, I]``."""
-        return jnp.stack([self.delta("gate_proj", h), self.delta("up_proj", h)], axis=2)
+        return jnp.stack(self.deltas("gate_up", h), axis=2)
 
-    def delta(self, target: str, x: jax.Array) -> jax.Array:
-        """``x [B, S, in...]`` times row ``b``'s adapter in ``target``: ``[B, S, out...]``."""
-        a, b = self.pairs[target]
-        n, rank = a.shape[:2]
-        in_dims, out_dims = a.ndim - 2, b.ndim - 2
-        slots = self.slots
+    def delta(self, group: str, x: jax.Array) -> jax.Array:
+        """The delta of a group of one target (``o_proj``, ``down_proj``)."""
+        return self.deltas(group, x)[0]
+
+    def deltas(self, group: str, x: jax.Array) -> list[jax.Array]:
+        """``x [B, S, in...]`` times row ``b``'s adapter in each target of ``group`` (one matmul
+        by their shared ``A``, then each ``B``): ``[B, S, out...]`` per target."""
+        a = self.weights.a[group]
+        members = GROUPS[group]
+        n, rank = a.shape[0], a.shape[1] // len(members)
+        in_dims, slots = a.ndim - 2, self.slots
         if x.shape[0] <= n:  # gathered per row
             index = jnp.maximum(slots - 1, 0)
-            i, o = "xyz"[:in_dims], "klm"[:out_dims]
+            i = "xyz"[:in_dims]
             xa = jnp.einsum(f"bs{i},br{i}->bsr", x, a[index]) * (slots > 0).astype(x.dtype)[:, None, None]
-            return jnp.einsum(f"bsr,{o}br->bs{o}", xa, jnp.take(b, index, axis=-2))
-        xa = dense(x, a.reshape(n * rank, *a.shape[2:]), in_dims, kernel=self.kernel)  # [B, S, n * R]
+            out = []
+            for j, target in enumerate(members):
+                b = self.weights.b[target]
+                o = "klm"[: b.ndim - 2]
+                out.append(jnp.einsum(f"bsr,{o}br->bs{o}", xa[..., j * rank : (j + 1) * rank],
+                                      jnp.take(b, index, axis=-2)))
+            return out
+        B, S = x.shape[:2]
+        xa = dense(x, a.reshape(n * len(members) * rank, *a.shape[2:]), in_dims, kernel=self.kernel)
         own = (slots[:, None] == jnp.arange(1, n + 1)[None, :]).astype(xa.dtype)  # [B, n]
-        xa = xa * jnp.repeat(own, rank, axis=1)[:, None, :]
-        return dense(xa, b.reshape(*b.shape[:out_dims], n * rank), kernel=self.kernel)
+        xa = (xa.reshape(B, S, n, len(members), rank) * own[:, None, :, None, None])
+        out = []
+        for j, target in enumerate(members):
+            b = self.weights.b[target]
+            out.append(dense(xa[:, :, :, j].reshape(B, S, n * rank), b.reshape(*b.shape[:-2], n * rank),
+                             kernel=self.kernel))
+        return out

@@ -36,7 +36,7 @@ from model.config import ModelConfig
 from model.errors import UnsupportedModelError
 from model.params import LAYER_AXES, MODEL_AXES, LayerParams, ModelParams
 from model.gguf_blocks import GgufBlocks
-from model.lora_weights import LoraPair, LoraWeights, lora_axes
+from model.lora_weights import LayerSlots, LoraWeights, lora_axes
 from model.quantization import QuantArray
 
 TP_AXIS = "tp"
@@ -158,10 +158,10 @@ def shard_params(params: ModelParams, config: ModelConfig, mesh: Mesh) -> ModelP
 def shard_lora(weights: LoraWeights, config: ModelConfig, mesh: Mesh) -> LoraWeights:
     """Place LoRA slots on ``mesh``: each ``A`` split like its base matrix's inputs, each ``B``
     like its outputs (model/lora_weights.py), so a row's delta lands where its base output does."""
-    rules = rules_for(config, mesh.shape[TP_AXIS])
-    axes = lora_axes()
+    rules = rules_for(config, mesh.shape[TP_AXIS], mesh.shape.get(EP_AXIS, 1))
     shardings = tuple(
-        {name: LoraPair(*(NamedSharding(mesh, spec_for(a, rules)) for a in axes[name])) for name in layer}
-        for layer in weights
+        LayerSlots(*({name: NamedSharding(mesh, spec_for(a, rules)) for name, a in part.items()}
+                     for part in lora_axes(config, layer)))
+        for layer in range(len(weights))
     )
     return jax.device_put(weights, shardings)

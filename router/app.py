@@ -1,8 +1,9 @@
 """The ingress deployment: one router replica of the OpenAI HTTP API in front of the workers.
 
 The API itself is ``OpenAIService`` (plain ASGI, testable without Serve); this deployment
-gives it a worker handle, the model's tokenizer, and a poller that follows the worker
-replicas' routing stats for admission capacity.
+gives it a worker handle, the model's tokenizer, the cluster's record of LoRA adapters loaded
+over HTTP, and a poller that follows the worker replicas' routing stats for admission capacity
+(and the adapters other router replicas loaded or unloaded).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 
+from cluster.adapter_store import RayAdapterStore
 from cluster.names import ROUTER_DEPLOYMENT, WORKER_DEPLOYMENT
 from cluster.replicas import poll_replica_stats
 from model import load_model_info
@@ -27,12 +29,14 @@ logger = logging.getLogger("ray.serve")
 @serve.deployment(name=ROUTER_DEPLOYMENT, max_ongoing_requests=4096)
 @serve.ingress()
 class OpenAIRouter:
-    """The OpenAI HTTP API of ``OpenAIService`` (completions, chat, embeddings, models, vLLM's tokenize and
-    detokenize, health)."""
+    """The OpenAI HTTP API of ``OpenAIService`` (completions, chat, embeddings, models, vLLM's tokenize,
+    detokenize and LoRA adapter loading, health)."""
 
     async def __init__(self, worker: DeploymentHandle, settings: RouterSettings):
         self.settings = settings
-        self.service = OpenAIService(worker, settings, load_model_info(settings.model).tokenizer)
+        info = load_model_info(settings.model)
+        self.service = OpenAIService(worker, settings, info.tokenizer, RayAdapterStore(settings.app_name, settings.model),
+                                     info.config)
         self.replicas: dict[str, dict[str, Any]] = {}
         self._poller = asyncio.get_running_loop().create_task(self._poll_replicas())
 
@@ -45,6 +49,7 @@ class OpenAIRouter:
                 self.replicas = await asyncio.to_thread(poll_replica_stats, settings.app_name, WORKER_DEPLOYMENT,
                                                         self.replicas)
                 self.service.update_replicas(self.replicas)
+                await self.service.catalog.refresh()
             except Exception as err:  # keep polling: a replica may be restarting
                 logger.warning("reading worker routing stats failed: %r", err)
             await asyncio.sleep(settings.stats_period_s)

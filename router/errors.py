@@ -7,6 +7,7 @@ from typing import Any
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",

@@ -25,13 +25,15 @@ from ray.serve.exceptions import BackPressureError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from cache import adapter_salt, block_hashes
+from cluster.adapter_store import AdapterStore, MemoryAdapterStore
 from cluster.metrics import RouterMetrics
 from model import Tokenizer
+from model.config import ModelConfig
 from model.buckets import cdiv
 from router.admission import AdmissionController
 from router.auth import Authenticator, Secret, parse_api_keys
@@ -39,6 +41,7 @@ from router.errors import OpenAIError, invalid, overloaded
 from router.fair_queue import FairQueue
 from router.json_body import parse_json_body
 from router.lease import Lease
+from router.lora_catalog import ModelCatalog
 from router.protocol import ParsedRequest, RequestParser
 from router.rate_limit import RateLimiter
 from router.responses import ResponseBuilder
@@ -116,20 +119,24 @@ class LeasedStreamingResponse(StreamingResponse):
 
 class OpenAIService:
     """``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``, ``/tokenize``,
-    ``/detokenize`` and ``/health`` for one model."""
+    ``/detokenize`` and ``/health`` for one model and its LoRA adapters, and vLLM's
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (router/lora_catalog.py). Loaded
+    adapters are recorded in ``adapter_store`` (a router alone: in this process)."""
 
-    def __init__(self, worker: Any, settings: RouterSettings, tokenizer: Tokenizer):
+    def __init__(self, worker: Any, settings: RouterSettings, tokenizer: Tokenizer,
+                 adapter_store: AdapterStore | None = None, model_config: ModelConfig | None = None):
         self.worker = worker
         self.settings = settings
         self.tokenizer = tokenizer
-        self.parser = RequestParser(tokenizer, [settings.served_model_name, *settings.lora_modules],
-                                    settings.max_model_len, settings.tool_call_parser)
-        self.created = int(time.time())
+        self.catalog = ModelCatalog(settings, adapter_store or MemoryAdapterStore(), model_config)
+        self.parser = RequestParser(tokenizer, self.catalog.models.keys(), settings.max_model_len,
+                                    settings.tool_call_parser)
         self.metrics = RouterMetrics(settings.served_model_name)
         self.queue = FairQueue(len(settings.priority_classes), settings.max_queue_size, settings.tenant_weights)
         self.admission = AdmissionController(self.queue, settings.queue_timeout_s, on_tokens=self._count_tokens)
         keys = {**settings.api_keys.reveal(), **parse_api_keys(None, settings.api_keys_env).reveal()}
-        self.auth = Authenticator(Secret(keys))
+        admin_keys = {**settings.admin_api_keys.reveal(), **parse_api_keys(None, settings.admin_api_keys_env).reveal()}
+        self.auth = Authenticator(Secret(keys), Secret(admin_keys))
         self.rate_limiter = RateLimiter(settings.requests_per_minute, settings.tokens_per_minute)
         # The longest prompt every replica's KV pools admit, once reported (None: no such limit).
         self.max_prompt_tokens: int | None = None
@@ -169,6 +176,8 @@ class OpenAIService:
                 Route("/v1/embeddings", self._endpoint(self.parser.parse_embedding), methods=["POST"]),
                 Route("/tokenize", self._tokenizer_endpoint(self.parser.tokenize), methods=["POST"]),
                 Route("/detokenize", self._tokenizer_endpoint(self.parser.detokenize), methods=["POST"]),
+                Route("/v1/load_lora_adapter", self._admin_endpoint(self.catalog.load), methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self._admin_endpoint(self.catalog.unload), methods=["POST"]),
                 Route("/v1/models", self.list_models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -177,30 +186,20 @@ class OpenAIService:
         )
 
     # -- small endpoints --------------------------------------------------------------------------------
-    def _model_cards(self) -> dict[str, dict[str, Any]]:
-        """The served model's card and each LoRA adapter's (vLLM's: ``parent`` is the base model,
-        ``root`` the adapter's directory), by id."""
-        settings = self.settings
-        base = {"id": settings.served_model_name, "object": "model", "created": self.created, "owned_by": "raylm",
-                "root": settings.model, "parent": None, "max_model_len": settings.max_model_len}
-        cards = {base["id"]: base}
-        for name, path in settings.lora_modules.items():
-            cards[name] = {**base, "id": name, "root": path, "parent": settings.served_model_name}
-        return cards
-
     async def list_models(self, request: Request) -> Response:
         try:
             self.auth.tenant(request.headers.get("authorization"))
         except OpenAIError as err:
             return error_response(err)
-        return JSONResponse({"object": "list", "data": list(self._model_cards().values())})
+        return JSONResponse({"object": "list", "data": list(self.catalog.cards.values())})
 
     async def get_model(self, request: Request) -> Response:
         try:
             self.auth.tenant(request.headers.get("authorization"))
         except OpenAIError as err:
             return error_response(err)
-        card = self._model_cards().get(request.path_params["model"])
+        await self.catalog.find(request.path_params["model"])
+        card = self.catalog.cards.get(request.path_params["model"])
         if card is None:
             return error_response(OpenAIError(404, f"The model {request.path_params['model']!r} does not exist",
                                               param="model", code="model_not_found"))
@@ -214,6 +213,19 @@ class OpenAIService:
             try:
                 self.auth.tenant(request.headers.get("authorization"))
                 return JSONResponse(answer(await self._read_json(request)))
+            except OpenAIError as err:
+                return error_response(err)
+
+        return endpoint
+
+    def _admin_endpoint(self, act: Callable[[Any], Awaitable[str]]) -> Callable[[Request], Awaitable[Response]]:
+        """vLLM's adapter endpoints: an admin key when keys are configured; vLLM's plain-text
+        answer on success, OpenAI's error JSON otherwise."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                self.auth.admin(request.headers.get("authorization"))
+                return PlainTextResponse(await act(await self._read_json(request)))
             except OpenAIError as err:
                 return error_response(err)
 
@@ -235,7 +247,10 @@ class OpenAIService:
         async def endpoint(request: Request) -> Response:
             try:
                 key_tenant = self.auth.tenant(request.headers.get("authorization"))
-                parsed = parse(await self._read_json(request))
+                body = await self._read_json(request)
+                if isinstance(body, dict):
+                    await self.catalog.find(body.get("model"))
+                parsed = parse(body)
                 priority = self._priority(parsed, request.headers.get("x-priority"))
                 tenant = key_tenant or parsed.user or "anonymous"
                 self._check_fits_pool(parsed)
@@ -351,8 +366,8 @@ class OpenAIService:
     async def _generate(
         self, parsed: ParsedRequest, request_id: str, priority: int, lease: Lease
     ) -> AsyncIterator[tuple[int, GenerateChunk]]:
-        lora = parsed.model if parsed.model in self.settings.lora_modules else None
-        salt = adapter_salt(self.settings.cache_salt, lora)
+        lora = self.catalog.adapter(parsed.model)
+        salt = adapter_salt(self.settings.cache_salt, None if lora is None else lora.cache_key)
         streams = [
             self._worker_stream(
                 GenerateRequest(
@@ -363,7 +378,7 @@ class OpenAIService:
                     block_hashes=block_hashes(prompt, self.settings.block_size, salt),
                     embed=parsed.kind == "embedding",
                     beam=parsed.beam,
-                    lora_name=lora,
+                    lora=lora,
                 )
             )
             for i, prompt in enumerate(parsed.prompts)

@@ -51,7 +51,7 @@ class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
         request = _generate_request(pending_request)
         hashes = request.block_hashes if request is not None else []
         by_id = {r.replica_id: r for r in candidate_replicas}
-        adapter = request.lora_name if request is not None else None
+        adapter = request.lora.lora_name if request is not None and request.lora is not None else None
         views = [ReplicaView(r.replica_id, self._load(r), self._matched(r, hashes), self._holds(r, adapter))
                  for r in candidate_replicas]
         ranked, reason = choose_replica(views, self.imbalance_threshold_tokens, self.rng)

@@ -8,7 +8,7 @@ name rather than silently ignored.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Mapping
+from typing import Any, Collection, Literal, Mapping
 
 from model import Tokenizer
 from router.chat_messages import parse_messages
@@ -76,8 +76,9 @@ class ParsedRequest:
 class RequestParser:
     """Turns JSON bodies into ``ParsedRequest`` for one served model."""
 
-    def __init__(self, tokenizer: Tokenizer, served_model_names: list[str], max_model_len: int,
+    def __init__(self, tokenizer: Tokenizer, served_model_names: Collection[str], max_model_len: int,
                  tool_call_parser: str = "hermes"):
+        """``served_model_names`` may be a live view (adapters loaded at run time join it)."""
         if tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
         self.tokenizer = tokenizer
@@ -216,7 +217,7 @@ class RequestParser:
             raise invalid("model must be a string", "model")
         if model not in self.served_model_names:
             raise OpenAIError(
-                404, f"The model '{model}' does not exist; this server serves {self.served_model_names}",
+                404, f"The model '{model}' does not exist; this server serves {list(self.served_model_names)}",
                 param="model", code="model_not_found",
             )
         return model

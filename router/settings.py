@@ -32,10 +32,16 @@ class RouterSettings:
     # Security
     api_keys: Secret = dataclasses.field(default_factory=lambda: Secret({}))
     api_keys_env: str | None = "RAYLM_API_KEYS"
+    # Keys that may also load and unload LoRA adapters (with any key configured, only these may)
+    admin_api_keys: Secret = dataclasses.field(default_factory=lambda: Secret({}))
+    admin_api_keys_env: str | None = "RAYLM_ADMIN_API_KEYS"
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     tool_call_parser: str = "hermes"  # router/tools.py: how tool calls are written and read back
     cache_salt: str = ""
     # LoRA adapters served beside the model (deploy file's model.lora_modules): name -> path.
-    # A request whose ``model`` is one of them generates with it.
+    # A request whose ``model`` is one of them generates with it. With the workers' enable_lora,
+    # more may be loaded over HTTP, each of rank up to their max_lora_rank.
     lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
+    enable_lora: bool = False
+    max_lora_rank: int = 16

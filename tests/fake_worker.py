@@ -25,7 +25,7 @@ def fake_settings(**overrides: Any) -> RouterSettings:
     512-token context and no API keys; ``overrides`` replace any of them."""
     engine = EngineArgs()
     return RouterSettings(**{
-        "model": DEFAULT_MODEL, "served_model_name": "m", "max_model_len": 512, "api_keys_env": None,
+        "model": DEFAULT_MODEL, "served_model_name": "m", "max_model_len": 512, "api_keys_env": None, "admin_api_keys_env": None,
         "slots_per_replica": engine.max_num_seqs, "block_size": engine.block_size, **overrides,
     })
 

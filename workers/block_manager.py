@@ -79,7 +79,7 @@ class BlockManager:
         """Make ``seq.block_hashes`` cover its first ``num_blocks`` full blocks of known tokens."""
         bs = self.block_size
         ids = None
-        salt = adapter_salt(self.salt, None if seq.lora is None else seq.lora.lora_name)
+        salt = adapter_salt(self.salt, None if seq.lora is None else seq.lora.cache_key)
         while len(seq.block_hashes) < num_blocks:
             ids = ids or seq.all_ids
             i = len(seq.block_hashes)

@@ -91,8 +91,9 @@ class LLMWorker:
         self.model = model
         self.max_reported_hashes = max_reported_hashes
         self.engine = await asyncio.to_thread(AsyncEngine.from_model, model, **engine_args)
-        # Served adapters, read now: one that cannot be served fails the replica's start, naming it.
-        self.loras = {lora.lora_name: lora for lora in lora_modules}
+        # The deploy file's adapters, read now: one that cannot be served fails the replica's start,
+        # naming it. Requests carry their adapter (router/lora_catalog.py), so those loaded over
+        # HTTP need nothing here: a replica reads each on first use.
         for lora in lora_modules:  # on the engine thread: its adapter registry is not shared
             await self.engine.run_in_engine(lambda engine, lora=lora: engine.loras.add(lora))
         self.stuck_after_s = stuck_after_s
@@ -122,17 +123,13 @@ class LLMWorker:
         """
         if self.draining:
             raise ReplicaDrainingError("this replica is shutting down; retry")
-        lora = None
-        if request.lora_name is not None:
-            lora = self.loras.get(request.lora_name)
-            if lora is None:
-                raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not served by this replica")
+        lora = request.lora
         if request.beam is not None:
             yield await self._beam_search(request, lora)
             return
         reported: set[int] = set()
         started = False
-        recorder = RequestMetricsRecorder(self.metrics)
+        recorder = RequestMetricsRecorder(self.metrics, lora_name=None if lora is None else lora.lora_name)
         try:
             async for output in self.engine.generate(
                 request.prompt_token_ids, request.params, request.request_id, request.priority, embed=request.embed,
@@ -149,7 +146,8 @@ class LLMWorker:
 
     async def _beam_search(self, request: GenerateRequest, lora: LoRARequest | None) -> GenerateChunk:
         """A beam search request's one chunk: every beam, finished (recorded as one request)."""
-        recorder = RequestMetricsRecorder(self.metrics, prompt_tokens=len(request.prompt_token_ids))
+        recorder = RequestMetricsRecorder(self.metrics, prompt_tokens=len(request.prompt_token_ids),
+                                          lora_name=None if lora is None else lora.lora_name)
         try:
             beams = await self.engine.beam_search(request.prompt_token_ids, request.beam, request.request_id, lora)
             recorder.on_beams(beams)

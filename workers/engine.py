@@ -310,7 +310,7 @@ class LLMEngine:
         slots = self.scheduler.lora_slots
         if slots is None:
             return None
-        return LoraStats(tuple(sorted(slots.resident, key=slots.resident.get)), slots.num_loads, slots.num_evictions)
+        return LoraStats(tuple(slots.resident), slots.num_in_use, dict(slots.loads), dict(slots.evictions))
 
 
 def _kv_window(windows: list[int | None]) -> int | None:

@@ -19,12 +19,13 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class LoraStats:
-    """LoRA adapter slots (workers/lora_manager.py): the adapters resident on the device, and
-    lifetime slot fills and evictions."""
+    """LoRA adapter slots (workers/lora_manager.py): the adapters resident on the device (by
+    slot), the slots running sequences hold, and lifetime slot fills and evictions per adapter."""
 
     resident: tuple[str, ...]
-    loads: int
-    evictions: int
+    in_use: int
+    loads: dict[str, int]
+    evictions: dict[str, int]
 
 
 @dataclasses.dataclass(frozen=True)

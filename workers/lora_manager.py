@@ -24,8 +24,9 @@ from model.lora import LoraAdapter, load_lora_adapter
 @dataclasses.dataclass(frozen=True)
 class LoRARequest:
     """An adapter to generate with (vLLM's ``LoRARequest(lora_name, lora_int_id, lora_path)``):
-    its name (what an HTTP request's ``model`` says; it keys the adapter, and the prefix cache),
-    a positive id, and its PEFT directory."""
+    its name (what an HTTP request's ``model`` says), a positive id that identifies it (as in
+    vLLM: one id, one adapter; an adapter loaded again over HTTP gets a new id), and its PEFT
+    directory."""
 
     lora_name: str
     lora_int_id: int
@@ -37,77 +38,87 @@ class LoRARequest:
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be a positive integer (0 is the base model), got {self.lora_int_id!r}")
 
+    @property
+    def cache_key(self) -> str:
+        """What keeps its KV apart in the prefix cache (and in prefix-aware routing): its id,
+        so an adapter unloaded and loaded again under the same name never reuses the old KV."""
+        return f"{self.lora_int_id}:{self.lora_name}"
+
 
 class LoraAdapters:
-    """The adapters a replica has been asked for, by name, and the host copies of the most recent."""
+    """The adapters a replica has been asked for, by id, and the host copies of the most recent."""
 
     def __init__(self, config: ModelConfig, max_rank: int, max_cpu_loras: int):
         self.config = config
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
-        self.known: dict[str, LoRARequest] = {}
-        self._host: collections.OrderedDict[str, LoraAdapter] = collections.OrderedDict()  # least recent first
+        self.known: dict[int, LoRARequest] = {}
+        self._host: collections.OrderedDict[int, LoraAdapter] = collections.OrderedDict()  # least recent first
 
     def add(self, request: LoRARequest) -> LoraAdapter:
         """Know ``request``'s adapter, reading it if it is not in host memory; raises
-        ``LoraAdapterError`` (a ValueError) for one that cannot be served, and ValueError for a
-        name already taken by another adapter."""
-        known = self.known.get(request.lora_name)
+        ``LoraAdapterError`` (a ValueError) for one that cannot be served, and ValueError for an
+        id already taken by another adapter."""
+        known = self.known.get(request.lora_int_id)
         if known is not None and known != request:
-            raise ValueError(f"LoRA adapter name {request.lora_name!r} is taken by {known}; "
-                             f"give {request} another name")
+            raise ValueError(f"lora_int_id {request.lora_int_id} is taken by {known}; give {request} another id")
         adapter = self.get(request)
-        self.known[request.lora_name] = request
+        self.known[request.lora_int_id] = request
         return adapter
 
     def get(self, request: LoRARequest) -> LoraAdapter:
         """The adapter's host copy, read from disk when it is not kept."""
-        adapter = self._host.get(request.lora_name)
+        key = request.lora_int_id
+        adapter = self._host.get(key)
         if adapter is None:
             adapter = load_lora_adapter(request.lora_name, request.lora_path, self.config, self.max_rank)
-            self._host[request.lora_name] = adapter
+            self._host[key] = adapter
             while len(self._host) > self.max_cpu_loras:
                 self._host.popitem(last=False)
-        self._host.move_to_end(request.lora_name)
+        self._host.move_to_end(key)
         return adapter
 
 
 class LoraSlots:
     """The device slots (numbered 1..n; 0 is the base model): which adapter each holds, how many
-    running sequences use it, and the loads the next step must make before it runs."""
+    running sequences use it, and the loads the next step must make before it runs. Loads and
+    evictions are counted per adapter name (the per-adapter metrics)."""
 
     def __init__(self, num_slots: int, adapters: LoraAdapters):
         self.adapters = adapters
         self._free = list(range(num_slots, 0, -1))
-        self._slot_of: dict[str, int] = {}
+        # resident adapters by id -> (name, slot), least recently used first
+        self._resident: collections.OrderedDict[int, tuple[str, int]] = collections.OrderedDict()
         self._users: dict[int, int] = {}  # slot -> sequences holding it
-        self._recent: collections.OrderedDict[int, str] = collections.OrderedDict()  # resident, least recent first
         self._loads: list[tuple[int, LoraAdapter]] = []
-        self.num_loads = 0
-        self.num_evictions = 0
+        self.loads: collections.Counter[str] = collections.Counter()
+        self.evictions: collections.Counter[str] = collections.Counter()
 
     def acquire(self, request: LoRARequest) -> int | None:
         """A slot holding ``request``'s adapter for one more sequence (loading it if needed); None
         when every slot is held by another adapter a running sequence uses."""
-        slot = self._slot_of.get(request.lora_name)
-        if slot is None:
-            slot = self._free.pop() if self._free else self._evictable()
+        key = request.lora_int_id
+        if key in self._resident:
+            slot = self._resident[key][1]
+            self._resident.move_to_end(key)
+        else:
+            slot = self._free.pop() if self._free else self._evict()
             if slot is None:
                 return None
-            evicted = self._recent.pop(slot, None)
-            if evicted is not None:
-                del self._slot_of[evicted]
-                self.num_evictions += 1
-            self._slot_of[request.lora_name] = slot
+            self._resident[key] = (request.lora_name, slot)
             self._loads.append((slot, self.adapters.get(request)))
-            self.num_loads += 1
+            self.loads[request.lora_name] += 1
         self._users[slot] = self._users.get(slot, 0) + 1
-        self._recent[slot] = request.lora_name
-        self._recent.move_to_end(slot)
         return slot
 
-    def _evictable(self) -> int | None:
-        return next((slot for slot in self._recent if not self._users.get(slot)), None)
+    def _evict(self) -> int | None:
+        """The least recently used slot no running sequence holds, emptied; None if none."""
+        key = next((k for k, (_, slot) in self._resident.items() if not self._users.get(slot)), None)
+        if key is None:
+            return None
+        name, slot = self._resident.pop(key)
+        self.evictions[name] += 1
+        return slot
 
     def release(self, slot: int) -> None:
         """A sequence no longer uses ``slot`` (its adapter stays resident until evicted)."""
@@ -121,9 +132,9 @@ class LoraSlots:
         return loads
 
     @property
-    def resident(self) -> dict[str, int]:
-        """Adapter name -> its slot, for every adapter on the device."""
-        return dict(self._slot_of)
+    def resident(self) -> list[str]:
+        """The names of the adapters on the device, by slot."""
+        return [name for name, _ in sorted(self._resident.values(), key=lambda entry: entry[1])]
 
     @property
     def num_in_use(self) -> int:

@@ -10,17 +10,19 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from cluster.metrics import WorkerMetrics
-from workers.engine_stats import EngineStats
+from cluster.metrics import WorkerMetrics, adapter_tag
+from workers.engine_stats import EngineStats, LoraStats
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.speculative import SpecDecodeStats
 
 
 class RequestMetricsRecorder:
-    """Watches one request's outputs as they stream; records everything once it ends."""
+    """Watches one request's outputs as they stream; records everything once it ends (and, for
+    a request with a LoRA adapter, its tokens and itself under the adapter's name)."""
 
-    def __init__(self, metrics: WorkerMetrics, prompt_tokens: int = 0):
+    def __init__(self, metrics: WorkerMetrics, prompt_tokens: int = 0, lora_name: str | None = None):
         self.metrics = metrics
+        self.lora_tags = {} if lora_name is None else {"lora_name": adapter_tag(lora_name)}
         self.start = time.monotonic()
         self.last_token_at: float | None = None
         self.first_token_at: float | None = None
@@ -49,7 +51,7 @@ class RequestMetricsRecorder:
                     self.metrics.observe("raylm_inter_token_latency_seconds", gap)
             self.last_token_at = now
             self.generated += new
-            self.metrics.inc("raylm_generation_tokens_total", new)
+            self._count_tokens(new)
         if output.finished:
             self.finish_reasons = [c.finish_reason or "abort" for c in output.outputs]
 
@@ -60,8 +62,13 @@ class RequestMetricsRecorder:
         self.first_token_at = self.last_token_at = now
         self.metrics.observe("raylm_time_to_first_token_seconds", now - self.start)
         self.generated = sum(len(b.token_ids) for b in beams)
-        self.metrics.inc("raylm_generation_tokens_total", self.generated)
+        self._count_tokens(self.generated)
         self.finish_reasons = [b.finish_reason or "abort" for b in beams]
+
+    def _count_tokens(self, tokens: int) -> None:
+        self.metrics.inc("raylm_generation_tokens_total", tokens)
+        if self.lora_tags:
+            self.metrics.inc("raylm_lora_generation_tokens_total", tokens, **self.lora_tags)
 
     def finish(self) -> None:
         """Called once when the stream ends, normally or not (a cancelled stream is an abort)."""
@@ -69,6 +76,8 @@ class RequestMetricsRecorder:
         arrival = self.arrival or self.start
         metrics = self.metrics
         metrics.inc("raylm_prompt_tokens_total", self.prompt_tokens)
+        if self.lora_tags:
+            metrics.inc("raylm_lora_requests_total", 1, **self.lora_tags)
         for reason in self.finish_reasons or ["abort"]:
             metrics.inc("raylm_request_success_total", 1, finished_reason=reason)
         metrics.observe("raylm_e2e_request_latency_seconds", now - arrival)
@@ -106,10 +115,18 @@ class EngineStatsReporter:
             metrics.inc(name, (now - before) * scale)
         if stats.spec is not None:
             self._report_speculation(stats.spec, previous.spec if previous and previous.spec else SpecDecodeStats())
+        if stats.lora is not None:
+            self._report_lora(stats.lora, previous.lora if previous else None)
         self.previous = stats
         memory = device_memory_in_use()
         if memory is not None:
             metrics.set("raylm_device_memory_used_bytes", memory)
+
+    def _report_lora(self, lora: LoraStats, before: LoraStats | None) -> None:
+        for name, now, then in (("raylm_lora_loads_total", lora.loads, before.loads if before else {}),
+                                ("raylm_lora_evictions_total", lora.evictions, before.evictions if before else {})):
+            for adapter, count in now.items():
+                self.metrics.inc(name, count - then.get(adapter, 0), lora_name=adapter_tag(adapter))
 
     def _report_speculation(self, spec: SpecDecodeStats, before: SpecDecodeStats) -> None:
         for name, now, then in (

@@ -18,6 +18,7 @@ import numpy as np
 
 from cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
 from workers.engine_stats import EngineStats
+from workers.lora_manager import LoRARequest
 from workers.outputs import TokenLogprobs
 from workers.sampling_params import BeamSearchParams, SamplingParams
 
@@ -41,7 +42,9 @@ class GenerateRequest:
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # of the prompt's full blocks, for routing
     embed: bool = False  # the prompt's embedding instead of a completion (the final chunk's ``embedding``)
     beam: BeamSearchParams | None = None  # beam search: ``beam_width`` completions in one final chunk
-    lora_name: str | None = None  # the LoRA adapter to generate with (one of the replica's lora_modules)
+    # The LoRA adapter to generate with, as the router resolved the request's ``model`` (from the
+    # deploy file or loaded over HTTP): the replica reads it on first use.
+    lora: LoRARequest | None = None
 
 
 @dataclasses.dataclass

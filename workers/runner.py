@@ -102,9 +102,8 @@ class ModelRunner:
         # LoRA adapter slots (model/lora_weights.py): (max_loras, max_lora_rank), None when off.
         self.lora_weights = None
         if lora_buffers is not None:
-            self.lora_rank = lora_buffers[1]
-            self.lora_weights = shard_lora(
-                create_lora_weights(config, *lora_buffers, self.params.final_norm.dtype), config, mesh)
+            self.lora_rank, self.lora_dtype = lora_buffers[1], self.params.final_norm.dtype
+            self.lora_weights = shard_lora(create_lora_weights(config, *lora_buffers, self.lora_dtype), config, mesh)
 
     # -- the programs -----------------------------------------------------------------------------
     def _program_kinds(self, num_scheduler_steps: int) -> dict[str, tuple[list[tuple[int, ...]], Callable]]:
@@ -200,7 +199,7 @@ class ModelRunner:
     def _load_lora(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Fill LoRA slot ``slot`` with ``adapter`` (None: empty it; every slot and adapter share
         one program)."""
-        values = slot_values(adapter, self.config, self.lora_rank, self.lora_weights[0]["q_proj"].a.dtype)
+        values = slot_values(adapter, self.config, self.lora_rank, self.lora_dtype)
         self.lora_weights = write_slot(self.lora_weights, np.int32(slot - 1), values)
 
     def _lora(self, slots: np.ndarray) -> dict[str, Any]:

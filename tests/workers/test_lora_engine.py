@@ -1,16 +1,25 @@
 """LoRA adapters in the engine: batches mixing adapters and base rows, more adapters than device
 slots (LRU), prefix caching and n-gram speculation, each request against HF transformers with
-its adapter merged into the weights."""
+its adapter merged into the weights; on an int8 base over two devices with a JSON schema and
+speculation, against HF on the same int8 weights."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
+
+import jax
 import numpy as np
 import pytest
+import torch
 
+from model import load_model_info
 from tests.checkpoints import build_tiny_checkpoint
 from tests.lora_adapters import MODULES, write_adapter
 from tests.reference import hf_greedy
 from workers import LLM, LoRARequest, SamplingParams
+from workers.structured_output import StructuredOutput
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -60,10 +69,10 @@ def test_mixed_adapters_lru_slots_and_prefix_cache_match_merged_hf(served):
         for (p, a), out in zip(pairs, outputs):
             assert out.outputs[0].token_ids == expected[p, a], (p, a)
     slots = engine.scheduler.lora_slots
-    assert slots.num_loads > 4 and slots.num_evictions > 0
+    assert sum(slots.loads.values()) > 4 and sum(slots.evictions.values()) > 0
     stats = engine.stats()
     assert stats.pool.prefix_hits > 0 and stats.spec.num_drafts > 0
-    assert len(stats.lora.resident) == 4 and stats.lora.loads == slots.num_loads
+    assert len(stats.lora.resident) == 4 and stats.lora.loads == dict(slots.loads) and stats.lora.in_use == 0
     # Nothing leaks: no slot held, no block used.
     assert slots.num_in_use == 0 and stats.running == stats.waiting == 0
     assert stats.pool.num_used_blocks == 0 and stats.pool.num_free_blocks == stats.pool.num_usable_blocks
@@ -84,3 +93,52 @@ def test_lora_requests_are_checked_when_they_arrive(served, tmp_path):
         llm.engine.add_request("clash", [5, 6], GREEDY, lora_request=LoRARequest("adapter0", 1, str(tmp_path)))
     llm.engine.abort("known")
     assert not llm.engine.has_unfinished_requests()
+
+
+# A schema the tiny byte-level tokenizer can spell; half of the requests are held to it.
+SCHEMA = StructuredOutput("json_schema", json.dumps({
+    "type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "blue"]}},
+    "required": ["ok", "tag"], "additionalProperties": False}))
+
+
+def _as_int8(model, merged):
+    """``merged`` (``model`` with an adapter merged in) as raylm serves it on int8 weights: every
+    matrix of ``model`` rounded per output channel to 127 steps of its largest magnitude
+    (model/quantization.py), the adapter's delta on top in float32."""
+    out = copy.deepcopy(merged)
+    with torch.no_grad():
+        base = dict(model.named_parameters())
+        for name, param in out.named_parameters():
+            w = base[name]
+            if w.ndim == 2:
+                absmax = w.abs().amax(dim=1, keepdim=True)
+                scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+                param.add_(torch.clamp(torch.round(w / scale), -127, 127) * scale - w)
+    return out.eval()
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (XLA_FLAGS set in conftest)")
+def test_adapters_on_an_int8_base_over_tp2_with_grammar_and_speculation(served):
+    """One engine with everything at once: int8 weights sharded over two devices, n-gram
+    speculation, a JSON schema on half of the rows, adapters mixed with a base row. Free rows
+    equal HF's on the same int8 weights with the adapter merged; held rows are the schema's.
+    (GGUF blocks are served on one device only; their delta is added after the base matmul
+    as int8's is.)"""
+    path, requests, references = served
+    rng = np.random.RandomState(3)
+    prompt = np.tile(rng.randint(3, 320, size=6), 4).tolist()  # repeats itself: n-gram guesses
+    # The base model and three adapters (attention and MLP, attention, MLP only) over two slots;
+    # the first two rows free, the others held to the schema.
+    held = dataclasses.replace(GREEDY, max_tokens=40, structured_output=SCHEMA, ignore_eos=False)
+    llm = LLM(str(path), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=32, max_model_len=64,
+              max_num_seqs=4, max_num_batched_tokens=32, quantization="int8", tensor_parallel_size=2,
+              speculative=dict(method="ngram", num_speculative_tokens=3))
+    outputs = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": prompt}] * 4, [GREEDY, GREEDY, held, held], lora_request=requests[:4])]
+    for row in (0, 1):
+        assert outputs[row] == hf_greedy(_as_int8(references[0], references[row]), prompt, NEW_TOKENS), row
+    assert outputs[0] != outputs[1]  # the adapter matters
+    tokenizer = load_model_info(path).tokenizer
+    for tokens in outputs[2:]:
+        value = json.loads(tokenizer.decode(tokens))
+        assert set(value) == {"ok", "tag"} and value["tag"] in ("red", "blue")
