@@ -330,7 +330,7 @@ DENSE_CASES = [
     ((MAX_ROWS + 8, 64), (96, 64), 1),
     ((MAX_ROWS, 64), (96, 64), 1),
 ]
-DENSE_IDS = ["fused qkv", "output projection", "more rows than the kernel takes", "as many rows as the kernel takes"]
+DENSE_IDS = ["fused qkv", "output projection", "a prompt chunk (the prompt GEMM)", "the most rows of the small-batch kernel"]
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
@@ -349,8 +349,10 @@ def test_dense_matches_dequantized_on_every_path(scheme, x_shape, w_shape, contr
     # The same as dense on the dequantized float32 matrix, through the same path.
     np.testing.assert_allclose(got, np.asarray(jax.jit(fn)(x, qa.dequantize())), rtol=1e-5, atol=1e-4)
     rows = int(np.prod(x_shape[: len(x_shape) - contract]))
-    expect_kernel = kernel and dense_module.available() and rows <= MAX_ROWS
-    assert ("raylm_dense_matmul_quantized" in _lowered(fn, x, qa)) == expect_kernel
+    expect_kernel = kernel and dense_module.available()
+    lowered = _lowered(fn, x, qa)
+    assert ("raylm_dense_matmul_quantized" in lowered) == expect_kernel
+    assert ("raylm_dense_matmul_quantized_prompt" in lowered) == (expect_kernel and rows > MAX_ROWS)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
