@@ -33,7 +33,7 @@ def _kernel(name: str) -> Extension:
         f"model.kernels._{name}",
         sources=[f"model/kernels/{name}.cc"],
         depends=["model/kernels/ffi_shape.h", "model/kernels/fp8_e4m3.h", "model/kernels/gguf_blocks.h",
-                 "model/kernels/wide_lanes.h"],
+                 "model/kernels/wide_lanes.h", "model/kernels/prompt_gemm.inc"],
         language="c++",
         # -isystem: XLA's own headers warn under Python's default flags; ours should not be lost.
         # -Wno-psabi: GCC notes that 8-lane vectors change the ABI of the non-AVX clone's

@@ -41,8 +41,9 @@ class ModelSection(_Section):
     name: str = Field(DEFAULT_MODEL, description="registry name (e.g. smollm2-135m-instruct) or a path")
     served_model_name: str | None = Field(None, description="the name clients send; default: name")
     dtype: Literal["float32", "bfloat16"] = "float32"
-    quantization: Literal["none", "int8", "fp8"] = Field(
-        "none", description="weight-only: every matrix stored 8-bit with a scale per output channel")
+    quantization: Literal["none", "int8", "int8_g32", "fp8"] = Field(
+        "none", description="weight-only: every matrix stored 8-bit with a scale per output channel (int8_g32: per "
+        "32 inputs)")
     gguf_blocks: Literal["auto", "keep", "expand"] = Field(
         "auto", description="a GGUF's Q4_0/Q4_1/Q8_0 matrices: kept as stored (exact float32 results, a sixth "
         "of the bytes; auto: on one CPU device in float32) or expanded to float32 at load")

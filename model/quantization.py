@@ -1,4 +1,4 @@
-"""Weight-only quantization: 8-bit matrices with one float32 scale per output channel.
+"""Weight-only quantization: 8-bit matrices with float32 scales per output channel or per group.
 
 ``model.quantization: int8 | fp8`` stores every linear layer and the (tied) embedding / LM
 head as a ``QuantArray`` at load time. At decode batch sizes a step is bound by reading
@@ -8,6 +8,12 @@ them where the kernel does not run. Scales are per output channel (one per row o
 ``[out..., in...]`` layout, see model/params.py): int8 maps each row's absolute maximum to
 127, fp8 (e4m3fn) to 448, its largest finite value. A channel of zeros gets scale 1 so it
 stays exactly zero.
+
+``int8_g32`` keeps a scale per group of 32 consecutive inputs instead (absmax / 127 of the
+group): an outlier then coarsens 31 neighbours, not its whole row. That is GGUF's Q8_0 layout
+with float32 scales, so the matrices are ``GgufBlocks`` (model/gguf_blocks.py) and run through
+the block kernels, decode rows and prompt chunks alike; like GGUF blocks, one device only.
+Matrices whose inputs are not whole groups of 32 are an error naming the scheme to use instead.
 
 The KV pool can be 8-bit too (model/attention.py): a ``QuantArray`` whose one input dim is
 the head dim, so it has a scale per (token, kv head).
@@ -31,8 +37,9 @@ import numpy as np
 from model.gguf_blocks import GgufBlocks
 from model.params import LAYER_MATRIX_INPUT_DIMS, MODEL_MATRIX_INPUT_DIMS, LayerParams, ModelParams
 
-Scheme = Literal["int8", "fp8"]
-SCHEMES: tuple[str, ...] = ("none", "int8", "fp8")
+Scheme = Literal["int8", "int8_g32", "fp8"]
+SCHEMES: tuple[str, ...] = ("none", "int8", "int8_g32", "fp8")
+GROUP = 32  # int8_g32: inputs per scale (GGUF's block, so the block kernels run it)
 # Largest magnitude each storage type holds (the value a row's absolute maximum maps to).
 _RANGE = {"int8": 127.0, "fp8": float(jnp.finfo(jnp.float8_e4m3fn).max)}
 _STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -79,18 +86,23 @@ class QuantArray:
 
 
 @functools.partial(jax.jit, static_argnames=("scheme", "num_input_dims"))
-def quantize(w: jax.Array | np.ndarray | GgufBlocks, scheme: Scheme, num_input_dims: int = 1) -> QuantArray:
-    """Quantize ``w [N..., K...]`` (the last ``num_input_dims`` dims are inputs) per output channel.
+def quantize(
+    w: jax.Array | np.ndarray | GgufBlocks, scheme: Scheme, num_input_dims: int = 1
+) -> QuantArray | GgufBlocks:
+    """Quantize ``w [N..., K...]`` (the last ``num_input_dims`` dims are inputs) per output
+    channel (a ``QuantArray``), or per group of 32 inputs for ``int8_g32`` (``GgufBlocks``).
 
     Computed in float32, jitted (a model's matrices share a few shapes). GGUF blocks are
     dequantized first (exactly, so the result is that of the expanded matrix).
     """
-    if scheme not in _RANGE:
-        raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    if scheme not in _RANGE and scheme != "int8_g32":
+        raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES[1:])}")
     w = w.dequantize() if isinstance(w, GgufBlocks) else w.astype(jnp.float32)
     if not 0 < num_input_dims < w.ndim:
         raise ValueError(f"a {w.ndim}-D weight cannot have {num_input_dims} input dims")
     flat = w.reshape(*w.shape[: w.ndim - num_input_dims], math.prod(w.shape[w.ndim - num_input_dims:]))
+    if scheme == "int8_g32":
+        return _quantize_groups(flat, w.shape[w.ndim - num_input_dims:])
     absmax = jnp.max(jnp.abs(flat), axis=-1)
     scale = jnp.where(absmax > 0, absmax / _RANGE[scheme], 1.0).astype(jnp.float32)
     scaled = flat / scale[..., None]
@@ -101,11 +113,24 @@ def quantize(w: jax.Array | np.ndarray | GgufBlocks, scheme: Scheme, num_input_d
     return QuantArray(q.reshape(w.shape), scale)
 
 
+def _quantize_groups(flat: jax.Array, input_shape: tuple[int, ...]) -> GgufBlocks:
+    """``flat [N..., K]`` as int8 with a float32 scale per 32 inputs, in GGUF's Q8_0 layout."""
+    size = flat.shape[-1]
+    if size % GROUP:
+        raise ValueError(f"int8_g32 scales groups of {GROUP} inputs; a matrix with {size} inputs is not whole groups "
+                         "(use quantization int8)")
+    groups = flat.reshape(*flat.shape[:-1], size // GROUP, GROUP)
+    absmax = jnp.max(jnp.abs(groups), axis=-1)
+    scale = jnp.where(absmax > 0, absmax / _RANGE["int8"], 1.0).astype(jnp.float32)
+    q = jnp.clip(jnp.round(groups / scale[..., None]), -127, 127).astype(jnp.int8)
+    return GgufBlocks(q.reshape(flat.shape), scale, jnp.zeros((*flat.shape[:-1], 0), jnp.float32), tuple(input_shape))
+
+
 def parse_quantization(value: str | None) -> Scheme | None:
     """``None`` / ``"none"`` -> None, else the scheme (unknown names are an error naming the setting)."""
     if value is None or value == "none":
         return None
-    if value not in _RANGE:
+    if value not in SCHEMES:
         raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {value!r}")
     return value  # type: ignore[return-value]
 

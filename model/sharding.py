@@ -130,8 +130,8 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
         if isinstance(leaf, GgufBlocks):  # served by the unsharded kernel only
             if mesh.devices.size > 1:
                 raise ValueError(
-                    "GGUF blocks are served on one device; load the model with gguf_blocks='expand' "
-                    f"to shard it over {mesh.devices.size}"
+                    "GGUF blocks (and int8_g32 matrices, which are held as blocks) are served on one device; "
+                    f"load the model with gguf_blocks='expand' (quantization int8) to shard it over {mesh.devices.size}"
                 )
             whole = NamedSharding(mesh, PartitionSpec())
             return GgufBlocks(whole, whole, whole, leaf.input_shape)

@@ -2,8 +2,8 @@
 
 For each variant on the bundled model (``float32``: the GGUF's matrices expanded to float32;
 ``gguf_blocks``: the same numbers from its Q4_1 / Q8_0 blocks kept as stored, what serving
-does by default on CPU; ``int8`` / ``fp8`` weights; ``kv_int8`` / ``kv_fp8`` KV pools;
-``int8+kv_int8`` both):
+does by default on CPU; ``int8`` / ``fp8`` weights; ``int8_g32`` (a scale per 32 inputs);
+``kv_int8`` / ``kv_fp8`` KV pools; ``int8+kv_int8`` both):
 
 1. ``weight_bytes``: what the parameters hold (8-bit matrices and their scales as stored).
 2. ``kv_blocks``: blocks the default KV budget (2 GiB on CPU) holds, and the largest batch of
@@ -12,7 +12,7 @@ does by default on CPU; ``int8`` / ``fp8`` weights; ``kv_int8`` / ``kv_fp8`` KV 
    (128-token prompts, 128 output tokens, EOS ignored, prefix caching off, timed after a
    first run compiled every program).
 4. Greedy agreement with float32 on ``REFERENCE_PROMPTS`` (chat-templated, 32 tokens): how
-   many continuations are identical, and at each first divergence float32's own margin
+   many continuations are identical (all 32 tokens, and the first 16), and at each first divergence float32's own margin
    between its top two tokens (a small margin = a near tie that any rounding can flip).
 5. ``shapes``: one matmul of each bundled-model shape at 1/16/64 rows: float32 kernel,
    W8A16 (int8 weights widened in the kernel) and W8A8 (int8 x int8 -> int32 by XLA's dot
@@ -64,11 +64,13 @@ REFERENCE_PROMPTS: tuple[str, ...] = (
     "How can I improve my sleep?",
 )
 AGREEMENT_TOKENS = 32
+FIRST_TOKENS = 16  # also counted: continuations whose first 16 tokens agree
 # name -> (weight quantization, kv_cache_dtype, GGUF blocks kept)
 VARIANTS: dict[str, tuple[str, str, bool]] = {
     "float32": ("none", "auto", False),
     "gguf_blocks": ("none", "auto", True),
     "int8": ("int8", "auto", False),
+    "int8_g32": ("int8_g32", "auto", False),
     "fp8": ("fp8", "auto", False),
     "kv_int8": ("none", "int8", False),
     "kv_fp8": ("none", "fp8", False),
@@ -100,14 +102,18 @@ def greedy_continuations(llm: LLM) -> list[tuple[list[int], list[dict[int, float
 
 
 def agreement(reference: list, other: list) -> dict[str, Any]:
-    """Identical continuations, and float32's top-2 margin where each other one first diverges."""
-    margins = []
+    """Identical continuations (all tokens, and the first ``FIRST_TOKENS``), and float32's top-2
+    margin where each other one first diverges."""
+    margins, diverged = [], []
     for (ref_tokens, ref_logprobs), (tokens, _) in zip(reference, other):
         diverge = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), None)
         if diverge is not None:
             top = sorted(ref_logprobs[diverge].values(), reverse=True)
             margins.append(round(top[0] - top[1], 4))
-    return {"identical": len(reference) - len(margins), "of": len(reference), "divergence_margins": margins}
+            diverged.append(diverge)
+    first = sum(1 for i in diverged if i < FIRST_TOKENS)
+    return {"identical": len(reference) - len(margins), f"identical_first_{FIRST_TOKENS}": len(reference) - first,
+            "of": len(reference), "divergence_margins": margins}
 
 
 def bench_variant(args: argparse.Namespace, variant: str, reference: list | None) -> tuple[dict[str, Any], list]:

@@ -30,6 +30,10 @@
 // expert are computed and only the experts that got rows are read. Rows past the groups
 // (padding) come out as zeros.
 //
+// Calls of many rows (prompt chunks) run the same tiles through a loop nest blocked for the
+// caches, each weight panel widened once per call (prompt_gemm.inc); model/dense.py picks it
+// above KERNEL_MAX_ROWS rows.
+//
 // Every output element is summed in the same order whatever M, the tile it falls in or the
 // thread that computes it (lanes over k, then the lanes in a fixed order, then the k tail), so
 // a row's result does not depend on what else is in the batch. There are two tile families,
@@ -43,6 +47,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 
 #include "ffi_shape.h"
 #include "fp8_e4m3.h"
@@ -589,23 +594,24 @@ constexpr int64_t kColumnsPerItem = 64;
 constexpr int64_t kMinParallelWeights = int64_t{1} << 16;
 
 // Splits output columns [0, N) over the calling thread and XLA's intra-op pool:
-// `columns(n_begin, n_end, panel)` computes a range, `panel` being `panel_floats` of scratch
-// per thread (null when 0). Items are claimed one by one from a shared counter, so the caller
-// never waits for an item nobody has started and a helper that starts late finds nothing left
-// and touches only `state`.
+// `columns(n_begin, n_end, panel)` computes a range of up to `columns_per_item` columns, `panel`
+// being `panel_floats` of scratch per thread (null when 0). Items are claimed one by one from a
+// shared counter, so the caller never waits for an item nobody has started and a helper that
+// starts late finds nothing left and touches only `state`.
 template <typename ColumnsFn>
-void Run(int64_t N, int64_t K, int64_t panel_floats, ColumnsFn columns, ffi::ThreadPool& pool) {
-  const int64_t items = (N + kColumnsPerItem - 1) / kColumnsPerItem;
+void Run(int64_t N, int64_t K, int64_t panel_floats, ColumnsFn columns, ffi::ThreadPool& pool,
+         int64_t columns_per_item = kColumnsPerItem) {
+  const int64_t items = (N + columns_per_item - 1) / columns_per_item;
   const int64_t threads =
       N * K >= kMinParallelWeights ? std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) : 1;
   struct State {
     std::atomic<int64_t> next{0}, done{0};
   };
   auto state = std::make_shared<State>();
-  auto participate = [state, items, N, panel_floats, columns] {
+  auto participate = [state, items, N, panel_floats, columns, columns_per_item] {
     std::unique_ptr<float[]> panel(panel_floats ? new float[panel_floats] : nullptr);
     for (int64_t i = state->next.fetch_add(1); i < items; i = state->next.fetch_add(1)) {
-      columns(i * kColumnsPerItem, std::min(N, (i + 1) * kColumnsPerItem), panel.get());
+      columns(i * columns_per_item, std::min(N, (i + 1) * columns_per_item), panel.get());
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
@@ -623,6 +629,12 @@ void RunDense(const float* x, const W* w, const float* scale, float* y, int64_t 
       pool);
 }
 
+#include "prompt_gemm.inc"
+
+// Which loop nest a handler runs: the small-batch one above (decode steps) or the prompt GEMM
+// (prompt_gemm.inc). model/dense.py picks by the call's rows; both give every row the same sums.
+enum class Nest { kSmallBatch, kPrompt };
+
 // Checks x [M, K], w [N, K], scale [N] (when given) and y [M, N] agree; an empty message
 // when they do.
 std::string ShapeError(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, const int64_t* scale_n,
@@ -635,11 +647,23 @@ std::string ShapeError(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
          ", " + std::to_string(yd[1]) + "]";
 }
 
+// y = x . w^T (* scale) for float32 or 8-bit weights by the loop nest `kNest`.
+template <Nest kNest, typename W>
+void RunMatmul(const float* x, const W* w, const float* scale, float* y, int64_t M, int64_t N, int64_t K,
+               ffi::ThreadPool& pool) {
+  if constexpr (kNest == Nest::kPrompt) {
+    RunPromptGemm(x, w, scale, y, M, N, K, pool);
+  } else {
+    RunDense(x, w, scale, y, M, N, K, pool);
+  }
+}
+
+template <Nest kNest>
 ffi::Error DenseMatmul(ffi::ThreadPool thread_pool, Matrix x, Matrix w, ffi::Result<Matrix> y) {
   const std::string error = ShapeError(x.dimensions(), w.dimensions(), nullptr, y->dimensions());
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
-  if (M > 0 && N > 0) RunDense(x.typed_data(), w.typed_data(), nullptr, y->typed_data(), M, N, K, thread_pool);
+  if (M > 0 && N > 0) RunMatmul<kNest>(x.typed_data(), w.typed_data(), nullptr, y->typed_data(), M, N, K, thread_pool);
   return ffi::Error::Success();
 }
 
@@ -670,6 +694,7 @@ ffi::Error GroupedMatmul(ffi::ThreadPool thread_pool, Matrix x, Stacked w, Group
 
 // 8-bit weights (int8 or float8 e4m3fn, told apart by the buffer's type) with a scale per
 // output row: y = (x . w^T) * scale.
+template <Nest kNest>
 ffi::Error QuantizedMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer w, Scales scale,
                            ffi::Result<Matrix> y) {
   if (w.dimensions().size() != 2) return ffi::Error::InvalidArgument("dense_matmul: w must be [N, K]");
@@ -680,12 +705,12 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer
   if (M == 0 || N == 0) return ffi::Error::Success();
   switch (w.element_type()) {
     case ffi::DataType::S8:
-      RunDense(x.typed_data(), static_cast<const int8_t*>(w.untyped_data()), scale.typed_data(), y->typed_data(), M,
-          N, K, thread_pool);
+      RunMatmul<kNest>(x.typed_data(), static_cast<const int8_t*>(w.untyped_data()), scale.typed_data(),
+                       y->typed_data(), M, N, K, thread_pool);
       return ffi::Error::Success();
     case ffi::DataType::F8E4M3FN:
-      RunDense(x.typed_data(), static_cast<const Fp8E4m3*>(w.untyped_data()), scale.typed_data(), y->typed_data(), M,
-          N, K, thread_pool);
+      RunMatmul<kNest>(x.typed_data(), static_cast<const Fp8E4m3*>(w.untyped_data()), scale.typed_data(),
+                       y->typed_data(), M, N, K, thread_pool);
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument("dense_matmul: quantized weights must be int8 or float8_e4m3fn");
@@ -715,6 +740,7 @@ std::string GgufRowsOf(ffi::AnyBuffer q, Matrix scale, Matrix offset, int64_t N,
 }
 
 // x [M, K] . blocks^T -> y [M, N].
+template <Nest kNest>
 ffi::Error GgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, Matrix scale, Matrix offset,
                       ffi::Result<Matrix> y) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
@@ -725,37 +751,19 @@ ffi::Error GgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, M
   if (M == 0 || N == 0) return ffi::Error::Success();
   const float* xs = x.typed_data();
   float* ys = y->typed_data();
-  Run(N, K, kMaxWeightRowsPerTile * K,
-      [=](int64_t n_begin, int64_t n_end, float* panel) { GgufColumns(xs, w, ys, M, N, K, n_begin, n_end, panel); },
-      thread_pool);
-  return ffi::Error::Success();
-}
-
-// GGUF blocks widened to the float32 matrix y [N, K]: what XLA's dot multiplies prompt-sized
-// batches by. XLA's own fusion of the same arithmetic ran on one thread inside a step; this
-// splits the rows over the pool like the matmul.
-ffi::Error GgufDequantize(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, Matrix scale, Matrix offset,
-                          ffi::Result<Matrix> y) {
-  const int64_t N = y->dimensions()[0], K = y->dimensions()[1];
-  GgufRows w{};
-  const std::string error = GgufRowsOf(q, scale, offset, N, K, &w);
-  if (!error.empty()) return ffi::Error::InvalidArgument("gguf_dequantize: y [N, K]; " + error);
-  if (N == 0) return ffi::Error::Success();
-  float* out = y->typed_data();
-  Run(N, K, 0,
-      [=](int64_t n_begin, int64_t n_end, float*) {
-#ifdef RAYLM_WIDE_TILES
-        if (UseWideTiles()) return WideTiles::WidenGgufRows(w, n_begin, n_end - n_begin, out + n_begin * K, false);
-#endif
-        NarrowTiles::WidenGgufRows(w, n_begin, n_end - n_begin, out + n_begin * K, false);
-      },
-      thread_pool);
+  if constexpr (kNest == Nest::kPrompt) {
+    RunPromptGemm(xs, w, nullptr, ys, M, N, K, thread_pool);
+  } else {
+    Run(N, K, kMaxWeightRowsPerTile * K,
+        [=](int64_t n_begin, int64_t n_end, float* panel) { GgufColumns(xs, w, ys, M, N, K, n_begin, n_end, panel); },
+        thread_pool);
+  }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmul, DenseMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmul, DenseMatmul<Nest::kSmallBatch>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
@@ -770,7 +778,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGroupedMatmul, GroupedMatmul,
                                   .Arg<GroupSizes>()
                                   .Ret<Matrix>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmulQuantized, QuantizedMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmulQuantized, QuantizedMatmul<Nest::kSmallBatch>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
@@ -778,7 +786,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmulQuantized, QuantizedMatmul,
                                   .Arg<Scales>()
                                   .Ret<Matrix>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufMatmul, GgufMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufMatmul, GgufMatmul<Nest::kSmallBatch>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
@@ -787,9 +795,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufMatmul, GgufMatmul,
                                   .Arg<Matrix>()
                                   .Ret<Matrix>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufDequantize, GgufDequantize,
+// The same three products by the prompt GEMM (prompt_gemm.inc), for calls of many rows.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmulPrompt, DenseMatmul<Nest::kPrompt>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Matrix>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmulQuantizedPrompt, QuantizedMatmul<Nest::kPrompt>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Scales>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufMatmulPrompt, GgufMatmul<Nest::kPrompt>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Matrix>()
                                   .Arg<Matrix>()

@@ -93,7 +93,7 @@ def _lowered(fn, *args) -> str:
 @pytest.mark.parametrize(
     "x_shape,w_shape,contract",
     [((4, 1, 64), (2, 4, 8, 64), 1), ((3, 1, 4, 16), (64, 4, 16), 2), ((72, 64), (96, 64), 1)],
-    ids=["fused qkv", "output projection", "more rows than the kernel takes"],
+    ids=["fused qkv", "output projection", "a prompt chunk (the prompt GEMM)"],
 )
 @pytest.mark.parametrize("kernel", [True, False])
 def test_dense_matches_tensordot_on_every_path(x_shape, w_shape, contract, kernel):
@@ -107,8 +107,10 @@ def test_dense_matches_tensordot_on_every_path(x_shape, w_shape, contract, kerne
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     rows = int(np.prod(x_shape[: len(x_shape) - contract]))
-    expect_kernel = kernel and dense_module.available() and rows <= KERNEL_MAX_ROWS
-    assert ("raylm_dense_matmul" in _lowered(fn, x, w)) == expect_kernel
+    expect_kernel = kernel and dense_module.available()
+    lowered = _lowered(fn, x, w)
+    assert ("raylm_dense_matmul" in lowered) == expect_kernel
+    assert ("raylm_dense_matmul_prompt" in lowered) == (expect_kernel and rows > KERNEL_MAX_ROWS)
 
 
 def test_dense_takes_xla_for_bfloat16_and_keeps_float32_logits():

@@ -24,6 +24,7 @@ from model import dense as dense_module
 from model.config import ModelConfig
 from model.dense import dense, quantized_matmul
 from model.generate import SingleSequenceGenerator
+from model.gguf_blocks import GgufBlocks
 from model.params import (
     LAYER_AXES, LAYER_MATRIX_INPUT_DIMS, MODEL_AXES, MODEL_MATRIX_INPUT_DIMS, LayerParams, ModelParams,
 )
@@ -189,7 +190,8 @@ def test_parse_quantization():
     assert parse_quantization("none") is None
     assert parse_quantization("int8") == "int8"
     assert parse_quantization("fp8") == "fp8"
-    assert set(SCHEMES) == {"none", "int8", "fp8"}
+    assert parse_quantization("int8_g32") == "int8_g32"
+    assert set(SCHEMES) == {"none", "int8", "int8_g32", "fp8"}
     for junk in ("int4", "fp16", "q8_0", "", "int8 "):
         with pytest.raises(ValueError, match="quantization must be one of"):
             parse_quantization(junk)
@@ -330,7 +332,7 @@ DENSE_CASES = [
     ((MAX_ROWS + 8, 64), (96, 64), 1),
     ((MAX_ROWS, 64), (96, 64), 1),
 ]
-DENSE_IDS = ["fused qkv", "output projection", "more rows than the kernel takes", "as many rows as the kernel takes"]
+DENSE_IDS = ["fused qkv", "output projection", "a prompt chunk (the prompt GEMM)", "the small-batch kernel's most rows"]
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
@@ -349,8 +351,10 @@ def test_dense_matches_dequantized_on_every_path(scheme, x_shape, w_shape, contr
     # The same as dense on the dequantized float32 matrix, through the same path.
     np.testing.assert_allclose(got, np.asarray(jax.jit(fn)(x, qa.dequantize())), rtol=1e-5, atol=1e-4)
     rows = int(np.prod(x_shape[: len(x_shape) - contract]))
-    expect_kernel = kernel and dense_module.available() and rows <= MAX_ROWS
-    assert ("raylm_dense_matmul_quantized" in _lowered(fn, x, qa)) == expect_kernel
+    expect_kernel = kernel and dense_module.available()
+    lowered = _lowered(fn, x, qa)
+    assert ("raylm_dense_matmul_quantized" in lowered) == expect_kernel
+    assert ("raylm_dense_matmul_quantized_prompt" in lowered) == (expect_kernel and rows > MAX_ROWS)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
@@ -445,9 +449,9 @@ def _tiny(tied: bool = False, bias: bool = False, seed: int = 0) -> tuple[ModelC
 
 def _dequantized(params: ModelParams) -> ModelParams:
     return jax.tree_util.tree_map(
-        lambda leaf: leaf.dequantize() if isinstance(leaf, QuantArray) else leaf,
+        lambda leaf: leaf.dequantize() if isinstance(leaf, (QuantArray, GgufBlocks)) else leaf,
         params,
-        is_leaf=lambda leaf: isinstance(leaf, QuantArray),
+        is_leaf=lambda leaf: isinstance(leaf, (QuantArray, GgufBlocks)),
     )
 
 
@@ -560,3 +564,55 @@ def test_quantized_forward_tp2_equals_tp1_and_dequantized(scheme):
     assert np.all(np.isfinite(logits1))
     np.testing.assert_allclose(tp2.prompt_logits(ids), logits1, atol=1e-4, rtol=1e-5)
     np.testing.assert_allclose(logits1, reference.prompt_logits(ids), atol=1e-4, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. int8 with a scale per group of 32 inputs (int8_g32)
+
+
+def test_int8_g32_scales_each_group_of_32_inputs():
+    rng = np.random.default_rng(21)
+    w = rng.standard_normal((5, 3, 64)).astype(np.float32)  # inputs [3, 64]: 6 groups per row
+    w[0, 0, :32] = 0.0  # an all-zero group
+    w[1, 2, 40] = 1.0e4  # an outlier: it coarsens its own group, not its row
+    g = quantize(jnp.asarray(w), "int8_g32", 2)
+    assert isinstance(g, GgufBlocks) and g.shape == w.shape and not g.nibbles and g.q.dtype == jnp.int8
+    groups = w.reshape(5, 6, 32).astype(np.float64)
+    absmax = np.abs(groups).max(axis=-1)
+    scale = np.asarray(g.scale, np.float64)
+    np.testing.assert_allclose(scale, np.where(absmax > 0, absmax / 127, 1.0), rtol=1e-6)
+    deq = np.asarray(g.dequantize(), np.float64).reshape(5, 6, 32)
+    assert np.all(np.abs(deq - groups) <= scale[..., None] * (0.5 + 1e-5))
+    assert np.all(deq[0, 0] == 0) and np.all(np.abs(np.asarray(g.q)).max(axis=-1) <= 127)
+    # The outlier's row: the other groups keep steps of their own maxima (per channel: ~79).
+    assert np.all(scale[1, :5] < 0.05) and scale[1, 5] == pytest.approx(1.0e4 / 127, rel=1e-6)
+    with pytest.raises(ValueError, match="whole groups"):
+        quantize(jnp.ones((4, 40)), "int8_g32")
+
+
+@pytest.mark.parametrize("rows", [3, MAX_ROWS + 7], ids=["decode rows", "a prompt chunk"])
+def test_int8_g32_dense_is_the_dequantized_matrix(rows):
+    """The block kernels (or XLA's dot where they do not run) give the float32 matrix's results."""
+    rng = np.random.default_rng(rows)
+    g = quantize(jnp.asarray(rng.standard_normal((96, 4, 32)), jnp.float32), "int8_g32", 2)
+    x = jnp.asarray(rng.standard_normal((rows, 4, 32)), jnp.float32)
+    run = jax.jit(lambda x, w: dense(x, w, 2, kernel=True))
+    got = np.asarray(run(x, g))
+    np.testing.assert_array_equal(got, np.asarray(run(x, g.dequantize())))
+    want = np.tensordot(np.asarray(x, np.float64), np.asarray(g.dequantize(), np.float64), ([1, 2], [1, 2]))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_int8_g32_model_is_its_dequantized_model():
+    config, params = _tiny(tied=True)
+    qp = quantize_params(params, "int8_g32")
+    matrices = [getattr(lp, f) for lp in qp.layers for f in LAYER_MATRIX_INPUT_DIMS if getattr(lp, f) is not None]
+    matrices.append(qp.embed)
+    assert all(isinstance(m, GgufBlocks) for m in matrices)
+    assert 0.26 <= weight_bytes(qp) / weight_bytes(params) <= 0.32
+    ids = np.random.RandomState(5).randint(3, 320, size=20).tolist()
+    logits = SingleSequenceGenerator(config, qp).prompt_logits(ids)
+    reference = SingleSequenceGenerator(config, _dequantized(qp)).prompt_logits(ids)
+    # The same float32 matrices; XLA's dot may order the dequantized program's sums differently.
+    np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)
+    assert np.abs(logits - SingleSequenceGenerator(config, params).prompt_logits(ids)).max() > 1e-4  # quantized

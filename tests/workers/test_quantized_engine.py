@@ -169,7 +169,7 @@ def test_the_engine_quantizes_a_float_model_it_is_given(tiny_path):
 
 
 def test_quantization_settings_are_checked(tiny_path):
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, fp8"):
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int8_g32, fp8"):
         EngineArgs(quantization="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, int8, fp8"):
         EngineArgs(kv_cache_dtype="int4")
