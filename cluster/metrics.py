@@ -50,6 +50,13 @@ WORKER_METRICS = {
     "raylm_spec_decode_num_draft_tokens_total": ("counter", "Speculative guesses scored by the model."),
     "raylm_spec_decode_num_accepted_tokens_total": ("counter", "Speculative guesses the model accepted."),
     "raylm_spec_decode_num_accepted_tokens_per_pos": ("counter", "Accepted guesses by position in the draft."),
+    "raylm_moe_routed_tokens_total": ("counter", "Tokens routed to each expert of each MoE layer (load balance)."),
+}
+# Extra tag keys of the worker metrics that have some.
+_WORKER_TAGS = {
+    "raylm_request_success_total": ("finished_reason",),
+    "raylm_spec_decode_num_accepted_tokens_per_pos": ("position",),
+    "raylm_moe_routed_tokens_total": ("layer", "expert"),
 }
 ROUTER_METRICS = {
     "raylm_router_queue_depth": ("gauge", "Requests waiting in the router queue, per priority class."),
@@ -80,11 +87,8 @@ class WorkerMetrics:
                    "raylm_request_decode_time_seconds"}
         self.m = {}
         for name in WORKER_METRICS:
-            if name == "raylm_request_success_total":
-                self.m[name] = _make(name, WORKER_METRICS, keys + ("finished_reason",))
-                continue
-            if name == "raylm_spec_decode_num_accepted_tokens_per_pos":
-                self.m[name] = _make(name, WORKER_METRICS, keys + ("position",))
+            if name in _WORKER_TAGS:
+                self.m[name] = _make(name, WORKER_METRICS, keys + _WORKER_TAGS[name])
                 continue
             buckets = (LATENCY_BUCKETS_S if name in latency else ITL_BUCKETS_S
                        if name == "raylm_inter_token_latency_seconds" else TOKEN_BUCKETS)

@@ -1,5 +1,5 @@
-"""``raylm status``: the cluster at a glance: nodes, worker replicas with their load and KV use,
-and the router's queue."""
+"""``raylm status``: the cluster at a glance: nodes, worker replicas with their load, KV use and
+(for a mixture of experts) expert-parallel layout and load balance, and the router's queue."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from cluster.local_ray import apply_local_ray_env
 from cluster.names import DEFAULT_APP_NAME, ROUTER_DEPLOYMENT
-from workers.engine_stats import LoraStats
+from workers.engine_stats import LoraStats, MoeStats
 from workers.speculative import SpecDecodeStats
 
 
@@ -46,6 +46,16 @@ def lora_summary(lora: LoraStats | None) -> str:
     return ", ".join(lora.resident) or "none"
 
 
+def experts_summary(moe: MoeStats | None) -> str:
+    """A replica's expert-parallel layout (``ep x tp`` devices, experts per device) and how evenly
+    its tokens spread over the experts, or "-" for a model without experts."""
+    if moe is None:
+        return "-"
+    balance = f", busiest {moe.imbalance:.2f}x mean" if moe.imbalance else ""
+    return (f"ep {moe.expert_parallel_size} x tp {moe.tensor_parallel_size}, "
+            f"{moe.experts_per_device} of {moe.num_experts} per device{balance}")
+
+
 def run_status(args: argparse.Namespace) -> int:
     apply_local_ray_env()
     import ray
@@ -78,10 +88,10 @@ def run_status(args: argparse.Namespace) -> int:
     reports = replica_reports(args.app)
     print("\nWorker replicas")
     print(table(["replica", "node", "running", "waiting", "queued tokens", "KV used", "requests", "generated",
-                 "spec accepted", "LoRA adapters"], [
+                 "spec accepted", "LoRA adapters", "experts"], [
         [rid, r.node_id[:12], r.engine.running, r.engine.waiting, r.engine.waiting_tokens,
          f"{100 * r.engine.pool.usage:.1f}%", r.engine.requests, r.engine.generation_tokens,
-         speculation_summary(r.engine.spec), lora_summary(r.engine.lora)]
+         speculation_summary(r.engine.spec), lora_summary(r.engine.lora), experts_summary(r.engine.moe)]
         for rid, r in sorted(reports.items())
     ]))
     try:

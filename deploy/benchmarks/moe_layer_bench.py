@@ -91,13 +91,13 @@ def main() -> None:
         return jnp.einsum("ted,te->td", y, weight).reshape(x.shape)
 
     def moe_kernel(x: jax.Array, p: LayerParams) -> jax.Array:
-        return moe_block(x, p, moe, "silu", kernel=True)
+        return moe_block(x, p, moe, "silu", kernel=True)[0]
 
     programs = {
         "kernel": (jax.jit(moe_kernel), layer),
         "int8": (jax.jit(moe_kernel), int8_layer),
         "int8_widened": (jax.jit(lambda x, p: moe_kernel(x, widened(p))), int8_layer),
-        "ragged_dot": (jax.jit(lambda x, p: moe_block(x, p, moe, "silu")), layer),
+        "ragged_dot": (jax.jit(lambda x, p: moe_block(x, p, moe, "silu")[0]), layer),
         "dense": (jax.jit(lambda x, w: gated_mlp(x, w[0], w[1], kernel=True)), (dense_gate_up, dense_down)),
         "all_experts": (jax.jit(all_experts), layer),
     }
