@@ -28,12 +28,14 @@ if include_dir is None:
     print("raylm: jaxlib's XLA FFI headers not found; skipping the C++ CPU kernels (jnp paths will run)")
 
 
-def _kernel(name: str) -> Extension:
+def _kernel(name: str, includes: tuple[str, ...] = ()) -> Extension:
+    """``includes``: other kernels' sources that this one compiles in (a rebuild follows them)."""
     return Extension(
         f"model.kernels._{name}",
         sources=[f"model/kernels/{name}.cc"],
         depends=["model/kernels/ffi_shape.h", "model/kernels/fp8_e4m3.h", "model/kernels/gguf_blocks.h",
-                 "model/kernels/wide_lanes.h", "model/kernels/prompt_gemm.inc"],
+                 "model/kernels/wide_lanes.h", "model/kernels/prompt_gemm.inc",
+                 *(f"model/kernels/{i}.cc" for i in includes)],
         language="c++",
         # -isystem: XLA's own headers warn under Python's default flags; ours should not be lost.
         # -Wno-psabi: GCC notes that 8-lane vectors change the ABI of the non-AVX clone's
@@ -43,6 +45,9 @@ def _kernel(name: str) -> Extension:
     )
 
 
-kernels = [_kernel("paged_decode_attention"), _kernel("dense_matmul"), _kernel("kv_write")] if include_dir else []
+kernels = [
+    _kernel("paged_decode_attention"), _kernel("dense_matmul"), _kernel("kv_write"),
+    _kernel("grouped_matmul", includes=("dense_matmul",)),
+] if include_dir else []
 
 setup(ext_modules=kernels)

@@ -54,12 +54,14 @@ WORKER_METRICS = {
     "raylm_lora_generation_tokens_total": ("counter", "Generated tokens per LoRA adapter."),
     "raylm_lora_loads_total": ("counter", "LoRA adapters written into a device slot, per adapter."),
     "raylm_lora_evictions_total": ("counter", "LoRA adapters evicted from a device slot, per adapter."),
+    "raylm_moe_routed_tokens_total": ("counter", "Tokens routed to each expert of each MoE layer (load balance)."),
 }
 # Worker metrics with a tag beyond model_name and replica.
 _WORKER_TAGS = {
     "raylm_request_success_total": ("finished_reason",),
     "raylm_spec_decode_num_accepted_tokens_per_pos": ("position",),
     **{name: ("lora_name",) for name in WORKER_METRICS if name.startswith("raylm_lora_")},
+    "raylm_moe_routed_tokens_total": ("layer", "expert"),
 }
 ROUTER_METRICS = {
     "raylm_router_queue_depth": ("gauge", "Requests waiting in the router queue, per priority class."),

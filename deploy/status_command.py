@@ -1,5 +1,5 @@
-"""``raylm status``: the cluster at a glance: nodes, worker replicas with their load and KV use,
-and the router's queue."""
+"""``raylm status``: the cluster at a glance: nodes, worker replicas with their load, KV use and
+(for a mixture of experts) expert-parallel layout and load balance, and the router's queue."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from cluster.local_ray import apply_local_ray_env
 from cluster.names import DEFAULT_APP_NAME, ROUTER_DEPLOYMENT
-from workers.engine_stats import EngineStats, LoraStats
+from workers.engine_stats import EngineStats, LoraStats, MoeStats
 from workers.speculative import SpecDecodeStats
 
 
@@ -53,6 +53,16 @@ def state_summary(engine: EngineStats) -> str:
     return f"warming up ({left} programs left)" if left else "serving"
 
 
+def experts_summary(moe: MoeStats | None) -> str:
+    """A replica's expert-parallel layout (``ep x tp`` devices, experts per device) and how evenly
+    its tokens spread over the experts, or "-" for a model without experts."""
+    if moe is None:
+        return "-"
+    balance = f", busiest {moe.imbalance:.2f}x mean" if moe.imbalance else ""
+    return (f"ep {moe.expert_parallel_size} x tp {moe.tensor_parallel_size}, "
+            f"{moe.experts_per_device} of {moe.num_experts} per device{balance}")
+
+
 def run_status(args: argparse.Namespace) -> int:
     apply_local_ray_env()
     import ray
@@ -85,10 +95,10 @@ def run_status(args: argparse.Namespace) -> int:
     reports = replica_reports(args.app)
     print("\nWorker replicas")
     print(table(["replica", "node", "state", "running", "waiting", "queued tokens", "KV used", "requests", "generated",
-                 "spec accepted", "LoRA adapters"], [
+                 "spec accepted", "LoRA adapters", "experts"], [
         [rid, r.node_id[:12], state_summary(r.engine), r.engine.running, r.engine.waiting, r.engine.waiting_tokens,
          f"{100 * r.engine.pool.usage:.1f}%", r.engine.requests, r.engine.generation_tokens,
-         speculation_summary(r.engine.spec), lora_summary(r.engine.lora)]
+         speculation_summary(r.engine.spec), lora_summary(r.engine.lora), experts_summary(r.engine.moe)]
         for rid, r in sorted(reports.items())
     ]))
     try:

@@ -9,6 +9,7 @@ not implement is a load error naming it, never a silent default.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -111,11 +112,12 @@ class ModelConfig:
             return None
         return max(self.layer_windows)  # type: ignore[type-var]
 
-    @property
+    @functools.cached_property
     def sliding_window(self) -> int | None:
         """The widest window of the sliding layers of a model that also has full-attention
         layers (Gemma 2 and 3 interleave them), else None: those keep their KV in a block table
-        of their own (``kv_group``), so that what their window left behind can be released."""
+        of their own (``kv_group``), so that what their window left behind can be released.
+        Computed once (``kv_group`` asks it for every layer)."""
         windows = [w for w in self.layer_windows if w is not None]
         if not windows or len(windows) == self.num_layers:
             return None

@@ -47,6 +47,7 @@ def forward(
     num_pool_segments: int = 0,
     hidden_sink: HiddenSink | None = None,
     lora: LoraBatch | None = None,
+    expert_load: jax.Array | None = None,
 ) -> tuple:
     """Run ``tokens [B, S]`` through the model, writing their K/V into ``kv``.
 
@@ -75,6 +76,10 @@ def forward(
 
     With ``lora`` each row ``b`` adds its LoRA adapter's deltas (slot ``lora.slots[b]``, 0 for
     none) to the projections of every layer (model/lora_weights.py).
+
+    With ``expert_load [sparse layers, E]`` (int32: tokens routed per expert of each MoE
+    layer, in layer order) it adds this step's real tokens to it and returns the sum last:
+    the load-balance metric accumulates on the device and the host reads it now and then.
     """
     valid = (positions >= 0) & (positions < context_lens[:, None])
     grouped = isinstance(kv, GroupedKV)
@@ -103,11 +108,14 @@ def forward(
     where = {i: (g, j) for g, layers in enumerate(config.kv_group_layers if grouped else (range(config.num_layers),))
              for j, i in enumerate(layers)}
     sink = None if hidden_sink is None else hidden_sink.write(0, x, valid)
+    routed = []  # per sparse layer: tokens routed to each expert [E]
     for i, lp in enumerate(params.layers):
         g, j = where[i]
         with jax.named_scope(f"layer_{i}"):  # traces (``raylm profile``) read as layers and ops
             layer_lora = None if lora is None else LayerLora(lora.weights[i], lora.slots, cpu_kernels)
-            x, *pools[g] = _layer(lp, config, batch, i, g, j, x, *pools[g], layer_lora)
+            x, pools[g][0], pools[g][1], counts = _layer(lp, config, batch, i, g, j, x, *pools[g], layer_lora)
+        if counts is not None:
+            routed.append(counts)
         if sink is not None and i + 1 < len(params.layers):
             sink = sink.write(i + 1, x, valid)
     if sink is not None:
@@ -144,6 +152,8 @@ def forward(
         out += (pooled,)
     if sink is not None:
         out += (sink.buffers,)
+    if expert_load is not None:
+        out += (expert_load + jnp.stack(routed),)
     return out
 
 
@@ -199,11 +209,12 @@ class _Batch(NamedTuple):
 def _layer(
     lp: LayerParams, config: ModelConfig, batch: _Batch, i: int, group: int, slot: int, x: jax.Array,
     k_pool: jax.Array, v_pool: jax.Array, lora: LayerLora | None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Decoder layer ``i``: fused QKV, (q/k norm), RoPE, K/V write into index ``slot`` of its KV
     group's pool (``group``: which table it reads), attention, fused MLP; with sandwich norms
     each block's output is normed before its residual add; each projection plus its LoRA delta
-    with ``lora``."""
+    with ``lora``. Returns ``x``, both pools, and for a sparse layer the tokens routed to each
+    expert (else None)."""
     B, S, _ = x.shape
     G = config.q_per_kv
     eps = config.rms_norm_eps
@@ -238,12 +249,13 @@ def _layer(
         x = x + (out if lp.post_attn_norm is None else rms_norm(out, lp.post_attn_norm, eps))
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, eps)
+        counts = None
         if config.is_sparse(i):
-            out = moe_block(h, lp, config.moe, config.activation, kernel=batch.cpu_kernels)
+            out, counts = moe_block(h, lp, config.moe, config.activation, kernel=batch.cpu_kernels, valid=batch.valid)
         else:
             out = gated_mlp(h, lp.w_gate_up, lp.w_down, config.activation, kernel=batch.cpu_kernels, lora=lora)
         x = x + (out if lp.post_mlp_norm is None else rms_norm(out, lp.post_mlp_norm, eps))
-        return x, k_pool, v_pool
+        return x, k_pool, v_pool, counts
 
 
 def _qk_norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:

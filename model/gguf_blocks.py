@@ -106,12 +106,14 @@ class GgufBlocks:
         return GgufBlocks(jnp.asarray(self.q), jnp.asarray(self.scale), jnp.asarray(self.offset), self.input_shape)
 
 
-def from_gguf(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, int]) -> GgufBlocks:
+def from_gguf(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...]) -> GgufBlocks:
     """A file tensor's raw blocks (``data``, the reader's bytes) as ``GgufBlocks`` of
-    ``shape = (rows, K)`` (numpy arrays, host side)."""
+    ``shape = (N..., K)`` (numpy arrays, host side): a matrix ``(rows, K)``, or stacked
+    matrices (an MoE layer's experts, ``(E, rows, K)``)."""
     if kind not in _LAYOUT:
         raise ValueError(f"{kind.name} is not one of the block types kept as stored ({', '.join(t.name for t in GGUF_BLOCK_TYPES)})")
-    rows, size = shape
+    *lead, size = shape
+    rows = math.prod(lead)
     if size % BLOCK:
         raise ValueError(f"a {kind.name} matrix's rows must be whole blocks of {BLOCK}, got {size}")
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, size // BLOCK, _LAYOUT[kind])
@@ -127,7 +129,11 @@ def from_gguf(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, in
         q, offset = blocks[..., 4:].reshape(rows, size // 2), half(2)
     else:  # Q4_0: w = d * (q - 8) = d * q + (-8 d), both exact (see the module docstring)
         q, offset = blocks[..., 2:].reshape(rows, size // 2), -8.0 * scale
-    return GgufBlocks(np.ascontiguousarray(q), scale, offset, (size,))
+
+    def shaped(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a).reshape(*lead, a.shape[-1])
+
+    return GgufBlocks(shaped(q), shaped(scale), shaped(offset), (size,))
 
 
 def map_rows(fn: Callable[..., np.ndarray], *matrices: np.ndarray | GgufBlocks) -> np.ndarray | GgufBlocks:
@@ -143,4 +149,10 @@ def map_rows(fn: Callable[..., np.ndarray], *matrices: np.ndarray | GgufBlocks) 
             fn(*(m.q for m in matrices)), fn(*(m.scale for m in matrices)), fn(*(m.offset for m in matrices)),
             first.input_shape,
         )
-    return fn(*(np.asarray(m.dequantize()) if isinstance(m, GgufBlocks) else m for m in matrices))
+    return fn(*(dequantized(m) for m in matrices))
+
+
+def dequantized(matrix: np.ndarray | GgufBlocks) -> np.ndarray:
+    """A host matrix as a float32 numpy array, blocks expanded exactly (a mix of kinds in
+    ``map_rows``; the small tensors no kernel reads as blocks: an MoE router, a shared gate)."""
+    return np.asarray(matrix.dequantize() if isinstance(matrix, GgufBlocks) else matrix, np.float32)

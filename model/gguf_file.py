@@ -48,7 +48,8 @@ class GGUFFile:
 
     def tensor(self, name: str, keep_blocks: bool = False) -> np.ndarray | GgufBlocks | None:
         """The tensor in numpy (= HF ``[out, in]``) layout, or None if absent: dequantized to
-        float32, or with ``keep_blocks`` a Q4_0 / Q4_1 / Q8_0 matrix as ``GgufBlocks``."""
+        float32, or with ``keep_blocks`` a Q4_0 / Q4_1 / Q8_0 matrix (or an MoE layer's
+        stacked experts ``[E, out, in]``) as ``GgufBlocks``."""
         info = self._tensors.get(name)
         if info is None:
             return None
@@ -57,7 +58,7 @@ class GGUFFile:
         if keep_blocks:
             from model.gguf_blocks import GGUF_BLOCK_TYPES, from_gguf  # JAX: only weight loading gets here
 
-            if info.tensor_type in GGUF_BLOCK_TYPES and len(shape) == 2:
+            if info.tensor_type in GGUF_BLOCK_TYPES and len(shape) in (2, 3):
                 return from_gguf(info.data, info.tensor_type, shape)  # type: ignore[arg-type]
         try:
             array = dequantize(info.data, info.tensor_type)

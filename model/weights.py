@@ -17,7 +17,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError
-from model.gguf_blocks import GgufBlocks, map_rows
+from model.gguf_blocks import GgufBlocks, dequantized, map_rows
 from model.params import LayerParams, ModelParams, shape_mismatches
 
 # Answers an HF tensor name with its array, or None if the checkpoint lacks it.
@@ -40,25 +40,21 @@ _HF_NAMES = {
     "bv": "self_attn.v_proj.bias",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
-    # A sparse layer (model/moe.py): the router, the experts stacked (llama.cpp's "merged"
-    # names; a checkpoint's per-expert tensors are stacked by ``stacked_experts``), and
+    # A sparse layer (model/moe.py): the router (its experts: ``stacked_experts``), and
     # Qwen2-MoE's shared expert with its gate.
     "router": "mlp.gate.weight",
-    "experts_gate": "mlp.experts.gate_proj",
-    "experts_up": "mlp.experts.up_proj",
-    "experts_down": "mlp.experts.down_proj",
     "shared_gate_proj": "mlp.shared_expert.gate_proj.weight",
     "shared_up": "mlp.shared_expert.up_proj.weight",
     "shared_down": "mlp.shared_expert.down_proj.weight",
     "shared_gate": "mlp.shared_expert_gate.weight",
 }
 # How HF checkpoints name each expert's matrices: Qwen-MoE / OLMoE, and Mixtral (w1 gate, w3
-# up, w2 down, under "block_sparse_moe", its router too).
+# up, w2 down, under "block_sparse_moe", its router too). GGUF files hold them stacked, under
+# the names "mlp.experts.gate_proj" etc. here (gguf_loader's table).
 _EXPERT_NAMINGS = (
     ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
     ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
 )
-_EXPERTS_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
 # Sandwich-norm models (Gemma) name their norms after their place: "post_attention" follows
 # attention, and the norm before the MLP is "pre_feedforward" (Llama's "post_attention").
 _SANDWICH_NAMES = {
@@ -100,11 +96,11 @@ def _hf_shape(field: str, config: ModelConfig) -> tuple[int, ...]:
     H, KVH, Dh, D, I = (
         config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size, config.intermediate_size,
     )
-    if config.moe is not None and field.startswith(("router", "experts", "shared")):
-        E, Ie, Is = config.moe.num_experts, config.moe.expert_size, config.moe.shared_expert_size
+    if config.moe is not None and field.startswith(("router", "shared")):
+        E, Is = config.moe.num_experts, config.moe.shared_expert_size
         return {
-            "router": (E, D), "experts_gate": (E, Ie, D), "experts_up": (E, Ie, D), "experts_down": (E, D, Ie),
-            "shared_gate_proj": (Is, D), "shared_up": (Is, D), "shared_down": (D, Is), "shared_gate": (1, D),
+            "router": (E, D), "shared_gate_proj": (Is, D), "shared_up": (Is, D), "shared_down": (D, Is),
+            "shared_gate": (1, D),
         }[field]
     return {
         "attn_norm": (D,), "mlp_norm": (D,),
@@ -146,37 +142,51 @@ def unfused(get: TensorSource, config: ModelConfig) -> TensorSource:
     return answer
 
 
-def stacked_experts(get: TensorSource, config: ModelConfig) -> TensorSource:
-    """``get`` that also answers a layer's stacked experts (``mlp.experts.gate_proj``
-    ``[E, ...]``, up, down) from a checkpoint's one tensor per expert, and the router under
-    Mixtral's name. Formats that store them stacked (GGUF) answer the stacked name itself."""
-    experts = 0 if config.moe is None else config.moe.num_experts
+def mixtral_router(get: TensorSource) -> TensorSource:
+    """``get`` that also answers a layer's router (``mlp.gate.weight``) under Mixtral's name."""
 
     def answer(name: str) -> np.ndarray | GgufBlocks | None:
         found = get(name)
-        if found is not None or experts == 0:
+        if found is not None:
             return found
         match = _LAYER_RE.fullmatch(name)
-        if match is None:
+        if match is None or match.group(2) != "mlp.gate.weight":
             return None
-        layer, rest = match.groups()
-        if rest == "mlp.gate.weight":
-            return get(f"model.layers.{layer}.block_sparse_moe.gate.weight")
-        if _EXPERTS_RE.fullmatch(name) is None:
-            return None
-        proj = rest.rsplit(".", 1)[1]
-        for prefix, names in _EXPERT_NAMINGS:
-            parts = [get(f"model.layers.{layer}.{prefix}.experts.{e}.{names[proj]}.weight") for e in range(experts)]
-            if all(p is not None for p in parts):
-                return np.stack([_host(p) for p in parts])
-        return None
+        return get(f"model.layers.{match.group(1)}.block_sparse_moe.gate.weight")
 
     return answer
 
 
-def _host(array: np.ndarray | GgufBlocks) -> np.ndarray:
-    """A float32 numpy array (GGUF blocks expanded, exactly)."""
-    return np.asarray(array.dequantize()) if isinstance(array, GgufBlocks) else np.asarray(array, np.float32)
+def stacked_experts(get: TensorSource, config: ModelConfig, layer: int, projs: tuple[str, ...],
+                    source: str) -> np.ndarray | GgufBlocks:
+    """Layer ``layer``'s experts' ``projs`` matrices (of gate_proj, up_proj, down_proj) as one
+    array ``[E, len(projs), out, in]`` (``[E, out, in]`` for one), copied once: from the
+    stacked tensors a GGUF file holds (blocks stay blocks), or from an HF checkpoint's tensor
+    per expert."""
+    E, Ie, D = config.moe.num_experts, config.moe.expert_size, config.hidden_size
+    shapes = {"gate_proj": (Ie, D), "up_proj": (Ie, D), "down_proj": (D, Ie)}
+    stacked = [get(f"model.layers.{layer}.mlp.experts.{p}") for p in projs]
+    if all(part is not None for part in stacked):
+        named, lead = list(zip(projs, stacked)), (E,)
+    else:
+        for prefix, names in _EXPERT_NAMINGS:
+            named = [(p, get(f"model.layers.{layer}.{prefix}.experts.{e}.{names[p]}.weight"))
+                     for e in range(E) for p in projs]
+            if all(part is not None for _, part in named):
+                break
+        else:
+            raise ModelLoadError(f"{source}: layer {layer}'s experts are missing: expected model.layers.{layer}"
+                                 f".mlp.experts.{{0..{E - 1}}}.{projs[0]}.weight (or Mixtral's names)")
+        lead = ()
+    for proj, part in named:
+        if tuple(part.shape) != (*lead, *shapes[proj]):
+            raise ModelLoadError(f"{source}: layer {layer}'s experts' {proj} has shape {tuple(part.shape)}, "
+                                 f"expected {(*lead, *shapes[proj])}")
+    arrays = [part for _, part in named]
+    if lead:  # [E, out, in] each
+        return arrays[0] if len(projs) == 1 else map_rows(lambda *a: np.stack(a, axis=1), *arrays)
+    per_expert = (E,) if len(projs) == 1 else (E, len(projs))  # arrays: expert-major, then proj
+    return map_rows(lambda *a: np.stack(a).reshape(*per_expert, *a[0].shape), *arrays)
 
 
 def build_params(
@@ -186,7 +196,7 @@ def build_params(
 
     ``norm_offset`` is added to every RMSNorm weight: HF's Gemma checkpoints store ``w`` for
     a norm that multiplies by ``1 + w`` (llama.cpp's GGUF files store ``1 + w`` already)."""
-    get = stacked_experts(unfused(get, config), config)
+    get = mixtral_router(unfused(get, config))
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray | GgufBlocks:
         array = get(name)
@@ -225,15 +235,15 @@ def build_params(
         }
         if config.is_sparse(i):
             fields.update(
-                router=_host(hf("router")),
-                w_experts_gate_up=np.stack([_host(hf("experts_gate")), _host(hf("experts_up"))], axis=1),
-                w_experts_down=_host(hf("experts_down")),
+                router=dequantized(hf("router")),
+                w_experts_gate_up=stacked_experts(get, config, i, ("gate_proj", "up_proj"), source),
+                w_experts_down=stacked_experts(get, config, i, ("down_proj",), source),
             )
             if config.moe.shared_expert_size:
                 fields.update(
                     w_shared_gate_up=map_rows(lambda g, u: np.stack([g, u]), hf("shared_gate_proj"), hf("shared_up")),
                     w_shared_down=hf("shared_down"),
-                    shared_gate=_host(hf("shared_gate")).reshape(D),
+                    shared_gate=dequantized(hf("shared_gate")).reshape(D),
                 )
         else:
             fields.update(

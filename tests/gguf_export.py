@@ -47,7 +47,8 @@ _EXPERT_RE = re.compile(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weig
 
 
 def export_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
-    """Write ``hf_dir`` as ``out``; 2-D matrices in ``qtype`` (F32, Q8_0 or Q4_0), vectors F32."""
+    """Write ``hf_dir`` as ``out``; matrices (and stacked experts) in ``qtype`` (F32, Q8_0 or
+    Q4_0), vectors F32."""
     hp = json.loads((hf_dir / "config.json").read_text())
     arch = _ARCHES[hp["architectures"][0]]
     writer = gguf.GGUFWriter(str(out), arch)
@@ -56,7 +57,7 @@ def export_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf
     _write_tokenizer(writer, hf_dir, hp["vocab_size"])
     for name, array in _tensors(writer, arch, hp, tensors):
         array = np.ascontiguousarray(array, dtype=np.float32)
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if array.ndim in (2, 3) and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, array)

@@ -11,6 +11,8 @@ import random
 import time
 from typing import Callable, Iterable, Sequence as SequenceOf
 
+import numpy as np
+
 from cache import NULL_BLOCK, BlockPool
 from cache.kv_arrays import blocks_for_budget, group_blocks_for_budget, kv_pool_dtype
 from model import GroupedKV, KVCache, LoadedModel, ModelConfig, PromptTooLongError, make_mesh, parse_dtype
@@ -22,7 +24,7 @@ from workers.block_manager import BlockManager
 from workers.engine_args import EngineArgs
 from workers.draft_loader import load_draft
 from workers.embedding import EmbeddingState
-from workers.engine_stats import EngineStats, LoraStats, remaining_work
+from workers.engine_stats import EngineStats, LoraStats, MoeStats, remaining_work
 from workers.hidden_states import HiddenStateSlots, check_capture
 from workers.lora_manager import LoraAdapters, LoRARequest, LoraSlots
 from workers.output_processor import stream_request_output
@@ -119,6 +121,10 @@ class LLMEngine:
             now = shapes[: self.runner.first_warmup_shapes(args.num_scheduler_steps)] if background_warmup else shapes
             self.runner.warmup(args.num_scheduler_steps, now, progress, lora_slots=True)
             self.warmup_pending = shapes[len(now):]
+        self.runner.take_expert_load()  # (the warm-up's tokens are not load)
+        # An MoE model's tokens routed per (sparse layer, expert), read from the device by ``stats``.
+        self.routed_tokens = None if self.config.moe is None else np.zeros(
+            (sum(map(self.config.is_sparse, range(self.config.num_layers))), self.config.moe.num_experts), np.int64)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_ids)
         self.requests: dict[str, RequestState] = {}
         self._seeds = random.Random(args.seed)
@@ -302,9 +308,20 @@ class LLMEngine:
             pool=self.pool.stats(),
             spec=copy.deepcopy(spec),
             lora=self._lora_stats(),
+            moe=self._moe_stats(),
             max_prompt_tokens=self.max_prompt_tokens,
             warmup_programs_left=len(self.warmup_pending),
         )
+
+    def _moe_stats(self) -> MoeStats | None:
+        load = self.runner.take_expert_load()
+        if load is None:
+            return None
+        self.routed_tokens += load
+        config, args = self.config, self.args
+        return MoeStats(args.expert_parallel_size, args.tensor_parallel_size, config.moe.num_experts,
+                        tuple(i for i in range(config.num_layers) if config.is_sparse(i)),
+                        tuple(tuple(int(n) for n in layer) for layer in self.routed_tokens))
 
     def _lora_stats(self) -> LoraStats | None:
         slots = self.scheduler.lora_slots

@@ -29,6 +29,31 @@ class LoraStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeStats:
+    """A mixture-of-experts replica: its expert-parallel layout (an ``ep x tp`` device mesh,
+    each device holding ``num_experts / ep`` experts of every sparse layer, model/sharding.py)
+    and the tokens routed to each expert of each sparse layer since it started (load balance:
+    the model computes them on the device, the engine reads them when it reports)."""
+
+    expert_parallel_size: int
+    tensor_parallel_size: int
+    num_experts: int
+    sparse_layers: tuple[int, ...]  # the decoder layers with experts
+    routed_tokens: tuple[tuple[int, ...], ...]  # [sparse layer][expert]
+
+    @property
+    def experts_per_device(self) -> int:
+        return self.num_experts // self.expert_parallel_size
+
+    @property
+    def imbalance(self) -> float:
+        """The busiest expert's tokens over the mean expert's, worst layer (1.0: even; 0 before
+        any token)."""
+        ratios = [max(layer) * len(layer) / sum(layer) for layer in self.routed_tokens if sum(layer)]
+        return max(ratios, default=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineStats:
     running: int  # sequences in the running queue
     waiting: int  # sequences in the waiting queue (new or preempted)
@@ -43,6 +68,7 @@ class EngineStats:
     pool: PoolStats
     spec: SpecDecodeStats | None = None  # speculative decoding's counters; None when it is off
     lora: LoraStats | None = None  # LoRA adapter slots; None when LoRA is off
+    moe: MoeStats | None = None  # experts' layout and load; None for a model without experts
     # The longest prompt the replica's KV pools can ever admit (None: only the context limits
     # it, its attention windows bound the blocks a sequence holds): the router refuses longer ones.
     max_prompt_tokens: int | None = None
@@ -54,9 +80,13 @@ class EngineStats:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineStats:
-        spec, lora = data.get("spec"), data.get("lora")
+        spec, lora, moe = data.get("spec"), data.get("lora"), data.get("moe")
+        if moe:
+            moe = MoeStats(**{**moe, "sparse_layers": tuple(moe["sparse_layers"]),
+                              "routed_tokens": tuple(tuple(layer) for layer in moe["routed_tokens"])})
         return cls(**{**data, "pool": PoolStats(**data["pool"]), "spec": SpecDecodeStats(**spec) if spec else None,
-                      "lora": LoraStats(**{**lora, "resident": tuple(lora["resident"])}) if lora else None})
+                      "lora": LoraStats(**{**lora, "resident": tuple(lora["resident"])}) if lora else None,
+                      "moe": moe or None})
 
 
 def remaining_work(seq: Sequence) -> int:

@@ -2,7 +2,8 @@
 
 Per request: token counts, latencies (TTFT, inter-token, queue, prefill, decode, end to end)
 and the finish reason. Periodically: queue gauges, KV usage, and the engine's cumulative
-counters (prefix cache, preemptions) turned into counter increments.
+counters (prefix cache, preemptions, speculation, tokens routed per expert) turned into counter
+increments.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 from typing import Sequence
 
 from cluster.metrics import WorkerMetrics, adapter_tag
-from workers.engine_stats import EngineStats, LoraStats
+from workers.engine_stats import EngineStats, LoraStats, MoeStats
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.speculative import SpecDecodeStats
 
@@ -117,6 +118,8 @@ class EngineStatsReporter:
             self._report_speculation(stats.spec, previous.spec if previous and previous.spec else SpecDecodeStats())
         if stats.lora is not None:
             self._report_lora(stats.lora, previous.lora if previous else None)
+        if stats.moe is not None:
+            self._report_experts(stats.moe, previous.moe if previous else None)
         self.previous = stats
         memory = device_memory_in_use()
         if memory is not None:
@@ -127,6 +130,13 @@ class EngineStatsReporter:
                                 ("raylm_lora_evictions_total", lora.evictions, before.evictions if before else {})):
             for adapter, count in now.items():
                 self.metrics.inc(name, count - then.get(adapter, 0), lora_name=adapter_tag(adapter))
+
+    def _report_experts(self, moe: MoeStats, before: MoeStats | None) -> None:
+        """Each (layer, expert)'s newly routed tokens, tagged by decoder layer and expert index."""
+        for i, (layer, routed) in enumerate(zip(moe.sparse_layers, moe.routed_tokens)):
+            for expert, tokens in enumerate(routed):
+                then = before.routed_tokens[i][expert] if before else 0
+                self.metrics.inc("raylm_moe_routed_tokens_total", tokens - then, layer=str(layer), expert=str(expert))
 
     def _report_speculation(self, spec: SpecDecodeStats, before: SpecDecodeStats) -> None:
         for name, now, then in (

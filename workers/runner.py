@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model import GroupedKV, KVCache, ModelConfig, ModelParams, paged_decode, shard_params
 from model.buckets import bucket
@@ -104,6 +104,12 @@ class ModelRunner:
         if lora_buffers is not None:
             self.lora_rank, self.lora_dtype = lora_buffers[1], self.params.final_norm.dtype
             self.lora_weights = shard_lora(create_lora_weights(config, *lora_buffers, self.lora_dtype), config, mesh)
+        # An MoE model's tokens routed per (sparse layer, expert) since ``take_expert_load``:
+        # every program adds its step's on the device (model/forward.py), so the load metric
+        # costs no transfer per step.
+        sparse = sum(config.is_sparse(i) for i in range(config.num_layers))
+        self._expert_load_shape = (sparse, config.moe.num_experts) if sparse else None
+        self.expert_load = self._zero_expert_load()
 
     # -- the programs -----------------------------------------------------------------------------
     def _program_kinds(self, num_scheduler_steps: int) -> dict[str, tuple[list[tuple[int, ...]], Callable]]:
@@ -213,14 +219,14 @@ class ModelRunner:
         tokens, positions, token_rows, last_tokens = packed_prefill_inputs(chunks, num_tokens, rows)
         sbatch, flags = self._sampling(seqs, rows)
         token_seqs = [seqs[r] if p >= 0 else None for r, p in zip(token_rows, positions)]
-        result, self.kv, draft_kv, pooled, hidden, logits = packed_prefill_program(
+        result, self.kv, draft_kv, pooled, hidden, logits, load = packed_prefill_program(
             self.params, self.kv, *self._draft_args, tokens, positions, token_rows,
             self._tables(seqs, rows, self.buckets.max_width), last_tokens, sbatch, config=self.config,
             draft_config=self._draft_config, **flags, **pooling_args(chunks, rows, token_rows),
             **self._hidden_sink(token_seqs, positions[:, None]), **logits_flag(seqs),
-            **self._lora(lora_slots(seqs, rows)[token_rows]),
+            **self._lora(lora_slots(seqs, rows)[token_rows]), **self._expert_load(),
         )
-        self._keep(draft_kv, hidden)
+        self._keep(draft_kv, hidden, load)
         return self._collect_chunks(chunks, result, pooled, self._processing(
             seqs, logits, sbatch, flags, [c.samples for c in chunks]))
 
@@ -228,13 +234,14 @@ class ModelRunner:
         seqs = [c.row for c in chunks]
         tokens, positions, context = prefill_inputs(chunks, rows, length)
         sbatch, flags = self._sampling(seqs, rows)
-        result, self.kv, draft_kv, pooled, hidden, logits = prefill_program(
+        result, self.kv, draft_kv, pooled, hidden, logits, load = prefill_program(
             self.params, self.kv, *self._draft_args, tokens, positions, self._tables(seqs, rows, width), context,
             sbatch, config=self.config, draft_config=self._draft_config, **flags,
             **pooling_args(chunks, rows, np.arange(rows)[:, None].repeat(length, 1)),
             **self._hidden_sink(seqs, positions), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
+            **self._expert_load(),
         )
-        self._keep(draft_kv, hidden)
+        self._keep(draft_kv, hidden, load)
         return self._collect_chunks(chunks, result, pooled, self._processing(
             seqs, logits, sbatch, flags, [c.samples for c in chunks]))
 
@@ -290,12 +297,13 @@ class ModelRunner:
         seqs = [d.row for d in decodes]
         tokens, positions, limits = decode_inputs(decodes, rows, num_steps, self.block_size)
         sbatch, flags = self._sampling(seqs, rows)
-        results, self.kv, hidden, logits = decode_program(
+        results, self.kv, hidden, logits, load = decode_program(
             self.params, self.kv, tokens, positions, self._tables(seqs, rows, width), limits, sbatch,
             config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels, **flags,
             **self._hidden_sink(seqs, positions[:, None]), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
+            **self._expert_load(),
         )
-        self._keep(None, hidden)
+        self._keep(None, hidden, load)
         process = self._processing(seqs, logits, sbatch, flags)
 
         def collect(out: RunnerOutput) -> None:
@@ -339,13 +347,12 @@ class ModelRunner:
         # Passed only when there are some: an argument given as None is another signature to
         # jit than one left out, and the warmed-up programs leave it out.
         masks = {} if bitmasks is None else {"position_bitmasks": bitmasks}
-        samples, accepted, self.kv, draft_kv = spec_decode_program(
+        samples, accepted, self.kv, draft_kv, load = spec_decode_program(
             self.params, self.kv, *draft_args, window_tokens, window_positions, guesses, num_drafts, table, sbatch,
             config=self.config, draft_config=draft_config, num_speculative=K, cpu_kernels=self.cpu_kernels,
-            **masks, **flags, **self._lora(lora_slots(seqs, rows)),
+            **masks, **flags, **self._lora(lora_slots(seqs, rows)), **self._expert_load(),
         )
-        if draft_config is not None:
-            self._keep(draft_kv, None)
+        self._keep(draft_kv, None, load)  # (no draft pool back when the draft proposed alone)
 
         def collect(out: RunnerOutput) -> None:
             fetched, accepted_host = jax.device_get((samples, accepted))
@@ -399,6 +406,25 @@ class ModelRunner:
 
         return process
 
+    def _zero_expert_load(self) -> jax.Array | None:
+        if self._expert_load_shape is None:
+            return None
+        return jax.device_put(np.zeros(self._expert_load_shape, np.int32), NamedSharding(self.mesh, PartitionSpec()))
+
+    def _expert_load(self) -> dict[str, Any]:
+        """A program's ``expert_load`` argument (donated); none for a model without experts."""
+        return {} if self.expert_load is None else {"expert_load": self.expert_load}
+
+    def take_expert_load(self) -> np.ndarray | None:
+        """Tokens routed per (sparse layer, expert) since the last call, ``[layers, E]`` (one
+        small transfer, waiting for the step in flight); the device count restarts from zero,
+        so its int32 never overflows. None for a model without experts."""
+        if self.expert_load is None:
+            return None
+        counts = np.asarray(jax.device_get(self.expert_load), np.int64)
+        self.expert_load = self._zero_expert_load()
+        return counts
+
     def _hidden_sink(self, seqs: list[ScheduledRow | None], positions: np.ndarray) -> dict[str, Any]:
         """The ``hidden_buffers`` / ``hidden_where`` arguments of a program (``hidden_where``);
         none (the program without them) when no row captures."""
@@ -420,12 +446,16 @@ class ModelRunner:
     def _draft_config(self) -> ModelConfig | None:
         return self.draft.config if self.draft else None
 
-    def _keep(self, draft_kv: KVCache | None, hidden_buffers: jax.Array | None) -> None:
-        """A program's updated draft pool and hidden-state buffers (it was given them donated)."""
+    def _keep(self, draft_kv: KVCache | None, hidden_buffers: jax.Array | None,
+              expert_load: jax.Array | None) -> None:
+        """A program's updated draft pool, hidden-state buffers and expert load (it was given
+        them donated)."""
         if self.draft is not None and draft_kv is not None:
             self.draft.kv = draft_kv
         if hidden_buffers is not None:
             self.hidden_buffers = hidden_buffers
+        if expert_load is not None:
+            self.expert_load = expert_load
 
 
 def _cpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV) -> bool:

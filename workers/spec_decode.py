@@ -44,29 +44,31 @@ class DraftModel:
     kv: KVCache
 
 
-def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_kernels, last_only, lora=None):
+def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_kernels, last_only, lora=None,
+                  expert_load=None):
     """``tokens [B, S]`` at ``positions [B, S]`` (-1: padding, real tokens first in a row) of
     rows with ``block_tables [B, P]`` (``[2, B, P]``: per KV group, see ``model.forward``):
     logits of every token ``[B, S, V]``, or of each row's last real token ``[B, V]``. With the
     CPU kernels the tokens are packed one per row (each sees the keys up to its own position),
     else one row of S tokens each (the jnp path). ``lora``: a LoRA slot per row
-    (``model.lora_weights.LoraBatch``), or None."""
+    (``model.lora_weights.LoraBatch``), or None. Returns the logits, the pool and, with
+    ``expert_load`` (``model.forward.forward``), that plus these tokens' routing (else None)."""
     B, S = tokens.shape
     if not cpu_kernels:
         context = jnp.max(positions, axis=1) + 1
-        logits, kv = forward(params, config, tokens, positions, kv, block_tables, context, all_logits=not last_only,
-                             lora=lora)
-        return logits, kv
+        logits, kv, *load = forward(params, config, tokens, positions, kv, block_tables, context,
+                                    all_logits=not last_only, lora=lora, expert_load=expert_load)
+        return logits, kv, (load or [None])[0]
     flat = positions.reshape(B * S)
     last = None
     if last_only:
         last = jnp.arange(B) * S + jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
-    logits, kv = forward(
+    logits, kv, *load = forward(
         params, config, tokens.reshape(B * S, 1), flat[:, None], kv, jnp.repeat(block_tables, S, axis=-2),
         jnp.where(flat >= 0, flat + 1, 0), cpu_kernels=True, logits_rows=last,
-        lora=None if lora is None else lora._replace(slots=jnp.repeat(lora.slots, S)),
+        lora=None if lora is None else lora._replace(slots=jnp.repeat(lora.slots, S)), expert_load=expert_load,
     )
-    return (logits if last_only else logits.reshape(B, S, -1)), kv
+    return (logits if last_only else logits.reshape(B, S, -1)), kv, (load or [None])[0]
 
 
 def _window_last(window_tokens: jax.Array, window_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -85,14 +87,14 @@ def _draft_guesses(draft_params, draft_config, draft_kv, window_tokens, window_p
     table in every layer (``full_table``)."""
     block_tables = full_table(block_tables)
     _, last_positions = _window_last(window_tokens, window_positions)
-    logits, draft_kv = _forward_rows(draft_params, draft_config, draft_kv, window_tokens, window_positions,
-                                     block_tables, cpu_kernels=cpu_kernels, last_only=True)
+    logits, draft_kv, _ = _forward_rows(draft_params, draft_config, draft_kv, window_tokens, window_positions,
+                                        block_tables, cpu_kernels=cpu_kernels, last_only=True)
     # Unrolled (k is small): a scan carrying the pool made XLA copy the whole pool each step.
     guesses = [argmax(logits)]
     for j in range(1, num_speculative):
         position = jnp.where(j < num_drafts, last_positions + j, -1)
-        logits, draft_kv = _forward_rows(draft_params, draft_config, draft_kv, guesses[-1][:, None],
-                                         position[:, None], block_tables, cpu_kernels=cpu_kernels, last_only=True)
+        logits, draft_kv, _ = _forward_rows(draft_params, draft_config, draft_kv, guesses[-1][:, None],
+                                            position[:, None], block_tables, cpu_kernels=cpu_kernels, last_only=True)
         guesses.append(argmax(logits))
     return jnp.stack(guesses, axis=1), draft_kv
 
@@ -111,11 +113,11 @@ def draft_program(draft_params, draft_kv, window_tokens, window_positions, num_d
 @functools.partial(
     jax.jit,
     static_argnames=("config", "draft_config", "num_speculative", "num_logprobs", "with_penalties", "cpu_kernels"),
-    donate_argnames=("kv", "draft_kv"),
+    donate_argnames=("kv", "draft_kv", "expert_load"),
 )
 def spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, window_positions, proposals,
-                         num_drafts, block_tables, sbatch, position_bitmasks=None, lora=None, *, config, draft_config,
-                         num_speculative, num_logprobs, with_penalties, cpu_kernels):
+                         num_drafts, block_tables, sbatch, position_bitmasks=None, lora=None, expert_load=None, *,
+                         config, draft_config, num_speculative, num_logprobs, with_penalties, cpu_kernels):
     """One speculative decode step: propose, then verify every row's ``1 + num_drafts`` tokens.
 
     ``window_tokens/positions [B, 2]`` hold each row's known tokens the draft has not computed
@@ -127,8 +129,10 @@ def spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, windo
     and the random stream advanced past the guesses before it, and with
     ``position_bitmasks [K + 1, B, W]`` structured output's allowed tokens after them). A
     guess is accepted while it equals the target's own token, so rows emit ``accepted + 1``
-    tokens. Returns the samples ``[K + 1, B]``, ``accepted [B]``, and both pools. With ``lora``
-    (a slot per row) the target scores with each row's adapter.
+    tokens. Returns the samples ``[K + 1, B]``, ``accepted [B]``, both pools and the
+    ``expert_load`` (as in ``workers.programs.prefill_program``: the target's scored tokens
+    added; None without one). With ``lora`` (a slot per row) the target scores with each row's
+    adapter.
     """
     K = num_speculative
     last_tokens, last_positions = _window_last(window_tokens, window_positions)
@@ -145,8 +149,9 @@ def spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, windo
         (offsets[None, :] <= num_drafts[:, None]) & (last_positions[:, None] >= 0),
         last_positions[:, None] + offsets[None, :], -1,
     )
-    logits, kv = _forward_rows(params, config, kv, verify_tokens, verify_positions, block_tables,
-                               cpu_kernels=cpu_kernels, last_only=False, lora=lora)
+    logits, kv, expert_load = _forward_rows(params, config, kv, verify_tokens, verify_positions, block_tables,
+                                            cpu_kernels=cpu_kernels, last_only=False, lora=lora,
+                                            expert_load=expert_load)
     results = []
     for j in range(K + 1):
         if position_bitmasks is not None:
@@ -157,7 +162,7 @@ def spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, windo
     samples = jax.tree.map(lambda *a: jnp.stack(a), *results)
     matches = drafts == samples.tokens[:K].T
     accepted = jnp.sum(jnp.cumprod(matches.astype(jnp.int32), axis=1), axis=1)
-    return samples, accepted, kv, draft_kv
+    return samples, accepted, kv, draft_kv, expert_load
 
 
 def window_inputs(decodes: list[ScheduledDecode], num_rows: int, uses_draft: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Write a random-weight ~1B GGUF of a new family (Qwen3 or Gemma 2) for serving benchmarks.
+"""Write a random-weight ~1B GGUF of a new family (Qwen3, Gemma 2 or Qwen3-MoE) for serving benchmarks.
 
 The counterpart of ``shared/peers/make_big_gguf.py`` (a dense Llama-3.2-1B-shaped file) for the
 families of issue 33, so raylm and llama-server can be compared on the same file: the metadata
@@ -7,10 +7,14 @@ independent head size; Gemma 2: sandwich norms stored as ``1 + w``, soft-caps, a
 other layer, a tied head) and the tokenizer of a source GGUF (default: the bundled SmolLM2's).
 The default shapes match the Llama file's matmuls (hidden 2048, 16 layers, MLP 8192, 2048-wide
 queries and 1024-wide keys / values), so the two families' figures compare with its Llama ones.
-Outputs are noise: benchmarks use ``ignore_eos``.
+Qwen3-MoE (issue 34) is Qwen3's attention with a mixture of experts in every layer: ``--experts 8``
+of ``--ffn`` (default 1024) each, ``--top-k 2`` routed per token (renormalized, as llama.cpp does
+for qwen3moe), the router kept F32 as llama-quantize keeps it: 1.1B parameters, 0.5B of them
+active per token at the defaults. Outputs are noise: benchmarks use ``ignore_eos``.
 
-    python -m deploy.benchmarks.make_family_gguf OUT.gguf [--arch qwen3|gemma2] [--type Q4_1]
+    python -m deploy.benchmarks.make_family_gguf OUT.gguf [--arch qwen3|gemma2|qwen3moe] [--type Q4_1]
         [--src SRC.gguf] [--layers 16 --hidden 2048 --ffn 8192 --heads 16 --kv-heads 8 --head-dim 128]
+        [--experts 8 --top-k 2]
 
 ``--type`` is the matrices' GGUF type (F32, F16, Q8_0, Q4_0, Q4_1; norms stay F32 as
 llama-quantize keeps them).
@@ -26,7 +30,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
 # Per family: (default heads, KV heads, head size) giving the Llama file's matmul shapes.
-DEFAULT_HEADS = {"qwen3": (16, 8, 128), "gemma2": (8, 4, 256)}
+DEFAULT_HEADS = {"qwen3": (16, 8, 128), "gemma2": (8, 4, 256), "qwen3moe": (16, 8, 128)}
+DEFAULT_FFN = {"qwen3": 8192, "gemma2": 8192, "qwen3moe": 1024}  # qwen3moe: each expert's
 TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 _TOKENIZER_KEYS = (
     "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
@@ -38,11 +43,13 @@ _TOKENIZER_KEYS = (
 
 def write_family_gguf(
     out: Path, src: Path, arch: str = "qwen3", kind: str = "Q4_1", layers: int = 16, hidden: int = 2048,
-    ffn: int = 8192, heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
-    seed: int = 0,
+    ffn: int | None = None, heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
+    seed: int = 0, experts: int = 8, top_k: int = 2,
 ) -> Path:
-    """Write the file; returns ``out``. ``heads`` / ``kv_heads`` / ``head_dim`` default per family."""
+    """Write the file; returns ``out``. ``ffn`` / ``heads`` / ``kv_heads`` / ``head_dim`` default
+    per family; ``experts`` / ``top_k``: qwen3moe's."""
     defaults = DEFAULT_HEADS[arch]
+    ffn = ffn or DEFAULT_FFN[arch]
     heads, kv_heads, head_dim = heads or defaults[0], kv_heads or defaults[1], head_dim or defaults[2]
     qtype = GGMLQuantizationType[kind]
     writer = GGUFWriter(str(out), arch, use_temp_file=True)
@@ -56,19 +63,24 @@ def write_family_gguf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         writer.add_rope_freq_base(1_000_000.0)
     else:  # Gemma2Model writes no RoPE base (llama.cpp's 10000) and these three
         writer.add_attn_logit_softcapping(50.0)
         writer.add_final_logit_softcapping(30.0)
         writer.add_sliding_window(4096)
+    if arch == "qwen3moe":
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(top_k)
+        writer.add_expert_feed_forward_length(ffn)
     vocab = _copy_tokenizer(writer, GGUFReader(str(src)))
 
     rng = np.random.default_rng(seed)
 
-    def matrix(name: str, rows: int, cols: int) -> None:  # numpy [rows, cols] = GGUF [cols, rows]
-        weights = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float32)
-        if qtype == GGMLQuantizationType.F32:
+    def matrix(name: str, rows: int, cols: int, stack: tuple[int, ...] = (), keep_f32: bool = False) -> None:
+        """numpy [*stack, rows, cols] = GGUF [cols, rows, *stack] (stack: experts)."""
+        weights = (rng.standard_normal((*stack, rows, cols), dtype=np.float32) * 0.02).astype(np.float32)
+        if qtype == GGMLQuantizationType.F32 or keep_f32:
             writer.add_tensor(name, weights)
         else:
             writer.add_tensor(name, quants.quantize(weights, qtype), raw_dtype=qtype)
@@ -84,13 +96,19 @@ def write_family_gguf(
         matrix(p + "attn_k.weight", kv_heads * head_dim, hidden)
         matrix(p + "attn_v.weight", kv_heads * head_dim, hidden)
         matrix(p + "attn_output.weight", hidden, heads * head_dim)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             norm(p + "attn_q_norm.weight", head_dim)
             norm(p + "attn_k_norm.weight", head_dim)
         else:
             norm(p + "post_attention_norm.weight", hidden)
             norm(p + "post_ffw_norm.weight", hidden)
         norm(p + "ffn_norm.weight", hidden)
+        if arch == "qwen3moe":
+            matrix(p + "ffn_gate_inp.weight", experts, hidden, keep_f32=True)
+            matrix(p + "ffn_gate_exps.weight", ffn, hidden, (experts,))
+            matrix(p + "ffn_up_exps.weight", ffn, hidden, (experts,))
+            matrix(p + "ffn_down_exps.weight", hidden, ffn, (experts,))
+            continue
         matrix(p + "ffn_gate.weight", ffn, hidden)
         matrix(p + "ffn_up.weight", ffn, hidden)
         matrix(p + "ffn_down.weight", hidden, ffn)
@@ -125,13 +143,16 @@ def main() -> None:
     ap.add_argument("--src", type=Path, default=None, help="GGUF whose tokenizer to copy (default: the bundled model)")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--ffn", type=int, default=8192)
+    ap.add_argument("--ffn", type=int, default=None, help="MLP size (qwen3moe: each expert's); default per family")
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=None)
+    ap.add_argument("--experts", type=int, default=8, help="qwen3moe: experts per layer")
+    ap.add_argument("--top-k", type=int, default=2, help="qwen3moe: experts routed per token")
     a = ap.parse_args()
     src = a.src or resolve_model_path(DEFAULT_MODEL)
-    write_family_gguf(a.out, src, a.arch, a.kind, a.layers, a.hidden, a.ffn, a.heads, a.kv_heads, a.head_dim)
+    write_family_gguf(a.out, src, a.arch, a.kind, a.layers, a.hidden, a.ffn, a.heads, a.kv_heads, a.head_dim,
+                      experts=a.experts, top_k=a.top_k)
     print("wrote", a.out)
 
 

@@ -24,12 +24,6 @@
 // way the sums are the float32 tiles' on the dequantized matrix, bit for bit, from a fifth of
 // the bytes.
 //
-// Grouped weights (model/grouped_matmul.py, a mixture of experts' stacked experts): x [M, K]
-// whose rows are consecutive groups, group_sizes [G] int32 rows each, w [G, N, K]; group g's
-// rows times w[g], each group one call of the dense path, so only the rows routed to an
-// expert are computed and only the experts that got rows are read. Rows past the groups
-// (padding) come out as zeros.
-//
 // Calls of many rows (prompt chunks) run the same tiles through a loop nest blocked for the
 // caches, each weight panel widened once per call (prompt_gemm.inc); model/dense.py picks it
 // above KERNEL_MAX_ROWS rows.
@@ -49,7 +43,6 @@
 #include <thread>
 #include <type_traits>
 
-#include "ffi_shape.h"
 #include "fp8_e4m3.h"
 #include "gguf_blocks.h"
 #include "wide_lanes.h"
@@ -63,8 +56,6 @@ namespace {
 
 using Matrix = ffi::Buffer<ffi::F32, 2>;  // aliases: the binding macro cannot take commas
 using Scales = ffi::Buffer<ffi::F32, 1>;
-using Stacked = ffi::Buffer<ffi::F32, 3>;
-using GroupSizes = ffi::Buffer<ffi::S32, 1>;
 
 inline float Widen(float w) { return w; }
 inline float Widen(int8_t w) { return static_cast<float>(w); }
@@ -667,31 +658,6 @@ ffi::Error DenseMatmul(ffi::ThreadPool thread_pool, Matrix x, Matrix w, ffi::Res
   return ffi::Error::Success();
 }
 
-ffi::Error GroupedMatmul(ffi::ThreadPool thread_pool, Matrix x, Stacked w, GroupSizes group_sizes,
-                         ffi::Result<Matrix> y) {
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
-  const int64_t G = w.dimensions()[0], N = w.dimensions()[1];
-  if (w.dimensions()[2] != K || group_sizes.dimensions()[0] != G || y->dimensions()[0] != M ||
-      y->dimensions()[1] != N) {
-    return ffi::Error::InvalidArgument("grouped_matmul: x [M, K], w [G, N, K], group_sizes [G] -> y [M, N]; got x " +
-                                       raylm::Shape(x.dimensions()) + ", w " + raylm::Shape(w.dimensions()) +
-                                       ", group_sizes " + raylm::Shape(group_sizes.dimensions()) + ", y " +
-                                       raylm::Shape(y->dimensions()));
-  }
-  const int32_t* sizes = group_sizes.typed_data();
-  int64_t start = 0;
-  for (int64_t g = 0; g < G && start < M; ++g) {
-    const int64_t rows = std::min<int64_t>(std::max<int32_t>(sizes[g], 0), M - start);
-    if (rows > 0 && N > 0) {
-      RunDense(x.typed_data() + start * K, w.typed_data() + g * N * K, nullptr, y->typed_data() + start * N, rows, N,
-               K, thread_pool);
-    }
-    start += rows;
-  }
-  std::fill(y->typed_data() + start * N, y->typed_data() + M * N, 0.0f);
-  return ffi::Error::Success();
-}
-
 // 8-bit weights (int8 or float8 e4m3fn, told apart by the buffer's type) with a scale per
 // output row: y = (x . w^T) * scale.
 template <Nest kNest>
@@ -768,14 +734,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmul, DenseMatmul<Nest::kSmallBatch>,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<Matrix>()
-                                  .Ret<Matrix>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGroupedMatmul, GroupedMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix>()
-                                  .Arg<Stacked>()
-                                  .Arg<GroupSizes>()
                                   .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmulQuantized, QuantizedMatmul<Nest::kSmallBatch>,

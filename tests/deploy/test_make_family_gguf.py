@@ -27,15 +27,20 @@ def _vocab(path) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "qwen3moe"])
 def test_written_file_loads_as_its_family(arch, tmp_path):
     _vocab(tmp_path / "vocab.gguf")
     out = write_family_gguf(tmp_path / f"{arch}.gguf", tmp_path / "vocab.gguf", arch, "Q8_0",
-                            layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=32)
+                            layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=32, experts=4)
     model = load_model(out, keep_blocks=True)
     config = model.config
     assert (config.num_layers, config.hidden_size, config.head_dim, config.vocab_size) == (2, 64, 32, 256)
-    assert config.tie_word_embeddings and config.qk_norm == (arch == "qwen3")
+    assert config.tie_word_embeddings and config.qk_norm == (arch != "gemma2")
+    if arch == "qwen3moe":  # every layer sparse, the experts kept in their blocks, the router F32
+        assert (config.moe.num_experts, config.moe.top_k, config.moe.expert_size) == (4, 2, 128)
+        assert config.moe.norm_topk_prob and all(config.moe.sparse_layers)
+        layer = model.params.layers[0]
+        assert type(layer.w_experts_gate_up).__name__ == type(layer.w_experts_down).__name__ == "GgufBlocks"
     if arch == "gemma2":
         assert config.layer_windows == (4096, None) and (config.attn_softcap, config.final_softcap) == (50.0, 30.0)
     assert len(model.tokenizer.encode("hello")) == 5

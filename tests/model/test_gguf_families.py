@@ -61,19 +61,23 @@ def test_gguf_logits_and_greedy_match_hf(variant, tmp_path):
 
 @pytest.mark.parametrize(
     "variant,qtype",
-    [("phi3-longrope", gguf.GGMLQuantizationType.Q8_0), ("gemma3", gguf.GGMLQuantizationType.Q4_0)],
-    ids=["phi3-Q8_0", "gemma3-Q4_0"],
+    [("phi3-longrope", gguf.GGMLQuantizationType.Q8_0), ("gemma3", gguf.GGMLQuantizationType.Q4_0),
+     ("mixtral", gguf.GGMLQuantizationType.Q4_0)],
+    ids=["phi3-Q8_0", "gemma3-Q4_0", "mixtral-Q4_0"],
 )
 def test_blocks_kept_as_stored_match_hf_on_the_dequantized_weights(variant, qtype, tmp_path):
     path, hf_model = _export(variant, tmp_path, qtype)
-    with torch.no_grad():  # the reference: HF on the weights the file holds
+    with torch.no_grad():  # the reference: HF on the weights the file holds (experts: [E, out, in])
         for param in hf_model.parameters():
-            if param.ndim == 2:
+            if param.ndim >= 2:
                 stored = gguf.quants.quantize(param.numpy(), qtype)
                 param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qtype).reshape(param.shape)))
     model = load_model(path, keep_blocks=True)
-    assert type(model.params.layers[0].wqkv).__name__ == "GgufBlocks"
+    layer = model.params.layers[0]
+    assert type(layer.wqkv).__name__ == "GgufBlocks"
     _assert_matches_hf(model.config, model.params, hf_model)
+    if model.config.moe is not None:  # the stacked experts too (their kernel: tests/model/test_grouped_kernel.py)
+        assert type(layer.w_experts_gate_up).__name__ == type(layer.w_experts_down).__name__ == "GgufBlocks"
 
 
 def test_config_follows_llama_cpp_conventions(tmp_path):

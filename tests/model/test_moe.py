@@ -1,12 +1,13 @@
 """The mixture-of-experts block against a naive per-token reference, degenerate routings
-(every token to the same experts, experts that get no token) against each row alone, and the
-routing options raylm refuses. (Whole MoE models against HF: tests/model/test_model_vs_hf.py,
+(every token to the same experts, experts that get no token) against each row alone with
+their load counts, padding tokens routed nowhere, and the routing options raylm refuses. (Whole MoE models against HF: tests/model/test_model_vs_hf.py,
 their GGUF files: tests/model/test_gguf_families.py, through the engine:
 tests/workers/test_model_families_engine.py.)"""
 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ import model.grouped_matmul as grouped_matmul
 from model import load_model
 from model.config import ModelConfig
 from model.errors import UnsupportedModelError
-from model.moe import expert_mlps, route
+from model.moe import expert_mlps, moe_block, route
 from model.moe_config import MoeConfig
 from model.quantization import quantize
 from tests.checkpoints import build_tiny_checkpoint
@@ -80,6 +81,21 @@ def test_degenerate_routing_equals_each_row_alone(top_k):
     np.testing.assert_allclose(batch, _naive(h, router, gate_up, down, moe), atol=1e-5, rtol=1e-5)
 
 
+def test_padding_tokens_are_routed_to_no_expert():
+    """Tokens marked invalid get zeros and count for no expert; the others are unchanged."""
+    router, gate_up, down = _weights()
+    h = np.random.RandomState(1).randn(2, 4, D).astype(np.float32)
+    valid = np.array([[True, True, False, False], [True, False, False, False]])
+    layer = types.SimpleNamespace(router=jnp.asarray(router), w_experts_gate_up=jnp.asarray(gate_up),
+                                  w_experts_down=jnp.asarray(down), w_shared_gate_up=None)
+    out, counts = jax.jit(lambda h, v: moe_block(h, layer, _moe(), "silu", valid=v))(jnp.asarray(h), jnp.asarray(valid))
+    out, counts = np.asarray(out), np.asarray(counts)
+    np.testing.assert_allclose(out[valid], _naive(h[valid], router, gate_up, down, _moe()), atol=1e-5, rtol=1e-5)
+    assert not out[~valid].any()
+    picked = np.asarray(route(jnp.asarray(h[valid]), jnp.asarray(router), _moe()).experts).ravel()
+    np.testing.assert_array_equal(counts, np.bincount(picked, minlength=E))
+
+
 def test_engine_batch_routed_to_two_experts_equals_each_row_alone(tmp_path):
     """A zero router routes every token of a tiny Mixtral to experts 0 and 1 (equal
     probabilities, the lowest indices first), so experts 2 and 3 get nothing: a batch of
@@ -93,6 +109,12 @@ def test_engine_batch_routed_to_two_experts_equals_each_row_alone(tmp_path):
     prompts = [{"prompt_token_ids": rng.randint(3, 320, size=n).tolist()} for n in (3, 20, 37)]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     batch = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    # The load counts: each prompt token and each fed-back output (all but the last) to experts
+    # 0 and 1 in every layer, the padding of the steps' buckets to none.
+    computed = sum(len(p["prompt_token_ids"]) for p in prompts) + len(prompts) * (greedy.max_tokens - 1)
+    moe = llm.engine.stats().moe
+    experts = model.config.moe.num_experts
+    assert moe.routed_tokens == ((computed, computed) + (0,) * (experts - 2),) * model.config.num_layers
     alone = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
     assert batch == alone
 

@@ -1,6 +1,11 @@
-"""TP=2 (and EP=2) over two forced host devices gives the logits and tokens of one device."""
+"""TP=2 (and EP=2) over two forced host devices gives the logits and tokens of one device; EP=2 x
+TP=2 over four (in a child process: the suite's has two)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -49,6 +54,31 @@ def test_ep2_equals_ep1(tmp_path):
     assert layer.wqkv.addressable_shards[0].data.shape == layer.wqkv.shape  # attention replicated
     np.testing.assert_allclose(ep2.prompt_logits(ids), ep1.prompt_logits(ids), atol=1e-4, rtol=1e-5)
     assert list(ep2.generate(ids, 24)) == list(ep1.generate(ids, 24))
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices: test_ep2_tp2_on_four_devices runs it")
+def test_ep2_tp2_equals_one_device(tmp_path):
+    """Experts split over ``ep``, attention heads and the dense layer's MLP over ``tp``, at once."""
+    path, _ = build_tiny_checkpoint("qwen3-moe", tmp_path / "m")
+    config, params = load_checkpoint(path)
+    ids = np.random.RandomState(3).randint(3, 320, size=24).tolist()
+    one = SingleSequenceGenerator(config, params, mesh=make_mesh(1))
+    both = SingleSequenceGenerator(config, params, mesh=make_mesh(2, ep=2))
+    sparse, dense = both.params.layers[0], both.params.layers[1]
+    assert sparse.w_experts_gate_up.addressable_shards[0].data.shape[0] == config.moe.num_experts // 2
+    assert sparse.wo.addressable_shards[0].data.shape[1] == config.num_heads // 2
+    assert dense.w_gate_up.addressable_shards[0].data.shape[1] == config.intermediate_size // 2
+    np.testing.assert_allclose(both.prompt_logits(ids), one.prompt_logits(ids), atol=1e-4, rtol=1e-5)
+    assert list(both.generate(ids, 8)) == list(one.generate(ids, 8))
+
+
+def test_ep2_tp2_on_four_devices():
+    """The test above in a child process with four forced host devices."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "test_ep2_tp2_equals_one_device"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "1 passed" in run.stdout
 
 
 def test_ep_must_divide_experts(tmp_path):

@@ -1,13 +1,15 @@
 """Every model family through the batching engine: greedy tokens equal HF transformers' own
 greedy decoding on the same weights, with batching, paging, prefix caching, chunked prefill and
 preemption, tensor parallelism and speculative decoding (sliding windows, soft-caps, q/k norms,
-sandwich norms, fused checkpoints, mixtures of experts included). Where the C++ CPU kernels are built the
-single-device engine runs them (decode and packed prompt attention by the paged kernel, windows
-and soft-caps included), so this checks them against HF too."""
+sandwich norms, fused checkpoints, mixtures of experts included; for these also n-gram
+speculation and structured output in one engine, and their per-expert load counts). Where the
+C++ CPU kernels are built the single-device engine runs them (decode and packed prompt attention
+by the paged kernel, windows and soft-caps included), so this checks them against HF too."""
 
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from model import load_model, paged_decode
 from tests.checkpoints import build_tiny_checkpoint
 from tests.reference import hf_greedy
 from workers import LLM, SamplingParams
+from workers.structured_output import StructuredOutput
 
 # (phi3-longrope switches RoPE factors at 32 tokens in HF, mid-sequence; raylm picks them by the
 # served context: model/layers.py. Its prompt-level match is in tests/model/test_model_vs_hf.py.)
@@ -28,13 +31,18 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # (the suite's time).
 ENGINE_SETTINGS = {
     "chunked-preempted-prefix-cached": dict(num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=24),
+    # The same with n-gram speculation (its guesses scored through the experts too).
+    "ngram-chunked-preempted-prefix-cached": dict(
+        num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=24,
+        speculative=dict(method="ngram", num_speculative_tokens=3, ngram={"min": 1, "max": 3})),
     "tensor-parallel-2": dict(num_kv_blocks=400, tensor_parallel_size=2),
     "draft-speculation": dict(num_kv_blocks=400, speculative=dict(method="draft", num_layers=1, num_speculative_tokens=3)),
     "expert-parallel-2": dict(num_kv_blocks=400, expert_parallel_size=2),
 }
 # Mixtures of experts, one setting each (their routing and experts are the difference).
 MOE_FAMILIES = ["mixtral", "qwen3-moe", "olmoe"]  # (qwen2-moe: tests/model/test_model_vs_hf.py)
-CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + MOE_FAMILIES] + [
+CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + ["qwen3-moe", "olmoe"]] + [
+    ("mixtral", "ngram-chunked-preempted-prefix-cached"),
     ("gemma3", "tensor-parallel-2"), ("gemma2", "draft-speculation"), ("olmoe", "expert-parallel-2"),
 ]
 
@@ -57,7 +65,7 @@ def _family(name, tmp_path_factory):
 def test_engine_greedy_equals_hf(families, name, setting):
     model, prompts, expected = families(name)
     settings = ENGINE_SETTINGS[setting]
-    small_pool = setting == "chunked-preempted-prefix-cached"
+    small_pool = setting.endswith("chunked-preempted-prefix-cached")
     if small_pool and model.config.max_window is not None:
         # Every layer slides: blocks behind the window go back to the pool, so it takes a smaller
         # pool (a few windows) to make the sequences preempt each other.
@@ -77,5 +85,32 @@ def test_engine_greedy_equals_hf(families, name, setting):
         again = llm.generate([{"prompt_token_ids": p} for p in prompts[::-1]], GREEDY)
         assert [o.outputs[0].token_ids for o in again] == expected[::-1]
         assert model.config.max_window is not None or llm.engine.stats().pool.prefix_hits > hits
+    if model.config.moe is not None and small_pool:
+        if "speculative" in settings:  # (one MoE family: n-gram guesses and grammars through the experts)
+            _constrained_rows_beside_a_free_one(llm, prompts, expected)
+        _every_layer_counted_every_token(llm)
     stats = llm.engine.stats()
     assert stats.pool.num_used_blocks == 0 and stats.running == 0 and stats.waiting == 0
+
+
+def _constrained_rows_beside_a_free_one(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """Structured output rows follow their grammars and the free row keeps HF's tokens, with the
+    n-gram guesses scored (rejected ones too) by the experts."""
+    choice = SamplingParams(max_tokens=8, temperature=0, structured_output=StructuredOutput.choice(["yes", "no"]))
+    digits = SamplingParams(max_tokens=12, temperature=0, structured_output=StructuredOutput("regex", r"[0-9]{3}-[0-9]{4}"))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], [GREEDY, choice, digits])
+    assert outs[0].outputs[0].token_ids == expected[0]
+    assert outs[1].outputs[0].text in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", outs[2].outputs[0].text)
+    assert llm.engine.stats().spec.num_drafts > 0
+
+
+def _every_layer_counted_every_token(llm: LLM) -> None:
+    """The expert-load counts: every sparse layer saw the same tokens, each routed top_k times."""
+    moe, config = llm.engine.stats().moe, llm.engine.config.moe
+    assert (moe.expert_parallel_size, moe.num_experts) == (1, config.num_experts)
+    assert all(len(layer) == config.num_experts and min(layer) >= 0 for layer in moe.routed_tokens)
+    totals = {sum(layer) for layer in moe.routed_tokens}
+    assert len(totals) == 1
+    total = totals.pop()
+    assert total > 0 and total % config.top_k == 0

@@ -1,0 +1,159 @@
+// Grouped matmul for CPU, XLA FFI custom calls: a mixture of experts' stacked experts
+// (model/grouped_matmul.py).
+//
+// x [M, K] f32 whose rows are consecutive groups, group_sizes [G] int32 rows each, and G weight
+// matrices stacked [G, N, K]; group g's rows times matrix g, y [M, N] f32. Rows past the groups
+// (padding) come out as zeros. Each group is one call of the dense kernel's path for its weight
+// format (dense_matmul.cc): float32, 8-bit (int8 or float8 e4m3fn) with a scale per output row,
+// or GGUF Q4_0 / Q4_1 / Q8_0 blocks as stored. So only the rows routed to an expert are computed
+// and only the experts that got rows are read, in their stored bytes: 8-bit and block experts are
+// never widened into a float32 copy of the stack. And since the dense path sums each output in
+// the same order whatever the batch, a token's result does not depend on what else was routed
+// with it, and 8-bit and block experts give the float32 kernel's sums on the widened weights bit
+// for bit (times the scale, for 8-bit ones).
+//
+// The dense kernel's source is compiled into this library (one translation unit, so its tiles
+// inline here as there and both libraries pick the same tile family): this file adds only the
+// grouping.
+
+#include "dense_matmul.cc"
+#include "ffi_shape.h"
+
+namespace {
+
+using Stacked = ffi::Buffer<ffi::F32, 3>;
+using GroupSizes = ffi::Buffer<ffi::S32, 1>;
+
+// Checks x [M, K], weights [G, N, ...] of K inputs per row (`w_inputs`), group_sizes [G] and
+// y [M, N] agree; an empty message when they do.
+std::string GroupShapeError(const char* name, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
+                            int64_t w_inputs, ffi::Span<const int64_t> sizes, ffi::Span<const int64_t> yd) {
+  if (wd.size() == 3 && w_inputs == xd[1] && sizes[0] == wd[0] && yd[0] == xd[0] && yd[1] == wd[1]) return "";
+  return std::string(name) + ": x [M, K], w [G, N, K], group_sizes [G] -> y [M, N]; got x " + raylm::Shape(xd) +
+         ", w " + raylm::Shape(wd) + " (" + std::to_string(w_inputs) + " inputs per row), group_sizes " +
+         raylm::Shape(sizes) + ", y " + raylm::Shape(yd);
+}
+
+// run(g, start, rows) for each group g that has rows, its rows starting at `start`; then zeros
+// for the rows past the groups. Negative sizes count as empty, and groups end at row M.
+template <typename RunGroup>
+void ForEachGroup(const int32_t* sizes, int64_t G, int64_t M, int64_t N, float* y, RunGroup run) {
+  int64_t start = 0;
+  for (int64_t g = 0; g < G && start < M; ++g) {
+    const int64_t rows = std::min<int64_t>(std::max<int32_t>(sizes[g], 0), M - start);
+    if (rows > 0 && N > 0) run(g, start, rows);
+    start += rows;
+  }
+  std::fill(y + start * N, y + M * N, 0.0f);
+}
+
+ffi::Error GroupedMatmul(ffi::ThreadPool thread_pool, Matrix x, Stacked w, GroupSizes group_sizes,
+                         ffi::Result<Matrix> y) {
+  const std::string error = GroupShapeError("grouped_matmul", x.dimensions(), w.dimensions(), w.dimensions()[2],
+                                            group_sizes.dimensions(), y->dimensions());
+  if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], G = w.dimensions()[0], N = w.dimensions()[1];
+  const float *xs = x.typed_data(), *ws = w.typed_data();
+  float* ys = y->typed_data();
+  ForEachGroup(group_sizes.typed_data(), G, M, N, ys, [&](int64_t g, int64_t start, int64_t rows) {
+    RunDense(xs + start * K, ws + g * N * K, nullptr, ys + start * N, rows, N, K, thread_pool);
+  });
+  return ffi::Error::Success();
+}
+
+// 8-bit experts w [G, N, K] (int8 or float8 e4m3fn, told apart by the buffer's type) with a
+// scale per (expert, output row), scale [G, N].
+template <typename W>
+void GroupedQuantized(const float* x, const W* w, const float* scale, const int32_t* sizes, float* y, int64_t M,
+                      int64_t G, int64_t N, int64_t K, ffi::ThreadPool& pool) {
+  ForEachGroup(sizes, G, M, N, y, [&](int64_t g, int64_t start, int64_t rows) {
+    RunDense(x + start * K, w + g * N * K, scale + g * N, y + start * N, rows, N, K, pool);
+  });
+}
+
+ffi::Error GroupedQuantizedMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer w, Matrix scale,
+                                  GroupSizes group_sizes, ffi::Result<Matrix> y) {
+  const auto wd = w.dimensions();
+  std::string error = GroupShapeError("grouped_quantized_matmul", x.dimensions(), wd, wd.size() == 3 ? wd[2] : -1,
+                                      group_sizes.dimensions(), y->dimensions());
+  if (error.empty() && (scale.dimensions()[0] != wd[0] || scale.dimensions()[1] != wd[1]))
+    error = "grouped_quantized_matmul: scale must be [G, N] for w " + raylm::Shape(wd) + ", got " +
+            raylm::Shape(scale.dimensions());
+  if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], G = wd[0], N = wd[1];
+  switch (w.element_type()) {
+    case ffi::DataType::S8:
+      GroupedQuantized(x.typed_data(), static_cast<const int8_t*>(w.untyped_data()), scale.typed_data(),
+                       group_sizes.typed_data(), y->typed_data(), M, G, N, K, thread_pool);
+      return ffi::Error::Success();
+    case ffi::DataType::F8E4M3FN:
+      GroupedQuantized(x.typed_data(), static_cast<const Fp8E4m3*>(w.untyped_data()), scale.typed_data(),
+                       group_sizes.typed_data(), y->typed_data(), M, G, N, K, thread_pool);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("grouped_quantized_matmul: w must be int8 or float8_e4m3fn");
+  }
+}
+
+// GGUF block experts (gguf_blocks.h): q [G, N, K/2] uint8 (4-bit blocks, offset [G, N, K/32]) or
+// [G, N, K] int8 (8-bit blocks, offset [G, N, 0]), scale [G, N, K/32]; K a multiple of 32.
+ffi::Error GroupedGgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, Stacked scale, Stacked offset,
+                             GroupSizes group_sizes, ffi::Result<Matrix> y) {
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  const auto qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
+  const bool nibbles = q.element_type() == ffi::DataType::U8;
+  const int64_t blocks = K / raylm::kGgufBlock;
+  std::string error = GroupShapeError("grouped_gguf_matmul", x.dimensions(), sd, sd[2] * raylm::kGgufBlock,
+                                      group_sizes.dimensions(), y->dimensions());
+  const bool agree = (nibbles || q.element_type() == ffi::DataType::S8) && K % raylm::kGgufBlock == 0 &&
+                     qd.size() == 3 && qd[0] == sd[0] && qd[1] == sd[1] && qd[2] == (nibbles ? K / 2 : K) &&
+                     od[0] == sd[0] && od[1] == sd[1] && od[2] == (nibbles ? blocks : 0);
+  if (error.empty() && !agree)
+    error = "grouped_gguf_matmul: q [G, N, K/2] uint8 or [G, N, K] int8, scale [G, N, K/32], offset [G, N, K/32] "
+            "(uint8 q) or [G, N, 0] (int8 q), K a multiple of 32; got K " + std::to_string(K) + ", q " +
+            raylm::Shape(qd) + ", scale " + raylm::Shape(sd) + ", offset " + raylm::Shape(od);
+  if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  const int64_t G = sd[0], N = sd[1];
+  const float* xs = x.typed_data();
+  float* ys = y->typed_data();
+  const auto* qs = static_cast<const uint8_t*>(q.untyped_data());
+  ForEachGroup(group_sizes.typed_data(), G, M, N, ys, [&](int64_t g, int64_t start, int64_t rows) {
+    const GgufRows w{qs + g * N * qd[2], scale.typed_data() + g * N * blocks,
+                     nibbles ? offset.typed_data() + g * N * blocks : nullptr, K};
+    const float* xg = xs + start * K;
+    float* yg = ys + start * N;
+    Run(N, K, kMaxWeightRowsPerTile * K,
+        [=](int64_t n_begin, int64_t n_end, float* panel) { GgufColumns(xg, w, yg, rows, N, K, n_begin, n_end, panel); },
+        thread_pool);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGroupedMatmul, GroupedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Stacked>()
+                                  .Arg<GroupSizes>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGroupedQuantizedMatmul, GroupedQuantizedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Matrix>()
+                                  .Arg<GroupSizes>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGroupedGgufMatmul, GroupedGgufMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Stacked>()
+                                  .Arg<Stacked>()
+                                  .Arg<GroupSizes>()
+                                  .Ret<Matrix>());
