@@ -70,10 +70,10 @@ _GGUF_KERNEL = _kernels("RaylmGgufMatmul", "raylm_gguf_matmul")
 # deploy.benchmarks.dense_bench`, 2-core AMD EPYC with AVX-512, 16-lane tiles), XLA / kernel
 # time: 1 row 1.0x, 2-16 rows 1.4-2.0x, 32 rows 1.2-1.3x, 48 rows 0.97x, 64 rows 0.93x; on
 # AVX2 CPUs (8-lane tiles) the kernel led up to 32 rows and tied at 64. The prompt GEMM
-# (`python -m deploy.benchmarks.prompt_gemm_bench`, same machine, docs/performance.md) does
-# 76-110% of the GFLOP per CPU second of XLA's large float32 GEMM on 128-512-row chunks of the
-# 135M and 1B layer shapes, and for 8-bit and GGUF block weights skips XLA's float32 copy of
-# the matrix (XLA's path: 46-96).
+# (`python -m deploy.benchmarks.prompt_gemm_bench`, same machine, docs/performance.md) reaches
+# 59-101% of XLA's large float32 GEMM's GFLOP/s on 128-512-row chunks of the 135M and 1B layer
+# shapes (0.74-1.76x XLA's dot on the widened matrix), and for 8-bit and GGUF block weights
+# skips XLA's float32 copy of the matrix.
 KERNEL_MAX_ROWS = 64
 
 
