@@ -144,6 +144,11 @@ class ModelConfig:
         """Whether ``layer`` runs a mixture of experts instead of a dense MLP."""
         return self.moe is not None and self.moe.is_sparse(layer)
 
+    @functools.cached_property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers that run a mixture of experts (``is_sparse``), in order; empty for a dense model."""
+        return tuple(i for i in range(self.num_layers) if self.is_sparse(i))
+
     def uses_local_rope(self, layer: int) -> bool:
         """Whether ``layer`` rotates with the sliding layers' own RoPE base."""
         return self.local_rope_theta is not None and self.layer_window(layer) is not None

@@ -124,7 +124,7 @@ class LLMEngine:
         self.runner.take_expert_load()  # (the warm-up's tokens are not load)
         # An MoE model's tokens routed per (sparse layer, expert), read from the device by ``stats``.
         self.routed_tokens = None if self.config.moe is None else np.zeros(
-            (sum(map(self.config.is_sparse, range(self.config.num_layers))), self.config.moe.num_experts), np.int64)
+            (len(self.config.moe_layers), self.config.moe.num_experts), np.int64)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_ids)
         self.requests: dict[str, RequestState] = {}
         self._seeds = random.Random(args.seed)
@@ -320,7 +320,7 @@ class LLMEngine:
         self.routed_tokens += load
         config, args = self.config, self.args
         return MoeStats(args.expert_parallel_size, args.tensor_parallel_size, config.moe.num_experts,
-                        tuple(i for i in range(config.num_layers) if config.is_sparse(i)),
+                        config.moe_layers,
                         tuple(tuple(int(n) for n in layer) for layer in self.routed_tokens))
 
     def _lora_stats(self) -> LoraStats | None:

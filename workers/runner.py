@@ -107,8 +107,7 @@ class ModelRunner:
         # An MoE model's tokens routed per (sparse layer, expert) since ``take_expert_load``:
         # every program adds its step's on the device (model/forward.py), so the load metric
         # costs no transfer per step.
-        sparse = sum(config.is_sparse(i) for i in range(config.num_layers))
-        self._expert_load_shape = (sparse, config.moe.num_experts) if sparse else None
+        self._expert_load_shape = (len(config.moe_layers), config.moe.num_experts) if config.moe_layers else None
         self.expert_load = self._zero_expert_load()
 
     # -- the programs -----------------------------------------------------------------------------
