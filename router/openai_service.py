@@ -134,9 +134,8 @@ class OpenAIService:
         self.metrics = RouterMetrics(settings.served_model_name)
         self.queue = FairQueue(len(settings.priority_classes), settings.max_queue_size, settings.tenant_weights)
         self.admission = AdmissionController(self.queue, settings.queue_timeout_s, on_tokens=self._count_tokens)
-        keys = {**settings.api_keys.reveal(), **parse_api_keys(None, settings.api_keys_env).reveal()}
-        admin_keys = {**settings.admin_api_keys.reveal(), **parse_api_keys(None, settings.admin_api_keys_env).reveal()}
-        self.auth = Authenticator(Secret(keys), Secret(admin_keys))
+        self.auth = Authenticator(_with_env_keys(settings.api_keys, settings.api_keys_env),
+                                  _with_env_keys(settings.admin_api_keys, settings.admin_api_keys_env))
         self.rate_limiter = RateLimiter(settings.requests_per_minute, settings.tokens_per_minute)
         # The longest prompt every replica's KV pools admit, once reported (None: no such limit).
         self.max_prompt_tokens: int | None = None
@@ -432,3 +431,9 @@ class OpenAIService:
             logger.exception("streaming response %s failed", builder.id)
             yield _sse(OpenAIError(500, f"internal error while streaming (request {builder.id})").body())
         yield "data: [DONE]\n\n"
+
+
+def _with_env_keys(keys: Secret, env_var: str | None) -> Secret:
+    """The deploy file's ``keys`` and those of the environment variable ``env_var``, read in this
+    replica's process (where the secret was set)."""
+    return Secret({**keys.reveal(), **parse_api_keys(None, env_var).reveal()})
