@@ -9,7 +9,7 @@ import pytest
 
 from model import load_model
 from tests.checkpoints import build_tiny_checkpoint
-from workers import LLM, AsyncEngine, SamplingParams
+from workers import LLM, AsyncEngine, EngineArgs, LLMEngine, SamplingParams
 
 
 def test_no_compilation_after_warmup(tmp_path, compilations):
@@ -45,9 +45,11 @@ def test_a_served_engine_serves_while_it_warms_up_and_then_never_compiles(tiny_g
         return [stream[-1].outputs[0].token_ids for stream in streams]
 
     async def main():
-        engine = AsyncEngine.from_model(tiny_gqa_model, warmup=True, **args)
+        # Built as AsyncEngine.from_model builds it, counting what is left before its thread starts.
+        llm_engine = LLMEngine(tiny_gqa_model, EngineArgs(warmup=True, **args), background_warmup=True)
+        left = len(llm_engine.warmup_pending)
+        engine = AsyncEngine(llm_engine)
         try:
-            left = (await engine.stats()).warmup_programs_left
             first = await generate(engine, [0])  # while the rest compile, between its steps
             for _ in range(6000):  # up to 5 minutes on a loaded machine
                 if (await engine.stats()).warmup_programs_left == 0:
