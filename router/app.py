@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 
 from cluster.adapter_store import RayAdapterStore
 from cluster.names import ROUTER_DEPLOYMENT, WORKER_DEPLOYMENT
-from cluster.replicas import poll_replica_stats
+from cluster.replicas import ReplicaStatsPoller
 from model import load_model_info
 from router.openai_service import OpenAIService
 from router.settings import RouterSettings
@@ -44,10 +44,10 @@ class OpenAIRouter:
         """Follow the worker replicas' routing stats. A replica too busy to answer in time (a long
         compile) keeps its last report, so capacity does not shrink while it works."""
         settings = self.settings
+        poller = ReplicaStatsPoller(settings.app_name, WORKER_DEPLOYMENT, wait_s=settings.stats_period_s)
         while True:
             try:
-                self.replicas = await asyncio.to_thread(poll_replica_stats, settings.app_name, WORKER_DEPLOYMENT,
-                                                        self.replicas)
+                self.replicas = await asyncio.to_thread(poller.poll)
                 self.service.update_replicas(self.replicas)
                 await self.service.catalog.refresh()
             except Exception as err:  # keep polling: a replica may be restarting

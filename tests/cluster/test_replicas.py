@@ -1,16 +1,89 @@
-"""cluster/replicas.py without Ray: polling keeps the last report of a replica too busy to answer."""
+"""cluster/replicas.py on the session's Ray cluster, with stand-in replica actors named as Serve
+names them: a replica still in its constructor must not hold back the others' reports, and is
+seen as soon as it answers."""
 
 from __future__ import annotations
 
+import time
 
-def test_a_replica_too_busy_to_answer_keeps_its_capacity(monkeypatch):
+import ray
+
+from cluster.replicas import REPLICA_PREFIX, SERVE_NAMESPACE, ReplicaStatsPoller, replica_stats
+
+APP = "replicas-test"
+
+
+@ray.remote(num_cpus=0)
+class StandInReplica:
+    def __init__(self, construct_s: float, running: int) -> None:
+        time.sleep(construct_s)  # a replica loading its model and compiling
+        self.running = running
+        self.calls = 0
+
+    def record_routing_stats(self) -> dict[str, int]:
+        self.calls += 1
+        return {"running": self.running, "calls": self.calls}
+
+    def set_running(self, running: int) -> None:
+        self.running = running
+
+
+def _start(replica_id: str, construct_s: float, running: int) -> ray.actor.ActorHandle:
+    return StandInReplica.options(name=f"{REPLICA_PREFIX}{APP}#LLMWorker#{replica_id}",
+                                  namespace=SERVE_NAMESPACE).remote(construct_s, running)
+
+
+def test_a_starting_replica_neither_delays_the_others_nor_gets_asked_twice(serve_cluster):
+    ready = _start("ready", 0.0, 2)
+    ray.get(ready.set_running.remote(2))
+    starting = _start("starting", 4.0, 7)
+    poller = ReplicaStatsPoller(APP, "LLMWorker", wait_s=0.3)
+    try:
+        started = time.monotonic()
+        first = poller.poll()
+        assert time.monotonic() - started < 2.0  # the old poll waited 10 s on the starting replica
+        assert first == {"ready": {"running": 2, "calls": 1}}
+        ray.get(ready.set_running.remote(3))
+        second = poller.poll()
+        assert second == {"ready": {"running": 3, "calls": 2}}  # fresh, while the other still starts
+        deadline = time.monotonic() + 30
+        while "starting" not in (polled := poller.poll()):
+            assert time.monotonic() < deadline
+        # One stats call was queued on the starting replica however many polls ran meanwhile.
+        assert polled["starting"] == {"running": 7, "calls": 1}
+        assert set(replica_stats(APP, "LLMWorker", timeout_s=5)) == {"ready", "starting"}
+        ray.kill(starting)
+        deadline = time.monotonic() + 30
+        while "starting" in (polled := poller.poll()):
+            assert time.monotonic() < deadline
+        assert set(polled) == {"ready"}
+    finally:
+        for actor in (ready, starting):
+            ray.kill(actor)
+
+
+def test_a_replica_that_stops_answering_keeps_its_last_report(serve_cluster):
     """A long compile delays a replica's stats answer; admission capacity must not shrink for it."""
-    from cluster import replicas
 
-    names = ["SERVE_REPLICA::app#LLMWorker#a", "SERVE_REPLICA::app#LLMWorker#b", "SERVE_REPLICA::app#LLMWorker#new"]
-    monkeypatch.setattr(replicas, "replica_actor_names", lambda app, deployment: names)
-    monkeypatch.setattr(replicas, "_ask_replicas", lambda listed, timeout_s: {"a": {"running": 2}})
-    previous = {"a": {"running": 1}, "b": {"running": 5}, "gone": {"running": 0}}
-    polled = replicas.poll_replica_stats("app", "LLMWorker", previous)
-    # a answered; b is busy and keeps its report; new never reported; gone is no longer listed
-    assert polled == {"a": {"running": 2}, "b": {"running": 5}}
+    @ray.remote(num_cpus=0)
+    class Busy:
+        def __init__(self) -> None:
+            self.busy_s = 0.0
+
+        def busy_for(self, seconds: float) -> None:
+            self.busy_s = seconds
+
+        def record_routing_stats(self) -> dict[str, int]:
+            time.sleep(self.busy_s)  # the replica's loop is held by a compile
+            return {"running": 5}
+
+    busy = Busy.options(name=f"{REPLICA_PREFIX}{APP}#LLMWorker#busy", namespace=SERVE_NAMESPACE).remote()
+    try:
+        ray.get(busy.busy_for.remote(0.0))  # up and answering
+        poller = ReplicaStatsPoller(APP, "LLMWorker", wait_s=0.3)
+        assert poller.poll() == {"busy": {"running": 5}}
+        ray.get(busy.busy_for.remote(3.0))
+        poller.poll()  # this call now takes 3 s to answer
+        assert poller.poll() == {"busy": {"running": 5}}  # the last report stands meanwhile
+    finally:
+        ray.kill(busy)
