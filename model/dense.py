@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from model.gguf_blocks import GgufBlocks
-from model.kernels import CpuKernel
+from model.kernels import CpuKernel, on_cpu
 from model.quantization import QuantArray
 
 
@@ -158,7 +158,7 @@ def dense(
     def by_kernel(x: jax.Array, w: jax.Array) -> jax.Array:
         return dense_matmul(x.reshape(rows, size), w.reshape(-1, size)).reshape(*lead, *out)
 
-    return jax.lax.platform_dependent(x, w, cpu=by_kernel, default=by_xla)
+    return on_cpu(x, w, cpu=by_kernel, default=by_xla)
 
 
 def _quantized_dense(
@@ -183,7 +183,7 @@ def _quantized_dense(
         flat = QuantArray(q.reshape(-1, size), scale.reshape(-1))
         return quantized_matmul(x.reshape(rows, size), flat).reshape(*lead, *scale.shape).astype(dtype)
 
-    return jax.lax.platform_dependent(x, w.q, w.scale, cpu=by_kernel, default=by_xla)
+    return on_cpu(x, w.q, w.scale, cpu=by_kernel, default=by_xla)
 
 
 def _gguf_dense(
@@ -209,4 +209,4 @@ def _gguf_dense(
         y = gguf_matmul(x.reshape(rows, size), flat).reshape(*lead, *scale.shape[:-1])
         return y if out_dtype is None else y.astype(out_dtype)
 
-    return jax.lax.platform_dependent(x, w.q, w.scale, w.offset, cpu=by_kernel, default=by_xla)
+    return on_cpu(x, w.q, w.scale, w.offset, cpu=by_kernel, default=by_xla)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from model.gguf_blocks import GgufBlocks
-from model.kernels import CpuKernel
+from model.kernels import CpuKernel, on_cpu
 from model.quantization import QuantArray
 
 _KERNEL = CpuKernel("grouped_matmul", "RaylmGroupedMatmul", "raylm_grouped_matmul")
@@ -85,7 +85,7 @@ def grouped_matmul(
         return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))(x, *arrays, sizes)
 
     if kernel and available() and x.dtype == jnp.float32 and x.shape[0] > 0:
-        y = jax.lax.platform_dependent(x, sizes, *arrays, cpu=by_kernel, default=by_ragged_dot)
+        y = on_cpu(x, sizes, *arrays, cpu=by_kernel, default=by_ragged_dot)
     else:
         y = by_ragged_dot(x, sizes, *arrays)
     return y.reshape(x.shape[0], *out)

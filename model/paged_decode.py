@@ -23,7 +23,7 @@ import numpy as np
 
 from model.attention import Pool, paged_attention, pool_dtype
 from model.config import AttentionSpec
-from model.kernels import CpuKernel
+from model.kernels import CpuKernel, on_cpu
 from model.quantization import QUANTIZED_DTYPES, QuantArray
 
 _KERNEL = CpuKernel("paged_decode_attention", "RaylmPagedDecodeAttention", "raylm_paged_decode_attention")
@@ -119,12 +119,12 @@ def decode_attention(
 ) -> jax.Array:
     """Decode attention by the kernel when it can run here (CPU, built, dtype), else by jnp.
 
-    The choice of platform is made when the program is lowered, so the same traced function
-    also lowers for GPU/TPU (to the jnp path). ``spec``: see ``paged_attention``.
+    With an accelerator present the platform is chosen when the program is lowered
+    (``model.kernels.on_cpu``), so the same traced function also lowers for GPU/TPU (to the jnp path). ``spec``: see ``paged_attention``.
     """
     args = (q, k_pool, v_pool, layer, block_tables, context_lens)
     reference = functools.partial(reference_decode_attention, spec=spec)
     if not available() or not _kernel_reads(k_pool, v_pool):
         return reference(*args)
     kernel = functools.partial(paged_decode_attention, spec=spec)
-    return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)
+    return on_cpu(*args, cpu=kernel, default=reference)

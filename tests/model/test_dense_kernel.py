@@ -22,6 +22,7 @@ import pytest
 
 from model import dense as dense_module
 from model.dense import KERNEL_MAX_ROWS, dense, dense_matmul
+from model.kernels import lowering_for_every_platform
 
 needs_kernel = pytest.mark.skipif(
     not dense_module.available(),
@@ -131,8 +132,18 @@ def test_dense_rejects_mismatched_inputs():
 def test_dense_lowers_for_gpu_to_xla():
     x, w = jnp.ones((4, 64)), jnp.ones((32, 64))
     fn = functools.partial(dense, kernel=True)
-    gpu = jax.jit(fn).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    with lowering_for_every_platform():  # (a new function: jit caches a function's trace)
+        gpu = jax.jit(functools.partial(dense, kernel=True)).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert "raylm_dense_matmul" in _lowered(fn, x, w) and "raylm_dense_matmul" not in gpu
+
+
+@needs_kernel
+def test_a_cpu_only_process_traces_the_kernel_branch_alone():
+    """Tracing the XLA branch too (``platform_dependent``) doubled a replica's start-up tracing."""
+    x, w = jnp.ones((4, 64)), jnp.ones((32, 64))
+    assert "platform_index" not in str(jax.make_jaxpr(functools.partial(dense, kernel=True))(x, w))
+    with lowering_for_every_platform():  # (a new function: JAX caches a function's trace)
+        assert "platform_index" in str(jax.make_jaxpr(functools.partial(dense, kernel=True))(x, w))
 
 
 def test_without_a_build_xla_runs(unbuilt_kernels):
