@@ -166,6 +166,17 @@ class WorkersSection(_Section):
             raise ValueError("give either num_replicas or autoscaling_config, not both")
         return self
 
+    @pydantic.model_validator(mode="after")
+    def _gpus_cover_the_mesh(self) -> "WorkersSection":
+        """A replica's mesh is tensor_parallel_size x expert_parallel_size devices of one node: on
+        GPUs Ray must reserve exactly that many for the replica's actor (it places an actor's
+        resources on one node), or JAX would see fewer devices than the mesh needs, or hold idle ones."""
+        devices = self.tensor_parallel_size * self.expert_parallel_size
+        if self.num_gpus > 0 and self.num_gpus != devices:
+            raise ValueError(f"workers.num_gpus is {self.num_gpus:g} but tensor_parallel_size x expert_parallel_size "
+                             f"is {devices}: a replica needs one GPU per device of its mesh")
+        return self
+
 
 class PrefixRoutingSection(_Section):
     enabled: bool = Field(True, description="prefix-aware replica choice; false: Serve's power of two choices")

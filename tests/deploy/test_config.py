@@ -55,6 +55,8 @@ def test_every_engine_arg_is_settable_from_yaml():
         ({"workers": {"num_replicas": 2, "autoscaling_config": {"max_replicas": 3}}}, "not both"),
         ({"workers": {"autoscaling_config": {"min_replicas": 4, "max_replicas": 2}}}, "exceeds max_replicas"),
         ({"workers": {"num_gpus": -1}}, "workers.num_gpus"),
+        ({"workers": {"num_gpus": 2, "tensor_parallel_size": 2, "expert_parallel_size": 2}},
+         "num_gpus is 2 but tensor_parallel_size x expert_parallel_size is 4"),
         ({"http": {"port": 70000}}, "http.port"),
         ({"htp": {}}, "htp: unknown key"),
         ({"model": {"lora_modules": [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]}}, "distinct"),
