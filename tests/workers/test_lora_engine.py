@@ -1,7 +1,8 @@
 """LoRA adapters in the engine: batches mixing adapters and base rows, more adapters than device
 slots (LRU), prefix caching and n-gram speculation, each request against HF transformers with
 its adapter merged into the weights; on an int8 base over two devices with a JSON schema and
-speculation, against HF on the same int8 weights."""
+speculation, against HF on the same int8 weights; on a GGUF file's Q8_0 blocks kept as stored,
+against HF on the weights the file holds."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import json
 import jax
 import numpy as np
 import pytest
+import gguf
 import torch
 
 from model import load_model_info
 from tests.checkpoints import build_tiny_checkpoint
+from tests.gguf_export import export_gguf
 from tests.lora_adapters import MODULES, write_adapter
 from tests.reference import hf_greedy
 from workers import LLM, LoRARequest, SamplingParams
@@ -142,3 +145,30 @@ def test_adapters_on_an_int8_base_over_tp2_with_grammar_and_speculation(served):
     for tokens in outputs[2:]:
         value = json.loads(tokenizer.decode(tokens))
         assert set(value) == {"ok", "tag"} and value["tag"] in ("red", "blue")
+
+
+def test_adapters_on_gguf_blocks_kept_as_stored_match_merged_hf(tmp_path):
+    """The CPU kernel path reads a GGUF's Q8_0 blocks as stored and adds each row's adapter delta
+    after the base matmul: two adapters and a base row in one batch equal HF on the file's
+    (dequantized) weights with each adapter merged."""
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    directory, hf = build_tiny_checkpoint("llama-gqa", tmp_path / "base")
+    path = export_gguf(directory, tmp_path / "base.gguf", qtype)
+    with torch.no_grad():  # HF on the weights the file holds
+        for param in hf.parameters():
+            if param.ndim >= 2:
+                stored = gguf.quants.quantize(param.numpy(), qtype)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qtype).reshape(param.shape)))
+    requests, references = [None], [hf]
+    for i, (rank, alpha, targets, rslora) in enumerate(ADAPTERS[:2]):
+        adapter, merged = write_adapter(tmp_path / f"adapter{i}", hf, rank, alpha, targets, seed=i, use_rslora=rslora)
+        requests.append(LoRARequest(f"adapter{i}", i + 1, str(adapter)))
+        references.append(merged)
+    prompt = np.random.RandomState(5).randint(3, 320, size=19).tolist()
+    llm = LLM(str(path), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=32, max_model_len=64,
+              max_num_seqs=4, max_num_batched_tokens=32, gguf_blocks="keep")
+    assert type(llm.engine.runner.params.layers[0].wqkv).__name__ == "GgufBlocks"
+    outputs = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": prompt}] * 3, GREEDY, lora_request=requests)]
+    assert outputs == [hf_greedy(reference, prompt, NEW_TOKENS) for reference in references]
+    assert len({tuple(tokens) for tokens in outputs}) == 3  # each adapter matters
