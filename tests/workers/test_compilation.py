@@ -65,3 +65,20 @@ def test_a_served_engine_serves_while_it_warms_up_and_then_never_compiles(tiny_g
     assert left > 0, "nothing was left to compile in the background"
     assert outputs == expected
     assert compiled == []
+
+
+def test_a_served_engine_is_built_to_warm_up_in_the_background(monkeypatch):
+    """Replicas build their engine with ``AsyncEngine.from_model``: it must ask for the background
+    warm-up, or a replica compiles every bucket before serving (the replacement-time goal)."""
+    from workers import async_engine
+
+    built = {}
+
+    def make_engine(model, background_warmup=False, **engine_args):
+        built.update(model=model, background_warmup=background_warmup, **engine_args)
+        raise RuntimeError("stop before any engine is built")
+
+    monkeypatch.setattr(async_engine, "make_engine", make_engine)
+    with pytest.raises(RuntimeError, match="stop before"):
+        async_engine.AsyncEngine.from_model("some-model", max_num_seqs=4)
+    assert built == {"model": "some-model", "background_warmup": True, "max_num_seqs": 4}
