@@ -2,7 +2,7 @@
 
 The offline bench measures the engine alone; this one measures the whole served path (HTTP,
 router, Ray, engine, streaming) the way a user does, and can drive any OpenAI-compatible
-server the same way (``--compare URL2``, e.g. llama.cpp's ``llama-server``) for a ratio.
+server the same way (``--compare URL2``, e.g. llama.cpp's ``llama-server``; repeatable) for a ratio.
 
 Every request is ``POST /v1/completions`` with random token-id prompts (so no tokenizer is
 needed and both servers see identical inputs), greedy sampling, ``ignore_eos`` (so every
@@ -260,18 +260,18 @@ async def run_workload(base_url: str, model: str, workload: Workload | str, *, s
 
 
 # -- report -------------------------------------------------------------------------------------------
-_ROWS = (  # (label, summary key, number format, is a rate: gets a first/second ratio)
-    ("output tok/s", "output_tok_s", "{:.1f}", True),
-    ("requests/s", "requests_s", "{:.2f}", True),
-    ("TTFT p50 (ms)", "ttft_ms_p50", "{:.1f}", False),
-    ("TTFT p99 (ms)", "ttft_ms_p99", "{:.1f}", False),
-    ("ITL p50 (ms/chunk)", "itl_ms_p50", "{:.2f}", False),
-    ("ITL p99 (ms/chunk)", "itl_ms_p99", "{:.2f}", False),
-    ("e2e p50 (ms)", "e2e_ms_p50", "{:.1f}", False),
-    ("output tokens", "output_tokens", "{:d}", False),
-    ("errors", "errors", "{:d}", False),
-    ("spec acceptance", "spec_acceptance", "{:.2f}", False),
-    ("spec accepted/verify", "spec_mean_accepted", "{:.2f}", False),
+_ROWS = (  # (label, summary key, number format, ratio: "rate" (higher is better), "time" (lower is), None)
+    ("output tok/s", "output_tok_s", "{:.1f}", "rate"),
+    ("requests/s", "requests_s", "{:.2f}", "rate"),
+    ("TTFT p50 (ms)", "ttft_ms_p50", "{:.1f}", "time"),
+    ("TTFT p99 (ms)", "ttft_ms_p99", "{:.1f}", None),
+    ("ITL p50 (ms/chunk)", "itl_ms_p50", "{:.2f}", None),
+    ("ITL p99 (ms/chunk)", "itl_ms_p99", "{:.2f}", None),
+    ("e2e p50 (ms)", "e2e_ms_p50", "{:.1f}", None),
+    ("output tokens", "output_tokens", "{:d}", None),
+    ("errors", "errors", "{:d}", None),
+    ("spec acceptance", "spec_acceptance", "{:.2f}", None),
+    ("spec accepted/verify", "spec_mean_accepted", "{:.2f}", None),
 )
 
 
@@ -280,21 +280,25 @@ def _cell(fmt: str, value: Any) -> str:
 
 
 def format_table(results: Sequence[WorkloadResult]) -> str:
-    """One workload's numbers: a column per endpoint (A, B) and, for two, an A/B ratio of the rates."""
+    """One workload's numbers: a column per endpoint (A, B, C, ...) and, with others to compare,
+    A's ratio to the best of them on the rates (A/B with one other, else A/best: the highest
+    rate, the lowest time to first token), as a comparison with several peers reads."""
     w = results[0].workload
     prefix = f"{w.shared_prefix_tokens} shared + " if w.shared_prefix_tokens else ""
     lines = [f"== {w.name}: {w.num_requests} requests x ({prefix}{w.prompt_tokens} prompt + "
              f"{w.output_tokens} output tokens), concurrency {w.concurrency} =="]
-    names = "AB"[:len(results)]
+    names = [chr(ord("A") + i) for i in range(len(results))]
     lines += [f"  {n} = {r.base_url} (model {r.model})" for n, r in zip(names, results)]
-    header = ["", *names] + (["A/B"] if len(results) == 2 else [])
+    ratio = {1: [], 2: ["A/B"]}.get(len(results), ["A/best"])
+    header = ["", *names] + ratio
     rows = [header]
     summaries = [r.summary() for r in results]
-    for label, key, fmt, is_rate in _ROWS:
+    for label, key, fmt, kind in _ROWS:
         row = [label, *(_cell(fmt, s[key]) for s in summaries)]
-        if len(results) == 2:
-            a, b = summaries[0][key], summaries[1][key]
-            row.append(f"{a / b:.2f}x" if is_rate and b else "")
+        if ratio:
+            a, others = summaries[0][key], [s[key] for s in summaries[1:] if s[key]]
+            best = (max if kind == "rate" else min)(others) if others and kind else None
+            row.append(f"{a / best:.2f}x" if best and a is not None else "")
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += [("  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)))
@@ -310,8 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (serves /v1/completions)")
     parser.add_argument("--model", default=None, help="model name to send (default: first id of /v1/models)")
     parser.add_argument("--workload", default="all", choices=[*WORKLOADS, "all"])
-    parser.add_argument("--compare", default=None, metavar="URL2", help="run the same workloads against URL2 too")
-    parser.add_argument("--compare-model", default=None, help="model name for URL2 (default: its /v1/models)")
+    parser.add_argument("--compare", action="append", default=[], metavar="URL2",
+                        help="run the same workloads against URL2 too (repeat for more peers: columns B, C, ...)")
+    parser.add_argument("--compare-model", action="append", default=[],
+                        help="model name for each --compare URL, in order (default: its /v1/models)")
     parser.add_argument("--api-key", default=None, help="sent as a Bearer token to both endpoints")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=None)
@@ -336,7 +342,10 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
 
 
 async def _run(args: argparse.Namespace) -> list[list[WorkloadResult]]:
-    endpoints = [(args.base_url, args.model)] + ([(args.compare, args.compare_model)] if args.compare else [])
+    if len(args.compare_model) > len(args.compare):
+        raise SystemExit("raylm bench: more --compare-model than --compare URLs")
+    models = args.compare_model + [None] * (len(args.compare) - len(args.compare_model))
+    endpoints = [(args.base_url, args.model), *zip(args.compare, models)]
     endpoints = [(url, model or await default_model(url, args.api_key)) for url, model in endpoints]
     counters = SpeculationCounters(args.ray_app, args.ray_address) if args.ray_app else None
     runs = []

@@ -224,6 +224,23 @@ def test_cli_compare_prints_ratios(servers, fake, capsys):
     assert errors_row.split()[1:] == ["0", "0"]
 
 
+def test_cli_compares_against_the_best_of_several_peers(servers, capsys):
+    first, second = servers
+    rc = cli.main(["bench", "--base-url", first.base_url, "--compare", second.base_url, "--compare", first.base_url,
+                   "--compare-model", "peer-model", "--workload", "single-stream", "--num-requests", "2",
+                   "--output-tokens", "3", "--warmup", "0", "--json", "/dev/null"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert f"C = {first.base_url} (model fake-model)" in out  # C's model: looked up
+    assert second.bodies[0]["model"] == "peer-model"
+    header = next(line for line in out.splitlines() if line.rstrip().endswith("A/best"))
+    assert header.split() == ["A", "B", "C", "A/best"]
+    rate = next(line.split() for line in out.splitlines() if line.strip().startswith("output tok/s"))
+    assert rate[-1] == f"{float(rate[2]) / max(float(rate[3]), float(rate[4])):.2f}x"  # output tok/s A B C ratio
+    ttft = next(line.split() for line in out.splitlines() if line.strip().startswith("TTFT p50"))
+    assert ttft[-1] == f"{float(ttft[3]) / min(float(ttft[4]), float(ttft[5])):.2f}x"  # TTFT p50 (ms) A B C ratio
+
+
 def test_cli_bench_needs_a_mode(capsys):
     assert cli.main(["bench"]) == 2
     assert "--offline" in capsys.readouterr().err
