@@ -44,6 +44,9 @@ class ModelSection(_Section):
     quantization: Literal["none", "int8", "int8_g32", "fp8"] = Field(
         "none", description="weight-only: every matrix stored 8-bit with a scale per output channel (int8_g32: per "
         "32 inputs)")
+    activation_quantization: Literal["none", "int8"] = Field(
+        "none", description="int8: the integer compute mode, activations quantized per 32 inputs and summed in "
+        "integers against GGUF block and int8 weights (faster, not exact; README); none: exact float32 sums")
     gguf_blocks: Literal["auto", "keep", "expand"] = Field(
         "auto", description="a GGUF's Q4_0/Q4_1/Q8_0 matrices: kept as stored (exact float32 results, a sixth "
         "of the bytes; auto: on one CPU device in float32) or expanded to float32 at load")
@@ -83,7 +86,8 @@ class SpeculativeSection(_Section):
 
 
 # Engine settings come from EngineArgs itself so the YAML can never drift from the engine.
-_ENGINE_OWNED_ELSEWHERE = {"dtype", "quantization", "gguf_blocks", "tensor_parallel_size", "expert_parallel_size"}
+_ENGINE_OWNED_ELSEWHERE = {"dtype", "quantization", "activation_quantization", "gguf_blocks", "tensor_parallel_size",
+                           "expert_parallel_size"}
 _ENGINE_SECTIONS = {"speculative": (SpeculativeSection | None, None)}  # nested: its own schema
 _engine_hints = typing.get_type_hints(EngineArgs)
 EngineSection = pydantic.create_model(
@@ -251,6 +255,7 @@ class DeployConfig(_Section):
             return EngineArgs(
                 dtype=self.model.dtype,
                 quantization=self.model.quantization,
+                activation_quantization=self.model.activation_quantization,
                 gguf_blocks=self.model.gguf_blocks,
                 tensor_parallel_size=self.workers.tensor_parallel_size,
                 expert_parallel_size=self.workers.expert_parallel_size,

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from model import DEFAULT_MODEL, ModelError, load_model
+from model.activation_quantization import ACTIVATION_QUANTIZATIONS
 from model.buckets import cdiv
 from model.chat_template import ChatTemplateError
 from model.compilation_cache import enable_compilation_cache
@@ -30,6 +31,8 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--quantization", choices=SCHEMES, default="none",
                    help="weight-only 8-bit matrices with per-output-channel scales")
+    p.add_argument("--activation-quantization", choices=ACTIVATION_QUANTIZATIONS, default="none",
+                   help="int8: the integer compute mode for GGUF block and int8 weights (faster, not exact)")
     p.add_argument("--gguf-blocks", choices=GGUF_BLOCKS_CHOICES, default="auto",
                    help="a GGUF's Q4_0/Q4_1/Q8_0 matrices kept as stored (exact) or expanded to float32")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (local devices)")
@@ -68,6 +71,8 @@ def run_generate(args: argparse.Namespace) -> int:
         )
         enable_compilation_cache()
         quantized = "" if args.quantization == "none" else f", {args.quantization} weights"
+        if args.activation_quantization != "none":
+            quantized += f", {args.activation_quantization} activations"
         with _step(f"loading {args.model} ({args.dtype}{quantized})"):
             keep_blocks = keep_gguf_blocks(args.gguf_blocks, args.dtype, args.tp)
             model = load_model(args.model, args.dtype, args.quantization, keep_blocks)
@@ -83,6 +88,7 @@ def run_generate(args: argparse.Namespace) -> int:
             model,
             EngineArgs(
                 dtype=args.dtype, quantization=args.quantization, gguf_blocks=args.gguf_blocks, tensor_parallel_size=args.tp, max_num_seqs=1,
+                activation_quantization=args.activation_quantization,
                 num_kv_blocks=2 + cdiv(len(prompt_ids) + args.max_tokens + lookahead, block_size),
                 speculative=speculative,
             ),

@@ -25,6 +25,9 @@ Weights may be ``GgufBlocks`` (model/gguf_blocks.py): a GGUF's Q4_0 / Q4_1 / Q8_
 stored. The block kernels widen them exactly and run the float32 tiles, so wherever the
 float32 kernels run they give the float32 matrix's results bit for bit; elsewhere XLA's dot
 runs on the exactly dequantized matrix.
+
+Weights marked ``int8_activations`` (the opt-in integer compute mode) run model/int8_matmul.py
+instead, whatever the program.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from model.gguf_blocks import GgufBlocks
+from model.int8_matmul import int8_dense
 from model.kernels import CpuKernel, on_cpu
 from model.quantization import QuantArray
 
@@ -126,8 +130,11 @@ def dense(
     is unsharded: the C++ kernels run where they can (CPU, built, float32) and XLA's dot on
     2-D views otherwise. Without it, a plain
     ``tensordot`` over the named dims, which a sharded program partitions. ``out_dtype`` is
-    the dot's accumulation/result type (the LM head asks float32 of bfloat16 weights).
+    the dot's accumulation/result type (the LM head asks float32 of bfloat16 weights). Weights
+    marked for the integer compute mode take its kernel (model/int8_matmul.py).
     """
+    if isinstance(w, (QuantArray, GgufBlocks)) and w.int8_activations:
+        return int8_dense(x, w, contract, out_dtype)
     if isinstance(w, QuantArray):
         return _quantized_dense(x, w, contract, kernel=kernel, out_dtype=out_dtype)
     if isinstance(w, GgufBlocks):

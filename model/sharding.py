@@ -125,8 +125,9 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
     rules = rules_for(config, mesh.shape[TP_AXIS], mesh.shape.get(EP_AXIS, 1))
 
     def named(axes: Sequence[str], leaf: object) -> NamedSharding | QuantArray | GgufBlocks | None:
+        # Matrices keep their static fields (int8_activations), so the trees match.
         if isinstance(leaf, QuantArray):  # the scales follow the matrix's output dims
-            return QuantArray(named(axes, leaf.q), named(axes[: leaf.scale.ndim], leaf.scale))
+            return dataclasses.replace(leaf, q=named(axes, leaf.q), scale=named(axes[: leaf.scale.ndim], leaf.scale))
         if isinstance(leaf, GgufBlocks):  # served by the unsharded kernel only
             if mesh.devices.size > 1:
                 raise ValueError(
@@ -134,7 +135,7 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
                     f"load the model with gguf_blocks='expand' (quantization int8) to shard it over {mesh.devices.size}"
                 )
             whole = NamedSharding(mesh, PartitionSpec())
-            return GgufBlocks(whole, whole, whole, leaf.input_shape)
+            return dataclasses.replace(leaf, q=whole, scale=whole, offset=whole)
         return None if leaf is None else NamedSharding(mesh, spec_for(axes, rules))
 
     def layer(lp: LayerParams) -> LayerParams:

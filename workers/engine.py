@@ -7,6 +7,7 @@ thread and ``LLM`` from a plain loop.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import time
 from typing import Callable, Iterable, Sequence as SequenceOf
@@ -16,6 +17,7 @@ import numpy as np
 from cache import NULL_BLOCK, BlockPool
 from cache.kv_arrays import blocks_for_budget, group_blocks_for_budget, kv_pool_dtype
 from model import GroupedKV, KVCache, LoadedModel, ModelConfig, PromptTooLongError, make_mesh, parse_dtype
+from model.activation_quantization import with_int8_activations
 from model.buckets import cdiv
 from model.backend_support import check_fp8
 from model.compilation_cache import enable_compilation_cache
@@ -65,6 +67,8 @@ class LLMEngine:
             model = model.quantized(args.quantization)
         spec = args.speculative
         draft = load_draft(spec, model, float_model, args.dtype) if spec and spec.method == "draft" else None
+        if args.activation_quantization == "int8":  # the target only: a draft keeps its exact sums
+            model = dataclasses.replace(model, params=with_int8_activations(model.params, model.name))
         self.model = model
         self.args = args
         self.config = model.config

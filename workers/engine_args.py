@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from cache import model_salt
 from cache.kv_arrays import kv_pool_dtype
+from model.activation_quantization import parse_activation_quantization
 from model.attention import DEFAULT_BLOCK_SIZE
 from model.loader import keep_gguf_blocks
 from model.quantization import parse_quantization
@@ -29,6 +30,9 @@ class EngineArgs:
     # A GGUF's Q4_0 / Q4_1 / Q8_0 matrices: kept as stored (exact), or expanded to float32
     # (model/loader.py's keep_gguf_blocks; "auto": kept on one CPU device in float32).
     gguf_blocks: str = "auto"
+    # The integer compute mode (model/activation_quantization.py): "int8" quantizes activations
+    # per block of 32 and sums in integers against GGUF block and int8 weights; "none": exact.
+    activation_quantization: str = "none"
     kv_cache_dtype: str | None = None  # auto (None): the model dtype; int8 / fp8: 8-bit with scales
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None  # exact pool size; else sized from the memory budget
@@ -75,7 +79,10 @@ class EngineArgs:
         prefix cache and the router's prefix hashing must agree on it. ``loaded_quantization``:
         the model's own, for an engine given a model already quantized (quantization None)."""
         quantization = self.quantization if self.quantization is not None else loaded_quantization
-        return model_salt(model_name, self.dtype, quantization or "none")
+        computed = quantization or "none"
+        if self.activation_quantization != "none":  # other arithmetic, other K/V
+            computed = f"{computed}:activations-{self.activation_quantization}"
+        return model_salt(model_name, self.dtype, computed)
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """The context a replica serves: ``max_model_len`` capped by the model's positions."""
@@ -96,6 +103,15 @@ class EngineArgs:
                              f"with num_scheduler_steps={self.num_scheduler_steps}; set num_scheduler_steps to 1")
         kv_pool_dtype(self.kv_cache_dtype, jnp.float32)  # raises, naming the choices, on an unknown name
         parse_quantization(self.quantization)  # likewise
+        object.__setattr__(self, "activation_quantization", parse_activation_quantization(self.activation_quantization))
+        if self.activation_quantization != "none" and self.num_devices > 1:
+            raise ValueError(f"activation_quantization {self.activation_quantization} runs a CPU kernel on one device; "
+                             f"got {self.num_devices} (tensor x expert parallel): serve one device, or set "
+                             "activation_quantization none")
+        if self.activation_quantization != "none" and self.quantization == "fp8":
+            raise ValueError(f"activation_quantization {self.activation_quantization} computes GGUF block and int8 "
+                             "weights in integers, not fp8 ones: set quantization int8 or int8_g32, or "
+                             "activation_quantization none")
         keep_gguf_blocks(self.gguf_blocks, self.dtype, self.num_devices)  # likewise, and an impossible keep
         EmbeddingState(self.embedding_pooling)  # likewise
         if not (isinstance(self.hidden_state_slots, int) and self.hidden_state_slots >= 0):

@@ -2,7 +2,8 @@
 
 For each variant on the bundled model (``float32``: the GGUF's matrices expanded to float32;
 ``gguf_blocks``: the same numbers from its Q4_1 / Q8_0 blocks kept as stored, what serving
-does by default on CPU; ``int8`` / ``fp8`` weights; ``int8_g32`` (a scale per 32 inputs);
+does by default on CPU; ``+a8``: the same weights in the integer compute mode (activations
+int8 per 32 inputs, model/int8_matmul.py); ``int8`` / ``fp8`` weights; ``int8_g32`` (a scale per 32 inputs);
 ``kv_int8`` / ``kv_fp8`` KV pools; ``int8+kv_int8`` both):
 
 1. ``weight_bytes``: what the parameters hold (8-bit matrices and their scales as stored).
@@ -14,6 +15,8 @@ does by default on CPU; ``int8`` / ``fp8`` weights; ``int8_g32`` (a scale per 32
 4. Greedy agreement with float32 on ``REFERENCE_PROMPTS`` (chat-templated, 32 tokens): how
    many continuations are identical (all 32 tokens, and the first 16), and at each first divergence float32's own margin
    between its top two tokens (a small margin = a near tie that any rounding can flip).
+   Part ``logits`` (not run by default): the logit error against float32 over every prompt
+   position of those prompts (max and mean absolute).
 5. ``shapes``: one matmul of each bundled-model shape at 1/16/64 rows: float32 kernel,
    W8A16 (int8 weights widened in the kernel) and W8A8 (int8 x int8 -> int32 by XLA's dot
    with per-row dynamic activation scales), median ms: why the engine keeps W8A16.
@@ -35,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache.kv_arrays import blocks_for_budget, kv_pool_dtype
-from model import DEFAULT_MODEL, LoadedModel, load_model
+from model import DEFAULT_MODEL, LoadedModel, SingleSequenceGenerator, load_model
+from model.activation_quantization import with_int8_activations
 from model.buckets import cdiv
 from model.dense import dense
 from model.quantization import quantize, weight_bytes
@@ -65,16 +69,18 @@ REFERENCE_PROMPTS: tuple[str, ...] = (
 )
 AGREEMENT_TOKENS = 32
 FIRST_TOKENS = 16  # also counted: continuations whose first 16 tokens agree
-# name -> (weight quantization, kv_cache_dtype, GGUF blocks kept)
-VARIANTS: dict[str, tuple[str, str, bool]] = {
-    "float32": ("none", "auto", False),
-    "gguf_blocks": ("none", "auto", True),
-    "int8": ("int8", "auto", False),
-    "int8_g32": ("int8_g32", "auto", False),
-    "fp8": ("fp8", "auto", False),
-    "kv_int8": ("none", "int8", False),
-    "kv_fp8": ("none", "fp8", False),
-    "int8+kv_int8": ("int8", "int8", False),
+# name -> (weight quantization, kv_cache_dtype, GGUF blocks kept, activation quantization)
+VARIANTS: dict[str, tuple[str, str, bool, str]] = {
+    "float32": ("none", "auto", False, "none"),
+    "gguf_blocks": ("none", "auto", True, "none"),
+    "gguf_blocks+a8": ("none", "auto", True, "int8"),  # the integer compute mode on the blocks
+    "int8": ("int8", "auto", False, "none"),
+    "int8_g32": ("int8_g32", "auto", False, "none"),
+    "int8_g32+a8": ("int8_g32", "auto", False, "int8"),
+    "fp8": ("fp8", "auto", False, "none"),
+    "kv_int8": ("none", "int8", False, "none"),
+    "kv_fp8": ("none", "fp8", False, "none"),
+    "int8+kv_int8": ("int8", "int8", False, "none"),
 }
 
 
@@ -116,8 +122,27 @@ def agreement(reference: list, other: list) -> dict[str, Any]:
             "of": len(reference), "divergence_margins": margins}
 
 
-def bench_variant(args: argparse.Namespace, variant: str, reference: list | None) -> tuple[dict[str, Any], list]:
-    quantization, kv_cache_dtype, keep_blocks = VARIANTS[variant]
+def prompt_logits(model: LoadedModel, activation_quantization: str) -> list[np.ndarray]:
+    """Each chat-templated reference prompt's logits at every position, ``[len, V]`` (the
+    single-sequence reference loop, on the marked weights in the integer mode)."""
+    params = with_int8_activations(model.params, model.name) if activation_quantization == "int8" else model.params
+    generator = SingleSequenceGenerator(model.config, params)
+    tok = model.tokenizer
+    return [generator.prompt_logits(tok.encode_chat([{"role": "user", "content": p}])) for p in REFERENCE_PROMPTS]
+
+
+def logit_error(reference: list[np.ndarray], other: list[np.ndarray]) -> dict[str, float]:
+    """Max and mean absolute logit difference over every prompt position, and the max relative
+    to the reference's largest logit."""
+    diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(reference, other)])
+    largest = max(float(np.abs(a).max()) for a in reference)
+    return {"max_abs": round(float(diffs.max()), 4), "mean_abs": round(float(diffs.mean()), 5),
+            "max_rel_to_max_logit": round(float(diffs.max()) / largest, 4)}
+
+
+def bench_variant(args: argparse.Namespace, variant: str, reference: list | None,
+                  reference_logits: list | None) -> tuple[dict[str, Any], list, list]:
+    quantization, kv_cache_dtype, keep_blocks, activations = VARIANTS[variant]
     model = load_model(args.model, "float32", quantization, keep_blocks)
     row: dict[str, Any] = {"weight_bytes": weight_bytes(model.params)}
     c = model.config
@@ -125,7 +150,7 @@ def bench_variant(args: argparse.Namespace, variant: str, reference: list | None
     per_seq = cdiv(args.prompt_len + args.new_tokens, 16)
     row["kv_blocks"], row["max_batch_in_kv_budget"] = blocks, (blocks - 1) // per_seq
     llm = LLM(model, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=2048, enable_prefix_caching=False,
-              max_num_seqs=64, max_model_len=1024, seed=0)
+              max_num_seqs=64, max_model_len=1024, seed=0, activation_quantization=activations)
     if "throughput" in args.parts:
         for count in (1, 16, 64):
             prompts = _prompts(model, count, args.prompt_len)
@@ -133,9 +158,12 @@ def bench_variant(args: argparse.Namespace, variant: str, reference: list | None
     continuations = greedy_continuations(llm) if "agreement" in args.parts else []
     if reference is not None and continuations:
         row["greedy_vs_float32"] = agreement(reference, continuations)
+    logits = prompt_logits(model, activations) if "logits" in args.parts else []
+    if reference_logits and logits:
+        row["logits_vs_float32"] = logit_error(reference_logits, logits)
     del llm, model
     gc.collect()
-    return row, continuations
+    return row, continuations, logits
 
 
 def _median_ms(fn: Callable[[], jax.Array], repeats: int = 15) -> float:
@@ -186,22 +214,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
-    parser.add_argument("--parts", default="throughput,agreement,shapes")
+    parser.add_argument("--parts", default="throughput,agreement,shapes", help="also: logits")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     args.parts = set(args.parts.split(","))
 
     results: dict[str, Any] = {}
-    reference = None
+    reference = reference_logits = None
     variants = args.variants.split(",")
     if "float32" in variants:  # first: the others' greedy agreement is against it
         variants.remove("float32")
         variants.insert(0, "float32")
     for variant in variants:
-        row, continuations = bench_variant(args, variant, reference)
+        row, continuations, logits = bench_variant(args, variant, reference, reference_logits)
         if variant == "float32":
-            reference = continuations
+            reference, reference_logits = continuations, logits
         results[variant] = row
         print(json.dumps({variant: row}), flush=True)
     if "float32" in results:

@@ -705,15 +705,22 @@ std::string GgufRowsOf(ffi::AnyBuffer q, Matrix scale, Matrix offset, int64_t N,
   return "";
 }
 
+// GgufRowsOf for a call x [M, K] . blocks^T -> y [M, N] (N from y); an empty message when all agree.
+std::string GgufCallOf(const Matrix& x, ffi::AnyBuffer q, Matrix scale, Matrix offset, const Matrix& y,
+                       GgufRows* rows) {
+  std::string error = GgufRowsOf(q, scale, offset, y.dimensions()[1], x.dimensions()[1], rows);
+  if (error.empty() && y.dimensions()[0] != x.dimensions()[0]) error = "y must be [M, N]";
+  return error.empty() ? error : "x [M, K], y [M, N]; " + error;
+}
+
 // x [M, K] . blocks^T -> y [M, N].
 template <Nest kNest>
 ffi::Error GgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, Matrix scale, Matrix offset,
                       ffi::Result<Matrix> y) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
   GgufRows w{};
-  std::string error = GgufRowsOf(q, scale, offset, N, K, &w);
-  if (error.empty() && y->dimensions()[0] != M) error = "y must be [M, N]";
-  if (!error.empty()) return ffi::Error::InvalidArgument("gguf_matmul: x [M, K], y [M, N]; " + error);
+  const std::string error = GgufCallOf(x, q, scale, offset, *y, &w);
+  if (!error.empty()) return ffi::Error::InvalidArgument("gguf_matmul: " + error);
   if (M == 0 || N == 0) return ffi::Error::Success();
   const float* xs = x.typed_data();
   float* ys = y->typed_data();

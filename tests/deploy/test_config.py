@@ -37,6 +37,9 @@ def test_every_engine_arg_is_settable_from_yaml():
     assert (args.tensor_parallel_size, args.dtype, args.quantization) == (2, "bfloat16", "int8")
     assert args.expert_parallel_size == 2 and args.num_devices == 4
     assert args.gguf_blocks == "expand" and not args.keep_gguf_blocks()
+    assert args.activation_quantization == "none"
+    int8 = parse_deploy_config({"model": {"activation_quantization": "int8", "quantization": "int8_g32"}})
+    assert int8.engine_args().activation_quantization == "int8"
 
 
 @pytest.mark.parametrize(
@@ -50,6 +53,11 @@ def test_every_engine_arg_is_settable_from_yaml():
         ({"model": {"quantization": "int4"}}, "model.quantization"),
         ({"engine": {"quantization": "int8"}}, "engine.quantization: unknown key"),
         ({"model": {"gguf_blocks": "sometimes"}}, "model.gguf_blocks"),
+        ({"model": {"activation_quantization": "int4"}}, "model.activation_quantization"),
+        ({"model": {"activation_quantization": "int8", "quantization": "fp8"}},
+         "activation_quantization int8 computes GGUF block and int8 weights in integers, not fp8"),
+        ({"model": {"activation_quantization": "int8"}, "workers": {"tensor_parallel_size": 3}},
+         "activation_quantization int8 runs a CPU kernel on one device; got 3"),
         ({"model": {"gguf_blocks": "keep"}, "workers": {"tensor_parallel_size": 3}},
          "gguf_blocks=keep serves a float32 model on one device"),
         ({"workers": {"num_replicas": 2, "autoscaling_config": {"max_replicas": 3}}}, "not both"),

@@ -1,0 +1,159 @@
+"""The integer compute mode's kernel (model/int8_matmul.py) against a NumPy model of its scheme.
+
+The reference quantizes each row per block of 32 in float32 exactly as the kernel says it does
+(scale ``max|x| / 127``, ``rint(x * (127 / max|x|))``), sums each block's products in int64 and
+replays the kernel's float32 steps in order: ``acc = fma(sum_b, d_x * d_w, acc)`` (and
+``fma(m, d_x * S, acc)`` for 4-bit blocks), then the row scale. Integer sums are exact and every
+float step is one IEEE operation, so the results must be equal, not close: the fused multiply-add
+is emulated in float64, where the product is exact (at most 19 + 24 bits), and only the addition
+could round twice, with a chance of about 2^-29 per step (fixed seeds keep the test deterministic).
+Equality also gives the batch-invariance rule (row r of any call is the reference's row r); one
+test checks it directly. A second, independent check bounds the distance to the float product of
+the gguf package's own dequantized weights by the quantization step: each activation moves by at
+most half its block's step, ``max|x| / 254``.
+
+Shapes: 1, 3, 64, 65 and 130 rows; weight rows not a multiple of either family's 16 or 8 columns;
+K not whole blocks of 32 for per-row int8; several panels and both threads. ``test_lower_families``
+reruns everything with the AVX2 and portable families forced (all families give the same bits).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import gguf.quants
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from model import int8_matmul
+from model.gguf_blocks import GgufBlocks, from_gguf
+from model.quantization import QuantArray, quantize
+
+pytestmark = pytest.mark.skipif(int8_matmul.unavailable_reason() is not None, reason="int8 kernel not built")
+
+BLOCK = 32
+KINDS = ["Q4_0", "Q4_1", "Q8_0", "int8_g32", "int8"]
+# (rows, weight rows, K): column tails of both families on one thread; three row blocks on both threads.
+SHAPES = [(1, 67, 96), (3, 67, 96), (64, 67, 96), (65, 67, 96), (130, 67, 96), (130, 200, 2080)]
+INT8_K = [45, 2100]  # per-row int8 takes any K
+
+
+@functools.cache
+def _weights(kind: str, n: int, k: int) -> tuple[GgufBlocks | QuantArray, np.ndarray]:
+    """A matrix in ``kind`` and its float32 values (the gguf package's dequantization)."""
+    w = np.random.default_rng(n + k).standard_normal((n, k)).astype(np.float32)
+    if kind in ("int8", "int8_g32"):
+        q = quantize(jnp.asarray(w), kind)
+        if kind == "int8":  # -128 is a valid int8 weight, though the quantizer never writes it
+            q = QuantArray(q.q.at[0, :5].set(-128), q.scale)
+        else:
+            q = GgufBlocks(q.q.at[0, :5].set(-128), q.scale, q.offset, q.input_shape)
+        return q, np.asarray(q.dequantize())
+    gtype = GGMLQuantizationType[kind]
+    data = gguf.quants.quantize(w, gtype)
+    return from_gguf(data, gtype, (n, k)).to_device(), gguf.quants.dequantize(data, gtype).reshape(n, k)
+
+
+def _activations(m: int, k: int) -> np.ndarray:
+    x = (np.random.default_rng(m * k).standard_normal((m, k)) * 3).astype(np.float32)
+    x[0, :BLOCK] = 0.0  # a block of zeros has scale 0
+    return x
+
+
+def _quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row and block: the int8 values [M, B, 32], the scale d_x and d_x * S (float32)."""
+    m, k = x.shape
+    blocks = -(-k // BLOCK)
+    padded = np.zeros((m, blocks * BLOCK), np.float32)
+    padded[:, :k] = x
+    padded = padded.reshape(m, blocks, BLOCK)
+    amax = np.abs(padded).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(padded * inverse[..., None]).astype(np.int64)
+    d = (amax / np.float32(127)).astype(np.float32)
+    return q, d, (d * q.sum(axis=-1).astype(np.float32)).astype(np.float32)
+
+
+def _stored_integers(w: GgufBlocks | QuantArray, k: int) -> np.ndarray:
+    """The weight integers the sums use, [N, B, 32]: nibbles 0..15 or signed bytes (zeros past K)."""
+    q = np.asarray(w.q)
+    n, blocks = q.shape[0], -(-k // BLOCK)
+    if isinstance(w, GgufBlocks) and w.nibbles:
+        q = q.reshape(n, blocks, BLOCK // 2)
+        return np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.int64)
+    values = np.zeros((n, blocks * BLOCK), np.int64)
+    values[:, :k] = q.astype(np.int64)
+    return values.reshape(n, blocks, BLOCK)
+
+
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def _reference(x: np.ndarray, w: GgufBlocks | QuantArray) -> np.ndarray:
+    """The integer scheme, step by step (see the module docstring)."""
+    k = x.shape[1]
+    q, d_x, ds = _quantized_rows(x)
+    integers = _stored_integers(w, k).astype(np.float64)  # products and sums are exact in float64
+    sums = np.stack([q[:, b].astype(np.float64) @ integers[:, b].T for b in range(q.shape[1])], axis=-1)
+    blocks = isinstance(w, GgufBlocks)
+    d_w = np.asarray(w.scale) if blocks else np.ones((sums.shape[1], sums.shape[2]), np.float32)
+    acc = np.zeros(sums.shape[:2], np.float32)
+    for b in range(sums.shape[2]):
+        acc = _fma32(sums[:, :, b].astype(np.float32), (d_x[:, b, None] * d_w[None, :, b]).astype(np.float32), acc)
+        if blocks and w.nibbles:
+            acc = _fma32(np.asarray(w.offset)[None, :, b], ds[:, b, None], acc)
+    return acc if blocks else (acc * np.asarray(w.scale)[None, :]).astype(np.float32)
+
+
+def _matmul(x: np.ndarray, w: GgufBlocks | QuantArray) -> np.ndarray:
+    call = int8_matmul.int8_gguf_matmul if isinstance(w, GgufBlocks) else int8_matmul.int8_quantized_matmul
+    return np.asarray(call(jnp.asarray(x), w))
+
+
+def _cases() -> list[tuple[str, int, int, int]]:
+    cases = [(kind, m, n, k) for kind in KINDS for m, n, k in SHAPES]
+    return cases + [("int8", 65, 67, INT8_K[0]), ("int8", 130, 200, INT8_K[1])]
+
+
+@pytest.mark.parametrize("kind,m,n,k", _cases())
+def test_kernel_is_the_integer_scheme(kind, m, n, k):
+    w, values = _weights(kind, n, k)
+    x = _activations(m, k)
+    got = _matmul(x, w)
+    np.testing.assert_array_equal(got, _reference(x, w))
+    # Independently of the reference: within the activations' rounding of the float product.
+    _, d_x, _ = _quantized_rows(x)
+    padded = np.zeros((n, d_x.shape[1] * BLOCK))
+    padded[:, :k] = np.abs(values)
+    bound = 0.5 * d_x.astype(np.float64) @ padded.reshape(n, -1, BLOCK).sum(axis=-1).T
+    exact = x.astype(np.float64) @ values.astype(np.float64).T
+    assert np.all(np.abs(got - exact) <= bound * (1 + 1e-4) + 1e-5 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "int8"])
+def test_a_row_does_not_depend_on_the_batch(kind):
+    """Row r of a 65-row call is the 1-row call on row r, bit for bit."""
+    w, _ = _weights(kind, 67, 96)
+    x = _activations(65, 96)
+    batch = _matmul(x, w)
+    for r in (0, 1, 31, 64):
+        np.testing.assert_array_equal(batch[r], _matmul(x[r: r + 1], w)[0])
+
+
+@pytest.mark.parametrize("family,select", [("avx2", "not lower_families"),
+                                           ("portable", "not lower_families and not 2080 and not 2100")])
+def test_lower_families(family, select):
+    """The tests above with a lower family forced (what AVX2-only and older CPUs run; the scalar
+    loops skip the large shapes, which only they find slow)."""
+    env = {**os.environ, "RAYLM_INT8_MATMUL_FAMILY": family}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
