@@ -400,8 +400,9 @@ def test_the_bundled_models_shipped_draft_serves_the_same_tokens(bundled_model):
     prompts = [{"prompt_token_ids": tok.encode_chat([{"role": "user", "content": text}], True)}
                for text in ("What is the capital of France?", "Count from 1 to 20.")]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    plain = LLM(bundled_model, max_model_len=256, num_kv_blocks=64).generate(prompts, params)
-    llm = LLM(bundled_model, max_model_len=256, num_kv_blocks=64, speculative={"method": "draft"})
+    # The pool of the structured-output tests below: their plain engine reuses these programs.
+    plain = LLM(bundled_model, max_model_len=256, num_kv_blocks=200).generate(prompts, params)
+    llm = LLM(bundled_model, max_model_len=256, num_kv_blocks=200, speculative={"method": "draft"})
     draft = llm.engine.runner.draft
     assert draft.config.num_layers == bundled_model.config.num_layers
     assert llm.engine.draft_model.quantization == "int8"
@@ -415,12 +416,10 @@ def test_the_bundled_models_shipped_draft_serves_the_same_tokens(bundled_model):
         LLM(DEFAULT_MODEL, gguf_blocks="keep", num_kv_blocks=64, speculative={"method": "draft"})
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_structured_output_rows_decode_exactly_beside_speculating_rows(bundled_model, method):
-    """Constrained rows speculate too: their guesses are checked against their grammar (the
-    ones it refuses dropped) and each verified position is sampled under the grammar's mask
-    after the guesses before it. Every row's greedy output equals plain decoding's, batched
-    with free rows or alone, and the constrained rows alone still have guesses accepted."""
+@pytest.fixture(scope="module")
+def structured_requests(bundled_model):
+    """Two constrained and two free chat requests, and plain decoding's answers (the reference of
+    both proposers' runs below)."""
     from workers.structured_output import StructuredOutput
 
     chat = lambda q: {"prompt_token_ids": bundled_model.tokenizer.encode_chat([{"role": "user", "content": q}])}  # noqa: E731
@@ -433,7 +432,16 @@ def test_structured_output_rows_decode_exactly_beside_speculating_rows(bundled_m
               SamplingParams(max_tokens=40, temperature=0),
               SamplingParams(max_tokens=12, temperature=0, structured_output=StructuredOutput("regex", r"[0-9]{3}-[0-9]{4}")),
               SamplingParams(max_tokens=40, temperature=0)]
-    plain = LLM(bundled_model, max_model_len=256, num_kv_blocks=200).generate(prompts, params)
+    return prompts, params, LLM(bundled_model, max_model_len=256, num_kv_blocks=200).generate(prompts, params)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_structured_output_rows_decode_exactly_beside_speculating_rows(bundled_model, structured_requests, method):
+    """Constrained rows speculate too: their guesses are checked against their grammar (the
+    ones it refuses dropped) and each verified position is sampled under the grammar's mask
+    after the guesses before it. Every row's greedy output equals plain decoding's, batched
+    with free rows or alone, and the constrained rows alone still have guesses accepted."""
+    prompts, params, plain = structured_requests
     spec = dict(method="ngram", num_speculative_tokens=3) if method == "ngram" else \
         dict(method="draft", num_layers=2, num_speculative_tokens=3)
     llm = LLM(bundled_model, max_model_len=256, num_kv_blocks=200, speculative=spec)
