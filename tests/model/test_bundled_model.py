@@ -9,6 +9,8 @@ import torch
 from model import SingleSequenceGenerator
 from tests.reference import hf_greedy
 
+pytestmark = pytest.mark.usefixtures("optimized_xla")  # runtime-heavy: see tests/conftest.py
+
 
 @pytest.fixture(scope="module")
 def generator(bundled_model):

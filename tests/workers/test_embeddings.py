@@ -9,6 +9,8 @@ import pytest
 
 from workers import LLM, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("optimized_xla")  # runtime-heavy: see tests/conftest.py
+
 TEXTS = ["The cat sat on the mat.", "A cat was sitting on a mat.", "Quarterly revenue grew by twelve percent.",
          "x", "Embeddings pool every prompt token. " * 12]
 
