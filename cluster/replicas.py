@@ -59,7 +59,7 @@ class ReplicaStatsPoller:
 
     def poll(self) -> dict[str, dict[str, Any]]:
         """``{replica id: routing stats}``: fresh answers where they came, else the last report."""
-        listed = {name.rsplit("#", 1)[1]: name for name in replica_actor_names(self.app_name, self.deployment)}
+        listed = {_replica_id(name): name for name in replica_actor_names(self.app_name, self.deployment)}
         for replica_id in set(self._in_flight) - set(listed):
             del self._in_flight[replica_id]
         for replica_id, name in listed.items():
@@ -67,19 +67,13 @@ class ReplicaStatsPoller:
                 ref = _stats_call(name)
                 if ref is not None:
                     self._in_flight[replica_id] = ref
-        refs = list(self._in_flight.values())
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=self.wait_s)[0]) if refs else set()
-        stats = {rid: report for rid, report in self.stats.items() if rid in listed}
-        for replica_id, ref in list(self._in_flight.items()):
-            if ref not in ready:
-                continue
+        answers, died = _collect(self._in_flight, self.wait_s)
+        for replica_id in [*answers, *died]:
             del self._in_flight[replica_id]
-            try:
-                stats[replica_id] = ray.get(ref)
-            except ray.exceptions.RayError:  # the replica died: it reports again once replaced
-                stats.pop(replica_id, None)
-        self.stats = stats
-        return dict(stats)
+        # A replica that died reports again once replaced; one still busy keeps its last report.
+        stats = {rid: report for rid, report in self.stats.items() if rid in listed and rid not in died}
+        self.stats = {**stats, **answers}
+        return dict(self.stats)
 
 
 def _stats_call(name: str) -> ray.ObjectRef | None:
@@ -89,16 +83,24 @@ def _stats_call(name: str) -> ray.ObjectRef | None:
         return None
 
 
-def _ask_replicas(names: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
-    """One answer per replica that gives one within ``timeout_s`` (one deadline for all)."""
-    refs = {name.rsplit("#", 1)[1]: ref for name in names if (ref := _stats_call(name)) is not None}
+def _replica_id(actor_name: str) -> str:
+    return actor_name.rsplit("#", 1)[1]
+
+
+def _collect(refs: dict[str, ray.ObjectRef], timeout_s: float) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """Wait up to ``timeout_s`` for all of ``refs`` (one deadline for all); return the answers
+    that came, by replica id, and the ids whose call failed (the replica died)."""
     ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
-    out = {}
+    answers, failed = {}, set()
     for replica_id, ref in refs.items():
-        if ref not in ready:
-            continue
-        try:
-            out[replica_id] = ray.get(ref)
-        except ray.exceptions.RayError:
-            continue
-    return out
+        if ref in ready:
+            try:
+                answers[replica_id] = ray.get(ref)
+            except ray.exceptions.RayError:
+                failed.add(replica_id)
+    return answers, failed
+
+
+def _ask_replicas(names: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
+    """One answer per replica that gives one within ``timeout_s``."""
+    return _collect({_replica_id(name): ref for name in names if (ref := _stats_call(name)) is not None}, timeout_s)[0]
