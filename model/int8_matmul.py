@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from model.gguf_blocks import GgufBlocks
-from model.kernels import CpuKernel
+from model.kernels import CpuKernel, cpu_only_process
 from model.quantization import QuantArray
 
 _GGUF_KERNEL = CpuKernel("int8_matmul", "RaylmInt8GgufMatmul", "raylm_int8_gguf_matmul")
@@ -33,7 +33,7 @@ _QUANTIZED_KERNEL = CpuKernel("int8_matmul", "RaylmInt8QuantizedMatmul", "raylm_
 
 def unavailable_reason() -> str | None:
     """Why the integer kernels cannot run in this process (None when they can)."""
-    if jax.default_backend() != "cpu":
+    if not cpu_only_process():
         return f"it runs C++ CPU kernels, and JAX's backend here is {jax.default_backend()}"
     for kernel in (_GGUF_KERNEL, _QUANTIZED_KERNEL):
         if not kernel.available():
