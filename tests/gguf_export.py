@@ -46,6 +46,19 @@ _NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False
 _EXPERT_RE = re.compile(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight")
 
 
+def round_to_stored(hf_model: Any, qtype: gguf.GGMLQuantizationType) -> None:
+    """Give ``hf_model`` the weights a GGUF file of ``qtype`` holds (every matrix quantized and
+    dequantized by the gguf package; experts ``[E, out, in]`` alike), in place: the reference
+    for raylm reading the file's blocks as stored."""
+    import torch
+
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            if param.ndim >= 2:
+                stored = gguf.quants.quantize(param.numpy(), qtype)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qtype).reshape(param.shape)))
+
+
 def export_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
     """Write ``hf_dir`` as ``out``; matrices (and stacked experts) in ``qtype`` (F32, Q8_0 or
     Q4_0), vectors F32."""

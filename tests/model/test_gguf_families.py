@@ -18,7 +18,7 @@ from model import SingleSequenceGenerator, load_checkpoint, load_model
 from model.errors import UnsupportedModelError
 from model.gguf_file import GGUFFile
 from tests.checkpoints import build_tiny_checkpoint
-from tests.gguf_export import export_gguf
+from tests.gguf_export import export_gguf, round_to_stored
 from tests.reference import hf_greedy
 
 PROMPT_LEN = 45
@@ -67,11 +67,7 @@ def test_gguf_logits_and_greedy_match_hf(variant, tmp_path):
 )
 def test_blocks_kept_as_stored_match_hf_on_the_dequantized_weights(variant, qtype, tmp_path):
     path, hf_model = _export(variant, tmp_path, qtype)
-    with torch.no_grad():  # the reference: HF on the weights the file holds (experts: [E, out, in])
-        for param in hf_model.parameters():
-            if param.ndim >= 2:
-                stored = gguf.quants.quantize(param.numpy(), qtype)
-                param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qtype).reshape(param.shape)))
+    round_to_stored(hf_model, qtype)  # the reference: HF on the weights the file holds
     model = load_model(path, keep_blocks=True)
     layer = model.params.layers[0]
     assert type(layer.wqkv).__name__ == "GgufBlocks"

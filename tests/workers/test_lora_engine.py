@@ -18,7 +18,7 @@ import torch
 
 from model import load_model_info
 from tests.checkpoints import build_tiny_checkpoint
-from tests.gguf_export import export_gguf
+from tests.gguf_export import export_gguf, round_to_stored
 from tests.lora_adapters import MODULES, write_adapter
 from tests.reference import hf_greedy
 from workers import LLM, LoRARequest, SamplingParams
@@ -154,11 +154,7 @@ def test_adapters_on_gguf_blocks_kept_as_stored_match_merged_hf(tmp_path):
     qtype = gguf.GGMLQuantizationType.Q8_0
     directory, hf = build_tiny_checkpoint("llama-gqa", tmp_path / "base")
     path = export_gguf(directory, tmp_path / "base.gguf", qtype)
-    with torch.no_grad():  # HF on the weights the file holds
-        for param in hf.parameters():
-            if param.ndim >= 2:
-                stored = gguf.quants.quantize(param.numpy(), qtype)
-                param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qtype).reshape(param.shape)))
+    round_to_stored(hf, qtype)  # the reference: HF on the weights the file holds
     requests, references = [None], [hf]
     for i, (rank, alpha, targets, rslora) in enumerate(ADAPTERS[:2]):
         adapter, merged = write_adapter(tmp_path / f"adapter{i}", hf, rank, alpha, targets, seed=i, use_rslora=rslora)
