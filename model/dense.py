@@ -26,7 +26,7 @@ stored. The block kernels widen them exactly and run the float32 tiles, so where
 float32 kernels run they give the float32 matrix's results bit for bit; elsewhere XLA's dot
 runs on the exactly dequantized matrix.
 
-Weights marked ``int8_activations`` (the opt-in integer compute mode) run model/int8_matmul.py
+Weights packed for the opt-in integer compute mode (model/int8_panels.py) run model/int8_matmul.py
 instead, whatever the program.
 """
 
@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from model.gguf_blocks import GgufBlocks
 from model.int8_matmul import int8_dense
+from model.int8_panels import Int8Panels
 from model.kernels import CpuKernel, on_cpu
 from model.quantization import QuantArray
 
@@ -122,7 +123,7 @@ def gguf_matmul(x: jax.Array, w: GgufBlocks) -> jax.Array:
 
 
 def dense(
-    x: jax.Array, w: jax.Array | QuantArray | GgufBlocks, contract: int = 1, *, kernel: bool, out_dtype: jnp.dtype | None = None
+    x: jax.Array, w: jax.Array | QuantArray | GgufBlocks | Int8Panels, contract: int = 1, *, kernel: bool, out_dtype: jnp.dtype | None = None
 ) -> jax.Array:
     """Contract ``x``'s last ``contract`` dims with ``w``'s last ``contract`` dims.
 
@@ -131,9 +132,9 @@ def dense(
     2-D views otherwise. Without it, a plain
     ``tensordot`` over the named dims, which a sharded program partitions. ``out_dtype`` is
     the dot's accumulation/result type (the LM head asks float32 of bfloat16 weights). Weights
-    marked for the integer compute mode take its kernel (model/int8_matmul.py).
+    packed for the integer compute mode take its kernel (model/int8_matmul.py).
     """
-    if isinstance(w, (QuantArray, GgufBlocks)) and w.int8_activations:
+    if isinstance(w, Int8Panels):
         return int8_dense(x, w, contract, out_dtype)
     if isinstance(w, QuantArray):
         return _quantized_dense(x, w, contract, kernel=kernel, out_dtype=out_dtype)

@@ -29,6 +29,7 @@ from model.lora_weights import LayerLora, LoraBatch
 from model.paged_decode import decode_attention
 from model.params import LayerParams, ModelParams
 from model.gguf_blocks import GgufBlocks
+from model.int8_panels import Int8Panels
 from model.quantization import QuantArray
 
 
@@ -98,7 +99,7 @@ def forward(
         kernel_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
     batch = _Batch(positions, tables, context_lens, valid, slots, rotations, kernel_lens)
     embed = params.embed
-    x = embed.rows(tokens, params.final_norm.dtype) if isinstance(embed, (QuantArray, GgufBlocks)) else embed[tokens]
+    x = embed.rows(tokens, params.final_norm.dtype) if isinstance(embed, (QuantArray, GgufBlocks, Int8Panels)) else embed[tokens]
     if config.embed_scale is not None:  # in the model dtype, as HF Gemma rounds it
         x = x * jnp.asarray(config.embed_scale, x.dtype)
     eps = config.rms_norm_eps

@@ -54,8 +54,6 @@ class GgufBlocks:
     scale: Any
     offset: Any
     input_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
-    # Multiplied by the integer compute mode's kernel (model/int8_matmul.py), not exactly.
-    int8_activations: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -57,8 +57,6 @@ class QuantArray:
 
     q: jax.Array
     scale: jax.Array
-    # Multiplied by the integer compute mode's kernel (model/int8_matmul.py), not exactly.
-    int8_activations: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:

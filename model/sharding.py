@@ -36,6 +36,7 @@ from model.config import ModelConfig
 from model.errors import UnsupportedModelError
 from model.params import LAYER_AXES, MODEL_AXES, LayerParams, ModelParams
 from model.gguf_blocks import GgufBlocks
+from model.int8_panels import Int8Panels
 from model.lora_weights import LayerSlots, LoraWeights, lora_axes
 from model.quantization import QuantArray
 
@@ -124,8 +125,8 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
     """A ModelParams-shaped tree of NamedShardings (None where the field is absent)."""
     rules = rules_for(config, mesh.shape[TP_AXIS], mesh.shape.get(EP_AXIS, 1))
 
-    def named(axes: Sequence[str], leaf: object) -> NamedSharding | QuantArray | GgufBlocks | None:
-        # Matrices keep their static fields (int8_activations), so the trees match.
+    def named(axes: Sequence[str], leaf: object) -> NamedSharding | QuantArray | GgufBlocks | Int8Panels | None:
+        # Matrices keep their static fields, so the trees match.
         if isinstance(leaf, QuantArray):  # the scales follow the matrix's output dims
             return dataclasses.replace(leaf, q=named(axes, leaf.q), scale=named(axes[: leaf.scale.ndim], leaf.scale))
         if isinstance(leaf, GgufBlocks):  # served by the unsharded kernel only
@@ -136,6 +137,9 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
                 )
             whole = NamedSharding(mesh, PartitionSpec())
             return dataclasses.replace(leaf, q=whole, scale=whole, offset=whole)
+        if isinstance(leaf, Int8Panels):  # the integer mode runs unsharded (the engine checks)
+            whole = NamedSharding(mesh, PartitionSpec())
+            return dataclasses.replace(leaf, q=whole, scale=whole, offset=whole, row_scale=whole)
         return None if leaf is None else NamedSharding(mesh, spec_for(axes, rules))
 
     def layer(lp: LayerParams) -> LayerParams:

@@ -2,7 +2,7 @@
 
 Both run ``model.dense`` as the engine does on CPU: the exact mode's block kernels (the
 small-batch kernel up to ``KERNEL_MAX_ROWS`` rows, the prompt GEMM above) and the integer mode's
-kernel (the same weights marked ``int8_activations``; model/int8_matmul.py). Weights are random,
+kernel (the same weights packed for it at load, as the engine does; model/int8_panels.py). Weights are random,
 quantized by the gguf package (default: a Llama-3.2-1B-shaped 2048 x 8192 matrix, ``[N, K]``
 as stored, in Q4_1, and its 8192 x 2048 transpose shape). Rounds alternate between the modes
 (medians); GOP/s counts 2 M N K operations per call, by the wall clock and per CPU second (all
@@ -16,7 +16,6 @@ prompt_gemm_bench) is printed for scale. ``int/exact`` is the wall-clock speed r
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 from typing import Any
 
@@ -26,6 +25,7 @@ import numpy as np
 
 from deploy.benchmarks.prompt_gemm_bench import float32_peak, gflops, seconds, weights_in
 from model.dense import dense
+from model.int8_panels import pack_int8_panels
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         (exact,) = weights_in(args.format, [(n, k)])
-        modes: dict[str, Any] = {"exact": exact, "int8": dataclasses.replace(exact, int8_activations=True)}
+        modes: dict[str, Any] = {"exact": exact, "int8": pack_int8_panels(exact)}
         for rows in (int(r) for r in args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
             for w in modes.values():

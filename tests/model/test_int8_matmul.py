@@ -31,7 +31,9 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from model import int8_matmul
+from model.dense import dense
 from model.gguf_blocks import GgufBlocks, from_gguf
+from model.int8_panels import Int8Panels, pack_int8_panels
 from model.quantization import QuantArray, quantize
 
 pytestmark = pytest.mark.skipif(int8_matmul.unavailable_reason() is not None, reason="int8 kernel not built")
@@ -112,9 +114,13 @@ def _reference(x: np.ndarray, w: GgufBlocks | QuantArray) -> np.ndarray:
     return acc if blocks else (acc * np.asarray(w.scale)[None, :]).astype(np.float32)
 
 
-def _matmul(x: np.ndarray, w: GgufBlocks | QuantArray) -> np.ndarray:
-    call = int8_matmul.int8_gguf_matmul if isinstance(w, GgufBlocks) else int8_matmul.int8_quantized_matmul
-    return np.asarray(call(jnp.asarray(x), w))
+@functools.cache
+def _packed(kind: str, n: int, k: int) -> Int8Panels:
+    return pack_int8_panels(_weights(kind, n, k)[0])
+
+
+def _matmul(x: np.ndarray, kind: str, n: int, k: int) -> np.ndarray:
+    return np.asarray(int8_matmul.int8_matmul(jnp.asarray(x), _packed(kind, n, k)))
 
 
 def _cases() -> list[tuple[str, int, int, int]]:
@@ -126,7 +132,7 @@ def _cases() -> list[tuple[str, int, int, int]]:
 def test_kernel_is_the_integer_scheme(kind, m, n, k):
     w, values = _weights(kind, n, k)
     x = _activations(m, k)
-    got = _matmul(x, w)
+    got = _matmul(x, kind, n, k)
     np.testing.assert_array_equal(got, _reference(x, w))
     # Independently of the reference: within the activations' rounding of the float product.
     _, d_x, _ = _quantized_rows(x)
@@ -140,11 +146,34 @@ def test_kernel_is_the_integer_scheme(kind, m, n, k):
 @pytest.mark.parametrize("kind", ["Q4_1", "int8"])
 def test_a_row_does_not_depend_on_the_batch(kind):
     """Row r of a 65-row call is the 1-row call on row r, bit for bit."""
-    w, _ = _weights(kind, 67, 96)
     x = _activations(65, 96)
-    batch = _matmul(x, w)
+    batch = _matmul(x, kind, 67, 96)
     for r in (0, 1, 31, 64):
-        np.testing.assert_array_equal(batch[r], _matmul(x[r: r + 1], w)[0])
+        np.testing.assert_array_equal(batch[r], _matmul(x[r: r + 1], kind, 67, 96)[0])
+
+
+@pytest.mark.parametrize("kind,k", [(kind, 96) for kind in KINDS] + [("int8", INT8_K[0])])
+def test_packed_weights_give_back_the_stored_matrix(kind, k):
+    """The packed layout keeps every weight: the embedding lookup (``rows``) and ``dequantize``
+    of the packed matrix equal the stored matrix's, bit for bit, column tails included."""
+    w, values = _weights(kind, 67, k)
+    packed = _packed(kind, 67, k)
+    assert packed.shape == w.shape and packed.nbytes >= w.nbytes
+    np.testing.assert_array_equal(np.asarray(packed.dequantize()), values)
+    ids = jnp.asarray([[66, 0], [17, 16]])
+    np.testing.assert_array_equal(np.asarray(packed.rows(ids, jnp.float32)), values[np.asarray(ids)])
+
+
+def test_a_packed_matrix_keeps_its_output_and_input_dims():
+    """A weight with several output and input dims (the fused QKV, ``wo [D, H, Dh]``) packs flat
+    and multiplies as ``model.dense`` views it."""
+    w, values = _weights("Q4_1", 64, 96)
+    stacked = GgufBlocks(w.q.reshape(2, 32, -1), w.scale.reshape(2, 32, -1), w.offset.reshape(2, 32, -1), (3, 32))
+    packed = pack_int8_panels(stacked)
+    assert packed.shape == (2, 32, 3, 32)
+    x = _activations(5, 96)
+    got = dense(jnp.asarray(x).reshape(5, 3, 32), packed, 2, kernel=True)
+    np.testing.assert_array_equal(np.asarray(got).reshape(5, 64), _reference(x, w))
 
 
 @pytest.mark.parametrize("family,select", [("avx2", "not lower_families"),

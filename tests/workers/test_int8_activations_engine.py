@@ -22,6 +22,7 @@ import pytest
 
 from model import load_model
 from model.int8_matmul import unavailable_reason
+from model.int8_panels import Int8Panels
 from tests.checkpoints import build_tiny_checkpoint
 from workers import LLM, EngineArgs, SamplingParams
 
@@ -46,7 +47,10 @@ def test_greedy_equals_each_prompt_alone(tiny_path):
     prompts = [rng.randint(3, 320, size=n).tolist() for n in [1, 17, 200, 90, 33, 5]]
     alone = LLM(model, activation_quantization="int8", max_model_len=512, num_kv_blocks=64, max_num_seqs=1,
                 enable_prefix_caching=False)
-    assert alone.engine.runner.params.layers[0].wqkv.int8_activations  # dense() runs the integer kernel
+    params = alone.engine.runner.params
+    # dense() runs the integer kernel on packed weights; the tied embedding is packed too (its
+    # lookup reads the packed rows).
+    assert isinstance(params.layers[0].wqkv, Int8Panels) and isinstance(params.embed, Int8Panels)
     expected = [_tokens(alone, [p])[0] for p in prompts]
 
     llm = LLM(model, activation_quantization="int8", max_model_len=512, num_kv_blocks=20, max_num_seqs=8,
