@@ -21,6 +21,7 @@ from model.activation_quantization import with_int8_activations
 from model.buckets import cdiv
 from model.backend_support import check_fp8
 from model.compilation_cache import enable_compilation_cache
+from model.flop_count import ModelFlops
 from model.prompt_checks import check_prompt
 from workers.block_manager import BlockManager
 from workers.engine_args import EngineArgs
@@ -35,6 +36,7 @@ from workers.progress import StderrProgress
 from workers.request_state import RequestState
 from workers.runner import ModelRunner
 from workers.spec_decode import DraftModel
+from workers.step_work import StepCounters
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence
@@ -126,6 +128,10 @@ class LLMEngine:
             self.runner.warmup(args.num_scheduler_steps, now, progress, lora_slots=True)
             self.warmup_pending = shapes[len(now):]
         self.runner.take_expert_load()  # (the warm-up's tokens are not load)
+        self.step_counters = StepCounters(
+            args.block_size, ModelFlops.of(self.config, model.params),
+            ModelFlops.of(draft.config, draft.params) if draft else None,
+            integer_matmuls=args.activation_quantization == "int8")
         # An MoE model's tokens routed per (sparse layer, expert), read from the device by ``stats``.
         self.routed_tokens = None if self.config.moe is None else np.zeros(
             (len(self.config.moe_layers), self.config.moe.num_experts), np.int64)
@@ -271,6 +277,7 @@ class LLMEngine:
         self.last_step_tokens = plan.num_tokens
         scheduled_at = time.monotonic()
         output = self.runner.execute(plan)
+        self.step_counters.add(plan, output, time.monotonic() - scheduled_at)
         progressed = self.scheduler.update_from_output(plan, output, scheduled_at)
         for seq in progressed:  # finished captures: read before the next step reuses their slot
             if seq.finished and seq.hidden is not None:
@@ -315,6 +322,7 @@ class LLMEngine:
             moe=self._moe_stats(),
             max_prompt_tokens=self.max_prompt_tokens,
             warmup_programs_left=len(self.warmup_pending),
+            compute=self.step_counters.stats(),
         )
 
     def _moe_stats(self) -> MoeStats | None:

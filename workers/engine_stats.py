@@ -54,6 +54,28 @@ class MoeStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepWork:
+    """Lifetime totals of one kind of engine step (workers/step_work.py): steps run, tokens the
+    model computed in them, wall seconds of their programs (launch to results fetched) and the
+    operations they did (model/flop_count.py: multiply and add counted apart)."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    flops: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeStats:
+    """What the replica's steps computed and how fast, per step kind (workers/step_work.py).
+    ``integer_matmuls``: the matrices ran in integers (``activation_quantization: int8``), so
+    the operations are integer operations (GOP), not floating point ones."""
+
+    integer_matmuls: bool
+    kinds: dict[str, StepWork]
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineStats:
     running: int  # sequences in the running queue
     waiting: int  # sequences in the waiting queue (new or preempted)
@@ -73,6 +95,7 @@ class EngineStats:
     # it, its attention windows bound the blocks a sequence holds): the router refuses longer ones.
     max_prompt_tokens: int | None = None
     warmup_programs_left: int = 0  # programs still compiling in the background after start-up
+    compute: ComputeStats | None = None  # work and time of the model's steps, per step kind
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for a routing-stats report (Serve ships it between processes)."""
@@ -80,13 +103,16 @@ class EngineStats:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineStats:
-        spec, lora, moe = data.get("spec"), data.get("lora"), data.get("moe")
+        spec, lora, moe, compute = data.get("spec"), data.get("lora"), data.get("moe"), data.get("compute")
         if moe:
             moe = MoeStats(**{**moe, "sparse_layers": tuple(moe["sparse_layers"]),
                               "routed_tokens": tuple(tuple(layer) for layer in moe["routed_tokens"])})
         return cls(**{**data, "pool": PoolStats(**data["pool"]), "spec": SpecDecodeStats(**spec) if spec else None,
                       "lora": LoraStats(**{**lora, "resident": tuple(lora["resident"])}) if lora else None,
-                      "moe": moe or None})
+                      "moe": moe or None,
+                      "compute": ComputeStats(compute["integer_matmuls"],
+                                              {kind: StepWork(**work) for kind, work in compute["kinds"].items()})
+                      if compute else None})
 
 
 def remaining_work(seq: Sequence) -> int:

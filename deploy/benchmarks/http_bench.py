@@ -18,7 +18,11 @@ request produces exactly ``max_tokens``) and a stream with a final usage chunk. 
 
 Per workload: output tokens/s and successful requests/s over the wall time of the measured
 run (after ``--warmup`` requests whose prompts differ, so they warm compilation but not the
-prefix cache), TTFT/ITL p50/p99, e2e p50 and the error count.
+prefix cache), TTFT/ITL p50/p99, e2e p50 and the error count. With ``--ray-app`` (a raylm
+application on this Ray cluster), also what its worker replicas counted over the measured run:
+speculative decoding's acceptance (``replica_counters.py``), and per step kind the steps,
+tokens, seconds and achieved GFLOP/s against this machine's float32 GEMM peak
+(``step_rates.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 
-from deploy.benchmarks.speculation_counters import SpeculationCounters, acceptance
+from deploy.benchmarks.replica_counters import ReplicaCounters, acceptance
+from deploy.benchmarks.step_rates import PEAK_SHAPE, float32_gemm_peak, format_step_rates, step_rates
 
 # Random prompt token ids: ordinary tokens of a 49152-vocab model (past the special/control ids).
 PROMPT_TOKEN_RANGE = (1000, 30000)
@@ -94,8 +99,10 @@ class WorkloadResult:
     itl_s: list[float]
     e2e_s: list[float]
     error_messages: list[str]
-    # Speculative decoding over the measured run (``--ray-app``; see speculation_counters.py).
+    # Speculative decoding over the measured run (``--ray-app``; see replica_counters.py).
     speculation: dict[str, Any] = dataclasses.field(default_factory=lambda: acceptance(None, None))
+    # Per step kind over the measured run (``--ray-app``; see step_rates.py); None without.
+    step_rates: dict[str, Any] | None = None
 
     @property
     def output_tok_s(self) -> float:
@@ -124,6 +131,7 @@ class WorkloadResult:
             "e2e_ms_p50": _ms(percentile(self.e2e_s, 50)),
             "error_messages": self.error_messages,
             **self.speculation,
+            "step_rates": self.step_rates,
         }
 
 
@@ -236,9 +244,11 @@ def _aggregate(base_url: str, model: str, workload: Workload, wall_s: float,
 
 
 async def run_workload(base_url: str, model: str, workload: Workload | str, *, seed: int = 0, warmup: int = 2,
-                       api_key: str | None = None, counters: SpeculationCounters | None = None) -> WorkloadResult:
+                       api_key: str | None = None, counters: ReplicaCounters | None = None,
+                       peak: float | None = None) -> WorkloadResult:
     """Warm up, then run ``workload`` (a ``Workload`` or a ``WORKLOADS`` name) against ``base_url``;
-    with ``counters``, also the speculative decoding acceptance over the measured run."""
+    with ``counters``, also the speculative decoding acceptance and each step kind's rate (held
+    against ``peak`` GFLOP/s) over the measured run."""
     if isinstance(workload, str):
         workload = WORKLOADS[workload]
     base_url = base_url.rstrip("/")
@@ -255,7 +265,9 @@ async def run_workload(base_url: str, model: str, workload: Workload | str, *, s
         wall_s = time.perf_counter() - start
     result = _aggregate(base_url, model, workload, wall_s, results)
     if counters:
-        result.speculation = acceptance(before, counters.totals())
+        after = counters.totals()
+        result.speculation = acceptance(before.spec, after.spec)
+        result.step_rates = step_rates(before.compute, after.compute, peak)
     return result
 
 
@@ -279,10 +291,12 @@ def _cell(fmt: str, value: Any) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def format_table(results: Sequence[WorkloadResult]) -> str:
+def format_table(results: Sequence[WorkloadResult], peak: float | None = None) -> str:
     """One workload's numbers: a column per endpoint (A, B, C, ...) and, with others to compare,
     A's ratio to the best of them on the rates (A/B with one other, else A/best: the highest
-    rate, the lowest time to first token), as a comparison with several peers reads."""
+    rate, the lowest time to first token), as a comparison with several peers reads. Then each
+    endpoint's step kinds, where its replicas reported them (``step_rates``; ``peak``: the
+    float32 GEMM peak they are held against, None if not measured)."""
     w = results[0].workload
     prefix = f"{w.shared_prefix_tokens} shared + " if w.shared_prefix_tokens else ""
     lines = [f"== {w.name}: {w.num_requests} requests x ({prefix}{w.prompt_tokens} prompt + "
@@ -304,6 +318,9 @@ def format_table(results: Sequence[WorkloadResult]) -> str:
     lines += [("  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)))
               .rstrip() for row in rows]
     lines += [f"  {n} error: {msg}" for n, r in zip(names, results) for msg in r.error_messages]
+    for n, r in zip(names, results):
+        if r.step_rates is not None:
+            lines += format_step_rates(n, r.step_rates, peak)
     return "\n".join(lines)
 
 
@@ -329,7 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--ray-app", default=None, metavar="APP",
                         help="raylm Serve application behind --base-url (e.g. raylm): report its speculative "
-                             "decoding acceptance, read from the worker replicas over Ray")
+                             "decoding acceptance and each step kind's achieved GFLOP/s, read from the worker "
+                             "replicas over Ray")
+    parser.add_argument("--no-gemm-peak", action="store_true",
+                        help="with --ray-app: do not measure this machine's float32 GEMM peak (a few seconds at "
+                             "start) that the step kinds' GFLOP/s are held against")
     parser.add_argument("--ray-address", default="auto", help="Ray cluster of --ray-app (default: the one here)")
     return parser
 
@@ -341,33 +362,40 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     return [dataclasses.replace(w, **overrides) for w in chosen]
 
 
-async def _run(args: argparse.Namespace) -> list[list[WorkloadResult]]:
+async def _run(args: argparse.Namespace) -> tuple[list[list[WorkloadResult]], float | None]:
+    """Every workload against every endpoint, and the float32 GEMM peak if measured."""
     if len(args.compare_model) > len(args.compare):
         raise SystemExit("raylm bench: more --compare-model than --compare URLs")
     models = args.compare_model + [None] * (len(args.compare) - len(args.compare_model))
     endpoints = [(args.base_url, args.model), *zip(args.compare, models)]
     endpoints = [(url, model or await default_model(url, args.api_key)) for url, model in endpoints]
-    counters = SpeculationCounters(args.ray_app, args.ray_address) if args.ray_app else None
+    counters = ReplicaCounters(args.ray_app, args.ray_address) if args.ray_app else None
+    peak = None
+    if counters and not args.no_gemm_peak:
+        peak = float32_gemm_peak()
+        m, n, k = PEAK_SHAPE
+        print(f"float32 GEMM peak of the bench's machine (XLA dot, {m} x {n} x {k}): {peak:.0f} GFLOP/s\n", flush=True)
     runs = []
     for workload in _workloads(args):
         results = [await run_workload(url, model, workload, seed=args.seed, warmup=args.warmup, api_key=args.api_key,
-                                      counters=counters if i == 0 else None)
+                                      counters=counters if i == 0 else None, peak=peak)
                    for i, (url, model) in enumerate(endpoints)]
-        print(format_table(results) + "\n", flush=True)
+        print(format_table(results, peak) + "\n", flush=True)
         runs.append(results)
-    return runs
+    return runs, peak
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        runs = asyncio.run(_run(args))
+        runs, peak = asyncio.run(_run(args))
     except httpx.HTTPError as exc:  # the model lookup: the server is down or not OpenAI-compatible
         print(f"raylm bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": [[r.summary() for r in results] for results in runs]}, f, indent=2)
+            json.dump({"float32_gemm_peak_gflops": peak, "runs": [[r.summary() for r in results] for results in runs]},
+                      f, indent=2)
     return 0
 
 

@@ -123,10 +123,13 @@ def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_
 def _speculation_expected() -> dict[str, float]:
     """The worker's own speculative decoding counters after the traffic (what ``raylm bench
     --ray-app`` reads), as the exported series must come to show them."""
-    from deploy.benchmarks.speculation_counters import SpeculationCounters
+    from deploy.benchmarks.replica_counters import ReplicaCounters
 
-    totals = SpeculationCounters("metrics").totals()
+    replicas = ReplicaCounters("metrics").totals()
+    totals = replicas.spec
     assert totals is not None, "the metrics app speculates: its replica must report spec counters"
+    verify = replicas.compute.kinds["verify"]  # the step counters cross Ray too
+    assert verify.steps > 0 and verify.flops > 0 and verify.seconds > 0
     return {
         "ray_raylm_spec_decode_num_drafts_total": totals.num_drafts,
         "ray_raylm_spec_decode_num_draft_tokens_total": totals.num_draft_tokens,

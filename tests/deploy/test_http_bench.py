@@ -20,9 +20,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cache import PoolStats
 from deploy import cli
-from deploy.benchmarks.http_bench import PROMPT_TOKEN_RANGE, WORKLOADS, Workload, percentile, run_workload
+from deploy.benchmarks.http_bench import (
+    PROMPT_TOKEN_RANGE, WORKLOADS, Workload, WorkloadResult, format_table, percentile, run_workload,
+)
+from deploy.benchmarks.replica_counters import sum_replicas
+from deploy.benchmarks.step_rates import step_rates
 from tests.serving import free_port
+from workers.engine_stats import ComputeStats, EngineStats, StepWork
 
 FIRST_DELAY_S = 0.03  # before the first chunk: the fake's "prefill"
 CHUNK_DELAY_S = 0.01  # between chunks: the fake's "decode step"
@@ -240,6 +246,51 @@ def test_cli_compares_against_the_best_of_several_peers(servers, capsys):
     assert float(rate[-1][:-1]) == pytest.approx(float(rate[2]) / max(float(rate[3]), float(rate[4])), abs=0.02)
     ttft = next(line.split() for line in out.splitlines() if line.strip().startswith("TTFT p50"))
     assert float(ttft[-1][:-1]) == pytest.approx(float(ttft[3]) / min(float(ttft[4]), float(ttft[5])), abs=0.02)
+
+
+def _replica(integer: bool = False, **kinds: StepWork) -> EngineStats:
+    """A replica's report with only its step counters set (the kinds not given: none run)."""
+    pool = PoolStats(num_free_blocks=8, num_used_blocks=0, num_cached_blocks=0, num_usable_blocks=8, usage=0.0,
+                     prefix_queries=0, prefix_hits=0)
+    work = {kind: kinds.get(kind, StepWork()) for kind in ("prefill", "decode", "mixed", "verify")}
+    return EngineStats(running=0, waiting=0, waiting_tokens=0, work_tokens=0, tokens_stored=0, token_capacity=0,
+                       num_preemptions=0, requests=0, prompt_tokens=0, generation_tokens=0, pool=pool,
+                       compute=ComputeStats(integer, work))
+
+
+def test_step_kind_lines_from_two_readings_of_two_replicas():
+    """Replica 1 ran 2 prefill steps (256 tokens, 0.5 s, 100 GFLOP) and 10 decode steps (80
+    tokens, 0.4 s, 4 GFLOP) between the readings, replica 2 one prefill step (128 tokens,
+    0.25 s, 50 GFLOP): prefill 150 GFLOP in 0.75 s = 200 GFLOP/s = 40% of a 500 GFLOP/s peak,
+    decode 4 / 0.4 = 10 GFLOP/s = 2%; no mixed or verify step ran, so neither has a line."""
+    before = sum_replicas([_replica(prefill=StepWork(2, 256, 0.5, 100 * 10**9)), _replica()])
+    after = sum_replicas([_replica(prefill=StepWork(4, 512, 1.0, 200 * 10**9), decode=StepWork(10, 80, 0.4, 4 * 10**9)),
+                          _replica(prefill=StepWork(1, 128, 0.25, 50 * 10**9))])
+    rates = step_rates(before.compute, after.compute, peak=500.0)
+    assert rates == {"unit": "GFLOP/s", "kinds": {
+        "prefill": {"steps": 3, "tokens": 384, "seconds": 0.75, "rate": 200.0, "percent_of_peak": 40.0},
+        "decode": {"steps": 10, "tokens": 80, "seconds": pytest.approx(0.4), "rate": pytest.approx(10.0),
+                   "percent_of_peak": pytest.approx(2.0)}}}
+    raylm = WorkloadResult("http://raylm", "m", SMALL, 1.0, 6, 0, 30, [0.1], [0.01], [0.2], [], step_rates=rates)
+    peer = dataclasses.replace(raylm, base_url="http://llama-server", step_rates=None)
+    lines = format_table([raylm, peer], peak=500.0).splitlines()
+    at = lines.index("  A: model steps over the measured run, all replicas; % of the float32 GEMM peak of the "
+                     "bench's machine (500 GFLOP/s)")
+    assert [line.split() for line in lines[at + 1:]] == [
+        ["step", "kind", "steps", "tokens", "seconds", "GFLOP/s", "%", "peak"],
+        ["prefill", "3", "384", "0.750", "200", "40%"],
+        ["decode", "10", "80", "0.400", "10", "2%"],
+    ]  # and no lines for B, which reported none
+    assert raylm.summary()["step_rates"] == rates and peer.summary()["step_rates"] is None
+    # Integer matmuls: integer operations per second; without a measured peak, no percentage.
+    integer = step_rates(_replica(True).compute, _replica(True, verify=StepWork(1, 4, 0.5, 10**9)).compute, None)
+    result = dataclasses.replace(raylm, step_rates=integer)
+    assert format_table([result]).splitlines()[-3:] == [
+        "  A: model steps over the measured run, all replicas (integer operations); % of the float32 GEMM peak of "
+        "the bench's machine (not measured)",
+        "    step kind  steps  tokens  seconds  GOP/s  % peak",
+        "    verify         1       4    0.500      2       -",
+    ]
 
 
 def test_cli_bench_needs_a_mode(capsys):

@@ -331,6 +331,50 @@ def test_guesses_never_cost_a_preemption():
     assert blocks.pool.num_free_blocks == 0
 
 
+# -- step counters ------------------------------------------------------------------------------------------
+def test_each_step_counts_its_kind_tokens_and_the_operations_of_target_and_draft(tiny):
+    """workers/step_work.py over steps shaped by hand (16-token budget, a 1-layer draft, k = 2):
+    each step adds one step of its kind, the target's tokens, and the operations of the runs
+    of positions the target and the draft computed (model/flop_count.py counts a run)."""
+    engine = LLM(tiny, max_model_len=512, num_kv_blocks=64, max_num_batched_tokens=16,
+                 speculative=dict(method="draft", num_layers=1, num_speculative_tokens=2)).engine
+    target, draft = engine.step_counters.target, engine.step_counters.draft
+    assert draft.matrix_params * 3 == target.matrix_params  # 1 of the 3 layers
+
+    def ops(model, logit_rows, runs):
+        return model.flops(logit_rows, np.array([s for s, _ in runs]), np.array([n for _, n in runs]))
+
+    def step(kind, tokens, flops, request=None):
+        if request is not None:
+            engine.add_request(*request)
+        before = engine.stats().compute.kinds
+        engine.step()
+        stats = engine.stats()
+        after = stats.compute.kinds
+        assert stats.compute.integer_matmuls is False
+        assert (after[kind].steps - before[kind].steps, after[kind].tokens - before[kind].tokens,
+                after[kind].flops - before[kind].flops) == (1, tokens, flops)
+        assert after[kind].seconds > before[kind].seconds
+        assert all(after[k] == before[k] for k in after if k != kind)
+        assert type(stats).from_dict(stats.as_dict()) == stats  # as it crosses Ray
+
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    # A's 20-token prompt in two chunks; the draft computes them too (its logits are not counted).
+    step("prefill", 16, ops(target, 1, [(0, 16)]) + ops(draft, 0, [(0, 16)]), ("a", list(range(3, 23)), params(2)))
+    step("prefill", 4, ops(target, 1, [(16, 4)]) + ops(draft, 0, [(16, 4)]))
+    # A may emit one token more, so it decodes with no guesses (the draft computes its window)
+    # beside B's whole prompt.
+    step("mixed", 11, ops(target, 2, [(20, 1), (0, 10)]) + ops(draft, 1, [(20, 1), (0, 10)]),
+         ("b", list(range(30, 40)), params(4)))
+    # B's last token and 2 guesses are verified; the draft computed the token and its first guess.
+    step("verify", 3, ops(target, 3, [(10, 3)]) + ops(draft, 2, [(10, 1), (11, 1)]))
+    assert engine.stats().spec.num_draft_tokens == 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    step("prefill", 5, ops(target, 1, [(0, 5)]) + ops(draft, 0, [(0, 5)]), ("c", list(range(50, 55)), params(2)))
+    step("decode", 1, ops(target, 1, [(5, 1)]) + ops(draft, 1, [(5, 1)]))
+
+
 # -- settings and the n-gram proposer ----------------------------------------------------------------------
 def test_propose_ngram_takes_the_latest_longest_match():
     assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3, 1, 3) == [7, 1, 2]

@@ -1,0 +1,71 @@
+"""A served raylm application's engine counters, for ``raylm bench`` reports.
+
+The HTTP API says nothing about how many guesses a replica accepted or how fast its steps
+computed, so the bench asks the worker replicas themselves (the same stats ``raylm status``
+shows) before and after a run and reports the difference: speculative decoding's acceptance
+here, each step kind's achieved rate in ``step_rates.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cluster.local_ray import apply_local_ray_env
+from workers.engine_stats import ComputeStats, EngineStats, StepWork
+from workers.speculative import SpecDecodeStats
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaTotals:
+    """Counters summed over replicas; each None when no replica reports it (speculation off,
+    or no replica answered)."""
+
+    spec: SpecDecodeStats | None
+    compute: ComputeStats | None
+
+
+class ReplicaCounters:
+    """Reads the summed counters of every worker replica of ``app`` on the Ray cluster at ``address``."""
+
+    def __init__(self, app: str, address: str = "auto"):
+        apply_local_ray_env()
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False)
+        self.app = app
+
+    def totals(self) -> ReplicaTotals:
+        from workers.replica_protocol import replica_reports
+
+        return sum_replicas([r.engine for r in replica_reports(self.app).values()])
+
+
+def sum_replicas(engines: list[EngineStats]) -> ReplicaTotals:
+    """The replicas' speculation and step counters, summed."""
+    specs = [e.spec for e in engines if e.spec is not None]
+    spec = SpecDecodeStats(sum(s.num_drafts for s in specs), sum(s.num_draft_tokens for s in specs),
+                           sum(s.num_accepted_tokens for s in specs)) if specs else None
+    computes = [e.compute for e in engines if e.compute is not None]
+    compute = None
+    if computes:
+        kinds = {kind: StepWork(*(sum(getattr(c.kinds[kind], f.name) for c in computes)
+                                  for f in dataclasses.fields(StepWork)))
+                 for kind in computes[0].kinds}
+        compute = ComputeStats(any(c.integer_matmuls for c in computes), kinds)
+    return ReplicaTotals(spec, compute)
+
+
+def acceptance(before: SpecDecodeStats | None, after: SpecDecodeStats | None) -> dict[str, Any]:
+    """``spec_acceptance`` (accepted / guessed) and ``spec_mean_accepted`` (per verified step)
+    between two readings; None values when speculation was off or nothing was guessed."""
+    if before is None or after is None:
+        return {"spec_acceptance": None, "spec_mean_accepted": None}
+    drafts = after.num_drafts - before.num_drafts
+    tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    return {
+        "spec_acceptance": accepted / tokens if tokens else None,
+        "spec_mean_accepted": accepted / drafts if drafts else None,
+    }
