@@ -34,7 +34,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.kernels import on_cpu
 from model.lora import TARGETS, LoraAdapter, layer_targets
-from model.lora_delta import available as kernel_available, lora_add
+from model.lora_delta import available as kernel_available, lora_add, takes
 
 
 # Targets whose A share a buffer (they read the same input), in the order of their ranks in it.
@@ -140,10 +140,10 @@ class LayerLora(NamedTuple):
 
         def by_xla(y: jax.Array, x: jax.Array, a: jax.Array, slots: jax.Array, *bs: jax.Array) -> jax.Array:
             deltas = [d.reshape(B, S, groups, -1) for d in _deltas(x, a, slots, bs)]
-            return y + jnp.concatenate(deltas, axis=-1).reshape(y.shape)
+            return (y + jnp.concatenate(deltas, axis=-1).reshape(y.shape)).astype(y.dtype)
 
         operands = (y, x, a, self.slots, *bs)
-        if self.kernel and kernel_available() and all(o.dtype == jnp.float32 for o in (y, x, a, *bs)):
+        if self.kernel and kernel_available() and takes(y, x, [a, *bs]):
             return on_cpu(*operands, cpu=by_kernel, default=by_xla)
         return by_xla(*operands)
 

@@ -1,10 +1,12 @@
 """The CPU kernel that adds each row's LoRA delta (model/lora_delta.py) against a float64 NumPy
 reference with each adapter merged (``B @ A``) and laid out in the fused QKV by hand; a row's
-result the same bits alone as in a batch mixing adapters and base rows."""
+result the same bits alone as in a batch mixing adapters and base rows; bfloat16 slots the
+same bits as float32 slots holding their values."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -55,3 +57,15 @@ def test_each_row_gets_its_adapters_delta_alone_or_in_any_batch():
                               got[row]), row
     with pytest.raises(Exception, match="outside"):
         np.asarray(add(weights, np.array([4], np.int32), y[:1], x[:1]))
+
+
+def test_bfloat16_slots_are_widened_exactly():
+    """bfloat16 slots give the float32 kernel's bits on the same (rounded) values."""
+    rng = np.random.RandomState(1)
+    half = jax.tree.map(lambda w: w.astype(jnp.bfloat16), _slots(rng))
+    widened = jax.tree.map(lambda w: w.astype(np.float32), half)
+    slots = np.array([3, 1, 0, 3, 3, 2], np.int32)
+    x = rng.randn(len(slots), 1, D).astype(np.float32)
+    y = rng.randn(len(slots), 1, KVH, G + 2, DH).astype(np.float32)
+    add = jax.jit(lambda w, s, y, x: LayerLora(w, s, kernel=True).add("qkv", y, x))
+    assert np.array_equal(np.asarray(add(half, slots, y, x)), np.asarray(add(widened, slots, y, x)))
