@@ -604,14 +604,13 @@ constexpr int64_t kMinParallelWeights = int64_t{1} << 16;
 // `columns(n_begin, n_end, panel)` computes a range of up to `columns_per_item` columns, `panel`
 // being `panel_floats` of scratch per thread (null when 0). Items are claimed one by one from a
 // shared counter, so the caller never waits for an item nobody has started and a helper that
-// starts late finds nothing left and touches only `state`. Calls of fewer than
-// `min_parallel_weights` weights (N * K) run on the calling thread alone.
+// starts late finds nothing left and touches only `state`.
 template <typename ColumnsFn>
 void Run(int64_t N, int64_t K, int64_t panel_floats, ColumnsFn columns, ffi::ThreadPool& pool,
-         int64_t columns_per_item = kColumnsPerItem, int64_t min_parallel_weights = kMinParallelWeights) {
+         int64_t columns_per_item = kColumnsPerItem) {
   const int64_t items = (N + columns_per_item - 1) / columns_per_item;
   const int64_t threads =
-      N * K >= min_parallel_weights ? std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) : 1;
+      N * K >= kMinParallelWeights ? std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) : 1;
   struct State {
     std::atomic<int64_t> next{0}, done{0};
   };

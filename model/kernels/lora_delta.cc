@@ -62,9 +62,6 @@ int64_t ColumnsPerItem(int64_t K) {
   return (columns + kExpandTile - 1) / kExpandTile * kExpandTile;
 }
 
-// Below this many weights a phase runs on the calling thread alone (see kMinParallelWeights).
-constexpr int64_t kMinParallelLoraWeights = int64_t{1} << 13;
-
 // Runs `columns(segment, begin, end)` over segments of output columns (their lengths `sizes`)
 // as one parallel region. Work items never cross a segment and start at multiples of
 // ColumnsPerItem(K) within it, so how a segment's columns are cut does not depend on the others.
@@ -81,7 +78,7 @@ void RunSegments(const std::vector<int64_t>& sizes, int64_t K, SegmentFn columns
         const int64_t hi = std::min(end - starts[s], sizes[s]);
         if (begin - starts[s] < hi) columns(s, begin - starts[s], hi);
       },
-      pool, per_item, kMinParallelLoraWeights);
+      pool, per_item);
 }
 
 // d[i, o] = sum_r xa[i, r] b[r, o] for MR rows and the kVectors vectors of columns from o,
