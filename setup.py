@@ -33,8 +33,9 @@ def _kernel(name: str, includes: tuple[str, ...] = ()) -> Extension:
     return Extension(
         f"model.kernels._{name}",
         sources=[f"model/kernels/{name}.cc"],
-        depends=["model/kernels/column_items.h", "model/kernels/ffi_shape.h", "model/kernels/fp8_e4m3.h", "model/kernels/gguf_blocks.h",
-                 "model/kernels/wide_lanes.h", "model/kernels/prompt_gemm.inc",
+        depends=["model/kernels/bfloat16.h", "model/kernels/column_items.h", "model/kernels/ffi_shape.h",
+                 "model/kernels/fp8_e4m3.h", "model/kernels/gguf_blocks.h", "model/kernels/wide_lanes.h",
+                 "model/kernels/prompt_gemm.inc",
                  *(f"model/kernels/{i}.cc" for i in includes)],
         language="c++",
         # -isystem: XLA's own headers warn under Python's default flags; ours should not be lost.
@@ -48,6 +49,7 @@ def _kernel(name: str, includes: tuple[str, ...] = ()) -> Extension:
 kernels = [
     _kernel("paged_decode_attention"), _kernel("dense_matmul"), _kernel("kv_write"),
     _kernel("grouped_matmul", includes=("dense_matmul",)), _kernel("int8_matmul"),
+    _kernel("lora_delta", includes=("dense_matmul",)),
 ] if include_dir else []
 
 setup(ext_modules=kernels)

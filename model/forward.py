@@ -224,7 +224,7 @@ def _layer(
         h = rms_norm(x, lp.attn_norm, eps)
         qkv = dense(h, lp.wqkv, kernel=batch.cpu_kernels)  # [B, S, KVH, G + 2, Dh]
         if lora is not None:
-            qkv = qkv + lora.qkv(h)
+            qkv = lora.add("qkv", qkv, h)
         if lp.bqkv is not None:
             qkv = qkv + lp.bqkv
         q = qkv[:, :, :, :G].reshape(B, S, config.num_heads, config.head_dim)
@@ -246,7 +246,7 @@ def _layer(
     with jax.named_scope("wo"):
         out = dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
         if lora is not None:
-            out = out + lora.delta("o_proj", attn)
+            out = lora.add("o_proj", out, attn)
         x = x + (out if lp.post_attn_norm is None else rms_norm(out, lp.post_attn_norm, eps))
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, eps)

@@ -152,7 +152,7 @@ def gated_mlp(
     LoRA delta with ``lora``."""
     gate_up = dense(x, w_gate_up, kernel=kernel)  # [B, S, 2, I]
     if lora is not None:
-        gate_up = gate_up + lora.gate_up(x)
+        gate_up = lora.add("gate_up", gate_up, x)
     hidden = ACTIVATIONS[activation](gate_up[:, :, 0]) * gate_up[:, :, 1]
     out = dense(hidden, w_down, kernel=kernel)
-    return out if lora is None else out + lora.delta("down_proj", hidden)
+    return out if lora is None else lora.add("down_proj", out, hidden)

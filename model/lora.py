@@ -82,7 +82,7 @@ _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\
 @dataclasses.dataclass(frozen=True)
 class LoraAdapter:
     """An adapter as host arrays: for each adapted (layer, target) its ``A [r, in...]`` and its
-    ``B [out..., r]`` already multiplied by the scale, both float32 in the slot layout."""
+    ``B^T [r, out...]`` already multiplied by the scale, both float32 in the slot layout."""
 
     name: str
     path: str
@@ -188,11 +188,11 @@ def _read_tensors(file: Path, where: str) -> dict[str, np.ndarray]:
 
 def _slot_layout(a: np.ndarray, b: np.ndarray, target: Target, config: ModelConfig, rank: int, scale: float,
                  label: str) -> tuple[np.ndarray, np.ndarray]:
-    """``A [r, in]`` and ``B [out, r]`` as PEFT stores them -> ``A [r, in...]`` and ``scale * B
-    [out..., r]`` in the slot layout; shapes checked against the base model."""
+    """``A [r, in]`` and ``B [out, r]`` as PEFT stores them -> ``A [r, in...]`` and ``scale * B^T
+    [r, out...]`` in the slot layout; shapes checked against the base model."""
     in_shape, out_shape = target.in_shape(config), target.out_shape(config)
     expected = ((rank, math.prod(in_shape)), (math.prod(out_shape), rank))
     if (a.shape, b.shape) != expected:
         raise LoraAdapterError(f"{label}: lora_A {a.shape} and lora_B {b.shape}, expected {expected[0]} and "
                                f"{expected[1]} (rank {rank} for this base model)")
-    return a.reshape(rank, *in_shape), (b * np.float32(scale)).reshape(*out_shape, rank)
+    return a.reshape(rank, *in_shape), (b.T * np.float32(scale)).reshape(rank, *out_shape)

@@ -116,7 +116,7 @@ class LLMEngine:
                 draft.config, draft.params, KVCache.create(draft.config, num_blocks, args.block_size, kv_dtype, mesh)
             ) if draft else None,
             hidden_state_buffers=(args.hidden_state_slots, args.hidden_state_max_tokens),
-            lora_buffers=(args.max_loras, args.max_lora_rank) if args.enable_lora else None,
+            lora_buffers=(args.max_loras, args.max_lora_rank, args.lora_dtype) if args.enable_lora else None,
         )
         # Warm-up: every bucket now, or with ``background_warmup`` the ones a request alone takes
         # now and the rest by ``warm_up_next`` while the engine idles (a server that starts

@@ -17,6 +17,7 @@ from workers.embedding import EmbeddingState
 from workers.speculative import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
+LORA_DTYPES = (None, "float32", "bfloat16")  # the LoRA slots' type (None: the model's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +60,14 @@ class EngineArgs:
     hidden_state_max_tokens: int = 1024
     # LoRA adapters (workers/lora_manager.py): requests may name one; max_loras of them sit in
     # device slots at once (a batch mixes them), each of rank up to max_lora_rank; host memory
-    # keeps max_cpu_loras (default: max_loras) read adapters.
+    # keeps max_cpu_loras (default: max_loras) read adapters. lora_dtype: the slots' type (None:
+    # the model's); "bfloat16" on a float32 model halves the bytes each decode step reads for its
+    # adapters, which are then rounded to bfloat16 (model/lora_delta.py).
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_dtype: str | None = None
 
     def keep_gguf_blocks(self) -> bool:
         """Whether this replica loads a GGUF's block matrices as stored."""
@@ -124,6 +128,8 @@ class EngineArgs:
         for name in ("max_loras", "max_lora_rank"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES} (None: the model's dtype), got {self.lora_dtype!r}")
         if self.max_cpu_loras is not None and not (
                 isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras):
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "

@@ -78,7 +78,7 @@ class ModelRunner:
         speculative: SpeculativeConfig | None = None,
         draft: DraftModel | None = None,
         hidden_state_buffers: tuple[int, int] = (0, 0),
-        lora_buffers: tuple[int, int] | None = None,
+        lora_buffers: tuple[int, int, str | None] | None = None,
     ):
         self.config = config
         self.mesh = mesh
@@ -99,11 +99,14 @@ class ModelRunner:
         slots, max_tokens = hidden_state_buffers
         self.hidden_buffers = jnp.zeros((slots, config.num_layers + 1, max_tokens, config.hidden_size), jnp.float32) \
             if slots else None
-        # LoRA adapter slots (model/lora_weights.py): (max_loras, max_lora_rank), None when off.
+        # LoRA adapter slots (model/lora_weights.py): (max_loras, max_lora_rank, dtype or None for
+        # the model's), None when off.
         self.lora_weights = None
         if lora_buffers is not None:
-            self.lora_rank, self.lora_dtype = lora_buffers[1], self.params.final_norm.dtype
-            self.lora_weights = shard_lora(create_lora_weights(config, *lora_buffers, self.lora_dtype), config, mesh)
+            num_slots, self.lora_rank, dtype = lora_buffers
+            self.lora_dtype = jnp.dtype(dtype) if dtype else self.params.final_norm.dtype
+            self.lora_weights = shard_lora(create_lora_weights(config, num_slots, self.lora_rank, self.lora_dtype),
+                                           config, mesh)
         # An MoE model's tokens routed per (sparse layer, expert) since ``take_expert_load``:
         # every program adds its step's on the device (model/forward.py), so the load metric
         # costs no transfer per step.

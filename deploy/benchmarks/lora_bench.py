@@ -13,6 +13,7 @@ everything first):
   not resident (its slot filled in that step), against one whose adapter is.
 
     python -m deploy.benchmarks.lora_bench [--ranks 8,64] [--adapters 8] [--batch 16] [--rounds 3]
+        [--lora-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--single-requests", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--lora-dtype", default=None, help="the slots' type (engine.lora_dtype; default the model's)")
     args = parser.parse_args()
 
     model = load_model(DEFAULT_MODEL, "float32")
@@ -87,13 +89,15 @@ def main() -> None:
     prompts = [rng.randint(1000, 20000, args.prompt).tolist() for _ in range(args.batch)]
     base = LLM(model, **engine_args)
     print(f"{DEFAULT_MODEL}, {args.adapters} adapters on q/k/v/o/gate/up/down, {args.batch} requests of "
-          f"{args.prompt} + {args.new_tokens} tokens; tokens/s with LoRA / without (median of {args.rounds} rounds)")
+          f"{args.prompt} + {args.new_tokens} tokens, slots {args.lora_dtype or 'of the model dtype'}; tokens/s with "
+          f"LoRA / without (median of {args.rounds} rounds)")
     with tempfile.TemporaryDirectory() as root:
         for rank in [int(r) for r in args.ranks.split(",")]:
             requests = [LoRARequest(f"r{rank}-{i}", i + 1, str(write_random_adapter(
                 Path(root) / f"r{rank}-{i}", config, rank, i))) for i in range(args.adapters + 1)]
             served, spare = requests[:-1], requests[-1]
-            lora = LLM(model, enable_lora=True, max_loras=args.adapters, max_lora_rank=rank, **engine_args)
+            lora = LLM(model, enable_lora=True, max_loras=args.adapters, max_lora_rank=rank, lora_dtype=args.lora_dtype,
+                       **engine_args)
             spread = [served[i % len(served)] for i in range(args.batch)]
             single = prompts[: args.single_requests]
             cases = {

@@ -40,6 +40,7 @@
 #include <string>
 #include <type_traits>
 
+#include "bfloat16.h"
 #include "column_items.h"
 #include "fp8_e4m3.h"
 #include "gguf_blocks.h"
@@ -47,6 +48,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using raylm::Bf16;
 using raylm::Fp8E4m3;
 using raylm::GgufRows;
 using raylm::kPromptItemsPerThread;
@@ -60,6 +62,7 @@ using Scales = ffi::Buffer<ffi::F32, 1>;
 inline float Widen(float w) { return w; }
 inline float Widen(int8_t w) { return static_cast<float>(w); }
 inline float Widen(Fp8E4m3 w) { return raylm::Fp8ToFloat(w); }
+inline float Widen(Bf16 w) { return raylm::Bf16ToFloat(w); }
 
 // float8 e4m3fn bytes to float32 on every lane of a vector whose 32-bit lanes hold one byte
 // each at their top (`top`, unsigned lanes): raylm::Fp8ToFloat (fp8_e4m3.h) lane-wise. Both
@@ -119,6 +122,14 @@ struct Lanes<Vec8> {
 
   static Vec8 Load(const Fp8E4m3* p) {
     return Fp8FromLaneTops<Vec8>(reinterpret_cast<U32x8>(BytesAtLaneTops(p)));
+  }
+
+  // bfloat16 (LoRA slots, lora_delta.cc): each value to the top half of its lane.
+  static Vec8 Load(const Bf16* p) {
+    typedef uint16_t U16x8 __attribute__((vector_size(16)));
+    U16x8 halves;
+    std::memcpy(&halves, p, sizeof halves);
+    return reinterpret_cast<Vec8>(__builtin_convertvector(halves, U32x8) << 16);
   }
 
   // The eight bytes at p as 4-bit values: their low halves and their high halves.
@@ -363,6 +374,11 @@ struct Lanes<Vec16> {
   static Vec16 Load(const Fp8E4m3* p) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return Fp8FromLaneTops<Vec16>(reinterpret_cast<U32x16>(_mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 24)));
+  }
+
+  static Vec16 Load(const Bf16* p) {
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return reinterpret_cast<Vec16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
   }
 
   static void LoadNibbles(const uint8_t* p, Vec16* low, Vec16* high) {

@@ -70,6 +70,7 @@ def test_every_engine_arg_is_settable_from_yaml():
         ({"model": {"lora_modules": [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]}}, "distinct"),
         ({"model": {"lora_modules": [{"name": "a"}]}}, "model.lora_modules.0.path"),
         ({"engine": {"max_loras": 4, "max_cpu_loras": 2}}, "max_cpu_loras must be an integer >= max_loras"),
+        ({"engine": {"lora_dtype": "float16"}}, "lora_dtype must be one of"),
         ([1, 2], "must be a mapping"),
     ],
 )
@@ -83,9 +84,9 @@ def test_lora_modules_turn_lora_on_and_are_the_router_s_models():
     from workers import LoRARequest
 
     config = parse_deploy_config({"model": {"lora_modules": [{"name": "sql", "path": "/adapters/sql"}]},
-                                  "engine": {"max_loras": 2, "max_lora_rank": 8}})
+                                  "engine": {"max_loras": 2, "max_lora_rank": 8, "lora_dtype": "bfloat16"}})
     args = config.engine_args()
-    assert args.enable_lora and (args.max_loras, args.max_lora_rank) == (2, 8)
+    assert args.enable_lora and (args.max_loras, args.max_lora_rank, args.lora_dtype) == (2, 8, "bfloat16")
     assert config.model.lora_requests() == [LoRARequest("sql", 1, "/adapters/sql")]
     assert router_settings(config).lora_modules == {"sql": "/adapters/sql"}
     assert not parse_deploy_config({}).engine_args().enable_lora

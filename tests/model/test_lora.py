@@ -87,6 +87,16 @@ def test_rows_with_their_own_adapters_match_merged_hf(base, tmp_path):
         short = merged_two(torch.tensor([ids[:n].tolist()])).logits[0].numpy()
     np.testing.assert_allclose(logits[:, 0], short, atol=1e-4, rtol=1e-4)
 
+    # bfloat16 slots (``lora_dtype: bfloat16``) hold the adapter rounded to bfloat16 (8 bits of
+    # mantissa): the logits stay within 1% of the adapter's own effect on them (measured 0.6%).
+    half = create_lora_weights(config, 2, 8, jnp.bfloat16)
+    adapter = load_lora_adapter("two", two, config, max_rank=8)
+    half = write_slot(half, np.int32(1), slot_values(adapter, config, 8, jnp.bfloat16))
+    logits = _logits(params, config, LoraBatch(half, np.full(n, 2, np.int32)), ids[:n, None].astype(np.int32),
+                     np.arange(n, dtype=np.int32)[:, None], np.arange(1, n + 1, dtype=np.int32), cpu_kernels=True)
+    effect = np.abs(short - expected[0][:n]).max()
+    assert 0 < np.abs(logits[:, 0] - short).max() < 0.01 * effect
+
 
 def _write(directory, settings: dict, tensors: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
