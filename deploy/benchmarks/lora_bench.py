@@ -12,8 +12,11 @@ everything first):
 - ``load``: reading an adapter from disk, and the first token of a request whose adapter is
   not resident (its slot filled in that step), against one whose adapter is.
 
+The base model keeps its GGUF blocks as serving does by default (``--base float32``: its weights
+dequantized, against which an adapter's bytes weigh less).
+
     python -m deploy.benchmarks.lora_bench [--ranks 8,64] [--adapters 8] [--batch 16] [--rounds 3]
-        [--lora-dtype bfloat16]
+        [--lora-dtype bfloat16] [--base blocks|float32]
 """
 
 from __future__ import annotations
@@ -80,9 +83,12 @@ def main() -> None:
     parser.add_argument("--single-requests", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lora-dtype", default=None, help="the slots' type (engine.lora_dtype; default the model's)")
+    parser.add_argument("--base", choices=("blocks", "float32"), default="blocks",
+                        help="the base model's weights: its GGUF blocks as stored (what serving keeps by default) "
+                             "or dequantized to float32")
     args = parser.parse_args()
 
-    model = load_model(DEFAULT_MODEL, "float32")
+    model = load_model(DEFAULT_MODEL, "float32", keep_blocks=args.base == "blocks")
     config = model.config
     engine_args = dict(max_num_seqs=args.batch, num_kv_blocks=args.batch * 8 + 8, max_model_len=256)
     rng = np.random.RandomState(0)
