@@ -56,16 +56,24 @@ def _rest(lines: queue.Queue) -> str:
     return "".join(seen)
 
 
-def _start_serve(serve_cluster, tmp_path, name: str, route_prefix: str, **popen) -> subprocess.Popen:
+def _start_serve(serve_cluster, tmp_path, name: str, route_prefix: str, **options) -> subprocess.Popen:
     """``raylm serve`` of a one-replica app attached to the test cluster, output piped."""
     import ray
 
     address = ray.get_runtime_context().gcs_address
-    return _raylm_serve(tmp_path, name, route_prefix, serve_cluster.http_port, address, **popen)
+    return _raylm_serve(tmp_path, name, route_prefix, serve_cluster.http_port, address, **options)
 
 
-def _raylm_serve(tmp_path, name: str, route_prefix: str, port: int, address: str, **popen) -> subprocess.Popen:
-    """``raylm serve`` of a one-replica app on the cluster at ``address``, output piped."""
+# What a non-interactive shell does to a command it starts in the background (``cmd &``): SIGINT
+# ignored, which exec keeps. Done by a shell rather than a ``preexec_fn``, which makes Python fork
+# this multithreaded test process (gRPC's fork handlers then abort the child now and then).
+_IN_THE_BACKGROUND = ["sh", "-c", 'trap "" INT; exec "$0" "$@"']
+
+
+def _raylm_serve(tmp_path, name: str, route_prefix: str, port: int, address: str,
+                 background: bool = False) -> subprocess.Popen:
+    """``raylm serve`` of a one-replica app on the cluster at ``address``, output piped
+    (``background``: started as a shell starts ``cmd &``)."""
     config = {
         "name": name,
         "route_prefix": route_prefix,
@@ -75,10 +83,9 @@ def _raylm_serve(tmp_path, name: str, route_prefix: str, port: int, address: str
     }
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
-    return subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "serve", str(path), "--address", address],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen,
-    )
+    command = [sys.executable, "-m", "deploy.cli", "serve", str(path), "--address", address]
+    return subprocess.Popen((_IN_THE_BACKGROUND if background else []) + command,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def test_serve_attaches_to_a_cluster_and_ctrl_c_removes_the_app(serve_cluster, raylm_app, tmp_path):
@@ -104,13 +111,8 @@ def test_serve_attaches_to_a_cluster_and_ctrl_c_removes_the_app(serve_cluster, r
     assert httpx.get(f"{raylm_app.base_url}/v1/models", timeout=30).status_code == 200
 
 
-def _ignore_sigint() -> None:
-    """What a non-interactive shell does to a command it starts in the background (``cmd &``)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def test_a_signal_during_start_up_stops_it_even_started_in_the_background(serve_cluster, tmp_path):
-    proc = _start_serve(serve_cluster, tmp_path, "cli-early-stop", "/early", preexec_fn=_ignore_sigint)
+    proc = _start_serve(serve_cluster, tmp_path, "cli-early-stop", "/early", background=True)
     try:
         lines = _lines(proc)
         _wait_for(lines, "deploying smollm2-135m-instruct", timeout_s=240)
