@@ -15,7 +15,11 @@ B_s^T`` is added to the base matmul's result whatever computed it (XLA's dot, th
 8-bit or GGUF block weights).
 
 Where the CPU kernels run (an unsharded program on CPU, float32), model/lora_delta.py's kernel
-adds the deltas, reading each used adapter once in place. Elsewhere XLA computes them, in one of
+adds the deltas, reading each used adapter once in place, and the slots are packed
+(``PackedLoraWeights``): every layer's buffers in one array ``[n, S]``, a slot's adapter in its row,
+so that a step passes one argument instead of one per layer and target (on the bundled model the
+330 arguments cost a single stream ~0.8 ms a step, as much as a rank-8 adapter's arithmetic).
+Elsewhere XLA computes them, in one of
 two forms chosen per program by its static shapes: with no more rows than slots each row
 gathers its own adapter (punica's BGMV: it reads only the adapters its rows use); with more
 rows than slots every row is multiplied by all slots' ``A`` as one matrix and the other slots'
@@ -24,6 +28,7 @@ columns are zeroed before ``B`` (each weight read once, instead of a gathered co
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -34,7 +39,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.kernels import on_cpu
 from model.lora import TARGETS, LoraAdapter, layer_targets
-from model.lora_delta import available as kernel_available, lora_add, takes
+from model.lora_delta import SLOT_DTYPES, available as kernel_available, lora_add, takes
 
 
 # Targets whose A share a buffer (they read the same input), in the order of their ranks in it.
@@ -54,11 +59,140 @@ class LayerSlots(NamedTuple):
 
 LoraWeights = tuple  # LayerSlots per layer
 
+# Packed pieces start at multiples of this many values (a 64-byte line of float32).
+_PACKED_ALIGN = 16
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _PACKED_ALIGN) * _PACKED_ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """Where one layer's buffers lie in a packed slot's row: ``a`` by group and ``b`` by target,
+    each ``(name, offset, shape without the slot axis, offset of its int8 scales)``: an ``A``
+    has a scale per row (``shape[0]``), a ``B`` one per output (``shape[1:]``)."""
+
+    a: tuple[tuple[str, int, tuple[int, ...], int], ...]
+    b: tuple[tuple[str, int, tuple[int, ...], int], ...]
+
+
+class PackedLayerSlots(NamedTuple):
+    """One layer's view of ``PackedLoraWeights`` (traced code only; not a program argument)."""
+
+    buffer: jax.Array  # [n, S]
+    scales: jax.Array  # [n, S2]: int8 slots' scales ([n, 0] for float slots)
+    layout: PackedLayout
+
+    def unpacked(self) -> LayerSlots:
+        """The layer's buffers as ``LayerSlots`` (slices of the packed array, int8 ones scaled to
+        float32: for XLA's form)."""
+        n = self.buffer.shape[0]
+        int8 = self.buffer.dtype == jnp.int8
+
+        def piece(offset: int, shape: tuple[int, ...], scale_offset: int, per_row: bool) -> jax.Array:
+            values = self.buffer[:, offset : offset + int(np.prod(shape))].reshape(n, *shape)
+            if not int8:
+                return values
+            count = shape[0] if per_row else int(np.prod(shape[1:]))
+            scale = self.scales[:, scale_offset : scale_offset + count]
+            scale = scale.reshape(n, count, *[1] * (len(shape) - 1)) if per_row else scale.reshape(n, 1, *shape[1:])
+            return values.astype(jnp.float32) * scale
+
+        return LayerSlots({g: piece(o, shape, so, True) for g, o, shape, so in self.layout.a},
+                          {t: piece(o, shape, so, False) for t, o, shape, so in self.layout.b})
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class PackedLoraWeights:
+    """Every layer's slot buffers packed in one array ``buffer [n, S]`` (model/lora_delta.py's
+    kernel reads each piece in place at its offset), int8 ones with their float32 ``scales [n,
+    S2]`` (``[n, 0]`` otherwise); ``layouts`` (static) says where."""
+
+    buffer: jax.Array
+    scales: jax.Array
+    layouts: tuple[PackedLayout, ...]
+
+    def __len__(self) -> int:
+        return len(self.layouts)
+
+    def __getitem__(self, layer: int) -> PackedLayerSlots:
+        return PackedLayerSlots(self.buffer, self.scales, self.layouts[layer])
+
+    def tree_flatten(self) -> tuple[tuple[jax.Array, jax.Array], tuple[PackedLayout, ...]]:
+        return (self.buffer, self.scales), self.layouts
+
+    @classmethod
+    def tree_unflatten(cls, layouts: tuple[PackedLayout, ...], children: tuple[jax.Array, jax.Array]
+                       ) -> "PackedLoraWeights":
+        return cls(*children, layouts)
+
+
+def _int8_per(values: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """``values`` as int8 with a float32 scale per index of the other axes (absmax / 127; 0 for
+    all-zero ones): the values and the scales (``axes`` kept as size 1)."""
+    scale = (np.abs(values).max(axis=axes, keepdims=True) / 127.0).astype(np.float32)
+    safe = np.where(scale > 0, scale, 1.0)
+    return np.clip(np.rint(values / safe), -127, 127).astype(np.int8), scale
+
+
+def pack_lora_weights(weights: LoraWeights, slot_axis: bool = True, dtype: jnp.dtype | None = None
+                      ) -> PackedLoraWeights:
+    """``weights`` packed: each layer's ``a`` then ``b`` buffers (by name) flattened after the slot
+    axis and laid end to end, each piece starting at a multiple of 16 values. With ``slot_axis``
+    False, ``weights`` is one slot's contents (``slot_values``) and the result's buffer is ``[S]``.
+    ``dtype`` int8 (NumPy ``weights`` only) quantizes each ``A`` per row and each ``B`` per output
+    (the scales beside, in ``scales``); otherwise the values keep their type."""
+    lead = 1 if slot_axis else 0
+    host = all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(weights))
+    xp = np if host else jnp
+    int8 = dtype is not None and jnp.dtype(dtype) == jnp.int8
+    if int8 and not host:
+        raise ValueError("int8 LoRA slots are packed from host (NumPy) values")
+    pieces, scale_pieces, layouts, offset, scale_offset = [], [], [], 0, 0
+    for layer in weights:
+        placed = []
+        for part, per_row in ((layer.a, True), (layer.b, False)):
+            entries = []
+            for name, array in sorted(part.items()):  # sorted, as JAX orders a dict's keys
+                shape = tuple(int(d) for d in array.shape[lead:])
+                size = int(np.prod(shape))
+                flat = array.reshape(*array.shape[:lead], size)
+                entry_scale = 0
+                if int8:
+                    # A [rows, in...]: a scale per row; B [R, out...]: a scale per output.
+                    grid = array.reshape(*array.shape[:lead], shape[0], -1)
+                    values, scale = _int8_per(grid.astype(np.float32), (lead + 1,) if per_row else (lead,))
+                    flat = values.reshape(*array.shape[:lead], size)
+                    scale = scale.reshape(*array.shape[:lead], -1)
+                    entry_scale = scale_offset
+                    count = scale.shape[-1]
+                    scale_pieces.append(np.pad(scale, [(0, 0)] * lead + [(0, _aligned(count) - count)]))
+                    scale_offset += _aligned(count)
+                pieces.append(xp.pad(flat, [(0, 0)] * lead + [(0, _aligned(size) - size)]))
+                entries.append((name, offset, shape, entry_scale))
+                offset += _aligned(size)
+            placed.append(tuple(entries))
+        layouts.append(PackedLayout(*placed))
+    buffer = xp.concatenate(pieces, axis=lead)
+    scales = (np.concatenate(scale_pieces, axis=lead) if int8
+              else xp.zeros((*buffer.shape[:lead], 0), np.float32))
+    return PackedLoraWeights(buffer, scales, tuple(layouts))
+
+
+def kernel_layout(cpu_kernels: bool, activation_dtype: jnp.dtype, lora_dtype: jnp.dtype) -> bool:
+    """Whether a replica keeps its slots packed for the CPU kernel: its programs run the CPU
+    kernels (unsharded, on CPU), the kernel is built, and it takes these types."""
+    return (cpu_kernels and kernel_available() and jnp.dtype(activation_dtype) == jnp.float32
+            and jnp.dtype(lora_dtype) in SLOT_DTYPES)
+
 
 class LoraBatch(NamedTuple):
-    """What ``model.forward.forward`` needs for LoRA: the slots, and each row's slot (``[B]``)."""
+    """What ``model.forward.forward`` needs for LoRA: the slots (per layer, or packed), and each
+    row's slot (``[B]``)."""
 
-    weights: LoraWeights
+    weights: LoraWeights | PackedLoraWeights
     slots: jax.Array
 
 
@@ -118,34 +252,48 @@ def write_slot(weights: LoraWeights, index: jax.Array, values: LoraWeights) -> L
 class LayerLora(NamedTuple):
     """One layer's slots and the rows' slots: the deltas ``model.forward`` adds to its matmuls."""
 
-    weights: LayerSlots
+    weights: LayerSlots | PackedLayerSlots
     slots: jax.Array  # [B]
     kernel: bool  # the program is unsharded: the CPU kernel may add the deltas
 
     def add(self, group: str, y: jax.Array, x: jax.Array) -> jax.Array:
         """``y [B, S, out...]``, the base result of ``group``'s projection (fused as the model
         keeps it: QKV ``[KVH, G + 2, Dh]``, gate/up ``[2, I]``), plus each row's delta for
-        ``x [B, S, in...]``."""
-        a = self.weights.a[group]
-        bs = [self.weights.b[t] for t in GROUPS[group]]
+        ``x [B, S, in...]``: by the kernel where the slots are packed and it takes the types,
+        else by XLA."""
         # The fused output's leading dims that every target shares: QKV's KV heads.
         groups = y.shape[2] if group == "qkv" else 1
         B, S = x.shape[:2]
 
-        def by_kernel(y: jax.Array, x: jax.Array, a: jax.Array, slots: jax.Array, *bs: jax.Array) -> jax.Array:
-            flat = [b.reshape(*b.shape[:2], -1) for b in bs]
-            rows = jnp.repeat(slots, S)
-            out = lora_add(y.reshape(B * S, -1), x.reshape(B * S, -1), a.reshape(*a.shape[:2], -1), rows, flat, groups)
-            return out.reshape(y.shape)
-
-        def by_xla(y: jax.Array, x: jax.Array, a: jax.Array, slots: jax.Array, *bs: jax.Array) -> jax.Array:
-            deltas = [d.reshape(B, S, groups, -1) for d in _deltas(x, a, slots, bs)]
+        def by_xla(y: jax.Array, x: jax.Array, weights: LayerSlots | PackedLayerSlots, slots: jax.Array) -> jax.Array:
+            if isinstance(weights, PackedLayerSlots):
+                weights = weights.unpacked()
+            bs = tuple(weights.b[t] for t in GROUPS[group])
+            deltas = [d.reshape(B, S, groups, -1) for d in _deltas(x, weights.a[group], slots, bs)]
             return (y + jnp.concatenate(deltas, axis=-1).reshape(y.shape)).astype(y.dtype)
 
-        operands = (y, x, a, self.slots, *bs)
-        if self.kernel and kernel_available() and takes(y, x, [a, *bs]):
-            return on_cpu(*operands, cpu=by_kernel, default=by_xla)
-        return by_xla(*operands)
+        packed = self.weights
+        if not (isinstance(packed, PackedLayerSlots) and self.kernel and kernel_available()
+                and takes(y, x, packed.buffer)):
+            return by_xla(y, x, self.weights, self.slots)
+        a_offset, a_shape, a_scale_offset = next((o, shape, so) for g, o, shape, so in packed.layout.a if g == group)
+        b = {t: (o, shape, so) for t, o, shape, so in packed.layout.b}
+        members = GROUPS[group]
+        int8 = packed.buffer.dtype == jnp.int8
+
+        def by_kernel(y: jax.Array, x: jax.Array, buffer: jax.Array, scales: jax.Array, slots: jax.Array) -> jax.Array:
+            out = lora_add(y.reshape(B * S, -1), x.reshape(B * S, -1), jnp.repeat(slots, S), buffer, scales,
+                           groups=groups, rank=a_shape[0] // len(members), a_offset=a_offset,
+                           b_offsets=[b[t][0] for t in members], outputs=[int(np.prod(b[t][1][1:])) for t in members],
+                           a_scale_offset=a_scale_offset if int8 else 0,
+                           b_scale_offsets=[b[t][2] for t in members] if int8 else [])
+            return out.reshape(y.shape)
+
+        def by_xla_packed(y: jax.Array, x: jax.Array, buffer: jax.Array, scales: jax.Array, slots: jax.Array
+                          ) -> jax.Array:
+            return by_xla(y, x, PackedLayerSlots(buffer, scales, packed.layout), slots)
+
+        return on_cpu(y, x, packed.buffer, packed.scales, self.slots, cpu=by_kernel, default=by_xla_packed)
 
 
 def _deltas(x: jax.Array, a: jax.Array, slots: jax.Array, bs: tuple[jax.Array, ...]) -> list[jax.Array]:

@@ -27,10 +27,13 @@ def lora_key(layer: int, target: str, half: str) -> str:
 
 def write_adapter(
     directory: Path, hf_model: Any, rank: int, alpha: float, targets: Sequence[str], seed: int,
-    use_rslora: bool = False, layers: Sequence[int] | None = None, **config: Any,
+    use_rslora: bool = False, layers: Sequence[int] | None = None, values_of: str | None = None, **config: Any,
 ) -> tuple[Path, Any]:
     """Write a random adapter of ``hf_model`` (every layer, or ``layers``) into ``directory``;
-    return it and the merged torch model. ``config`` adds or overrides adapter_config.json keys."""
+    return it and the merged torch model. ``values_of``: "bfloat16" makes every A and B value
+    one bfloat16 holds exactly, "int8" one that int8 holds with a scale per row of A and per
+    output (row) of B (absmax / 127); with a power-of-two scale, slots of that type then hold the
+    adapter exactly. ``config`` adds or overrides adapter_config.json keys."""
     rng = np.random.RandomState(seed)
     merged = copy.deepcopy(hf_model)
     scale = alpha / (math.sqrt(rank) if use_rslora else rank)
@@ -42,6 +45,10 @@ def write_adapter(
             out_features, in_features = module.weight.shape
             a = (rng.randn(rank, in_features) * 0.2).astype(np.float32)
             b = (rng.randn(out_features, rank) * 0.2).astype(np.float32)
+            if values_of == "bfloat16":
+                a, b = (torch.from_numpy(v).to(torch.bfloat16).to(torch.float32).numpy() for v in (a, b))
+            elif values_of == "int8":
+                a, b = (_on_int8_grid(v) for v in (a, b))
             tensors[lora_key(layer, target, "A")], tensors[lora_key(layer, target, "B")] = a, b
             with torch.no_grad():
                 module.weight.add_(scale * torch.from_numpy(b) @ torch.from_numpy(a))
@@ -54,3 +61,9 @@ def write_adapter(
     (directory / "adapter_config.json").write_text(json.dumps(settings))
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     return directory, merged.eval()
+
+
+def _on_int8_grid(values: np.ndarray) -> np.ndarray:
+    """Each row of ``values`` rounded to a multiple of its own absmax / 127 (float32)."""
+    scale = (np.abs(values).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
+    return (np.rint(values / scale) * scale).astype(np.float32)

@@ -17,7 +17,7 @@ from workers.embedding import EmbeddingState
 from workers.speculative import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
-LORA_DTYPES = (None, "float32", "bfloat16")  # the LoRA slots' type (None: the model's)
+LORA_DTYPES = (None, "float32", "bfloat16", "int8")  # the LoRA slots' type (None: the model's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,8 @@ class EngineArgs:
     # device slots at once (a batch mixes them), each of rank up to max_lora_rank; host memory
     # keeps max_cpu_loras (default: max_loras) read adapters. lora_dtype: the slots' type (None:
     # the model's); "bfloat16" on a float32 model halves the bytes each decode step reads for its
-    # adapters, which are then rounded to bfloat16 (model/lora_delta.py).
+    # adapters, which are then rounded to bfloat16, "int8" quarters them, each A row and B output
+    # scaled to int8 (CPU replicas, model/lora_delta.py).
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16

@@ -35,7 +35,7 @@ from model import GroupedKV, KVCache, ModelConfig, ModelParams, paged_decode, sh
 from model.buckets import bucket
 from model.forward import PooledHidden
 from model.lora import LoraAdapter
-from model.lora_weights import LoraBatch, create_lora_weights, slot_values, write_slot
+from model.lora_weights import LoraBatch, create_lora_weights, kernel_layout, pack_lora_weights, slot_values, write_slot
 from model.sharding import shard_lora
 from workers.batch_inputs import (
     ShapeBuckets, block_table, decode_inputs, hidden_where, logits_flag, lora_slots, packed_prefill_inputs,
@@ -105,8 +105,18 @@ class ModelRunner:
         if lora_buffers is not None:
             num_slots, self.lora_rank, dtype = lora_buffers
             self.lora_dtype = jnp.dtype(dtype) if dtype else self.params.final_norm.dtype
-            self.lora_weights = shard_lora(create_lora_weights(config, num_slots, self.lora_rank, self.lora_dtype),
-                                           config, mesh)
+            # Packed for the CPU kernel (one program argument for every layer), else per layer,
+            # sharded with the base matrices. int8 slots exist only packed (the kernel scales them).
+            self.lora_packed = kernel_layout(self.cpu_kernels, self.params.final_norm.dtype, self.lora_dtype)
+            if self.lora_dtype == jnp.int8 and not self.lora_packed:
+                raise ValueError("lora_dtype int8 needs the CPU LoRA kernel: an unsharded replica on CPU with a "
+                                 "float32 model and the kernels built; use float32 or bfloat16 slots here")
+            self._slot_dtype = jnp.dtype(jnp.float32) if self.lora_dtype == jnp.int8 else self.lora_dtype
+            slots = create_lora_weights(config, num_slots, self.lora_rank, self._slot_dtype)
+            if self.lora_packed:
+                self.lora_weights = pack_lora_weights(jax.tree.map(np.asarray, slots), dtype=self.lora_dtype)
+            else:
+                self.lora_weights = shard_lora(slots, config, mesh)
         # An MoE model's tokens routed per (sparse layer, expert) since ``take_expert_load``:
         # every program adds its step's on the device (model/forward.py), so the load metric
         # costs no transfer per step.
@@ -207,7 +217,9 @@ class ModelRunner:
     def _load_lora(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Fill LoRA slot ``slot`` with ``adapter`` (None: empty it; every slot and adapter share
         one program)."""
-        values = slot_values(adapter, self.config, self.lora_rank, self.lora_dtype)
+        values = slot_values(adapter, self.config, self.lora_rank, self._slot_dtype)
+        if self.lora_packed:
+            values = pack_lora_weights(values, slot_axis=False, dtype=self.lora_dtype)
         self.lora_weights = write_slot(self.lora_weights, np.int32(slot - 1), values)
 
     def _lora(self, slots: np.ndarray) -> dict[str, Any]:

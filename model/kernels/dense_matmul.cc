@@ -127,9 +127,7 @@ struct Lanes<Vec8> {
   // bfloat16 (LoRA slots, lora_delta.cc): each value to the top half of its lane.
   static Vec8 Load(const Bf16* p) {
     typedef uint16_t U16x8 __attribute__((vector_size(16)));
-    U16x8 halves;
-    std::memcpy(&halves, p, sizeof halves);
-    return reinterpret_cast<Vec8>(__builtin_convertvector(halves, U32x8) << 16);
+    return raylm::LoadBf16Lanes<Vec8, U16x8, U32x8>(p);
   }
 
   // The eight bytes at p as 4-bit values: their low halves and their high halves.

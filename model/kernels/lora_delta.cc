@@ -6,11 +6,16 @@
 // aliases y_in (rows of the base model are left as they are).
 //
 // Operands, one group of targets that read the same input (model/lora_weights.py): x [M, K];
-// a [n, T * R, K], the T targets' A of every buffer, each buffer's rows contiguous; then one
-// b_t [n, R, O_t] per target (B transposed: each rank's outputs contiguous). The targets' outputs are
-// interleaved in y as the fused projection lays them out: y's N columns are `groups` groups
-// of W = N / groups, target t owning O_t / groups consecutive columns of each group after the
-// earlier targets' (the fused QKV: a group per KV head, then q's heads, k, v; gate/up: one group).
+// the slots' weights w [n, S], every buffer's adapter packed in its row of S values (float32, or
+// bfloat16 or int8 widened exactly as read), so that a step passes one array for all its layers
+// rather than one per layer and target (each argument costs the step microseconds of dispatch);
+// in it, at `a_offset`, the T targets' A [T * R, K], then at `b_offsets[t]` target t's B^T [R,
+// O_t] (each rank's outputs contiguous); int8 weights have float32 scales [n, S2], A's one per
+// row at `a_scale_offset`, target t's B one per output at `b_scale_offsets[t]`. The targets'
+// outputs are interleaved in y as the fused projection lays them out: y's N columns are
+// `groups` groups of W = N / groups, target t owning O_t / groups consecutive columns of each
+// group after the earlier targets' (the fused QKV: a group per KV head, then q's heads, k, v;
+// gate/up: one group).
 //
 // Why a kernel: XLA's gathered form copied every row's adapter out of the slot buffers on
 // every step (A and B written and read again) and took a dozen small ops per group of
@@ -24,9 +29,12 @@
 // Batch invariance: x A^T is summed in the dense kernel's TileOf order (lanes along k, the lane
 // order, the k tail), which does not depend on how many rows share a tile, a call or a slot;
 // (x A^T) B^T over the ranks in order, by the same vector code for every output column (see
-// Expand), work items starting at multiples of the vector tile within each target's outputs. So a row's delta is the same bits whatever else is in the batch.
+// Expand), work items starting at multiples of the vector tile within each target's outputs;
+// int8 sums scaled per row of A by the dense kernel's tiles and per output of B by one multiply
+// before the add. So a row's delta is the same bits whatever else is in the batch.
 
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "dense_matmul.cc"
@@ -49,70 +57,71 @@ __attribute__((always_inline)) inline Lanes16 LoadLanes16(const float* p) {
 }
 
 __attribute__((always_inline)) inline Lanes16 LoadLanes16(const Bf16* p) {  // widened exactly
-  U16x16 halves;
-  std::memcpy(&halves, p, sizeof halves);
-  return reinterpret_cast<Lanes16>(__builtin_convertvector(halves, U32x16) << 16);
+  return raylm::LoadBf16Lanes<Lanes16, U16x16, U32x16>(p);
 }
 constexpr int64_t kExpandLanes = 16, kExpandVectors = 4, kExpandTile = kExpandLanes * kExpandVectors;
 
 // Output columns per work item in a phase whose products are `K` long: about as many weights
-// as an item of the dense kernel (kColumnsPerItem rows of a projection), a multiple of
-// Expand's tile.
-int64_t ColumnsPerItem(int64_t K) {
-  const int64_t columns = std::max<int64_t>(kColumnsPerItem, (kColumnsPerItem * 576) / std::max<int64_t>(K, 1));
+// as an item of the dense kernel over the projection's input (kColumnsPerItem rows of
+// `projection_K`), a multiple of Expand's tile.
+int64_t ColumnsPerItem(int64_t K, int64_t projection_K) {
+  const int64_t columns = std::max<int64_t>(kColumnsPerItem, kColumnsPerItem * projection_K / std::max<int64_t>(K, 1));
   return (columns + kExpandTile - 1) / kExpandTile * kExpandTile;
 }
 
 // Runs `columns(segment, begin, end)` over segments of output columns (their lengths `sizes`)
 // as one parallel region. Work items never cross a segment and start at multiples of
-// ColumnsPerItem(K) within it, so how a segment's columns are cut does not depend on the others.
+// ColumnsPerItem(K, projection_K) within it, so how a segment's columns are cut does not depend
+// on the others.
+// `columns` also gets `panel_floats` of scratch of its thread (null when 0).
 template <typename SegmentFn>
-void RunSegments(const std::vector<int64_t>& sizes, int64_t K, SegmentFn columns, ffi::ThreadPool& pool) {
-  const int64_t per_item = ColumnsPerItem(K);
+void RunSegments(const std::vector<int64_t>& sizes, int64_t K, int64_t projection_K, int64_t panel_floats,
+                 SegmentFn columns, ffi::ThreadPool& pool) {
+  const int64_t per_item = ColumnsPerItem(K, projection_K);
   std::vector<int64_t> starts(sizes.size() + 1, 0);  // each segment padded to whole items
   for (size_t s = 0; s < sizes.size(); ++s) starts[s + 1] = starts[s] + (sizes[s] + per_item - 1) / per_item * per_item;
   const int64_t total = starts.back();
   if (total == 0) return;
-  Run(total, K, 0,
-      [&starts, &sizes, columns](int64_t begin, int64_t end, float*) {
+  Run(total, K, panel_floats,
+      [&starts, &sizes, columns](int64_t begin, int64_t end, float* panel) {
         const size_t s = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
         const int64_t hi = std::min(end - starts[s], sizes[s]);
-        if (begin - starts[s] < hi) columns(s, begin - starts[s], hi);
+        if (begin - starts[s] < hi) columns(s, begin - starts[s], hi, panel);
       },
       pool, per_item);
 }
 
-// d[i, o] = sum_r xa[i, r] b[r, o] for MR rows and the kVectors vectors of columns from o,
-// the ranks in order: each b vector is loaded once for all the rows.
+// d[i, c] = sum_r xa[i, r] b[r, c] for MR rows and the kVectors vectors of columns from b and d
+// (rows ldb and ldd apart), the ranks in order: each b vector is loaded once for all the rows.
 template <int MR, int kVectors, typename W>
-__attribute__((always_inline)) inline void ExpandTile(const float* __restrict xa, const W* __restrict b,
-                                                      float* __restrict d, int64_t R, int64_t O, int64_t o) {
+__attribute__((always_inline)) inline void ExpandTile(const float* __restrict xa, const W* __restrict b, int64_t ldb,
+                                                      float* __restrict d, int64_t ldd, int64_t R) {
   Lanes16 acc[MR][kVectors];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < kVectors; ++v) acc[i][v] = Lanes16{};
   for (int64_t r = 0; r < R; ++r) {
     Lanes16 bv[kVectors];
-    for (int v = 0; v < kVectors; ++v) bv[v] = LoadLanes16(b + r * O + o + v * kExpandLanes);
+    for (int v = 0; v < kVectors; ++v) bv[v] = LoadLanes16(b + r * ldb + v * kExpandLanes);
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < kVectors; ++v) acc[i][v] += xa[i * R + r] * bv[v];
   }
-  for (int i = 0; i < MR; ++i) std::memcpy(d + i * O + o, acc[i], sizeof acc[i]);
+  for (int i = 0; i < MR; ++i) std::memcpy(d + i * ldd, acc[i], sizeof acc[i]);
 }
 
 template <int kVectors, typename W>
-__attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float* xa, const W* b, float* d,
-                                                      int64_t R, int64_t O, int64_t o) {
+__attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d,
+                                                      int64_t ldd, int64_t R) {
   int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) ExpandTile<4, kVectors, W>(xa + i * R, b, d + i * O, R, O, o);
+  for (; i + 4 <= rows; i += 4) ExpandTile<4, kVectors, W>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
   switch (rows - i) {
-    case 3: return ExpandTile<3, kVectors, W>(xa + i * R, b, d + i * O, R, O, o);
-    case 2: return ExpandTile<2, kVectors, W>(xa + i * R, b, d + i * O, R, O, o);
-    case 1: return ExpandTile<1, kVectors, W>(xa + i * R, b, d + i * O, R, O, o);
+    case 3: return ExpandTile<3, kVectors, W>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
+    case 2: return ExpandTile<2, kVectors, W>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
+    case 1: return ExpandTile<1, kVectors, W>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
   }
 }
 
-// d [rows, O] = xa [rows, R] . b [R, O], columns [begin, end) (begin a multiple of
-// kExpandTile): whole tiles, then single vectors, then the last columns of O (fewer than a
+// d [rows, ldd] = xa [rows, R] . b [R, ldb], columns [begin, end) (begin a multiple of
+// kExpandTile): whole tiles, then single vectors, then the last columns (fewer than a
 // vector) through a zero-padded float32 copy by the same vector code. So every output is summed
 // by the same instructions whatever W (no scalar tail the compiler might fuse otherwise), and
 // bfloat16 weights give float32's sums on their values.
@@ -120,43 +129,72 @@ template <typename W>
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void Expand(int64_t rows, const float* xa, const W* b, float* d, int64_t R, int64_t O, int64_t begin,
+void Expand(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d, int64_t ldd, int64_t R, int64_t begin,
             int64_t end) {
   int64_t o = begin;
-  for (; o + kExpandTile <= end; o += kExpandTile) ExpandRows<kExpandVectors>(rows, xa, b, d, R, O, o);
-  for (; o + kExpandLanes <= end; o += kExpandLanes) ExpandRows<1>(rows, xa, b, d, R, O, o);
+  for (; o + kExpandTile <= end; o += kExpandTile) ExpandRows<kExpandVectors>(rows, xa, b + o, ldb, d + o, ldd, R);
+  for (; o + kExpandLanes <= end; o += kExpandLanes) ExpandRows<1>(rows, xa, b + o, ldb, d + o, ldd, R);
   if (o == end) return;
   const int64_t tail = end - o;
   std::vector<float> panel(R * kExpandLanes, 0.0f), sums(rows * kExpandLanes);
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < tail; ++c) panel[r * kExpandLanes + c] = Widen(b[r * O + o + c]);
-  ExpandRows<1>(rows, xa, panel.data(), sums.data(), R, kExpandLanes, 0);
-  for (int64_t i = 0; i < rows; ++i) std::memcpy(d + i * O + o, &sums[i * kExpandLanes], sizeof(float) * tail);
+    for (int64_t c = 0; c < tail; ++c) panel[r * kExpandLanes + c] = Widen(b[r * ldb + o + c]);
+  ExpandRows<1>(rows, xa, panel.data(), kExpandLanes, sums.data(), kExpandLanes, R);
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(d + i * ldd + o, &sums[i * kExpandLanes], sizeof(float) * tail);
 }
 
-std::string ShapeErrors(const Matrix& y_in, const Matrix& x, const ffi::AnyBuffer& a, const Slots& slots,
-                        const std::vector<ffi::AnyBuffer>& bs, const Matrix& y, int64_t groups) {
-  const auto ad = a.dimensions();
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], T = bs.size();
-  const bool weights = a.element_type() == ffi::DataType::F32 || a.element_type() == ffi::DataType::BF16;
-  bool agree = weights && ad.size() == 3 && T > 0 && groups > 0 && y_in.dimensions()[0] == M &&
-               slots.dimensions()[0] == M && y.dimensions()[0] == M && y.dimensions()[1] == y_in.dimensions()[1];
-  const int64_t R = agree && bs[0].dimensions().size() == 3 ? bs[0].dimensions()[1] : -1;
-  agree = agree && ad[1] == T * R && ad[2] == K;
+// The same for int8 b: each tile's R x kExpandTile weights widened into a float32 panel (L1) by a
+// plain loop, then summed as float32. (GCC turns a 16-lane int8 -> float vector conversion into
+// scalar inserts; a loop over contiguous bytes it vectorizes.) Exact: the panel holds the
+// values, so the sums are float32's on them, the same whatever the batch.
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void ExpandInt8(int64_t rows, const float* xa, const int8_t* b, int64_t ldb, float* d, int64_t ldd, int64_t R,
+                int64_t begin, int64_t end) {
+  std::vector<float> panel(R * kExpandTile);
+  for (int64_t o = begin; o < end; o += kExpandTile) {
+    const int64_t width = std::min(kExpandTile, end - o);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < width; ++c) panel[r * kExpandTile + c] = static_cast<float>(b[r * ldb + o + c]);
+    Expand<float>(rows, xa, panel.data(), kExpandTile, d + o, ldd, R, 0, width);
+  }
+}
+
+// The packed layout (offsets and sizes, in values of w's rows) against the operands' shapes.
+std::string ShapeErrors(const Matrix& y_in, const Matrix& x, const Slots& slots, const ffi::AnyBuffer& w,
+                        const Matrix& scales, const Matrix& y, int64_t groups, int64_t R, int64_t a_offset,
+                        ffi::Span<const int64_t> b_offsets, ffi::Span<const int64_t> outputs, int64_t a_scale_offset,
+                        ffi::Span<const int64_t> b_scale_offsets) {
+  const auto wd = w.dimensions();
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], T = outputs.size();
+  const bool int8 = w.element_type() == ffi::DataType::S8;
+  const bool weights = int8 || w.element_type() == ffi::DataType::F32 || w.element_type() == ffi::DataType::BF16;
+  bool agree = weights && wd.size() == 2 && T > 0 && b_offsets.size() == outputs.size() && groups > 0 && R >= 0 &&
+               scales.dimensions()[0] == wd[0] && b_scale_offsets.size() == (int8 ? outputs.size() : 0) &&
+               y_in.dimensions()[0] == M && slots.dimensions()[0] == M && y.dimensions()[0] == M &&
+               y.dimensions()[1] == y_in.dimensions()[1];
+  const int64_t S = agree ? wd[1] : 0;
+  agree = agree && a_offset >= 0 && a_offset + T * R * K <= S;
   int64_t N = 0;
-  for (const ffi::AnyBuffer& b : bs) {
-    const auto bd = b.dimensions();
-    agree = agree && b.element_type() == a.element_type() && bd.size() == 3 && bd[0] == ad[0] && bd[1] == R &&
-            bd[2] % groups == 0;
-    if (agree) N += bd[2];
+  const int64_t S2 = scales.dimensions()[1];
+  agree = agree && (!int8 || (a_scale_offset >= 0 && a_scale_offset + T * R <= S2));
+  for (int64_t t = 0; agree && t < T; ++t) {
+    agree = outputs[t] >= 0 && outputs[t] % groups == 0 && b_offsets[t] >= 0 && b_offsets[t] + R * outputs[t] <= S &&
+            (!int8 || (b_scale_offsets[t] >= 0 && b_scale_offsets[t] + outputs[t] <= S2));
+    N += outputs[t];
   }
   if (agree && N == y_in.dimensions()[1]) return "";
-  std::string got = "lora_add: y_in [M, N], x [M, K], a [n, T * R, K], slots [M], b_t [n, R, O_t] for T >= 1 "
-                    "targets, sum O_t = N, each O_t a multiple of groups " + std::to_string(groups) +
-                    ", a and every b float32 or all bfloat16; got y_in " + raylm::Shape(y_in.dimensions()) + ", x " +
-                    raylm::Shape(x.dimensions()) + ", a " + raylm::Shape(ad) + ", slots " +
-                    raylm::Shape(slots.dimensions());
-  for (const ffi::AnyBuffer& b : bs) got += ", b " + raylm::Shape(b.dimensions());
+  std::string got = "lora_add: y_in [M, N], x [M, K], slots [M], w [n, S] float32, bfloat16 or int8 holding at "
+                    "a_offset A [T * R, K] and at each b_offsets[t] B^T [R, O_t] for T >= 1 targets, sum O_t = N, "
+                    "each O_t a multiple of groups " + std::to_string(groups) + ", scales [n, S2] (int8: A's row "
+                    "scales at a_scale_offset, B's column scales at each b_scale_offsets[t]); got y_in " +
+                    raylm::Shape(y_in.dimensions()) + ", x " + raylm::Shape(x.dimensions()) + ", slots " +
+                    raylm::Shape(slots.dimensions()) + ", w " + raylm::Shape(wd) + ", scales " +
+                    raylm::Shape(scales.dimensions()) + ", R " + std::to_string(R) + ", a_offset " +
+                    std::to_string(a_offset) + ", b_offsets " + raylm::Shape(b_offsets) + ", outputs " +
+                    raylm::Shape(outputs) + ", a_scale_offset " + std::to_string(a_scale_offset) +
+                    ", b_scale_offsets " + raylm::Shape(b_scale_offsets);
   return got;
 }
 
@@ -165,13 +203,29 @@ struct SlotRows {
   int64_t buffer, first, rows;
 };
 
+// Where a call's adapters lie: buffer b's A of target t at w + b * S + a_offset + t * R * K, its
+// B^T at w + b * S + b_offsets[t]; int8 weights with A's row scales at scales + b * S2 +
+// a_scale_offset + t * R and B's output column scales at scales + b * S2 + b_scale_offsets[t].
+struct Packed {
+  int64_t S, a_offset;
+  ffi::Span<const int64_t> b_offsets, outputs;
+  const float* scales;  // null for float weights
+  int64_t S2, a_scale_offset;
+  ffi::Span<const int64_t> b_scale_offsets;
+};
+
 // The deltas of the rows `order` (sorted by slot, `runs` of them per slot) added into out [M, N],
-// the slots' weights of type W (float32, or bfloat16 widened exactly as they are read).
+// the slots' weights of type W (float32, or bfloat16 or int8 widened exactly as they are read;
+// int8 sums scaled by A's row scale, then each output by B's column scale).
 template <typename W>
-void AddDeltas(const float* x, const W* as, const std::vector<const W*>& bs, const std::vector<int64_t>& outputs,
-               const std::vector<int64_t>& order, const std::vector<SlotRows>& runs, float* out, int64_t N, int64_t K,
-               int64_t R, int64_t groups, ffi::ThreadPool& pool) {
-  const int64_t T = bs.size(), rows = order.size();
+void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<int64_t>& order,
+               const std::vector<SlotRows>& runs, float* out, int64_t N, int64_t K, int64_t R, int64_t groups,
+               ffi::ThreadPool& pool) {
+  const ffi::Span<const int64_t>& outputs = p.outputs;
+  const int64_t T = outputs.size(), rows = order.size();
+  std::vector<int64_t> buffer_of(rows);  // each sorted row's buffer
+  for (const SlotRows& run : runs)
+    for (int64_t i = run.first; i < run.first + run.rows; ++i) buffer_of[i] = run.buffer;
   std::vector<float> xs(rows * K);  // the rows' inputs, in sorted order
   for (int64_t i = 0; i < rows; ++i) std::memcpy(&xs[i * K], x + order[i] * K, sizeof(float) * K);
 
@@ -179,11 +233,14 @@ void AddDeltas(const float* x, const W* as, const std::vector<const W*>& bs, con
   std::vector<int64_t> sizes;
   for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), T, R);
   std::vector<float> xa(T * rows * R);
-  RunSegments(sizes, K, [&](size_t segment, int64_t begin, int64_t end) {
+  // 8-bit rows feeding several input rows are widened once into the thread's panel (Columns).
+  const int64_t panel_floats = sizeof(W) == 1 ? kMaxWeightRowsPerTile * K : 0;
+  RunSegments(sizes, K, K, panel_floats, [&](size_t segment, int64_t begin, int64_t end, float* panel) {
     const SlotRows& run = runs[segment / T];
     const int64_t t = segment % T;
-    Columns(&xs[run.first * K], as + (run.buffer * T + t) * R * K, static_cast<const float*>(nullptr),
-            &xa[(t * rows + run.first) * R], run.rows, R, K, begin, end, nullptr);
+    const float* row_scales = p.scales ? p.scales + run.buffer * p.S2 + p.a_scale_offset + t * R : nullptr;
+    Columns(&xs[run.first * K], w + run.buffer * p.S + p.a_offset + t * R * K, row_scales,
+            &xa[(t * rows + run.first) * R], run.rows, R, K, begin, end, panel);
   }, pool);
 
   // Phase 2: d_t [rows, O_t] = xa_t B_t^T, a segment of O_t columns per (run, target).
@@ -192,14 +249,19 @@ void AddDeltas(const float* x, const W* as, const std::vector<const W*>& bs, con
   for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), outputs.begin(), outputs.end());
   for (int64_t t = 0; t < T; ++t) offsets[t + 1] = offsets[t] + rows * outputs[t];
   std::vector<float> d(offsets[T]);
-  RunSegments(sizes, R, [&](size_t segment, int64_t begin, int64_t end) {
+  RunSegments(sizes, R, K, 0, [&](size_t segment, int64_t begin, int64_t end, float*) {
     const SlotRows& run = runs[segment / T];
     const int64_t t = segment % T, O = outputs[t];
-    Expand(run.rows, &xa[(t * rows + run.first) * R], bs[t] + run.buffer * R * O, &d[offsets[t] + run.first * O], R,
-           O, begin, end);
+    const W* b = w + run.buffer * p.S + p.b_offsets[t];
+    float* sums = &d[offsets[t] + run.first * O];
+    if constexpr (std::is_same_v<W, int8_t>)
+      ExpandInt8(run.rows, &xa[(t * rows + run.first) * R], b, O, sums, O, R, begin, end);
+    else
+      Expand(run.rows, &xa[(t * rows + run.first) * R], b, O, sums, O, R, begin, end);
   }, pool);
 
   // Each row's sums into its outputs, where the fused projection keeps each target's.
+  // (int8: each output times its column scale first, the same operation in every row.)
   const int64_t W_ = N / groups;
   for (int64_t i = 0; i < rows; ++i) {
     float* row = out + order[i] * N;
@@ -207,32 +269,31 @@ void AddDeltas(const float* x, const W* as, const std::vector<const W*>& bs, con
     for (int64_t t = 0; t < T; ++t) {
       const int64_t width = outputs[t] / groups;
       const float* sums = &d[offsets[t] + i * outputs[t]];
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t c = 0; c < width; ++c) row[g * W_ + column + c] += sums[g * width + c];
+      if (p.scales) {
+        const float* scale = p.scales + buffer_of[i] * p.S2 + p.b_scale_offsets[t];
+        for (int64_t g = 0; g < groups; ++g)
+          for (int64_t c = 0; c < width; ++c) {
+            const float delta = sums[g * width + c] * scale[g * width + c];  // rounded before the add
+            row[g * W_ + column + c] += delta;
+          }
+      } else {
+        for (int64_t g = 0; g < groups; ++g)
+          for (int64_t c = 0; c < width; ++c) row[g * W_ + column + c] += sums[g * width + c];
+      }
       column += width;
     }
   }
 }
 
-template <typename W>
-std::vector<const W*> Typed(const std::vector<ffi::AnyBuffer>& buffers) {
-  std::vector<const W*> out;
-  for (const ffi::AnyBuffer& b : buffers) out.push_back(static_cast<const W*>(b.untyped_data()));
-  return out;
-}
-
-ffi::Error LoraAdd(ffi::ThreadPool pool, Matrix y_in, Matrix x, ffi::AnyBuffer a, Slots slots,
-                   ffi::RemainingArgs rest, ffi::Result<Matrix> y, int64_t groups) {
-  std::vector<ffi::AnyBuffer> bs;
-  for (size_t t = 0; t < rest.size(); ++t) {
-    auto b = rest.get<ffi::AnyBuffer>(t);
-    if (!b.has_value()) return ffi::Error::InvalidArgument("lora_add: every b must be an array");
-    bs.push_back(*b);
-  }
-  const std::string error = ShapeErrors(y_in, x, a, slots, bs, *y, groups);
+ffi::Error LoraAdd(ffi::ThreadPool pool, Matrix y_in, Matrix x, Slots slots, ffi::AnyBuffer w, Matrix scales,
+                   ffi::Result<Matrix> y, int64_t groups, int64_t rank, int64_t a_offset,
+                   ffi::Span<const int64_t> b_offsets, ffi::Span<const int64_t> outputs, int64_t a_scale_offset,
+                   ffi::Span<const int64_t> b_scale_offsets) {
+  const std::string error = ShapeErrors(y_in, x, slots, w, scales, *y, groups, rank, a_offset, b_offsets, outputs,
+                                        a_scale_offset, b_scale_offsets);
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], n = a.dimensions()[0], N = y_in.dimensions()[1];
-  const int64_t R = bs[0].dimensions()[1];
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], n = w.dimensions()[0], S = w.dimensions()[1];
+  const int64_t N = y_in.dimensions()[1];
   float* out = y->typed_data();
   if (out != y_in.typed_data()) std::memcpy(out, y_in.typed_data(), sizeof(float) * M * N);
 
@@ -245,7 +306,7 @@ ffi::Error LoraAdd(ffi::ThreadPool pool, Matrix y_in, Matrix x, ffi::AnyBuffer a
                                          std::to_string(slot[m]) + ", outside [0, " + std::to_string(n) + "]");
     if (slot[m] > 0) order.push_back(m);
   }
-  if (order.empty() || R == 0) return ffi::Error::Success();
+  if (order.empty() || rank == 0) return ffi::Error::Success();
   std::stable_sort(order.begin(), order.end(), [slot](int64_t i, int64_t j) { return slot[i] < slot[j]; });
   std::vector<SlotRows> runs;
   for (int64_t i = 0; i < static_cast<int64_t>(order.size()); ++i) {
@@ -253,14 +314,18 @@ ffi::Error LoraAdd(ffi::ThreadPool pool, Matrix y_in, Matrix x, ffi::AnyBuffer a
     if (runs.empty() || runs.back().buffer != buffer) runs.push_back({buffer, i, 0});
     ++runs.back().rows;
   }
-  std::vector<int64_t> outputs;
-  for (const ffi::AnyBuffer& b : bs) outputs.push_back(b.dimensions()[2]);
-  if (a.element_type() == ffi::DataType::BF16)
-    AddDeltas(x.typed_data(), static_cast<const Bf16*>(a.untyped_data()), Typed<Bf16>(bs), outputs, order, runs, out,
-              N, K, R, groups, pool);
+  const bool int8 = w.element_type() == ffi::DataType::S8;
+  const Packed packed{S, a_offset, b_offsets, outputs, int8 ? scales.typed_data() : nullptr, scales.dimensions()[1],
+                      a_scale_offset, b_scale_offsets};
+  if (int8)
+    AddDeltas(x.typed_data(), static_cast<const int8_t*>(w.untyped_data()), packed, order, runs, out, N, K, rank,
+              groups, pool);
+  else if (w.element_type() == ffi::DataType::BF16)
+    AddDeltas(x.typed_data(), static_cast<const Bf16*>(w.untyped_data()), packed, order, runs, out, N, K, rank, groups,
+              pool);
   else
-    AddDeltas(x.typed_data(), static_cast<const float*>(a.untyped_data()), Typed<float>(bs), outputs, order, runs,
-              out, N, K, R, groups, pool);
+    AddDeltas(x.typed_data(), static_cast<const float*>(w.untyped_data()), packed, order, runs, out, N, K, rank,
+              groups, pool);
   return ffi::Error::Success();
 }
 
@@ -271,8 +336,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmLoraAdd, LoraAdd,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<Matrix>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<Slots>()
-                                  .RemainingArgs()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Matrix>()
                                   .Ret<Matrix>()
-                                  .Attr<int64_t>("groups"));
+                                  .Attr<int64_t>("groups")
+                                  .Attr<int64_t>("rank")
+                                  .Attr<int64_t>("a_offset")
+                                  .Attr<ffi::Span<const int64_t>>("b_offsets")
+                                  .Attr<ffi::Span<const int64_t>>("outputs")
+                                  .Attr<int64_t>("a_scale_offset")
+                                  .Attr<ffi::Span<const int64_t>>("b_scale_offsets"));

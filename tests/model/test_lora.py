@@ -4,6 +4,7 @@ weights (``W + scale * B @ A``)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -19,7 +20,7 @@ from model.config import ModelConfig
 from model.errors import LoraAdapterError
 from model.forward import forward
 from model.lora import load_lora_adapter
-from model.lora_weights import LoraBatch, create_lora_weights, slot_values, write_slot
+from model.lora_weights import LoraBatch, create_lora_weights, pack_lora_weights, slot_values, write_slot
 from model.sharding import shard_lora
 from tests.checkpoints import build_tiny_checkpoint
 from tests.lora_adapters import MODULES, lora_key, write_adapter
@@ -62,10 +63,11 @@ def test_rows_with_their_own_adapters_match_merged_hf(base, tmp_path):
                     for slot, model in [(0, hf), (1, merged_one), (2, merged_two)]}
     assert np.abs(expected[1] - expected[0]).max() > 1 and np.abs(expected[2] - expected[0]).max() > 1
 
-    # More rows than slots (every slot's A as one matrix, masked), then rows gathering their own.
-    for slots in ([1, 2, 0, 1], [2]):
+    # More rows than slots (every slot's A as one matrix, masked), then rows gathering their own;
+    # from the slots per layer, and sliced from the packed array.
+    for slots, w in itertools.product(([1, 2, 0, 1], [2]), (weights, pack_lora_weights(weights))):
         B = len(slots)
-        logits = _logits(params, config, LoraBatch(weights, np.array(slots, np.int32)),
+        logits = _logits(params, config, LoraBatch(w, np.array(slots, np.int32)),
                          np.tile(ids, (B, 1)).astype(np.int32), np.tile(np.arange(40, dtype=np.int32), (B, 1)),
                          np.full(B, 40, np.int32))
         for row, slot in enumerate(slots):
@@ -79,19 +81,28 @@ def test_rows_with_their_own_adapters_match_merged_hf(base, tmp_path):
     for row, slot in enumerate([2, 0, 1]):
         np.testing.assert_allclose(logits[row], expected[slot], atol=1e-4, rtol=1e-4)
 
-    # The CPU kernel path: a prompt packed one token per row, every token with adapter two.
+    # The CPU kernel path (the slots packed in one array, as a CPU replica keeps them): a prompt
+    # packed one token per row, every token with adapter two.
     n = 24
-    logits = _logits(params, config, LoraBatch(weights, np.full(n, 2, np.int32)), ids[:n, None].astype(np.int32),
-                     np.arange(n, dtype=np.int32)[:, None], np.arange(1, n + 1, dtype=np.int32), cpu_kernels=True)
+    packed = pack_lora_weights(weights)
     with torch.no_grad():
         short = merged_two(torch.tensor([ids[:n].tolist()])).logits[0].numpy()
+    logits = _logits(params, config, LoraBatch(packed, np.full(n, 2, np.int32)), ids[:n, None].astype(np.int32),
+                     np.arange(n, dtype=np.int32)[:, None], np.arange(1, n + 1, dtype=np.int32), cpu_kernels=True)
     np.testing.assert_allclose(logits[:, 0], short, atol=1e-4, rtol=1e-4)
+    # A slot written into the packed array (one adapter's contents packed alike) is that adapter.
+    adapter = load_lora_adapter("one", one, config, max_rank=8)
+    rewritten = write_slot(packed, np.int32(1), pack_lora_weights(slot_values(adapter, config, 8, np.float32),
+                                                                   slot_axis=False))
+    logits = _logits(params, config, LoraBatch(rewritten, np.full(n, 2, np.int32)), ids[:n, None].astype(np.int32),
+                     np.arange(n, dtype=np.int32)[:, None], np.arange(1, n + 1, dtype=np.int32), cpu_kernels=True)
+    np.testing.assert_allclose(logits[:, 0], expected[1][:n], atol=1e-4, rtol=1e-4)
 
     # bfloat16 slots (``lora_dtype: bfloat16``) hold the adapter rounded to bfloat16 (8 bits of
     # mantissa): the logits stay within 1% of the adapter's own effect on them (measured 0.6%).
     half = create_lora_weights(config, 2, 8, jnp.bfloat16)
     adapter = load_lora_adapter("two", two, config, max_rank=8)
-    half = write_slot(half, np.int32(1), slot_values(adapter, config, 8, jnp.bfloat16))
+    half = pack_lora_weights(write_slot(half, np.int32(1), slot_values(adapter, config, 8, jnp.bfloat16)))
     logits = _logits(params, config, LoraBatch(half, np.full(n, 2, np.int32)), ids[:n, None].astype(np.int32),
                      np.arange(n, dtype=np.int32)[:, None], np.arange(1, n + 1, dtype=np.int32), cpu_kernels=True)
     effect = np.abs(short - expected[0][:n]).max()

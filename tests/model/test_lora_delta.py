@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from model.lora_delta import available
-from model.lora_weights import LayerLora, LayerSlots
+from model.lora_weights import LayerLora, LayerSlots, pack_lora_weights
 
 pytestmark = pytest.mark.skipif(not available(), reason="the C++ LoRA kernel is not built")
 
@@ -48,15 +48,15 @@ def test_each_row_gets_its_adapters_delta_alone_or_in_any_batch():
     slots = np.array([2, 0, 1, 3, 3, 2, 0, 2, 2, 2], np.int32)  # more rows than slots, base rows among them
     x = rng.randn(len(slots), 1, D).astype(np.float32)
     y = rng.randn(len(slots), 1, KVH, G + 2, DH).astype(np.float32)
-    add = jax.jit(lambda w, s, y, x: LayerLora(w, s, kernel=True).add("qkv", y, x))
-    got = np.asarray(add(weights, slots, y, x))
+    add = jax.jit(lambda w, s, y, x: LayerLora(w[0], s, kernel=True).add("qkv", y, x))
+    got = np.asarray(add(pack_lora_weights((weights,)), slots, y, x))
     np.testing.assert_allclose(got, _expected(weights, y, x, slots), rtol=1e-5, atol=1e-4)
     assert np.array_equal(got[slots == 0], y[slots == 0])
     for row, slot in enumerate(slots):  # alone: the same bits
-        assert np.array_equal(np.asarray(add(weights, slots[row : row + 1], y[row : row + 1], x[row : row + 1]))[0],
-                              got[row]), row
-    with pytest.raises(Exception, match="outside"):
-        np.asarray(add(weights, np.array([4], np.int32), y[:1], x[:1]))
+        assert np.array_equal(np.asarray(add(pack_lora_weights((weights,)), slots[row : row + 1], y[row : row + 1],
+                                             x[row : row + 1]))[0], got[row]), row
+    with pytest.raises(Exception, match="outside"):  # the kernel's check: XLA's form would clamp the index
+        np.asarray(add(pack_lora_weights((weights,)), np.array([4], np.int32), y[:1], x[:1]))
 
 
 def test_bfloat16_slots_are_widened_exactly():
@@ -67,5 +67,28 @@ def test_bfloat16_slots_are_widened_exactly():
     slots = np.array([3, 1, 0, 3, 3, 2], np.int32)
     x = rng.randn(len(slots), 1, D).astype(np.float32)
     y = rng.randn(len(slots), 1, KVH, G + 2, DH).astype(np.float32)
-    add = jax.jit(lambda w, s, y, x: LayerLora(w, s, kernel=True).add("qkv", y, x))
-    assert np.array_equal(np.asarray(add(half, slots, y, x)), np.asarray(add(widened, slots, y, x)))
+    add = jax.jit(lambda w, s, y, x: LayerLora(w[0], s, kernel=True).add("qkv", y, x))
+    assert np.array_equal(np.asarray(add(pack_lora_weights((half,)), slots, y, x)),
+                          np.asarray(add(pack_lora_weights((widened,)), slots, y, x)))
+
+
+def test_int8_slots_add_their_dequantized_deltas_the_same_alone_or_batched():
+    """int8 slots (``engine.lora_dtype: int8``): each ``A`` row and ``B`` output quantized with its
+    own scale; the kernel adds the deltas of the dequantized values (float64 reference), a row's
+    the same bits alone, and they stay within 2% of the float adapter's deltas."""
+    rng = np.random.RandomState(2)
+    weights = _slots(rng)
+    packed = pack_lora_weights((weights,), dtype=jnp.int8)
+    assert packed.buffer.dtype == np.int8 and packed.scales.dtype == np.float32
+    dequantized = jax.tree.map(np.asarray, packed[0].unpacked())
+    slots = np.array([1, 3, 0, 2, 3, 3, 1], np.int32)
+    x = rng.randn(len(slots), 1, D).astype(np.float32)
+    y = rng.randn(len(slots), 1, KVH, G + 2, DH).astype(np.float32)
+    add = jax.jit(lambda w, s, y, x: LayerLora(w[0], s, kernel=True).add("qkv", y, x))
+    got = np.asarray(add(packed, slots, y, x))
+    np.testing.assert_allclose(got, _expected(dequantized, y, x, slots), rtol=1e-5, atol=1e-4)
+    for row in range(len(slots)):
+        assert np.array_equal(np.asarray(add(packed, slots[row : row + 1], y[row : row + 1], x[row : row + 1]))[0],
+                              got[row]), row
+    exact = _expected(weights, y, x, slots) - y
+    assert np.abs((got - y) - exact).max() < 0.02 * np.abs(exact).max()

@@ -17,6 +17,7 @@ import gguf
 import torch
 
 from model import load_model_info
+from model.lora_weights import PackedLoraWeights
 from tests.checkpoints import build_tiny_checkpoint
 from tests.gguf_export import export_gguf, round_to_stored
 from tests.lora_adapters import MODULES, write_adapter
@@ -145,25 +146,37 @@ def test_adapters_on_an_int8_base_over_tp2_with_grammar_and_speculation(served):
     for tokens in outputs[2:]:
         value = json.loads(tokenizer.decode(tokens))
         assert set(value) == {"ok", "tag"} and value["tag"] in ("red", "blue")
+    # int8 slots exist only for the CPU kernel, which a sharded replica does not run.
+    with pytest.raises(ValueError, match="lora_dtype int8 needs the CPU LoRA kernel"):
+        LLM(str(path), enable_lora=True, max_lora_rank=8, num_kv_blocks=32, max_model_len=64, tensor_parallel_size=2,
+            lora_dtype="int8")
 
 
-def test_adapters_on_gguf_blocks_kept_as_stored_match_merged_hf(tmp_path):
+@pytest.mark.parametrize("lora_dtype", [None, "bfloat16", "int8"])
+def test_adapters_on_gguf_blocks_kept_as_stored_match_merged_hf(tmp_path, lora_dtype):
     """The CPU kernel path reads a GGUF's Q8_0 blocks as stored and adds each row's adapter delta
-    after the base matmul: two adapters and a base row in one batch equal HF on the file's
-    (dequantized) weights with each adapter merged."""
+    after the base matmul, from slots packed in one array: two adapters and a base row in one
+    batch equal HF on the file's (dequantized) weights with each adapter merged. With bfloat16 or
+    int8 slots (``engine.lora_dtype``) the adapters hold values of that type (int8: a scale per A
+    row and B output) and power-of-two scales, so the slots hold them exactly and the kernel's
+    widening and scaling is what is checked."""
     qtype = gguf.GGMLQuantizationType.Q8_0
     directory, hf = build_tiny_checkpoint("llama-gqa", tmp_path / "base")
     path = export_gguf(directory, tmp_path / "base.gguf", qtype)
     round_to_stored(hf, qtype)  # the reference: HF on the weights the file holds
     requests, references = [None], [hf]
-    for i, (rank, alpha, targets, rslora) in enumerate(ADAPTERS[:2]):
-        adapter, merged = write_adapter(tmp_path / f"adapter{i}", hf, rank, alpha, targets, seed=i, use_rslora=rslora)
+    for i, (rank, alpha, targets, rslora) in enumerate([ADAPTERS[0], ADAPTERS[2] if lora_dtype else ADAPTERS[1]]):
+        adapter, merged = write_adapter(tmp_path / f"adapter{i}", hf, rank, alpha, targets, seed=i, use_rslora=rslora,
+                                        values_of=lora_dtype)
         requests.append(LoRARequest(f"adapter{i}", i + 1, str(adapter)))
         references.append(merged)
     prompt = np.random.RandomState(5).randint(3, 320, size=19).tolist()
     llm = LLM(str(path), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=32, max_model_len=64,
-              max_num_seqs=4, max_num_batched_tokens=32, gguf_blocks="keep")
-    assert type(llm.engine.runner.params.layers[0].wqkv).__name__ == "GgufBlocks"
+              max_num_seqs=4, max_num_batched_tokens=32, gguf_blocks="keep", lora_dtype=lora_dtype)
+    runner = llm.engine.runner
+    assert type(runner.params.layers[0].wqkv).__name__ == "GgufBlocks"
+    assert isinstance(runner.lora_weights, PackedLoraWeights)
+    assert runner.lora_weights.buffer.dtype == jax.numpy.dtype(lora_dtype or np.float32)
     outputs = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": prompt}] * 3, GREEDY, lora_request=requests)]
     assert outputs == [hf_greedy(reference, prompt, NEW_TOKENS) for reference in references]
