@@ -285,8 +285,7 @@ class LayerLora(NamedTuple):
             out = lora_add(y.reshape(B * S, -1), x.reshape(B * S, -1), jnp.repeat(slots, S), buffer, scales,
                            groups=groups, rank=a_shape[0] // len(members), a_offset=a_offset,
                            b_offsets=[b[t][0] for t in members], outputs=[int(np.prod(b[t][1][1:])) for t in members],
-                           a_scale_offset=a_scale_offset if int8 else 0,
-                           b_scale_offsets=[b[t][2] for t in members] if int8 else [])
+                           a_scale_offset=a_scale_offset, b_scale_offsets=[b[t][2] for t in members] if int8 else [])
             return out.reshape(y.shape)
 
         def by_xla_packed(y: jax.Array, x: jax.Array, buffer: jax.Array, scales: jax.Array, slots: jax.Array

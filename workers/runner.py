@@ -35,7 +35,10 @@ from model import GroupedKV, KVCache, ModelConfig, ModelParams, paged_decode, sh
 from model.buckets import bucket
 from model.forward import PooledHidden
 from model.lora import LoraAdapter
-from model.lora_weights import LoraBatch, create_lora_weights, kernel_layout, pack_lora_weights, slot_values, write_slot
+from model.lora_weights import (
+    LoraBatch, LoraWeights, PackedLoraWeights, create_lora_weights, kernel_layout, pack_lora_weights, slot_values,
+    write_slot,
+)
 from model.sharding import shard_lora
 from workers.batch_inputs import (
     ShapeBuckets, block_table, decode_inputs, hidden_where, logits_flag, lora_slots, packed_prefill_inputs,
@@ -112,11 +115,12 @@ class ModelRunner:
                 raise ValueError("lora_dtype int8 needs the CPU LoRA kernel: an unsharded replica on CPU with a "
                                  "float32 model and the kernels built; use float32 or bfloat16 slots here")
             self._slot_dtype = jnp.dtype(jnp.float32) if self.lora_dtype == jnp.int8 else self.lora_dtype
-            slots = create_lora_weights(config, num_slots, self.lora_rank, self._slot_dtype)
-            if self.lora_packed:
-                self.lora_weights = pack_lora_weights(jax.tree.map(np.asarray, slots), dtype=self.lora_dtype)
+            if self.lora_packed:  # empty slots on the device, laid out as one slot's packed values
+                empty = self._slot_contents(None)
+                self.lora_weights = jax.tree.map(lambda leaf: jnp.zeros((num_slots, *leaf.shape), leaf.dtype), empty)
             else:
-                self.lora_weights = shard_lora(slots, config, mesh)
+                self.lora_weights = shard_lora(
+                    create_lora_weights(config, num_slots, self.lora_rank, self._slot_dtype), config, mesh)
         # An MoE model's tokens routed per (sparse layer, expert) since ``take_expert_load``:
         # every program adds its step's on the device (model/forward.py), so the load metric
         # costs no transfer per step.
@@ -217,10 +221,12 @@ class ModelRunner:
     def _load_lora(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Fill LoRA slot ``slot`` with ``adapter`` (None: empty it; every slot and adapter share
         one program)."""
+        self.lora_weights = write_slot(self.lora_weights, np.int32(slot - 1), self._slot_contents(adapter))
+
+    def _slot_contents(self, adapter: LoraAdapter | None) -> LoraWeights | PackedLoraWeights:
+        """One slot's values for ``adapter`` (None: empty), packed when the slots are."""
         values = slot_values(adapter, self.config, self.lora_rank, self._slot_dtype)
-        if self.lora_packed:
-            values = pack_lora_weights(values, slot_axis=False, dtype=self.lora_dtype)
-        self.lora_weights = write_slot(self.lora_weights, np.int32(slot - 1), values)
+        return pack_lora_weights(values, slot_axis=False, dtype=self.lora_dtype) if self.lora_packed else values
 
     def _lora(self, slots: np.ndarray) -> dict[str, Any]:
         """A program's ``lora`` argument: the slots and each forward row's slot; none when LoRA

@@ -175,7 +175,7 @@ def test_adapters_on_gguf_blocks_kept_as_stored_match_merged_hf(tmp_path, lora_d
               max_num_seqs=4, max_num_batched_tokens=32, gguf_blocks="keep", lora_dtype=lora_dtype)
     runner = llm.engine.runner
     assert type(runner.params.layers[0].wqkv).__name__ == "GgufBlocks"
-    assert isinstance(runner.lora_weights, PackedLoraWeights)
+    assert isinstance(runner.lora_weights, PackedLoraWeights) and isinstance(runner.lora_weights.buffer, jax.Array)
     assert runner.lora_weights.buffer.dtype == jax.numpy.dtype(lora_dtype or np.float32)
     outputs = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": prompt}] * 3, GREEDY, lora_request=requests)]
