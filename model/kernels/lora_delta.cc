@@ -42,7 +42,6 @@
 
 namespace {
 
-using raylm::kColumnsPerItem;
 using Slots = ffi::Buffer<ffi::S32, 1>;
 
 // Expand's tile: kExpandVectors vectors of 16 output columns, for up to four rows.
@@ -61,23 +60,30 @@ __attribute__((always_inline)) inline Lanes16 LoadLanes16(const Bf16* p) {  // w
 }
 constexpr int64_t kExpandLanes = 16, kExpandVectors = 4, kExpandTile = kExpandLanes * kExpandVectors;
 
-// Output columns per work item in a phase whose products are `K` long: about as many weights
-// as an item of the dense kernel over the projection's input (kColumnsPerItem rows of
-// `projection_K`), a multiple of Expand's tile.
-int64_t ColumnsPerItem(int64_t K, int64_t projection_K) {
-  const int64_t columns = std::max<int64_t>(kColumnsPerItem, kColumnsPerItem * projection_K / std::max<int64_t>(K, 1));
-  return (columns + kExpandTile - 1) / kExpandTile * kExpandTile;
+// Weights per work item: small enough that both threads share a call's few targets evenly (an
+// item per target left a rank-64 call's second thread idle for half of it, or all of it for
+// o_proj and down_proj), large enough that claiming one costs nothing next to reading it.
+constexpr int64_t kLoraItemWeights = 16384;
+// Phase 1's items start at multiples of this many rows of A (a multiple of the tiles' rows).
+constexpr int64_t kPhaseOneAlign = 16;
+
+// Output columns per work item in a phase whose products are `K` long: about kLoraItemWeights
+// weights, a multiple of `align` (Expand's tile in phase 2; phase 1's tiles give each output the
+// same sums wherever an item starts).
+int64_t ColumnsPerItem(int64_t K, int64_t align) {
+  const int64_t columns = std::max<int64_t>(align, kLoraItemWeights / std::max<int64_t>(K, 1));
+  return (columns + align - 1) / align * align;
 }
 
 // Runs `columns(segment, begin, end)` over segments of output columns (their lengths `sizes`)
 // as one parallel region. Work items never cross a segment and start at multiples of
-// ColumnsPerItem(K, projection_K) within it, so how a segment's columns are cut does not depend
-// on the others.
+// ColumnsPerItem(K, align) within it, so how a segment's columns are cut does not depend on the
+// others.
 // `columns` also gets `panel_floats` of scratch of its thread (null when 0).
 template <typename SegmentFn>
-void RunSegments(const std::vector<int64_t>& sizes, int64_t K, int64_t projection_K, int64_t panel_floats,
+void RunSegments(const std::vector<int64_t>& sizes, int64_t K, int64_t align, int64_t panel_floats,
                  SegmentFn columns, ffi::ThreadPool& pool) {
-  const int64_t per_item = ColumnsPerItem(K, projection_K);
+  const int64_t per_item = ColumnsPerItem(K, align);
   std::vector<int64_t> starts(sizes.size() + 1, 0);  // each segment padded to whole items
   for (size_t s = 0; s < sizes.size(); ++s) starts[s + 1] = starts[s] + (sizes[s] + per_item - 1) / per_item * per_item;
   const int64_t total = starts.back();
@@ -150,8 +156,8 @@ void Expand(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d, in
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void ExpandInt8(int64_t rows, const float* xa, const int8_t* b, int64_t ldb, float* d, int64_t ldd, int64_t R,
-                int64_t begin, int64_t end) {
+void ExpandInt8Panel(int64_t rows, const float* xa, const int8_t* b, int64_t ldb, float* d, int64_t ldd, int64_t R,
+                     int64_t begin, int64_t end) {
   std::vector<float> panel(R * kExpandTile);
   for (int64_t o = begin; o < end; o += kExpandTile) {
     const int64_t width = std::min(kExpandTile, end - o);
@@ -159,6 +165,74 @@ void ExpandInt8(int64_t rows, const float* xa, const int8_t* b, int64_t ldb, flo
       for (int64_t c = 0; c < width; ++c) panel[r * kExpandTile + c] = static_cast<float>(b[r * ldb + o + c]);
     Expand<float>(rows, xa, panel.data(), kExpandTile, d + o, ldd, R, 0, width);
   }
+}
+
+#ifdef RAYLM_WIDE_TILES
+// On AVX-512 CPUs, whole tiles of int8 and bfloat16 weights are widened in registers by the
+// dense kernel's intrinsics (Lanes<Vec16>): int8's panel store and reload, and GCC's code for
+// the bfloat16 vector extensions, cost a rank-64 adapter's slots more than reading them. The
+// operations per output are ExpandTile's, as in Expand's x86-64-v4 clone that the other path
+// runs on these CPUs (a multiply-add per rank, in order, on the exact float32 values), so
+// either path gives the same bits.
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4")
+template <int MR, typename W>
+void ExpandWideTile(const float* __restrict xa, const W* __restrict b, int64_t ldb, float* __restrict d, int64_t ldd,
+                    int64_t R) {
+  Vec16 acc[MR][kExpandVectors];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kExpandVectors; ++v) acc[i][v] = Vec16{};
+  for (int64_t r = 0; r < R; ++r) {
+    Vec16 bv[kExpandVectors];
+    for (int v = 0; v < kExpandVectors; ++v) bv[v] = Lanes<Vec16>::Load(b + r * ldb + v * kExpandLanes);
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < kExpandVectors; ++v) acc[i][v] += xa[i * R + r] * bv[v];
+  }
+  for (int i = 0; i < MR; ++i) std::memcpy(d + i * ldd, acc[i], sizeof acc[i]);
+}
+
+// The sums of the whole tiles of [begin, end) (begin a multiple of kExpandTile); returns where
+// they stop.
+template <typename W>
+int64_t ExpandWide(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d, int64_t ldd, int64_t R,
+                   int64_t begin, int64_t end) {
+  int64_t o = begin;
+  for (; o + kExpandTile <= end; o += kExpandTile) {
+    int64_t i = 0;
+    for (; i + 4 <= rows; i += 4) ExpandWideTile<4, W>(xa + i * R, b + o, ldb, d + i * ldd + o, ldd, R);
+    switch (rows - i) {
+      case 3: ExpandWideTile<3, W>(xa + i * R, b + o, ldb, d + i * ldd + o, ldd, R); break;
+      case 2: ExpandWideTile<2, W>(xa + i * R, b + o, ldb, d + i * ldd + o, ldd, R); break;
+      case 1: ExpandWideTile<1, W>(xa + i * R, b + o, ldb, d + i * ldd + o, ldd, R); break;
+    }
+  }
+  return o;
+}
+#pragma GCC pop_options
+
+// Whether this CPU runs Expand's x86-64-v4 clone (target_clones' condition for it).
+bool CpuRunsExpandV4() {
+  static const bool v4 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512cd");
+  return v4;
+}
+#endif
+
+// Expand for any slot type: float32 directly; int8 and bfloat16 by the wide tiles where the CPU
+// has them, the rest (and other CPUs) by ExpandInt8Panel and Expand.
+template <typename W>
+void ExpandSlots(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d, int64_t ldd, int64_t R,
+                 int64_t begin, int64_t end) {
+#ifdef RAYLM_WIDE_TILES
+  if constexpr (!std::is_same_v<W, float>)
+    if (CpuRunsExpandV4()) begin = ExpandWide(rows, xa, b, ldb, d, ldd, R, begin, end);
+#endif
+  if (begin == end) return;
+  if constexpr (std::is_same_v<W, int8_t>)
+    ExpandInt8Panel(rows, xa, b, ldb, d, ldd, R, begin, end);
+  else
+    Expand(rows, xa, b, ldb, d, ldd, R, begin, end);
 }
 
 // The packed layout (offsets and sizes, in values of w's rows) against the operands' shapes.
@@ -235,7 +309,7 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
   std::vector<float> xa(T * rows * R);
   // 8-bit rows feeding several input rows are widened once into the thread's panel (Columns).
   const int64_t panel_floats = sizeof(W) == 1 ? kMaxWeightRowsPerTile * K : 0;
-  RunSegments(sizes, K, K, panel_floats, [&](size_t segment, int64_t begin, int64_t end, float* panel) {
+  RunSegments(sizes, K, kPhaseOneAlign, panel_floats, [&](size_t segment, int64_t begin, int64_t end, float* panel) {
     const SlotRows& run = runs[segment / T];
     const int64_t t = segment % T;
     const float* row_scales = p.scales ? p.scales + run.buffer * p.S2 + p.a_scale_offset + t * R : nullptr;
@@ -249,15 +323,12 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
   for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), outputs.begin(), outputs.end());
   for (int64_t t = 0; t < T; ++t) offsets[t + 1] = offsets[t] + rows * outputs[t];
   std::vector<float> d(offsets[T]);
-  RunSegments(sizes, R, K, 0, [&](size_t segment, int64_t begin, int64_t end, float*) {
+  RunSegments(sizes, R, kExpandTile, 0, [&](size_t segment, int64_t begin, int64_t end, float*) {
     const SlotRows& run = runs[segment / T];
     const int64_t t = segment % T, O = outputs[t];
     const W* b = w + run.buffer * p.S + p.b_offsets[t];
     float* sums = &d[offsets[t] + run.first * O];
-    if constexpr (std::is_same_v<W, int8_t>)
-      ExpandInt8(run.rows, &xa[(t * rows + run.first) * R], b, O, sums, O, R, begin, end);
-    else
-      Expand(run.rows, &xa[(t * rows + run.first) * R], b, O, sums, O, R, begin, end);
+    ExpandSlots(run.rows, &xa[(t * rows + run.first) * R], b, O, sums, O, R, begin, end);
   }, pool);
 
   // Each row's sums into its outputs, where the fused projection keeps each target's.
