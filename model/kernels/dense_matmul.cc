@@ -484,10 +484,12 @@ void RemainderRows(int64_t rows, const float* x, const W* w, const float* scale,
 }
 
 // Output columns [n_begin, n_end) for all M rows. `scale` is null for float32 weights.
-// 8-bit weights feeding more than one input row are widened once per tile of weight rows
-// into `panel` (NR * K floats, L1-resident), which every row then reads: widening them in
-// every row tile made 4..32-row calls slower than float32. The widened values are exact, so
-// a row's sums are the same on either path (the batch-invariance the engine relies on).
+// 8-bit weights feeding more than one row tile are widened once per tile of weight rows into
+// `panel` (NR * K floats, L1-resident), which every row tile then reads: widening them in
+// every row tile made 4..32-row calls slower than float32. Up to one row tile (MR rows) the
+// tile widens each weight once in registers, which the panel's store and reload only slow
+// down. The widened values are exact, so a row's sums are the same on either path (the
+// batch-invariance the engine relies on).
 template <typename Tiles, typename W>
 void Columns(const float* x, const W* w, const float* scale, float* y, int64_t M, int64_t N, int64_t K,
              int64_t n_begin, int64_t n_end, float* panel) {
@@ -497,7 +499,7 @@ void Columns(const float* x, const W* w, const float* scale, float* y, int64_t M
   for (; n + NR <= n_end; n += NR) {  // NR weight rows stay in L1 while every input row passes
     int64_t m = 0;
     const float* s = scale ? scale + n : nullptr;
-    if (sizeof(W) == 1 && M > 1) {
+    if (sizeof(W) == 1 && M > MR) {
       Tiles::WidenRows(w + n * K, panel, NR * K);
       for (; m + MR <= M; m += MR) Tiles::template Tile<MR, NR>(x + m * K, panel, s, y + m * N + n, K, N, nullptr);
       RemainderRows<Tiles, NR>(M - m, x + m * K, panel, s, y + m * N + n, K, N, nullptr);
