@@ -307,8 +307,8 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
   std::vector<int64_t> sizes;
   for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), T, R);
   std::vector<float> xa(T * rows * R);
-  // 8-bit rows feeding several input rows are widened once into the thread's panel (Columns).
-  const int64_t panel_floats = sizeof(W) == 1 ? kMaxWeightRowsPerTile * K : 0;
+  // Columns' scratch for weights it widens through a panel (none of the slot types today).
+  const int64_t panel_floats = kWidensThroughPanel<W> ? kMaxWeightRowsPerTile * K : 0;
   RunSegments(sizes, K, kPhaseOneAlign, panel_floats, [&](size_t segment, int64_t begin, int64_t end, float* panel) {
     const SlotRows& run = runs[segment / T];
     const int64_t t = segment % T;
