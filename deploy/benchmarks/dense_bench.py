@@ -4,13 +4,14 @@ Every projection of the bundled model (30 layers' fused QKV, output, fused gate/
 plus the tied LM head) runs once per call with the model's own float32 weights, so weights
 stream from memory as in a real step (540 MB, far above the caches). A third path runs the
 block kernel on the same matrices kept in their GGUF blocks (model/gguf_blocks.py, 112 MB);
-its results must equal the float32 kernel's bit for bit, which the script checks. The paths
-are jitted programs over the same arrays and are timed in alternating rounds; the ratio
-columns are XLA's time over the kernel's and the float32 kernel's over the block kernel's
-(above 1: the second is faster). This is what ``model.dense``'s ``KERNEL_MAX_ROWS`` is
-chosen from.
+its results must equal the float32 kernel's bit for bit, which the script checks. With
+``--quantized``, two more paths run the 8-bit kernel on the same matrices quantized per output
+channel (``model.quantization: int8`` and ``fp8``, 135 MB each). The paths are jitted programs
+over the same arrays and are timed in alternating rounds; the ratio columns are XLA's time over
+the kernel's and the float32 kernel's over the block kernel's (above 1: the second is faster).
+This is what ``model.dense``'s ``KERNEL_MAX_ROWS`` is chosen from.
 
-    python -m deploy.benchmarks.dense_bench [--rows 1,2,4,8,16,32,64] [--rounds 5]
+    python -m deploy.benchmarks.dense_bench [--rows 1,2,4,8,16,32,64] [--rounds 5] [--quantized]
 """
 
 from __future__ import annotations
@@ -66,17 +67,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,4,8,16,24,32,48,64")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quantized", action="store_true", help="also time int8 and fp8 per-channel weights")
     args = parser.parse_args()
 
-    from model.dense import dense_matmul, gguf_matmul
+    from model.dense import dense_matmul, gguf_matmul, quantized_matmul
+    from model.quantization import quantize
 
     floats, blocks = _matrices()
     paths = {"kernel": (_program(dense_matmul), floats),
              "blocks": (_program(gguf_matmul), blocks),
              "xla": (_program(lambda x, w: jnp.einsum("mk,nk->mn", x, w)), floats)}
+    if args.quantized:
+        for scheme in ("int8", "fp8"):
+            paths[scheme] = (_program(quantized_matmul), [quantize(w, scheme) for w in floats])
     exact = jax.jit(lambda x, w, b: jnp.all(dense_matmul(x, w) == gguf_matmul(x, b)))
     rng = np.random.default_rng(0)
-    print(f"{'rows':>5} {'kernel ms':>10} {'blocks ms':>10} {'xla ms':>10} {'xla/kernel':>11} {'kernel/blocks':>14}")
+    extra = [name for name in ("int8", "fp8") if name in paths]
+    print(f"{'rows':>5} {'kernel ms':>10} {'blocks ms':>10} {'xla ms':>10} {'xla/kernel':>11} {'kernel/blocks':>14}"
+          + "".join(f" {name + ' ms':>9}" for name in extra))
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: jnp.asarray(rng.standard_normal((rows, k)), jnp.float32) for k in {w.shape[1] for w in floats}}
         if not all(bool(exact(inputs[w.shape[1]], w, b)) for w, b in zip(floats, blocks)):
@@ -88,8 +96,8 @@ def main() -> None:
             for name, (run, weights) in paths.items():
                 times[name].append(time_ms(run, inputs, weights))
         kernel, block, xla = (statistics.median(times[name]) for name in ("kernel", "blocks", "xla"))
-        print(f"{rows:>5} {kernel:>10.1f} {block:>10.1f} {xla:>10.1f} {xla / kernel:>10.2f}x {kernel / block:>13.2f}x",
-              flush=True)
+        print(f"{rows:>5} {kernel:>10.1f} {block:>10.1f} {xla:>10.1f} {xla / kernel:>10.2f}x {kernel / block:>13.2f}x"
+              + "".join(f" {statistics.median(times[name]):>9.1f}" for name in extra), flush=True)
 
 
 if __name__ == "__main__":
