@@ -58,6 +58,13 @@ __attribute__((always_inline)) inline Lanes16 LoadLanes16(const float* p) {
 __attribute__((always_inline)) inline Lanes16 LoadLanes16(const Bf16* p) {  // widened exactly
   return raylm::LoadBf16Lanes<Lanes16, U16x16, U32x16>(p);
 }
+
+// How Expand's tiles load 16 weights as float32 lanes: by the functions above, which every
+// target_clones clone compiles (ExpandWide's loads use the dense kernel's intrinsics instead).
+struct PortableLoad {
+  template <typename W>
+  __attribute__((always_inline)) static Lanes16 Load(const W* p) { return LoadLanes16(p); }
+};
 constexpr int64_t kExpandLanes = 16, kExpandVectors = 4, kExpandTile = kExpandLanes * kExpandVectors;
 
 // Weights per work item: small enough that both threads share a call's few targets evenly (an
@@ -79,27 +86,27 @@ int64_t ColumnsPerItem(int64_t K, int64_t align) {
 // as one parallel region. Work items never cross a segment and start at multiples of
 // ColumnsPerItem(K, align) within it, so how a segment's columns are cut does not depend on the
 // others.
-// `columns` also gets `panel_floats` of scratch of its thread (null when 0).
 template <typename SegmentFn>
-void RunSegments(const std::vector<int64_t>& sizes, int64_t K, int64_t align, int64_t panel_floats,
-                 SegmentFn columns, ffi::ThreadPool& pool) {
+void RunSegments(const std::vector<int64_t>& sizes, int64_t K, int64_t align, SegmentFn columns,
+                 ffi::ThreadPool& pool) {
   const int64_t per_item = ColumnsPerItem(K, align);
   std::vector<int64_t> starts(sizes.size() + 1, 0);  // each segment padded to whole items
   for (size_t s = 0; s < sizes.size(); ++s) starts[s + 1] = starts[s] + (sizes[s] + per_item - 1) / per_item * per_item;
   const int64_t total = starts.back();
   if (total == 0) return;
-  Run(total, K, panel_floats,
-      [&starts, &sizes, columns](int64_t begin, int64_t end, float* panel) {
+  Run(total, K, 0,
+      [&starts, &sizes, columns](int64_t begin, int64_t end, float*) {
         const size_t s = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
         const int64_t hi = std::min(end - starts[s], sizes[s]);
-        if (begin - starts[s] < hi) columns(s, begin - starts[s], hi, panel);
+        if (begin - starts[s] < hi) columns(s, begin - starts[s], hi);
       },
       pool, per_item);
 }
 
 // d[i, c] = sum_r xa[i, r] b[r, c] for MR rows and the kVectors vectors of columns from b and d
-// (rows ldb and ldd apart), the ranks in order: each b vector is loaded once for all the rows.
-template <int MR, int kVectors, typename W>
+// (rows ldb and ldd apart), the ranks in order: each b vector is loaded once for all the rows,
+// by `Load`.
+template <int MR, int kVectors, typename W, typename Load = PortableLoad>
 __attribute__((always_inline)) inline void ExpandTile(const float* __restrict xa, const W* __restrict b, int64_t ldb,
                                                       float* __restrict d, int64_t ldd, int64_t R) {
   Lanes16 acc[MR][kVectors];
@@ -107,22 +114,22 @@ __attribute__((always_inline)) inline void ExpandTile(const float* __restrict xa
     for (int v = 0; v < kVectors; ++v) acc[i][v] = Lanes16{};
   for (int64_t r = 0; r < R; ++r) {
     Lanes16 bv[kVectors];
-    for (int v = 0; v < kVectors; ++v) bv[v] = LoadLanes16(b + r * ldb + v * kExpandLanes);
+    for (int v = 0; v < kVectors; ++v) bv[v] = Load::Load(b + r * ldb + v * kExpandLanes);
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < kVectors; ++v) acc[i][v] += xa[i * R + r] * bv[v];
   }
   for (int i = 0; i < MR; ++i) std::memcpy(d + i * ldd, acc[i], sizeof acc[i]);
 }
 
-template <int kVectors, typename W>
+template <int kVectors, typename W, typename Load = PortableLoad>
 __attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d,
                                                       int64_t ldd, int64_t R) {
   int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) ExpandTile<4, kVectors, W>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
+  for (; i + 4 <= rows; i += 4) ExpandTile<4, kVectors, W, Load>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
   switch (rows - i) {
-    case 3: return ExpandTile<3, kVectors, W>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
-    case 2: return ExpandTile<2, kVectors, W>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
-    case 1: return ExpandTile<1, kVectors, W>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
+    case 3: return ExpandTile<3, kVectors, W, Load>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
+    case 2: return ExpandTile<2, kVectors, W, Load>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
+    case 1: return ExpandTile<1, kVectors, W, Load>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
   }
 }
 
@@ -176,20 +183,12 @@ void ExpandInt8Panel(int64_t rows, const float* xa, const int8_t* b, int64_t ldb
 // either path gives the same bits.
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")
-template <int MR, typename W>
-void ExpandWideTile(const float* __restrict xa, const W* __restrict b, int64_t ldb, float* __restrict d, int64_t ldd,
-                    int64_t R) {
-  Vec16 acc[MR][kExpandVectors];
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < kExpandVectors; ++v) acc[i][v] = Vec16{};
-  for (int64_t r = 0; r < R; ++r) {
-    Vec16 bv[kExpandVectors];
-    for (int v = 0; v < kExpandVectors; ++v) bv[v] = Lanes<Vec16>::Load(b + r * ldb + v * kExpandLanes);
-    for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < kExpandVectors; ++v) acc[i][v] += xa[i * R + r] * bv[v];
-  }
-  for (int i = 0; i < MR; ++i) std::memcpy(d + i * ldd, acc[i], sizeof acc[i]);
-}
+// Not always_inline: GCC refuses that into ExpandTile, compiled for the default target; it
+// inlines the call once ExpandTile is inlined here (as TileOf's loads in dense_matmul.cc).
+struct WideLoad {
+  template <typename W>
+  static Vec16 Load(const W* p) { return Lanes<Vec16>::Load(p); }
+};
 
 // The sums of the whole tiles of [begin, end) (begin a multiple of kExpandTile); returns where
 // they stop.
@@ -197,36 +196,22 @@ template <typename W>
 int64_t ExpandWide(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d, int64_t ldd, int64_t R,
                    int64_t begin, int64_t end) {
   int64_t o = begin;
-  for (; o + kExpandTile <= end; o += kExpandTile) {
-    int64_t i = 0;
-    for (; i + 4 <= rows; i += 4) ExpandWideTile<4, W>(xa + i * R, b + o, ldb, d + i * ldd + o, ldd, R);
-    switch (rows - i) {
-      case 3: ExpandWideTile<3, W>(xa + i * R, b + o, ldb, d + i * ldd + o, ldd, R); break;
-      case 2: ExpandWideTile<2, W>(xa + i * R, b + o, ldb, d + i * ldd + o, ldd, R); break;
-      case 1: ExpandWideTile<1, W>(xa + i * R, b + o, ldb, d + i * ldd + o, ldd, R); break;
-    }
-  }
+  for (; o + kExpandTile <= end; o += kExpandTile)
+    ExpandRows<kExpandVectors, W, WideLoad>(rows, xa, b + o, ldb, d + o, ldd, R);
   return o;
 }
 #pragma GCC pop_options
-
-// Whether this CPU runs Expand's x86-64-v4 clone (target_clones' condition for it).
-bool CpuRunsExpandV4() {
-  static const bool v4 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512cd");
-  return v4;
-}
 #endif
 
-// Expand for any slot type: float32 directly; int8 and bfloat16 by the wide tiles where the CPU
-// has them, the rest (and other CPUs) by ExpandInt8Panel and Expand.
+// Expand for any slot type: float32 directly; int8 and bfloat16 by the wide tiles where the
+// process runs the dense kernel's sixteen-lane family (UseWideTiles, whose CPUs run Expand's
+// x86-64-v4 clone), the rest (and other CPUs) by ExpandInt8Panel and Expand.
 template <typename W>
 void ExpandSlots(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d, int64_t ldd, int64_t R,
                  int64_t begin, int64_t end) {
 #ifdef RAYLM_WIDE_TILES
   if constexpr (!std::is_same_v<W, float>)
-    if (CpuRunsExpandV4()) begin = ExpandWide(rows, xa, b, ldb, d, ldd, R, begin, end);
+    if (UseWideTiles()) begin = ExpandWide(rows, xa, b, ldb, d, ldd, R, begin, end);
 #endif
   if (begin == end) return;
   if constexpr (std::is_same_v<W, int8_t>)
@@ -307,14 +292,14 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
   std::vector<int64_t> sizes;
   for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), T, R);
   std::vector<float> xa(T * rows * R);
-  // Columns' scratch for weights it widens through a panel (none of the slot types today).
-  const int64_t panel_floats = kWidensThroughPanel<W> ? kMaxWeightRowsPerTile * K : 0;
-  RunSegments(sizes, K, kPhaseOneAlign, panel_floats, [&](size_t segment, int64_t begin, int64_t end, float* panel) {
+  // Columns widens every slot type in registers, so it needs no panel (null below).
+  static_assert(!kWidensThroughPanel<W>, "slot types that Columns widens through a panel need its scratch");
+  RunSegments(sizes, K, kPhaseOneAlign, [&](size_t segment, int64_t begin, int64_t end) {
     const SlotRows& run = runs[segment / T];
     const int64_t t = segment % T;
     const float* row_scales = p.scales ? p.scales + run.buffer * p.S2 + p.a_scale_offset + t * R : nullptr;
     Columns(&xs[run.first * K], w + run.buffer * p.S + p.a_offset + t * R * K, row_scales,
-            &xa[(t * rows + run.first) * R], run.rows, R, K, begin, end, panel);
+            &xa[(t * rows + run.first) * R], run.rows, R, K, begin, end, nullptr);
   }, pool);
 
   // Phase 2: d_t [rows, O_t] = xa_t B_t^T, a segment of O_t columns per (run, target).
@@ -323,7 +308,7 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
   for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), outputs.begin(), outputs.end());
   for (int64_t t = 0; t < T; ++t) offsets[t + 1] = offsets[t] + rows * outputs[t];
   std::vector<float> d(offsets[T]);
-  RunSegments(sizes, R, kExpandTile, 0, [&](size_t segment, int64_t begin, int64_t end, float*) {
+  RunSegments(sizes, R, kExpandTile, [&](size_t segment, int64_t begin, int64_t end) {
     const SlotRows& run = runs[segment / T];
     const int64_t t = segment % T, O = outputs[t];
     const W* b = w + run.buffer * p.S + p.b_offsets[t];
