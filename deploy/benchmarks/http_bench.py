@@ -22,7 +22,8 @@ prefix cache), TTFT/ITL p50/p99, e2e p50 and the error count. With ``--ray-app``
 application on this Ray cluster), also what its worker replicas counted over the measured run:
 speculative decoding's acceptance (``replica_counters.py``), and per step kind the steps,
 tokens, seconds and achieved GFLOP/s against this machine's float32 GEMM peak
-(``step_rates.py``).
+(``step_rates.py``); and before measuring it waits for the replicas to finish compiling their
+programs in the background (``--warmup-timeout``), which would otherwise be timed as serving.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 
-from deploy.benchmarks.replica_counters import ReplicaCounters, acceptance
+from deploy.benchmarks.replica_counters import ReplicaCounters, acceptance, wait_until_warm
 from deploy.benchmarks.step_rates import PEAK_SHAPE, float32_gemm_peak, format_step_rates, step_rates
 
 # Random prompt token ids: ordinary tokens of a 49152-vocab model (past the special/control ids).
@@ -352,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --ray-app: do not measure this machine's float32 GEMM peak (a few seconds at "
                              "start) that the step kinds' GFLOP/s are held against")
     parser.add_argument("--ray-address", default="auto", help="Ray cluster of --ray-app (default: the one here)")
+    parser.add_argument("--warmup-timeout", type=float, default=900.0, metavar="S",
+                        help="with --ray-app: wait up to S seconds for the replicas to finish compiling their "
+                             "programs in the background before measuring (default 900; 0: do not wait)")
     return parser
 
 
@@ -370,6 +374,8 @@ async def _run(args: argparse.Namespace) -> tuple[list[list[WorkloadResult]], fl
     endpoints = [(args.base_url, args.model), *zip(args.compare, models)]
     endpoints = [(url, model or await default_model(url, args.api_key)) for url, model in endpoints]
     counters = ReplicaCounters(args.ray_app, args.ray_address) if args.ray_app else None
+    if counters and args.warmup_timeout > 0:
+        wait_until_warm(lambda: counters.totals().warmup_programs_left, args.warmup_timeout)
     peak = None
     if counters and not args.no_gemm_peak:
         peak = float32_gemm_peak()

@@ -9,7 +9,8 @@ here, each step kind's achieved rate in ``step_rates.py``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import time
+from typing import Any, Callable
 
 from cluster.local_ray import apply_local_ray_env
 from workers.engine_stats import ComputeStats, EngineStats, StepWork
@@ -19,10 +20,12 @@ from workers.speculative import SpecDecodeStats
 @dataclasses.dataclass(frozen=True)
 class ReplicaTotals:
     """Counters summed over replicas; each None when no replica reports it (speculation off,
-    or no replica answered)."""
+    or no replica answered). ``warmup_programs_left``: programs the replicas still compile in the
+    background (0 once every replica serves at full speed)."""
 
     spec: SpecDecodeStats | None
     compute: ComputeStats | None
+    warmup_programs_left: int = 0
 
 
 class ReplicaCounters:
@@ -54,7 +57,29 @@ def sum_replicas(engines: list[EngineStats]) -> ReplicaTotals:
                                   for f in dataclasses.fields(StepWork)))
                  for kind in computes[0].kinds}
         compute = ComputeStats(any(c.integer_matmuls for c in computes), kinds)
-    return ReplicaTotals(spec, compute)
+    return ReplicaTotals(spec, compute, sum(e.warmup_programs_left for e in engines))
+
+
+def wait_until_warm(programs_left: Callable[[], int], timeout_s: float, *, poll_s: float = 2.0,
+                    say: Callable[[str], None] = print, clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Wait until ``programs_left()`` (the replicas' background warm-up) is 0, at most ``timeout_s``;
+    whether it got there. A replica answers requests while it compiles its remaining programs,
+    on the same cores: a run measured then reports the compiler's time as the server's (a
+    single stream at a third of its speed on the bundled model), so the bench waits, and says
+    so, rather than print such figures as the server's."""
+    deadline = clock() + timeout_s
+    left = programs_left()
+    if left:
+        say(f"waiting for the replicas' warm-up: {left} programs left to compile")
+    while left:
+        if clock() >= deadline:
+            say(f"warning: still {left} warm-up programs left after {timeout_s:.0f} s; the figures below include "
+                "their compilation")
+            return False
+        sleep(poll_s)
+        left = programs_left()
+    return True
 
 
 def acceptance(before: SpecDecodeStats | None, after: SpecDecodeStats | None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from deploy import cli
 from deploy.benchmarks.http_bench import (
     PROMPT_TOKEN_RANGE, WORKLOADS, Workload, WorkloadResult, format_table, percentile, run_workload,
 )
-from deploy.benchmarks.replica_counters import sum_replicas
+from deploy.benchmarks.replica_counters import sum_replicas, wait_until_warm
 from deploy.benchmarks.step_rates import step_rates
 from tests.serving import free_port
 from workers.engine_stats import ComputeStats, EngineStats, StepWork
@@ -302,3 +302,37 @@ def test_cli_bench_needs_a_mode(capsys):
 def test_cli_unreachable_model_lookup(capsys):
     assert cli.main(["bench", "--base-url", f"http://127.0.0.1:{free_port()}", "--workload", "single-stream"]) == 2
     assert "ConnectError" in capsys.readouterr().err
+
+
+class _Clock:
+    """A fake clock that ``sleep`` advances."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_replica_warmup_is_summed_and_waited_for():
+    """Two replicas with 3 and 2 programs left report 5; the bench polls until they are 0, says
+    once that it waits, and measures nothing before."""
+    assert sum_replicas([dataclasses.replace(_replica(), warmup_programs_left=3),
+                         dataclasses.replace(_replica(), warmup_programs_left=2)]).warmup_programs_left == 5
+    left, said, clock = iter([5, 4, 1, 0]), [], _Clock()
+    assert wait_until_warm(lambda: next(left), 60, poll_s=2, say=said.append, clock=lambda: clock.now,
+                           sleep=clock.sleep)
+    assert clock.now == 6 and said == ["waiting for the replicas' warm-up: 5 programs left to compile"]
+    # Already warm: no wait, nothing said.
+    said.clear()
+    assert wait_until_warm(lambda: 0, 60, say=said.append, clock=lambda: clock.now, sleep=clock.sleep)
+    assert said == [] and clock.now == 6
+
+
+def test_replica_warmup_wait_gives_up_with_a_warning():
+    """Programs that never finish: the wait ends at the timeout and says the figures include them."""
+    said, clock = [], _Clock()
+    assert not wait_until_warm(lambda: 7, 10, poll_s=2, say=said.append, clock=lambda: clock.now, sleep=clock.sleep)
+    assert clock.now == 10
+    assert said[-1] == ("warning: still 7 warm-up programs left after 10 s; the figures below include their "
+                        "compilation")
