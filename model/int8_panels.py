@@ -16,6 +16,10 @@ Layout of a matrix ``[N..., K...]`` (outputs and inputs each flattened, ``N`` an
   (the kernel computes them and drops them).
 - ``scale [G, B, 16]``: each block's ``d`` (GGUF blocks, ``int8_g32``), else ``[G, B, 0]``.
 - ``offset [G, B, 16]``: a 4-bit block's ``m`` (``w = d q + m``), else ``[G, B, 0]``.
+- ``scale`` and ``offset`` are float16 where every value of both is a float16 (GGUF stores them
+  so), else float32: a decode row reads every byte of the matrix, and float32 tables were a
+  third of a 4-bit weight's bytes (0.25 of 0.75 per weight; float16: 0.125 of 0.625). The
+  kernel widens them exactly, so the results do not change.
 - ``row_scale [N]``: per-row int8's scale per output column, else ``[0]``.
 
 Only the integer kernel reads this layout; ``rows`` (the tied embedding's lookup) and
@@ -78,8 +82,8 @@ class Int8Panels:
         if self.row_scale.shape[0]:
             w = stored[..., :size].astype(jnp.float32) * self.row_scale[index][..., None]
             return w.reshape(*lead, *self.input_shape).astype(dtype)
-        offset = self.offset[group, :, lane] if self.nibbles else jnp.zeros((*lead, 0), jnp.float32)
-        blocks = GgufBlocks(stored, self.scale[group, :, lane], offset, self.input_shape)
+        offset = self.offset[group, :, lane].astype(jnp.float32) if self.nibbles else jnp.zeros((*lead, 0), jnp.float32)
+        blocks = GgufBlocks(stored, self.scale[group, :, lane].astype(jnp.float32), offset, self.input_shape)
         return blocks.dequantize(dtype)
 
     def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
@@ -113,10 +117,13 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
     vectors = q.shape[1] // (blocks * LANE)
     packed = q[repeat].reshape(groups, GROUP, blocks, vectors, LANE).transpose(0, 2, 3, 1, 4)
 
+    tables = [np.asarray(v, np.float32) for v in (scale, offset) if v is not None]
+    table_dtype = np.float16 if all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables) else np.float32
+
     def per_block(values: np.ndarray | None) -> np.ndarray:
         if values is None:
-            return np.zeros((groups, blocks, 0), np.float32)
-        return np.ascontiguousarray(values[repeat].reshape(groups, GROUP, blocks).transpose(0, 2, 1), np.float32)
+            return np.zeros((groups, blocks, 0), table_dtype)
+        return np.ascontiguousarray(values[repeat].reshape(groups, GROUP, blocks).transpose(0, 2, 1), table_dtype)
 
     return Int8Panels(
         jnp.asarray(np.ascontiguousarray(packed)), jnp.asarray(per_block(scale)), jnp.asarray(per_block(offset)),

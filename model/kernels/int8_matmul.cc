@@ -50,6 +50,7 @@
 
 #include "column_items.h"
 #include "ffi_shape.h"
+#include "float16.h"
 #include "gguf_blocks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -59,7 +60,6 @@ using raylm::kGgufBlock;
 namespace {
 
 using Matrix = ffi::Buffer<ffi::F32, 2>;
-using Scales = ffi::Buffer<ffi::F32, 3>;    // [groups, blocks, 16 or 0]
 using RowScale = ffi::Buffer<ffi::F32, 1>;  // [N or 0]
 
 constexpr int64_t kGroupCols = 16;  // output columns of one packed group
@@ -134,23 +134,29 @@ enum class Format {
 };
 
 // The packed weights (model/int8_panels.py): q [groups, blocks, T, 16, 4] bytes, d and m
-// [groups, blocks, 16] (absent: null), row_scale [N] (absent: null).
+// [groups, blocks, 16] (absent: null) in float32, or in float16 (`half`) where the values are
+// float16's, as GGUF stores them (a sixth less to read per 4-bit weight: a decode row streams
+// every byte of the matrix once), row_scale [N] (absent: null).
 struct Int8Panels {
   const uint8_t* q;
-  const float* d;
-  const float* m;
+  const void* d;
+  const void* m;
   const float* row_scale;
   int64_t N, K, blocks;
   Format format = Format::kNibbles;
+  bool half = false;
 
   int Vectors() const { return format == Format::kNibbles ? 4 : 8; }
   // Vector t of block b for the lanes from column c (c a multiple of 8: AVX2 reads half groups).
   const uint8_t* Vector(int64_t c, int64_t b, int t) const {
     return q + (((c / kGroupCols) * blocks + b) * Vectors() + t) * kVectorBytes + (c % kGroupCols) * 4;
   }
-  // Block b's d_w or m (`values`) for the lanes from column c.
-  const float* Lanes(const float* values, int64_t c, int64_t b) const {
-    return values + ((c / kGroupCols) * blocks + b) * kGroupCols + c % kGroupCols;
+  // Where block b's d_w or m are for the lanes from column c, in values of their type.
+  int64_t LaneIndex(int64_t c, int64_t b) const { return ((c / kGroupCols) * blocks + b) * kGroupCols + c % kGroupCols; }
+  // Block b's d_w or m (`values`: d or m) of column n.
+  float Lane(const void* values, int64_t n, int64_t b) const {
+    const int64_t i = LaneIndex(n, b);
+    return half ? raylm::HalfToFloat(static_cast<const uint16_t*>(values)[i]) : static_cast<const float*>(values)[i];
   }
   // Weight k of column n as the integer the sums use.
   int32_t Value(int64_t n, int64_t k) const {
@@ -171,9 +177,9 @@ void PortableColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M
         const int8_t* xq = a.Block(r, b);
         int32_t sum = 0;
         for (int64_t k = 0; k < kGgufBlock; ++k) sum += xq[k] * w.Value(n, b * kGgufBlock + k);
-        const float dw = w.format == Format::kRowBytes ? 1.0f : *w.Lanes(w.d, n, b);
+        const float dw = w.format == Format::kRowBytes ? 1.0f : w.Lane(w.d, n, b);
         acc = std::fma(static_cast<float>(sum), a.d[a.At(r, b)] * dw, acc);
-        if (w.format == Format::kNibbles) acc = std::fma(*w.Lanes(w.m, n, b), a.ds[a.At(r, b)], acc);
+        if (w.format == Format::kNibbles) acc = std::fma(w.Lane(w.m, n, b), a.ds[a.At(r, b)], acc);
       }
       y[r * w.N + n] = w.format == Format::kRowBytes ? acc * w.row_scale[n] : acc;
     }
@@ -186,13 +192,21 @@ void PortableColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M
 // weights being the unsigned operand (nibbles as they are, 8-bit weights + 128, whose extra
 // 128 * S per block is subtracted by starting the block's sums at -128 * S).
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
 struct VnniFamily {
   static constexpr int kCols = 16;
+
+  // The sixteen d_w or m (`values`) of block b from column c, widened exactly where float16.
+  static __m512 Lanes(const Int8Panels& w, const void* values, int64_t c, int64_t b) {
+    const int64_t i = w.LaneIndex(c, b);
+    if (w.half)
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(values) + i)));
+    return _mm512_loadu_ps(static_cast<const float*>(values) + i);
+  }
 
   // QuantizeRows's arithmetic, two vectors a block: the maximum and the integer sum are exact
   // in any order, and vcvtps2dq rounds to nearest even as nearbyint does.
@@ -259,12 +273,12 @@ struct VnniFamily {
         }
       }
       for (int g = 0; g < G; ++g) {
-        const __m512 d = F == Format::kRowBytes ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(w.Lanes(w.d, n + g * kCols, b));
+        const __m512 d = F == Format::kRowBytes ? _mm512_set1_ps(1.0f) : Lanes(w, w.d, n + g * kCols, b);
         for (int r = 0; r < R; ++r) {
           const __m512 dx = _mm512_set1_ps(a.d[a.At(m + r, b)]);
           acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][g]), _mm512_mul_ps(dx, d), acc[r][g]);
           if constexpr (F == Format::kNibbles)
-            acc[r][g] = _mm512_fmadd_ps(_mm512_loadu_ps(w.Lanes(w.m, n + g * kCols, b)),
+            acc[r][g] = _mm512_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
                                         _mm512_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
         }
       }
@@ -291,10 +305,18 @@ struct VnniFamily {
 // 8-bit weights, |w| <= 128 is, with the activation given w's sign (|q_x| <= 127), so no pair sum
 // overflows.
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 struct Avx2Family {
   static constexpr int kCols = 8;
+
+  // The eight d_w or m (`values`) of block b from column c, widened exactly where float16.
+  static __m256 Lanes(const Int8Panels& w, const void* values, int64_t c, int64_t b) {
+    const int64_t i = w.LaneIndex(c, b);
+    if (w.half)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + i)));
+    return _mm256_loadu_ps(static_cast<const float*>(values) + i);
+  }
 
   template <int R, int G, Format F>
   static void Tile(const Int8Rows& a, int64_t m, const Int8Panels& w, float* y, int64_t n, int64_t valid) {
@@ -343,12 +365,12 @@ struct Avx2Family {
         }
       }
       for (int g = 0; g < G; ++g) {
-        const __m256 d = F == Format::kRowBytes ? _mm256_set1_ps(1.0f) : _mm256_loadu_ps(w.Lanes(w.d, n + g * kCols, b));
+        const __m256 d = F == Format::kRowBytes ? _mm256_set1_ps(1.0f) : Lanes(w, w.d, n + g * kCols, b);
         for (int r = 0; r < R; ++r) {
           const __m256 dx = _mm256_set1_ps(a.d[a.At(m + r, b)]);
           acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][g]), _mm256_mul_ps(dx, d), acc[r][g]);
           if constexpr (F == Format::kNibbles)
-            acc[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(w.Lanes(w.m, n + g * kCols, b)),
+            acc[r][g] = _mm256_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
                                         _mm256_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
         }
       }
@@ -380,7 +402,7 @@ Int8Family ChosenFamily() {
 #ifdef RAYLM_INT8_VECTOR_FAMILIES
     const char* forced = std::getenv("RAYLM_INT8_MATMUL_FAMILY");
     const std::string force = forced ? forced : "";
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     const bool vnni = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512vnni");
@@ -415,7 +437,7 @@ void TileRows(int64_t rows, const Int8Rows& a, int64_t m, const Int8Panels& w, f
 template <typename Family, Format F>
 void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
   constexpr int C = Family::kCols;
-  const int64_t group_bytes = w.blocks * (w.Vectors() * kVectorBytes + 2 * kGroupCols * int64_t{sizeof(float)});
+  const int64_t group_bytes = w.blocks * (w.Vectors() * kVectorBytes + 2 * kGroupCols * (w.half ? 2 : 4));
   const int64_t panel_cols = std::max<int64_t>(2, kInt8PanelBytes / group_bytes) * kGroupCols;
   const int64_t block_rows =
       std::max<int64_t>(kInt8Rows, kInt8RowBlockBytes / (w.blocks * kGgufBlock) / kInt8Rows * kInt8Rows);
@@ -473,8 +495,8 @@ void RunInt8Matmul(const float* x, const Int8Panels& w, float* y, int64_t M, ffi
 }
 
 // Checks the packed operands against x [M, K] and y [M, N]; an empty message when they agree.
-std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const Scales& d, const Scales& m,
-                       const RowScale& row_scale, const Matrix& y, Format* format) {
+std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyBuffer& d, const ffi::AnyBuffer& m,
+                       const RowScale& row_scale, const Matrix& y, Format* format, bool* half) {
   const int64_t K = x.dimensions()[1], N = y.dimensions()[1];
   const int64_t groups = (N + kGroupCols - 1) / kGroupCols, blocks = (K + kGgufBlock - 1) / kGgufBlock;
   const bool nibbles = q.element_type() == ffi::DataType::U8;
@@ -482,6 +504,10 @@ std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const Scales& d
   const auto qd = q.dimensions();
   const bool q_ok = qd.size() == 5 && qd[0] == groups && qd[1] == blocks && qd[2] == (nibbles ? 4 : 8) &&
                     qd[3] == kGroupCols && qd[4] == 4;
+  if (d.dimensions().size() != 3 || m.dimensions().size() != 3) return "d and m must be 3-D";
+  *half = d.element_type() == ffi::DataType::F16;
+  if ((!*half && d.element_type() != ffi::DataType::F32) || m.element_type() != d.element_type())
+    return "d and m must both be float32 or both float16";
   const bool has_d = d.dimensions()[2] == kGroupCols, has_m = m.dimensions()[2] == kGroupCols;
   const bool has_row_scale = row_scale.dimensions()[0] == N && N > 0;
   *format = nibbles ? Format::kNibbles : has_d ? Format::kBlockBytes : Format::kRowBytes;
@@ -497,21 +523,22 @@ std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const Scales& d
          ", row_scale " + raylm::Shape(row_scale.dimensions()) + " and y " + raylm::Shape(y.dimensions()) +
          ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) + ", 4 or 8, 16, 4], d and m [" +
          std::to_string(groups) + ", " + std::to_string(blocks) +
-         ", 16 or 0] (4-bit: both; 8-bit: d or row_scale [N]), K whole blocks unless per-row int8";
+         ", 16 or 0] (4-bit: both; 8-bit: d or row_scale [N]; float32 or float16), K whole blocks unless per-row int8";
 }
 
-ffi::Error Int8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, Scales d, Scales m,
-                           RowScale row_scale, ffi::Result<Matrix> y) {
+ffi::Error Int8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, ffi::AnyBuffer d,
+                           ffi::AnyBuffer m, RowScale row_scale, ffi::Result<Matrix> y) {
   Format format = Format::kNibbles;
-  const std::string error = PanelError(x, q, d, m, row_scale, *y, &format);
+  bool half = false;
+  const std::string error = PanelError(x, q, d, m, row_scale, *y, &format, &half);
   if (!error.empty()) return ffi::Error::InvalidArgument("int8_panel_matmul: " + error);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
   if (M == 0 || N == 0) return ffi::Error::Success();
   const Int8Panels w{static_cast<const uint8_t*>(q.untyped_data()),
-                     format == Format::kRowBytes ? nullptr : d.typed_data(),
-                     format == Format::kNibbles ? m.typed_data() : nullptr,
+                     format == Format::kRowBytes ? nullptr : d.untyped_data(),
+                     format == Format::kNibbles ? m.untyped_data() : nullptr,
                      format == Format::kRowBytes ? row_scale.typed_data() : nullptr,
-                     N, K, (K + kGgufBlock - 1) / kGgufBlock, format};
+                     N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half};
   RunInt8Matmul(x.typed_data(), w, y->typed_data(), M, thread_pool);
   return ffi::Error::Success();
 }
@@ -523,7 +550,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmInt8PanelMatmul, Int8PanelMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<Scales>()
-                                  .Arg<Scales>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<RowScale>()
                                   .Ret<Matrix>());
