@@ -118,7 +118,8 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
     packed = q[repeat].reshape(groups, GROUP, blocks, vectors, LANE).transpose(0, 2, 3, 1, 4)
 
     tables = [np.asarray(v, np.float32) for v in (scale, offset) if v is not None]
-    table_dtype = np.float16 if all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables) else np.float32
+    halves = all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables)
+    table_dtype = np.float16 if halves else np.float32
 
     def per_block(values: np.ndarray | None) -> np.ndarray:
         if values is None:

@@ -152,7 +152,9 @@ struct Int8Panels {
     return q + (((c / kGroupCols) * blocks + b) * Vectors() + t) * kVectorBytes + (c % kGroupCols) * 4;
   }
   // Where block b's d_w or m are for the lanes from column c, in values of their type.
-  int64_t LaneIndex(int64_t c, int64_t b) const { return ((c / kGroupCols) * blocks + b) * kGroupCols + c % kGroupCols; }
+  int64_t LaneIndex(int64_t c, int64_t b) const {
+    return ((c / kGroupCols) * blocks + b) * kGroupCols + c % kGroupCols;
+  }
   // Block b's d_w or m (`values`: d or m) of column n.
   float Lane(const void* values, int64_t n, int64_t b) const {
     const int64_t i = LaneIndex(n, b);
@@ -203,8 +205,10 @@ struct VnniFamily {
   // The sixteen d_w or m (`values`) of block b from column c, widened exactly where float16.
   static __m512 Lanes(const Int8Panels& w, const void* values, int64_t c, int64_t b) {
     const int64_t i = w.LaneIndex(c, b);
-    if (w.half)
-      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(values) + i)));
+    if (w.half) {
+      const uint16_t* halves = static_cast<const uint16_t*>(values) + i;
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves)));
+    }
     return _mm512_loadu_ps(static_cast<const float*>(values) + i);
   }
 
@@ -313,8 +317,10 @@ struct Avx2Family {
   // The eight d_w or m (`values`) of block b from column c, widened exactly where float16.
   static __m256 Lanes(const Int8Panels& w, const void* values, int64_t c, int64_t b) {
     const int64_t i = w.LaneIndex(c, b);
-    if (w.half)
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + i)));
+    if (w.half) {
+      const uint16_t* halves = static_cast<const uint16_t*>(values) + i;
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
+    }
     return _mm256_loadu_ps(static_cast<const float*>(values) + i);
   }
 
