@@ -10,7 +10,7 @@
 // bfloat16 or int8 widened exactly as read), so that a step passes one array for all its layers
 // rather than one per layer and target (each argument costs the step microseconds of dispatch);
 // in it, at `a_offset`, the T targets' A [T * R, K], then at `b_offsets[t]` target t's B^T [R,
-// O_t] (each rank's outputs contiguous); int8 weights have float32 scales [n, S2], A's one per
+// O_t] in tiles of 64 outputs (see TiledColumns); int8 weights have float32 scales [n, S2], A's one per
 // row at `a_scale_offset`, target t's B one per output at `b_scale_offsets[t]`. The targets'
 // outputs are interleaved in y as the fused projection lays them out: y's N columns are
 // `groups` groups of W = N / groups, target t owning O_t / groups consecutive columns of each
@@ -133,27 +133,22 @@ __attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float*
   }
 }
 
-// d [rows, ldd] = xa [rows, R] . b [R, ldb], columns [begin, end) (begin a multiple of
-// kExpandTile): whole tiles, then single vectors, then the last columns (fewer than a
-// vector) through a zero-padded float32 copy by the same vector code. So every output is summed
-// by the same instructions whatever W (no scalar tail the compiler might fuse otherwise), and
-// bfloat16 weights give float32's sums on their values.
+// B^T [R, O] is packed in tiles (model/lora_weights.py, B_TILE): tile j holds columns
+// [64 j, 64 j + 64) of every rank, its R rows of kExpandTile values contiguous, the columns past O
+// zero. A tile's sums then read one stream: from [R, O] they read R lines O values apart, more
+// streams than the prefetchers follow (int8 and bfloat16 slots at rank 64 took 1.2x as long).
+inline int64_t TiledColumns(int64_t O) { return (O + kExpandTile - 1) / kExpandTile * kExpandTile; }
+
+// d [rows, ldd] = xa [rows, R] . B [R, *], the tiles of columns [begin, end) (multiples of
+// kExpandTile) of the tiled b, every output by ExpandTile's vector code, so bfloat16 weights
+// give float32's sums on their values.
 template <typename W>
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void Expand(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d, int64_t ldd, int64_t R, int64_t begin,
-            int64_t end) {
-  int64_t o = begin;
-  for (; o + kExpandTile <= end; o += kExpandTile) ExpandRows<kExpandVectors>(rows, xa, b + o, ldb, d + o, ldd, R);
-  for (; o + kExpandLanes <= end; o += kExpandLanes) ExpandRows<1>(rows, xa, b + o, ldb, d + o, ldd, R);
-  if (o == end) return;
-  const int64_t tail = end - o;
-  std::vector<float> panel(R * kExpandLanes, 0.0f), sums(rows * kExpandLanes);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < tail; ++c) panel[r * kExpandLanes + c] = Widen(b[r * ldb + o + c]);
-  ExpandRows<1>(rows, xa, panel.data(), kExpandLanes, sums.data(), kExpandLanes, R);
-  for (int64_t i = 0; i < rows; ++i) std::memcpy(d + i * ldd + o, &sums[i * kExpandLanes], sizeof(float) * tail);
+void Expand(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd, int64_t R, int64_t begin, int64_t end) {
+  for (int64_t o = begin; o < end; o += kExpandTile)
+    ExpandRows<kExpandVectors>(rows, xa, b + o * R, kExpandTile, d + o, ldd, R);
 }
 
 // The same for int8 b: each tile's R x kExpandTile weights widened into a float32 panel (L1) by a
@@ -163,24 +158,22 @@ void Expand(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d, in
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void ExpandInt8Panel(int64_t rows, const float* xa, const int8_t* b, int64_t ldb, float* d, int64_t ldd, int64_t R,
-                     int64_t begin, int64_t end) {
+void ExpandInt8Panel(int64_t rows, const float* xa, const int8_t* b, float* d, int64_t ldd, int64_t R, int64_t begin,
+                     int64_t end) {
   std::vector<float> panel(R * kExpandTile);
   for (int64_t o = begin; o < end; o += kExpandTile) {
-    const int64_t width = std::min(kExpandTile, end - o);
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < width; ++c) panel[r * kExpandTile + c] = static_cast<float>(b[r * ldb + o + c]);
-    Expand<float>(rows, xa, panel.data(), kExpandTile, d + o, ldd, R, 0, width);
+    for (int64_t i = 0; i < R * kExpandTile; ++i) panel[i] = static_cast<float>(b[o * R + i]);
+    Expand<float>(rows, xa, panel.data(), d + o, ldd, R, 0, kExpandTile);
   }
 }
 
 #ifdef RAYLM_WIDE_TILES
-// On AVX-512 CPUs, whole tiles of int8 and bfloat16 weights are widened in registers by the
-// dense kernel's intrinsics (Lanes<Vec16>): int8's panel store and reload, and GCC's code for
-// the bfloat16 vector extensions, cost a rank-64 adapter's slots more than reading them. The
-// operations per output are ExpandTile's, as in Expand's x86-64-v4 clone that the other path
-// runs on these CPUs (a multiply-add per rank, in order, on the exact float32 values), so
-// either path gives the same bits.
+// On AVX-512 CPUs, int8 and bfloat16 weights are widened in registers by the dense kernel's
+// intrinsics (Lanes<Vec16>): int8's panel store and reload, and GCC's code for the bfloat16
+// vector extensions, cost a rank-64 adapter's slots more than reading them. The operations per
+// output are ExpandTile's, as in Expand's x86-64-v4 clone that the other path runs on these
+// CPUs (a multiply-add per rank, in order, on the exact float32 values), so either path gives
+// the same bits.
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")
 // Not always_inline: GCC refuses that into ExpandTile, compiled for the default target; it
@@ -190,34 +183,29 @@ struct WideLoad {
   static Vec16 Load(const W* p) { return Lanes<Vec16>::Load(p); }
 };
 
-// The sums of the whole tiles of [begin, end) (begin a multiple of kExpandTile); returns where
-// they stop.
 template <typename W>
-int64_t ExpandWide(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d, int64_t ldd, int64_t R,
-                   int64_t begin, int64_t end) {
-  int64_t o = begin;
-  for (; o + kExpandTile <= end; o += kExpandTile)
-    ExpandRows<kExpandVectors, W, WideLoad>(rows, xa, b + o, ldb, d + o, ldd, R);
-  return o;
+void ExpandWide(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd, int64_t R, int64_t begin,
+                int64_t end) {
+  for (int64_t o = begin; o < end; o += kExpandTile)
+    ExpandRows<kExpandVectors, W, WideLoad>(rows, xa, b + o * R, kExpandTile, d + o, ldd, R);
 }
 #pragma GCC pop_options
 #endif
 
 // Expand for any slot type: float32 directly; int8 and bfloat16 by the wide tiles where the
 // process runs the dense kernel's sixteen-lane family (UseWideTiles, whose CPUs run Expand's
-// x86-64-v4 clone), the rest (and other CPUs) by ExpandInt8Panel and Expand.
+// x86-64-v4 clone), else (other CPUs) by ExpandInt8Panel and Expand.
 template <typename W>
-void ExpandSlots(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d, int64_t ldd, int64_t R,
-                 int64_t begin, int64_t end) {
+void ExpandSlots(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd, int64_t R, int64_t begin,
+                 int64_t end) {
 #ifdef RAYLM_WIDE_TILES
   if constexpr (!std::is_same_v<W, float>)
-    if (UseWideTiles()) begin = ExpandWide(rows, xa, b, ldb, d, ldd, R, begin, end);
+    if (UseWideTiles()) return ExpandWide(rows, xa, b, d, ldd, R, begin, end);
 #endif
-  if (begin == end) return;
   if constexpr (std::is_same_v<W, int8_t>)
-    ExpandInt8Panel(rows, xa, b, ldb, d, ldd, R, begin, end);
+    ExpandInt8Panel(rows, xa, b, d, ldd, R, begin, end);
   else
-    Expand(rows, xa, b, ldb, d, ldd, R, begin, end);
+    Expand(rows, xa, b, d, ldd, R, begin, end);
 }
 
 // The packed layout (offsets and sizes, in values of w's rows) against the operands' shapes.
@@ -239,7 +227,8 @@ std::string ShapeErrors(const Matrix& y_in, const Matrix& x, const Slots& slots,
   const int64_t S2 = scales.dimensions()[1];
   agree = agree && (!int8 || (a_scale_offset >= 0 && a_scale_offset + T * R <= S2));
   for (int64_t t = 0; agree && t < T; ++t) {
-    agree = outputs[t] >= 0 && outputs[t] % groups == 0 && b_offsets[t] >= 0 && b_offsets[t] + R * outputs[t] <= S &&
+    agree = outputs[t] >= 0 && outputs[t] % groups == 0 && b_offsets[t] >= 0 &&
+            b_offsets[t] + R * TiledColumns(outputs[t]) <= S &&
             (!int8 || (b_scale_offsets[t] >= 0 && b_scale_offsets[t] + outputs[t] <= S2));
     N += outputs[t];
   }
@@ -302,18 +291,20 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
             &xa[(t * rows + run.first) * R], run.rows, R, K, begin, end, nullptr);
   }, pool);
 
-  // Phase 2: d_t [rows, O_t] = xa_t B_t^T, a segment of O_t columns per (run, target).
-  std::vector<int64_t> offsets(T + 1, 0);  // of each target's sums in d
+  // Phase 2: d_t [rows, O_t'] = xa_t B_t^T, a segment of O_t' columns per (run, target), O_t'
+  // being O_t in whole tiles (the columns past O_t are zero weights, computed and dropped).
+  std::vector<int64_t> offsets(T + 1, 0), tiled(T);  // each target's sums in d, and its O_t'
+  for (int64_t t = 0; t < T; ++t) tiled[t] = TiledColumns(outputs[t]);
   sizes.clear();
-  for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), outputs.begin(), outputs.end());
-  for (int64_t t = 0; t < T; ++t) offsets[t + 1] = offsets[t] + rows * outputs[t];
+  for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), tiled.begin(), tiled.end());
+  for (int64_t t = 0; t < T; ++t) offsets[t + 1] = offsets[t] + rows * tiled[t];
   std::vector<float> d(offsets[T]);
   RunSegments(sizes, R, kExpandTile, [&](size_t segment, int64_t begin, int64_t end) {
     const SlotRows& run = runs[segment / T];
-    const int64_t t = segment % T, O = outputs[t];
+    const int64_t t = segment % T, O = tiled[t];
     const W* b = w + run.buffer * p.S + p.b_offsets[t];
     float* sums = &d[offsets[t] + run.first * O];
-    ExpandSlots(run.rows, &xa[(t * rows + run.first) * R], b, O, sums, O, R, begin, end);
+    ExpandSlots(run.rows, &xa[(t * rows + run.first) * R], b, sums, O, R, begin, end);
   }, pool);
 
   // Each row's sums into its outputs, where the fused projection keeps each target's.
@@ -324,7 +315,7 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
     int64_t column = 0;  // target t's first column in each group
     for (int64_t t = 0; t < T; ++t) {
       const int64_t width = outputs[t] / groups;
-      const float* sums = &d[offsets[t] + i * outputs[t]];
+      const float* sums = &d[offsets[t] + i * tiled[t]];
       if (p.scales) {
         const float* scale = p.scales + buffer_of[i] * p.S2 + p.b_scale_offsets[t];
         for (int64_t g = 0; g < groups; ++g)
