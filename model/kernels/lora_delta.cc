@@ -10,12 +10,12 @@
 // bfloat16 or int8 widened exactly as read), so that a step passes one array for all its layers
 // rather than one per layer and target (each argument costs the step microseconds of dispatch);
 // in it, at `a_offset`, the T targets' A [T * R, K], then at `b_offsets[t]` target t's B^T [R,
-// O_t] in tiles of 64 outputs (see TiledColumns); int8 weights have float32 scales [n, S2], A's one per
-// row at `a_scale_offset`, target t's B one per output at `b_scale_offsets[t]`. The targets'
-// outputs are interleaved in y as the fused projection lays them out: y's N columns are
-// `groups` groups of W = N / groups, target t owning O_t / groups consecutive columns of each
-// group after the earlier targets' (the fused QKV: a group per KV head, then q's heads, k, v;
-// gate/up: one group).
+// O_t] in tiles of 64 outputs (see TiledColumns); int8 weights have float32 scales [n, S2],
+// A's one per row at `a_scale_offset`, target t's B one per output at `b_scale_offsets[t]`.
+// The targets' outputs are interleaved in y as the fused projection lays them out: y's N
+// columns are `groups` groups of W = N / groups, target t owning O_t / groups consecutive
+// columns of each group after the earlier targets' (the fused QKV: a group per KV head, then
+// q's heads, k, v; gate/up: one group).
 //
 // Why a kernel: XLA's gathered form copied every row's adapter out of the slot buffers on
 // every step (A and B written and read again) and took a dozen small ops per group of
@@ -234,7 +234,8 @@ std::string ShapeErrors(const Matrix& y_in, const Matrix& x, const Slots& slots,
   }
   if (agree && N == y_in.dimensions()[1]) return "";
   std::string got = "lora_add: y_in [M, N], x [M, K], slots [M], w [n, S] float32, bfloat16 or int8 holding at "
-                    "a_offset A [T * R, K] and at each b_offsets[t] B^T [R, O_t] for T >= 1 targets, sum O_t = N, "
+                    "a_offset A [T * R, K] and at each b_offsets[t] B^T [R, O_t] in tiles of 64 outputs "
+                    "(R * ceil(O_t / 64) * 64 values) for T >= 1 targets, sum O_t = N, "
                     "each O_t a multiple of groups " + std::to_string(groups) + ", scales [n, S2] (int8: A's row "
                     "scales at a_scale_offset, B's column scales at each b_scale_offsets[t]); got y_in " +
                     raylm::Shape(y_in.dimensions()) + ", x " + raylm::Shape(x.dimensions()) + ", slots " +
