@@ -103,33 +103,33 @@ void RunSegments(const std::vector<int64_t>& sizes, int64_t K, int64_t align, Se
       pool, per_item);
 }
 
-// d[i, c] = sum_r xa[i, r] b[r, c] for MR rows and the kVectors vectors of columns from b and d
-// (rows ldb and ldd apart), the ranks in order: each b vector is loaded once for all the rows,
-// by `Load`.
-template <int MR, int kVectors, typename W, typename Load = PortableLoad>
-__attribute__((always_inline)) inline void ExpandTile(const float* __restrict xa, const W* __restrict b, int64_t ldb,
+// d[i, c] = sum_r xa[i, r] tile[r, c] for MR rows and one tile of kExpandTile columns (its R
+// rows contiguous, d's rows ldd apart), the ranks in order: each tile vector is loaded once for
+// all the rows, by `Load`.
+template <int MR, typename W, typename Load = PortableLoad>
+__attribute__((always_inline)) inline void ExpandTile(const float* __restrict xa, const W* __restrict tile,
                                                       float* __restrict d, int64_t ldd, int64_t R) {
-  Lanes16 acc[MR][kVectors];
+  Lanes16 acc[MR][kExpandVectors];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < kVectors; ++v) acc[i][v] = Lanes16{};
+    for (int v = 0; v < kExpandVectors; ++v) acc[i][v] = Lanes16{};
   for (int64_t r = 0; r < R; ++r) {
-    Lanes16 bv[kVectors];
-    for (int v = 0; v < kVectors; ++v) bv[v] = Load::Load(b + r * ldb + v * kExpandLanes);
+    Lanes16 bv[kExpandVectors];
+    for (int v = 0; v < kExpandVectors; ++v) bv[v] = Load::Load(tile + r * kExpandTile + v * kExpandLanes);
     for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < kVectors; ++v) acc[i][v] += xa[i * R + r] * bv[v];
+      for (int v = 0; v < kExpandVectors; ++v) acc[i][v] += xa[i * R + r] * bv[v];
   }
   for (int i = 0; i < MR; ++i) std::memcpy(d + i * ldd, acc[i], sizeof acc[i]);
 }
 
-template <int kVectors, typename W, typename Load = PortableLoad>
-__attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float* xa, const W* b, int64_t ldb, float* d,
+template <typename W, typename Load = PortableLoad>
+__attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float* xa, const W* tile, float* d,
                                                       int64_t ldd, int64_t R) {
   int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) ExpandTile<4, kVectors, W, Load>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
+  for (; i + 4 <= rows; i += 4) ExpandTile<4, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R);
   switch (rows - i) {
-    case 3: return ExpandTile<3, kVectors, W, Load>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
-    case 2: return ExpandTile<2, kVectors, W, Load>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
-    case 1: return ExpandTile<1, kVectors, W, Load>(xa + i * R, b, ldb, d + i * ldd, ldd, R);
+    case 3: return ExpandTile<3, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R);
+    case 2: return ExpandTile<2, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R);
+    case 1: return ExpandTile<1, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R);
   }
 }
 
@@ -148,7 +148,7 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 void Expand(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd, int64_t R, int64_t begin, int64_t end) {
   for (int64_t o = begin; o < end; o += kExpandTile)
-    ExpandRows<kExpandVectors>(rows, xa, b + o * R, kExpandTile, d + o, ldd, R);
+    ExpandRows(rows, xa, b + o * R, d + o, ldd, R);
 }
 
 // The same for int8 b: each tile's R x kExpandTile weights widened into a float32 panel (L1) by a
@@ -187,7 +187,7 @@ template <typename W>
 void ExpandWide(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd, int64_t R, int64_t begin,
                 int64_t end) {
   for (int64_t o = begin; o < end; o += kExpandTile)
-    ExpandRows<kExpandVectors, W, WideLoad>(rows, xa, b + o * R, kExpandTile, d + o, ldd, R);
+    ExpandRows<W, WideLoad>(rows, xa, b + o * R, d + o, ldd, R);
 }
 #pragma GCC pop_options
 #endif
