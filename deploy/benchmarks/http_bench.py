@@ -375,7 +375,7 @@ async def _run(args: argparse.Namespace) -> tuple[list[list[WorkloadResult]], fl
     endpoints = [(url, model or await default_model(url, args.api_key)) for url, model in endpoints]
     counters = ReplicaCounters(args.ray_app, args.ray_address) if args.ray_app else None
     if counters and args.warmup_timeout > 0:
-        wait_until_warm(lambda: counters.totals().warmup_programs_left, args.warmup_timeout)
+        wait_until_warm(counters.warmup_programs_left, args.warmup_timeout)
     peak = None
     if counters and not args.no_gemm_peak:
         peak = float32_gemm_peak()

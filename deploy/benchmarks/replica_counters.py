@@ -21,11 +21,12 @@ from workers.speculative import SpecDecodeStats
 class ReplicaTotals:
     """Counters summed over replicas; each None when no replica reports it (speculation off,
     or no replica answered). ``warmup_programs_left``: programs the replicas still compile in the
-    background (0 once every replica serves at full speed)."""
+    background (0 once every replica serves at full speed); ``replicas``: how many answered."""
 
     spec: SpecDecodeStats | None
     compute: ComputeStats | None
     warmup_programs_left: int = 0
+    replicas: int = 0  # worker replicas that answered
 
 
 class ReplicaCounters:
@@ -44,6 +45,11 @@ class ReplicaCounters:
 
         return sum_replicas([r.engine for r in replica_reports(self.app).values()])
 
+    def warmup_programs_left(self) -> int | None:
+        """Programs the worker replicas still compile in the background; None while none answers."""
+        totals = self.totals()
+        return totals.warmup_programs_left if totals.replicas else None
+
 
 def sum_replicas(engines: list[EngineStats]) -> ReplicaTotals:
     """The replicas' speculation and step counters, summed."""
@@ -57,25 +63,31 @@ def sum_replicas(engines: list[EngineStats]) -> ReplicaTotals:
                                   for f in dataclasses.fields(StepWork)))
                  for kind in computes[0].kinds}
         compute = ComputeStats(any(c.integer_matmuls for c in computes), kinds)
-    return ReplicaTotals(spec, compute, sum(e.warmup_programs_left for e in engines))
+    return ReplicaTotals(spec, compute, sum(e.warmup_programs_left for e in engines), len(engines))
 
 
-def wait_until_warm(programs_left: Callable[[], int], timeout_s: float, *, poll_s: float = 2.0,
+def wait_until_warm(programs_left: Callable[[], int | None], timeout_s: float, *, poll_s: float = 2.0,
                     say: Callable[[str], None] = print, clock: Callable[[], float] = time.monotonic,
                     sleep: Callable[[float], None] = time.sleep) -> bool:
     """Wait until ``programs_left()`` (the replicas' background warm-up) is 0, at most ``timeout_s``;
     whether it got there. A replica answers requests while it compiles its remaining programs,
     on the same cores: a run measured then reports the compiler's time as the server's (a
     single stream at a third of its speed on the bundled model), so the bench waits, and says
-    so, rather than print such figures as the server's."""
+    so, rather than print such figures as the server's. None means no worker replica answered
+    yet: the router serves ``/v1/models`` before the application's workers have started, and a
+    bench started then had measured their start-up and whole warm-up (TTFT 8 s instead of 0.4)."""
     deadline = clock() + timeout_s
-    left = programs_left()
-    if left:
-        say(f"waiting for the replicas' warm-up: {left} programs left to compile")
-    while left:
+    left, said = programs_left(), None
+    while left != 0:
+        message = ("waiting for the application's worker replicas to start" if left is None
+                   else f"waiting for the replicas' warm-up: {left} programs left to compile")
+        if said is None or (left is not None and said.startswith("waiting for the application")):
+            say(message)
+            said = message
         if clock() >= deadline:
-            say(f"warning: still {left} warm-up programs left after {timeout_s:.0f} s; the figures below include "
-                "their compilation")
+            state = "no worker replica answered" if left is None else f"still {left} warm-up programs left"
+            say(f"warning: {state} after {timeout_s:.0f} s; the figures below include their "
+                f"{'start-up' if left is None else 'compilation'}")
             return False
         sleep(poll_s)
         left = programs_left()

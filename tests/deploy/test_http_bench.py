@@ -329,6 +329,21 @@ def test_replica_warmup_is_summed_and_waited_for():
     assert said == [] and clock.now == 6
 
 
+def test_bench_waits_for_worker_replicas_to_start():
+    """The router answers before any worker replica does (None): the bench waits for one, then
+    for its warm-up, saying each once; a replica count comes with the totals."""
+    assert sum_replicas([_replica(), _replica()]).replicas == 2 and sum_replicas([]).replicas == 0
+    left, said, clock = iter([None, None, 3, 2, 0]), [], _Clock()
+    assert wait_until_warm(lambda: next(left), 60, poll_s=2, say=said.append, clock=lambda: clock.now,
+                           sleep=clock.sleep)
+    assert clock.now == 8
+    assert said == ["waiting for the application's worker replicas to start",
+                    "waiting for the replicas' warm-up: 3 programs left to compile"]
+    said.clear()
+    assert not wait_until_warm(lambda: None, 4, poll_s=2, say=said.append, clock=lambda: clock.now, sleep=clock.sleep)
+    assert said[-1] == "warning: no worker replica answered after 4 s; the figures below include their start-up"
+
+
 def test_replica_warmup_wait_gives_up_with_a_warning():
     """Programs that never finish: the wait ends at the timeout and says the figures include them."""
     said, clock = [], _Clock()
