@@ -22,8 +22,9 @@ prefix cache), TTFT/ITL p50/p99, e2e p50 and the error count. With ``--ray-app``
 application on this Ray cluster), also what its worker replicas counted over the measured run:
 speculative decoding's acceptance (``replica_counters.py``), and per step kind the steps,
 tokens, seconds and achieved GFLOP/s against this machine's float32 GEMM peak
-(``step_rates.py``); and before measuring it waits for the replicas to finish compiling their
-programs in the background (``--warmup-timeout``), which would otherwise be timed as serving.
+(``step_rates.py``); and before measuring it waits for the worker replicas to start and to finish
+compiling their programs in the background (``--warmup-timeout``), which would otherwise be
+timed as serving.
 """
 
 from __future__ import annotations
@@ -354,8 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "start) that the step kinds' GFLOP/s are held against")
     parser.add_argument("--ray-address", default="auto", help="Ray cluster of --ray-app (default: the one here)")
     parser.add_argument("--warmup-timeout", type=float, default=900.0, metavar="S",
-                        help="with --ray-app: wait up to S seconds for the replicas to finish compiling their "
-                             "programs in the background before measuring (default 900; 0: do not wait)")
+                        help="with --ray-app: wait up to S seconds for the worker replicas to start and finish "
+                             "compiling their programs in the background before measuring (default 900; 0: "
+                             "do not wait)")
     return parser
 
 
