@@ -44,28 +44,17 @@ namespace {
 
 using Slots = ffi::Buffer<ffi::S32, 1>;
 
-// Expand's tile: kExpandVectors vectors of 16 output columns, for up to four rows.
-typedef float Lanes16 __attribute__((vector_size(64)));
-typedef uint16_t U16x16 __attribute__((vector_size(32)));
-typedef uint32_t U32x16 __attribute__((vector_size(64)));
-
-__attribute__((always_inline)) inline Lanes16 LoadLanes16(const float* p) {
-  Lanes16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-__attribute__((always_inline)) inline Lanes16 LoadLanes16(const Bf16* p) {  // widened exactly
-  return raylm::LoadBf16Lanes<Lanes16, U16x16, U32x16>(p);
-}
-
-// How Expand's tiles load 16 weights as float32 lanes: by the functions above, which every
-// target_clones clone compiles (ExpandWide's loads use the dense kernel's intrinsics instead).
+// How Expand's tiles load weights as float32 lanes (exactly) on CPUs without AVX-512: eight at
+// a time (Lanes<Vec8>), in registers of the width they have. Sixteen-lane vector extensions,
+// which each target_clones clone compiled before, came out on AVX2 as scalar stores and
+// reloads of every broadcast rank value (a rank-64 LoRA step 0.42x of the base model's on a
+// 2-core AVX2 EPYC, against 0.78x on AVX-512). ExpandWide's loads use the dense kernel's
+// intrinsics instead.
 struct PortableLoad {
   template <typename W>
-  __attribute__((always_inline)) static Lanes16 Load(const W* p) { return LoadLanes16(p); }
+  __attribute__((always_inline)) static Vec8 Load(const W* p) { return Lanes<Vec8>::Load(p); }
 };
-constexpr int64_t kExpandLanes = 16, kExpandVectors = 4, kExpandTile = kExpandLanes * kExpandVectors;
+constexpr int64_t kExpandTile = 64;  // output columns per tile (B's tiles, model/lora_weights.py)
 
 // Weights per work item: small enough that both threads share a call's few targets evenly (an
 // item per target left a rank-64 call's second thread idle for half of it, or all of it for
@@ -105,25 +94,34 @@ void RunSegments(const std::vector<int64_t>& sizes, int64_t K, int64_t align, Se
 
 // d[i, c] = sum_r xa[i, r] tile[r, c] for MR rows and one tile of kExpandTile columns (its R
 // rows contiguous, d's rows ldd apart), the ranks in order: each tile vector is loaded once for
-// all the rows, by `Load`.
+// all the rows, by `Load`, as vectors of its width.
 template <int MR, typename W, typename Load = PortableLoad>
 __attribute__((always_inline)) inline void ExpandTile(const float* __restrict xa, const W* __restrict tile,
                                                       float* __restrict d, int64_t ldd, int64_t R) {
-  Lanes16 acc[MR][kExpandVectors];
+  using V = decltype(Load::Load(tile));
+  constexpr int kLanes = sizeof(V) / sizeof(float), kVectors = kExpandTile / kLanes;
+  V acc[MR][kVectors];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < kExpandVectors; ++v) acc[i][v] = Lanes16{};
+    for (int v = 0; v < kVectors; ++v) acc[i][v] = V{};
   for (int64_t r = 0; r < R; ++r) {
-    Lanes16 bv[kExpandVectors];
-    for (int v = 0; v < kExpandVectors; ++v) bv[v] = Load::Load(tile + r * kExpandTile + v * kExpandLanes);
+    V bv[kVectors];
+    for (int v = 0; v < kVectors; ++v) bv[v] = Load::Load(tile + r * kExpandTile + v * kLanes);
     for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < kExpandVectors; ++v) acc[i][v] += xa[i * R + r] * bv[v];
+      for (int v = 0; v < kVectors; ++v) acc[i][v] += xa[i * R + r] * bv[v];
   }
   for (int i = 0; i < MR; ++i) std::memcpy(d + i * ldd, acc[i], sizeof acc[i]);
 }
 
-template <typename W, typename Load = PortableLoad>
+// `rows` rows through tiles of up to kMaxRows. Without AVX-512 the 16 vector registers hold one
+// row's eight accumulators, not more rows'. A column's sum is over the ranks in order whatever
+// the tile or vector width, so every tile gives the same bits.
+template <typename W, typename Load = PortableLoad, int kMaxRows = 1>
 __attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float* xa, const W* tile, float* d,
                                                       int64_t ldd, int64_t R) {
+  if constexpr (kMaxRows == 1) {
+    for (int64_t i = 0; i < rows; ++i) ExpandTile<1, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R);
+    return;
+  }
   int64_t i = 0;
   for (; i + 4 <= rows; i += 4) ExpandTile<4, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R);
   switch (rows - i) {
@@ -140,8 +138,8 @@ __attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float*
 inline int64_t TiledColumns(int64_t O) { return (O + kExpandTile - 1) / kExpandTile * kExpandTile; }
 
 // d [rows, ldd] = xa [rows, R] . B [R, *], the tiles of columns [begin, end) (multiples of
-// kExpandTile) of the tiled b, every output by ExpandTile's vector code, so bfloat16 weights
-// give float32's sums on their values.
+// kExpandTile) of the tiled b, every output by ExpandTile's vector code, so bfloat16 and int8
+// weights give float32's sums on their (exactly widened) values.
 template <typename W>
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -151,29 +149,12 @@ void Expand(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd, in
     ExpandRows(rows, xa, b + o * R, d + o, ldd, R);
 }
 
-// The same for int8 b: each tile's R x kExpandTile weights widened into a float32 panel (L1) by a
-// plain loop, then summed as float32. (GCC turns a 16-lane int8 -> float vector conversion into
-// scalar inserts; a loop over contiguous bytes it vectorizes.) Exact: the panel holds the
-// values, so the sums are float32's on them, the same whatever the batch.
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-void ExpandInt8Panel(int64_t rows, const float* xa, const int8_t* b, float* d, int64_t ldd, int64_t R, int64_t begin,
-                     int64_t end) {
-  std::vector<float> panel(R * kExpandTile);
-  for (int64_t o = begin; o < end; o += kExpandTile) {
-    for (int64_t i = 0; i < R * kExpandTile; ++i) panel[i] = static_cast<float>(b[o * R + i]);
-    Expand<float>(rows, xa, panel.data(), d + o, ldd, R, 0, kExpandTile);
-  }
-}
-
 #ifdef RAYLM_WIDE_TILES
-// On AVX-512 CPUs, int8 and bfloat16 weights are widened in registers by the dense kernel's
-// intrinsics (Lanes<Vec16>): int8's panel store and reload, and GCC's code for the bfloat16
-// vector extensions, cost a rank-64 adapter's slots more than reading them. The operations per
-// output are ExpandTile's, as in Expand's x86-64-v4 clone that the other path runs on these
-// CPUs (a multiply-add per rank, in order, on the exact float32 values), so either path gives
-// the same bits.
+// On AVX-512 CPUs every slot type is widened in sixteen-lane registers by the dense kernel's
+// intrinsics (Lanes<Vec16>), four rows per tile: an int8 panel's store and reload, and GCC's
+// code for bfloat16 vector extensions, had cost a rank-64 adapter's slots more than reading
+// them. A multiply-add per rank, in order, on the exact float32 values, as Expand's, so either
+// path gives the same bits.
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")
 // Not always_inline: GCC refuses that into ExpandTile, compiled for the default target; it
@@ -187,25 +168,20 @@ template <typename W>
 void ExpandWide(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd, int64_t R, int64_t begin,
                 int64_t end) {
   for (int64_t o = begin; o < end; o += kExpandTile)
-    ExpandRows<W, WideLoad>(rows, xa, b + o * R, d + o, ldd, R);
+    ExpandRows<W, WideLoad, 4>(rows, xa, b + o * R, d + o, ldd, R);
 }
 #pragma GCC pop_options
 #endif
 
-// Expand for any slot type: float32 directly; int8 and bfloat16 by the wide tiles where the
-// process runs the dense kernel's sixteen-lane family (UseWideTiles, whose CPUs run Expand's
-// x86-64-v4 clone), else (other CPUs) by ExpandInt8Panel and Expand.
+// Expand for any slot type: by the wide tiles where the process runs the dense kernel's
+// sixteen-lane family (UseWideTiles), else by Expand's eight-lane tiles.
 template <typename W>
 void ExpandSlots(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd, int64_t R, int64_t begin,
                  int64_t end) {
 #ifdef RAYLM_WIDE_TILES
-  if constexpr (!std::is_same_v<W, float>)
-    if (UseWideTiles()) return ExpandWide(rows, xa, b, d, ldd, R, begin, end);
+  if (UseWideTiles()) return ExpandWide(rows, xa, b, d, ldd, R, begin, end);
 #endif
-  if constexpr (std::is_same_v<W, int8_t>)
-    ExpandInt8Panel(rows, xa, b, d, ldd, R, begin, end);
-  else
-    Expand(rows, xa, b, d, ldd, R, begin, end);
+  Expand(rows, xa, b, d, ldd, R, begin, end);
 }
 
 // The packed layout (offsets and sizes, in values of w's rows) against the operands' shapes.
