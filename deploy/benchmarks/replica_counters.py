@@ -77,13 +77,13 @@ def wait_until_warm(programs_left: Callable[[], int | None], timeout_s: float, *
     yet: the router serves ``/v1/models`` before the application's workers have started, and a
     bench started then had measured their start-up and whole warm-up (TTFT 8 s instead of 0.4)."""
     deadline = clock() + timeout_s
-    left, said = programs_left(), None
+    left, announced = programs_left(), None  # the wait last announced: "start" or "warm-up"
     while left != 0:
-        message = ("waiting for the application's worker replicas to start" if left is None
-                   else f"waiting for the replicas' warm-up: {left} programs left to compile")
-        if said is None or (left is not None and said.startswith("waiting for the application")):
-            say(message)
-            said = message
+        wait = "start" if left is None else "warm-up"
+        if wait != announced:
+            say("waiting for the application's worker replicas to start" if left is None
+                else f"waiting for the replicas' warm-up: {left} programs left to compile")
+            announced = wait
         if clock() >= deadline:
             state = "no worker replica answered" if left is None else f"still {left} warm-up programs left"
             say(f"warning: {state} after {timeout_s:.0f} s; the figures below include their "
