@@ -33,6 +33,7 @@
 // int8 sums scaled per row of A by the dense kernel's tiles and per output of B by one multiply
 // before the add. So a row's delta is the same bits whatever else is in the batch.
 
+#include <memory>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -55,6 +56,9 @@ struct PortableLoad {
   __attribute__((always_inline)) static Vec8 Load(const W* p) { return Lanes<Vec8>::Load(p); }
 };
 constexpr int64_t kExpandTile = 64;  // output columns per tile (B's tiles, model/lora_weights.py)
+// How far ahead ExpandTile fetches B, in ranks (int8: 1 KiB). The tiles are read once per call
+// in one stream, which the hardware prefetcher alone left waiting on memory.
+constexpr int64_t kExpandAheadRanks = 16;
 
 // Weights per work item: small enough that both threads share a call's few targets evenly (an
 // item per target left a rank-64 call's second thread idle for half of it, or all of it for
@@ -92,18 +96,23 @@ void RunSegments(const std::vector<int64_t>& sizes, int64_t K, int64_t align, Se
       pool, per_item);
 }
 
-// d[i, c] = sum_r xa[i, r] tile[r, c] for MR rows and one tile of kExpandTile columns (its R
-// rows contiguous, d's rows ldd apart), the ranks in order: each tile vector is loaded once for
-// all the rows, by `Load`, as vectors of its width.
-template <int MR, typename W, typename Load = PortableLoad>
+// d[i, c] = sum_r xa[i, r] tile[r, c] for MR rows and kCols columns of one tile (its R rows
+// kExpandTile values apart, d's rows ldd apart), the ranks in order: each tile vector is loaded
+// once for all the rows, by `Load`, as vectors of its width. `prefetch`: fetch the tile's lines
+// kExpandAheadRanks ranks ahead (into the next tile at its end) while this computes.
+template <int MR, int kCols, typename W, typename Load = PortableLoad>
 __attribute__((always_inline)) inline void ExpandTile(const float* __restrict xa, const W* __restrict tile,
-                                                      float* __restrict d, int64_t ldd, int64_t R) {
+                                                      float* __restrict d, int64_t ldd, int64_t R, bool prefetch) {
   using V = decltype(Load::Load(tile));
-  constexpr int kLanes = sizeof(V) / sizeof(float), kVectors = kExpandTile / kLanes;
+  constexpr int kLanes = sizeof(V) / sizeof(float), kVectors = kCols / kLanes;
+  constexpr int kLines = kExpandTile * sizeof(W) / 64;  // cache lines per rank of a whole tile
   V acc[MR][kVectors];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < kVectors; ++v) acc[i][v] = V{};
   for (int64_t r = 0; r < R; ++r) {
+    if (prefetch)
+      for (int l = 0; l < kLines; ++l)
+        __builtin_prefetch(reinterpret_cast<const char*>(tile + (r + kExpandAheadRanks) * kExpandTile) + 64 * l);
     V bv[kVectors];
     for (int v = 0; v < kVectors; ++v) bv[v] = Load::Load(tile + r * kExpandTile + v * kLanes);
     for (int i = 0; i < MR; ++i)
@@ -112,22 +121,30 @@ __attribute__((always_inline)) inline void ExpandTile(const float* __restrict xa
   for (int i = 0; i < MR; ++i) std::memcpy(d + i * ldd, acc[i], sizeof acc[i]);
 }
 
-// `rows` rows through tiles of up to kMaxRows. Without AVX-512 the 16 vector registers hold one
-// row's eight accumulators, not more rows'. A column's sum is over the ranks in order whatever
-// the tile or vector width, so every tile gives the same bits.
-template <typename W, typename Load = PortableLoad, int kMaxRows = 1>
+// `rows` rows through one tile. Sixteen-lane registers (kWide: 32 of them) hold four rows of a
+// whole tile's accumulators. Eight-lane ones (16 registers) hold one row's whole tile, or two
+// rows' half tile: rows go in pairs over each half (the second half's lines are in L1 by then),
+// so a pair widens each weight once for both rows, which at two rows per adapter (16 requests
+// over 8 adapters) had been most of the kernel's work. A column's sum is over the ranks in order
+// whatever the tile, so every path gives the same bits.
+template <typename W, typename Load = PortableLoad, bool kWide = false>
 __attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float* xa, const W* tile, float* d,
                                                       int64_t ldd, int64_t R) {
-  if constexpr (kMaxRows == 1) {
-    for (int64_t i = 0; i < rows; ++i) ExpandTile<1, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R);
-    return;
-  }
   int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) ExpandTile<4, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R);
-  switch (rows - i) {
-    case 3: return ExpandTile<3, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R);
-    case 2: return ExpandTile<2, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R);
-    case 1: return ExpandTile<1, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R);
+  if constexpr (kWide) {
+    for (; i + 4 <= rows; i += 4) ExpandTile<4, kExpandTile, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R, i == 0);
+    switch (rows - i) {
+      case 3: return ExpandTile<3, kExpandTile, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R, i == 0);
+      case 2: return ExpandTile<2, kExpandTile, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R, i == 0);
+      case 1: return ExpandTile<1, kExpandTile, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R, i == 0);
+    }
+  } else {
+    constexpr int kHalf = kExpandTile / 2;
+    for (; i + 2 <= rows; i += 2)
+      for (int half = 0; half < 2; ++half)
+        ExpandTile<2, kHalf, W, Load>(xa + i * R, tile + half * kHalf, d + i * ldd + half * kHalf, ldd, R,
+                                      i == 0 && half == 0);
+    if (i < rows) ExpandTile<1, kExpandTile, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R, i == 0);
   }
 }
 
@@ -168,7 +185,7 @@ template <typename W>
 void ExpandWide(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd, int64_t R, int64_t begin,
                 int64_t end) {
   for (int64_t o = begin; o < end; o += kExpandTile)
-    ExpandRows<W, WideLoad, 4>(rows, xa, b + o * R, d + o, ldd, R);
+    ExpandRows<W, WideLoad, true>(rows, xa, b + o * R, d + o, ldd, R);
 }
 #pragma GCC pop_options
 #endif
@@ -239,6 +256,19 @@ struct Packed {
   ffi::Span<const int64_t> b_scale_offsets;
 };
 
+// out[c] += sums[c], or += sums[c] * scale[c], for c < n: one target's outputs in one group of a
+// row. The product is rounded before the add (no contraction into a fused multiply-add, which
+// the AVX2 and AVX-512 clones would otherwise make), so every clone gives the same bits.
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("fp-contract=off")))
+#endif
+void AddSums(float* __restrict out, const float* __restrict sums, const float* __restrict scale, int64_t n) {
+  if (scale)
+    for (int64_t c = 0; c < n; ++c) out[c] += sums[c] * scale[c];
+  else
+    for (int64_t c = 0; c < n; ++c) out[c] += sums[c];
+}
+
 // The deltas of the rows `order` (sorted by slot, `runs` of them per slot) added into out [M, N],
 // the slots' weights of type W (float32, or bfloat16 or int8 widened exactly as they are read;
 // int8 sums scaled by A's row scale, then each output by B's column scale).
@@ -251,13 +281,15 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
   std::vector<int64_t> buffer_of(rows);  // each sorted row's buffer
   for (const SlotRows& run : runs)
     for (int64_t i = run.first; i < run.first + run.rows; ++i) buffer_of[i] = run.buffer;
-  std::vector<float> xs(rows * K);  // the rows' inputs, in sorted order
+  // Scratch that every phase writes whole before it is read: left uninitialized (at one row its
+  // zeroing and SSE adds were a sizable part of a rank-8 call).
+  std::unique_ptr<float[]> xs(new float[rows * K]);  // the rows' inputs, in sorted order
   for (int64_t i = 0; i < rows; ++i) std::memcpy(&xs[i * K], x + order[i] * K, sizeof(float) * K);
 
   // Phase 1: xa_t [rows, R] = x A_t^T per target, a segment of R columns per (run, target).
   std::vector<int64_t> sizes;
   for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), T, R);
-  std::vector<float> xa(T * rows * R);
+  std::unique_ptr<float[]> xa(new float[T * rows * R]);
   // Columns widens every slot type in registers, so it needs no panel (null below).
   static_assert(!kWidensThroughPanel<W>, "slot types that Columns widens through a panel need its scratch");
   RunSegments(sizes, K, kPhaseOneAlign, [&](size_t segment, int64_t begin, int64_t end) {
@@ -275,7 +307,7 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
   sizes.clear();
   for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), tiled.begin(), tiled.end());
   for (int64_t t = 0; t < T; ++t) offsets[t + 1] = offsets[t] + rows * tiled[t];
-  std::vector<float> d(offsets[T]);
+  std::unique_ptr<float[]> d(new float[offsets[T]]);  // every tile's every column
   RunSegments(sizes, R, kExpandTile, [&](size_t segment, int64_t begin, int64_t end) {
     const SlotRows& run = runs[segment / T];
     const int64_t t = segment % T, O = tiled[t];
@@ -293,17 +325,9 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
     for (int64_t t = 0; t < T; ++t) {
       const int64_t width = outputs[t] / groups;
       const float* sums = &d[offsets[t] + i * tiled[t]];
-      if (p.scales) {
-        const float* scale = p.scales + buffer_of[i] * p.S2 + p.b_scale_offsets[t];
-        for (int64_t g = 0; g < groups; ++g)
-          for (int64_t c = 0; c < width; ++c) {
-            const float delta = sums[g * width + c] * scale[g * width + c];  // rounded before the add
-            row[g * W_ + column + c] += delta;
-          }
-      } else {
-        for (int64_t g = 0; g < groups; ++g)
-          for (int64_t c = 0; c < width; ++c) row[g * W_ + column + c] += sums[g * width + c];
-      }
+      const float* scale = p.scales ? p.scales + buffer_of[i] * p.S2 + p.b_scale_offsets[t] : nullptr;
+      for (int64_t g = 0; g < groups; ++g)
+        AddSums(row + g * W_ + column, sums + g * width, scale ? scale + g * width : nullptr, width);
       column += width;
     }
   }
