@@ -246,11 +246,18 @@ def test_concurrent_prompts_with_different_prefixes_each_reach_their_own_cache(r
     home = [max((d[0], rid) for rid, d in _stats_delta(before).items())[1]]
 
     async def second_prefix_elsewhere() -> None:
+        # Once the streamed request's first line is back it has been routed to its prefix's
+        # replica, and 160 tokens keep it in flight there while the second prefix is routed (a
+        # 48-token request and a fixed 0.5 s wait: on a fast machine it had finished first,
+        # and both prefixes went to the same idle replica).
         async with httpx.AsyncClient(timeout=300) as client:
-            busy = asyncio.create_task(client.post(url, json=chat(0, "Xylophone?", 48, ignore_eos=True)))
-            await asyncio.sleep(0.5)
-            assert (await client.post(url, json=chat(1, "Zebra?"))).status_code == 200
-            assert (await busy).status_code == 200
+            busy = chat(0, "Xylophone?", 160, ignore_eos=True, stream=True)
+            async with client.stream("POST", url, json=busy) as response:
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                await anext(lines)
+                assert (await client.post(url, json=chat(1, "Zebra?"))).status_code == 200
+                assert [line async for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
 
     before = _prefix_stats()
     asyncio.run(second_prefix_elsewhere())
