@@ -12,11 +12,20 @@ what this router has in flight there, charged the moment the replica is chosen.
 
 Each chosen replica goes to the request it was chosen for (``ChosenRequestMixin``), and the
 ledger follows what was actually accepted, so loads stay right when a replica refuses one.
+
+Serve probes the replicas it is offered for their queue length, with a 0.1 s deadline at first,
+and moves down the ranking past any that miss it. A replica whose host is busy (the other
+replica's prefill on the same cores, a big batch) misses that deadline while perfectly able to
+serve, and the request would go to the next in rank: a cache miss, or the busy replica. So the
+first offer for a request is the preferred replica alone; the next (Serve asks again at once,
+its deadline doubled) is the whole ranking, so a replica that does not answer at all costs
+0.3 s, not the request.
 """
 
 from __future__ import annotations
 
 import random
+import weakref
 from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -39,6 +48,8 @@ class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
         self.ledger = RoutingLedger(max_tracked_blocks, report_grace_s=report_grace_s)
         # Per replica: its latest routing-stats dict (by identity), parsed, and its hashes as a set.
         self._reported: dict[ReplicaID, tuple[dict, RoutingReport, frozenset[int]]] = {}
+        # The routing attempts (by their future, new on a retry) offered their first choice alone.
+        self._offered_first_alone: weakref.WeakSet = weakref.WeakSet()
         from cluster.metrics import RouterMetrics
 
         self.metrics = RouterMetrics(model)
@@ -49,6 +60,8 @@ class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
         if not candidate_replicas:
             return []
         request = _generate_request(pending_request)
+        if request is not None:
+            self.ledger.withdraw(id(pending_request))
         hashes = request.block_hashes if request is not None else []
         by_id = {r.replica_id: r for r in candidate_replicas}
         adapter = request.lora.lora_name if request is not None and request.lora is not None else None
@@ -60,7 +73,16 @@ class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
             cached = next(v.matched_blocks for v in views if v.replica_id == ranked[0]) * self.block_size
             self.ledger.choose(pending_request.metadata.internal_request_id, ranked[0], _work(request, cached), hashes,
                                reason, cancelled=lambda: pending_request.future.cancelled(), ticket=id(pending_request))
-        return [[by_id[ranked[0]]], [by_id[r] for r in ranked[1:]]] if len(ranked) > 1 else [[by_id[ranked[0]]]]
+        if len(ranked) == 1 or self._first_offer(pending_request):
+            return [[by_id[ranked[0]]]]
+        return [[by_id[ranked[0]]], [by_id[r] for r in ranked[1:]]]
+
+    def _first_offer(self, pending_request: Optional[PendingRequest]) -> bool:
+        """Whether this is the first time replicas are chosen for this routing attempt."""
+        if pending_request is None or pending_request.future in self._offered_first_alone:
+            return False
+        self._offered_first_alone.add(pending_request.future)
+        return True
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         request = _generate_request(pending_request)

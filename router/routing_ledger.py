@@ -79,6 +79,11 @@ class RoutingLedger:
         self._pending[ticket] = Charge(request_id, replica, tokens, reason, block_hashes, self.clock(), cancelled)
         self._charge(replica, tokens, block_hashes)
 
+    def withdraw(self, ticket: Hashable) -> None:
+        """A choice about to be made again (Serve asks anew when its pick missed the probe
+        or was full): take back the earlier one, so the request does not weigh on its own choice."""
+        self._drop_pending(ticket)
+
     def accepted(self, request_id: str, replica: Hashable, tokens: int, block_hashes: Sequence[int],
                  ticket: Hashable = None) -> tuple[Hashable, str]:
         """``replica`` accepted the call; returns the replica the policy chose and why."""
