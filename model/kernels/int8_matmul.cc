@@ -101,13 +101,14 @@ inline void SetBlock(Int8Rows* out, int64_t r, int64_t b, float amax, int32_t su
   out->sum128[out->At(r, b)] = 128 * sum;
 }
 
-// The quantization by plain loops (the AVX2 and portable families; VNNI's gives the same bits).
+// The quantization by plain loops, rows [r_begin, r_end) (the portable family; VNNI's and AVX2's
+// give the same bits).
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
-void QuantizeRows(const float* x, int64_t M, int64_t K, Int8Rows* out) {
+void QuantizeRows(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int8Rows* out) {
   const int64_t blocks = out->blocks;
-  for (int64_t r = 0; r < M; ++r)
+  for (int64_t r = r_begin; r < r_end; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
       const float* v = x + r * K + b * kGgufBlock;
       const int64_t count = std::min<int64_t>(kGgufBlock, K - b * kGgufBlock);
@@ -214,8 +215,8 @@ struct VnniFamily {
 
   // QuantizeRows's arithmetic, two vectors a block: the maximum and the integer sum are exact
   // in any order, and vcvtps2dq rounds to nearest even as nearbyint does.
-  static void Quantize(const float* x, int64_t M, int64_t K, Int8Rows* out) {
-    for (int64_t r = 0; r < M; ++r)
+  static void Quantize(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int8Rows* out) {
+    for (int64_t r = r_begin; r < r_end; ++r)
       for (int64_t b = 0; b < out->blocks; ++b) {
         const float* v = x + r * K + b * kGgufBlock;
         const int64_t count = std::min<int64_t>(kGgufBlock, K - b * kGgufBlock);
@@ -322,6 +323,42 @@ struct Avx2Family {
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
     }
     return _mm256_loadu_ps(static_cast<const float*>(values) + i);
+  }
+
+  // QuantizeRows's arithmetic, four vectors a block (as VnniFamily::Quantize; a last partial
+  // block is copied into zeros first).
+  static void Quantize(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int8Rows* out) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+    for (int64_t r = r_begin; r < r_end; ++r)
+      for (int64_t b = 0; b < out->blocks; ++b) {
+        const float* v = x + r * K + b * kGgufBlock;
+        const int64_t count = std::min<int64_t>(kGgufBlock, K - b * kGgufBlock);
+        alignas(32) float padded[kGgufBlock];
+        if (count < kGgufBlock) {
+          std::fill(padded + count, padded + kGgufBlock, 0.0f);
+          std::copy(v, v + count, padded);
+          v = padded;
+        }
+        __m256 values[4];
+        for (int i = 0; i < 4; ++i) values[i] = _mm256_loadu_ps(v + 8 * i);
+        const __m256 wide = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(values[0], magnitude), _mm256_and_ps(values[1], magnitude)),
+                                          _mm256_max_ps(_mm256_and_ps(values[2], magnitude), _mm256_and_ps(values[3], magnitude)));
+        __m128 half = _mm_max_ps(_mm256_castps256_ps128(wide), _mm256_extractf128_ps(wide, 1));
+        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
+        const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values[i], inverse));
+        const __m256i bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->q.data() + out->At(r, b) * kGgufBlock), bytes);
+        const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(1, 0, 3, 2)));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(2, 3, 0, 1)));
+        SetBlock(out, r, b, amax, _mm_cvtsi128_si32(sum));
+      }
   }
 
   template <int R, int G, Format F>
@@ -483,10 +520,19 @@ void RunInt8Matmul(const float* x, const Int8Panels& w, float* y, int64_t M, ffi
   const int64_t per_item = (w.N + threads * raylm::kPromptItemsPerThread - 1) / (threads * raylm::kPromptItemsPerThread);
   const int64_t item = (per_item + kGroupCols - 1) / kGroupCols * kGroupCols;  // whole packed groups
   const Int8Family family = ChosenFamily();
+  // The activations, quantized by rows over the same threads (a prompt chunk's are a fifth of a
+  // call on one thread; a decode step's few rows stay on the calling thread).
+  const int64_t rows_per_item = std::max<int64_t>(1, (M + threads * 2 - 1) / (threads * 2));
+  raylm::Run(
+      M, w.K, 0,
+      [x, &w, &a, family](int64_t b, int64_t e, float*) {
 #ifdef RAYLM_INT8_VECTOR_FAMILIES
-  if (family == Int8Family::kVnni) VnniFamily::Quantize(x, M, w.K, &a);
+        if (family == Int8Family::kVnni) return VnniFamily::Quantize(x, b, e, w.K, &a);
+        if (family == Int8Family::kAvx2) return Avx2Family::Quantize(x, b, e, w.K, &a);
 #endif
-  if (family != Int8Family::kVnni) QuantizeRows(x, M, w.K, &a);
+        QuantizeRows(x, b, e, w.K, &a);
+      },
+      pool, rows_per_item);
   const int64_t N = w.N;
   raylm::Run(
       N, w.K, 0,
