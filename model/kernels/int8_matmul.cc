@@ -103,9 +103,6 @@ inline void SetBlock(Int8Rows* out, int64_t r, int64_t b, float amax, int32_t su
 
 // The quantization by plain loops, rows [r_begin, r_end) (the portable family; VNNI's and AVX2's
 // give the same bits).
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
 void QuantizeRows(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int8Rows* out) {
   const int64_t blocks = out->blocks;
   for (int64_t r = r_begin; r < r_end; ++r)
@@ -520,8 +517,8 @@ void RunInt8Matmul(const float* x, const Int8Panels& w, float* y, int64_t M, ffi
   const int64_t per_item = (w.N + threads * raylm::kPromptItemsPerThread - 1) / (threads * raylm::kPromptItemsPerThread);
   const int64_t item = (per_item + kGroupCols - 1) / kGroupCols * kGroupCols;  // whole packed groups
   const Int8Family family = ChosenFamily();
-  // The activations, quantized by rows over the same threads (a prompt chunk's are a fifth of a
-  // call on one thread; a decode step's few rows stay on the calling thread).
+  // The activations, quantized by rows over the same threads (on one thread they were up to a
+  // fifth of a 64-row call; a decode step's few rows stay on the calling thread).
   const int64_t rows_per_item = std::max<int64_t>(1, (M + threads * 2 - 1) / (threads * 2));
   raylm::Run(
       M, w.K, 0,
