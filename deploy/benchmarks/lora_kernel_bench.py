@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import DEFAULT_MODEL, ModelConfig, load_model
-from model.lora_delta import available, lora_add
-from model.lora_weights import GROUPS, LayerSlots, PackedLoraWeights, lora_shapes, pack_lora_weights
+from model.lora import TARGETS
+from model.lora_delta import available
+from model.lora_weights import GROUPS, LayerLora, LayerSlots, PackedLoraWeights, lora_shapes, pack_lora_weights
 
 
 def packed_slots(config: ModelConfig, slots: int, rank: int, dtype: str, seed: int = 0) -> PackedLoraWeights:
@@ -48,25 +49,31 @@ def packed_slots(config: ModelConfig, slots: int, rank: int, dtype: str, seed: i
     return PackedLoraWeights(buffer, jnp.asarray(packed.scales), packed.layouts)
 
 
-def step_calls(config: ModelConfig, packed: PackedLoraWeights, rank: int):
-    """A function of (inputs by width, slots) running every layer's LoRA calls in order."""
-    int8 = packed.buffer.dtype == jnp.int8
+# Each group's base result as model.forward holds it (LayerLora.add reads QKV's KV heads from it).
+def _fused_shape(config: ModelConfig, group: str) -> tuple[int, ...]:
+    return {"qkv": (config.num_kv_heads, config.q_per_kv + 2, config.head_dim), "o_proj": (config.hidden_size,),
+            "gate_up": (2, config.intermediate_size), "down_proj": (config.hidden_size,)}[group]
+
+
+def input_width(config: ModelConfig, group: str) -> int:
+    """The width of the input ``group``'s targets share."""
+    return int(np.prod(TARGETS[GROUPS[group][0]].in_shape(config)))
+
+
+def step_calls(config: ModelConfig, packed: PackedLoraWeights):
+    """A jitted function of (inputs by width, slots, buffer, scales) adding every layer's deltas
+    in order through ``LayerLora.add``, as ``model.forward`` does."""
 
     def run(inputs: dict[int, jax.Array], slots: jax.Array, buffer: jax.Array, scales: jax.Array) -> jax.Array:
+        weights = PackedLoraWeights(buffer, scales, packed.layouts)
         last = None
-        for layout in packed.layouts:
-            b = {t: (offset, shape, scale_offset) for t, offset, shape, scale_offset in layout.b}
-            for group, a_offset, a_shape, a_scale_offset in layout.a:
-                members = GROUPS[group]
-                x = inputs[int(np.prod(a_shape[1:]))]
+        for layer in range(len(weights)):
+            lora = LayerLora(weights[layer], slots, kernel=True)
+            for group in GROUPS:
+                x = inputs[input_width(config, group)][:, None]  # [rows, 1, K]: one decode token each
                 if last is not None:  # this call waits for the previous one, as in a step
-                    x = x + 0.0 * last[:, :1]
-                outputs = [int(np.prod(b[t][1][1:])) for t in members]
-                y = jnp.zeros((x.shape[0], sum(outputs)), jnp.float32) + x[:, :1]
-                last = lora_add(y, x, slots, buffer, scales, groups=config.num_kv_heads if group == "qkv" else 1,
-                                rank=rank, a_offset=a_offset, b_offsets=[b[t][0] for t in members],
-                                outputs=outputs, a_scale_offset=a_scale_offset,
-                                b_scale_offsets=[b[t][2] for t in members] if int8 else [])
+                    x = x + 0.0 * last.reshape(-1)[0]
+                last = lora.add(group, jnp.zeros((*x.shape[:2], *_fused_shape(config, group)), jnp.float32), x)
         return last
 
     return jax.jit(run)
@@ -93,14 +100,14 @@ def main() -> None:
         raise SystemExit("the LoRA kernel is not built (pip install -e .)")
     config = load_model(DEFAULT_MODEL, "float32", keep_blocks=True).config
     rng = np.random.default_rng(1)
-    widths = {config.hidden_size, config.intermediate_size}
+    widths = {input_width(config, group) for group in GROUPS}
     print(f"{DEFAULT_MODEL}: {config.num_layers} layers x 4 LoRA calls, {args.slots} slots, all seven projections")
-    print(f"{'rank':>4} {'slots':>8} {'rows':>4} {'step ms':>8} {'fixed ms':>8} {'adapter MB':>10} {'adapter GB/s':>12}")
+    print(f"{'rank':>4} {'slot type':>9} {'rows':>4} {'step ms':>8} {'fixed ms':>8} {'adapter MB':>10} {'adapter GB/s':>12}")
     for rank in (int(r) for r in args.ranks.split(",")):
         for dtype in args.dtypes.split(","):
             packed = packed_slots(config, args.slots, rank, dtype)
             per_slot = packed.buffer.shape[1] * packed.buffer.dtype.itemsize + packed.scales.shape[1] * 4
-            fn = step_calls(config, packed, rank)
+            fn = step_calls(config, packed)
             for rows in (int(r) for r in args.rows.split(",")):
                 inputs = {w: jnp.asarray(rng.standard_normal((rows, w)), jnp.float32) for w in widths}
                 used = jnp.asarray(np.arange(rows) % args.slots + 1, jnp.int32)
@@ -115,7 +122,7 @@ def main() -> None:
                 step_ms, fixed_ms = statistics.median(step), statistics.median(fixed)
                 megabytes = min(rows, args.slots) * per_slot / 1e6
                 rate = megabytes / max(step_ms - fixed_ms, 1e-6)  # MB per ms = GB/s
-                print(f"{rank:>4} {dtype:>8} {rows:>4} {step_ms:8.2f} {fixed_ms:8.2f} {megabytes:10.1f} {rate:12.1f}",
+                print(f"{rank:>4} {dtype:>9} {rows:>4} {step_ms:8.2f} {fixed_ms:8.2f} {megabytes:10.1f} {rate:12.1f}",
                       flush=True)
 
 
