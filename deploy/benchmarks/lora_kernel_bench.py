@@ -14,9 +14,15 @@ row count, medians of alternating rounds:
   comes to streaming its weights from memory. float32 slots, four times the bytes, show this
   machine's rate for the same access pattern in the same run.
 
+Back-to-back steps leave an adapter that fits the last-level cache in it (a rank-64 int8 one is
+20 MB); ``--evict-mb`` reads a larger buffer before each timed step, so each starts from memory.
+A decode step lies between the two: the base weights pass through the cache between two steps'
+LoRA calls.
+
 This is what the single-stream LoRA overhead of ``lora_bench`` is made of, without the base model.
 
     python -m deploy.benchmarks.lora_kernel_bench [--ranks 8,64] [--rows 1,2,16] [--dtypes float32,bfloat16,int8]
+        [--evict-mb 96]
 """
 
 from __future__ import annotations
@@ -79,13 +85,22 @@ def step_calls(config: ModelConfig, packed: PackedLoraWeights):
     return jax.jit(run)
 
 
-def _round_ms(fn, args: tuple, reps: int = 10) -> float:
-    """Mean ms of ``reps`` back-to-back calls (one round)."""
-    start = time.perf_counter()
+def _round_ms(fn, args: tuple, reps: int = 10, evict: np.ndarray | None = None) -> float:
+    """Mean ms of ``reps`` back-to-back calls (one round); with ``evict``, each call timed alone
+    after reading that buffer (untimed), which leaves the adapters out of the caches."""
+    if evict is None:
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        out.block_until_ready()
+        return (time.perf_counter() - start) / reps * 1e3
+    total = 0.0
     for _ in range(reps):
-        out = fn(*args)
-    out.block_until_ready()
-    return (time.perf_counter() - start) / reps * 1e3
+        evict.sum()
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        total += time.perf_counter() - start
+    return total / reps * 1e3
 
 
 def main() -> None:
@@ -95,12 +110,16 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16,int8")
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--evict-mb", type=int, default=0,
+                        help="read a buffer of this many MB before each timed step, so the adapters start out of "
+                             "the caches (a rank-64 int8 adapter, 20 MB, fits a 32 MB L3; 0: back-to-back steps)")
     args = parser.parse_args()
     if not available():
         raise SystemExit("the LoRA kernel is not built (pip install -e .)")
     config = load_model(DEFAULT_MODEL, "float32", keep_blocks=True).config
     rng = np.random.default_rng(1)
     widths = {input_width(config, group) for group in GROUPS}
+    evict = np.ones(args.evict_mb << 18, np.float32) if args.evict_mb else None
     print(f"{DEFAULT_MODEL}: {config.num_layers} layers x 4 LoRA calls, {args.slots} slots, all seven projections")
     print(f"{'rank':>4} {'slot type':>9} {'rows':>4} {'step ms':>8} {'fixed ms':>8} {'adapter MB':>10} {'adapter GB/s':>12}")
     for rank in (int(r) for r in args.ranks.split(",")):
@@ -117,8 +136,8 @@ def main() -> None:
                     fn(*case).block_until_ready()  # compile, first touch
                 step, fixed = [], []
                 for _ in range(args.rounds):  # alternating, so drift hits both alike
-                    step.append(_round_ms(fn, cases[0]))
-                    fixed.append(_round_ms(fn, cases[1]))
+                    step.append(_round_ms(fn, cases[0], evict=evict))
+                    fixed.append(_round_ms(fn, cases[1], evict=evict))
                 step_ms, fixed_ms = statistics.median(step), statistics.median(fixed)
                 megabytes = min(rows, args.slots) * per_slot / 1e6
                 rate = megabytes / max(step_ms - fixed_ms, 1e-6)  # MB per ms = GB/s
