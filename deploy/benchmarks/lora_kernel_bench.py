@@ -39,6 +39,7 @@ from model import DEFAULT_MODEL, ModelConfig, load_model
 from model.lora import TARGETS
 from model.lora_delta import available
 from model.lora_weights import GROUPS, LayerLora, LayerSlots, PackedLoraWeights, lora_shapes, pack_lora_weights
+from model.params import LAYER_INFO
 
 
 def packed_slots(config: ModelConfig, slots: int, rank: int, dtype: str, seed: int = 0) -> PackedLoraWeights:
@@ -55,10 +56,14 @@ def packed_slots(config: ModelConfig, slots: int, rank: int, dtype: str, seed: i
     return PackedLoraWeights(buffer, jnp.asarray(packed.scales), packed.layouts)
 
 
-# Each group's base result as model.forward holds it (LayerLora.add reads QKV's KV heads from it).
+# Each group's fused weight (model/params.py): its output dims are the base result model.forward
+# adds the group's deltas to (LayerLora.add reads QKV's KV heads from it).
+_GROUP_WEIGHT = {"qkv": "wqkv", "o_proj": "wo", "gate_up": "w_gate_up", "down_proj": "w_down"}
+
+
 def _fused_shape(config: ModelConfig, group: str) -> tuple[int, ...]:
-    return {"qkv": (config.num_kv_heads, config.q_per_kv + 2, config.head_dim), "o_proj": (config.hidden_size,),
-            "gate_up": (2, config.intermediate_size), "down_proj": (config.hidden_size,)}[group]
+    info = LAYER_INFO[_GROUP_WEIGHT[group]]
+    return info.shape(config)[: -info.input_dims]
 
 
 def input_width(config: ModelConfig, group: str) -> int:

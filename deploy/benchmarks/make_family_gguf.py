@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from model.gguf_file import GGUFReader  # gguf's, parsing the tokenizer ~3x faster
 
 # Per family: (default heads, KV heads, head size) giving the Llama file's matmul shapes.
 DEFAULT_HEADS = {"qwen3": (16, 8, 128), "gemma2": (8, 4, 256), "qwen3moe": (16, 8, 128)}
