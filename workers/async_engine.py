@@ -8,7 +8,9 @@ stream ends: nobody waits forever on an engine that will never answer.
 
 A served engine warms up in the background (``LLMEngine(background_warmup=True)``): it compiles
 the programs a request alone takes before it is constructed, and the rest one at a time while
-it has nothing to step, so a new or replacement replica serves seconds sooner.
+it has nothing to step, so a new or replacement replica serves seconds sooner. Until its
+larger prompt programs are compiled, prompts run in the chunks compiled so far; a step that held
+a prompt to them is followed by the next one's compile, so steady load cannot keep them small.
 """
 
 from __future__ import annotations
@@ -161,6 +163,8 @@ class AsyncEngine:
                 self._run_commands()
                 if self._running and self.llm_engine.has_unfinished_requests():
                     self._step()
+                    if self._running and self.llm_engine.chunks_wait_for_compile:
+                        self._warm_up_next()  # the larger prompt program a running prompt waits for
                 elif self._running and self.llm_engine.warmup_pending:
                     self._warm_up_next()
         except BaseException as err:  # a bug in the loop itself: say so, and fail every caller below
@@ -227,7 +231,7 @@ class AsyncEngine:
         except Exception:
             logger.exception("background warm-up failed; %d program(s) left to compile on first use",
                              len(self.llm_engine.warmup_pending))
-            self.llm_engine.warmup_pending.clear()
+            self.llm_engine.end_warmup()
 
     def _step(self) -> None:
         self.step_started = started = time.monotonic()

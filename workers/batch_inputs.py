@@ -83,15 +83,18 @@ class ShapeBuckets:
         program count is one per token bucket and sampling pads at most 1/16 of the tokens."""
         return min(self.max_batch, max(1, num_tokens // MIN_TOKEN_BUCKET))
 
-    def packed_groups(self, chunks: list[ScheduledChunk]) -> list[tuple[list[ScheduledChunk], int]]:
+    def packed_groups(self, chunks: list[ScheduledChunk], largest: int | None = None
+                      ) -> list[tuple[list[ScheduledChunk], int]]:
         """Chunks packed back to back (the kernel path) into as few calls as the token budget
-        and the chunks per call allow, each with the smallest token bucket that holds it."""
+        and the chunks per call allow, each with the smallest token bucket that holds it;
+        ``largest``: the largest bucket to use (a served engine's compiled ones while it warms up)."""
+        largest = largest or self.max_tokens_bucket
         groups: list[list[ScheduledChunk]] = []
         tokens = 0
         for chunk in chunks:
-            assert chunk.num_tokens <= self.max_tokens_bucket, (chunk.num_tokens, self.max_tokens_bucket)
-            full = tokens + chunk.num_tokens > self.max_tokens_bucket
-            if not groups or full or len(groups[-1]) == self.packed_rows(self.max_tokens_bucket):
+            assert chunk.num_tokens <= largest, (chunk.num_tokens, largest)
+            full = tokens + chunk.num_tokens > largest
+            if not groups or full or len(groups[-1]) == self.packed_rows(largest):
                 groups.append([])
                 tokens = 0
             groups[-1].append(chunk)

@@ -127,6 +127,7 @@ class LLMEngine:
             now = shapes[: self.runner.first_warmup_shapes(args.num_scheduler_steps)] if background_warmup else shapes
             self.runner.warmup(args.num_scheduler_steps, now, progress, lora_slots=True)
             self.warmup_pending = shapes[len(now):]
+        self._limit_chunks_to_compiled()
         self.runner.take_expert_load()  # (the warm-up's tokens are not load)
         self.step_counters = StepCounters(
             args.block_size, ModelFlops.of(self.config, model.params),
@@ -253,6 +254,32 @@ class LLMEngine:
         """Compile the next program ``background_warmup`` left (a fraction of a second)."""
         shape = self.warmup_pending.pop(0)
         self.runner.warmup(self.args.num_scheduler_steps, [shape])
+        self._limit_chunks_to_compiled()
+
+    def end_warmup(self) -> None:
+        """Drop the background warm-up: what it left compiles on first use, and prompt chunks
+        are no longer held to the compiled buckets."""
+        self.warmup_pending.clear()
+        self._limit_chunks_to_compiled()
+
+    @property
+    def chunks_wait_for_compile(self) -> bool:
+        """Whether the last step held a prompt chunk to the compiled buckets: the caller should
+        compile the next one (``warm_up_next``) even while requests run, or under steady load
+        long prompts would stay in small chunks."""
+        return self.scheduler.chunk_capped and self.runner.packed_limit is not None
+
+    def _limit_chunks_to_compiled(self) -> None:
+        """Hold prompt chunks to the packed buckets compiled so far, while larger ones wait in
+        the background warm-up (it compiles them in ascending order, ``warmup_shapes``): a
+        restarted replica serves a long prompt in small chunks at once, rather than stalling
+        every request for a compile. Without chunked prefill a prompt cannot be split, so its
+        bucket compiles on first use as before."""
+        waiting = [dims[0] for kind, dims in self.warmup_pending if kind == "packed"]
+        limit = None
+        if waiting and self.args.enable_chunked_prefill:
+            limit = max((n for n in self.runner.buckets.token_buckets() if n < min(waiting)), default=None)
+        self.runner.packed_limit = self.scheduler.chunk_cap = limit
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output, if it existed."""

@@ -84,6 +84,11 @@ class Scheduler:
         self.num_prompt_tokens = 0  # prompt (and recomputed) tokens computed, lifetime
         self.num_generated_tokens = 0  # tokens sampled, lifetime
         self.spec_stats = SpecDecodeStats()  # speculative guesses scored and accepted, lifetime
+        # Tokens a prompt chunk may hold (None: the budget alone decides). A served engine sets it
+        # while its larger prompt programs are still to compile, so a long prompt runs in the
+        # chunks already compiled rather than waiting for a compile (workers/engine.py).
+        self.chunk_cap: int | None = None
+        self.chunk_capped = False  # the last ``schedule`` shortened a chunk to ``chunk_cap``
 
     @property
     def _by_priority(self) -> bool:
@@ -135,7 +140,7 @@ class Scheduler:
         if not self.waiting or not self.running:
             return
         best = min(self.waiting, key=lambda s: s.order_key(True))
-        chunk = min(best.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+        chunk = self._chunk_tokens(best, self.config.max_num_batched_tokens)
         while self.running:
             victim = self._victim()
             if victim.priority <= best.priority:
@@ -144,6 +149,13 @@ class Scheduler:
             if not short_of_slots and self.blocks.can_grow(best, chunk):
                 return
             self._preempt(victim, preempted)
+
+    def _chunk_tokens(self, seq: Sequence, budget: int) -> int:
+        """How many of ``seq``'s uncomputed tokens a chunk takes within ``budget`` and the chunk cap."""
+        want = min(seq.num_uncomputed_tokens, budget)
+        if self.chunk_cap is not None and want > self.chunk_cap:
+            return self.chunk_cap
+        return want
 
     def _may_compute(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether ``num_tokens`` of ``seq``'s uncomputed tokens may be computed this step.
@@ -165,6 +177,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
+        self.chunk_capped = False
         prefills: list[ScheduledChunk] = []
         decodes: list[ScheduledDecode] = []
         preempted: list[Sequence] = []
@@ -181,8 +194,10 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running or budget <= 0:
                 continue
+            capped = False
             if seq.runs_as_chunk:
-                want = min(seq.num_uncomputed_tokens, budget)
+                want = self._chunk_tokens(seq, budget)
+                capped = want < min(seq.num_uncomputed_tokens, budget)
                 if not self._may_compute(seq, want):
                     continue
             elif lookahead:  # a structured output row's guesses are checked against its grammar
@@ -201,6 +216,7 @@ class Scheduler:
             self.blocks.grow(seq, want)
             if seq.runs_as_chunk:
                 prefills.append(_chunk(seq, want))
+                self.chunk_capped |= capped
                 budget -= want
             else:
                 decodes.append(_decode(seq, want - 1 if lookahead and want > 1 else 0))
@@ -220,7 +236,8 @@ class Scheduler:
                 continue  # waits for a slot for its adapter; others go ahead
             lookup = self.blocks.reuse_cached_prefix(seq) if _reuses_cached_prefix(seq) else None
             self._release_out_of_window(seq)  # cached blocks before its window: not needed
-            want = min(seq.num_uncomputed_tokens, budget)
+            want = self._chunk_tokens(seq, budget)
+            capped = want < min(seq.num_uncomputed_tokens, budget)
             if not self._may_compute(seq, want) or not self.blocks.can_grow(seq, want):
                 self.blocks.free(seq)
                 self._release_lora(seq)
@@ -229,6 +246,7 @@ class Scheduler:
             if lookup is not None and seq.num_preemptions == 0:
                 self._count_first_admission(seq, lookup)
             admitted.append(seq)
+            self.chunk_capped |= capped
             budget -= want
             if want > 1 or seq.runs_as_chunk:
                 prefills.append(_chunk(seq, want))

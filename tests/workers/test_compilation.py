@@ -10,6 +10,7 @@ import pytest
 from model import load_model
 from tests.checkpoints import build_tiny_checkpoint
 from workers import LLM, AsyncEngine, EngineArgs, LLMEngine, SamplingParams
+from workers.runner import FIRST_PACKED_TOKENS
 
 
 def test_no_compilation_after_warmup(tmp_path, compilations):
@@ -82,3 +83,78 @@ def test_a_served_engine_is_built_to_warm_up_in_the_background(monkeypatch):
     with pytest.raises(RuntimeError, match="stop before"):
         async_engine.AsyncEngine.from_model("some-model", max_num_seqs=4)
     assert built == {"model": "some-model", "background_warmup": True, "max_num_seqs": 4}
+
+
+def test_a_warming_engine_runs_long_prompts_in_the_chunks_it_has_compiled(tiny_gqa_model, compilations):
+    """Until its larger prompt programs are compiled, a served engine holds prompt chunks to
+    the packed buckets it has: a long prompt compiles nothing and gets an unwarmed engine's
+    tokens; once the warm-up has compiled the rest, a prompt goes in one chunk again."""
+    args = dict(max_model_len=512, num_kv_blocks=120, max_num_seqs=8, max_num_batched_tokens=256,
+                enable_prefix_caching=False)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = np.random.RandomState(2).randint(3, 320, size=200).tolist()
+    [alone] = LLM(tiny_gqa_model, **args).generate([{"prompt_token_ids": prompt}], greedy)
+
+    engine = LLMEngine(tiny_gqa_model, EngineArgs(warmup=True, **args), background_warmup=True)
+    assert engine.runner.packed_limit == FIRST_PACKED_TOKENS == engine.scheduler.chunk_cap
+    assert [dims for kind, dims in engine.warmup_pending[:2]] == [(128,), (256,)], "larger chunks compile next"
+    chunks: list[list[int]] = []
+    execute = engine.runner.execute
+
+    def recording(plan):
+        chunks.append([c.num_tokens for c in plan.prefills])
+        return execute(plan)
+
+    engine.runner.execute = recording
+
+    def generate(request_id: str) -> tuple[list[int], list[bool]]:
+        engine.add_request(request_id, prompt, greedy)
+        waits, final = [], None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out
+            waits.append(engine.chunks_wait_for_compile)
+        return list(final.outputs[0].token_ids), waits
+
+    compilations.clear()
+    tokens, waits = generate("warming")
+    assert [c for c in chunks if c] == [[64], [64], [64], [8]]
+    assert waits[:3] == [True, True, True] and not any(waits[3:])
+    assert compilations == []
+    assert tokens == list(alone.outputs[0].token_ids)
+
+    while engine.warmup_pending:
+        engine.warm_up_next()
+    assert engine.runner.packed_limit is None and engine.scheduler.chunk_cap is None
+    chunks.clear()
+    tokens, waits = generate("warm")
+    assert [c for c in chunks if c] == [[200]] and not any(waits)
+    assert tokens == list(alone.outputs[0].token_ids)
+
+
+def test_a_served_engine_compiles_the_chunk_a_running_prompt_waits_for(tiny_gqa_model):
+    """Under steady load the background warm-up never finds the engine idle: a step that held a
+    prompt to the compiled chunks is followed by the next program's compile, requests running."""
+    args = dict(max_model_len=512, num_kv_blocks=120, max_num_seqs=8, max_num_batched_tokens=256)
+    llm_engine = LLMEngine(tiny_gqa_model, EngineArgs(warmup=True, **args), background_warmup=True)
+    compiled = []  # what compiled while a request ran
+    warm_up_next = llm_engine.warm_up_next
+
+    def only_under_load() -> None:  # idle, compile nothing (the loop comes back at once)
+        if llm_engine.has_unfinished_requests():
+            compiled.append(llm_engine.warmup_pending[0])
+            warm_up_next()
+
+    llm_engine.warm_up_next = only_under_load
+    prompt = np.random.RandomState(3).randint(3, 320, size=200).tolist()
+
+    async def main():
+        engine = AsyncEngine(llm_engine)
+        try:
+            return [o async for o in engine.generate(prompt, SamplingParams(max_tokens=4, temperature=0), "r")]
+        finally:
+            engine.shutdown()
+
+    outputs = asyncio.run(main())
+    assert len(outputs[-1].outputs[0].token_ids) == 4
+    assert compiled == [("packed", (128,)), ("packed", (256,))]  # after the 64- and the 128-token chunk
