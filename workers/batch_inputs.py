@@ -83,11 +83,12 @@ class ShapeBuckets:
         program count is one per token bucket and sampling pads at most 1/16 of the tokens."""
         return min(self.max_batch, max(1, num_tokens // MIN_TOKEN_BUCKET))
 
-    def packed_groups(self, chunks: list[ScheduledChunk], largest: int | None = None
-                      ) -> list[tuple[list[ScheduledChunk], int]]:
+    def packed_groups(self, chunks: list[ScheduledChunk], largest: int | None = None,
+                      unavailable: frozenset[int] = frozenset()) -> list[tuple[list[ScheduledChunk], int]]:
         """Chunks packed back to back (the kernel path) into as few calls as the token budget
         and the chunks per call allow, each with the smallest token bucket that holds it;
-        ``largest``: the largest bucket to use (a served engine's compiled ones while it warms up)."""
+        ``largest``: the largest bucket to use, and ``unavailable`` buckets not to (a served
+        engine's programs still to compile)."""
         largest = largest or self.max_tokens_bucket
         groups: list[list[ScheduledChunk]] = []
         tokens = 0
@@ -99,11 +100,12 @@ class ShapeBuckets:
                 tokens = 0
             groups[-1].append(chunk)
             tokens += chunk.num_tokens
-        return [(group, self._packed_bucket(group)) for group in groups]
+        return [(group, self._packed_bucket(group, unavailable)) for group in groups]
 
-    def _packed_bucket(self, group: list[ScheduledChunk]) -> int:
+    def _packed_bucket(self, group: list[ScheduledChunk], unavailable: frozenset[int]) -> int:
         need = sum(c.num_tokens for c in group)
-        return next(n for n in self.token_buckets() if n >= need and self.packed_rows(n) >= len(group))
+        return next(n for n in self.token_buckets()
+                    if n >= need and self.packed_rows(n) >= len(group) and n not in unavailable)
 
 
 def block_table(rows: Sequence[ScheduledRow], num_rows: int, width: int, num_groups: int = 1) -> np.ndarray:

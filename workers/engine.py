@@ -270,16 +270,23 @@ class LLMEngine:
         return self.scheduler.chunk_capped and self.runner.packed_limit is not None
 
     def _limit_chunks_to_compiled(self) -> None:
-        """Hold prompt chunks to the packed buckets compiled so far, while larger ones wait in
-        the background warm-up (it compiles them in ascending order, ``warmup_shapes``): a
-        restarted replica serves a long prompt in small chunks at once, rather than stalling
-        every request for a compile. Without chunked prefill a prompt cannot be split, so its
-        bucket compiles on first use as before."""
-        waiting = [dims[0] for kind, dims in self.warmup_pending if kind == "packed"]
+        """Hold prompt chunks to the packed buckets compiled so far, while others wait in the
+        background warm-up (``warmup_shapes`` orders them: the larger ones ascending, then the
+        smaller): a restarted replica serves a long prompt in chunks at once, and a short one
+        padded to a compiled bucket, rather than stalling every request for a compile. Without
+        chunked prefill a prompt cannot be split, so its bucket compiles on first use as before."""
+        runner = self.runner
+        waiting = frozenset(dims[0] for kind, dims in self.warmup_pending if kind == "packed")
         limit = None
         if waiting and self.args.enable_chunked_prefill:
-            limit = max((n for n in self.runner.buckets.token_buckets() if n < min(waiting)), default=None)
-        self.runner.packed_limit = self.scheduler.chunk_cap = limit
+            limit = runner.first_packed_bucket()
+            for n in runner.buckets.token_buckets():  # and the compiled buckets right above it
+                if n > limit:
+                    if n in waiting:
+                        break
+                    limit = n
+        runner.packed_limit = self.scheduler.chunk_cap = limit
+        runner.packed_unavailable = waiting if limit is not None else frozenset()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output, if it existed."""

@@ -126,9 +126,10 @@ class ModelRunner:
         # costs no transfer per step.
         self._expert_load_shape = (len(config.moe_layers), config.moe.num_experts) if config.moe_layers else None
         self.expert_load = self._zero_expert_load()
-        # The largest packed prompt bucket a step may launch (None: any): set by a served engine
-        # to the ones compiled while the larger ones wait in its background warm-up.
+        # The largest packed prompt bucket a step may launch (None: any), and those it must not
+        # (their programs wait in a served engine's background warm-up): set by the engine.
         self.packed_limit: int | None = None
+        self.packed_unavailable: frozenset[int] = frozenset()
 
     # -- the programs -----------------------------------------------------------------------------
     def _program_kinds(self, num_scheduler_steps: int) -> dict[str, tuple[list[tuple[int, ...]], Callable]]:
@@ -155,19 +156,26 @@ class ModelRunner:
     def warmup_shapes(self, num_scheduler_steps: int) -> list[tuple[str, tuple[int, ...]]]:
         """Every (kind, bucket) the engine can hit when no request asks for a variant, in the
         order to compile them: first the ones a request alone takes (``first_warmup_shapes``
-        of them: one row's decode, and its prompt chunks up to ``FIRST_PACKED_TOKENS`` when
-        they are packed, any length when not), then the larger packed chunks, so a replica
-        that serves while it compiles the rest (``workers/async_engine.py``) rarely meets a
-        cold one."""
-        smallest = self.buckets.row_buckets()[0]
+        of them: one row's decode, and its prompt chunks in the ``FIRST_PACKED_TOKENS`` bucket
+        when they are packed, any length when not), then the larger packed buckets in
+        ascending order, then the smaller ones, so a replica that serves while it compiles the
+        rest (``workers/async_engine.py``) rarely meets a cold one."""
+        smallest, first_packed = self.buckets.row_buckets()[0], self.first_packed_bucket()
         shapes = [(kind, dims) for kind, (shapes, _) in self._program_kinds(num_scheduler_steps).items()
                   for dims in shapes]
-        return sorted(shapes, key=lambda shape: (not _first(shape, smallest), shape[0] != "packed"))
+        return sorted(shapes, key=lambda shape: (not _first(shape, smallest, first_packed), shape[0] != "packed",
+                                                 shape[0] == "packed" and shape[1][0] < first_packed))
 
     def first_warmup_shapes(self, num_scheduler_steps: int) -> int:
         """How many of ``warmup_shapes`` a served engine compiles before it serves."""
-        smallest = self.buckets.row_buckets()[0]
-        return sum(_first(shape, smallest) for shape in self.warmup_shapes(num_scheduler_steps))
+        smallest, first_packed = self.buckets.row_buckets()[0], self.first_packed_bucket()
+        return sum(_first(shape, smallest, first_packed) for shape in self.warmup_shapes(num_scheduler_steps))
+
+    def first_packed_bucket(self) -> int:
+        """The one packed prompt bucket a served engine compiles before it serves: the token
+        bucket of ``FIRST_PACKED_TOKENS`` (or the largest there is, if smaller)."""
+        buckets = self.buckets.token_buckets()
+        return next((n for n in buckets if n >= FIRST_PACKED_TOKENS), buckets[-1])
 
     def warmup(self, num_scheduler_steps: int, shapes: list[tuple[str, tuple[int, ...]]],
                progress: Callable[[Iterable], Iterable] = lambda x: x, lora_slots: bool = False) -> None:
@@ -194,7 +202,7 @@ class ModelRunner:
                 self._launch_copy(copies, bucket(len(copies), 1, max(b.max_batch, len(copies))), group)
         chunks, decodes = plan.prefills, plan.decodes
         if b.cpu_kernels:
-            pending = [self._launch_packed_prefill(group, n) for group, n in b.packed_groups(chunks, self.packed_limit)]
+            pending = [self._launch_packed_prefill(group, n) for group, n in b.packed_groups(chunks, self.packed_limit, self.packed_unavailable)]
         else:
             pending = [self._launch_prefill(group, b.rows(len(group)), length, b.width([c.row for c in group]))
                        for group, length in b.prefill_groups(chunks)]
@@ -501,18 +509,19 @@ def _row(result: SampleResult, index: int | tuple[int, int]) -> SampleResult:
     return SampleResult(*(np.asarray(a)[index] for a in result))
 
 
-# The packed prompt programs a served engine compiles before it serves: chunks of up to 64 tokens
-# hold a chat turn's prompt whole, and a longer prompt runs in such chunks until its larger
-# program is compiled (workers/engine.py), where each compile before serving delays a restarted or
-# added replica (0.7-1.1 s each warm on a 2-core AVX-512 machine, ~2 s on AVX2, 4-7 s cold).
+# The packed prompt program a served engine compiles before it serves: a 64-token chunk holds a
+# chat turn's prompt whole (a shorter one is padded to it until its own bucket is compiled), and
+# a longer prompt runs in such chunks until its larger program is (workers/engine.py). Each
+# compile before serving delays a restarted or added replica: 0.45-0.8 s a program read back from
+# the persistent cache on a 2-core AVX-512 machine, ~2 s on AVX2, 4-7 s cold.
 FIRST_PACKED_TOKENS = 64
 
 
-def _first(shape: tuple[str, tuple[int, ...]], smallest_rows: int) -> bool:
-    """Whether a served engine compiles this (kind, bucket) before it serves: packed prompt
-    chunks up to ``FIRST_PACKED_TOKENS``, and the programs of the smallest row bucket (decode,
-    speculative, a padded prefill of any length); no copies."""
+def _first(shape: tuple[str, tuple[int, ...]], smallest_rows: int, first_packed: int) -> bool:
+    """Whether a served engine compiles this (kind, bucket) before it serves: the packed prompt
+    bucket ``first_packed``, and the programs of the smallest row bucket (decode, speculative, a
+    padded prefill of any length); no copies."""
     kind, dims = shape
     if kind == "packed":
-        return dims[0] <= FIRST_PACKED_TOKENS
+        return dims[0] == first_packed
     return kind in ("prefill", "decode", "spec") and dims[0] == smallest_rows

@@ -86,18 +86,22 @@ def test_a_served_engine_is_built_to_warm_up_in_the_background(monkeypatch):
 
 
 def test_a_warming_engine_runs_long_prompts_in_the_chunks_it_has_compiled(tiny_gqa_model, compilations):
-    """Until its larger prompt programs are compiled, a served engine holds prompt chunks to
-    the packed buckets it has: a long prompt compiles nothing and gets an unwarmed engine's
-    tokens; once the warm-up has compiled the rest, a prompt goes in one chunk again."""
+    """Until its other prompt programs are compiled, a served engine holds prompt chunks to the
+    packed bucket it has: a long prompt and a short one compile nothing and get an unwarmed
+    engine's tokens; once the warm-up has compiled the rest, a prompt goes in one chunk again."""
     args = dict(max_model_len=512, num_kv_blocks=120, max_num_seqs=8, max_num_batched_tokens=256,
                 enable_prefix_caching=False)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompt = np.random.RandomState(2).randint(3, 320, size=200).tolist()
-    [alone] = LLM(tiny_gqa_model, **args).generate([{"prompt_token_ids": prompt}], greedy)
+    short = prompt[:10]
+    [alone, short_alone] = LLM(tiny_gqa_model, **args).generate(
+        [{"prompt_token_ids": prompt}, {"prompt_token_ids": short}], greedy)
 
     engine = LLMEngine(tiny_gqa_model, EngineArgs(warmup=True, **args), background_warmup=True)
     assert engine.runner.packed_limit == FIRST_PACKED_TOKENS == engine.scheduler.chunk_cap
-    assert [dims for kind, dims in engine.warmup_pending[:2]] == [(128,), (256,)], "larger chunks compile next"
+    packed = [dims for kind, dims in engine.warmup_pending if kind == "packed"]
+    assert packed == [(128,), (256,), (16,), (32,)], "larger chunks compile first, then the smaller ones"
+    assert engine.warmup_pending[:2] == [("packed", (128,)), ("packed", (256,))]
     chunks: list[list[int]] = []
     execute = engine.runner.execute
 
@@ -107,7 +111,7 @@ def test_a_warming_engine_runs_long_prompts_in_the_chunks_it_has_compiled(tiny_g
 
     engine.runner.execute = recording
 
-    def generate(request_id: str) -> tuple[list[int], list[bool]]:
+    def generate(request_id: str, prompt: list[int] = prompt) -> tuple[list[int], list[bool]]:
         engine.add_request(request_id, prompt, greedy)
         waits, final = [], None
         while engine.has_unfinished_requests():
@@ -118,10 +122,12 @@ def test_a_warming_engine_runs_long_prompts_in_the_chunks_it_has_compiled(tiny_g
 
     compilations.clear()
     tokens, waits = generate("warming")
-    assert [c for c in chunks if c] == [[64], [64], [64], [8]]
+    assert [c for c in chunks if c] == [[64], [64], [64], [8]]  # the 8 tokens padded to 64, not 16
     assert waits[:3] == [True, True, True] and not any(waits[3:])
+    short_tokens, _ = generate("short", short)
     assert compilations == []
     assert tokens == list(alone.outputs[0].token_ids)
+    assert short_tokens == list(short_alone.outputs[0].token_ids)
 
     while engine.warmup_pending:
         engine.warm_up_next()
