@@ -267,7 +267,7 @@ class LLMEngine:
         """Whether the last step held a prompt chunk to the compiled buckets: the caller should
         compile the next one (``warm_up_next``) even while requests run, or under steady load
         long prompts would stay in small chunks."""
-        return self.scheduler.chunk_capped and self.runner.packed_limit is not None
+        return self.scheduler.chunk_capped and self.scheduler.chunk_cap is not None
 
     def _limit_chunks_to_compiled(self) -> None:
         """Hold prompt chunks to the packed buckets compiled so far, while others wait in the
@@ -275,18 +275,13 @@ class LLMEngine:
         smaller): a restarted replica serves a long prompt in chunks at once, and a short one
         padded to a compiled bucket, rather than stalling every request for a compile. Without
         chunked prefill a prompt cannot be split, so its bucket compiles on first use as before."""
-        runner = self.runner
         waiting = frozenset(dims[0] for kind, dims in self.warmup_pending if kind == "packed")
-        limit = None
-        if waiting and self.args.enable_chunked_prefill:
-            limit = runner.first_packed_bucket()
-            for n in runner.buckets.token_buckets():  # and the compiled buckets right above it
-                if n > limit:
-                    if n in waiting:
-                        break
-                    limit = n
-        runner.packed_limit = self.scheduler.chunk_cap = limit
-        runner.packed_unavailable = waiting if limit is not None else frozenset()
+        if not self.args.enable_chunked_prefill:
+            waiting = frozenset()
+        self.runner.packed_unavailable = waiting
+        # The largest compiled bucket (the first one and those compiled above it, in order).
+        self.scheduler.chunk_cap = max(n for n in self.runner.buckets.token_buckets() if n not in waiting) \
+            if waiting else None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output, if it existed."""

@@ -126,9 +126,8 @@ class ModelRunner:
         # costs no transfer per step.
         self._expert_load_shape = (len(config.moe_layers), config.moe.num_experts) if config.moe_layers else None
         self.expert_load = self._zero_expert_load()
-        # The largest packed prompt bucket a step may launch (None: any), and those it must not
-        # (their programs wait in a served engine's background warm-up): set by the engine.
-        self.packed_limit: int | None = None
+        # Packed prompt buckets a step must not launch (their programs wait in a served engine's
+        # background warm-up): set by the engine.
         self.packed_unavailable: frozenset[int] = frozenset()
 
     # -- the programs -----------------------------------------------------------------------------
@@ -202,7 +201,8 @@ class ModelRunner:
                 self._launch_copy(copies, bucket(len(copies), 1, max(b.max_batch, len(copies))), group)
         chunks, decodes = plan.prefills, plan.decodes
         if b.cpu_kernels:
-            pending = [self._launch_packed_prefill(group, n) for group, n in b.packed_groups(chunks, self.packed_limit, self.packed_unavailable)]
+            pending = [self._launch_packed_prefill(group, n)
+                       for group, n in b.packed_groups(chunks, self.packed_unavailable)]
         else:
             pending = [self._launch_prefill(group, b.rows(len(group)), length, b.width([c.row for c in group]))
                        for group, length in b.prefill_groups(chunks)]

@@ -140,7 +140,7 @@ class Scheduler:
         if not self.waiting or not self.running:
             return
         best = min(self.waiting, key=lambda s: s.order_key(True))
-        chunk = self._chunk_tokens(best, self.config.max_num_batched_tokens)
+        chunk, _ = self._chunk_tokens(best, self.config.max_num_batched_tokens)
         while self.running:
             victim = self._victim()
             if victim.priority <= best.priority:
@@ -150,12 +150,13 @@ class Scheduler:
                 return
             self._preempt(victim, preempted)
 
-    def _chunk_tokens(self, seq: Sequence, budget: int) -> int:
-        """How many of ``seq``'s uncomputed tokens a chunk takes within ``budget`` and the chunk cap."""
+    def _chunk_tokens(self, seq: Sequence, budget: int) -> tuple[int, bool]:
+        """How many of ``seq``'s uncomputed tokens a chunk takes within ``budget`` and the chunk
+        cap, and whether the cap shortened it."""
         want = min(seq.num_uncomputed_tokens, budget)
         if self.chunk_cap is not None and want > self.chunk_cap:
-            return self.chunk_cap
-        return want
+            return self.chunk_cap, True
+        return want, False
 
     def _may_compute(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether ``num_tokens`` of ``seq``'s uncomputed tokens may be computed this step.
@@ -196,8 +197,7 @@ class Scheduler:
                 continue
             capped = False
             if seq.runs_as_chunk:
-                want = self._chunk_tokens(seq, budget)
-                capped = want < min(seq.num_uncomputed_tokens, budget)
+                want, capped = self._chunk_tokens(seq, budget)
                 if not self._may_compute(seq, want):
                     continue
             elif lookahead:  # a structured output row's guesses are checked against its grammar
@@ -236,8 +236,7 @@ class Scheduler:
                 continue  # waits for a slot for its adapter; others go ahead
             lookup = self.blocks.reuse_cached_prefix(seq) if _reuses_cached_prefix(seq) else None
             self._release_out_of_window(seq)  # cached blocks before its window: not needed
-            want = self._chunk_tokens(seq, budget)
-            capped = want < min(seq.num_uncomputed_tokens, budget)
+            want, capped = self._chunk_tokens(seq, budget)
             if not self._may_compute(seq, want) or not self.blocks.can_grow(seq, want):
                 self.blocks.free(seq)
                 self._release_lora(seq)

@@ -98,7 +98,8 @@ def test_a_warming_engine_runs_long_prompts_in_the_chunks_it_has_compiled(tiny_g
         [{"prompt_token_ids": prompt}, {"prompt_token_ids": short}], greedy)
 
     engine = LLMEngine(tiny_gqa_model, EngineArgs(warmup=True, **args), background_warmup=True)
-    assert engine.runner.packed_limit == FIRST_PACKED_TOKENS == engine.scheduler.chunk_cap
+    assert engine.scheduler.chunk_cap == FIRST_PACKED_TOKENS
+    assert engine.runner.packed_unavailable == {16, 32, 128, 256}
     packed = [dims for kind, dims in engine.warmup_pending if kind == "packed"]
     assert packed == [(128,), (256,), (16,), (32,)], "larger chunks compile first, then the smaller ones"
     assert engine.warmup_pending[:2] == [("packed", (128,)), ("packed", (256,))]
@@ -131,7 +132,7 @@ def test_a_warming_engine_runs_long_prompts_in_the_chunks_it_has_compiled(tiny_g
 
     while engine.warmup_pending:
         engine.warm_up_next()
-    assert engine.runner.packed_limit is None and engine.scheduler.chunk_cap is None
+    assert engine.runner.packed_unavailable == frozenset() and engine.scheduler.chunk_cap is None
     chunks.clear()
     tokens, waits = generate("warm")
     assert [c for c in chunks if c] == [[200]] and not any(waits)

@@ -83,20 +83,18 @@ def test_packed_prefill_groups_fill_calls_within_the_budget(tiny):
     with the smallest token bucket that holds its tokens and its chunks (one per 16 tokens)."""
     runner = LLM(tiny, max_model_len=256, num_kv_blocks=96, max_num_seqs=8, max_num_batched_tokens=64).engine.runner
 
-    def plan(*sizes: int, largest: int | None = None, unavailable: frozenset[int] = frozenset()
-             ) -> list[tuple[list[int], int]]:
+    def plan(*sizes: int, unavailable: frozenset[int] = frozenset()) -> list[tuple[list[int], int]]:
         chunks = [SimpleNamespace(num_tokens=n) for n in sizes]
-        return [([c.num_tokens for c in group], n)
-                for group, n in runner.buckets.packed_groups(chunks, largest, unavailable)]
+        return [([c.num_tokens for c in group], n) for group, n in runner.buckets.packed_groups(chunks, unavailable)]
 
     assert plan(10) == [([10], 16)]
     assert plan(5, 7) == [([5, 7], 32)]  # 12 tokens, but a 16-token call holds one chunk
     assert plan(40, 30) == [([40], 64), ([30], 32)]  # 70 tokens exceed the 64-token budget
     assert plan(20, 20, 20) == [([20, 20, 20], 64)]
     assert plan(*[1] * 9) == [([1] * 4, 64), ([1] * 4, 64), ([1], 16)]  # 4 chunks per 64-token call
-    # A served engine still compiling some buckets: calls up to ``largest``, none in ``unavailable``.
-    assert plan(10, largest=32, unavailable=frozenset({16, 64})) == [([10], 32)]
-    assert plan(20, 20, largest=32, unavailable=frozenset({16, 64})) == [([20], 32), ([20], 32)]
+    # A served engine still compiling some buckets: none in ``unavailable``, calls up to the largest left.
+    assert plan(10, unavailable=frozenset({16, 64})) == [([10], 32)]
+    assert plan(20, 20, unavailable=frozenset({16, 64})) == [([20], 32), ([20], 32)]
 
 
 def _value(entry) -> float:
