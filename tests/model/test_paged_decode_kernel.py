@@ -136,9 +136,9 @@ def test_padding_row_is_zero():
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size",
     [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16), (6, 2, 80, 4), (8, 2, 64, 4), (9, 3, 64, 32),
-     (4, 1, 128, 8)],
+     (9, 3, 64, 64), (4, 1, 128, 8)],
     ids=["smollm-gqa", "mha", "mqa-dh128", "odd-dh-small-blocks", "dh64-blocks-of-4", "dh64-blocks-of-32",
-         "dh128-blocks-of-8"],
+         "dh64-blocks-of-64", "dh128-blocks-of-8"],
 )
 def test_head_layouts(heads, kv_heads, head_dim, block_size):
     """Head dims 64 and 128 take the lane-tree path, whose key groups (8 or 16 keys) may be

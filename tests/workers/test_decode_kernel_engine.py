@@ -33,13 +33,17 @@ ENGINES = {
     "one step": dict(num_scheduler_steps=1, enable_prefix_caching=False),
     "multi-step": dict(num_scheduler_steps=4, enable_prefix_caching=False),
     "chunked, cached prefixes": dict(num_scheduler_steps=1, enable_prefix_caching=True, max_num_batched_tokens=32),
+    # deploy/default.yaml's shape: blocks of 64 tokens, 8 decode steps a call.
+    "blocks of 64, multi-step, cached prefixes": dict(
+        block_size=64, num_scheduler_steps=8, enable_prefix_caching=True, max_num_batched_tokens=64),
 }
 
 
 def _run(tiny, kernel: bool, monkeypatch, engine: dict) -> tuple[list, list, LLM]:
     monkeypatch.setattr(runner_module, "_cpu_kernels_run", lambda mesh, kv: kernel)
     rng = np.random.RandomState(11)
-    shared = rng.randint(3, 320, size=37).tolist()  # 2 full blocks + 5: later prompts reuse the blocks
+    block_size = engine.get("block_size", 16)
+    shared = rng.randint(3, 320, size=2 * block_size + 5).tolist()  # 2 full blocks + 5: later prompts reuse them
     # The first prompt computes the shared blocks; the last two wait for a free slot, so by
     # then those blocks are cached and their chunks start at a block boundary mid-context.
     prompts = [shared + [5]] + [rng.randint(3, 320, size=n).tolist() for n in (3, 15, 16, 17, 40, 70, 33)]
