@@ -225,21 +225,47 @@ __attribute__((always_inline)) inline void BlockScores(const float* __restrict q
   }
 }
 
-// acc[0, DH) += sum over the block's n keys of p[t] * v_t, a slice of the accumulator held
-// in registers across the block.
-template <typename V, int DH>
-__attribute__((always_inline)) inline void AccumulateValues(const float* __restrict p, const float* __restrict v,
-                                                            int64_t stride, int64_t n, float* __restrict acc) {
+// For G query heads g of one kv head: acc[g * DH, (g + 1) * DH) += sum over the block's n keys
+// of p[g * p_stride + t] * v_t, a slice of each accumulator held in registers across the block.
+// The heads share each value vector loaded (one load, G multiply-adds); each head's sums are
+// the same, in the same order, as one head at a time.
+template <typename V, int DH, int G>
+__attribute__((always_inline)) inline void AccumulateValues(const float* __restrict p, int64_t p_stride,
+                                                            const float* __restrict v, int64_t stride, int64_t n,
+                                                            float* __restrict acc) {
   constexpr int W = kLanesOf<V>, S = kSliceDims<DH>, C = S / W;
   for (int d0 = 0; d0 < DH; d0 += S) {
-    V a[C];
-    for (int c = 0; c < C; ++c) a[c] = LoadVec<V>(acc + d0 + c * W);
+    V a[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) a[g][c] = LoadVec<V>(acc + g * DH + d0 + c * W);
     for (int64_t t = 0; t < n; ++t) {
-      const V pt = V{} + p[t];
+      V pt[G];
+      for (int g = 0; g < G; ++g) pt[g] = V{} + p[g * p_stride + t];
       const float* vt = v + t * stride + d0;
-      for (int c = 0; c < C; ++c) a[c] += pt * LoadVec<V>(vt + c * W);
+      for (int c = 0; c < C; ++c) {
+        const V vc = LoadVec<V>(vt + c * W);
+        for (int g = 0; g < G; ++g) a[g][c] += pt[g] * vc;
+      }
     }
-    for (int c = 0; c < C; ++c) std::memcpy(acc + d0 + c * W, &a[c], sizeof a[c]);
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) std::memcpy(acc + g * DH + d0 + c * W, &a[g][c], sizeof a[g][c]);
+  }
+}
+
+// Query heads whose value accumulators AccumulateValues keeps in registers at once: G * C
+// accumulators, C value vectors and G broadcast weights within AVX-512's 32 registers.
+template <typename V, int DH>
+constexpr int kValueHeads = kSliceDims<DH> / kLanesOf<V> <= 4 ? 4 : 2;
+
+// AccumulateValues for `count` (< 4) heads.
+template <typename V, int DH>
+__attribute__((always_inline)) inline void AccumulateValuesRest(int64_t count, const float* __restrict p,
+                                                                int64_t p_stride, const float* __restrict v,
+                                                                int64_t stride, int64_t n, float* __restrict acc) {
+  switch (count) {
+    case 3: return AccumulateValues<V, DH, 3>(p, p_stride, v, stride, n, acc);
+    case 2: return AccumulateValues<V, DH, 2>(p, p_stride, v, stride, n, acc);
+    case 1: return AccumulateValues<V, DH, 1>(p, p_stride, v, stride, n, acc);
   }
 }
 
@@ -331,6 +357,7 @@ inline void SoftmaxUpdate(float* __restrict sc, int64_t stride, int64_t n, int64
   for (int64_t h = 0; h < group; ++h) {
     float* __restrict sh = sc + h * stride;
     float block_max = sh[0];
+#pragma omp simd reduction(max : block_max)
     for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sh[t]);
     const float new_max = std::max(max[h], block_max);
     const float correction = ExpNonPositive(max[h] - new_max);
@@ -435,11 +462,15 @@ __attribute__((always_inline)) inline void AttendRowOf(const Problem& pr, int64_
         for (int64_t h = 0; h < group; ++h)
           for (int64_t t = 0; t < n; ++t) scores[h * ss + t] *= vs[t * L.num_kv_heads];
       }
-      for (int64_t h = 0; h < group; ++h) {
-        float* __restrict ah = acc + (h0 + h) * dh;
-        if constexpr (kVectorised) {
-          AccumulateValues<V, DH>(scores + h * ss, v, stride, n, ah);
-        } else {
+      if constexpr (kVectorised) {
+        constexpr int G = kValueHeads<V, DH>;
+        int64_t h = 0;
+        for (; h + G <= group; h += G)
+          AccumulateValues<V, DH, G>(scores + h * ss, ss, v, stride, n, acc + (h0 + h) * dh);
+        AccumulateValuesRest<V, DH>(group - h, scores + h * ss, ss, v, stride, n, acc + (h0 + h) * dh);
+      } else {
+        for (int64_t h = 0; h < group; ++h) {
+          float* __restrict ah = acc + (h0 + h) * dh;
           for (int64_t t = 0; t < n; ++t) {
             const float p = scores[h * ss + t];
             const float* __restrict vt = v + t * stride;
