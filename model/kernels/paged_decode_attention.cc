@@ -208,14 +208,24 @@ __attribute__((always_inline)) inline void BlockScores(const float* __restrict q
     for (int64_t t0 = 0; t0 < n; t0 += W) {
       V acc[W];
       const int64_t m = std::min<int64_t>(W, n - t0);
-      for (int i = 0; i < W; ++i) {
-        V a = V{};
-        if (i < m) {
+      if (m == W) {  // a whole group, branch-free, so the compiler keeps the W sums in registers
+#pragma GCC unroll 16
+        for (int i = 0; i < W; ++i) {
           const float* kt = k + (t0 + i) * stride + d0;
-          a = qv[0] * LoadVec<V>(kt);
+          V a = qv[0] * LoadVec<V>(kt);
           for (int c = 1; c < C; ++c) a += qv[c] * LoadVec<V>(kt + c * W);
+          acc[i] = a;
         }
-        acc[i] = a;
+      } else {
+        for (int i = 0; i < W; ++i) {
+          V a = V{};
+          if (i < m) {
+            const float* kt = k + (t0 + i) * stride + d0;
+            a = qv[0] * LoadVec<V>(kt);
+            for (int c = 1; c < C; ++c) a += qv[c] * LoadVec<V>(kt + c * W);
+          }
+          acc[i] = a;
+        }
       }
       V sums = LaneTree<V>::Sum(acc);
       if (d0 > 0) sums += LoadVec<V>(out + t0);
@@ -351,14 +361,33 @@ inline void Prefetch(const KV* p, int64_t count) {
 
 // Online-softmax update of `group` query heads with the scores `sc` ([group, stride], first
 // n valid) of one block: rescales what was accumulated, turns scores into weights.
-inline void SoftmaxUpdate(float* __restrict sc, int64_t stride, int64_t n, int64_t group,
-                          int64_t dh, float* __restrict max, float* __restrict denom,
-                          float* __restrict acc) {
+// The largest of sh[0, n), W lanes at a time (the compiler leaves a scalar float max loop
+// scalar: it may not reorder it without fast-math). A maximum is exact, so the order of the
+// comparisons does not change it.
+template <typename V>
+__attribute__((always_inline)) inline float BlockMax(const float* __restrict sh, int64_t n) {
+  constexpr int W = kLanesOf<V>;
+  float block_max = sh[0];
+  int64_t t = 0;
+  if (n >= W) {
+    V lanes = LoadVec<V>(sh);
+    for (t = W; t + W <= n; t += W) {
+      const V x = LoadVec<V>(sh + t);
+      lanes = lanes > x ? lanes : x;
+    }
+    for (int i = 0; i < W; ++i) block_max = std::max(block_max, lanes[i]);
+  }
+  for (; t < n; ++t) block_max = std::max(block_max, sh[t]);
+  return block_max;
+}
+
+template <typename V>
+__attribute__((always_inline)) inline void SoftmaxUpdate(float* __restrict sc, int64_t stride, int64_t n,
+                                                         int64_t group, int64_t dh, float* __restrict max,
+                                                         float* __restrict denom, float* __restrict acc) {
   for (int64_t h = 0; h < group; ++h) {
     float* __restrict sh = sc + h * stride;
-    float block_max = sh[0];
-#pragma omp simd reduction(max : block_max)
-    for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sh[t]);
+    const float block_max = BlockMax<V>(sh, n);
     const float new_max = std::max(max[h], block_max);
     const float correction = ExpNonPositive(max[h] - new_max);
     float sum = 0.0f;
@@ -456,7 +485,7 @@ __attribute__((always_inline)) inline void AttendRowOf(const Problem& pr, int64_
           for (int64_t t = 0; t < n; ++t) scores[h * ss + t] *= ks[t * L.num_kv_heads];
       }
       if (pr.softcap > 0.0f) SoftCap(scores, ss, n, group, pr.softcap);
-      SoftmaxUpdate(scores, ss, n, group, dh, s.max.data() + h0, s.denom.data() + h0, acc + h0 * dh);
+      SoftmaxUpdate<V>(scores, ss, n, group, dh, s.max.data() + h0, s.denom.data() + h0, acc + h0 * dh);
       if (pr.v_scale_layer) {  // a value row's weight: its probability times its scale
         const float* vs = pr.v_scale_layer + scale_block + kvh;
         for (int64_t h = 0; h < group; ++h)
