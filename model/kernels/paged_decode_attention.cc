@@ -263,11 +263,14 @@ __attribute__((always_inline)) inline void AccumulateValues(const float* __restr
 }
 
 // Query heads whose value accumulators AccumulateValues keeps in registers at once: G * C
-// accumulators, C value vectors and G broadcast weights within AVX-512's 32 registers.
+// accumulators beside a value vector and G broadcast weights, within the 32 registers of the
+// sixteen-lane family (AVX-512) or the 16 of the eight-lane family's AVX2 clone, where a head
+// dim of 64 is already eight accumulators (one head at a time, as before).
 template <typename V, int DH>
-constexpr int kValueHeads = kSliceDims<DH> / kLanesOf<V> <= 4 ? 4 : 2;
+constexpr int kValueHeads = kLanesOf<V> == 16 ? (kSliceDims<DH> / 16 <= 4 ? 4 : 2)
+                                              : (kSliceDims<DH> / kLanesOf<V> <= 4 ? 2 : 1);
 
-// AccumulateValues for `count` (< 4) heads.
+// AccumulateValues for `count` (< kValueHeads) heads.
 template <typename V, int DH>
 __attribute__((always_inline)) inline void AccumulateValuesRest(int64_t count, const float* __restrict p,
                                                                 int64_t p_stride, const float* __restrict v,
@@ -359,8 +362,6 @@ inline void Prefetch(const KV* p, int64_t count) {
     __builtin_prefetch(bytes + off);
 }
 
-// Online-softmax update of `group` query heads with the scores `sc` ([group, stride], first
-// n valid) of one block: rescales what was accumulated, turns scores into weights.
 // The largest of sh[0, n), W lanes at a time (the compiler leaves a scalar float max loop
 // scalar: it may not reorder it without fast-math). A maximum is exact, so the order of the
 // comparisons does not change it.
@@ -381,6 +382,8 @@ __attribute__((always_inline)) inline float BlockMax(const float* __restrict sh,
   return block_max;
 }
 
+// Online-softmax update of `group` query heads with the scores `sc` ([group, stride], first
+// n valid) of one block: rescales what was accumulated, turns scores into weights.
 template <typename V>
 __attribute__((always_inline)) inline void SoftmaxUpdate(float* __restrict sc, int64_t stride, int64_t n,
                                                          int64_t group, int64_t dh, float* __restrict max,
