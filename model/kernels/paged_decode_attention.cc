@@ -206,26 +206,19 @@ __attribute__((always_inline)) inline void BlockScores(const float* __restrict q
     V qv[C];
     for (int c = 0; c < C; ++c) qv[c] = LoadVec<V>(q + d0 + c * W);
     for (int64_t t0 = 0; t0 < n; t0 += W) {
+      const auto key_sum = [&](int i) __attribute__((always_inline)) {  // key t0 + i's lanes of q.k
+        const float* kt = k + (t0 + i) * stride + d0;
+        V a = qv[0] * LoadVec<V>(kt);
+        for (int c = 1; c < C; ++c) a += qv[c] * LoadVec<V>(kt + c * W);
+        return a;
+      };
       V acc[W];
       const int64_t m = std::min<int64_t>(W, n - t0);
       if (m == W) {  // a whole group, branch-free, so the compiler keeps the W sums in registers
 #pragma GCC unroll 16
-        for (int i = 0; i < W; ++i) {
-          const float* kt = k + (t0 + i) * stride + d0;
-          V a = qv[0] * LoadVec<V>(kt);
-          for (int c = 1; c < C; ++c) a += qv[c] * LoadVec<V>(kt + c * W);
-          acc[i] = a;
-        }
+        for (int i = 0; i < W; ++i) acc[i] = key_sum(i);
       } else {
-        for (int i = 0; i < W; ++i) {
-          V a = V{};
-          if (i < m) {
-            const float* kt = k + (t0 + i) * stride + d0;
-            a = qv[0] * LoadVec<V>(kt);
-            for (int c = 1; c < C; ++c) a += qv[c] * LoadVec<V>(kt + c * W);
-          }
-          acc[i] = a;
-        }
+        for (int i = 0; i < W; ++i) acc[i] = i < m ? key_sum(i) : V{};
       }
       V sums = LaneTree<V>::Sum(acc);
       if (d0 > 0) sums += LoadVec<V>(out + t0);
