@@ -83,13 +83,17 @@ class ShapeBuckets:
         program count is one per token bucket and sampling pads at most 1/16 of the tokens."""
         return min(self.max_batch, max(1, num_tokens // MIN_TOKEN_BUCKET))
 
+    def largest_token_bucket(self, unavailable: frozenset[int] = frozenset()) -> int:
+        """The largest token bucket not in ``unavailable`` (programs a served engine has yet to compile)."""
+        return max(n for n in self.token_buckets() if n not in unavailable)
+
     def packed_groups(self, chunks: list[ScheduledChunk], unavailable: frozenset[int] = frozenset()
                       ) -> list[tuple[list[ScheduledChunk], int]]:
         """Chunks packed back to back (the kernel path) into as few calls as the token budget
         and the chunks per call allow, each with the smallest token bucket that holds it, none
         of the ``unavailable`` ones (a served engine's programs still to compile; the chunks fit
         the largest bucket left, which the engine's chunk cap keeps them to)."""
-        largest = max(n for n in self.token_buckets() if n not in unavailable)
+        largest = self.largest_token_bucket(unavailable)
         groups: list[list[ScheduledChunk]] = []
         tokens = 0
         for chunk in chunks:

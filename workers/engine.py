@@ -280,8 +280,7 @@ class LLMEngine:
             waiting = frozenset()
         self.runner.packed_unavailable = waiting
         # The largest compiled bucket (the first one and those compiled above it, in order).
-        self.scheduler.chunk_cap = max(n for n in self.runner.buckets.token_buckets() if n not in waiting) \
-            if waiting else None
+        self.scheduler.chunk_cap = self.runner.buckets.largest_token_bucket(waiting) if waiting else None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output, if it existed."""
