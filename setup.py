@@ -35,7 +35,7 @@ def _kernel(name: str, includes: tuple[str, ...] = ()) -> Extension:
         sources=[f"model/kernels/{name}.cc"],
         depends=["model/kernels/bfloat16.h", "model/kernels/column_items.h", "model/kernels/ffi_shape.h",
                  "model/kernels/float16.h", "model/kernels/fp8_e4m3.h", "model/kernels/gguf_blocks.h",
-                 "model/kernels/wide_lanes.h", "model/kernels/prompt_gemm.inc",
+                 "model/kernels/lane_loads.h", "model/kernels/wide_lanes.h", "model/kernels/prompt_gemm.inc",
                  *(f"model/kernels/{i}.cc" for i in includes)],
         language="c++",
         # -isystem: XLA's own headers warn under Python's default flags; ours should not be lost.

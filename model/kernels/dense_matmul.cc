@@ -44,6 +44,7 @@
 #include "column_items.h"
 #include "fp8_e4m3.h"
 #include "gguf_blocks.h"
+#include "lane_loads.h"
 #include "wide_lanes.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -83,51 +84,23 @@ __attribute__((always_inline)) inline V Fp8FromLaneTops(U top) {
 template <typename V>
 struct Lanes;
 
-typedef float Vec8 __attribute__((vector_size(32)));
+using raylm::Vec8;
 
 template <>
 struct Lanes<Vec8> {
-  static Vec8 Load(const float* p) {
-    Vec8 v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-  }
+  // float32, int8 and bfloat16 (LoRA slots, lora_delta.cc) as lane_loads.h widens them; 8-bit
+  // floats and 4-bit blocks from the same bytes at the lanes' tops.
+  using Loads = raylm::LaneLoad<Vec8>;
+  using I32x8 = Loads::I32x8;
+  using U32x8 = Loads::U32x8;
 
-  // Eight 8-bit weights: both formats first place byte i at the top of 32-bit lane i (one
-  // broadcast load and one byte shuffle; plain vector extensions, which GCC lowers well for
-  // every clone, where a direct int8 -> float conversion came out scalar).
-  typedef int8_t I8x32 __attribute__((vector_size(32)));
-  typedef int32_t I32x8 __attribute__((vector_size(32)));
-  typedef uint32_t U32x8 __attribute__((vector_size(32)));
-  typedef int64_t I64x4 __attribute__((vector_size(32)));
-
-  static I32x8 BytesAtLaneTops(const void* p) {
-    int64_t bits;
-    std::memcpy(&bits, p, sizeof bits);
-    const I64x4 copies = {bits, bits, bits, bits};
-    I8x32 bytes;
-    std::memcpy(&bytes, &copies, sizeof bytes);
-    // The shuffle stays within each 16-byte half (a single vpshufb): the upper half's lanes
-    // take bytes 4..7 of their own copy.
-    const I8x32 index = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
-                         20, 20, 20, 20, 21, 21, 21, 21, 22, 22, 22, 22, 23, 23, 23, 23};
-    const I8x32 moved = __builtin_shuffle(bytes, index);
-    I32x8 lanes;
-    std::memcpy(&lanes, &moved, sizeof lanes);
-    return lanes;
-  }
-
-  // int8: an arithmetic shift sign-extends the top byte, then an exact conversion.
-  static Vec8 Load(const int8_t* p) { return __builtin_convertvector(BytesAtLaneTops(p) >> 24, Vec8); }
+  static Vec8 Load(const float* p) { return Loads::From(p); }
+  static Vec8 Load(const int8_t* p) { return Loads::From(p); }
+  static Vec8 Load(const Bf16* p) { return Loads::From(p); }
+  static I32x8 BytesAtLaneTops(const void* p) { return Loads::BytesAtLaneTops(p); }
 
   static Vec8 Load(const Fp8E4m3* p) {
     return Fp8FromLaneTops<Vec8>(reinterpret_cast<U32x8>(BytesAtLaneTops(p)));
-  }
-
-  // bfloat16 (LoRA slots, lora_delta.cc): each value to the top half of its lane.
-  static Vec8 Load(const Bf16* p) {
-    typedef uint16_t U16x8 __attribute__((vector_size(16)));
-    return raylm::LoadBf16Lanes<Vec8, U16x8, U32x8>(p);
   }
 
   // The eight bytes at p as 4-bit values: their low halves and their high halves.
@@ -348,34 +321,21 @@ struct NarrowTiles {
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
-typedef float Vec16 __attribute__((vector_size(64)));
+using raylm::Vec16;
 
 template <>
 struct Lanes<Vec16> {
   typedef float Vec4 __attribute__((vector_size(16)));
   typedef uint32_t U32x16 __attribute__((vector_size(64)));
 
-  static Vec16 Load(const float* p) {
-    Vec16 v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-  }
-
-  // The widening steps are intrinsics: GCC's vector extensions turned them into scalar code
-  // here (one-row int8 calls 3.5x slower than the eight-lane clone).
-  static Vec16 Load(const int8_t* p) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return reinterpret_cast<Vec16>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
-  }
+  // float32, int8 and bfloat16 as lane_loads.h widens them (intrinsics), 8-bit floats here.
+  static Vec16 Load(const float* p) { return raylm::LaneLoad<Vec16>::From(p); }
+  static Vec16 Load(const int8_t* p) { return raylm::LaneLoad<Vec16>::From(p); }
+  static Vec16 Load(const Bf16* p) { return raylm::LaneLoad<Vec16>::From(p); }
 
   static Vec16 Load(const Fp8E4m3* p) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return Fp8FromLaneTops<Vec16>(reinterpret_cast<U32x16>(_mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 24)));
-  }
-
-  static Vec16 Load(const Bf16* p) {
-    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return reinterpret_cast<Vec16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
   }
 
   // The sixteen bytes at p as a 4-bit block's weights d * q + m: the block's sixteen values

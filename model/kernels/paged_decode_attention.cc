@@ -37,13 +37,18 @@
 #include <vector>
 
 #include "ffi_shape.h"
+#include "lane_loads.h"
 #include "wide_lanes.h"
 #include "fp8_e4m3.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using raylm::Bf16;
 using raylm::Fp8E4m3;
+using raylm::LaneLoad;
 using raylm::Shape;
+using raylm::Vec16;
+using raylm::Vec8;
 
 namespace {
 
@@ -76,13 +81,7 @@ inline float ToFloat(int8_t x) { return static_cast<float>(x); }
 
 inline float ToFloat(Fp8E4m3 x) { return raylm::Fp8ToFloat(x); }
 
-// bfloat16 is the high half of a float32: widening is exact.
-inline float ToFloat(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float ToFloat(Bf16 x) { return raylm::Bf16ToFloat(x); }  // exact: the high half of a float32
 
 // exp(x) for x <= 0 (scores minus their running max), as plain arithmetic so the loop
 // around it vectorises. Cephes' expf: 2^n * P(r) with r = x - n ln2, |rel err| < 2e-7.
@@ -120,7 +119,7 @@ inline int64_t ScoreStride(int64_t block_size) { return (block_size + kMaxLanes 
 // Per-thread working memory for one row: the scores of one block for the query heads of
 // one kv head ([group, ScoreStride(block_size)]), each query head's running max,
 // denominator and float32 accumulator, and one kv head's K and V rows of a block widened to
-// float32 (for 16- and 8-bit pools).
+// float32 (for the pools AttendRowOf does not widen in registers).
 struct Scratch {
   std::vector<float> scores, max, denom, acc, k_rows, v_rows;
   Scratch(int64_t heads, int64_t group, int64_t block_size, int64_t head_dim)
@@ -128,20 +127,11 @@ struct Scratch {
         k_rows(block_size * head_dim), v_rows(block_size * head_dim) {}
 };
 
-// Vectors of 8 (AVX2) or 16 (AVX-512) floats, as GCC vector extensions: the same code serves
-// both widths, compiled for the instruction set of the function it is inlined into.
-typedef float Vec8 __attribute__((vector_size(32)));
-typedef float Vec16 __attribute__((vector_size(64)));
-
+// Vectors of 8 (AVX2) or 16 (AVX-512) floats (raylm::Vec8, Vec16, loaded by LaneLoad), as GCC
+// vector extensions: the same code serves both widths, compiled for the instruction set of the
+// function it is inlined into.
 template <typename V>
 constexpr int kLanesOf = sizeof(V) / sizeof(float);
-
-template <typename V>
-__attribute__((always_inline)) inline V LoadVec(const float* p) {
-  V v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 // Sums of W vectors at once (W = lanes): lane t of the result is the sum of a[t]'s lanes.
 // Each level adds two shuffles of a pair of vectors, halving the vectors while each lane
@@ -192,24 +182,24 @@ constexpr int kMaxSliceDims = 128;
 template <int DH>
 constexpr int kSliceDims = DH < kMaxSliceDims ? DH : kMaxSliceDims;
 
-// Scores of one query head against the n keys of a block (rows `stride` apart), times
-// `scale`, into out[0, n) (out has room up to n rounded up to the lanes). Keys go W at a
-// time: W dot products accumulate in W vectors side by side (slice / W multiply-adds each),
-// then one lane tree sums them into a vector of W scores; a head dim of several slices adds
-// the slices' sums in order.
-template <typename V, int DH>
-__attribute__((always_inline)) inline void BlockScores(const float* __restrict q, const float* __restrict k,
+// Scores of one query head against the n keys of a block (rows `stride` apart, of type T:
+// float32, or bfloat16 or int8 widened exactly as they are loaded), times `scale`, into out[0, n)
+// (out has room up to n rounded up to the lanes). Keys go W at a time: W dot products
+// accumulate in W vectors side by side (slice / W multiply-adds each), then one lane tree sums
+// them into a vector of W scores; a head dim of several slices adds the slices' sums in order.
+template <typename V, int DH, typename T>
+__attribute__((always_inline)) inline void BlockScores(const float* __restrict q, const T* __restrict k,
                                                        int64_t stride, int64_t n, float scale, float* __restrict out) {
   constexpr int W = kLanesOf<V>, S = kSliceDims<DH>, C = S / W;
   static_assert(DH % S == 0, "head dim must be a whole number of slices");
   for (int d0 = 0; d0 < DH; d0 += S) {
     V qv[C];
-    for (int c = 0; c < C; ++c) qv[c] = LoadVec<V>(q + d0 + c * W);
+    for (int c = 0; c < C; ++c) qv[c] = LaneLoad<V>::From(q + d0 + c * W);
     for (int64_t t0 = 0; t0 < n; t0 += W) {
       const auto key_sum = [&](int i) __attribute__((always_inline)) {  // key t0 + i's lanes of q.k
-        const float* kt = k + (t0 + i) * stride + d0;
-        V a = qv[0] * LoadVec<V>(kt);
-        for (int c = 1; c < C; ++c) a += qv[c] * LoadVec<V>(kt + c * W);
+        const T* kt = k + (t0 + i) * stride + d0;
+        V a = qv[0] * LaneLoad<V>::From(kt);
+        for (int c = 1; c < C; ++c) a += qv[c] * LaneLoad<V>::From(kt + c * W);
         return a;
       };
       V acc[W];
@@ -221,7 +211,7 @@ __attribute__((always_inline)) inline void BlockScores(const float* __restrict q
         for (int i = 0; i < W; ++i) acc[i] = i < m ? key_sum(i) : V{};
       }
       V sums = LaneTree<V>::Sum(acc);
-      if (d0 > 0) sums += LoadVec<V>(out + t0);
+      if (d0 > 0) sums += LaneLoad<V>::From(out + t0);
       if (d0 + S == DH) sums *= scale;
       std::memcpy(out + t0, &sums, sizeof sums);
     }
@@ -230,23 +220,23 @@ __attribute__((always_inline)) inline void BlockScores(const float* __restrict q
 
 // For G query heads g of one kv head: acc[g * DH, (g + 1) * DH) += sum over the block's n keys
 // of p[g * p_stride + t] * v_t, a slice of each accumulator held in registers across the block.
-// The heads share each value vector loaded (one load, G multiply-adds); each head's sums are
-// the same, in the same order, as one head at a time.
-template <typename V, int DH, int G>
+// The heads share each value vector loaded (one load and widening, G multiply-adds); each
+// head's sums are the same, in the same order, as one head at a time. T as in BlockScores.
+template <typename V, int DH, int G, typename T>
 __attribute__((always_inline)) inline void AccumulateValues(const float* __restrict p, int64_t p_stride,
-                                                            const float* __restrict v, int64_t stride, int64_t n,
+                                                            const T* __restrict v, int64_t stride, int64_t n,
                                                             float* __restrict acc) {
   constexpr int W = kLanesOf<V>, S = kSliceDims<DH>, C = S / W;
   for (int d0 = 0; d0 < DH; d0 += S) {
     V a[G][C];
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) a[g][c] = LoadVec<V>(acc + g * DH + d0 + c * W);
+      for (int c = 0; c < C; ++c) a[g][c] = LaneLoad<V>::From(acc + g * DH + d0 + c * W);
     for (int64_t t = 0; t < n; ++t) {
       V pt[G];
       for (int g = 0; g < G; ++g) pt[g] = V{} + p[g * p_stride + t];
-      const float* vt = v + t * stride + d0;
+      const T* vt = v + t * stride + d0;
       for (int c = 0; c < C; ++c) {
-        const V vc = LoadVec<V>(vt + c * W);
+        const V vc = LaneLoad<V>::From(vt + c * W);
         for (int g = 0; g < G; ++g) a[g][c] += pt[g] * vc;
       }
     }
@@ -264,21 +254,21 @@ constexpr int kValueHeads = kLanesOf<V> == 16 ? (kSliceDims<DH> / 16 <= 4 ? 4 : 
                                               : (kSliceDims<DH> / kLanesOf<V> <= 4 ? 2 : 1);
 
 // AccumulateValues for `count` (< kValueHeads) heads.
-template <typename V, int DH>
+template <typename V, int DH, typename T>
 __attribute__((always_inline)) inline void AccumulateValuesRest(int64_t count, const float* __restrict p,
-                                                                int64_t p_stride, const float* __restrict v,
+                                                                int64_t p_stride, const T* __restrict v,
                                                                 int64_t stride, int64_t n, float* __restrict acc) {
   switch (count) {
-    case 3: return AccumulateValues<V, DH, 3>(p, p_stride, v, stride, n, acc);
-    case 2: return AccumulateValues<V, DH, 2>(p, p_stride, v, stride, n, acc);
-    case 1: return AccumulateValues<V, DH, 1>(p, p_stride, v, stride, n, acc);
+    case 3: return AccumulateValues<V, DH, 3, T>(p, p_stride, v, stride, n, acc);
+    case 2: return AccumulateValues<V, DH, 2, T>(p, p_stride, v, stride, n, acc);
+    case 1: return AccumulateValues<V, DH, 1, T>(p, p_stride, v, stride, n, acc);
   }
 }
 
-// Rows `n` of `dh` elements, `stride` apart, widened into `out` ([n, dh], contiguous). Every
-// query head of the GQA group reads them: widening once instead of per head took 16 rows at
-// 550 keys (30 layers, 2-core AVX-512) from 32.7 to 11.7 ms with an fp8 pool (float32: 10.3),
-// int8 from 14.4 to 9.3 and bfloat16 from 13.5 to 10.4 (an e4m3 element takes ~8 integer ops).
+// Rows `n` of `dh` elements, `stride` apart, widened into `out` ([n, dh], contiguous), for an
+// fp8 pool or a head dim without a vectorised instance. Every query head of the GQA group reads
+// them: widening once instead of per head took 16 rows at 550 keys (30 layers, 2-core AVX-512)
+// from 32.7 to 11.7 ms with an fp8 pool (an e4m3 element takes ~8 integer ops).
 template <typename KV>
 inline void WidenRows(const KV* __restrict rows, int64_t stride, int64_t n, int64_t dh, float* __restrict out) {
   for (int64_t t = 0; t < n; ++t) {
@@ -364,9 +354,9 @@ __attribute__((always_inline)) inline float BlockMax(const float* __restrict sh,
   float block_max = sh[0];
   int64_t t = 0;
   if (n >= W) {
-    V lanes = LoadVec<V>(sh);
+    V lanes = LaneLoad<V>::From(sh);
     for (t = W; t + W <= n; t += W) {
-      const V x = LoadVec<V>(sh + t);
+      const V x = LaneLoad<V>::From(sh + t);
       lanes = lanes > x ? lanes : x;
     }
     for (int i = 0; i < W; ++i) block_max = std::max(block_max, lanes[i]);
@@ -416,6 +406,15 @@ template <typename KV, int DH, typename V>
 __attribute__((always_inline)) inline void AttendRowOf(const Problem& pr, int64_t b, int64_t kv_begin,
                                                        int64_t kv_end, Scratch& s) {
   constexpr bool kVectorised = DH > 0 && DH % kLanesOf<V> == 0;
+  // What the K and V rows are read as: the pool's own type where the loops widen it in
+  // registers, else float32 rows widened into the scratch first. In registers for bfloat16 and
+  // int8 pools in the sixteen-lane family (one or two instructions a vector), where it beat the
+  // scratch rows 1.07-1.34x (30-layer calls, 2-core AMD EPYC: 64 rows x 256 keys, 1 x 1024, 16 x
+  // 100); the eight-lane family's loads take more steps, and there it lost (0.66-0.91x).
+  using Elem = std::conditional_t<std::is_same_v<KV, float> ||
+                                      (kVectorised && kLanesOf<V> == 16 &&
+                                       (std::is_same_v<KV, Bf16> || std::is_same_v<KV, int8_t>)),
+                                  KV, float>;
   const PoolLayout& L = pr.pool;
   const int64_t dh = DH > 0 ? DH : L.head_dim, bs = L.block_size, ss = ScoreStride(bs);
   const int64_t group = pr.num_heads / L.num_kv_heads;
@@ -451,11 +450,13 @@ __attribute__((always_inline)) inline void AttendRowOf(const Problem& pr, int64_
     }
     for (int64_t kvh = kv_begin; kvh < kv_end; ++kvh) {
       const int64_t h0 = (kvh - kv_begin) * group;  // this group's first head, row-local
-      // This kv head's K and V rows as float32: in place for a float32 pool, else widened once.
-      const float* __restrict k;
-      const float* __restrict v;
+      // This kv head's K and V rows, read in place (float32, and with the vectorised loops
+      // bfloat16 and int8, widened in registers: one or two instructions a vector), else
+      // widened once into the scratch rows.
+      const Elem* __restrict k;
+      const Elem* __restrict v;
       int64_t stride;
-      if constexpr (std::is_same_v<KV, float>) {
+      if constexpr (std::is_same_v<Elem, KV>) {
         k = k_block + kvh * L.head_stride;
         v = v_block + kvh * L.head_stride;
         stride = L.token_stride;
@@ -470,7 +471,7 @@ __attribute__((always_inline)) inline void AttendRowOf(const Problem& pr, int64_
       // across the block while the block's K (then V) rows come from L1.
       for (int64_t h = 0; h < group; ++h) {
         if constexpr (kVectorised) {
-          BlockScores<V, DH>(q + (h0 + h) * dh, k, stride, n, pr.scale, scores + h * ss);
+          BlockScores<V, DH, Elem>(q + (h0 + h) * dh, k, stride, n, pr.scale, scores + h * ss);
         } else {
           for (int64_t t = 0; t < n; ++t) scores[h * ss + t] = Dot(q + (h0 + h) * dh, k + t * stride, dh) * pr.scale;
         }
@@ -491,8 +492,8 @@ __attribute__((always_inline)) inline void AttendRowOf(const Problem& pr, int64_
         constexpr int G = kValueHeads<V, DH>;
         int64_t h = 0;
         for (; h + G <= group; h += G)
-          AccumulateValues<V, DH, G>(scores + h * ss, ss, v, stride, n, acc + (h0 + h) * dh);
-        AccumulateValuesRest<V, DH>(group - h, scores + h * ss, ss, v, stride, n, acc + (h0 + h) * dh);
+          AccumulateValues<V, DH, G, Elem>(scores + h * ss, ss, v, stride, n, acc + (h0 + h) * dh);
+        AccumulateValuesRest<V, DH, Elem>(group - h, scores + h * ss, ss, v, stride, n, acc + (h0 + h) * dh);
       } else {
         for (int64_t h = 0; h < group; ++h) {
           float* __restrict ah = acc + (h0 + h) * dh;
@@ -682,7 +683,7 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool thread_pool, QueryBuffer q,
       Run(pr, batch, RowKernel<float>(pr.pool.head_dim), thread_pool);
       return ffi::Error::Success();
     case ffi::DataType::BF16:
-      Run(pr, batch, RowKernel<uint16_t>(pr.pool.head_dim), thread_pool);
+      Run(pr, batch, RowKernel<Bf16>(pr.pool.head_dim), thread_pool);
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument(

@@ -150,11 +150,16 @@ def test_head_layouts(heads, kv_heads, head_dim, block_size):
 
 
 @needs_kernel
+@pytest.mark.parametrize("pool", ["float32", "bfloat16", "int8", "fp8"])
 @pytest.mark.parametrize("lens", [(1, 15, 16, 17, 0, 100, 128), (256,) * 15 + (0,)], ids=["one-thread", "threads"])
-def test_a_row_does_not_depend_on_the_rest_of_the_batch(lens):
+def test_a_row_does_not_depend_on_the_rest_of_the_batch(lens, pool):
     """Bit for bit, each row alone equals that row in the batch (greedy output must not change
-    with batching): on one thread and split over the pool's threads."""
-    case = make_case(14, width=max(lens) // 16 + 8, lens=lens)
+    with batching): on one thread and split over the pool's threads, for every pool type (each
+    reads its K and V its own way: in place, widened in registers or widened into rows)."""
+    pool_dtype = jnp.bfloat16 if pool == "bfloat16" else jnp.float32
+    case = make_case(14, width=max(lens) // 16 + 8, lens=lens, pool_dtype=pool_dtype)
+    if pool in ("int8", "fp8"):
+        case = _quantized(case, pool)
     batch = kernel(case, 1)
     for b in range(len(lens)):
         alone = dict(case, q=case["q"][b:b + 1], block_tables=case["block_tables"][b:b + 1],
