@@ -98,11 +98,14 @@ void RunSegments(const std::vector<int64_t>& sizes, int64_t K, int64_t align, Se
 
 // d[i, c] = sum_r xa[i, r] tile[r, c] for MR rows and kCols columns of one tile (its R rows
 // kExpandTile values apart, d's rows ldd apart), the ranks in order: each tile vector is loaded
-// once for all the rows, by `Load`, as vectors of its width. `prefetch`: fetch the tile's lines
-// kExpandAheadRanks ranks ahead (into the next tile at its end) while this computes.
+// once for all the rows, by `Load`, as vectors of its width. With `scale` (int8 weights: these
+// columns' scales) each sum is then rounded times its column's scale, once for all the rows
+// while the sums are in registers. `prefetch`: fetch the tile's lines kExpandAheadRanks ranks
+// ahead (into the next tile at its end) while this computes.
 template <int MR, int kCols, typename W, typename Load = PortableLoad>
 __attribute__((always_inline)) inline void ExpandTile(const float* __restrict xa, const W* __restrict tile,
-                                                      float* __restrict d, int64_t ldd, int64_t R, bool prefetch) {
+                                                      const float* __restrict scale, float* __restrict d, int64_t ldd,
+                                                      int64_t R, bool prefetch) {
   using V = decltype(Load::Load(tile));
   constexpr int kLanes = sizeof(V) / sizeof(float), kVectors = kCols / kLanes;
   constexpr int kLines = kExpandTile * sizeof(W) / 64;  // cache lines per rank of a whole tile
@@ -118,6 +121,11 @@ __attribute__((always_inline)) inline void ExpandTile(const float* __restrict xa
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < kVectors; ++v) acc[i][v] += xa[i * R + r] * bv[v];
   }
+  if (scale)
+    for (int v = 0; v < kVectors; ++v) {
+      const V sv = Load::Load(scale + v * kLanes);
+      for (int i = 0; i < MR; ++i) acc[i][v] *= sv;
+    }
   for (int i = 0; i < MR; ++i) std::memcpy(d + i * ldd, acc[i], sizeof acc[i]);
 }
 
@@ -128,23 +136,24 @@ __attribute__((always_inline)) inline void ExpandTile(const float* __restrict xa
 // over 8 adapters) had been most of the kernel's work. A column's sum is over the ranks in order
 // whatever the tile, so every path gives the same bits.
 template <typename W, typename Load = PortableLoad, bool kWide = false>
-__attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float* xa, const W* tile, float* d,
-                                                      int64_t ldd, int64_t R) {
+__attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float* xa, const W* tile,
+                                                      const float* scale, float* d, int64_t ldd, int64_t R) {
   int64_t i = 0;
   if constexpr (kWide) {
-    for (; i + 4 <= rows; i += 4) ExpandTile<4, kExpandTile, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R, i == 0);
+    for (; i + 4 <= rows; i += 4) ExpandTile<4, kExpandTile, W, Load>(xa + i * R, tile, scale, d + i * ldd, ldd, R, i == 0);
     switch (rows - i) {
-      case 3: return ExpandTile<3, kExpandTile, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R, i == 0);
-      case 2: return ExpandTile<2, kExpandTile, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R, i == 0);
-      case 1: return ExpandTile<1, kExpandTile, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R, i == 0);
+      case 3: return ExpandTile<3, kExpandTile, W, Load>(xa + i * R, tile, scale, d + i * ldd, ldd, R, i == 0);
+      case 2: return ExpandTile<2, kExpandTile, W, Load>(xa + i * R, tile, scale, d + i * ldd, ldd, R, i == 0);
+      case 1: return ExpandTile<1, kExpandTile, W, Load>(xa + i * R, tile, scale, d + i * ldd, ldd, R, i == 0);
     }
   } else {
     constexpr int kHalf = kExpandTile / 2;
     for (; i + 2 <= rows; i += 2)
       for (int half = 0; half < 2; ++half)
-        ExpandTile<2, kHalf, W, Load>(xa + i * R, tile + half * kHalf, d + i * ldd + half * kHalf, ldd, R,
+        ExpandTile<2, kHalf, W, Load>(xa + i * R, tile + half * kHalf, scale ? scale + half * kHalf : nullptr,
+                                      d + i * ldd + half * kHalf, ldd, R,
                                       i == 0 && half == 0);
-    if (i < rows) ExpandTile<1, kExpandTile, W, Load>(xa + i * R, tile, d + i * ldd, ldd, R, i == 0);
+    if (i < rows) ExpandTile<1, kExpandTile, W, Load>(xa + i * R, tile, scale, d + i * ldd, ldd, R, i == 0);
   }
 }
 
@@ -154,16 +163,38 @@ __attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float*
 // streams than the prefetchers follow (int8 and bfloat16 slots at rank 64 took 1.2x as long).
 inline int64_t TiledColumns(int64_t O) { return (O + kExpandTile - 1) / kExpandTile * kExpandTile; }
 
-// d [rows, ldd] = xa [rows, R] . B [R, *], the tiles of columns [begin, end) (multiples of
-// kExpandTile) of the tiled b, every output by ExpandTile's vector code, so bfloat16 and int8
-// weights give float32's sums on their (exactly widened) values.
+// A target's column scales (int8 weights; null for float ones) a tile at a time: tile o's in
+// place, or for a tile that passes the target's O outputs a copy beside zeros (those columns'
+// sums are dropped, and the scales end at O).
+class TileScales {
+ public:
+  TileScales(const float* scale, int64_t O) : scale_(scale), O_(O) {}
+  const float* At(int64_t o) {
+    if (!scale_ || o + kExpandTile <= O_) return scale_ ? scale_ + o : nullptr;
+    std::fill(tail_, tail_ + kExpandTile, 0.0f);
+    std::copy(scale_ + o, scale_ + O_, tail_);
+    return tail_;
+  }
+
+ private:
+  const float* scale_;
+  int64_t O_;
+  float tail_[kExpandTile];
+};
+
+// d [rows, ldd] = xa [rows, R] . B [R, *] (times `scale`'s column scales, for the O outputs),
+// the tiles of columns [begin, end) (multiples of kExpandTile) of the tiled b, every output by
+// ExpandTile's vector code, so bfloat16 and int8 weights give float32's sums on their (exactly
+// widened) values.
 template <typename W>
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void Expand(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd, int64_t R, int64_t begin, int64_t end) {
+void Expand(int64_t rows, const float* xa, const W* b, const float* scale, int64_t O, float* d, int64_t ldd, int64_t R,
+            int64_t begin, int64_t end) {
+  TileScales scales(scale, O);
   for (int64_t o = begin; o < end; o += kExpandTile)
-    ExpandRows(rows, xa, b + o * R, d + o, ldd, R);
+    ExpandRows(rows, xa, b + o * R, scales.At(o), d + o, ldd, R);
 }
 
 #ifdef RAYLM_WIDE_TILES
@@ -182,10 +213,11 @@ struct WideLoad {
 };
 
 template <typename W>
-void ExpandWide(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd, int64_t R, int64_t begin,
-                int64_t end) {
+void ExpandWide(int64_t rows, const float* xa, const W* b, const float* scale, int64_t O, float* d, int64_t ldd,
+                int64_t R, int64_t begin, int64_t end) {
+  TileScales scales(scale, O);
   for (int64_t o = begin; o < end; o += kExpandTile)
-    ExpandRows<W, WideLoad, true>(rows, xa, b + o * R, d + o, ldd, R);
+    ExpandRows<W, WideLoad, true>(rows, xa, b + o * R, scales.At(o), d + o, ldd, R);
 }
 #pragma GCC pop_options
 #endif
@@ -193,12 +225,12 @@ void ExpandWide(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd
 // Expand for any slot type: by the wide tiles where the process runs the dense kernel's
 // sixteen-lane family (UseWideTiles), else by Expand's eight-lane tiles.
 template <typename W>
-void ExpandSlots(int64_t rows, const float* xa, const W* b, float* d, int64_t ldd, int64_t R, int64_t begin,
-                 int64_t end) {
+void ExpandSlots(int64_t rows, const float* xa, const W* b, const float* scale, int64_t O, float* d, int64_t ldd,
+                 int64_t R, int64_t begin, int64_t end) {
 #ifdef RAYLM_WIDE_TILES
-  if (UseWideTiles()) return ExpandWide(rows, xa, b, d, ldd, R, begin, end);
+  if (UseWideTiles()) return ExpandWide(rows, xa, b, scale, O, d, ldd, R, begin, end);
 #endif
-  Expand(rows, xa, b, d, ldd, R, begin, end);
+  Expand(rows, xa, b, scale, O, d, ldd, R, begin, end);
 }
 
 // The packed layout (offsets and sizes, in values of w's rows) against the operands' shapes.
@@ -256,17 +288,13 @@ struct Packed {
   ffi::Span<const int64_t> b_scale_offsets;
 };
 
-// out[c] += sums[c], or += sums[c] * scale[c], for c < n: one target's outputs in one group of a
-// row. The product is rounded before the add (no contraction into a fused multiply-add, which
-// the AVX2 and AVX-512 clones would otherwise make), so every clone gives the same bits.
+// out[c] += sums[c] for c < n: one target's outputs in one group of a row (int8 sums come
+// already scaled: ExpandTile rounds each product before this add, so no clone can fuse the two).
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("fp-contract=off")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void AddSums(float* __restrict out, const float* __restrict sums, const float* __restrict scale, int64_t n) {
-  if (scale)
-    for (int64_t c = 0; c < n; ++c) out[c] += sums[c] * scale[c];
-  else
-    for (int64_t c = 0; c < n; ++c) out[c] += sums[c];
+void AddSums(float* __restrict out, const float* __restrict sums, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) out[c] += sums[c];
 }
 
 // The deltas of the rows `order` (sorted by slot, `runs` of them per slot) added into out [M, N],
@@ -278,9 +306,6 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
                ffi::ThreadPool& pool) {
   const ffi::Span<const int64_t>& outputs = p.outputs;
   const int64_t T = outputs.size(), rows = order.size();
-  std::vector<int64_t> buffer_of(rows);  // each sorted row's buffer
-  for (const SlotRows& run : runs)
-    for (int64_t i = run.first; i < run.first + run.rows; ++i) buffer_of[i] = run.buffer;
   // Scratch that every phase writes whole before it is read: left uninitialized (at one row its
   // zeroing and SSE adds were a sizable part of a rank-8 call).
   std::unique_ptr<float[]> xs(new float[rows * K]);  // the rows' inputs, in sorted order
@@ -300,8 +325,9 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
             &xa[(t * rows + run.first) * R], run.rows, R, K, begin, end, nullptr);
   }, pool);
 
-  // Phase 2: d_t [rows, O_t'] = xa_t B_t^T, a segment of O_t' columns per (run, target), O_t'
-  // being O_t in whole tiles (the columns past O_t are zero weights, computed and dropped).
+  // Phase 2: d_t [rows, O_t'] = xa_t B_t^T (int8: times B's column scales), a segment of O_t'
+  // columns per (run, target), O_t' being O_t in whole tiles (the columns past O_t are zero
+  // weights, computed and dropped).
   std::vector<int64_t> offsets(T + 1, 0), tiled(T);  // each target's sums in d, and its O_t'
   for (int64_t t = 0; t < T; ++t) tiled[t] = TiledColumns(outputs[t]);
   sizes.clear();
@@ -312,12 +338,12 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
     const SlotRows& run = runs[segment / T];
     const int64_t t = segment % T, O = tiled[t];
     const W* b = w + run.buffer * p.S + p.b_offsets[t];
+    const float* column_scales = p.scales ? p.scales + run.buffer * p.S2 + p.b_scale_offsets[t] : nullptr;
     float* sums = &d[offsets[t] + run.first * O];
-    ExpandSlots(run.rows, &xa[(t * rows + run.first) * R], b, sums, O, R, begin, end);
+    ExpandSlots(run.rows, &xa[(t * rows + run.first) * R], b, column_scales, outputs[t], sums, O, R, begin, end);
   }, pool);
 
   // Each row's sums into its outputs, where the fused projection keeps each target's.
-  // (int8: each output times its column scale first, the same operation in every row.)
   const int64_t W_ = N / groups;
   for (int64_t i = 0; i < rows; ++i) {
     float* row = out + order[i] * N;
@@ -325,9 +351,7 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
     for (int64_t t = 0; t < T; ++t) {
       const int64_t width = outputs[t] / groups;
       const float* sums = &d[offsets[t] + i * tiled[t]];
-      const float* scale = p.scales ? p.scales + buffer_of[i] * p.S2 + p.b_scale_offsets[t] : nullptr;
-      for (int64_t g = 0; g < groups; ++g)
-        AddSums(row + g * W_ + column, sums + g * width, scale ? scale + g * width : nullptr, width);
+      for (int64_t g = 0; g < groups; ++g) AddSums(row + g * W_ + column, sums + g * width, width);
       column += width;
     }
   }
