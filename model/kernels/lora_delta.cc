@@ -140,7 +140,8 @@ __attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float*
                                                       const float* scale, float* d, int64_t ldd, int64_t R) {
   int64_t i = 0;
   if constexpr (kWide) {
-    for (; i + 4 <= rows; i += 4) ExpandTile<4, kExpandTile, W, Load>(xa + i * R, tile, scale, d + i * ldd, ldd, R, i == 0);
+    for (; i + 4 <= rows; i += 4)
+      ExpandTile<4, kExpandTile, W, Load>(xa + i * R, tile, scale, d + i * ldd, ldd, R, i == 0);
     switch (rows - i) {
       case 3: return ExpandTile<3, kExpandTile, W, Load>(xa + i * R, tile, scale, d + i * ldd, ldd, R, i == 0);
       case 2: return ExpandTile<2, kExpandTile, W, Load>(xa + i * R, tile, scale, d + i * ldd, ldd, R, i == 0);
@@ -151,8 +152,7 @@ __attribute__((always_inline)) inline void ExpandRows(int64_t rows, const float*
     for (; i + 2 <= rows; i += 2)
       for (int half = 0; half < 2; ++half)
         ExpandTile<2, kHalf, W, Load>(xa + i * R, tile + half * kHalf, scale ? scale + half * kHalf : nullptr,
-                                      d + i * ldd + half * kHalf, ldd, R,
-                                      i == 0 && half == 0);
+                                      d + i * ldd + half * kHalf, ldd, R, i == 0 && half == 0);
     if (i < rows) ExpandTile<1, kExpandTile, W, Load>(xa + i * R, tile, scale, d + i * ldd, ldd, R, i == 0);
   }
 }
