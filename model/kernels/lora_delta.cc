@@ -21,10 +21,12 @@
 // every step (A and B written and read again) and took a dozen small ops per group of
 // targets. Here each adapter is read in place, once per call however many rows use it: rows
 // are sorted by slot, and each slot's rows pass its weights together (the dense kernel's
-// tiles, dense_matmul.cc: weights streamed in order, the rows in cache). Two phases, each
-// split over the calling thread and XLA's pool by output columns: x A^T for every (slot,
-// target) by the dense kernel's tiles, then (x A^T) B^T as R vector updates of each slot's
-// contiguous outputs (Expand); then each row's sums are added into y.
+// tiles, dense_matmul.cc: weights streamed in order, the rows in cache). Two phases: x A^T for
+// every (slot, target) by the dense kernel's tiles, then (x A^T) B^T as R vector updates of each
+// slot's contiguous outputs (Expand); then each row's sums are added into y. A call with several
+// (slot, target) pairs runs both phases of a pair as one work item, over the calling thread and
+// XLA's pool (one parallel region, the pair's x A^T still in cache for its expansion); a call
+// with one pair splits each phase by output columns instead (AddDeltas).
 //
 // Batch invariance: x A^T is summed in the dense kernel's TileOf order (lanes along k, the lane
 // order, the k tail), which does not depend on how many rows share a tile, a call or a slot;
@@ -56,9 +58,14 @@ struct PortableLoad {
   __attribute__((always_inline)) static Vec8 Load(const W* p) { return Lanes<Vec8>::Load(p); }
 };
 constexpr int64_t kExpandTile = 64;  // output columns per tile (B's tiles, model/lora_weights.py)
-// How far ahead ExpandTile fetches B, in ranks (int8: 1 KiB). The tiles are read once per call
-// in one stream, which the hardware prefetcher alone left waiting on memory.
-constexpr int64_t kExpandAheadRanks = 16;
+// How far ahead ExpandTile fetches B, in ranks (int8: 4 KiB, a rank-64 tile). The tiles are read
+// once per call in one stream, which the hardware prefetcher alone left waiting on memory; at a
+// few multiply-adds per rank, 16 ranks (1 KiB) ahead were less than a memory latency away: in
+// a perf profile of 16 rows over 8 rank-64 adapters, half of the expansion's time sat on the
+// load of each rank's first vector, and 64 ranks ahead made one row's 120 calls of a step
+// 1.7-2.0x and 16 rows' 1.25-1.35x faster (2-core AVX-512 EPYC, alternating runs; 128 and 256
+// ranks measured within noise of 64).
+constexpr int64_t kExpandAheadRanks = 64;
 
 // Weights per work item: small enough that both threads share a call's few targets evenly (an
 // item per target left a rank-64 call's second thread idle for half of it, or all of it for
@@ -66,6 +73,14 @@ constexpr int64_t kExpandAheadRanks = 16;
 constexpr int64_t kLoraItemWeights = 16384;
 // Phase 1's items start at multiples of this many rows of A (a multiple of the tiles' rows).
 constexpr int64_t kPhaseOneAlign = 16;
+// From this many (slot, target) pairs in a call, each pair's two phases are one work item, in
+// one parallel region (below, each phase is split by columns in a region of its own). Against
+// two regions per call, the 120 calls of a step (rank 64, int8 slots, 2-core AVX-512 EPYC,
+// alternating runs) took 0.63-0.81x the time at 16 rows over 8 adapters back to back (0.80-0.87x
+// from memory), 0.55-0.76x at two rows, and 0.71-0.85x at one row (0.78-0.93x from memory),
+// where QKV's three targets and gate/up's two are the pairs; a call of one pair (one row's
+// o_proj or down_proj) has one item to give, and stays split.
+constexpr int64_t kFusedMinPairs = 2;
 
 // Output columns per work item in a phase whose products are `K` long: about kLoraItemWeights
 // weights, a multiple of `align` (Expand's tile in phase 2; phase 1's tiles give each output the
@@ -311,37 +326,55 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
   std::unique_ptr<float[]> xs(new float[rows * K]);  // the rows' inputs, in sorted order
   for (int64_t i = 0; i < rows; ++i) std::memcpy(&xs[i * K], x + order[i] * K, sizeof(float) * K);
 
-  // Phase 1: xa_t [rows, R] = x A_t^T per target, a segment of R columns per (run, target).
-  std::vector<int64_t> sizes;
-  for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), T, R);
+  // Phase 1: xa_t [rows, R] = x A_t^T per target; `shrink` computes columns [begin, end) of
+  // segment (run, target)'s R.
   std::unique_ptr<float[]> xa(new float[T * rows * R]);
   // Columns widens every slot type in registers, so it needs no panel (null below).
   static_assert(!kWidensThroughPanel<W>, "slot types that Columns widens through a panel need its scratch");
-  RunSegments(sizes, K, kPhaseOneAlign, [&](size_t segment, int64_t begin, int64_t end) {
+  const auto shrink = [&](size_t segment, int64_t begin, int64_t end) {
     const SlotRows& run = runs[segment / T];
     const int64_t t = segment % T;
     const float* row_scales = p.scales ? p.scales + run.buffer * p.S2 + p.a_scale_offset + t * R : nullptr;
     Columns(&xs[run.first * K], w + run.buffer * p.S + p.a_offset + t * R * K, row_scales,
             &xa[(t * rows + run.first) * R], run.rows, R, K, begin, end, nullptr);
-  }, pool);
+  };
 
-  // Phase 2: d_t [rows, O_t'] = xa_t B_t^T (int8: times B's column scales), a segment of O_t'
-  // columns per (run, target), O_t' being O_t in whole tiles (the columns past O_t are zero
-  // weights, computed and dropped).
+  // Phase 2: d_t [rows, O_t'] = xa_t B_t^T (int8: times B's column scales); `expand` computes
+  // columns [begin, end) of segment (run, target)'s O_t', which is O_t in whole tiles (the
+  // columns past O_t are zero weights, computed and dropped).
   std::vector<int64_t> offsets(T + 1, 0), tiled(T);  // each target's sums in d, and its O_t'
   for (int64_t t = 0; t < T; ++t) tiled[t] = TiledColumns(outputs[t]);
-  sizes.clear();
-  for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), tiled.begin(), tiled.end());
   for (int64_t t = 0; t < T; ++t) offsets[t + 1] = offsets[t] + rows * tiled[t];
   std::unique_ptr<float[]> d(new float[offsets[T]]);  // every tile's every column
-  RunSegments(sizes, R, kExpandTile, [&](size_t segment, int64_t begin, int64_t end) {
+  const auto expand = [&](size_t segment, int64_t begin, int64_t end) {
     const SlotRows& run = runs[segment / T];
     const int64_t t = segment % T, O = tiled[t];
     const W* b = w + run.buffer * p.S + p.b_offsets[t];
     const float* column_scales = p.scales ? p.scales + run.buffer * p.S2 + p.b_scale_offsets[t] : nullptr;
     float* sums = &d[offsets[t] + run.first * O];
     ExpandSlots(run.rows, &xa[(t * rows + run.first) * R], b, column_scales, outputs[t], sums, O, R, begin, end);
-  }, pool);
+  };
+
+  // The same sums either way: phase 1's items start at multiples of kPhaseOneAlign within a
+  // target's R columns (a pair's item at 0), phase 2's at multiples of the tile.
+  const int64_t pairs = static_cast<int64_t>(runs.size()) * T;
+  if (pairs >= kFusedMinPairs) {
+    int64_t weights = 0;  // a pair's, on average: Run's measure of the call's size
+    for (int64_t t = 0; t < T; ++t) weights += R * (K + tiled[t]);
+    Run(pairs, weights / T, 0, [&](int64_t begin, int64_t end, float*) {
+      for (int64_t i = begin; i < end; ++i) {
+        shrink(i, 0, R);
+        expand(i, 0, tiled[i % T]);
+      }
+    }, pool, 1);
+  } else {
+    std::vector<int64_t> sizes;
+    for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), T, R);
+    RunSegments(sizes, K, kPhaseOneAlign, shrink, pool);
+    sizes.clear();
+    for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), tiled.begin(), tiled.end());
+    RunSegments(sizes, R, kExpandTile, expand, pool);
+  }
 
   // Each row's sums into its outputs, where the fused projection keeps each target's.
   const int64_t W_ = N / groups;

@@ -92,3 +92,33 @@ def test_int8_slots_add_their_dequantized_deltas_the_same_alone_or_batched():
                               got[row]), row
     exact = _expected(weights, y, x, slots) - y
     assert np.abs((got - y) - exact).max() < 0.02 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.int8], ids=["float32", "int8"])
+def test_a_lone_rows_split_call_sums_as_a_batchs_call_of_one_item_per_adapter(dtype):
+    """A call of one (adapter, target) pair, one row's down_proj, splits each phase over items of
+    columns; a call of several gives each pair one item running both phases (lora_delta.cc's
+    kFusedMinPairs). Shapes where the split call cuts several items in each phase (K 1100: 16
+    rows of A an item; R 40: 448 outputs an item): a row's delta is the same bits either way,
+    and the float64 reference's."""
+    rng = np.random.RandomState(3)
+    K, R, O = 1100, 40, 600
+    weights = LayerSlots({"down_proj": (rng.randn(N_SLOTS, R, K) * 0.05).astype(np.float32)},
+                         {"down_proj": (rng.randn(N_SLOTS, R, O) * 0.05).astype(np.float32)})
+    packed = pack_lora_weights((weights,), dtype=dtype)
+    merged = jax.tree.map(np.asarray, packed[0].unpacked())
+    slots = np.array([1, 2, 3, 0, 2], np.int32)
+    x = rng.randn(len(slots), 1, K).astype(np.float32)
+    y = rng.randn(len(slots), 1, O).astype(np.float32)
+    add = jax.jit(lambda w, s, y, x: LayerLora(w[0], s, kernel=True).add("down_proj", y, x))
+    got = np.asarray(add(packed, slots, y, x))
+    expected = y.astype(np.float64)
+    for row, slot in enumerate(slots):
+        if slot:
+            a, b = (np.asarray(merged.a["down_proj"][slot - 1], np.float64),
+                    np.asarray(merged.b["down_proj"][slot - 1], np.float64))
+            expected[row, 0] += (x[row, 0] @ a.T) @ b
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+    for row in range(len(slots)):
+        assert np.array_equal(np.asarray(add(packed, slots[row : row + 1], y[row : row + 1], x[row : row + 1]))[0],
+                              got[row]), row
