@@ -7,6 +7,9 @@ rounds (output tokens/s, greedy, EOS ignored, prefill included; a warm-up round 
 everything first):
 
 - ``single``: one request at a time, with an adapter, against the base engine's;
+- ``decode``: the same requests' decode alone, after each one's first token: output tokens
+  past the first over the time from the first token to the last (``single`` also counts each
+  request's prompt and first step, which weigh more the fewer tokens it generates);
 - ``batch``: ``--batch`` requests at once spread over ``--adapters`` adapters, against the
   same requests on the base engine;
 - ``load``: reading an adapter from disk, and the first token of a request whose adapter is
@@ -64,6 +67,26 @@ def _tokens_per_s(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | 
     return len(prompts) * new_tokens / (time.perf_counter() - start)
 
 
+def _decode_tokens_per_s(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None],
+                         new_tokens: int) -> float:
+    """One request at a time: output tokens after the first over the time from the step that
+    produced the first token to the one that finished the request."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    tokens, seconds = 0, 0.0
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        engine.add_request(f"decode-{i}", prompt, params, lora_request=lora)
+        first, first_count, generated = None, 0, 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                generated = len(output.outputs[0].token_ids)
+            if first is None and generated:
+                first, first_count = time.perf_counter(), generated
+        tokens += generated - first_count
+        seconds += time.perf_counter() - first
+    return tokens / seconds
+
+
 def _first_token_s(llm: LLM, prompt: list[int], lora: LoRARequest) -> float:
     engine = llm.engine
     start = time.perf_counter()
@@ -109,6 +132,8 @@ def main() -> None:
             cases = {
                 "single": lambda llm, with_lora: _tokens_per_s(
                     llm, single, spread[: len(single)] if with_lora else [None] * len(single), args.new_tokens, True),
+                "decode": lambda llm, with_lora: _decode_tokens_per_s(
+                    llm, single, spread[: len(single)] if with_lora else [None] * len(single), args.new_tokens),
                 "batch": lambda llm, with_lora: _tokens_per_s(
                     llm, prompts, spread if with_lora else [None] * len(prompts), args.new_tokens, False),
             }
