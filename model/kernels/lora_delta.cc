@@ -63,13 +63,13 @@ constexpr int64_t kExpandTile = 64;  // output columns per tile (B's tiles, mode
 // few multiply-adds per rank, 16 ranks (1 KiB) ahead were less than a memory latency away: in
 // a perf profile of 16 rows over 8 rank-64 adapters, half of the expansion's time sat on the
 // load of each rank's first vector, and 64 ranks ahead made one row's 120 calls of a step
-// 1.7-2.0x and 16 rows' 1.25-1.35x faster (2-core AVX-512 EPYC, alternating runs; 128 and 256
-// ranks measured within noise of 64).
+// 1.7-2.0x and 16 rows' 1.25-1.35x faster back to back, and 16 rows' ~1.1x from memory (2-core
+// AVX-512 EPYC, alternating runs; 128 and 256 ranks measured within noise of 64).
 constexpr int64_t kExpandAheadRanks = 64;
 
-// Weights per work item: small enough that both threads share a call's few targets evenly (an
-// item per target left a rank-64 call's second thread idle for half of it, or all of it for
-// o_proj and down_proj), large enough that claiming one costs nothing next to reading it.
+// Weights per work item of a call split by columns (one (slot, target) pair, kFusedMinPairs):
+// small enough that both threads share it, large enough that claiming an item costs nothing next
+// to reading it.
 constexpr int64_t kLoraItemWeights = 16384;
 // Phase 1's items start at multiples of this many rows of A (a multiple of the tiles' rows).
 constexpr int64_t kPhaseOneAlign = 16;
