@@ -129,13 +129,18 @@ def main() -> None:
                        **engine_args)
             spread = [served[i % len(served)] for i in range(args.batch)]
             single = prompts[: args.single_requests]
+
+            def loras(count: int, with_lora: bool) -> list[LoRARequest | None]:
+                """The first ``count`` prompts' adapters, or none for the base engine."""
+                return spread[:count] if with_lora else [None] * count
+
             cases = {
                 "single": lambda llm, with_lora: _tokens_per_s(
-                    llm, single, spread[: len(single)] if with_lora else [None] * len(single), args.new_tokens, True),
+                    llm, single, loras(len(single), with_lora), args.new_tokens, True),
                 "decode": lambda llm, with_lora: _decode_tokens_per_s(
-                    llm, single, spread[: len(single)] if with_lora else [None] * len(single), args.new_tokens),
+                    llm, single, loras(len(single), with_lora), args.new_tokens),
                 "batch": lambda llm, with_lora: _tokens_per_s(
-                    llm, prompts, spread if with_lora else [None] * len(prompts), args.new_tokens, False),
+                    llm, prompts, loras(len(prompts), with_lora), args.new_tokens, False),
             }
             for name, case in cases.items():
                 case(base, False), case(lora, True)  # compile
