@@ -184,10 +184,10 @@ class Scheduler:
         preempted: list[Sequence] = []
         if self._by_priority:
             self._make_room_for_higher_priority(preempted)
-        any_prefill = any(s.runs_as_chunk for s in self.running) or bool(self.waiting)
+        any_prefill = any(s.runs_as_chunk for s in self.running) or self._may_admit()
         # Structured output and logits processors need the host before each token: one step at a time.
         constrained = any(s.host_before_each_token for s in self.running)
-        steps = 1 if any_prefill or constrained else cfg.num_scheduler_steps
+        steps = 1 if any_prefill or constrained else self._decode_steps()
         lookahead = self._lookahead()
 
         # 1. Running sequences, most important first; preempt from the back when blocks run out.
@@ -278,6 +278,22 @@ class Scheduler:
         if seq.lora_slot:
             self.lora_slots.release(seq.lora_slot)
             seq.lora_slot = 0
+
+    def _may_admit(self) -> bool:
+        """Whether a waiting sequence may start this step: one is waiting and a slot is free
+        (whether its blocks fit is left to the admission itself)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+
+    def _decode_steps(self) -> int:
+        """Decode steps for a step without prompts: ``num_scheduler_steps``, or one while
+        sequences wait for a slot and a running sequence has fewer tokens left than that, so
+        the sequence finishing at its length frees its slot for them at the end of a call, not
+        steps after it (one that stops early, at EOS or a stop string, still idles its row
+        until the call ends). Only 1 and ``num_scheduler_steps`` are compiled step counts."""
+        steps = self.config.num_scheduler_steps
+        if self.waiting and any(seq.max_tokens - len(seq.output_ids) < steps for seq in self.running):
+            return 1
+        return steps
 
     def _lookahead(self) -> int:
         """Guesses per decoding sequence this step: none above the batch size where verifying

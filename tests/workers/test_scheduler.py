@@ -301,10 +301,29 @@ def test_multi_step_decoding_only_when_no_prompt_is_computed():
     assert _decoded(plan) == [a, b] and plan.num_decode_steps == 4
 
 
-def test_a_sequence_waiting_for_a_slot_keeps_decoding_to_one_step():
-    """So that it starts as soon as a slot frees, not after a multi-step run."""
-    scheduler = _scheduler(num_scheduler_steps=4, max_num_seqs=1)
-    a, b = _seq(3), _seq(3)
+def test_a_sequence_waiting_for_a_slot_starts_when_one_frees_at_a_calls_end():
+    """With every slot taken, decodes run several steps a call while every running sequence
+    has that many tokens left, then one at a time: the sequence finishing at its length frees
+    its slot at a call's end, and the waiting one starts in the next step, not steps later."""
+    scheduler = _scheduler(num_scheduler_steps=4, max_num_seqs=2)
+    a, b, c = _seq(3, max_tokens=7), _seq(3, max_tokens=32), _seq(3)
+    _add(scheduler, a, b)
+    _step(scheduler)  # both prompts, a first token each
+    _add(scheduler, c)
+    for steps, outputs in [(4, 5), (1, 6), (1, 7)]:  # a has 6, then 2 and 1 tokens left
+        plan = _step(scheduler)
+        assert _decoded(plan) == [a, b] and plan.prefills == [] and plan.num_decode_steps == steps
+        assert len(a.output_ids) == outputs and scheduler.waiting == [c]
+    assert a.finished
+    plan = _step(scheduler)
+    assert _decoded(plan) == [b] and _chunks(plan) == [(c, 3)] and plan.num_decode_steps == 1
+
+
+def test_a_sequence_waiting_for_a_free_slot_keeps_decoding_to_one_step():
+    """A slot is free but the waiting sequence cannot start yet (its blocks do not fit): one
+    step at a time, so that it starts as soon as blocks free."""
+    scheduler = _scheduler(usable_blocks=3, num_scheduler_steps=4, max_num_seqs=2)
+    a, b = _seq(3), _seq(12)
     _add(scheduler, a)
     _step(scheduler)
     _add(scheduler, b)
