@@ -31,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -116,15 +117,20 @@ constexpr int64_t kMaxLanes = 16;
 
 inline int64_t ScoreStride(int64_t block_size) { return (block_size + kMaxLanes - 1) / kMaxLanes * kMaxLanes; }
 
-// Per-thread working memory for one row: the scores of one block for the query heads of
-// one kv head ([group, ScoreStride(block_size)]), each query head's running max,
-// denominator and float32 accumulator, and one kv head's K and V rows of a block widened to
-// float32 (for the pools AttendRowOf does not widen in registers).
+// Rows that share their first block run together, up to this many in one work item
+// (AttendRowsOf): their softmax states ([rows, heads, Dh] floats) stay in L1 beside the
+// shared block's K and V of one kv head. 4 and 16 measured the same as 8 (0.98-1.03x).
+constexpr int64_t kMaxSharedRows = 8;
+
+// Per-thread working memory for up to `rows` rows: the scores of one block for the query
+// heads of one kv head ([group, ScoreStride(block_size)]), each row's query heads' running
+// max, denominator and float32 accumulator, and one kv head's K and V rows of a block widened
+// to float32 (for the pools AttendBlockOf does not widen in registers).
 struct Scratch {
   std::vector<float> scores, max, denom, acc, k_rows, v_rows;
-  Scratch(int64_t heads, int64_t group, int64_t block_size, int64_t head_dim)
-      : scores(group * ScoreStride(block_size)), max(heads), denom(heads), acc(heads * head_dim),
-        k_rows(block_size * head_dim), v_rows(block_size * head_dim) {}
+  Scratch(int64_t heads, int64_t group, int64_t block_size, int64_t head_dim, int64_t rows)
+      : scores(group * ScoreStride(block_size)), max(rows * heads), denom(rows * heads),
+        acc(rows * heads * head_dim), k_rows(block_size * head_dim), v_rows(block_size * head_dim) {}
 };
 
 // Vectors of 8 (AVX2) or 16 (AVX-512) floats (raylm::Vec8, Vec16, loaded by LaneLoad), as GCC
@@ -266,7 +272,7 @@ __attribute__((always_inline)) inline void AccumulateValuesRest(int64_t count, c
 }
 
 // Rows `n` of `dh` elements, `stride` apart, widened into `out` ([n, dh], contiguous), for the
-// pools AttendRowOf does not widen in registers (fp8; bfloat16 and int8 in the eight-lane family
+// pools AttendBlockOf does not widen in registers (fp8; bfloat16 and int8 in the eight-lane family
 // or at a head dim without a vectorised instance). Every query head of the GQA group reads them:
 // widening once instead of per head took 16 rows at 550 keys (30 layers, 2-core AVX-512) from
 // 32.7 to 11.7 ms with an fp8 pool (float32: 10.3), int8 from 14.4 to 9.3 and bfloat16 from 13.5
@@ -394,19 +400,26 @@ __attribute__((always_inline)) inline void SoftmaxUpdate(float* __restrict sc, i
   }
 }
 
-// Attention of the query heads of kv heads [kv_begin, kv_end) of row `b`. Blocks are the
-// outer loop and kv heads the inner one, so a block's K/V ([block_size, KVH, Dh],
-// contiguous) streams in once. DH > 0 fixes the head dim at compile time; when it is a
-// multiple of V's lanes, scores are summed by lane trees and the value accumulators stay in
-// registers (BlockScores, AccumulateValues), else (DH == 0: taken from the pool) scalar
-// reductions run. Inlined into the functions below, once per vector width. Against scalar
-// reductions everywhere, a step of 30 layers on a 2-core AMD EPYC (16-lane family, first
-// kilobyte prefetched): 1 row x 300 keys 0.8-0.9 -> 0.4 ms, 64 rows x 192 keys 33.0-33.8 ->
-// 26.5-27.0 ms, 16 rows x 550 keys sharing a 512-key prefix 11.5-12.1 -> 6.8-6.9 ms, and
-// 64 x 550 (bound by reading the pool) 97.5 -> 78-79 ms.
+// One row's online-softmax state: each query head's running max, denominator and float32
+// accumulator ([num_heads], [num_heads], [num_heads, Dh]), indexed by the row's query head.
+struct RowState {
+  float* max;
+  float* denom;
+  float* acc;
+};
+
+// Block `j` of row `b` (visible keys `keys`) for the query heads of kv heads [kv_begin,
+// kv_end): scores, the softmax update and the values, into `st`. Kv heads are the inner loop,
+// so a block's K/V ([block_size, KVH, Dh], contiguous) streams in once. `prefetch`: ask for
+// the start of the row's next block meanwhile. DH > 0 fixes the head dim at compile time;
+// when it is a multiple of V's lanes, scores are summed by lane trees and the value
+// accumulators stay in registers (BlockScores, AccumulateValues), else (DH == 0: taken from
+// the pool) scalar reductions run. A (row, kv head)'s arithmetic depends only on its own
+// state and block, so the order AttendRowsOf visits them in does not change a bit.
 template <typename KV, int DH, typename V>
-__attribute__((always_inline)) inline void AttendRowOf(const Problem& pr, int64_t b, int64_t kv_begin,
-                                                       int64_t kv_end, Scratch& s) {
+__attribute__((always_inline)) inline void AttendBlockOf(const Problem& pr, int64_t b, int64_t j, KeyRange keys,
+                                                         int64_t kv_begin, int64_t kv_end, RowState st,
+                                                         Scratch& s, bool prefetch) {
   constexpr bool kVectorised = DH > 0 && DH % kLanesOf<V> == 0;
   // What the K and V rows are read as: the pool's own type where the loops widen it in
   // registers, else float32 rows widened into the scratch first. In registers for bfloat16 and
@@ -420,98 +433,141 @@ __attribute__((always_inline)) inline void AttendRowOf(const Problem& pr, int64_
   const PoolLayout& L = pr.pool;
   const int64_t dh = DH > 0 ? DH : L.head_dim, bs = L.block_size, ss = ScoreStride(bs);
   const int64_t group = pr.num_heads / L.num_kv_heads;
-  const int64_t h_begin = kv_begin * group, h_count = (kv_end - kv_begin) * group;
-  const float* __restrict q = pr.q + (b * pr.num_heads + h_begin) * dh;
-  float* __restrict out = pr.out + (b * pr.num_heads + h_begin) * dh;
-  const KeyRange keys = VisibleKeys(pr, b);
-  if (keys.end == keys.first) {
-    std::fill(out, out + h_count * dh, 0.0f);
-    return;
-  }
+  const float* __restrict q = pr.q + b * pr.num_heads * dh;
   const int32_t* table = pr.tables + b * pr.table_width;
   float* __restrict scores = s.scores.data();
-  float* __restrict acc = s.acc.data();
-  std::fill_n(s.max.begin(), h_count, -std::numeric_limits<float>::infinity());
-  std::fill_n(s.denom.begin(), h_count, 0.0f);
-  std::fill_n(s.acc.begin(), h_count * dh, 0.0f);
-
-  for (int64_t j = keys.first / bs; j * bs < keys.end; ++j) {
-    const int64_t block = std::clamp<int64_t>(table[j], 0, L.num_blocks - 1);
-    // This block's visible keys are its slots [t0, t0 + n): t0 > 0 only where a window starts.
-    const int64_t t0 = std::max<int64_t>(keys.first - j * bs, 0);
-    const int64_t n = std::min(bs, keys.end - j * bs) - t0;
-    const KV* k_block = static_cast<const KV*>(pr.k_layer) + block * L.block_stride + t0 * L.token_stride;
-    const KV* v_block = static_cast<const KV*>(pr.v_layer) + block * L.block_stride + t0 * L.token_stride;
-    // Scales of these keys: [block_size, KVH] per block, one per (token, kv head).
-    const int64_t scale_block = (block * bs + t0) * L.num_kv_heads;
-    if ((j + 1) * bs < keys.end) {
-      const int64_t next = std::clamp<int64_t>(table[j + 1], 0, L.num_blocks - 1);
-      const int64_t count = std::min<int64_t>(kPrefetchBytes / sizeof(KV), L.block_stride);
-      Prefetch(static_cast<const KV*>(pr.k_layer) + next * L.block_stride, count);
-      Prefetch(static_cast<const KV*>(pr.v_layer) + next * L.block_stride, count);
+  const int64_t block = std::clamp<int64_t>(table[j], 0, L.num_blocks - 1);
+  // This block's visible keys are its slots [t0, t0 + n): t0 > 0 only where a window starts.
+  const int64_t t0 = std::max<int64_t>(keys.first - j * bs, 0);
+  const int64_t n = std::min(bs, keys.end - j * bs) - t0;
+  const KV* k_block = static_cast<const KV*>(pr.k_layer) + block * L.block_stride + t0 * L.token_stride;
+  const KV* v_block = static_cast<const KV*>(pr.v_layer) + block * L.block_stride + t0 * L.token_stride;
+  // Scales of these keys: [block_size, KVH] per block, one per (token, kv head).
+  const int64_t scale_block = (block * bs + t0) * L.num_kv_heads;
+  if (prefetch && (j + 1) * bs < keys.end) {
+    const int64_t next = std::clamp<int64_t>(table[j + 1], 0, L.num_blocks - 1);
+    const int64_t count = std::min<int64_t>(kPrefetchBytes / sizeof(KV), L.block_stride);
+    Prefetch(static_cast<const KV*>(pr.k_layer) + next * L.block_stride, count);
+    Prefetch(static_cast<const KV*>(pr.v_layer) + next * L.block_stride, count);
+  }
+  for (int64_t kvh = kv_begin; kvh < kv_end; ++kvh) {
+    const int64_t h0 = kvh * group;  // this group's first head
+    float* __restrict acc = st.acc + h0 * dh;
+    // This kv head's K and V rows as Elem (above): in place, or widened once into the
+    // scratch rows.
+    const Elem* __restrict k;
+    const Elem* __restrict v;
+    int64_t stride;
+    if constexpr (std::is_same_v<Elem, KV>) {
+      k = k_block + kvh * L.head_stride;
+      v = v_block + kvh * L.head_stride;
+      stride = L.token_stride;
+    } else {
+      WidenRows(k_block + kvh * L.head_stride, L.token_stride, n, dh, s.k_rows.data());
+      WidenRows(v_block + kvh * L.head_stride, L.token_stride, n, dh, s.v_rows.data());
+      k = s.k_rows.data();
+      v = s.v_rows.data();
+      stride = dh;
     }
-    for (int64_t kvh = kv_begin; kvh < kv_end; ++kvh) {
-      const int64_t h0 = (kvh - kv_begin) * group;  // this group's first head, row-local
-      // This kv head's K and V rows as Elem (above): in place, or widened once into the
-      // scratch rows.
-      const Elem* __restrict k;
-      const Elem* __restrict v;
-      int64_t stride;
-      if constexpr (std::is_same_v<Elem, KV>) {
-        k = k_block + kvh * L.head_stride;
-        v = v_block + kvh * L.head_stride;
-        stride = L.token_stride;
-      } else {
-        WidenRows(k_block + kvh * L.head_stride, L.token_stride, n, dh, s.k_rows.data());
-        WidenRows(v_block + kvh * L.head_stride, L.token_stride, n, dh, s.v_rows.data());
-        k = s.k_rows.data();
-        v = s.v_rows.data();
-        stride = dh;
-      }
-      // Heads outer, keys inner: a head's query (then its accumulator) stays in registers
-      // across the block while the block's K (then V) rows come from L1.
-      for (int64_t h = 0; h < group; ++h) {
-        if constexpr (kVectorised) {
-          BlockScores<V, DH, Elem>(q + (h0 + h) * dh, k, stride, n, pr.scale, scores + h * ss);
-        } else {
-          for (int64_t t = 0; t < n; ++t) scores[h * ss + t] = Dot(q + (h0 + h) * dh, k + t * stride, dh) * pr.scale;
-        }
-      }
-      if (pr.k_scale_layer) {
-        const float* ks = pr.k_scale_layer + scale_block + kvh;
-        for (int64_t h = 0; h < group; ++h)
-          for (int64_t t = 0; t < n; ++t) scores[h * ss + t] *= ks[t * L.num_kv_heads];
-      }
-      if (pr.softcap > 0.0f) SoftCap(scores, ss, n, group, pr.softcap);
-      SoftmaxUpdate<V>(scores, ss, n, group, dh, s.max.data() + h0, s.denom.data() + h0, acc + h0 * dh);
-      if (pr.v_scale_layer) {  // a value row's weight: its probability times its scale
-        const float* vs = pr.v_scale_layer + scale_block + kvh;
-        for (int64_t h = 0; h < group; ++h)
-          for (int64_t t = 0; t < n; ++t) scores[h * ss + t] *= vs[t * L.num_kv_heads];
-      }
+    // Heads outer, keys inner: a head's query (then its accumulator) stays in registers
+    // across the block while the block's K (then V) rows come from L1.
+    for (int64_t h = 0; h < group; ++h) {
       if constexpr (kVectorised) {
-        constexpr int G = kValueHeads<V, DH>;
-        int64_t h = 0;
-        for (; h + G <= group; h += G)
-          AccumulateValues<V, DH, G, Elem>(scores + h * ss, ss, v, stride, n, acc + (h0 + h) * dh);
-        AccumulateValuesRest<V, DH, Elem>(group - h, scores + h * ss, ss, v, stride, n, acc + (h0 + h) * dh);
+        BlockScores<V, DH, Elem>(q + (h0 + h) * dh, k, stride, n, pr.scale, scores + h * ss);
       } else {
-        for (int64_t h = 0; h < group; ++h) {
-          float* __restrict ah = acc + (h0 + h) * dh;
-          for (int64_t t = 0; t < n; ++t) {
-            const float p = scores[h * ss + t];
-            const float* __restrict vt = v + t * stride;
+        for (int64_t t = 0; t < n; ++t) scores[h * ss + t] = Dot(q + (h0 + h) * dh, k + t * stride, dh) * pr.scale;
+      }
+    }
+    if (pr.k_scale_layer) {
+      const float* ks = pr.k_scale_layer + scale_block + kvh;
+      for (int64_t h = 0; h < group; ++h)
+        for (int64_t t = 0; t < n; ++t) scores[h * ss + t] *= ks[t * L.num_kv_heads];
+    }
+    if (pr.softcap > 0.0f) SoftCap(scores, ss, n, group, pr.softcap);
+    SoftmaxUpdate<V>(scores, ss, n, group, dh, st.max + h0, st.denom + h0, acc);
+    if (pr.v_scale_layer) {  // a value row's weight: its probability times its scale
+      const float* vs = pr.v_scale_layer + scale_block + kvh;
+      for (int64_t h = 0; h < group; ++h)
+        for (int64_t t = 0; t < n; ++t) scores[h * ss + t] *= vs[t * L.num_kv_heads];
+    }
+    if constexpr (kVectorised) {
+      constexpr int G = kValueHeads<V, DH>;
+      int64_t h = 0;
+      for (; h + G <= group; h += G)
+        AccumulateValues<V, DH, G, Elem>(scores + h * ss, ss, v, stride, n, acc + h * dh);
+      AccumulateValuesRest<V, DH, Elem>(group - h, scores + h * ss, ss, v, stride, n, acc + h * dh);
+    } else {
+      for (int64_t h = 0; h < group; ++h) {
+        float* __restrict ah = acc + h * dh;
+        for (int64_t t = 0; t < n; ++t) {
+          const float p = scores[h * ss + t];
+          const float* __restrict vt = v + t * stride;
 #pragma omp simd
-            for (int64_t d = 0; d < dh; ++d) ah[d] += p * vt[d];
-          }
+          for (int64_t d = 0; d < dh; ++d) ah[d] += p * vt[d];
         }
       }
     }
   }
-  for (int64_t h = 0; h < h_count; ++h) {
-    const float inv = 1.0f / s.denom[h];
+}
+
+// Attention of the query heads of kv heads [kv_begin, kv_end) of rows `rows[0, count)`. One
+// row walks its blocks in order. Rows that share their blocks (a common prompt prefix) go
+// block by block and kv head by kv head across the rows, so the other rows read a shared
+// block's K/V from L1; one row at a time, each read the whole prefix again, from L2 or L3
+// once it outgrew L2 (a float32 pool's 512-key prefix of the bundled model is 768 KiB a
+// layer). Every row's results are the bits it gets alone. Against one row at a time (30-layer
+// calls, 2-core AMD EPYC, 16-lane family, blocks of 64, a shared 512-key prefix): float32
+// pool 16 rows x 550 keys 0.213 -> 0.162 ms a layer, 64 x 550 0.677 -> 0.565 ms (blocks of
+// 16: 1.07x); int8 and bfloat16 pools, whose prefix stays in L2, and rows sharing nothing:
+// within 0.97-1.02x. Offline, 64 requests on a 512-token prefix at 16 at once: 1.02-1.06x
+// the tokens/s. Inlined into the functions below, once per vector width. Against scalar
+// reductions everywhere, a step of 30 layers on a 2-core AMD EPYC (16-lane family, first
+// kilobyte prefetched): 1 row x 300 keys 0.8-0.9 -> 0.4 ms, 64 rows x 192 keys 33.0-33.8 ->
+// 26.5-27.0 ms, 16 rows x 550 keys sharing a 512-key prefix 11.5-12.1 -> 6.8-6.9 ms, and 64 x
+// 550 (bound by reading the pool) 97.5 -> 78-79 ms.
+template <typename KV, int DH, typename V>
+__attribute__((always_inline)) inline void AttendRowsOf(const Problem& pr, const int64_t* rows, int64_t count,
+                                                        int64_t kv_begin, int64_t kv_end, Scratch& s) {
+  const PoolLayout& L = pr.pool;
+  const int64_t dh = DH > 0 ? DH : L.head_dim, bs = L.block_size, heads = pr.num_heads;
+  const int64_t group = heads / L.num_kv_heads, h_begin = kv_begin * group, h_count = (kv_end - kv_begin) * group;
+  KeyRange keys[kMaxSharedRows];
+  int64_t j_begin = std::numeric_limits<int64_t>::max(), j_end = 0;
+  for (int64_t r = 0; r < count; ++r) {
+    keys[r] = VisibleKeys(pr, rows[r]);
+    std::fill_n(s.max.begin() + r * heads + h_begin, h_count, -std::numeric_limits<float>::infinity());
+    std::fill_n(s.denom.begin() + r * heads + h_begin, h_count, 0.0f);
+    std::fill_n(s.acc.begin() + (r * heads + h_begin) * dh, h_count * dh, 0.0f);
+    if (keys[r].end > keys[r].first) {
+      j_begin = std::min(j_begin, keys[r].first / bs);
+      j_end = std::max(j_end, (keys[r].end + bs - 1) / bs);
+    }
+  }
+  auto state = [&](int64_t r) {
+    return RowState{s.max.data() + r * heads, s.denom.data() + r * heads, s.acc.data() + r * heads * dh};
+  };
+  if (count == 1) {
+    for (int64_t j = j_begin; j < j_end; ++j)
+      AttendBlockOf<KV, DH, V>(pr, rows[0], j, keys[0], kv_begin, kv_end, state(0), s, true);
+  } else {
+    for (int64_t j = j_begin; j < j_end; ++j)
+      for (int64_t kvh = kv_begin; kvh < kv_end; ++kvh)
+        for (int64_t r = 0; r < count; ++r)
+          if (j * bs < keys[r].end && (j + 1) * bs > keys[r].first)
+            AttendBlockOf<KV, DH, V>(pr, rows[r], j, keys[r], kvh, kvh + 1, state(r), s, kvh == kv_begin);
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    float* __restrict out = pr.out + (rows[r] * heads + h_begin) * dh;
+    if (keys[r].end == keys[r].first) {
+      std::fill(out, out + h_count * dh, 0.0f);
+      continue;
+    }
+    const RowState st = state(r);
+    for (int64_t h = 0; h < h_count; ++h) {
+      const float inv = 1.0f / st.denom[h_begin + h];
 #pragma omp simd
-    for (int64_t d = 0; d < dh; ++d) out[h * dh + d] = acc[h * dh + d] * inv;
+      for (int64_t d = 0; d < dh; ++d) out[h * dh + d] = st.acc[(h_begin + h) * dh + d] * inv;
+    }
   }
 }
 
@@ -521,8 +577,8 @@ template <typename KV, int DH>
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void AttendRow(const Problem& pr, int64_t b, int64_t kv_begin, int64_t kv_end, Scratch& s) {
-  AttendRowOf<KV, DH, Vec8>(pr, b, kv_begin, kv_end, s);
+void AttendRows(const Problem& pr, const int64_t* rows, int64_t count, int64_t kv_begin, int64_t kv_end, Scratch& s) {
+  AttendRowsOf<KV, DH, Vec8>(pr, rows, count, kv_begin, kv_end, s);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -533,8 +589,9 @@ void AttendRow(const Problem& pr, int64_t b, int64_t kv_begin, int64_t kv_end, S
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")
 template <typename KV, int DH>
-void AttendRowWide(const Problem& pr, int64_t b, int64_t kv_begin, int64_t kv_end, Scratch& s) {
-  AttendRowOf<KV, DH, Vec16>(pr, b, kv_begin, kv_end, s);
+void AttendRowsWide(const Problem& pr, const int64_t* rows, int64_t count, int64_t kv_begin, int64_t kv_end,
+                    Scratch& s) {
+  AttendRowsOf<KV, DH, Vec16>(pr, rows, count, kv_begin, kv_end, s);
 }
 #pragma GCC pop_options
 #endif
@@ -551,7 +608,7 @@ bool UseWideAttention() {
 #endif
 }
 
-using RowFn = void (*)(const Problem&, int64_t, int64_t, int64_t, Scratch&);
+using RowFn = void (*)(const Problem&, const int64_t*, int64_t, int64_t, int64_t, Scratch&);
 
 // Head dims with a compiled instance (lane trees, accumulators in registers): those of the
 // supported families (SmolLM / Llama 3.2 64, Phi-3 96, Llama / Qwen / Mistral 128, Gemma 256)
@@ -571,13 +628,13 @@ RowFn RowOfHeadDim(int64_t head_dim) {
 
 template <typename KV, int DH>
 struct NarrowRow {
-  static RowFn Fn() { return AttendRow<KV, DH>; }
+  static RowFn Fn() { return AttendRows<KV, DH>; }
 };
 
 #ifdef RAYLM_WIDE_ATTENTION
 template <typename KV, int DH>
 struct WideRow {
-  static RowFn Fn() { return AttendRowWide<KV, DH>; }
+  static RowFn Fn() { return AttendRowsWide<KV, DH>; }
 };
 #endif
 
@@ -597,6 +654,40 @@ RowFn RowKernel(int64_t head_dim) {
 // 4-16 rows at 40-250), and 2048 lost on some calls of 2000-4000 pairs (0.6-0.8x).
 constexpr int64_t kMinParallelWork = 4096;
 
+// Work items over the batch: runs of `order`, items[i] = order[starts[i], starts[i + 1]).
+// Rows whose first visible block is the same block share it (and, in practice, a prefix of
+// blocks): they run in items of up to kMaxSharedRows, sized so each of `threads` threads gets
+// one where there are few; every other row is an item of its own. Returns whether any item
+// holds several rows.
+bool ShareBlocks(const Problem& pr, int64_t batch, int64_t threads, std::vector<int64_t>& order,
+                 std::vector<int64_t>& starts) {
+  order.resize(batch);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  if (batch == 1) {
+    starts = {0, 1};
+    return false;
+  }
+  const int64_t bs = pr.pool.block_size;
+  std::vector<int64_t> first(batch, -1);  // the first visible block's id; -1: no keys
+  for (int64_t b = 0; b < batch; ++b) {
+    const KeyRange keys = VisibleKeys(pr, b);
+    if (keys.end > keys.first) first[b] = pr.tables[b * pr.table_width + keys.first / bs];
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return first[a] < first[b]; });
+  bool shared = false;
+  starts.assign(1, 0);
+  for (int64_t i = 0; i < batch;) {
+    int64_t run = 1;
+    while (first[order[i]] >= 0 && i + run < batch && first[order[i + run]] == first[order[i]]) ++run;
+    const int64_t size = std::min(kMaxSharedRows, (run + threads - 1) / threads);
+    const int64_t items = (run + size - 1) / size;
+    for (int64_t k = 1; k <= items; ++k) starts.push_back(i + run * k / items);
+    shared |= items < run;
+    i += run;
+  }
+  return shared;
+}
+
 // Runs `row` over all rows, on the calling thread and, for large batches, on XLA's intra-op
 // pool too (while attention runs, the rest of the decode step waits for it). Work items are
 // claimed one by one from a shared counter, so the caller never waits for an item nobody has
@@ -609,22 +700,28 @@ void Run(const Problem& pr, int64_t batch, RowFn row, ffi::ThreadPool& pool) {
     work += (keys.end - keys.first) * pr.num_heads;
   }
   const int64_t threads = work >= kMinParallelWork ? std::max<int64_t>(pool.num_threads(), 1) : 1;
-  // Whole rows when there are enough of them, else one item per (row, kv head).
-  const int64_t chunks = batch >= 2 * threads ? 1 : L.num_kv_heads;
-  const int64_t items = batch * chunks, per_chunk = L.num_kv_heads / chunks;
+  std::vector<int64_t> order, starts;
+  const bool shared = ShareBlocks(pr, batch, threads, order, starts);
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
+  int64_t max_rows = 1;
+  for (int64_t g = 0; g < groups; ++g) max_rows = std::max(max_rows, starts[g + 1] - starts[g]);
+  // Whole items when there are enough of them or rows share blocks, else one item per (row,
+  // kv head).
+  const int64_t chunks = shared || batch >= 2 * threads ? 1 : L.num_kv_heads;
+  const int64_t items = groups * chunks, per_chunk = L.num_kv_heads / chunks;
 
   struct State {
     std::atomic<int64_t> next{0}, done{0};
   };
   auto state = std::make_shared<State>();
-  auto participate = [state, items, per_chunk, chunks, row, &pr] {
+  auto participate = [state, items, per_chunk, chunks, max_rows, row, &pr, &order, &starts] {
     int64_t i = state->next.fetch_add(1);
     if (i >= items) return;
     const PoolLayout& L = pr.pool;
-    Scratch scratch(pr.num_heads, pr.num_heads / L.num_kv_heads, L.block_size, L.head_dim);
+    Scratch scratch(pr.num_heads, pr.num_heads / L.num_kv_heads, L.block_size, L.head_dim, max_rows);
     for (; i < items; i = state->next.fetch_add(1)) {
-      const int64_t kv = (i % chunks) * per_chunk;
-      row(pr, i / chunks, kv, kv + per_chunk, scratch);
+      const int64_t kv = (i % chunks) * per_chunk, g = i / chunks;
+      row(pr, order.data() + starts[g], starts[g + 1] - starts[g], kv, kv + per_chunk, scratch);
       state->done.fetch_add(1, std::memory_order_release);
     }
   };

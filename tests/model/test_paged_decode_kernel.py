@@ -167,6 +167,43 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(lens, pool):
         np.testing.assert_array_equal(kernel(alone, 1)[0], batch[b])
 
 
+# Rows sharing their first blocks (a cached prompt prefix), as (rows, blocks) runs of the
+# table: over kMaxSharedRows rows, a partial share, a second prefix, rows alone and a padding
+# row. The last row's first block is the first rows' fourth: with a window of 40 it is the
+# first block all of them see, at another place in their tables.
+SHARED_LENS = (100,) * 11 + (0, 70, 99, 128, 33) + (100,) * 3 + (64, 65, 17, 20)
+SHARES = [(range(0, 11), 4), (range(13, 15), 2), (range(16, 19), 3), (range(19, 21), 4)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("pool", ["float32", "bfloat16", "int8", "fp8"])
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("lens,shares", [(SHARED_LENS, SHARES), ((20, 19, 33), [(range(0, 3), 1)])],
+                         ids=["threads", "one-thread"])
+def test_rows_sharing_blocks_get_what_they_get_alone(lens, shares, window, pool):
+    """Rows whose tables start with the same blocks run block by block together (each shared
+    block read once): each row's result is still, bit for bit, what it gets alone, and matches
+    the naive path, with windows (the rows then share their first visible block) and every pool."""
+    pool_dtype = jnp.bfloat16 if pool == "bfloat16" else jnp.float32
+    case = make_case(31, width=10, lens=lens, pool_dtype=pool_dtype)
+    tables = np.asarray(case["block_tables"]).copy()
+    for rows, blocks in shares:
+        tables[list(rows), :blocks] = tables[rows[0], :blocks]
+    if len(lens) == len(SHARED_LENS):
+        tables[-1, 0] = tables[0, 3]
+    case["block_tables"] = jnp.asarray(tables)
+    if pool in ("int8", "fp8"):
+        case = _quantized(case, pool)
+    spec = AttentionSpec(64**-0.5, window=window)
+    batch = kernel(case, 1, spec)
+    for b in range(len(lens)):
+        alone = dict(case, q=case["q"][b:b + 1], block_tables=case["block_tables"][b:b + 1],
+                     context_lens=case["context_lens"][b:b + 1])
+        np.testing.assert_array_equal(kernel(alone, 1, spec)[0], batch[b])
+    values = _dequantized(case) if pool in ("int8", "fp8") else case
+    np.testing.assert_allclose(batch, naive_reference(values, 1, spec), rtol=1e-5, atol=1e-5)
+
+
 @needs_kernel
 def test_eight_lane_family_on_any_cpu():
     """The eight-lane family (what AVX2 CPUs run) is forced by RAYLM_ATTENTION_NARROW_LANES; on
