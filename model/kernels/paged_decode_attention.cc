@@ -657,15 +657,15 @@ constexpr int64_t kMinParallelWork = 4096;
 // Work items over the batch: runs of `order`, items[i] = order[starts[i], starts[i + 1]).
 // Rows whose first visible block is the same block share it (and, in practice, a prefix of
 // blocks): they run in items of up to kMaxSharedRows, sized so each of `threads` threads gets
-// one where there are few; every other row is an item of its own. Returns whether any item
-// holds several rows.
-bool ShareBlocks(const Problem& pr, int64_t batch, int64_t threads, std::vector<int64_t>& order,
-                 std::vector<int64_t>& starts) {
+// one where there are few; every other row is an item of its own. Returns the most rows an
+// item holds (1: no rows share).
+int64_t ShareBlocks(const Problem& pr, int64_t batch, int64_t threads, std::vector<int64_t>& order,
+                    std::vector<int64_t>& starts) {
   order.resize(batch);
   std::iota(order.begin(), order.end(), int64_t{0});
   if (batch == 1) {
     starts = {0, 1};
-    return false;
+    return 1;
   }
   const int64_t bs = pr.pool.block_size;
   std::vector<int64_t> first(batch, -1);  // the first visible block's id; -1: no keys
@@ -674,7 +674,7 @@ bool ShareBlocks(const Problem& pr, int64_t batch, int64_t threads, std::vector<
     if (keys.end > keys.first) first[b] = pr.tables[b * pr.table_width + keys.first / bs];
   }
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return first[a] < first[b]; });
-  bool shared = false;
+  int64_t max_rows = 1;
   starts.assign(1, 0);
   for (int64_t i = 0; i < batch;) {
     int64_t run = 1;
@@ -682,10 +682,10 @@ bool ShareBlocks(const Problem& pr, int64_t batch, int64_t threads, std::vector<
     const int64_t size = std::min(kMaxSharedRows, (run + threads - 1) / threads);
     const int64_t items = (run + size - 1) / size;
     for (int64_t k = 1; k <= items; ++k) starts.push_back(i + run * k / items);
-    shared |= items < run;
+    max_rows = std::max(max_rows, (run + items - 1) / items);
     i += run;
   }
-  return shared;
+  return max_rows;
 }
 
 // Runs `row` over all rows, on the calling thread and, for large batches, on XLA's intra-op
@@ -701,13 +701,11 @@ void Run(const Problem& pr, int64_t batch, RowFn row, ffi::ThreadPool& pool) {
   }
   const int64_t threads = work >= kMinParallelWork ? std::max<int64_t>(pool.num_threads(), 1) : 1;
   std::vector<int64_t> order, starts;
-  const bool shared = ShareBlocks(pr, batch, threads, order, starts);
+  const int64_t max_rows = ShareBlocks(pr, batch, threads, order, starts);
   const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
-  int64_t max_rows = 1;
-  for (int64_t g = 0; g < groups; ++g) max_rows = std::max(max_rows, starts[g + 1] - starts[g]);
   // Whole items when there are enough of them or rows share blocks, else one item per (row,
   // kv head).
-  const int64_t chunks = shared || batch >= 2 * threads ? 1 : L.num_kv_heads;
+  const int64_t chunks = max_rows > 1 || batch >= 2 * threads ? 1 : L.num_kv_heads;
   const int64_t items = groups * chunks, per_chunk = L.num_kv_heads / chunks;
 
   struct State {
