@@ -11,6 +11,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.dense import dense
+from model.fusion_barrier import materialized
 from model.lora_weights import LayerLora
 from model.rope_config import RopeScaling
 
@@ -123,12 +124,14 @@ def _longrope(theta: float, dim: int, s: RopeScaling, max_positions: int) -> Rop
 
 def rope_cos_sin(positions: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
     """cos/sin tables ``[..., head_dim]`` for integer positions (HF's duplicated-halves layout),
-    times the rope's attention factor."""
+    times the rope's attention factor; computed once per program, not in every layer's
+    rotations (``model.fusion_barrier``)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.inv_freq)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    if rope.attention_factor == 1.0:
-        return jnp.cos(emb), jnp.sin(emb)
-    return jnp.cos(emb) * rope.attention_factor, jnp.sin(emb) * rope.attention_factor
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if rope.attention_factor != 1.0:
+        cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
+    return materialized(cos, sin)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
