@@ -50,6 +50,7 @@ kernels = [
     _kernel("paged_decode_attention"), _kernel("dense_matmul"), _kernel("kv_write"),
     _kernel("grouped_matmul", includes=("dense_matmul",)), _kernel("int8_matmul"),
     _kernel("lora_delta", includes=("dense_matmul",)), _kernel("fusion_barrier"),
+    _kernel("argmax"),
 ] if include_dir else []
 
 setup(ext_modules=kernels)

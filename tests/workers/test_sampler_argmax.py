@@ -1,4 +1,5 @@
-"""The sampler's two-reduction argmax against ``jnp.argmax``: ties, NaN, infinities, any shape."""
+"""The sampler's argmax against ``jnp.argmax``: ties, NaN, infinities, any shape; both the C++
+kernel (2-D float32 on CPU, ``model.row_argmax``) and the two-reduction jnp formulation."""
 
 from __future__ import annotations
 
@@ -9,15 +10,35 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from workers.sampler import argmax
+from model import row_argmax
+from workers.sampler import argmax, portable_argmax
 
 _argmax = jax.jit(argmax)
+_portable = jax.jit(portable_argmax)
 
 
 def _check(logits: np.ndarray) -> None:
-    got = np.asarray(_argmax(jnp.asarray(logits)))
-    assert got.dtype == np.int32
-    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1)))
+    want = np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1))
+    for implementation in (_argmax, _portable):
+        got = np.asarray(implementation(jnp.asarray(logits)))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, want)
+
+
+def test_the_kernel_runs_where_it_is_built():
+    if row_argmax.available():
+        assert "raylm_argmax" in _argmax.lower(jnp.zeros((2, 50))).as_text()
+
+
+def test_maxima_and_nans_in_each_rows_tail():
+    logits = np.random.default_rng(1).standard_normal((6, 16 * 7 + 5)).astype(np.float32)
+    logits[0, -1] = 9.0  # past the last whole group of sixteen
+    logits[1, [-3, 17]] = 9.0  # a tie between the tail and a group
+    logits[2, -2] = np.nan
+    logits[3, [-1, 40]] = [np.nan, 9.0]
+    logits[4, :] = -0.0
+    logits[4, 30] = 0.0  # equal to -0.0: the first index wins
+    _check(logits)
 
 
 def test_vocabulary_sized_rows():
