@@ -1,8 +1,8 @@
 // An identity for XLA CPU programs that XLA cannot fuse into its consumers: the result is the
 // operand's bytes (see model/fusion_barrier.py for why).
 //
-// Operand: any array. Result: the same shape and element type; when XLA gives the call the
-// operand's own buffer (input_output_aliases) there is nothing to copy.
+// Operand: any array. Result: a copy, of the same shape and element type (nothing to copy
+// should XLA ever hand the call the operand's own buffer).
 
 #include <cstring>
 
