@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import queue
@@ -58,6 +59,12 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _consume_error(future: asyncio.Future) -> None:
+    """Mark a shared future's error as seen (asyncio logs an error nobody retrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
@@ -144,6 +151,8 @@ class AsyncEngine:
         self._closed = False  # no command is queued any more
         self._running = True  # the engine thread keeps looping
         self._observer_failed = False
+        self._last_reads: dict[str, Any] = {}  # ``read_in_engine``'s last answer per key
+        self._pending_reads: dict[str, asyncio.Future] = {}  # and its read in flight, if any
         self.last_step_time: float | None = None
         self.step_started: float | None = None  # set while a step runs: a stuck step shows here
         self.error: BaseException | None = None
@@ -389,6 +398,30 @@ class AsyncEngine:
         reply = Reply.on_running_loop()
         self._submit(RunInEngine(fn, reply))
         return await reply.future
+
+    async def read_in_engine(self, key: str, fn: Callable[[LLMEngine], T], wait_s: float) -> T:
+        """``run_in_engine(fn)`` for periodic readers (Serve's autoscaling and routing callbacks).
+        While the engine thread is busy for over ``wait_s`` (a long step, a compile on first
+        use), the reader gets the last answer under ``key`` instead of waiting: the autoscaler
+        and the router keep the last known load, where a timed-out read would leave them none
+        exactly when the replica is overloaded. The read still runs once the thread is free,
+        once however many readers asked meanwhile; a key never answered yet is waited for."""
+        pending = self._pending_reads.get(key)
+        if pending is None or pending.done() or pending.get_loop() is not asyncio.get_running_loop():
+            pending = asyncio.ensure_future(self.run_in_engine(functools.partial(self._remember, key, fn)))
+            pending.add_done_callback(_consume_error)  # a caller that took the last answer never sees it
+            self._pending_reads[key] = pending
+        if key not in self._last_reads:
+            return await asyncio.shield(pending)
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending), wait_s)
+        except TimeoutError:
+            return self._last_reads[key]
+
+    def _remember(self, key: str, fn: Callable[[LLMEngine], T], engine: LLMEngine) -> T:
+        """Run on the engine thread: ``fn(engine)``, kept as ``key``'s last answer."""
+        self._last_reads[key] = result = fn(engine)
+        return result
 
     def check_health(self, stuck_after_s: float) -> None:
         """Raise if the engine thread died, a step failed, or one step has run for ``stuck_after_s``."""

@@ -22,6 +22,7 @@ from cluster.metrics import WorkerMetrics
 from workers.async_engine import AsyncEngine, EngineShutdownError
 from workers.replica_metrics import EngineStatsReporter, RequestMetricsRecorder
 from workers.deployment_options import DEFAULT_STUCK_AFTER_S, WorkerDeploymentOptions
+from workers.engine import LLMEngine
 from workers.engine_stats import EngineStats
 from workers.lora_manager import LoRARequest
 from workers.outputs import RequestOutput
@@ -37,6 +38,9 @@ from workers.replica_protocol import (
 logger = logging.getLogger("ray.serve")
 
 DEFAULT_MAX_REPORTED_HASHES = 4096  # 64k tokens of prefix at block size 16; ~40 KB per report
+# How long Serve's periodic callbacks wait for a busy engine thread before taking its last answer
+# (Serve itself gives up on routing stats after 5 s here and on autoscaling stats after 10 s).
+PERIODIC_READ_WAIT_S = 1.0
 
 
 def chunk_from_output(output: RequestOutput, reported_finished: set[int]) -> GenerateChunk:
@@ -174,11 +178,12 @@ class LLMWorker:
         def snapshot(engine) -> RoutingReport:
             return RoutingReport(engine.stats(), self.node_id, engine.pool.cached_hashes(self.max_reported_hashes))
 
-        return (await self.engine.run_in_engine(snapshot)).as_dict()
+        return (await self.engine.read_in_engine("routing", snapshot, PERIODIC_READ_WAIT_S)).as_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Custom metrics for the LLM autoscaling policy (``cluster.autoscaling``)."""
-        stats = await self.engine.stats()
+        """Custom metrics for the LLM autoscaling policy (``cluster.autoscaling``); the last ones
+        read while the engine thread is busy (a policy without reports keeps the size as is)."""
+        stats = await self.engine.read_in_engine("stats", LLMEngine.stats, PERIODIC_READ_WAIT_S)
         slots = self.engine.llm_engine.args.max_num_seqs
         return {
             "batch_utilization": min(1.0, (stats.running + stats.waiting) / slots),

@@ -234,3 +234,67 @@ def test_worker_whose_engine_stopped_tells_the_client_to_retry(engine):
     engine.shutdown()
     with pytest.raises(ReplicaDrainingError, match="retry"):
         _run(_worker_chunks(worker, [5, 6, 7], "late"))
+
+
+def test_a_periodic_read_gets_the_last_answer_while_the_engine_is_busy(engine):
+    """Serve's autoscaling and routing callbacks must not time out (and leave the autoscaler
+    with no report) while a step or a compile holds the engine thread."""
+    reads: list[int] = []
+
+    def read(_engine) -> int:
+        reads.append(len(reads) + 1)
+        return reads[-1]
+
+    async def main():
+        assert await engine.read_in_engine("load", read, wait_s=0.01) == 1  # never answered: waits
+        release = threading.Event()
+        held = await _hold(engine, release)
+        answers = await asyncio.gather(*(engine.read_in_engine("load", read, wait_s=0.2) for _ in range(3)))
+        assert answers == [1, 1, 1] and reads == [1]
+        release.set()
+        await held
+        await engine.run_in_engine(lambda _engine: None)  # queued after the reads made while held
+        assert reads == [1, 2]  # three readers, one read
+        assert await engine.read_in_engine("load", read, wait_s=5) == 3
+
+    _run(main())
+
+
+def test_a_failing_periodic_read_fails_its_waiting_readers_and_logs_nothing_unretrieved(engine):
+    loop_errors: list[dict] = []
+
+    def broken(_engine):
+        raise RuntimeError("no stats")
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+        with pytest.raises(RuntimeError, match="no stats"):
+            await engine.read_in_engine("broken", broken, wait_s=0.01)
+        assert await engine.read_in_engine("fine", lambda _engine: 7, wait_s=1) == 7
+        engine._last_reads["broken"] = 0  # an earlier answer: the failing read is not waited for
+        release = threading.Event()
+        held = await _hold(engine, release)
+        assert await engine.read_in_engine("broken", broken, wait_s=0.05) == 0
+        release.set()
+        await held
+        await engine.run_in_engine(lambda _engine: None)
+        await asyncio.sleep(0.05)
+
+    _run(main())
+    assert loop_errors == []
+
+
+def test_worker_autoscaling_stats_answer_while_the_engine_is_busy(engine):
+    worker = _worker(engine)
+
+    async def main():
+        before = await worker.record_autoscaling_stats()
+        release = threading.Event()
+        held = await _hold(engine, release)
+        started = asyncio.get_running_loop().time()
+        assert await worker.record_autoscaling_stats() == before
+        assert asyncio.get_running_loop().time() - started < TIMEOUT_S / 2
+        release.set()
+        await held
+
+    _run(main())
