@@ -46,11 +46,18 @@ def lora_summary(lora: LoraStats | None) -> str:
     return ", ".join(lora.resident) or "none"
 
 
-def state_summary(engine: EngineStats) -> str:
+BUSY_SHOWN_AFTER_S = 1.0  # a replica's engine thread in one step for longer is shown as busy
+
+
+def state_summary(engine: EngineStats, busy_s: float = 0.0) -> str:
     """Whether a replica still compiles programs in the background (it serves meanwhile; a
-    request may then wait for one of them), else "serving"."""
+    request may then wait for one of them), else "serving"; and whether its engine thread has
+    been in one step (or compile) for over a second, whose stats are then from before it."""
     left = engine.warmup_programs_left
-    return f"warming up ({left} programs left)" if left else "serving"
+    state = f"warming up ({left} programs left)" if left else "serving"
+    if busy_s >= BUSY_SHOWN_AFTER_S:
+        state += f", in one step for {busy_s:.0f} s (figures from before it)"
+    return state
 
 
 def experts_summary(moe: MoeStats | None) -> str:
@@ -96,8 +103,8 @@ def run_status(args: argparse.Namespace) -> int:
     print("\nWorker replicas")
     print(table(["replica", "node", "state", "running", "waiting", "queued tokens", "KV used", "requests", "generated",
                  "spec accepted", "LoRA adapters", "experts"], [
-        [rid, r.node_id[:12], state_summary(r.engine), r.engine.running, r.engine.waiting, r.engine.waiting_tokens,
-         f"{100 * r.engine.pool.usage:.1f}%", r.engine.requests, r.engine.generation_tokens,
+        [rid, r.node_id[:12], state_summary(r.engine, r.busy_s), r.engine.running, r.engine.waiting,
+         r.engine.waiting_tokens, f"{100 * r.engine.pool.usage:.1f}%", r.engine.requests, r.engine.generation_tokens,
          speculation_summary(r.engine.spec), lora_summary(r.engine.lora), experts_summary(r.engine.moe)]
         for rid, r in sorted(reports.items())
     ]))

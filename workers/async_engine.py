@@ -154,7 +154,9 @@ class AsyncEngine:
         self._last_reads: dict[str, Any] = {}  # ``read_in_engine``'s last answer per key
         self._pending_reads: dict[str, asyncio.Future] = {}  # and its read in flight, if any
         self.last_step_time: float | None = None
-        self.step_started: float | None = None  # set while a step runs: a stuck step shows here
+        # Set while a step or a warm-up compile runs: a stuck step shows here, and a busy engine
+        # thread in the routing reports (``LLMWorker.record_routing_stats``).
+        self.step_started: float | None = None
         self.error: BaseException | None = None
         self.step_observer: Callable[[int, float], None] | None = None  # (tokens, seconds) per step
         self._thread = threading.Thread(target=self._loop, name="raylm-engine", daemon=True)
@@ -235,12 +237,15 @@ class AsyncEngine:
     def _warm_up_next(self) -> None:
         """Compile one program the background warm-up left; a failure is logged and ends it
         (a step that needs the program compiles it, and reports any error, itself)."""
+        self.step_started = time.monotonic()
         try:
             self.llm_engine.warm_up_next()
         except Exception:
             logger.exception("background warm-up failed; %d program(s) left to compile on first use",
                              len(self.llm_engine.warmup_pending))
             self.llm_engine.end_warmup()
+        finally:
+            self.step_started = None
 
     def _step(self) -> None:
         self.step_started = started = time.monotonic()

@@ -9,6 +9,7 @@ in-flight requests, then calls ``__del__``, which aborts what is left and stops 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -178,7 +179,10 @@ class LLMWorker:
         def snapshot(engine) -> RoutingReport:
             return RoutingReport(engine.stats(), self.node_id, engine.pool.cached_hashes(self.max_reported_hashes))
 
-        return (await self.engine.read_in_engine("routing", snapshot, PERIODIC_READ_WAIT_S)).as_dict()
+        report = await self.engine.read_in_engine("routing", snapshot, PERIODIC_READ_WAIT_S)
+        started = self.engine.step_started
+        busy_s = 0.0 if started is None else max(0.0, time.monotonic() - started)
+        return dataclasses.replace(report, busy_s=busy_s).as_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom metrics for the LLM autoscaling policy (``cluster.autoscaling``); the last ones

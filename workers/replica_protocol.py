@@ -75,19 +75,23 @@ class GenerateChunk:
 @dataclasses.dataclass(frozen=True)
 class RoutingReport:
     """What a replica's ``record_routing_stats`` answers (Serve ships it as a plain dict): its
-    engine's stats, its node, and the hashes of the KV blocks it caches (bounded) for
-    prefix-aware routing."""
+    engine's stats, its node, the hashes of the KV blocks it caches (bounded) for prefix-aware
+    routing, and how long its engine thread had been in one step (or warm-up compile) when it
+    answered: past a second the stats are those read before that step."""
 
     engine: EngineStats
     node_id: str
     block_hashes: list[int]
+    busy_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine.as_dict(), "node_id": self.node_id, "block_hashes": self.block_hashes}
+        return {"engine": self.engine.as_dict(), "node_id": self.node_id, "block_hashes": self.block_hashes,
+                "busy_s": self.busy_s}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RoutingReport:
-        return cls(EngineStats.from_dict(data["engine"]), data["node_id"], data["block_hashes"])
+        return cls(EngineStats.from_dict(data["engine"]), data["node_id"], data["block_hashes"],
+                   data.get("busy_s", 0.0))
 
 
 def replica_reports(app_name: str = DEFAULT_APP_NAME, timeout_s: float = 10.0) -> dict[str, RoutingReport]:

@@ -4,15 +4,18 @@ loop survives what a command or an observer raises, and a step failure is a serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
+import time
 
 import pytest
 
 from workers import AsyncEngine, EngineArgs, LLMEngine, SamplingParams
 from workers.async_engine import EngineShutdownError, EngineStepError
 from workers.deployment import LLMWorker
-from workers.replica_protocol import GenerateRequest, InvalidRequestError, ReplicaDrainingError
+from deploy.status_command import state_summary
+from workers.replica_protocol import GenerateRequest, InvalidRequestError, ReplicaDrainingError, RoutingReport
 
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -284,17 +287,35 @@ def test_a_failing_periodic_read_fails_its_waiting_readers_and_logs_nothing_unre
     assert loop_errors == []
 
 
-def test_worker_autoscaling_stats_answer_while_the_engine_is_busy(engine):
+def test_worker_stats_answer_while_the_engine_is_busy_and_say_for_how_long(engine):
+    """Serve's autoscaling and routing callbacks (and ``raylm status``) get the last figures, and
+    the routing report says how long the engine thread has been in its current step."""
     worker = _worker(engine)
+    worker.node_id, worker.max_reported_hashes = "node", 16
 
     async def main():
-        before = await worker.record_autoscaling_stats()
+        autoscaling, routing = await worker.record_autoscaling_stats(), await worker.record_routing_stats()
+        assert routing["busy_s"] == 0.0
         release = threading.Event()
         held = await _hold(engine, release)
-        started = asyncio.get_running_loop().time()
-        assert await worker.record_autoscaling_stats() == before
-        assert asyncio.get_running_loop().time() - started < TIMEOUT_S / 2
+        engine.step_started = time.monotonic() - 30  # as ``_step`` sets it (the hold is a command)
+        started = time.monotonic()
+        assert await worker.record_autoscaling_stats() == autoscaling
+        busy_routing = await worker.record_routing_stats()
+        assert time.monotonic() - started < TIMEOUT_S / 2
+        assert {**busy_routing, "busy_s": 0.0} == routing and 30 <= busy_routing["busy_s"] < 30 + TIMEOUT_S
+        assert "in one step for 3" in state_summary(RoutingReport.from_dict(busy_routing).engine,
+                                                    busy_routing["busy_s"])
+        engine.step_started = None
         release.set()
         await held
 
     _run(main())
+
+
+def test_status_shows_a_busy_engine_thread_only_past_a_second(engine):
+    stats = _run(engine.stats())
+    assert state_summary(stats) == state_summary(stats, 0.9) == "serving"
+    assert state_summary(stats, 42.2) == "serving, in one step for 42 s (figures from before it)"
+    warming = dataclasses.replace(stats, warmup_programs_left=3)
+    assert state_summary(warming, 2) == "warming up (3 programs left), in one step for 2 s (figures from before it)"
