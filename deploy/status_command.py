@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from cluster.local_ray import apply_local_ray_env
 from cluster.names import DEFAULT_APP_NAME, ROUTER_DEPLOYMENT
 from workers.engine_stats import EngineStats, LoraStats, MoeStats
+from workers.replica_protocol import PERIODIC_READ_WAIT_S
 from workers.speculative import SpecDecodeStats
 
 
@@ -46,16 +47,14 @@ def lora_summary(lora: LoraStats | None) -> str:
     return ", ".join(lora.resident) or "none"
 
 
-BUSY_SHOWN_AFTER_S = 1.0  # a replica's engine thread in one step for longer is shown as busy
-
-
 def state_summary(engine: EngineStats, busy_s: float = 0.0) -> str:
     """Whether a replica still compiles programs in the background (it serves meanwhile; a
     request may then wait for one of them), else "serving"; and whether its engine thread has
-    been in one step (or compile) for over a second, whose stats are then from before it."""
+    been in one step (or compile) for longer than its stats readers wait, so that its stats are
+    from before it."""
     left = engine.warmup_programs_left
     state = f"warming up ({left} programs left)" if left else "serving"
-    if busy_s >= BUSY_SHOWN_AFTER_S:
+    if busy_s >= PERIODIC_READ_WAIT_S:
         state += f", in one step for {busy_s:.0f} s (figures from before it)"
     return state
 

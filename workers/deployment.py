@@ -28,6 +28,7 @@ from workers.engine_stats import EngineStats
 from workers.lora_manager import LoRARequest
 from workers.outputs import RequestOutput
 from workers.replica_protocol import (
+    PERIODIC_READ_WAIT_S,
     ChoiceDelta,
     GenerateChunk,
     GenerateRequest,
@@ -39,9 +40,6 @@ from workers.replica_protocol import (
 logger = logging.getLogger("ray.serve")
 
 DEFAULT_MAX_REPORTED_HASHES = 4096  # 64k tokens of prefix at block size 16; ~40 KB per report
-# How long Serve's periodic callbacks wait for a busy engine thread before taking its last answer
-# (Serve itself gives up on routing stats after 5 s here and on autoscaling stats after 10 s).
-PERIODIC_READ_WAIT_S = 1.0
 
 
 def chunk_from_output(output: RequestOutput, reported_finished: set[int]) -> GenerateChunk:

@@ -72,12 +72,17 @@ class GenerateChunk:
     embedding: list[float] | None = None  # embedding requests, in the final chunk
 
 
+# How long a replica's periodic stats readers (Serve's autoscaling and routing callbacks) wait for
+# a busy engine thread before taking its last figures; a report made later in one step says so.
+PERIODIC_READ_WAIT_S = 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class RoutingReport:
     """What a replica's ``record_routing_stats`` answers (Serve ships it as a plain dict): its
     engine's stats, its node, the hashes of the KV blocks it caches (bounded) for prefix-aware
     routing, and how long its engine thread had been in one step (or warm-up compile) when it
-    answered: past a second the stats are those read before that step."""
+    answered: past ``PERIODIC_READ_WAIT_S`` the stats are those read before that step."""
 
     engine: EngineStats
     node_id: str

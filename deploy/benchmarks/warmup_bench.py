@@ -5,8 +5,9 @@ A served engine serves once the programs a request alone takes are compiled and 
 rest after (``workers/async_engine.py``). This builds the engine as a worker replica does
 (``AsyncEngine.from_model`` with the deploy file's engine settings, so the persistent
 compilation cache counts), then at once sends single greedy streaming requests one after
-another (``--concurrency`` clients doing so) until the warm-up is done, then ``--after`` more each. Each request is a fresh token-id
-prompt of ``--prompt-tokens`` (no prefix cache hits) and ``--output-tokens`` out. It prints the
+another (``--concurrency`` clients doing so) until the warm-up is done, then ``--after`` more
+each. Each request is a fresh token-id prompt of ``--prompt-tokens`` (no prefix cache hits) and
+``--output-tokens`` out. It prints the
 engine's construction time, when the warm-up finished, and per phase the median and largest
 time to first token and gap between two tokens of one stream: a compile on the engine thread
 shows as a gap of its length. Run it twice to measure with a warm cache.
@@ -65,7 +66,7 @@ async def _measure(engine, args: argparse.Namespace, origin: float) -> tuple[int
             served = await _one(engine, prompt, params, f"c{index}-{i}", origin)
             if warm and served.started_s >= warm[0]:
                 after.append(served)
-                if sum(s.started_s >= warm[0] for s in after) >= args.after * args.concurrency:
+                if len(after) >= args.after * args.concurrency:
                     return
             else:
                 during.append(served)

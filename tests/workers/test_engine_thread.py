@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from deploy.status_command import state_summary
 from workers import AsyncEngine, EngineArgs, LLMEngine, SamplingParams
 from workers.async_engine import EngineShutdownError, EngineStepError
 from workers.deployment import LLMWorker
-from deploy.status_command import state_summary
 from workers.replica_protocol import GenerateRequest, InvalidRequestError, ReplicaDrainingError, RoutingReport
 
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
