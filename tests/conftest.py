@@ -154,12 +154,12 @@ def raylm_app(serve_cluster):
 
 @pytest.fixture
 def compilations():
-    """Backend compilations during the test (each one a name in the list): a steady state after
-    warm-up must add none."""
+    """Programs compiled, or read back from the compilation cache, during the test (each one a name
+    in the list): a steady state after warm-up must add none."""
     events: list[str] = []
 
     def listener(name: str, *_args, **_kwargs) -> None:
-        if name == "/jax/core/compile/backend_compile_duration":
+        if name in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec"):
             events.append(name)
 
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -187,14 +187,39 @@ def _compiled_programs_released_before_mappings_run_out():
             gc.collect()
 
 
-@pytest.fixture(autouse=True)
-def _persistent_compilation_cache_stays_in_its_test():
-    """``raylm generate`` run in-process (tests/deploy/test_cli.py) turns JAX's process-wide persistent
-    compilation cache on; left on, every later test's programs are serialized into the user's
-    cache dir, and the suite depends on test order. Turn it off again after each test."""
-    yield
-    if jax.config.jax_compilation_cache_dir is not None:
-        from jax.experimental.compilation_cache import compilation_cache
+# Tests build many engines over the same few models and shapes (each builds its own jitted
+# programs, so JAX's in-memory cache never sees a repeat), and XLA's backend compile is most of
+# the suite's in-process time. The run's workers share one persistent compilation cache, fresh
+# for every run (so no run depends on an earlier one): a program compiled once is read back by
+# every later test that builds the same one. Programs compiled faster than this are not stored.
+TEST_CACHE_MIN_COMPILE_S = 0.2
 
-        jax.config.update("jax_compilation_cache_dir", None)
+
+@pytest.fixture(scope="session")
+def _run_compilation_cache_dir(tmp_path_factory, pytestconfig):
+    """The directory every xdist worker of this run shares (the base temp's parent under xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if hasattr(pytestconfig, "workerinput") else base
+    path = root / "xla-compilation-cache"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _compilation_cache_of_the_run(_run_compilation_cache_dir):
+    """Every test compiles through the run's cache, whatever the test before it set: ``raylm
+    generate`` run in-process (tests/deploy/test_cli.py) points JAX's process-wide cache at the
+    user's directory, and left there every later program would be written into it."""
+    _use_compilation_cache(str(_run_compilation_cache_dir))
+    yield
+    _use_compilation_cache(str(_run_compilation_cache_dir))
+
+
+def _use_compilation_cache(path: str) -> None:
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if jax.config.jax_compilation_cache_dir != path:
+        jax.config.update("jax_compilation_cache_dir", path)
         compilation_cache.reset_cache()
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", TEST_CACHE_MIN_COMPILE_S)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
