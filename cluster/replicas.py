@@ -3,10 +3,16 @@
 A deployment handle routes each call to *some* replica; operators (``raylm status``) and tests
 need all of them. Serve names replica actors ``SERVE_REPLICA::<app>#<deployment>#<id>`` and
 each answers ``record_routing_stats`` (the controller calls it for request routers).
+
+Serve builds a replica's user class after its actor starts (the model load and first compiles:
+seconds), and until then ``record_routing_stats`` fails and Serve logs "Replica record routing
+stats failed." for every call. So a replica is first asked Serve's ``was_initialized`` and only
+asked for stats once it says yes: a starting replica costs no warnings in the logs.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -40,14 +46,15 @@ def replica_stats(app_name: str = DEFAULT_APP_NAME, deployment: str = WORKER_DEP
 class ReplicaStatsPoller:
     """Follows every replica's stats for a router, one poll at a time.
 
-    A replica still in its constructor (loading, compiling) queues the stats call until it is
-    ready. Waiting a full timeout on it at every poll delayed every other replica's report and,
-    after a replacement, the moment the new replica was admitted work (~9 s of a 27 s
-    replacement). So each replica has at most one call in flight: a poll waits ``wait_s`` for
-    the calls outstanding, takes the answers that came, and leaves the rest in flight for the
-    next poll, which sees a just-started replica as soon as it answers. A replica that is listed
-    but did not answer keeps its previous report (a long compile must not shrink capacity); one
-    that never reported stays out until it does.
+    A replica still in its constructor (loading, compiling) is asked whether it is initialized
+    until it is, then for its stats. Waiting a full timeout on a slow replica at every poll
+    delayed every other replica's report and, after a replacement, the moment the new replica
+    was admitted work (~9 s of a 27 s replacement). So each replica has at most one call in
+    flight: a poll waits ``wait_s`` for the calls outstanding, takes the answers that came, and
+    leaves the rest in flight for the next poll. A replica that just said it is initialized is
+    asked for its stats in the same poll (one more wait), so it is seen as soon as it can
+    answer. A replica that is listed but did not answer keeps its previous report (a long
+    compile must not shrink capacity); one that never reported stays out until it does.
     """
 
     def __init__(self, app_name: str, deployment: str, wait_s: float = 1.0) -> None:
@@ -55,31 +62,57 @@ class ReplicaStatsPoller:
         self.deployment = deployment
         self.wait_s = wait_s
         self.stats: dict[str, dict[str, Any]] = {}
-        self._in_flight: dict[str, ray.ObjectRef] = {}
+        self._in_flight: dict[str, ray.ObjectRef] = {}  # a stats call, or an initialization check
+        self._initialized: set[str] = set()
 
     def poll(self) -> dict[str, dict[str, Any]]:
         """``{replica id: routing stats}``: fresh answers where they came, else the last report."""
         listed = {_replica_id(name): name for name in replica_actor_names(self.app_name, self.deployment)}
         for replica_id in set(self._in_flight) - set(listed):
             del self._in_flight[replica_id]
+        self._initialized &= set(listed)
         for replica_id, name in listed.items():
             if replica_id not in self._in_flight:
-                ref = _stats_call(name)
+                ref = _stats_call(name) if replica_id in self._initialized else _initialized_call(name)
                 if ref is not None:
                     self._in_flight[replica_id] = ref
-        answers, died = _collect(self._in_flight, self.wait_s)
-        for replica_id in [*answers, *died]:
-            del self._in_flight[replica_id]
+        answers, died = self._collect()
+        just_initialized = {rid for rid, answer in answers.items() if rid not in self._initialized and answer is True}
+        answers = {rid: answer for rid, answer in answers.items() if rid in self._initialized}
+        if just_initialized:  # ask them for stats now rather than a poll later
+            self._initialized |= just_initialized
+            for replica_id in just_initialized:
+                if (ref := _stats_call(listed[replica_id])) is not None:
+                    self._in_flight[replica_id] = ref
+            more, more_died = self._collect()
+            answers, died = {**answers, **more}, died | more_died
+        self._initialized -= died
         # A replica that died reports again once replaced; one still busy keeps its last report.
         stats = {rid: report for rid, report in self.stats.items() if rid in listed and rid not in died}
         self.stats = {**stats, **answers}
         return dict(self.stats)
+
+    def _collect(self) -> tuple[dict[str, Any], set[str]]:
+        """The in-flight calls that answer within ``wait_s`` (taken out of flight), and the
+        replicas whose call failed."""
+        answers, died = _collect(self._in_flight, self.wait_s)
+        for replica_id in [*answers, *died]:
+            del self._in_flight[replica_id]
+        return answers, died
 
 
 def _stats_call(name: str) -> ray.ObjectRef | None:
     try:
         return ray.get_actor(name, namespace=SERVE_NAMESPACE).record_routing_stats.remote()
     except ValueError:  # the replica went away between listing and lookup
+        return None
+
+
+def _initialized_call(name: str) -> ray.ObjectRef | None:
+    """Serve's ``was_initialized`` on the replica actor: True once its user class is built."""
+    try:
+        return ray.get_actor(name, namespace=SERVE_NAMESPACE).was_initialized.remote()
+    except ValueError:
         return None
 
 
@@ -102,5 +135,10 @@ def _collect(refs: dict[str, ray.ObjectRef], timeout_s: float) -> tuple[dict[str
 
 
 def _ask_replicas(names: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
-    """One answer per replica that gives one within ``timeout_s``."""
-    return _collect({_replica_id(name): ref for name in names if (ref := _stats_call(name)) is not None}, timeout_s)[0]
+    """One answer per initialized replica that gives one within ``timeout_s`` (the checks included)."""
+    deadline = time.monotonic() + timeout_s
+    checks = {name: ref for name in names if (ref := _initialized_call(name)) is not None}
+    initialized = _collect(checks, timeout_s)[0]
+    ready = [name for name, answer in initialized.items() if answer is True]
+    calls = {_replica_id(name): ref for name in ready if (ref := _stats_call(name)) is not None}
+    return _collect(calls, max(0.0, deadline - time.monotonic()))[0]

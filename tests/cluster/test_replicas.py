@@ -1,9 +1,11 @@
 """cluster/replicas.py on the session's Ray cluster, with stand-in replica actors named as Serve
-names them: a replica still in its constructor must not hold back the others' reports, and is
-seen as soon as it answers."""
+names them and behaving as Serve's replica actor does while it builds its user class: a replica
+still initializing must not hold back the others' reports, must not be asked for stats (Serve
+logs a warning for each such call), and is seen as soon as it is ready."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import ray
@@ -15,17 +17,32 @@ APP = "replicas-test"
 
 @ray.remote(num_cpus=0)
 class StandInReplica:
+    """Serve's ``ReplicaActor`` as the poller sees it: the actor answers at once, its user class
+    (the model load and compiles) is built ``construct_s`` later, and until then
+    ``record_routing_stats`` fails (Serve's ``_raise_if_not_initialized``)."""
+
     def __init__(self, construct_s: float, running: int) -> None:
-        time.sleep(construct_s)  # a replica loading its model and compiling
         self.running = running
         self.calls = 0
+        self.refused = 0
+        self.ready = threading.Event()
+        threading.Timer(construct_s, self.ready.set).start()
+
+    def was_initialized(self) -> bool:
+        return self.ready.is_set()
 
     def record_routing_stats(self) -> dict[str, int]:
+        if not self.ready.is_set():
+            self.refused += 1
+            raise RuntimeError("the replica is not initialized")
         self.calls += 1
         return {"running": self.running, "calls": self.calls}
 
     def set_running(self, running: int) -> None:
         self.running = running
+
+    def refused_calls(self) -> int:
+        return self.refused
 
 
 def _start(replica_id: str, construct_s: float, running: int) -> ray.actor.ActorHandle:
@@ -33,7 +50,7 @@ def _start(replica_id: str, construct_s: float, running: int) -> ray.actor.Actor
                                   namespace=SERVE_NAMESPACE).remote(construct_s, running)
 
 
-def test_a_starting_replica_neither_delays_the_others_nor_gets_asked_twice(serve_cluster):
+def test_a_starting_replica_neither_delays_the_others_nor_gets_asked_for_stats_before_it_is_ready(serve_cluster):
     ready = _start("ready", 0.0, 2)
     ray.get(ready.set_running.remote(2))
     starting = _start("starting", 4.0, 7)
@@ -43,14 +60,16 @@ def test_a_starting_replica_neither_delays_the_others_nor_gets_asked_twice(serve
         first = poller.poll()
         assert time.monotonic() - started < 2.0  # the old poll waited 10 s on the starting replica
         assert first == {"ready": {"running": 2, "calls": 1}}
+        assert replica_stats(APP, "LLMWorker", timeout_s=5) == {"ready": {"running": 2, "calls": 2}}
         ray.get(ready.set_running.remote(3))
         second = poller.poll()
-        assert second == {"ready": {"running": 3, "calls": 2}}  # fresh, while the other still starts
+        assert second == {"ready": {"running": 3, "calls": 3}}  # fresh, while the other still starts
         deadline = time.monotonic() + 30
         while "starting" not in (polled := poller.poll()):
             assert time.monotonic() < deadline
-        # One stats call was queued on the starting replica however many polls ran meanwhile.
+        # Its first stats call came once it was ready, and no call was refused before.
         assert polled["starting"] == {"running": 7, "calls": 1}
+        assert ray.get(starting.refused_calls.remote()) == 0
         assert set(replica_stats(APP, "LLMWorker", timeout_s=5)) == {"ready", "starting"}
         ray.kill(starting)
         deadline = time.monotonic() + 30
@@ -72,6 +91,9 @@ def test_a_replica_that_stops_answering_keeps_its_last_report(serve_cluster):
 
         def busy_for(self, seconds: float) -> None:
             self.busy_s = seconds
+
+        def was_initialized(self) -> bool:
+            return True
 
         def record_routing_stats(self) -> dict[str, int]:
             time.sleep(self.busy_s)  # the replica's loop is held by a compile
