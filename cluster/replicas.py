@@ -77,20 +77,26 @@ class ReplicaStatsPoller:
                 if ref is not None:
                     self._in_flight[replica_id] = ref
         answers, died = self._collect()
-        just_initialized = {rid for rid, answer in answers.items() if rid not in self._initialized and answer is True}
-        answers = {rid: answer for rid, answer in answers.items() if rid in self._initialized}
+        fresh, just_initialized = self._sort_answers(answers)
         if just_initialized:  # ask them for stats now rather than a poll later
-            self._initialized |= just_initialized
             for replica_id in just_initialized:
                 if (ref := _stats_call(listed[replica_id])) is not None:
                     self._in_flight[replica_id] = ref
             more, more_died = self._collect()
-            answers, died = {**answers, **more}, died | more_died
+            fresh, died = {**fresh, **self._sort_answers(more)[0]}, died | more_died
         self._initialized -= died
         # A replica that died reports again once replaced; one still busy keeps its last report.
         stats = {rid: report for rid, report in self.stats.items() if rid in listed and rid not in died}
-        self.stats = {**stats, **answers}
+        self.stats = {**stats, **fresh}
         return dict(self.stats)
+
+    def _sort_answers(self, answers: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], set[str]]:
+        """The stats among ``answers`` (from initialized replicas), and the replicas whose
+        initialization check just said yes (marked initialized: asked for stats from now on)."""
+        fresh = {rid: answer for rid, answer in answers.items() if rid in self._initialized}
+        just_initialized = {rid for rid, answer in answers.items() if rid not in self._initialized and answer is True}
+        self._initialized |= just_initialized
+        return fresh, just_initialized
 
     def _collect(self) -> tuple[dict[str, Any], set[str]]:
         """The in-flight calls that answer within ``wait_s`` (taken out of flight), and the

@@ -19,16 +19,19 @@ APP = "replicas-test"
 class StandInReplica:
     """Serve's ``ReplicaActor`` as the poller sees it: the actor answers at once, its user class
     (the model load and compiles) is built ``construct_s`` later, and until then
-    ``record_routing_stats`` fails (Serve's ``_raise_if_not_initialized``)."""
+    ``record_routing_stats`` fails (Serve's ``_raise_if_not_initialized``). ``check_s``: how long
+    ``was_initialized`` takes to answer (a replica busy starting)."""
 
-    def __init__(self, construct_s: float, running: int) -> None:
+    def __init__(self, construct_s: float, running: int, check_s: float = 0.0) -> None:
         self.running = running
+        self.check_s = check_s
         self.calls = 0
         self.refused = 0
         self.ready = threading.Event()
         threading.Timer(construct_s, self.ready.set).start()
 
     def was_initialized(self) -> bool:
+        time.sleep(self.check_s)
         return self.ready.is_set()
 
     def record_routing_stats(self) -> dict[str, int]:
@@ -45,15 +48,18 @@ class StandInReplica:
         return self.refused
 
 
-def _start(replica_id: str, construct_s: float, running: int) -> ray.actor.ActorHandle:
+def _start(replica_id: str, construct_s: float, running: int, check_s: float = 0.0) -> ray.actor.ActorHandle:
     return StandInReplica.options(name=f"{REPLICA_PREFIX}{APP}#LLMWorker#{replica_id}",
-                                  namespace=SERVE_NAMESPACE).remote(construct_s, running)
+                                  namespace=SERVE_NAMESPACE).remote(construct_s, running, check_s)
 
 
 def test_a_starting_replica_neither_delays_the_others_nor_gets_asked_for_stats_before_it_is_ready(serve_cluster):
     ready = _start("ready", 0.0, 2)
     ray.get(ready.set_running.remote(2))
-    starting = _start("starting", 4.0, 7)
+    # Its "not yet" answers come after the poll's first wait, while the ready replica is asked
+    # for its first stats: they are not stats.
+    starting = _start("starting", 4.0, 7, check_s=0.45)
+    ray.get(starting.set_running.remote(7))
     poller = ReplicaStatsPoller(APP, "LLMWorker", wait_s=0.3)
     try:
         started = time.monotonic()
