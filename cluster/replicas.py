@@ -76,13 +76,13 @@ class ReplicaStatsPoller:
                 ref = _stats_call(name) if replica_id in self._initialized else _initialized_call(name)
                 if ref is not None:
                     self._in_flight[replica_id] = ref
-        answers, died = self._collect()
+        answers, died = self._collect_in_flight()
         fresh, just_initialized = self._sort_answers(answers)
         if just_initialized:  # ask them for stats now rather than a poll later
             for replica_id in just_initialized:
                 if (ref := _stats_call(listed[replica_id])) is not None:
                     self._in_flight[replica_id] = ref
-            more, more_died = self._collect()
+            more, more_died = self._collect_in_flight()
             fresh, died = {**fresh, **self._sort_answers(more)[0]}, died | more_died
         self._initialized -= died
         # A replica that died reports again once replaced; one still busy keeps its last report.
@@ -98,7 +98,7 @@ class ReplicaStatsPoller:
         self._initialized |= just_initialized
         return fresh, just_initialized
 
-    def _collect(self) -> tuple[dict[str, Any], set[str]]:
+    def _collect_in_flight(self) -> tuple[dict[str, Any], set[str]]:
         """The in-flight calls that answer within ``wait_s`` (taken out of flight), and the
         replicas whose call failed."""
         answers, died = _collect(self._in_flight, self.wait_s)

@@ -209,17 +209,10 @@ def _run_compilation_cache_dir(tmp_path_factory, pytestconfig):
 def _compilation_cache_of_the_run(_run_compilation_cache_dir):
     """Every test compiles through the run's cache, whatever the test before it set: ``raylm
     generate`` run in-process (tests/deploy/test_cli.py) points JAX's process-wide cache at the
-    user's directory, and left there every later program would be written into it."""
-    _use_compilation_cache(str(_run_compilation_cache_dir))
+    user's directory. Set again after the test too, for the next module's fixtures, which are
+    built before its first test's."""
+    from model.compilation_cache import enable_compilation_cache
+
+    enable_compilation_cache(_run_compilation_cache_dir, TEST_CACHE_MIN_COMPILE_S)
     yield
-    _use_compilation_cache(str(_run_compilation_cache_dir))
-
-
-def _use_compilation_cache(path: str) -> None:
-    from jax.experimental.compilation_cache import compilation_cache
-
-    if jax.config.jax_compilation_cache_dir != path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        compilation_cache.reset_cache()
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", TEST_CACHE_MIN_COMPILE_S)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    enable_compilation_cache(_run_compilation_cache_dir, TEST_CACHE_MIN_COMPILE_S)
