@@ -1,0 +1,109 @@
+"""The dense matmul kernel of this tree against a baseline commit's, both loaded in one process.
+
+Kernel changes of a few percent are below what separate processes can resolve on a shared
+machine (its speed drifts by tens of percent between minutes). Here the baseline commit's
+``model/kernels`` is exported (``git archive``) and its ``dense_matmul.cc`` compiled with the
+flags ``setup.py`` uses; both libraries are loaded with ctypes and registered as FFI targets of
+their own, and one jitted program per build multiplies input rows by every matrix of the
+bundled model kept as GGUF blocks (weights streamed from memory, as in a decode step). The
+programs run in alternating rounds; the outputs must be equal bit for bit (the kernels promise
+the float32 expansion's sums), and the script prints each row count's median milliseconds and
+the ratio baseline / this tree (above 1: this tree is faster). Calls of more than
+``KERNEL_MAX_ROWS`` rows run the prompt GEMM, as ``model.dense`` does.
+
+    python -m deploy.benchmarks.dense_kernel_ab --baseline HEAD~1 [--rows 1,16,64,512] [--rounds 11]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deploy.benchmarks.dense_bench import _matrices, time_ms
+from model.dense import KERNEL_MAX_ROWS
+from model.gguf_blocks import GgufBlocks
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRARY = "_dense_matmul"
+HANDLERS = {"": "RaylmGgufMatmul", "_prompt": "RaylmGgufMatmulPrompt"}  # target suffix -> symbol
+
+
+def build_baseline(revision: str, out_dir: Path) -> Path:
+    """``revision``'s dense_matmul.cc compiled as a shared library in ``out_dir``."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "model/kernels"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(out_dir)], input=archive, check=True)
+    library = out_dir / f"{LIBRARY}.so"
+    # setup.py's flags (extra_compile_args) plus what a shared library needs.
+    subprocess.run(["g++", "-std=c++17", "-O3", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared",
+                    "-isystem", jax.ffi.include_dir(), str(out_dir / "model/kernels/dense_matmul.cc"), "-o", str(library)],
+                   check=True)
+    return library
+
+
+def register(name: str, library: Path) -> str:
+    """Registers ``library``'s GGUF handlers as FFI targets ``name`` and ``name``_prompt."""
+    handle = ctypes.CDLL(str(library))
+    for suffix, symbol in HANDLERS.items():
+        jax.ffi.register_ffi_target(f"{name}{suffix}", jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
+    return name
+
+
+def program(target: str) -> Callable:
+    """One jitted call multiplying per-K input rows by every matrix through ``target``."""
+
+    def matmul(x: jax.Array, w: GgufBlocks) -> jax.Array:
+        out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+        return jax.ffi.ffi_call(target, out)(x, w.q, w.scale, w.offset)
+
+    @jax.jit
+    def run(inputs: dict[int, jax.Array], weights: list[GgufBlocks]) -> list[jax.Array]:
+        return [matmul(inputs[w.shape[1]], w) for w in weights]
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", default="HEAD", help="git revision to compare with (default HEAD)")
+    parser.add_argument("--rows", default="1,4,9,16,32,64,128,512")
+    parser.add_argument("--rounds", type=int, default=11)
+    args = parser.parse_args()
+
+    built = sorted((ROOT / "model/kernels").glob(f"{LIBRARY}.*.so"))
+    if not built:
+        raise SystemExit("this tree's kernels are not built (make setup)")
+    with tempfile.TemporaryDirectory(prefix="raylm-kernel-ab-") as tmp:
+        targets = {"baseline": register("raylm_ab_baseline", build_baseline(args.baseline, Path(tmp))),
+                   "this tree": register("raylm_ab_tree", built[0])}
+        _, blocks = _matrices()
+        rng = np.random.default_rng(0)
+        print(f"baseline = {args.baseline}; GGUF-block matmuls of the bundled model, medians of {args.rounds} "
+              f"alternating rounds, ms")
+        print(f"{'rows':>5} {'baseline':>9} {'this tree':>10} {'ratio':>7}")
+        for rows in (int(r) for r in args.rows.split(",")):
+            suffix = "_prompt" if rows > KERNEL_MAX_ROWS else ""
+            runs = {name: program(target + suffix) for name, target in targets.items()}
+            inputs = {k: jnp.asarray(rng.standard_normal((rows, k)), jnp.float32) for k in {w.shape[1] for w in blocks}}
+            base, tree = (run(inputs, blocks) for run in runs.values())
+            if not all(bool(jnp.array_equal(a, b)) for a, b in zip(base, tree)):
+                raise SystemExit(f"{rows} rows: the two builds' results differ")
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            for _ in range(args.rounds):
+                for name, run in runs.items():
+                    times[name].append(time_ms(run, inputs, blocks))
+            before, after = (statistics.median(times[name]) for name in runs)
+            print(f"{rows:>5} {before:>9.2f} {after:>10.2f} {before / after:>6.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
