@@ -3,13 +3,14 @@
 Kernel changes of a few percent are below what separate processes can resolve on a shared
 machine (its speed drifts by tens of percent between minutes). Here the baseline commit's
 ``model/kernels`` is exported (``git archive``) and its ``dense_matmul.cc`` compiled with the
-flags ``setup.py`` uses; both libraries are loaded with ctypes and registered as FFI targets of
-their own, and one jitted program per build multiplies input rows by every matrix of the
-bundled model kept as GGUF blocks (weights streamed from memory, as in a decode step). The
+flags ``setup.py`` uses, loaded with ctypes and registered as FFI targets of its own beside this
+tree's (``model.dense.gguf_matmul``, as the engine calls it); one jitted program per build
+multiplies input rows by every matrix of the bundled model kept as GGUF blocks (weights
+streamed from memory, as in a decode step). The
 programs run in alternating rounds; the outputs must be equal bit for bit (the kernels promise
 the float32 expansion's sums), and the script prints each row count's median milliseconds and
-the ratio baseline / this tree (above 1: this tree is faster). Calls of more than
-``KERNEL_MAX_ROWS`` rows run the prompt GEMM, as ``model.dense`` does.
+the ratio baseline / this tree (above 1: this tree is faster). The baseline's calls of more
+than ``KERNEL_MAX_ROWS`` rows run its prompt GEMM, as ``model.dense`` picks for this tree.
 
     python -m deploy.benchmarks.dense_kernel_ab --baseline HEAD~1 [--rows 1,16,64,512] [--rounds 11]
 """
@@ -29,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from deploy.benchmarks.dense_bench import _matrices, time_ms
-from model.dense import KERNEL_MAX_ROWS
+from model.dense import KERNEL_MAX_ROWS, available, gguf_matmul
 from model.gguf_blocks import GgufBlocks
 
 ROOT = Path(__file__).resolve().parents[2]
-LIBRARY = "_dense_matmul"
+BASELINE_TARGET = "raylm_ab_baseline"
 HANDLERS = {"": "RaylmGgufMatmul", "_prompt": "RaylmGgufMatmulPrompt"}  # target suffix -> symbol
 
 
@@ -42,7 +43,7 @@ def build_baseline(revision: str, out_dir: Path) -> Path:
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "model/kernels"],
                              check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(out_dir)], input=archive, check=True)
-    library = out_dir / f"{LIBRARY}.so"
+    library = out_dir / "_dense_matmul.so"
     # setup.py's flags (extra_compile_args) plus what a shared library needs.
     subprocess.run(["g++", "-std=c++17", "-O3", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared",
                     "-isystem", jax.ffi.include_dir(), str(out_dir / "model/kernels/dense_matmul.cc"), "-o", str(library)],
@@ -50,20 +51,23 @@ def build_baseline(revision: str, out_dir: Path) -> Path:
     return library
 
 
-def register(name: str, library: Path) -> str:
-    """Registers ``library``'s GGUF handlers as FFI targets ``name`` and ``name``_prompt."""
+def register_baseline(library: Path) -> None:
+    """Registers ``library``'s GGUF handlers as ``BASELINE_TARGET`` and ``BASELINE_TARGET``_prompt."""
     handle = ctypes.CDLL(str(library))
     for suffix, symbol in HANDLERS.items():
-        jax.ffi.register_ffi_target(f"{name}{suffix}", jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
-    return name
+        jax.ffi.register_ffi_target(f"{BASELINE_TARGET}{suffix}", jax.ffi.pycapsule(getattr(handle, symbol)),
+                                    platform="cpu")
 
 
-def program(target: str) -> Callable:
-    """One jitted call multiplying per-K input rows by every matrix through ``target``."""
+def baseline_matmul(x: jax.Array, w: GgufBlocks) -> jax.Array:
+    """``model.dense.gguf_matmul`` through the baseline's handlers."""
+    target = BASELINE_TARGET + ("_prompt" if x.shape[0] > KERNEL_MAX_ROWS else "")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(target, out)(x, w.q, w.scale, w.offset)
 
-    def matmul(x: jax.Array, w: GgufBlocks) -> jax.Array:
-        out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-        return jax.ffi.ffi_call(target, out)(x, w.q, w.scale, w.offset)
+
+def program(matmul: Callable[[jax.Array, GgufBlocks], jax.Array]) -> Callable:
+    """One jitted call multiplying per-K input rows by every matrix through ``matmul``."""
 
     @jax.jit
     def run(inputs: dict[int, jax.Array], weights: list[GgufBlocks]) -> list[jax.Array]:
@@ -79,20 +83,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     args = parser.parse_args()
 
-    built = sorted((ROOT / "model/kernels").glob(f"{LIBRARY}.*.so"))
-    if not built:
+    if not available():
         raise SystemExit("this tree's kernels are not built (make setup)")
     with tempfile.TemporaryDirectory(prefix="raylm-kernel-ab-") as tmp:
-        targets = {"baseline": register("raylm_ab_baseline", build_baseline(args.baseline, Path(tmp))),
-                   "this tree": register("raylm_ab_tree", built[0])}
+        register_baseline(build_baseline(args.baseline, Path(tmp)))
+        runs = {"baseline": program(baseline_matmul), "this tree": program(gguf_matmul)}
         _, blocks = _matrices()
         rng = np.random.default_rng(0)
         print(f"baseline = {args.baseline}; GGUF-block matmuls of the bundled model, medians of {args.rounds} "
               f"alternating rounds, ms")
         print(f"{'rows':>5} {'baseline':>9} {'this tree':>10} {'ratio':>7}")
         for rows in (int(r) for r in args.rows.split(",")):
-            suffix = "_prompt" if rows > KERNEL_MAX_ROWS else ""
-            runs = {name: program(target + suffix) for name, target in targets.items()}
             inputs = {k: jnp.asarray(rng.standard_normal((rows, k)), jnp.float32) for k in {w.shape[1] for w in blocks}}
             base, tree = (run(inputs, blocks) for run in runs.values())
             if not all(bool(jnp.array_equal(a, b)) for a, b in zip(base, tree)):
