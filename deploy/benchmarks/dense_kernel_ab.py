@@ -2,12 +2,11 @@
 
 Kernel changes of a few percent are below what separate processes can resolve on a shared
 machine (its speed drifts by tens of percent between minutes). Here the baseline commit's
-``model/kernels`` is exported (``git archive``) and its ``dense_matmul.cc`` compiled with the
-flags ``setup.py`` uses, loaded with ctypes and registered as FFI targets of its own beside this
-tree's (``model.dense.gguf_matmul``, as the engine calls it); one jitted program per build
-multiplies input rows by every matrix of the bundled model kept as GGUF blocks (weights
-streamed from memory, as in a decode step). The
-programs run in alternating rounds; the outputs must be equal bit for bit (the kernels promise
+``dense_matmul.cc`` is compiled with the flags ``setup.py`` uses (kernel_baseline.py), loaded
+with ctypes and registered as FFI targets of its own beside this tree's
+(``model.dense.gguf_matmul``, as the engine calls it); one jitted program per build multiplies
+input rows by every matrix of the bundled model kept as GGUF blocks (weights streamed from
+memory, as in a decode step). The programs run in alternating rounds; the outputs must be equal bit for bit (the kernels promise
 the float32 expansion's sums), and the script prints each row count's median milliseconds and
 the ratio baseline / this tree (above 1: this tree is faster). The baseline's calls of more
 than ``KERNEL_MAX_ROWS`` rows run its prompt GEMM, as ``model.dense`` picks for this tree.
@@ -18,9 +17,7 @@ than ``KERNEL_MAX_ROWS`` rows run its prompt GEMM, as ``model.dense`` picks for 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
-import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -30,33 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from deploy.benchmarks.dense_bench import _matrices, time_ms
+from deploy.benchmarks.kernel_baseline import build_baseline, register_baseline
 from model.dense import KERNEL_MAX_ROWS, available, gguf_matmul
 from model.gguf_blocks import GgufBlocks
 
-ROOT = Path(__file__).resolve().parents[2]
 BASELINE_TARGET = "raylm_ab_baseline"
-HANDLERS = {"": "RaylmGgufMatmul", "_prompt": "RaylmGgufMatmulPrompt"}  # target suffix -> symbol
-
-
-def build_baseline(revision: str, out_dir: Path) -> Path:
-    """``revision``'s dense_matmul.cc compiled as a shared library in ``out_dir``."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "model/kernels"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(out_dir)], input=archive, check=True)
-    library = out_dir / "_dense_matmul.so"
-    # setup.py's flags (extra_compile_args) plus what a shared library needs.
-    subprocess.run(["g++", "-std=c++17", "-O3", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared",
-                    "-isystem", jax.ffi.include_dir(), str(out_dir / "model/kernels/dense_matmul.cc"), "-o", str(library)],
-                   check=True)
-    return library
-
-
-def register_baseline(library: Path) -> None:
-    """Registers ``library``'s GGUF handlers as ``BASELINE_TARGET`` and ``BASELINE_TARGET``_prompt."""
-    handle = ctypes.CDLL(str(library))
-    for suffix, symbol in HANDLERS.items():
-        jax.ffi.register_ffi_target(f"{BASELINE_TARGET}{suffix}", jax.ffi.pycapsule(getattr(handle, symbol)),
-                                    platform="cpu")
+HANDLERS = {BASELINE_TARGET: "RaylmGgufMatmul", BASELINE_TARGET + "_prompt": "RaylmGgufMatmulPrompt"}
 
 
 def baseline_matmul(x: jax.Array, w: GgufBlocks) -> jax.Array:
@@ -86,7 +62,7 @@ def main() -> None:
     if not available():
         raise SystemExit("this tree's kernels are not built (make setup)")
     with tempfile.TemporaryDirectory(prefix="raylm-kernel-ab-") as tmp:
-        register_baseline(build_baseline(args.baseline, Path(tmp)))
+        register_baseline(build_baseline(args.baseline, "dense_matmul", Path(tmp)), HANDLERS)
         runs = {"baseline": program(baseline_matmul), "this tree": program(gguf_matmul)}
         _, blocks = _matrices()
         rng = np.random.default_rng(0)

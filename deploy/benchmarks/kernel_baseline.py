@@ -1,0 +1,38 @@
+"""A commit's CPU kernel compiled beside this tree's, for A/B runs inside one process.
+
+Kernel changes of a few percent are below what separate processes can resolve on a shared
+machine (its speed drifts by tens of percent between minutes); loaded in one process, two builds
+can run in alternating rounds instead (``dense_kernel_ab``, ``lora_kernel_ab``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import jax
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def build_baseline(revision: str, source: str, out_dir: Path) -> Path:
+    """``revision``'s ``model/kernels/<source>.cc`` (and the headers it includes, from the same
+    commit) compiled as a shared library in ``out_dir``."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "model/kernels"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(out_dir)], input=archive, check=True)
+    library = out_dir / f"_{source}.so"
+    # setup.py's flags (its extra_compile_args; setup.py runs setup() when imported, so they are
+    # repeated here) plus what a shared library needs.
+    subprocess.run(["g++", "-std=c++17", "-O3", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared",
+                    "-isystem", jax.ffi.include_dir(), str(out_dir / f"model/kernels/{source}.cc"), "-o", str(library)],
+                   check=True)
+    return library
+
+
+def register_baseline(library: Path, handlers: dict[str, str]) -> None:
+    """Registers ``library``'s handler symbols as CPU FFI targets (``handlers``: target -> symbol)."""
+    handle = ctypes.CDLL(str(library))
+    for target, symbol in handlers.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
