@@ -6,10 +6,11 @@ machine (its speed drifts by tens of percent between minutes). Here the baseline
 with ctypes and registered as FFI targets of its own beside this tree's
 (``model.dense.gguf_matmul``, as the engine calls it); one jitted program per build multiplies
 input rows by every matrix of the bundled model kept as GGUF blocks (weights streamed from
-memory, as in a decode step). The programs run in alternating rounds; the outputs must be equal bit for bit (the kernels promise
-the float32 expansion's sums), and the script prints each row count's median milliseconds and
-the ratio baseline / this tree (above 1: this tree is faster). The baseline's calls of more
-than ``KERNEL_MAX_ROWS`` rows run its prompt GEMM, as ``model.dense`` picks for this tree.
+memory, as in a decode step). The programs run in alternating rounds; the outputs must be
+equal bit for bit (the kernels promise the float32 expansion's sums), and the script prints
+each row count's median milliseconds and the ratio baseline / this tree (above 1: this tree is
+faster). The baseline's calls of more than ``KERNEL_MAX_ROWS`` rows run its prompt GEMM, as
+``model.dense`` picks for this tree.
 
     python -m deploy.benchmarks.dense_kernel_ab --baseline HEAD~1 [--rows 1,16,64,512] [--rounds 11]
 """
