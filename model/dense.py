@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from model.gguf_blocks import GgufBlocks
 from model.int8_matmul import int8_dense
 from model.int8_panels import Int8Panels
-from model.kernels import CpuKernel, on_cpu
+from model.kernels import CpuKernel, on_cpu, traced_target
 from model.quantization import QuantArray
 
 
@@ -56,7 +56,7 @@ class _Kernels(NamedTuple):
         """The FFI target for a call of ``rows`` rows; raises if the kernel is unavailable."""
         kernel = self.prompt if rows > KERNEL_MAX_ROWS else self.small
         kernel.require()
-        return kernel.target
+        return traced_target(kernel.target)
 
 
 def _kernels(symbol: str, target: str) -> _Kernels:

@@ -18,30 +18,15 @@ call) and other operand types (``takes``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.kernels import CpuKernel
+from model.kernels import CpuKernel, traced_target
 
 _KERNEL = CpuKernel("lora_delta", "RaylmLoraAdd", "raylm_lora_add")
-_traced_target: str | None = None  # set by ``tracing_target``
-
-
-@contextlib.contextmanager
-def tracing_target(target: str) -> Iterator[None]:
-    """Inside, ``lora_add`` traces calls of the FFI target ``target`` (registered by the caller
-    with this kernel's signature) instead of this tree's: deploy/benchmarks/lora_kernel_ab.py
-    traces a commit's build of the kernel beside this one."""
-    global _traced_target
-    before, _traced_target = _traced_target, target
-    try:
-        yield
-    finally:
-        _traced_target = before
 
 
 def available() -> bool:
@@ -75,7 +60,8 @@ def lora_add(y: jax.Array, x: jax.Array, slots: jax.Array, weights: jax.Array, s
     if not takes(y, x, weights):
         raise ValueError(f"lora_add takes float32 y and x and float32, bfloat16 or int8 weights, got "
                          f"{[str(array.dtype) for array in (y, x, weights)]}")
-    call = jax.ffi.ffi_call(_traced_target or _KERNEL.target, jax.ShapeDtypeStruct(y.shape, y.dtype), input_output_aliases={0: 0})
+    call = jax.ffi.ffi_call(traced_target(_KERNEL.target), jax.ShapeDtypeStruct(y.shape, y.dtype),
+                            input_output_aliases={0: 0})
     return call(y, x, slots.astype(jnp.int32), weights, scales, groups=groups, rank=rank, a_offset=a_offset,
                 b_offsets=np.asarray(b_offsets, np.int64), outputs=np.asarray(outputs, np.int64),
                 a_scale_offset=a_scale_offset, b_scale_offsets=np.asarray(b_scale_offsets, np.int64))

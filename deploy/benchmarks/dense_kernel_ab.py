@@ -3,14 +3,14 @@
 Kernel changes of a few percent are below what separate processes can resolve on a shared
 machine (its speed drifts by tens of percent between minutes). Here the baseline commit's
 ``dense_matmul.cc`` is compiled with the flags ``setup.py`` uses (kernel_baseline.py), loaded
-with ctypes and registered as FFI targets of its own beside this tree's
-(``model.dense.gguf_matmul``, as the engine calls it); one jitted program per build multiplies
+with ctypes and registered as FFI targets of its own; one jitted program per build multiplies
 input rows by every matrix of the bundled model kept as GGUF blocks (weights streamed from
-memory, as in a decode step). The programs run in alternating rounds; the outputs must be
+memory, as in a decode step) through ``model.dense.gguf_matmul``, as the engine calls it, the
+baseline's traced inside ``model.kernels.tracing_targets``. The programs run in alternating rounds; the outputs must be
 equal bit for bit (the kernels promise the float32 expansion's sums), and the script prints
 each row count's median milliseconds and the ratio baseline / this tree (above 1: this tree is
-faster). The baseline's calls of more than ``KERNEL_MAX_ROWS`` rows run its prompt GEMM, as
-``model.dense`` picks for this tree.
+faster). Calls of more than ``KERNEL_MAX_ROWS`` rows run either build's prompt GEMM, as
+``model.dense`` picks.
 
     python -m deploy.benchmarks.dense_kernel_ab --baseline HEAD~1 [--rows 1,16,64,512] [--rounds 11]
 """
@@ -28,29 +28,31 @@ import jax.numpy as jnp
 import numpy as np
 
 from deploy.benchmarks.dense_bench import _matrices, time_ms
-from deploy.benchmarks.kernel_baseline import build_baseline, register_baseline
-from model.dense import KERNEL_MAX_ROWS, available, gguf_matmul
+from deploy.benchmarks.kernel_baseline import build_baseline, register_baseline, require_builds
+from model.dense import available, gguf_matmul
 from model.gguf_blocks import GgufBlocks
+from model.kernels import tracing_targets
 
 BASELINE_TARGET = "raylm_ab_baseline"
 HANDLERS = {BASELINE_TARGET: "RaylmGgufMatmul", BASELINE_TARGET + "_prompt": "RaylmGgufMatmulPrompt"}
+# This tree's targets (model.dense) traced as the baseline's inside tracing_targets.
+BASELINE_TARGETS = {"raylm_gguf_matmul": BASELINE_TARGET, "raylm_gguf_matmul_prompt": BASELINE_TARGET + "_prompt"}
 
 
-def baseline_matmul(x: jax.Array, w: GgufBlocks) -> jax.Array:
-    """``model.dense.gguf_matmul`` through the baseline's handlers."""
-    target = BASELINE_TARGET + ("_prompt" if x.shape[0] > KERNEL_MAX_ROWS else "")
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(target, out)(x, w.q, w.scale, w.offset)
-
-
-def program(matmul: Callable[[jax.Array, GgufBlocks], jax.Array]) -> Callable:
-    """One jitted call multiplying per-K input rows by every matrix through ``matmul``."""
+def program(targets: dict[str, str]) -> tuple[Callable, Callable]:
+    """A jitted function multiplying per-K input rows by every matrix through
+    ``model.dense.gguf_matmul``, and the same called inside ``tracing_targets(targets)``. Each
+    program jits a function of its own: JAX caches traces by function, not by the mapping."""
 
     @jax.jit
     def run(inputs: dict[int, jax.Array], weights: list[GgufBlocks]) -> list[jax.Array]:
-        return [matmul(inputs[w.shape[1]], w) for w in weights]
+        return [gguf_matmul(inputs[w.shape[1]], w) for w in weights]
 
-    return run
+    def traced(inputs: dict[int, jax.Array], weights: list[GgufBlocks]) -> list[jax.Array]:
+        with tracing_targets(targets):
+            return run(inputs, weights)
+
+    return run, traced
 
 
 def main() -> None:
@@ -64,7 +66,8 @@ def main() -> None:
         raise SystemExit("this tree's kernels are not built (make setup)")
     with tempfile.TemporaryDirectory(prefix="raylm-kernel-ab-") as tmp:
         register_baseline(build_baseline(args.baseline, "dense_matmul", Path(tmp)), HANDLERS)
-        runs = {"baseline": program(baseline_matmul), "this tree": program(gguf_matmul)}
+        programs = {"baseline": program(BASELINE_TARGETS), "this tree": program({})}
+        runs = {name: traced for name, (_, traced) in programs.items()}
         _, blocks = _matrices()
         rng = np.random.default_rng(0)
         print(f"baseline = {args.baseline}; GGUF-block matmuls of the bundled model, medians of {args.rounds} "
@@ -73,6 +76,9 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             inputs = {k: jnp.asarray(rng.standard_normal((rows, k)), jnp.float32) for k in {w.shape[1] for w in blocks}}
             base, tree = (run(inputs, blocks) for run in runs.values())
+            with tracing_targets(BASELINE_TARGETS):
+                lowered = programs["baseline"][0].lower(inputs, blocks).as_text()
+            require_builds(lowered, programs["this tree"][0].lower(inputs, blocks).as_text(), HANDLERS)
             if not all(bool(jnp.array_equal(a, b)) for a, b in zip(base, tree)):
                 raise SystemExit(f"{rows} rows: the two builds' results differ")
             times: dict[str, list[float]] = {name: [] for name in runs}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 import jax
@@ -36,3 +37,17 @@ def register_baseline(library: Path, handlers: dict[str, str]) -> None:
     handle = ctypes.CDLL(str(library))
     for target, symbol in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
+
+
+def require_builds(baseline: str, tree: str, targets: Iterable[str]) -> None:
+    """Raises unless the lowered text of the baseline's program calls one of ``targets`` (the
+    baseline's FFI targets) and this tree's calls none: a ``model.kernels.tracing_targets``
+    mapping naming a target this tree no longer uses, or a trace of one program reused for the
+    other (JAX caches traces by function, and the mapping is not part of the key), would
+    otherwise time one build against itself."""
+    def calls(lowered: str) -> bool:
+        return any(f"custom_call @{target}(" in lowered for target in targets)
+
+    if not calls(baseline) or calls(tree):
+        raise SystemExit(f"the baseline's program must call one of {sorted(targets)} and this tree's none: is the "
+                         f"tracing_targets mapping current, and does each program trace a function of its own?")

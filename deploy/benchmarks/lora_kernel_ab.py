@@ -3,13 +3,13 @@
 The baseline commit's ``lora_delta.cc`` is compiled with ``setup.py``'s flags
 (kernel_baseline.py) and registered as an FFI target of its own; ``lora_kernel_bench``'s decode
 step (the bundled model's 120 adapter calls, each after the previous) is traced once per build,
-the baseline's inside ``model.lora_delta.tracing_target``. Per row count (rows use slots 1, 2,
+the baseline's inside ``model.kernels.tracing_targets``. Per row count (rows use slots 1, 2,
 ... of ``--slots`` in turn) the two programs must give the same bits (the kernel's sums do not
 depend on how a call is cut into work items), then run in rounds of back-to-back steps, the
 order alternating; the script prints the median milliseconds per step, and the median and range
 of the rounds' ratios baseline / this tree (above 1: this tree is faster; the same build on both
-sides shows the machine's noise). Separate processes could not
-tell a 10% change on a shared machine: two runs of the same comparison gave opposite signs.
+sides shows the machine's noise). Separate processes could not tell a 10% change on a shared
+machine: two runs of the same comparison gave opposite signs.
 
     python -m deploy.benchmarks.lora_kernel_ab --baseline HEAD~1 [--rank 64] [--rows 1,2,16]
         [--dtype int8] [--rounds 21]
@@ -25,10 +25,11 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from deploy.benchmarks.kernel_baseline import build_baseline, register_baseline
+from deploy.benchmarks.kernel_baseline import build_baseline, register_baseline, require_builds
 from deploy.benchmarks.lora_kernel_bench import _round_ms, input_width, packed_slots, step_calls
 from model import DEFAULT_MODEL, load_model
-from model.lora_delta import available, tracing_target
+from model.kernels import tracing_targets
+from model.lora_delta import available
 from model.lora_weights import GROUPS
 
 BASELINE_TARGET = "raylm_lora_ab_baseline"
@@ -59,8 +60,10 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {w: jnp.asarray(rng.standard_normal((rows, w)), jnp.float32) for w in widths}
         step = (inputs, jnp.asarray(np.arange(rows) % args.slots + 1, jnp.int32), packed.buffer, packed.scales)
-        with tracing_target(BASELINE_TARGET):
+        with tracing_targets({"raylm_lora_add": BASELINE_TARGET}):
+            lowered = builds["baseline"].lower(*step).as_text()
             before = np.asarray(builds["baseline"](*step))  # traced (and compiled) here
+        require_builds(lowered, builds["this tree"].lower(*step).as_text(), [BASELINE_TARGET])
         if not np.array_equal(before, np.asarray(builds["this tree"](*step))):
             raise SystemExit(f"{rows} rows: the two builds' results differ")
         times: dict[str, list[float]] = {name: [] for name in builds}

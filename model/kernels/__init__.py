@@ -62,6 +62,26 @@ class CpuKernel(NamedTuple):
 
 
 _every_platform = False  # set by ``lowering_for_every_platform``
+_traced_targets: dict[str, str] = {}  # set by ``tracing_targets``
+
+
+@contextlib.contextmanager
+def tracing_targets(targets: dict[str, str]) -> Iterator[None]:
+    """Inside, calls of each FFI target in ``targets`` are traced as calls of the target it maps
+    to (registered by the caller with the same signature): deploy/benchmarks' ``*_kernel_ab``
+    trace a commit's build of a kernel beside this tree's, through the same Python code."""
+    global _traced_targets
+    before, _traced_targets = _traced_targets, {**_traced_targets, **targets}
+    try:
+        yield
+    finally:
+        _traced_targets = before
+
+
+def traced_target(target: str) -> str:
+    """The FFI target a kernel's call of ``target`` traces (``target`` itself but inside
+    ``tracing_targets``)."""
+    return _traced_targets.get(target, target)
 
 
 @functools.cache

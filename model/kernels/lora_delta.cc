@@ -386,15 +386,13 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
       }
     }, pool, 1);
     return;
-  } else {
-    std::vector<int64_t> sizes;
-    for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), T, R);
-    RunSegments(sizes, K, kPhaseOneAlign, shrink, pool);
-    sizes.clear();
-    for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), tiled.begin(), tiled.end());
-    RunSegments(sizes, R, kExpandTile, expand, pool);
   }
-
+  std::vector<int64_t> sizes;
+  for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), T, R);
+  RunSegments(sizes, K, kPhaseOneAlign, shrink, pool);
+  sizes.clear();
+  for (size_t r = 0; r < runs.size(); ++r) sizes.insert(sizes.end(), tiled.begin(), tiled.end());
+  RunSegments(sizes, R, kExpandTile, expand, pool);
   for (int64_t segment = 0; segment < pairs; ++segment) add(segment);
 }
 

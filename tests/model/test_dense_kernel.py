@@ -22,7 +22,7 @@ import pytest
 
 from model import dense as dense_module
 from model.dense import KERNEL_MAX_ROWS, dense, dense_matmul
-from model.kernels import lowering_for_every_platform
+from model.kernels import lowering_for_every_platform, tracing_targets
 
 needs_kernel = pytest.mark.skipif(
     not dense_module.available(),
@@ -144,6 +144,18 @@ def test_a_cpu_only_process_traces_the_kernel_branch_alone():
     assert "platform_index" not in str(jax.make_jaxpr(functools.partial(dense, kernel=True))(x, w))
     with lowering_for_every_platform():  # (a new function: JAX caches a function's trace)
         assert "platform_index" in str(jax.make_jaxpr(functools.partial(dense, kernel=True))(x, w))
+
+
+@needs_kernel
+def test_tracing_targets_renames_the_kernels_calls_inside_only():
+    """The kernel A/B benchmarks trace a commit's build through the same code this way."""
+    x, w = jnp.ones((4, 64)), jnp.ones((32, 64))
+    with tracing_targets({"raylm_dense_matmul": "raylm_other_build"}):  # (a new function each time)
+        renamed = jax.jit(functools.partial(dense, kernel=True)).lower(x, w).as_text()
+        prompt = jax.jit(functools.partial(dense, kernel=True)).lower(jnp.ones((KERNEL_MAX_ROWS + 1, 64)), w).as_text()
+    assert "@raylm_other_build(" in renamed and "@raylm_dense_matmul(" not in renamed
+    assert "@raylm_dense_matmul_prompt(" in prompt  # not in the mapping
+    assert "@raylm_dense_matmul(" in jax.jit(functools.partial(dense, kernel=True)).lower(x, w).as_text()
 
 
 def test_without_a_build_xla_runs(unbuilt_kernels):
