@@ -11,11 +11,18 @@ real when ``0 <= position < context_lens[b]`` (``context_lens`` counts the row's
 Layers run in a Python loop over their own weight arrays (see model/params.py for why not
 ``lax.scan``); each writes its K/V into its slice of the stacked pool, which is updated in
 place when the caller donates it.
+
+Its matmuls of float32 operands compute in float32 on every backend (``FULL_FLOAT32``): JAX's
+default lets a GPU round them to TensorFloat32 (10 mantissa bits), and on an H200 that put a
+float32 model's logits ~1e-2 from HF's and parted an adapter's greedy tokens from its merged
+model's. bfloat16 operands and the CPU are unaffected.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +39,23 @@ from model.gguf_blocks import GgufBlocks
 from model.int8_panels import Int8Panels
 from model.quantization import QuantArray
 
+FULL_FLOAT32 = "float32"  # jax.default_matmul_precision for 32-bit operands: no TF32 rounding
 
+_Fn = TypeVar("_Fn", bound=Callable)
+
+
+def _full_float32_matmuls(fn: _Fn) -> _Fn:
+    """``fn`` traced with float32 matmuls in float32 (module docstring: why)."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.default_matmul_precision(FULL_FLOAT32):
+            return fn(*args, **kwargs)
+
+    return traced  # type: ignore[return-value]
+
+
+@_full_float32_matmuls
 def forward(
     params: ModelParams,
     config: ModelConfig,

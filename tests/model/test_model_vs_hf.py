@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+import jax.numpy as jnp
+
 from model import SingleSequenceGenerator, load_checkpoint
+from model.generate import _prompt_step
 from tests.checkpoints import TINY_VARIANTS, build_tiny_checkpoint
 from tests.reference import hf_greedy
 
@@ -31,6 +34,22 @@ def test_logits_and_greedy_match_hf(variant, tmp_path):
     np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=1e-4)
 
     assert list(generator.generate(ids, 32)) == hf_greedy(hf_model, ids, 32)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-moe"])
+def test_float32_matmuls_are_lowered_at_full_precision(variant, tmp_path):
+    """The CPU computes float32 dots in float32 whatever they ask; a GPU rounds them to TF32
+    unless the program says HIGHEST (an H200 gave logits ~1e-2 from the test above's HF ones).
+    Every dot of the forward pass, attention and experts included, must say so."""
+    path, _ = build_tiny_checkpoint(variant, tmp_path / variant)
+    config, params = load_checkpoint(path)
+    generator = SingleSequenceGenerator(config, params)
+    tokens, positions = generator._padded_prompt(_prompt(length=5))
+    program = _prompt_step.lower(generator.params, generator._new_kv(2), tokens, positions,
+                                 jnp.arange(1, 2, dtype=jnp.int32)[None], jnp.array([5], jnp.int32),
+                                 config=config, all_logits=True).as_text()
+    dots = [line for line in program.splitlines() if "dot_general" in line]
+    assert dots and all("precision = [HIGHEST, HIGHEST]" in line for line in dots), dots[:3]
 
 
 def test_config_fields_follow_checkpoint(tmp_path):
