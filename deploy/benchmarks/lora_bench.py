@@ -16,10 +16,12 @@ everything first):
   not resident (its slot filled in that step), against one whose adapter is.
 
 The base model keeps its GGUF blocks as serving does by default (``--base float32``: its weights
-dequantized, against which an adapter's bytes weigh less).
+dequantized, against which an adapter's bytes weigh less). ``--model`` times another model (a
+registry name, an HF checkpoint directory or a GGUF file) in ``--dtype``: on an accelerator, say,
+where the bundled model's blocks are not what serving would run.
 
     python -m deploy.benchmarks.lora_bench [--ranks 8,64] [--adapters 8] [--batch 16] [--rounds 3]
-        [--lora-dtype bfloat16] [--base blocks|float32]
+        [--lora-dtype bfloat16] [--base blocks|float32] [--model NAME_OR_PATH] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 from safetensors.numpy import save_file
 
@@ -108,16 +111,18 @@ def main() -> None:
     parser.add_argument("--lora-dtype", default=None, help="the slots' type (engine.lora_dtype; default the model's)")
     parser.add_argument("--base", choices=("blocks", "float32"), default="blocks",
                         help="the base model's weights: its GGUF blocks as stored (what serving keeps by default) "
-                             "or dequantized to float32")
+                             "or dequantized (a GGUF model's; other checkpoints have no blocks)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a registry name, HF checkpoint directory or GGUF file")
+    parser.add_argument("--dtype", default="float32", help="the base model's compute type (float32, bfloat16)")
     args = parser.parse_args()
 
-    model = load_model(DEFAULT_MODEL, "float32", keep_blocks=args.base == "blocks")
+    model = load_model(args.model, args.dtype, keep_blocks=args.base == "blocks")
     config = model.config
     engine_args = dict(max_num_seqs=args.batch, num_kv_blocks=args.batch * 8 + 8, max_model_len=256)
     rng = np.random.RandomState(0)
     prompts = [rng.randint(1000, 20000, args.prompt).tolist() for _ in range(args.batch)]
     base = LLM(model, **engine_args)
-    print(f"{DEFAULT_MODEL}, {args.adapters} adapters on q/k/v/o/gate/up/down, {args.batch} requests of "
+    print(f"{args.model} ({args.dtype}, {jax.default_backend()}), {args.adapters} adapters on q/k/v/o/gate/up/down, {args.batch} requests of "
           f"{args.prompt} + {args.new_tokens} tokens, slots {args.lora_dtype or 'of the model dtype'}; tokens/s with "
           f"LoRA / without (median of {args.rounds} rounds)")
     with tempfile.TemporaryDirectory() as root:
