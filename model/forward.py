@@ -12,10 +12,11 @@ Layers run in a Python loop over their own weight arrays (see model/params.py fo
 ``lax.scan``); each writes its K/V into its slice of the stacked pool, which is updated in
 place when the caller donates it.
 
-Its matmuls of float32 operands compute in float32 on every backend (``FULL_FLOAT32``): JAX's
-default lets a GPU round them to TensorFloat32 (10 mantissa bits), and on an H200 that put a
-float32 model's logits ~1e-2 from HF's and parted an adapter's greedy tokens from its merged
-model's. bfloat16 operands and the CPU are unaffected.
+A float32 model's matmuls compute in float32 on every backend (``FULL_FLOAT32``): JAX's default
+lets a GPU round them to TensorFloat32 (10 mantissa bits), and on an H200 that put a float32
+model's logits ~1e-2 from HF's and parted an adapter's greedy tokens from its merged model's.
+The CPU computes float32 dots in float32 either way; a bfloat16 model's programs are left as
+they were.
 """
 
 from __future__ import annotations
@@ -45,12 +46,15 @@ _Fn = TypeVar("_Fn", bound=Callable)
 
 
 def _full_float32_matmuls(fn: _Fn) -> _Fn:
-    """``fn`` traced with float32 matmuls in float32 (module docstring: why)."""
+    """``fn(params, ...)`` traced with its matmuls in float32 when ``params`` is a float32
+    model's (its norms, never quantized, hold the model dtype; module docstring: why)."""
 
     @functools.wraps(fn)
-    def traced(*args, **kwargs):
+    def traced(params: ModelParams, *args, **kwargs):
+        if params.final_norm.dtype != jnp.float32:
+            return fn(params, *args, **kwargs)
         with jax.default_matmul_precision(FULL_FLOAT32):
-            return fn(*args, **kwargs)
+            return fn(params, *args, **kwargs)
 
     return traced  # type: ignore[return-value]
 
