@@ -122,9 +122,9 @@ def main() -> None:
     rng = np.random.RandomState(0)
     prompts = [rng.randint(1000, 20000, args.prompt).tolist() for _ in range(args.batch)]
     base = LLM(model, **engine_args)
-    print(f"{args.model} ({args.dtype}, {jax.default_backend()}), {args.adapters} adapters on q/k/v/o/gate/up/down, {args.batch} requests of "
-          f"{args.prompt} + {args.new_tokens} tokens, slots {args.lora_dtype or 'of the model dtype'}; tokens/s with "
-          f"LoRA / without (median of {args.rounds} rounds)")
+    print(f"{args.model} ({args.dtype}, {jax.default_backend()}), {args.adapters} adapters on q/k/v/o/gate/up/down, "
+          f"{args.batch} requests of {args.prompt} + {args.new_tokens} tokens, slots "
+          f"{args.lora_dtype or 'of the model dtype'}; tokens/s with LoRA / without (median of {args.rounds} rounds)")
     with tempfile.TemporaryDirectory() as root:
         for rank in [int(r) for r in args.ranks.split(",")]:
             requests = [LoRARequest(f"r{rank}-{i}", i + 1, str(write_random_adapter(

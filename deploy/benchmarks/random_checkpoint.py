@@ -59,8 +59,8 @@ def write_random_checkpoint(out: Path, tokenizer: Path, shape: dict[str, Any], d
     settings = json.loads((tokenizer / "tokenizer_config.json").read_text())
     config = transformers.LlamaConfig(
         vocab_size=backend.get_vocab_size(with_added_tokens=True), rms_norm_eps=1e-5, tie_word_embeddings=True,
-        bos_token_id=backend.token_to_id(settings["bos_token"]), eos_token_id=backend.token_to_id(settings["eos_token"]),
-        **shape)
+        bos_token_id=backend.token_to_id(settings["bos_token"]),
+        eos_token_id=backend.token_to_id(settings["eos_token"]), **shape)
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 1B initialises in seconds there
         model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
-import jax.numpy as jnp
 
 from model import SingleSequenceGenerator, load_checkpoint
 from model.generate import _prompt_step
