@@ -39,7 +39,7 @@ test: setup-test
 	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadgroup --durations=30
 
 bench: setup
-	$(BIN)/python -m deploy.benchmarks.model_bench
+	$(BIN)/python -m raylm.benchmarks.model_bench
 
 clean:
 	rm -rf $(VENV)

@@ -1,8 +1,13 @@
-"""Builds the optional C++ CPU kernels in model/kernels; all other metadata is in pyproject.toml.
+"""Maps the top-level folders onto the one import name ``raylm`` and builds the optional C++ CPU
+kernels in model/kernels; all other metadata is in pyproject.toml.
+
+``raylm`` is a namespace package: the repository keeps its top-level folders (model/, cache/,
+workers/, router/, cluster/, deploy/, benchmarks/) and the install maps each onto
+``raylm.<folder>``, so a user's own ``model.py`` or ``cache.py`` never shadows ours.
 
 The kernels include XLA's FFI headers, which ship inside jaxlib (a build requirement). The
 extension is optional: without a C++ compiler or those headers the install still succeeds,
-and at run time ``model.paged_decode.available()`` / ``model.dense.available()`` are False
+and at run time ``model.kernels.paged_decode.available()`` / ``model.kernels.dense.available()`` are False
 and the jnp / XLA paths are used.
 Plain ``-O3`` keeps the binaries portable; the hot functions are multiversioned (AVX-512 / AVX2
 clones chosen at load time) inside the source.
@@ -11,7 +16,9 @@ clones chosen at load time) inside the source.
 import importlib.util
 import pathlib
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
+
+FOLDERS = ("model", "cache", "workers", "router", "cluster", "deploy", "benchmarks")
 
 
 def _xla_ffi_include_dir() -> str | None:
@@ -31,7 +38,7 @@ if include_dir is None:
 def _kernel(name: str, includes: tuple[str, ...] = ()) -> Extension:
     """``includes``: other kernels' sources that this one compiles in (a rebuild follows them)."""
     return Extension(
-        f"model.kernels._{name}",
+        f"raylm.model.kernels._{name}",
         sources=[f"model/kernels/{name}.cc"],
         depends=["model/kernels/bfloat16.h", "model/kernels/column_items.h", "model/kernels/ffi_shape.h",
                  "model/kernels/float16.h", "model/kernels/fp8_e4m3.h", "model/kernels/gguf_blocks.h",
@@ -53,4 +60,10 @@ kernels = [
     _kernel("argmax"),
 ] if include_dir else []
 
-setup(ext_modules=kernels)
+packages = [f"raylm.{folder}.{sub}" for folder in FOLDERS for sub in find_packages(folder)]
+packages += [f"raylm.{folder}" for folder in FOLDERS]
+setup(
+    packages=packages,
+    package_dir={package: package.removeprefix("raylm.").replace(".", "/") for package in packages},
+    ext_modules=kernels,
+)

@@ -18,7 +18,8 @@ NULL_BLOCK = 0
 
 @dataclasses.dataclass(frozen=True)
 class PoolStats:
-    """A snapshot of the pool's counts (blocks and lifetime prefix-cache lookups, in blocks)."""
+    """A snapshot of the pool's counts: blocks, and lifetime prefix-cache lookups in prompt tokens
+    (looked up, and found cached), as vLLM counts them."""
 
     num_free_blocks: int
     num_used_blocks: int
@@ -160,8 +161,9 @@ class BlockPool:
     def find_cached_prefix(self, hashes: Sequence[int], record_stats: bool = True) -> list[int]:
         """Block ids of the longest cached prefix of ``hashes``; ref counts are unchanged.
 
-        With ``record_stats`` the lookup counts toward ``prefix_queries``/``prefix_hits``
-        (in blocks); pass False for probes (e.g. retrying admission) to avoid double counts.
+        With ``record_stats`` the lookup counts toward ``prefix_queries``/``prefix_hits`` as the
+        full blocks' tokens; pass False for probes (e.g. retrying admission) to avoid double
+        counts, and count the lookup acted on with ``record_prefix_lookup``.
         """
         found = []
         for block_hash in hashes:
@@ -170,18 +172,19 @@ class BlockPool:
                 break
             found.append(block_id)
         if record_stats:
-            self.record_prefix_lookup(len(hashes), len(found))
+            self.record_prefix_lookup(len(hashes) * self.block_size, len(found) * self.block_size)
         return found
 
     def cached_block(self, block_hash: int) -> int | None:
         """The block that caches ``block_hash`` (in use or free), or None; ref counts unchanged."""
         return self._block_of_hash.get(block_hash)
 
-    def record_prefix_lookup(self, num_queried: int, num_hits: int) -> None:
-        """Count a lookup made earlier without ``record_stats`` (in blocks): a caller that
-        probes until it can act on the result counts only the lookup it acted on."""
-        self.prefix_queries += num_queried
-        self.prefix_hits += num_hits
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup made earlier without ``record_stats``, in tokens: the prompt tokens
+        looked up (all of them, the partial last block's too) and those found cached. A caller
+        that probes until it can act on the result counts only the lookup it acted on."""
+        self.prefix_queries += num_queried_tokens
+        self.prefix_hits += num_hit_tokens
 
     def block_hash(self, block_id: int) -> int | None:
         """The hash the block currently caches, or None."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from ray.serve.config import AutoscalingContext
 
-POLICY_IMPORT_PATH = "cluster.autoscaling:LLMAutoscalingPolicy"
+POLICY_IMPORT_PATH = "raylm.cluster.autoscaling:LLMAutoscalingPolicy"
 
 
 class LLMAutoscalingPolicy:

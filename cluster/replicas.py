@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
+from raylm.cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
 
 REPLICA_PREFIX = "SERVE_REPLICA::"
 SERVE_NAMESPACE = "serve"

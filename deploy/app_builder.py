@@ -1,7 +1,7 @@
 """Deploy config -> Ray Serve application (router ingress bound to the worker deployment).
 
 ``raylm serve`` calls ``build_application``; Serve config files point their ``import_path``
-at ``deploy.app_builder:build_app``, whose ``args`` are ``{"config": "path.yaml"}`` or the deploy
+at ``raylm.deploy.app_builder:build_app``, whose ``args`` are ``{"config": "path.yaml"}`` or the deploy
 config itself inline.
 """
 
@@ -13,12 +13,12 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from deploy.config import DeployConfig, load_deploy_config, parse_deploy_config
-from router.app import OpenAIRouter
-from router.auth import parse_api_keys
-from router.prefix_router import PrefixAwareRequestRouter
-from router.settings import RouterSettings
-from workers.deployment import LLMWorker
+from raylm.deploy.config import DeployConfig, load_deploy_config, parse_deploy_config
+from raylm.router.app import OpenAIRouter
+from raylm.router.auth import parse_api_keys
+from raylm.router.prefix_router import PrefixAwareRequestRouter
+from raylm.router.settings import RouterSettings
+from raylm.workers.serve.deployment import LLMWorker
 
 
 def worker_actor_options(config: DeployConfig) -> dict[str, Any]:
@@ -115,6 +115,6 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 def _max_positions(model: str) -> int:
-    from model import load_model_info
+    from raylm.model.config.model_info import load_model_info
 
     return load_model_info(model).config.max_position_embeddings

@@ -6,10 +6,10 @@ import argparse
 import sys
 from typing import Sequence
 
-from deploy.generate_command import add_generate_parser
-from deploy.profile_command import add_profile_parser
-from deploy.serve_command import add_serve_parser
-from deploy.status_command import add_status_parser
+from raylm.deploy.generate_command import add_generate_parser
+from raylm.deploy.profile_command import add_profile_parser
+from raylm.deploy.serve_command import add_serve_parser
+from raylm.deploy.status_command import add_status_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,10 +36,10 @@ def _run_bench(args: argparse.Namespace, extra: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     if args.base_url is not None:
-        from deploy.benchmarks.http_bench import main as http_main
+        from raylm.benchmarks.http_bench import main as http_main
 
         return http_main(["--base-url", args.base_url, *extra])
-    from deploy.benchmarks.offline_bench import main as offline_main
+    from raylm.benchmarks.offline_bench import main as offline_main
 
     offline_main(list(extra))
     return 0

@@ -13,13 +13,13 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
-from cluster.names import DEFAULT_APP_NAME
-from model import DEFAULT_MODEL
-from router.settings import RouterSettings
-from workers.deployment_options import DEFAULT_STUCK_AFTER_S, WorkerDeploymentOptions
-from workers.engine_args import EngineArgs
-from workers.lora_manager import LoRARequest
-from workers.speculative import SpeculativeConfig
+from raylm.cluster.names import DEFAULT_APP_NAME
+from raylm.model.config.registry import DEFAULT_MODEL
+from raylm.router.settings import RouterSettings
+from raylm.workers.core.lora_adapters import LoRARequest
+from raylm.workers.core.speculation import SpeculativeConfig
+from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.serve.deployment_options import DEFAULT_STUCK_AFTER_S, WorkerDeploymentOptions
 
 
 class DeployConfigError(ValueError):
@@ -123,7 +123,7 @@ class AutoscalingSection(_Section):
         llm_keys = {"policy", "target_batch_utilization", "target_kv_usage", "target_waiting_tokens"}
         config = self.model_dump(exclude_none=True, exclude=llm_keys)
         if self.policy == "llm":
-            from cluster.autoscaling import POLICY_IMPORT_PATH
+            from raylm.cluster.autoscaling import POLICY_IMPORT_PATH
 
             config["policy"] = {
                 "policy_function": POLICY_IMPORT_PATH,

@@ -8,14 +8,17 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from model import DEFAULT_MODEL, ModelError, load_model
-from model.activation_quantization import ACTIVATION_QUANTIZATIONS
-from model.buckets import cdiv
-from model.chat_template import ChatTemplateError
-from model.compilation_cache import enable_compilation_cache
-from model.loader import GGUF_BLOCKS_CHOICES, keep_gguf_blocks
-from model.quantization import SCHEMES
-from workers import EngineArgs, LLMEngine, SamplingParams
+from raylm.model.config.registry import DEFAULT_MODEL
+from raylm.model.errors import ModelError
+from raylm.model.loaders.load import GGUF_BLOCKS_CHOICES, keep_gguf_blocks, load_model
+from raylm.model.quantization.activations import ACTIVATION_QUANTIZATIONS
+from raylm.model.quantization.quant_array import SCHEMES
+from raylm.model.runtime.buckets import cdiv
+from raylm.model.runtime.compilation_cache import enable_compilation_cache
+from raylm.model.text.chat_template import ChatTemplateError
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.engine.llm_engine import LLMEngine
 
 
 def add_generate_parser(commands: argparse._SubParsersAction) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.local_ray import apply_local_ray_env
-from cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
+from raylm.cluster.local_ray import apply_local_ray_env
+from raylm.cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
 
 
 def add_profile_parser(commands: argparse._SubParsersAction) -> None:

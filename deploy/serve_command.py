@@ -15,9 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from cluster.local_ray import apply_local_ray_env
-from deploy.config import DeployConfig, DeployConfigError, load_deploy_config
-from deploy.readiness import wait_healthy
+from raylm.cluster.local_ray import apply_local_ray_env
+from raylm.deploy.config import DeployConfig, DeployConfigError, load_deploy_config
+from raylm.deploy.readiness import wait_healthy
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 READY_TIMEOUT_S = 900.0  # model load + warm-up compile of every bucket on a slow machine
@@ -57,8 +57,8 @@ def _serve(args: argparse.Namespace, config: DeployConfig, host: str, port: int)
     import ray
     from ray import serve
 
-    from deploy.app_builder import build_application
-    from model import ModelError
+    from raylm.deploy.app_builder import build_application
+    from raylm.model.errors import ModelError
 
     try:
         app = build_application(config)

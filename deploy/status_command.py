@@ -7,11 +7,11 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from cluster.local_ray import apply_local_ray_env
-from cluster.names import DEFAULT_APP_NAME, ROUTER_DEPLOYMENT
-from workers.engine_stats import EngineStats, LoraStats, MoeStats
-from workers.replica_protocol import PERIODIC_READ_WAIT_S
-from workers.speculative import SpecDecodeStats
+from raylm.cluster.local_ray import apply_local_ray_env
+from raylm.cluster.names import DEFAULT_APP_NAME, ROUTER_DEPLOYMENT
+from raylm.workers.core.engine_stats import EngineStats, LoraStats, MoeStats
+from raylm.workers.core.speculation import SpecDecodeStats
+from raylm.workers.wire.replica_protocol import PERIODIC_READ_WAIT_S
 
 
 def add_status_parser(commands: argparse._SubParsersAction) -> None:
@@ -74,7 +74,7 @@ def run_status(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from workers.replica_protocol import replica_reports
+    from raylm.workers.wire.replica_protocol import replica_reports
 
     if not ray.is_initialized():
         try:

@@ -1,25 +1,15 @@
-"""Pure JAX Llama-family models: config, paged forward pass, weight loading, tokenizer, sharding.
+"""Pure JAX models: config, one decoder for every family, weight loading, tokenizer, kernels.
 
-Knows nothing of Ray or HTTP; the engine (``workers``) builds on these names. They load on
-first use (PEP 562), so the router can use the tokenizer and config without importing JAX.
-The forward pass itself is ``model.forward.forward`` (the module's name would shadow it here).
+Knows nothing of Ray or HTTP. One subpackage per concept, imported by its full path:
+
+- ``config``: hyper-parameters and each family's declared differences (no JAX);
+- ``text``: tokenizer, chat template, detokenizer, prompt rules (no JAX);
+- ``loaders``: HF safetensors directories, GGUF files and LoRA adapters into params;
+- ``quantization``: the stored formats (8-bit arrays, GGUF blocks, integer-mode panels);
+- ``kernels``: the C++ CPU kernels, each Python binding beside its ``.cc``;
+- ``decoder``: the forward pass over a paged KV pool, its layers, MoE and LoRA slots;
+- ``runtime``: device meshes and sharding, shape buckets, the compilation cache.
+
+This package's ``__init__`` imports nothing, so the router reads ``config`` and ``text``
+without loading JAX.
 """
-
-from __future__ import annotations
-
-from model.lazy_exports import lazy_exports
-
-__all__, __getattr__, __dir__ = lazy_exports(__name__, {  # module -> the names it defines
-    "attention": ("GroupedKV", "KVCache"),
-    "config": ("ModelConfig", "RopeScaling"),
-    "detokenizer": ("IncrementalDetokenizer",),
-    "errors": ("ModelError", "ModelLoadError", "PromptTooLongError", "UnsupportedModelError"),
-    "generate": ("SingleSequenceGenerator",),
-    "loader": ("LoadedModel", "load_checkpoint", "load_model", "parse_dtype"),
-    "model_info": ("ModelInfo", "load_model_info", "load_tokenizer"),
-    "params": ("LayerParams", "ModelParams"),
-    "registry": ("BUNDLED_MODELS", "DEFAULT_MODEL", "resolve_model_path"),
-    "sampling": ("SimpleSampling",),
-    "sharding": ("make_mesh", "shard_params"),
-    "tokenizer": ("Tokenizer",),
-})

@@ -12,9 +12,9 @@ import asyncio
 import time
 from typing import Callable
 
-from router.errors import OpenAIError
-from router.fair_queue import FairQueue, QueuedRequest, QueueFullError
-from router.lease import Lease
+from raylm.router.errors import OpenAIError
+from raylm.router.fair_queue import FairQueue, QueuedRequest, QueueFullError
+from raylm.router.lease import Lease
 
 
 class AdmissionController:

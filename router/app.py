@@ -16,12 +16,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 
-from cluster.adapter_store import RayAdapterStore
-from cluster.names import ROUTER_DEPLOYMENT, WORKER_DEPLOYMENT
-from cluster.replicas import ReplicaStatsPoller
-from model import load_model_info
-from router.openai_service import OpenAIService
-from router.settings import RouterSettings
+from raylm.cluster.adapter_store import RayAdapterStore
+from raylm.cluster.names import ROUTER_DEPLOYMENT, WORKER_DEPLOYMENT
+from raylm.cluster.replicas import ReplicaStatsPoller
+from raylm.model.config.model_info import load_model_info
+from raylm.router.openai_service import OpenAIService
+from raylm.router.settings import RouterSettings
 
 logger = logging.getLogger("ray.serve")
 

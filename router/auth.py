@@ -10,7 +10,7 @@ import hmac
 import os
 from typing import Mapping
 
-from router.errors import OpenAIError
+from raylm.router.errors import OpenAIError
 
 
 class Secret:

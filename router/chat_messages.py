@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.errors import invalid
+from raylm.router.errors import invalid
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 

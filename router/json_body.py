@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any
 
-from router.errors import OpenAIError, invalid
+from raylm.router.errors import OpenAIError, invalid
 
 MAX_JSON_DEPTH = 64  # OpenAI request bodies nest 5 deep at most (messages -> content parts -> text)
 

@@ -9,7 +9,7 @@ recorded in ``cluster.adapter_store`` for the other router replicas (each refres
 with the replicas' stats, and looks a name it does not know up there at once).
 
 A load is checked in full before anything is recorded (the same checks a replica makes:
-``model.lora.load_lora_adapter``), so a bad adapter gets a 400 naming the problem and nothing
+``model.loaders.lora_adapter.load_lora_adapter``), so a bad adapter gets a 400 naming the problem and nothing
 half-loaded anywhere. Each load gets a fresh ``lora_int_id``: an adapter unloaded and loaded
 again under its name is a new adapter to the replicas (its own slot, its own prefix-cache
 keys). Unloading behaves like vLLM's: new requests for the name get 404 at once, while
@@ -24,14 +24,14 @@ import secrets
 import time
 from typing import Any, Mapping
 
-from cluster.adapter_store import AdapterStore
-from model import load_model_info
-from model.config import ModelConfig
-from model.errors import LoraAdapterError
-from model.lora import load_lora_adapter
-from router.errors import OpenAIError, invalid
-from router.settings import RouterSettings
-from workers.lora_manager import LoRARequest
+from raylm.cluster.adapter_store import AdapterStore
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.config.model_info import load_model_info
+from raylm.model.errors import LoraAdapterError
+from raylm.model.loaders.lora_adapter import load_lora_adapter
+from raylm.router.errors import OpenAIError, invalid
+from raylm.router.settings import RouterSettings
+from raylm.workers.core.lora_adapters import LoRARequest
 
 LOAD_FIELDS = {"lora_name", "lora_path"}
 FIRST_DYNAMIC_ID = 1 << 31  # the deploy file's adapters take ids 1, 2, ...

@@ -29,25 +29,25 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from cache import adapter_salt, block_hashes
-from cluster.adapter_store import AdapterStore, MemoryAdapterStore
-from cluster.metrics import RouterMetrics
-from model import Tokenizer
-from model.config import ModelConfig
-from model.buckets import cdiv
-from router.admission import AdmissionController
-from router.auth import Authenticator, Secret, parse_api_keys
-from router.errors import OpenAIError, invalid, overloaded
-from router.fair_queue import FairQueue
-from router.json_body import parse_json_body
-from router.lease import Lease
-from router.lora_catalog import ModelCatalog
-from router.protocol import ParsedRequest, RequestParser
-from router.rate_limit import RateLimiter
-from router.responses import ResponseBuilder
-from router.settings import RouterSettings
-from router.streams import merge_indexed
-from workers.replica_protocol import (
+from raylm.cache.block_hash import adapter_salt, block_hashes
+from raylm.cluster.adapter_store import AdapterStore, MemoryAdapterStore
+from raylm.cluster.metrics import RouterMetrics
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.runtime.buckets import cdiv
+from raylm.model.text.tokenizer import Tokenizer
+from raylm.router.admission import AdmissionController
+from raylm.router.auth import Authenticator, Secret, parse_api_keys
+from raylm.router.errors import OpenAIError, invalid, overloaded
+from raylm.router.fair_queue import FairQueue
+from raylm.router.json_body import parse_json_body
+from raylm.router.lease import Lease
+from raylm.router.lora_catalog import ModelCatalog
+from raylm.router.protocol import ParsedRequest, RequestParser
+from raylm.router.rate_limit import RateLimiter
+from raylm.router.responses import ResponseBuilder
+from raylm.router.settings import RouterSettings
+from raylm.router.streams import merge_indexed
+from raylm.workers.wire.replica_protocol import (
     GenerateChunk,
     GenerateRequest,
     InvalidRequestError,

@@ -30,10 +30,10 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from router.chosen_request_mixin import ChosenRequestMixin
-from router.prefix_policy import ReplicaView, choose_replica, matched_prefix
-from router.routing_ledger import RoutingLedger
-from workers.replica_protocol import GenerateRequest, RoutingReport
+from raylm.router.chosen_request_mixin import ChosenRequestMixin
+from raylm.router.prefix_policy import ReplicaView, choose_replica, matched_prefix
+from raylm.router.routing_ledger import RoutingLedger
+from raylm.workers.wire.replica_protocol import GenerateRequest, RoutingReport
 
 
 class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
@@ -50,7 +50,7 @@ class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
         self._reported: dict[ReplicaID, tuple[dict, RoutingReport, frozenset[int]]] = {}
         # The routing attempts (by their future, new on a retry) offered their first choice alone.
         self._offered_first_alone: weakref.WeakSet = weakref.WeakSet()
-        from cluster.metrics import RouterMetrics
+        from raylm.cluster.metrics import RouterMetrics
 
         self.metrics = RouterMetrics(model)
 

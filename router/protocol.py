@@ -10,13 +10,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Collection, Literal, Mapping
 
-from model import Tokenizer
-from router.chat_messages import parse_messages
-from router.errors import OpenAIError, invalid
-from router.structured_request import structured_output
-from router.tools import TOOL_CALL_PARSERS, ToolUse, forced_calls_grammar, parse_tool_use, template_messages
-from workers.sampling_params import (
-    MAX_LOGIT_BIAS, MAX_LOGPROBS, BeamSearchParams, SamplingParams, SamplingParamsError,
+from raylm.model.text.tokenizer import Tokenizer
+from raylm.router.chat_messages import parse_messages
+from raylm.router.errors import OpenAIError, invalid
+from raylm.router.structured_request import structured_output
+from raylm.router.tools import TOOL_CALL_PARSERS, ToolUse, forced_calls_grammar, parse_tool_use, template_messages
+from raylm.workers.core.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    BeamSearchParams,
+    SamplingParams,
+    SamplingParamsError,
 )
 
 MAX_N = 16

@@ -6,7 +6,7 @@ import collections
 import time
 from typing import Callable
 
-from router.errors import OpenAIError
+from raylm.router.errors import OpenAIError
 
 WINDOW_S = 60.0
 SWEEP_ABOVE_TENANTS = 10_000

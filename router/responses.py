@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from model import Tokenizer
-from router.protocol import ParsedRequest
-from router.tools import ToolCallStream, held_back, parse_tool_calls
-from workers.replica_protocol import ChoiceDelta, GenerateChunk
+from raylm.model.text.tokenizer import Tokenizer
+from raylm.router.protocol import ParsedRequest
+from raylm.router.tools import ToolCallStream, held_back, parse_tool_calls
+from raylm.workers.wire.replica_protocol import ChoiceDelta, GenerateChunk
 
 
 @dataclasses.dataclass

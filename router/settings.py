@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from cluster.names import DEFAULT_APP_NAME
-from router.auth import Secret
+from raylm.cluster.names import DEFAULT_APP_NAME
+from raylm.router.auth import Secret
 
 
 @dataclasses.dataclass(frozen=True)

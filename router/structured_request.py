@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from router.errors import invalid
-from workers.structured_output import StructuredOutput
+from raylm.router.errors import invalid
+from raylm.workers.core.grammar import StructuredOutput
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")

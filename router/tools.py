@@ -19,8 +19,8 @@ import re
 import uuid
 from typing import Any, Mapping
 
-from router.errors import invalid
-from workers.structured_output import JSON_LAYOUT, StructuredOutput
+from raylm.router.errors import invalid
+from raylm.workers.core.grammar import JSON_LAYOUT, StructuredOutput
 
 TOOL_CALL_PARSERS = ("hermes",)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -28,8 +28,8 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-from model import DEFAULT_MODEL, LoadedModel, load_model, resolve_model_path  # noqa: E402
-
+from raylm.model.config.registry import DEFAULT_MODEL, resolve_model_path
+from raylm.model.loaders.load import LoadedModel, load_model
 
 # Tests that start or use a Ray cluster: under pytest-xdist they all run on one worker (one
 # session cluster, and two clusters never compete for the two cores' processes).
@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def unbuilt_kernels(monkeypatch, tmp_path):
     """The package as installed without a compiler: no C++ kernel libraries to load."""
-    from model import kernels
+    from raylm.model import kernels
 
     monkeypatch.setattr(kernels, "_DIRECTORY", tmp_path)
     kernels.unavailable_reason.cache_clear()
@@ -211,7 +211,7 @@ def _compilation_cache_of_the_run(_run_compilation_cache_dir):
     generate`` run in-process (tests/deploy/test_cli.py) points JAX's process-wide cache at the
     user's directory. Set again after the test too, for the next module's fixtures, which are
     built before its first test's."""
-    from model.compilation_cache import enable_compilation_cache
+    from raylm.model.runtime.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache(_run_compilation_cache_dir, TEST_CACHE_MIN_COMPILE_S)
     yield

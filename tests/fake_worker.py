@@ -11,11 +11,11 @@ import dataclasses
 import json
 from typing import Any
 
-from model import DEFAULT_MODEL
-from router.openai_service import OpenAIService
-from router.settings import RouterSettings
-from workers.engine_args import EngineArgs
-from workers.replica_protocol import ChoiceDelta, GenerateChunk
+from raylm.model.config.registry import DEFAULT_MODEL
+from raylm.router.openai_service import OpenAIService
+from raylm.router.settings import RouterSettings
+from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.wire.replica_protocol import ChoiceDelta, GenerateChunk
 
 HANG = "hang"
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from cluster.local_ray import apply_local_ray_env
+from raylm.cluster.local_ray import apply_local_ray_env
 
 apply_local_ray_env()  # before ray is imported
 
@@ -47,8 +47,8 @@ from typing import Any  # noqa: E402
 import httpx  # noqa: E402
 import ray  # noqa: E402
 
-from cluster.names import WORKER_DEPLOYMENT  # noqa: E402
-from deploy.readiness import wait_healthy  # noqa: E402
+from raylm.cluster.names import WORKER_DEPLOYMENT
+from raylm.deploy.readiness import wait_healthy
 from tests.serving import free_port  # noqa: E402
 
 APP_NAME = "raylm"
@@ -321,8 +321,8 @@ def send_completions(base_url: str, model: str) -> list[dict[str, Any]]:
 def run_scenario(cluster: FakeAutoscalingCluster, result: dict[str, Any], scale_timeout_s: float) -> None:
     from ray import serve
 
-    from deploy.app_builder import build_application
-    from deploy.config import parse_deploy_config
+    from raylm.deploy.app_builder import build_application
+    from raylm.deploy.config import parse_deploy_config
 
     t0 = time.monotonic()
     gcs_address = cluster.start()
@@ -388,7 +388,7 @@ def run_scenario(cluster: FakeAutoscalingCluster, result: dict[str, Any], scale_
 
     base_url = f"http://127.0.0.1:{http_port}"
     wait_healthy(base_url, 120)
-    from workers.replica_protocol import replica_reports
+    from raylm.workers.wire.replica_protocol import replica_reports
 
     before = replica_reports(APP_NAME)
     result["replica_nodes"] = {rid: r.node_id for rid, r in sorted(before.items())}

@@ -11,9 +11,9 @@ import os
 import socket
 from typing import Any
 
-from cluster.local_ray import LOCAL_RAY_ENV
-from deploy.config import DeployConfig, parse_deploy_config
-from deploy.readiness import wait_healthy
+from raylm.cluster.local_ray import LOCAL_RAY_ENV
+from raylm.deploy.config import DeployConfig, parse_deploy_config
+from raylm.deploy.readiness import wait_healthy
 
 RAY_ENV = {
     **LOCAL_RAY_ENV,
@@ -62,7 +62,7 @@ class ServeCluster:
     def deploy(self, raw_config: dict[str, Any], route_prefix: str = "/") -> "ServedApp":
         from ray import serve
 
-        from deploy.app_builder import build_application
+        from raylm.deploy.app_builder import build_application
 
         config = parse_deploy_config({**raw_config, "route_prefix": route_prefix})
         serve.run(build_application(config), name=config.name, route_prefix=route_prefix, blocking=False)

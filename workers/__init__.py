@@ -1,20 +1,18 @@
-"""One model replica: scheduler, model runner, sampler, engine loop, and its Ray Serve deployment.
+"""One model replica: the engine core, the model runner, the engine loop, and its Ray Serve
+deployment, one subpackage each (``core``, ``runner``, ``engine``, ``serve``), plus the wire
+types the router shares (``wire``).
 
 Usable without Ray: ``LLM`` for offline batches, ``AsyncEngine`` for streaming; both shaped
-like vLLM's so moving over is an import change. The names load on first use (PEP 562), so
-the router can import the wire types (``workers/replica_protocol.py``) without the engine.
+like vLLM's so moving over is an import change. Importing this package loads no JAX (the
+router imports ``wire`` through it); building an engine does.
 """
 
-from __future__ import annotations
+from raylm.workers.core.lora_adapters import LoRARequest
+from raylm.workers.core.request_output import CompletionOutput, RequestOutput
+from raylm.workers.core.sampling_params import SamplingParams, SamplingParamsError
+from raylm.workers.engine.async_engine import AsyncEngine
+from raylm.workers.engine.llm import LLM
 
-from model.lazy_exports import lazy_exports
-
-__all__, __getattr__, __dir__ = lazy_exports(__name__, {  # module -> the names it defines
-    "async_engine": ("AsyncEngine",),
-    "engine": ("LLMEngine", "make_engine"),
-    "engine_args": ("EngineArgs",),
-    "llm": ("LLM",),
-    "lora_manager": ("LoRARequest",),
-    "outputs": ("CompletionOutput", "RequestOutput"),
-    "sampling_params": ("SamplingParams", "SamplingParamsError"),
-})
+__all__ = [
+    "LLM", "AsyncEngine", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams", "SamplingParamsError",
+]

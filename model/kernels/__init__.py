@@ -1,7 +1,7 @@
 """C++ CPU kernels called from JAX through ``jax.ffi``; setup.py builds them at install time.
 
 The built libraries are plain shared objects (loaded with ctypes, not imported); their
-Python wrappers and jnp fallbacks live in ``model`` (``model.paged_decode``, ``model.dense``).
+Python wrappers and jnp fallbacks live in ``model`` (``model.kernels.paged_decode``, ``model.kernels.dense``).
 """
 
 from __future__ import annotations

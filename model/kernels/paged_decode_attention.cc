@@ -13,7 +13,7 @@
 // zeros for rows with no keys. Block ids and the layer are clamped, so no input can make
 // the kernel read outside the pool.
 //
-// Attributes (model.config.AttentionSpec): `scale` multiplies q.k; `softcap` > 0 turns a
+// Attributes (model.config.model_config.AttentionSpec): `scale` multiplies q.k; `softcap` > 0 turns a
 // score s into softcap * tanh(s / softcap) before the softmax (Gemma 2), 0 leaves it;
 // `window` > 0 lets a row with n keys see only keys max(0, n - window) .. n - 1 (sliding
 // window layers), 0 all n. A windowed row starts at the block holding its first visible key

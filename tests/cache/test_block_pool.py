@@ -14,7 +14,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cache import BlockPool, NoFreeBlocksError, block_hashes, hash_block
+from raylm.cache.block_hash import block_hashes, hash_block
+from raylm.cache.block_pool import BlockPool, NoFreeBlocksError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,8 +109,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         found = self.pool.find_cached_prefix(hashes, record_stats=record)
         assert found == expected
         if record:
-            self.queries += len(hashes)
-            self.hits += len(found)
+            self.queries += len(hashes) * self.pool.block_size  # tokens, as vLLM counts them
+            self.hits += len(found) * self.pool.block_size
         self.pool.touch(found)
         for block in found:
             if self.ref[block] == 0:
@@ -198,7 +199,7 @@ def test_cache_hit_after_free_is_touched_back_without_allocation():
 
     found = pool.find_cached_prefix(block_hashes(tokens + [10], 2, salt="m"))
     assert found == blocks[:2]  # the third block was partial and never cached
-    assert pool.stats().prefix_queries == 3 and pool.stats().prefix_hits == 2
+    assert pool.stats().prefix_queries == 3 * 2 and pool.stats().prefix_hits == 2 * 2  # tokens
     assert pool.find_cached_prefix([hashes[0], 12345, hashes[1]], record_stats=False) == blocks[:1]
     pool.touch(found)
     assert [pool.ref_count(b) for b in found] == [1, 1]

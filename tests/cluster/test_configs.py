@@ -34,7 +34,7 @@ import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from model import BUNDLED_MODELS, DEFAULT_MODEL
+from raylm.model.config.registry import BUNDLED_MODELS, DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_DIR = REPO / "cluster"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.metrics import ROUTER_METRICS, WORKER_METRICS
+from raylm.cluster.metrics import ROUTER_METRICS, WORKER_METRICS
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "dashboards" / "raylm.json"
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from cluster.metrics import MAX_TENANT_TAGS, ROUTER_METRICS, WORKER_METRICS, RouterMetrics, tenant_tag
+from raylm.cluster.metrics import MAX_TENANT_TAGS, ROUTER_METRICS, WORKER_METRICS, RouterMetrics, tenant_tag
 from tests.serving import TEST_DEPLOY
 
 MODEL = "metrics-model"
@@ -123,7 +123,7 @@ def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_
 def _speculation_expected() -> dict[str, float]:
     """The worker's own speculative decoding counters after the traffic (what ``raylm bench
     --ray-app`` reads), as the exported series must come to show them."""
-    from deploy.benchmarks.replica_counters import ReplicaCounters
+    from raylm.benchmarks.replica_counters import ReplicaCounters
 
     replicas = ReplicaCounters("metrics").totals()
     totals = replicas.spec

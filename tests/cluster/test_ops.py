@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
-from cluster.replicas import replica_stats, running_replicas
-from workers.replica_protocol import replica_reports
-from deploy.cli import main
+from raylm.cluster.replicas import replica_stats, running_replicas
+from raylm.deploy.cli import main
+from raylm.workers.wire.replica_protocol import replica_reports
 from tests.serving import TEST_DEPLOY
 
 

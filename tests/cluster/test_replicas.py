@@ -10,7 +10,7 @@ import time
 
 import ray
 
-from cluster.replicas import REPLICA_PREFIX, SERVE_NAMESPACE, ReplicaStatsPoller, replica_stats
+from raylm.cluster.replicas import REPLICA_PREFIX, SERVE_NAMESPACE, ReplicaStatsPoller, replica_stats
 
 APP = "replicas-test"
 

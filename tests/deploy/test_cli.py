@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from model.tokenizer import Tokenizer
+from raylm.model.text.tokenizer import Tokenizer
 from tests.checkpoints import build_tiny_checkpoint
 from tests.reference import hf_greedy
 

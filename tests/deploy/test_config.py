@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.config import DeployConfigError, load_deploy_config, parse_deploy_config
-from workers import EngineArgs
+from raylm.deploy.config import DeployConfigError, load_deploy_config, parse_deploy_config
+from raylm.workers.engine.engine_args import EngineArgs
 
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -24,7 +24,7 @@ def test_default_yaml_serves_the_bundled_model():
 def test_serve_config_file_args_are_a_valid_deploy_config():
     serve_config = yaml.safe_load((DEPLOY_DIR / "serve_config.yaml").read_text())
     (app,) = serve_config["applications"]
-    assert app["import_path"] == "deploy.app_builder:build_app"
+    assert app["import_path"] == "raylm.deploy.app_builder:build_app"
     parse_deploy_config(app["args"])
 
 
@@ -80,8 +80,8 @@ def test_mistakes_are_named(raw, message):
 
 
 def test_lora_modules_turn_lora_on_and_are_the_router_s_models():
-    from deploy.app_builder import router_settings
-    from workers import LoRARequest
+    from raylm.deploy.app_builder import router_settings
+    from raylm.workers.core.lora_adapters import LoRARequest
 
     config = parse_deploy_config({"model": {"lora_modules": [{"name": "sql", "path": "/adapters/sql"}]},
                                   "engine": {"max_loras": 2, "max_lora_rank": 8, "lora_dtype": "bfloat16"}})
@@ -102,7 +102,7 @@ def test_unreadable_files_say_so(tmp_path):
 
 
 def test_serve_cli_reports_a_bad_config_without_starting_ray(tmp_path, capsys):
-    from deploy.cli import main
+    from raylm.deploy.cli import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("workers:\n  num_replica: 2\n")

@@ -20,15 +20,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cache import PoolStats
-from deploy import cli
-from deploy.benchmarks.http_bench import (
-    PROMPT_TOKEN_RANGE, WORKLOADS, Workload, WorkloadResult, format_table, percentile, run_workload,
+from raylm.benchmarks.http_bench import (
+    PROMPT_TOKEN_RANGE,
+    WORKLOADS,
+    Workload,
+    WorkloadResult,
+    format_table,
+    percentile,
+    run_workload,
 )
-from deploy.benchmarks.replica_counters import sum_replicas, wait_until_warm
-from deploy.benchmarks.step_rates import step_rates
+from raylm.benchmarks.replica_counters import sum_replicas, wait_until_warm
+from raylm.benchmarks.step_rates import step_rates
+from raylm.cache.block_pool import PoolStats
+from raylm.deploy import cli
+from raylm.workers.core.engine_stats import ComputeStats, EngineStats, StepWork
 from tests.serving import free_port
-from workers.engine_stats import ComputeStats, EngineStats, StepWork
 
 FIRST_DELAY_S = 0.03  # before the first chunk: the fake's "prefill"
 CHUNK_DELAY_S = 0.01  # between chunks: the fake's "decode step"

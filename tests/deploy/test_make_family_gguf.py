@@ -6,8 +6,8 @@ from __future__ import annotations
 import gguf
 import pytest
 
-from deploy.benchmarks.make_family_gguf import write_family_gguf
-from model import load_model
+from raylm.benchmarks.make_family_gguf import write_family_gguf
+from raylm.model.loaders.load import load_model
 
 
 def _vocab(path) -> None:

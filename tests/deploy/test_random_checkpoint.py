@@ -3,8 +3,10 @@ tokenizer is the bundled model's: the same ids, special tokens and chat template
 
 from __future__ import annotations
 
-from deploy.benchmarks.random_checkpoint import export_tokenizer, write_random_checkpoint
-from model import DEFAULT_MODEL, load_model, load_model_info
+from raylm.benchmarks.random_checkpoint import export_tokenizer, write_random_checkpoint
+from raylm.model.config.model_info import load_model_info
+from raylm.model.config.registry import DEFAULT_MODEL
+from raylm.model.loaders.load import load_model
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256)

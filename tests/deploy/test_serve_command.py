@@ -83,7 +83,7 @@ def _raylm_serve(tmp_path, name: str, route_prefix: str, port: int, address: str
     }
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "deploy.cli", "serve", str(path), "--address", address]
+    command = [sys.executable, "-m", "raylm.deploy.cli", "serve", str(path), "--address", address]
     return subprocess.Popen((_IN_THE_BACKGROUND if background else []) + command,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from deploy.benchmarks.speculative_bench import _step_mix, predicted_ratio
+from raylm.benchmarks.speculative_bench import _step_mix, predicted_ratio
 
 
 def test_step_mix_counts_plain_steps_and_verifies():

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model import backend_support
-from workers import LLM
+from raylm.model.runtime import backend_support
+from raylm.workers.engine.llm import LLM
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from model import SingleSequenceGenerator
+from raylm.model.decoder.generate import SingleSequenceGenerator
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("optimized_xla")  # runtime-heavy: see tests/conftest.py

@@ -1,4 +1,4 @@
-"""The C++ small-batch matmul kernel against float64 numpy, and ``model.dense``'s choice of path.
+"""The C++ small-batch matmul kernel against float64 numpy, and ``model.kernels.dense``'s choice of path.
 
 Shapes cover every remainder of the kernel's tiling (rows not a multiple of the 3-row or
 4-row tile, weight rows not a multiple of the 4-row tile or the 64-row work item, inputs not
@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import dense as dense_module
-from model.dense import KERNEL_MAX_ROWS, dense, dense_matmul
-from model.kernels import lowering_for_every_platform, tracing_targets
+from raylm.model.kernels import dense as dense_module
+from raylm.model.kernels import lowering_for_every_platform, tracing_targets
+from raylm.model.kernels.dense import KERNEL_MAX_ROWS, dense, dense_matmul
 
 needs_kernel = pytest.mark.skipif(
     not dense_module.available(),

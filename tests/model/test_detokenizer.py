@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model import IncrementalDetokenizer
+from raylm.model.text.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! 😀 naïve café — 你好，世界 👨‍👩‍👧‍👦",

@@ -7,10 +7,10 @@ import json
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from model import (
-    ModelLoadError, PromptTooLongError, SingleSequenceGenerator, UnsupportedModelError, load_checkpoint,
-    load_model, load_tokenizer, parse_dtype,
-)
+from raylm.model.config.model_info import load_tokenizer
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.errors import ModelLoadError, PromptTooLongError, UnsupportedModelError
+from raylm.model.loaders.load import load_checkpoint, load_model, parse_dtype
 from tests.checkpoints import build_tiny_checkpoint
 
 

@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 
-from model import load_model
-from model.flop_count import ModelFlops
+from raylm.model.decoder.flop_count import ModelFlops
+from raylm.model.loaders.load import load_model
 from tests.checkpoints import build_tiny_checkpoint
 
 

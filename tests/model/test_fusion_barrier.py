@@ -1,4 +1,4 @@
-"""``model.fusion_barrier``: arrays pass through unchanged, and a program computes them once.
+"""``model.kernels.fusion_barrier``: arrays pass through unchanged, and a program computes them once.
 
 The second test is the reason the barrier exists: XLA CPU fused RoPE's cos and sin into every
 layer's rotations and evaluated them per element of q and k. It counts the transcendental ops
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import fusion_barrier
-from model import layers
-from model.layers import Rope, apply_rope, rope_cos_sin
+from raylm.model.decoder import layers
+from raylm.model.decoder.layers import Rope, apply_rope, rope_cos_sin
+from raylm.model.kernels import fusion_barrier
 
 needs_kernel = pytest.mark.skipif(
     not fusion_barrier.available(),

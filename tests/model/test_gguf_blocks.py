@@ -19,13 +19,14 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from model import DEFAULT_MODEL, load_model
-from model import dense as dense_module
-from model.dense import KERNEL_MAX_ROWS, dense, dense_matmul, gguf_matmul
-from model.gguf_blocks import GgufBlocks, from_gguf, map_rows
-from model.loader import keep_gguf_blocks
-from model.quantization import quantize, weight_bytes
-from workers import LLM, SamplingParams
+from raylm.model.config.registry import DEFAULT_MODEL
+from raylm.model.kernels import dense as dense_module
+from raylm.model.kernels.dense import KERNEL_MAX_ROWS, dense, dense_matmul, gguf_matmul
+from raylm.model.loaders.load import keep_gguf_blocks, load_model
+from raylm.model.quantization.gguf_blocks import GgufBlocks, from_gguf, map_rows
+from raylm.model.quantization.quant_array import quantize, weight_bytes
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.llm import LLM
 
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 needs_kernel = pytest.mark.skipif(not dense_module.available(), reason="C++ kernel not built; XLA path tested")
@@ -146,7 +147,7 @@ def test_auto_keeps_blocks_only_where_they_serve():
 def test_blocks_are_not_sharded():
     import dataclasses
 
-    from model import make_mesh, shard_params
+    from raylm.model.runtime.sharding import make_mesh, shard_params
 
     model = load_model(DEFAULT_MODEL, keep_blocks=True)
     config = dataclasses.replace(model.config, num_heads=8, num_kv_heads=2)  # a head count 2 devices split

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from model import SingleSequenceGenerator, load_checkpoint, load_model
-from model.errors import UnsupportedModelError
-from model.gguf_file import GGUFFile
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.errors import UnsupportedModelError
+from raylm.model.loaders.gguf_file import GGUFFile
+from raylm.model.loaders.load import load_checkpoint, load_model
 from tests.checkpoints import build_tiny_checkpoint
 from tests.gguf_export import export_gguf, round_to_stored
 from tests.reference import hf_greedy
@@ -94,7 +95,7 @@ def test_config_follows_llama_cpp_conventions(tmp_path):
 
 
 def test_moe_config_follows_llama_cpp_conventions(tmp_path):
-    from model.moe_config import MoeConfig
+    from raylm.model.config.moe import MoeConfig
 
     path, _ = _export("olmoe", tmp_path)
     config = GGUFFile(path).config()  # OLMoE: no renormalization, whole-projection q/k norms
@@ -118,7 +119,7 @@ def _fields(**extra):
 
 
 def test_gemma_defaults_and_27b_query_scale_are_llama_cpps():
-    from model import ModelConfig
+    from raylm.model.config.model_config import ModelConfig
 
     config = ModelConfig.from_gguf_fields(_fields(), "27b.gguf")
     assert config.query_scale == 144**-0.5  # hidden / heads, not head_dim, for the 27B
@@ -152,7 +153,7 @@ def test_gemma_defaults_and_27b_query_scale_are_llama_cpps():
     ],
 )
 def test_metadata_raylm_does_not_implement_is_a_load_error(extra, match):
-    from model import ModelConfig
+    from raylm.model.config.model_config import ModelConfig
 
     with pytest.raises(UnsupportedModelError, match=match):
         ModelConfig.from_gguf_fields(_fields(**extra), "bad.gguf")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from model import DEFAULT_MODEL, resolve_model_path
-from model.gguf_file import GGUFReader
+from raylm.model.config.registry import DEFAULT_MODEL, resolve_model_path
+from raylm.model.loaders.gguf_file import GGUFReader
 
 
 def test_the_bundled_file_parses_to_what_ggufs_reader_gives():

@@ -14,7 +14,8 @@ import gguf
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors, trainers
 
-from model import IncrementalDetokenizer, load_tokenizer
+from raylm.model.config.model_info import load_tokenizer
+from raylm.model.text.detokenizer import IncrementalDetokenizer
 
 SPACE = "\u2581"
 SPECIALS = ["<unk>", "<s>", "</s>"]

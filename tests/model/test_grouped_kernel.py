@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-import model.grouped_matmul as grouped
-from model.gguf_blocks import from_gguf
-from model.quantization import QuantArray, quantize
+import raylm.model.kernels.grouped_matmul as grouped
+from raylm.model.quantization.gguf_blocks import from_gguf
+from raylm.model.quantization.quant_array import QuantArray, quantize
 
 needs_kernel = pytest.mark.skipif(not grouped.available(), reason="the C++ kernels are not built")
 SIZES = [0, 9, 1, 0, 7, 5]  # 22 of 24 rows

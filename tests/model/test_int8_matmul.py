@@ -31,11 +31,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from model import int8_matmul
-from model.dense import dense
-from model.gguf_blocks import GgufBlocks, from_gguf
-from model.int8_panels import Int8Panels, pack_int8_panels
-from model.quantization import QuantArray, quantize
+from raylm.model.kernels import int8_matmul
+from raylm.model.kernels.dense import dense
+from raylm.model.quantization.gguf_blocks import GgufBlocks, from_gguf
+from raylm.model.quantization.int8_panels import Int8Panels, pack_int8_panels
+from raylm.model.quantization.quant_array import QuantArray, quantize
 
 pytestmark = pytest.mark.skipif(int8_matmul.unavailable_reason() is not None, reason="int8 kernel not built")
 
@@ -185,7 +185,7 @@ def test_block_tables_are_float16_where_their_values_are(kind):
 
 def test_a_packed_matrix_keeps_its_output_and_input_dims():
     """A weight with several output and input dims (the fused QKV, ``wo [D, H, Dh]``) packs flat
-    and multiplies as ``model.dense`` views it."""
+    and multiplies as ``model.kernels.dense`` views it."""
     w, values = _weights("Q4_1", 64, 96)
     stacked = GgufBlocks(w.q.reshape(2, 32, -1), w.scale.reshape(2, 32, -1), w.offset.reshape(2, 32, -1), (3, 32))
     packed = pack_int8_panels(stacked)

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import kv_write
-from model.attention import copy_blocks, write_kv
-from model.quantization import QuantArray
+from raylm.model.decoder.attention import copy_blocks, write_kv
+from raylm.model.kernels import kv_write
+from raylm.model.quantization.quant_array import QuantArray
 
 needs_kernel = pytest.mark.skipif(
     not kv_write.available(),

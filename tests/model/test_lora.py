@@ -15,13 +15,14 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from model import KVCache, load_checkpoint, make_mesh, shard_params
-from model.config import ModelConfig
-from model.errors import LoraAdapterError
-from model.forward import forward
-from model.lora import load_lora_adapter
-from model.lora_weights import LoraBatch, create_lora_weights, pack_lora_weights, slot_values, write_slot
-from model.sharding import shard_lora
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.decoder.forward import forward
+from raylm.model.decoder.kv_pool import KVCache
+from raylm.model.decoder.lora_slots import LoraBatch, create_lora_weights, pack_lora_weights, slot_values, write_slot
+from raylm.model.errors import LoraAdapterError
+from raylm.model.loaders.load import load_checkpoint
+from raylm.model.loaders.lora_adapter import load_lora_adapter
+from raylm.model.runtime.sharding import make_mesh, shard_lora, shard_params
 from tests.checkpoints import build_tiny_checkpoint
 from tests.lora_adapters import MODULES, lora_key, write_adapter
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.lora_delta import available
-from model.lora_weights import LayerLora, LayerSlots, pack_lora_weights
+from raylm.model.decoder.lora_slots import LayerLora, LayerSlots, pack_lora_weights
+from raylm.model.kernels.lora_delta import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="the C++ LoRA kernel is not built")
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from model import SingleSequenceGenerator, load_checkpoint
-from model.generate import _prompt_step
+from raylm.model.decoder.generate import SingleSequenceGenerator, _prompt_step
+from raylm.model.loaders.load import load_checkpoint
 from tests.checkpoints import TINY_VARIANTS, build_tiny_checkpoint
 from tests.reference import hf_greedy
 

@@ -14,15 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import model.grouped_matmul as grouped_matmul
-from model import load_model
-from model.config import ModelConfig
-from model.errors import UnsupportedModelError
-from model.moe import expert_mlps, moe_block, route
-from model.moe_config import MoeConfig
-from model.quantization import quantize
+import raylm.model.kernels.grouped_matmul as grouped_matmul
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.config.moe import MoeConfig
+from raylm.model.decoder.moe import expert_mlps, moe_block, route
+from raylm.model.errors import UnsupportedModelError
+from raylm.model.loaders.load import load_model
+from raylm.model.quantization.quant_array import quantize
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
-from workers import LLM, SamplingParams
 
 E, D, I = 6, 32, 16
 

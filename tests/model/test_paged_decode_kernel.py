@@ -20,12 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deploy.benchmarks.decode_attention_bench import attention_step
-from model import paged_decode
-from model.attention import paged_attention
-from model.config import AttentionSpec
-from model.quantization import QuantArray, quantize
-from model.kernels import lowering_for_every_platform
+from raylm.benchmarks.decode_attention_bench import attention_step
+from raylm.model.config.model_config import AttentionSpec
+from raylm.model.decoder.attention import paged_attention
+from raylm.model.kernels import lowering_for_every_platform, paged_decode
+from raylm.model.quantization.quant_array import QuantArray, quantize
 
 needs_kernel = pytest.mark.skipif(
     not paged_decode.available(),
@@ -278,7 +277,7 @@ def test_reference_contract_matches_paged_attention():
 
 def test_without_a_build_the_jnp_path_runs(unbuilt_kernels, caplog):
     case = make_case(8)
-    with caplog.at_level(logging.WARNING, logger="model.kernels"):
+    with caplog.at_level(logging.WARNING, logger="raylm.model.kernels"):
         assert not paged_decode.available()
         assert not paged_decode.available()
     assert sum("kernel unavailable" in r.getMessage() for r in caplog.records) == 1

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from model import dense as dense_module
-from model.dense import KERNEL_MAX_ROWS, dense_matmul, gguf_matmul, quantized_matmul
-from model.gguf_blocks import from_gguf
-from model.quantization import quantize
+from raylm.model.kernels import dense as dense_module
+from raylm.model.kernels.dense import KERNEL_MAX_ROWS, dense_matmul, gguf_matmul, quantized_matmul
+from raylm.model.quantization.gguf_blocks import from_gguf
+from raylm.model.quantization.quant_array import quantize
 
 pytestmark = pytest.mark.skipif(not dense_module.available(), reason="C++ kernel not built; XLA path tested")
 

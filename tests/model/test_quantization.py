@@ -20,18 +20,29 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from model import dense as dense_module
-from model.config import ModelConfig
-from model.dense import dense, quantized_matmul
-from model.generate import SingleSequenceGenerator
-from model.gguf_blocks import GgufBlocks
-from model.params import (
-    LAYER_AXES, LAYER_MATRIX_INPUT_DIMS, MODEL_AXES, MODEL_MATRIX_INPUT_DIMS, LayerParams, ModelParams,
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.decoder.params import (
+    LAYER_AXES,
+    LAYER_MATRIX_INPUT_DIMS,
+    MODEL_AXES,
+    MODEL_MATRIX_INPUT_DIMS,
+    LayerParams,
+    ModelParams,
 )
-from model.quantization import SCHEMES, QuantArray, parse_quantization, quantize, quantize_params, weight_bytes
-from model.sharding import make_mesh, param_shardings, rules_for, shard_params, spec_for
-
-from model.dense import KERNEL_MAX_ROWS as MAX_ROWS
+from raylm.model.kernels import dense as dense_module
+from raylm.model.kernels.dense import KERNEL_MAX_ROWS as MAX_ROWS
+from raylm.model.kernels.dense import dense, quantized_matmul
+from raylm.model.quantization.gguf_blocks import GgufBlocks
+from raylm.model.quantization.quant_array import (
+    SCHEMES,
+    QuantArray,
+    parse_quantization,
+    quantize,
+    quantize_params,
+    weight_bytes,
+)
+from raylm.model.runtime.sharding import make_mesh, param_shardings, rules_for, shard_params, spec_for
 
 needs_kernel = pytest.mark.skipif(
     not dense_module.available(),

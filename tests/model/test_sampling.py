@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import SimpleSampling, SingleSequenceGenerator, load_checkpoint
-from model.sampling import sample_token
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.decoder.sampling import SimpleSampling, sample_token
+from raylm.model.loaders.load import load_checkpoint
 from tests.checkpoints import build_tiny_checkpoint
 
 N = 6000

@@ -11,8 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from model import SingleSequenceGenerator, UnsupportedModelError, load_checkpoint, make_mesh
-from model.sharding import rules_for
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.errors import UnsupportedModelError
+from raylm.model.loaders.load import load_checkpoint
+from raylm.model.runtime.sharding import make_mesh, rules_for
 from tests.checkpoints import build_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (XLA_FLAGS set in conftest)")

@@ -84,7 +84,7 @@ def test_chat_template_equals_hf(bundled_model, hf_bundled_tokenizer, messages, 
 
 
 def test_chat_template_raise_exception():
-    from model.chat_template import ChatTemplateError, render_chat_template
+    from raylm.model.text.chat_template import ChatTemplateError, render_chat_template
 
     template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok"
     assert render_chat_template(template, [{"role": "user", "content": "x"}]) == "ok"

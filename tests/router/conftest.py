@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from model import DEFAULT_MODEL, Tokenizer, load_model_info
+from raylm.model.config.model_info import load_model_info
+from raylm.model.config.registry import DEFAULT_MODEL
+from raylm.model.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from router.admission import AdmissionController
-from router.errors import OpenAIError
-from router.fair_queue import FairQueue
+from raylm.router.admission import AdmissionController
+from raylm.router.errors import OpenAIError
+from raylm.router.fair_queue import FairQueue
 
 
 def test_admission_grants_in_queue_order_as_capacity_frees():

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy.benchmarks.soak_bench import greedy_answer, wait_back_to_baseline
+from raylm.benchmarks.soak_bench import greedy_answer, wait_back_to_baseline
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.auth import Authenticator, parse_api_keys
-from router.errors import OpenAIError
+from raylm.router.auth import Authenticator, parse_api_keys
+from raylm.router.errors import OpenAIError
 
 
 def test_api_keys_map_to_tenants_and_refuse_others(monkeypatch):

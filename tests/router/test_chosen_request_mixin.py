@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.chosen_request_mixin import ChosenRequestMixin
+from raylm.router.chosen_request_mixin import ChosenRequestMixin
 
 
 class _Pending:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from router import fair_queue, rate_limit
-from router.fair_queue import FairQueue, QueuedRequest, QueueFullError
-from router.rate_limit import RateLimiter
+from raylm.router import fair_queue, rate_limit
+from raylm.router.fair_queue import FairQueue, QueuedRequest, QueueFullError
+from raylm.router.rate_limit import RateLimiter
 
 
 def _req(tenant: str, priority: int = 1, cost: int = 1, t: float = 0.0) -> QueuedRequest:

@@ -19,8 +19,13 @@ import time
 import httpx
 import pytest
 
-from deploy.benchmarks.soak_bench import (
-    greedy_answer, kill_replica, kill_worker_under_streams, seconds_until_serving, serves, wait_back_to_baseline,
+from raylm.benchmarks.soak_bench import (
+    greedy_answer,
+    kill_replica,
+    kill_worker_under_streams,
+    seconds_until_serving,
+    serves,
+    wait_back_to_baseline,
 )
 from tests.serving import TEST_DEPLOY
 

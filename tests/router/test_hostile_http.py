@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from deploy.benchmarks.hostile_requests import generate
-from deploy.benchmarks.soak_bench import greedy_answer, send_hostile, wait_back_to_baseline
+from raylm.benchmarks.hostile_requests import generate
+from raylm.benchmarks.soak_bench import greedy_answer, send_hostile, wait_back_to_baseline
 
 HOSTILE_REQUESTS = 300  # the soak benchmark sends 10,000
 NOTHING_HELD = {"router_replicas": 1, "router_slots": 0, "router_leases": 0, "router_queued": 0,

@@ -1,7 +1,7 @@
 """Hostile and malformed requests against the router in-process: never a 5xx, always OpenAI
 error JSON, and nothing held afterwards.
 
-Thousands of seeded hostile requests (``deploy/benchmarks/hostile_requests.py``) plus hypothesis-drawn
+Thousands of seeded hostile requests (``benchmarks/hostile_requests.py``) plus hypothesis-drawn
 JSON over the request schema go through the router's ASGI app over a fake worker, 16 at a
 time against 4 run slots so admission queues too. The same generator drives the real server
 in ``test_hostile_http.py`` and the 10,000-request soak benchmark.
@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.openai_service import OpenAIService
+from raylm.benchmarks.hostile_requests import CHAT, CHAT_FIELDS, COMPLETION_FIELDS, COMPLETIONS, check_answer, generate
+from raylm.router.openai_service import OpenAIService
 from tests.fake_worker import FakeWorker, asgi_request, chunk, fake_settings, ledger_problems
-from deploy.benchmarks.hostile_requests import CHAT, CHAT_FIELDS, COMPLETION_FIELDS, COMPLETIONS, check_answer, generate
 
 
 def _service(tokenizer) -> OpenAIService:
@@ -72,7 +72,7 @@ def test_any_json_over_the_schema(tokenizer, path, data):
     if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool):
         body["max_tokens"] = min(body["max_tokens"], 4)
     service = _service(tokenizer)
-    from deploy.benchmarks.hostile_requests import HostileRequest
+    from raylm.benchmarks.hostile_requests import HostileRequest
 
     request = HostileRequest("POST", path, json.dumps(body).encode(), {"content-type": "application/json"}, "hypothesis")
     problems = asyncio.run(_send_all(service, [request]))

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from router.routing_ledger import PENDING_TTL_S
-from workers.replica_protocol import replica_reports
+from raylm.router.routing_ledger import PENDING_TTL_S
+from raylm.workers.wire.replica_protocol import replica_reports
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

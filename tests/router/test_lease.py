@@ -15,9 +15,9 @@ import json
 import pytest
 from ray.exceptions import RayActorError
 
-from router.openai_service import OpenAIService
+from raylm.router.openai_service import OpenAIService
+from raylm.workers.wire.replica_protocol import ChoiceDelta, GenerateChunk, InvalidRequestError
 from tests.fake_worker import HANG, FakeWorker, chunk, fake_settings, ledger_problems, post_json
-from workers.replica_protocol import ChoiceDelta, GenerateChunk, InvalidRequestError
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ import time
 
 import httpx
 
-from deploy.benchmarks.soak_bench import greedy_answer, router_ledgers, wait_back_to_baseline
+from raylm.benchmarks.soak_bench import greedy_answer, router_ledgers, wait_back_to_baseline
 
 CONCURRENCY = 28  # ~40 sequences asked at once (n=2, two prompts) exceed the shared app's 32 slots: some wait
 COMPLETIONS = "/v1/completions"

@@ -12,13 +12,13 @@ import time
 import httpx
 import pytest
 
-from deploy.benchmarks.prometheus_scrape import counter_by_label
-from workers.replica_protocol import replica_reports
-
+from raylm.benchmarks.prometheus_scrape import counter_by_label
+from raylm.workers.core.lora_adapters import LoRARequest
+from raylm.workers.core.sampling_params import BeamSearchParams, SamplingParams
+from raylm.workers.engine.llm import LLM
+from raylm.workers.wire.replica_protocol import replica_reports
 from tests.checkpoints import build_tiny_checkpoint
 from tests.lora_adapters import MODULES, write_adapter
-from workers import LLM, LoRARequest, SamplingParams
-from workers.sampling_params import BeamSearchParams
 
 openai = pytest.importorskip("openai")
 
@@ -66,7 +66,7 @@ def test_each_adapter_answers_as_offline(lora_app, capsys):
                                    lora_request=requests[1])
     assert [c.text for c in beams.choices] == [b.text for b in expected[0]]
 
-    from deploy.cli import main
+    from raylm.deploy.cli import main
 
     assert main(["status", "--app", "lora"]) == 0
     assert "sql, chat" in capsys.readouterr().out  # the replica's resident adapters, by slot

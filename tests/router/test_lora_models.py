@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from model import DEFAULT_MODEL, load_model_info
-from router.auth import Secret
-from router.openai_service import OpenAIService
+from raylm.model.config.model_info import load_model_info
+from raylm.model.config.registry import DEFAULT_MODEL
+from raylm.router.auth import Secret
+from raylm.router.openai_service import OpenAIService
 from tests.fake_worker import FakeWorker, asgi_request, chunk, fake_settings, post_json
 
 

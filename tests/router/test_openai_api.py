@@ -7,8 +7,10 @@ import json
 import httpx
 import pytest
 
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.engine.llm_engine import LLMEngine
 from tests.serving import TEST_DEPLOY
-from workers import EngineArgs, LLMEngine, SamplingParams
 
 openai = pytest.importorskip("openai")
 
@@ -263,8 +265,8 @@ def test_embeddings_through_the_openai_client(client, raylm_app, offline_engine,
 
 def test_beam_search_through_the_api(client, raylm_app, bundled_model):
     """vLLM's use_beam_search: n beams, best first, the offline engine's beams."""
-    from workers import LLM
-    from workers.sampling_params import BeamSearchParams
+    from raylm.workers.core.sampling_params import BeamSearchParams
+    from raylm.workers.engine.llm import LLM
 
     prompt = "The capital of France is"
     reply = client.completions.create(model=raylm_app.model, prompt=prompt, n=3, max_tokens=8,
@@ -287,7 +289,7 @@ def test_hidden_states_through_the_api(client, raylm_app, bundled_model):
     import httpx
     import numpy as np
 
-    from workers import LLM
+    from raylm.workers.engine.llm import LLM
 
     prompt, layers = "The capital of France is", [0, 7, bundled_model.config.num_layers]
     extra = {"return_hidden_states": layers, "hidden_states_include_prompt": True}

@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from deploy.benchmarks.prometheus_scrape import counter_by_label
+from raylm.benchmarks.prometheus_scrape import counter_by_label
+from raylm.workers.wire.replica_protocol import replica_reports
 from tests.serving import TEST_DEPLOY
-from workers.replica_protocol import replica_reports
 
 ENGINE = {**TEST_DEPLOY["engine"], "num_kv_blocks": 256, "max_num_seqs": 2, "max_num_batched_tokens": 128,
           "max_model_len": 512}

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import random
 
-from router.prefix_policy import (
-    ADAPTER_HIT, LOAD_IMBALANCE, NO_PREFIX, PREFIX_HIT, ReplicaView, choose_replica, matched_prefix,
+from raylm.router.prefix_policy import (
+    ADAPTER_HIT,
+    LOAD_IMBALANCE,
+    NO_PREFIX,
+    PREFIX_HIT,
+    ReplicaView,
+    choose_replica,
+    matched_prefix,
 )
 
 

@@ -11,9 +11,9 @@ from ray.serve._private.common import DeploymentHandleSource, RequestMetadata
 from ray.serve._private.test_utils import FAKE_REPLICA_DEPLOYMENT_ID, FakeRunningReplica
 from ray.serve.request_router import PendingRequest
 
-from router.prefix_router import PrefixAwareRequestRouter
-from workers.replica_protocol import GenerateRequest
-from workers.sampling_params import SamplingParams
+from raylm.router.prefix_router import PrefixAwareRequestRouter
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.wire.replica_protocol import GenerateRequest
 
 
 class _Replica(FakeRunningReplica):

@@ -9,12 +9,13 @@ import json
 
 import pytest
 
-from cache import PoolStats
-from model import DEFAULT_MODEL, load_model_info
-from router.openai_service import OpenAIService
+from raylm.cache.block_pool import PoolStats
+from raylm.model.config.model_info import load_model_info
+from raylm.model.config.registry import DEFAULT_MODEL
+from raylm.router.openai_service import OpenAIService
+from raylm.workers.core.engine_stats import EngineStats
+from raylm.workers.wire.replica_protocol import RoutingReport
 from tests.fake_worker import FakeWorker, chunk, fake_settings, post_json
-from workers.engine_stats import EngineStats
-from workers.replica_protocol import RoutingReport
 
 
 @pytest.fixture(scope="module")

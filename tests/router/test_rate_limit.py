@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.errors import OpenAIError
-from router.rate_limit import RateLimiter
+from raylm.router.errors import OpenAIError
+from raylm.router.rate_limit import RateLimiter
 
 
 def test_rate_limits_per_tenant_with_retry_after():

@@ -10,11 +10,11 @@ import json
 
 import pytest
 
-from router.errors import OpenAIError
-from router.json_body import MAX_JSON_DEPTH, parse_json_body
-from router.protocol import RequestParser
-from workers.sampling_params import BeamSearchParams
-from workers.structured_output import StructuredOutput
+from raylm.router.errors import OpenAIError
+from raylm.router.json_body import MAX_JSON_DEPTH, parse_json_body
+from raylm.router.protocol import RequestParser
+from raylm.workers.core.grammar import StructuredOutput
+from raylm.workers.core.sampling_params import BeamSearchParams
 
 MSG = [{"role": "user", "content": "Hi"}]
 

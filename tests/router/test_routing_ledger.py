@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from router.prefix_policy import ReplicaView, choose_replica
-from router.routing_ledger import RoutingLedger
+from raylm.router.prefix_policy import ReplicaView, choose_replica
+from raylm.router.routing_ledger import RoutingLedger
 
 
 def _route_burst(ledger: RoutingLedger, prompts: list[list[int]], threshold: int = 1000) -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 @pytest.mark.parametrize("count", [1, 3])
 def test_closing_a_merged_stream_closes_every_source_at_once(count):
     """An abandoned worker stream must cancel its call when the response ends, not at garbage collection."""
-    from router.streams import merge_indexed
+    from raylm.router.streams import merge_indexed
 
     closed: list[int] = []
 

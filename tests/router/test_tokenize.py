@@ -11,9 +11,9 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.processors import TemplateProcessing
 
-from model import Tokenizer
-from router.auth import Secret
-from router.openai_service import OpenAIService
+from raylm.model.text.tokenizer import Tokenizer
+from raylm.router.auth import Secret
+from raylm.router.openai_service import OpenAIService
 from tests.fake_worker import FakeWorker, asgi_request, chunk, fake_settings, post_json
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -8,12 +8,19 @@ import json
 
 import pytest
 
-from router.errors import OpenAIError
-from router.protocol import RequestParser
-from router.responses import ResponseBuilder
-from router.tools import ToolUse, forced_calls_grammar, held_back, parse_tool_calls, parse_tool_use, template_messages
-from workers.replica_protocol import ChoiceDelta, GenerateChunk
-from workers.structured_output import GrammarCompiler
+from raylm.router.errors import OpenAIError
+from raylm.router.protocol import RequestParser
+from raylm.router.responses import ResponseBuilder
+from raylm.router.tools import (
+    ToolUse,
+    forced_calls_grammar,
+    held_back,
+    parse_tool_calls,
+    parse_tool_use,
+    template_messages,
+)
+from raylm.workers.core.grammar import GrammarCompiler
+from raylm.workers.wire.replica_protocol import ChoiceDelta, GenerateChunk
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

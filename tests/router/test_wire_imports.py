@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_MODULES = ("jax", "jaxlib", "workers.engine", "workers.runner", "workers.scheduler", "model.loader")
+ENGINE_MODULES = ("jax", "jaxlib", "workers.engine.llm_engine", "workers.runner.model_runner", "workers.core.scheduler", "model.loaders.load")
 
 
 def _loaded_after(statement: str) -> set[str]:
@@ -38,13 +38,13 @@ def test_the_router_loads_no_engine(statement):
 
 
 def test_the_engine_still_loads_through_the_package_names():
-    assert {"jax", "workers.engine"} <= _loaded_after("from workers import LLM")
+    assert {"jax", "workers.engine.llm_engine"} <= _loaded_after("from workers import LLM")
 
 
 @pytest.mark.parametrize("package", ["model", "workers"])
 def test_every_exported_name_is_what_its_module_defines(package):
     """An export named like a submodule comes back as the submodule once that is imported
-    (``model.forward`` would): with every submodule imported first, each name in ``__all__``
+    (``model.decoder.forward`` would): with every submodule imported first, each name in ``__all__``
     is still the defining module's object."""
     code = (
         f"import importlib, json, pkgutil, types, {package}\n"

@@ -6,7 +6,11 @@ import asyncio
 
 import pytest
 
-from workers import LLM, AsyncEngine, EngineArgs, LLMEngine, SamplingParams
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.async_engine import AsyncEngine
+from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.engine.llm import LLM
+from raylm.workers.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture

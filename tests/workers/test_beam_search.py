@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model import SingleSequenceGenerator, load_model
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.loaders.load import load_model
+from raylm.workers.core.sampling_params import BeamSearchParams
+from raylm.workers.engine.beam_search import Beam, BeamSearch
+from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
-from workers import LLM
-from workers.beam_search import Beam, BeamSearch
-from workers.sampling_params import BeamSearchParams
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cache import BlockPool
-from workers.block_manager import BlockManager, PrefixLookup
-from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence
+from raylm.cache.block_pool import BlockPool
+from raylm.cache.block_tables import BlockManager, PrefixLookup
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.core.sequence import Sequence
 
 BLOCK_SIZE = 4
 PROMPT = list(range(100, 110))  # 10 tokens: 2 full blocks and 2 tokens of a third

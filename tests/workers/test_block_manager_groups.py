@@ -6,10 +6,10 @@ forks and copy-on-write act per group; the limits the engine admits by read the 
 
 from __future__ import annotations
 
-from cache import BlockPool
-from workers.block_manager import BlockManager
-from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence
+from raylm.cache.block_pool import BlockPool
+from raylm.cache.block_tables import BlockManager
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.core.sequence import Sequence
 
 BLOCK_SIZE = 4
 WINDOW = 4

@@ -7,10 +7,14 @@ import asyncio
 import numpy as np
 import pytest
 
-from model import load_model
+from raylm.model.loaders.load import load_model
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.async_engine import AsyncEngine
+from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.engine.llm import LLM
+from raylm.workers.engine.llm_engine import LLMEngine
+from raylm.workers.runner.model_runner import FIRST_PACKED_TOKENS
 from tests.checkpoints import build_tiny_checkpoint
-from workers import LLM, AsyncEngine, EngineArgs, LLMEngine, SamplingParams
-from workers.runner import FIRST_PACKED_TOKENS
 
 
 def test_no_compilation_after_warmup(tmp_path, compilations):
@@ -71,7 +75,7 @@ def test_a_served_engine_serves_while_it_warms_up_and_then_never_compiles(tiny_g
 def test_a_served_engine_is_built_to_warm_up_in_the_background(monkeypatch):
     """Replicas build their engine with ``AsyncEngine.from_model``: it must ask for the background
     warm-up, or a replica compiles every bucket before serving (the replacement-time goal)."""
-    from workers import async_engine
+    from raylm.workers.engine import async_engine
 
     built = {}
 

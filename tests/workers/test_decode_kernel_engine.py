@@ -15,10 +15,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import workers.runner as runner_module
-from model import load_model, paged_decode
+import raylm.workers.runner.model_runner as runner_module
+from raylm.model.kernels import paged_decode
+from raylm.model.loaders.load import load_model
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
-from workers import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not paged_decode.available(), reason="the C++ decode kernel is not built here")
 

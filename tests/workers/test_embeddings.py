@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workers import LLM, SamplingParams
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.llm import LLM
 
 pytestmark = pytest.mark.usefixtures("optimized_xla")  # runtime-heavy: see tests/conftest.py
 

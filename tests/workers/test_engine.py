@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model import SingleSequenceGenerator, load_model
-from workers import LLM, SamplingParams
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.loaders.load import load_model
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
 
 NUM_PROMPTS = 32
@@ -185,8 +187,8 @@ def test_chat_and_string_prompts(bundled_model):
 
 
 def test_bad_requests(tiny):
-    from model import PromptTooLongError
-    from workers import SamplingParamsError
+    from raylm.model.errors import PromptTooLongError
+    from raylm.workers.core.sampling_params import SamplingParamsError
 
     llm = LLM(tiny, max_model_len=128, num_kv_blocks=64)
     with pytest.raises(PromptTooLongError, match="maximum context is 128"):
@@ -261,9 +263,8 @@ def test_prefix_lookup_counts_once_however_long_admission_waits(tiny):
         assert [s.request_id for s in engine.scheduler.waiting] == ["B"]
     finished = _step_until_finished(engine)
     stats = engine.stats()
-    # Full blocks looked up (all but the last token): P 63 // 16 = 3, A 99 // 16 = 6, B 93 // 16 = 5;
-    # only B hits, P's 4 blocks.
-    assert (stats.pool.prefix_queries, stats.pool.prefix_hits) == (3 + 6 + 5, 4)
+    # Prompt tokens looked up, as vLLM counts them: P 64, A 100, B 94; only B hits, P's 4 blocks.
+    assert (stats.pool.prefix_queries, stats.pool.prefix_hits) == (64 + 100 + 94, 4 * 16)
     assert finished["B"].num_cached_tokens == 4 * 16
     assert stats.pool.num_used_blocks == 0
 
@@ -285,8 +286,8 @@ def test_cached_tokens_count_the_first_admission_prompt_hit_after_preemption(tin
     finished = _step_until_finished(engine)
     assert engine.stats().num_preemptions == 1
     assert finished["low"].num_cached_tokens == 16
-    # The readmission is no new lookup in the stats: only "high"'s (9 // 16 = 0 blocks) was.
-    assert engine.stats().pool.prefix_queries == queries
+    # The readmission is no new lookup in the stats: only "high"'s 10 prompt tokens were.
+    assert engine.stats().pool.prefix_queries == queries + 10
     assert finished["low"].outputs[0].token_ids == list(reference.generate(prompt, 40))
 
 

@@ -11,11 +11,18 @@ import time
 
 import pytest
 
-from deploy.status_command import state_summary
-from workers import AsyncEngine, EngineArgs, LLMEngine, SamplingParams
-from workers.async_engine import EngineShutdownError, EngineStepError
-from workers.deployment import LLMWorker
-from workers.replica_protocol import GenerateRequest, InvalidRequestError, ReplicaDrainingError, RoutingReport
+from raylm.deploy.status_command import state_summary
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.async_engine import AsyncEngine, EngineShutdownError, EngineStepError
+from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.engine.llm_engine import LLMEngine
+from raylm.workers.serve.deployment import LLMWorker
+from raylm.workers.wire.replica_protocol import (
+    GenerateRequest,
+    InvalidRequestError,
+    ReplicaDrainingError,
+    RoutingReport,
+)
 
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)

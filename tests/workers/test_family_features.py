@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from model import SingleSequenceGenerator, load_model
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.loaders.load import load_model
+from raylm.workers.core.grammar import StructuredOutput
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
-from workers import LLM, SamplingParams
-from workers.structured_output import StructuredOutput
 
 FAMILIES = ["qwen3", "gemma2"]
 NEW_TOKENS = 16

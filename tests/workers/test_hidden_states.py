@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
-from workers import LLM, SamplingParams
 
 NEW_TOKENS = 12
 
@@ -19,7 +20,7 @@ NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path, hf_model = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("hidden") / "m")
-    from model import load_model
+    from raylm.model.loaders.load import load_model
 
     return load_model(path), hf_model
 

@@ -13,11 +13,12 @@ import math
 import numpy as np
 import pytest
 
-from model import load_model
+from raylm.model.loaders.load import load_model
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.llm import LLM
+from raylm.workers.engine.llm_engine import LLMEngine
 from tests.checkpoints import build_tiny_checkpoint
 from tests.workers.test_sliding_window_engine import _assert_hf_greedy, _run
-from workers import LLM, SamplingParams
-from workers.engine import LLMEngine
 
 WINDOW = 16  # the variants' sliding window
 BLOCK = 8

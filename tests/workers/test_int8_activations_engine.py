@@ -4,7 +4,7 @@
 change them further. Batching, paging, prefix caching, chunked prefill, preemption and speculative
 verification must give each prompt the greedy tokens it gets served alone (one sequence at a time,
 its prompt in one step, no prefix cache). The reference is the engine alone, not the jnp
-single-request loop (model.generate) that the exact mode's suite uses: that loop's attention
+single-request loop (model.decoder.generate) that the exact mode's suite uses: that loop's attention
 rounds differently from the paged kernel in the last bits, and the integer mode turns such a
 difference into another int8 value wherever an activation sits at a rounding boundary (on this
 model, tokens diverged within 16 steps on one prompt of eight). The engine's kernels give a row
@@ -20,11 +20,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model import load_model
-from model.int8_matmul import unavailable_reason
-from model.int8_panels import Int8Panels
+from raylm.model.kernels.int8_matmul import unavailable_reason
+from raylm.model.loaders.load import load_model
+from raylm.model.quantization.int8_panels import Int8Panels
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
-from workers import LLM, EngineArgs, SamplingParams
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason="int8 kernel not built")
 

@@ -8,16 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from raylm.workers.core.sampling_params import SamplingParams, SamplingParamsError
+from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
-from workers import LLM, SamplingParams
-from workers.sampling_params import SamplingParamsError
 
 NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from model import load_model
+    from raylm.model.loaders.load import load_model
 
     path, _ = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("processors") / "m")
     return load_model(path)

@@ -10,20 +10,23 @@ import copy
 import dataclasses
 import json
 
+import gguf
 import jax
 import numpy as np
 import pytest
-import gguf
 import torch
 
-from model import load_model_info, lora_delta
-from model.lora_weights import PackedLoraWeights
+from raylm.model.config.model_info import load_model_info
+from raylm.model.decoder.lora_slots import PackedLoraWeights
+from raylm.model.kernels import lora_delta
+from raylm.workers.core.grammar import StructuredOutput
+from raylm.workers.core.lora_adapters import LoRARequest
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
 from tests.gguf_export import export_gguf, round_to_stored
 from tests.lora_adapters import MODULES, write_adapter
 from tests.reference import hf_greedy
-from workers import LLM, LoRARequest, SamplingParams
-from workers.structured_output import StructuredOutput
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

@@ -14,11 +14,13 @@ import re
 import numpy as np
 import pytest
 
-from model import load_model, paged_decode
+from raylm.model.kernels import paged_decode
+from raylm.model.loaders.load import load_model
+from raylm.workers.core.grammar import StructuredOutput
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
 from tests.reference import hf_greedy
-from workers import LLM, SamplingParams
-from workers.structured_output import StructuredOutput
 
 # (phi3-longrope switches RoPE factors at 32 tokens in HF, mid-sequence; raylm picks them by the
 # served context: model/layers.py. Its prompt-level match is in tests/model/test_model_vs_hf.py.)

@@ -4,10 +4,10 @@ the routed-tokens counter (increments per layer and expert), and as ``raylm stat
 
 from __future__ import annotations
 
-from cache import PoolStats
-from deploy.status_command import experts_summary
-from workers.engine_stats import EngineStats, MoeStats
-from workers.replica_metrics import EngineStatsReporter
+from raylm.cache.block_pool import PoolStats
+from raylm.deploy.status_command import experts_summary
+from raylm.workers.core.engine_stats import EngineStats, MoeStats
+from raylm.workers.serve.replica_metrics import EngineStatsReporter
 
 POOL = PoolStats(num_free_blocks=8, num_used_blocks=0, num_cached_blocks=0, num_usable_blocks=8, usage=0.0,
                  prefix_queries=0, prefix_hits=0)
@@ -50,7 +50,7 @@ def test_layout_and_load_cross_ray_as_plain_data_and_read_in_status():
 
 def test_reporter_counts_each_layer_and_experts_new_tokens():
     recorder = _Recorder()
-    reporter = EngineStatsReporter(recorder, block_size=16)
+    reporter = EngineStatsReporter(recorder)
     reporter.report(_stats(_moe(((6, 2, 0, 0), (2, 2, 2, 2)))))
     reporter.report(_stats(_moe(((9, 2, 0, 1), (2, 2, 2, 2)))))
     assert recorder.routed == {("1", "0"): 9, ("1", "1"): 2, ("1", "3"): 1, ("3", "0"): 2, ("3", "1"): 2,

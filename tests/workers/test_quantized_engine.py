@@ -15,13 +15,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cache.block_hash import model_salt
-from cache.kv_arrays import blocks_for_budget, kv_pool_dtype
-from deploy.benchmarks.quantization_bench import REFERENCE_PROMPTS, agreement, greedy_continuations
-from model import SingleSequenceGenerator, kv_write, load_model
-from model.quantization import QuantArray, weight_bytes
+from raylm.benchmarks.quantization_bench import REFERENCE_PROMPTS, agreement, greedy_continuations
+from raylm.cache.block_hash import model_salt
+from raylm.cache.kv_budget import blocks_for_budget
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.decoder.kv_pool import kv_pool_dtype
+from raylm.model.kernels import kv_write
+from raylm.model.loaders.load import load_model
+from raylm.model.quantization.quant_array import QuantArray, weight_bytes
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
-from workers import LLM, EngineArgs, SamplingParams
 
 NUM_PROMPTS = 12
 NEW_TOKENS = 16
@@ -86,7 +91,7 @@ ENGINE_CONFIGS = {
 # Weights and KV quantized together, so each run crosses the quantized matmuls (kernel and
 # XLA paths, sharded and not) and the quantized pool (writes, paged reads, block copies,
 # prefix hits, recomputation after preemption); int8 through every configuration.
-# An fp8 pool is written by model.kv_write's kernel on CPU, the reference's by XLA's scatter:
+# An fp8 pool is written by model.kernels.kv_write's kernel on CPU, the reference's by XLA's scatter:
 # preemption adds block copies and recomputation to the prefix hits.
 CASES = [("int8 weights and kv", c) for c in ENGINE_CONFIGS] + [
     ("fp8 weights and kv", "default"), ("fp8 weights and kv", "preemption")]
@@ -107,7 +112,7 @@ def test_greedy_equals_the_reference_on_the_same_quantization(quantized, variant
 
 @pytest.mark.parametrize("name", ["default", "chunked, small batches, multi-step", "preemption"])
 def test_a_bfloat16_pool_written_by_the_kernel_holds_what_the_scatter_writes(tiny_path, name, monkeypatch):
-    """A bfloat16 pool is written by model.kv_write's kernel on CPU; the engine's output is
+    """A bfloat16 pool is written by model.kernels.kv_write's kernel on CPU; the engine's output is
     the same as with XLA's scatter. (The reference loop is not the reference here: it reads
     bfloat16 keys through the jnp attention, which rounds differently from the paged kernel.)"""
     model = load_model(tiny_path)
@@ -229,7 +234,7 @@ def bundled_float_continuations(bundled_model):
     return greedy_continuations(LLM(bundled_model, enable_prefix_caching=False, max_num_seqs=32, max_model_len=512))
 
 
-@pytest.mark.slow  # three engines over 20 prompts; deploy.benchmarks.quantization_bench reports the same
+@pytest.mark.slow  # three engines over 20 prompts; raylm.benchmarks.quantization_bench reports the same
 @pytest.mark.parametrize("variant", sorted(MIN_IDENTICAL))
 def test_bundled_model_greedy_mostly_agrees_with_float32(bundled_model, bundled_float_continuations, variant):
     quantization, kv_cache_dtype = VARIANTS[variant]

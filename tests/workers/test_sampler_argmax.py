@@ -1,5 +1,5 @@
 """The sampler's argmax against ``jnp.argmax``: ties, NaN, infinities, any shape; both the C++
-kernel (2-D float32 on CPU, ``model.row_argmax``) and the two-reduction jnp formulation."""
+kernel (2-D float32 on CPU, ``model.kernels.row_argmax``) and the two-reduction jnp formulation."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from model import row_argmax
-from workers.sampler import argmax, portable_argmax
+from raylm.model.kernels import row_argmax
+from raylm.workers.runner.sampler import argmax, portable_argmax
 
 _argmax = jax.jit(argmax)
 _portable = jax.jit(portable_argmax)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from workers.sampler import build_sampling_batch, sample
-from workers.sampling_params import SamplingParams
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.runner.sampler import build_sampling_batch, sample
 
 VOCAB = 40
 

@@ -12,13 +12,13 @@ import itertools
 
 import pytest
 
-from cache import BlockPool
-from workers.block_manager import BlockManager
-from workers.runner_output import RunnerOutput
-from workers.sampler import SampleResult
-from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from workers.sequence import Sequence, SequenceStatus
+from raylm.cache.block_pool import BlockPool
+from raylm.cache.block_tables import BlockManager
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from raylm.workers.core.sequence import Sequence, SequenceStatus
+from raylm.workers.core.step_result import RunnerOutput
+from raylm.workers.runner.sampler import SampleResult
 
 BLOCK_SIZE = 4
 TOKEN = 7  # every sampled token (only how many there are matters here)

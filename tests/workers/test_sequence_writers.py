@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.sequence import Sequence
+from raylm.workers.core.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("model", "cache", "workers", "deploy")

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from model import load_model
+from raylm.model.loaders.load import load_model
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.beam_search import BeamSearchParams
+from raylm.workers.engine.llm import LLM
+from raylm.workers.engine.llm_engine import LLMEngine
 from tests.checkpoints import build_tiny_checkpoint
 from tests.reference import hf_greedy_choices
 from tests.workers.test_beam_search import _naive_beam_search
-from workers import LLM, SamplingParams
-from workers.beam_search import BeamSearchParams
-from workers.engine import LLMEngine
 
 WINDOW = 16  # the "mistral-sliding" variant's
 BLOCK = 8

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import workers.runner as runner_module
-from model import SingleSequenceGenerator
-from workers import LLM, SamplingParams
+import raylm.workers.runner.model_runner as runner_module
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.llm import LLM
 
 
 @pytest.fixture

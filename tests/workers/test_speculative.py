@@ -19,15 +19,19 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from cache import BlockPool
-from cache.kv_arrays import bytes_per_block
-from model import DEFAULT_MODEL, SingleSequenceGenerator, load_model
+from raylm.cache.block_pool import BlockPool
+from raylm.cache.block_tables import BlockManager
+from raylm.cache.kv_budget import bytes_per_block
+from raylm.model.config.registry import DEFAULT_MODEL
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.loaders.load import load_model
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.core.scheduler import Scheduler, SchedulerConfig
+from raylm.workers.core.sequence import Sequence
+from raylm.workers.core.speculation import SpecDecodeStats, SpeculativeConfig, propose_ngram
+from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
-from workers import LLM, EngineArgs, SamplingParams
-from workers.block_manager import BlockManager
-from workers.scheduler import Scheduler, SchedulerConfig
-from workers.sequence import Sequence
-from workers.speculative import SpecDecodeStats, SpeculativeConfig, propose_ngram
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -464,7 +468,7 @@ def test_the_bundled_models_shipped_draft_serves_the_same_tokens(bundled_model):
 def structured_requests(bundled_model):
     """Two constrained and two free chat requests, and plain decoding's answers (the reference of
     both proposers' runs below)."""
-    from workers.structured_output import StructuredOutput
+    from raylm.workers.core.grammar import StructuredOutput
 
     chat = lambda q: {"prompt_token_ids": bundled_model.tokenizer.encode_chat([{"role": "user", "content": q}])}  # noqa: E731
     prompts = [chat("Describe Ann, 31, as JSON."), chat("Count from 1 to 20, separated by commas."),

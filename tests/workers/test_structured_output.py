@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from workers import LLM, AsyncEngine, SamplingParams
-from workers.replica_protocol import InvalidRequestError
-from workers.sampler import build_sampling_batch, sample
-from workers.structured_output import GrammarCompiler, GrammarError, StructuredOutput
-from workers.structured_output_masks import (
-    accepted_prefix, allow_all, fill_bitmask, fill_bitmasks_along,
-)
+from raylm.workers.core.grammar import GrammarCompiler, GrammarError, StructuredOutput
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.async_engine import AsyncEngine
+from raylm.workers.engine.llm import LLM
+from raylm.workers.runner.grammar_masks import accepted_prefix, allow_all, fill_bitmask, fill_bitmasks_along
+from raylm.workers.runner.sampler import build_sampling_batch, sample
+from raylm.workers.wire.replica_protocol import InvalidRequestError
 
 SCHEMA = {
     "type": "object",

@@ -1,0 +1,64 @@
+"""The integer compute mode's matmul against the exact mode's, on one matrix, same run.
+
+Both run ``model.kernels.dense`` as the engine does on CPU: the exact mode's block kernels (the
+small-batch kernel up to ``KERNEL_MAX_ROWS`` rows, the prompt GEMM above) and the integer mode's
+kernel (the same weights packed for it at load, as the engine does; model/int8_panels.py). Weights are random,
+quantized by the gguf package (default: a Llama-3.2-1B-shaped 2048 x 8192 matrix, ``[N, K]``
+as stored, in Q4_1, and its 8192 x 2048 transpose shape). Rounds alternate between the modes
+(medians); GOP/s counts 2 M N K operations per call, by the wall clock and per CPU second (all
+threads; what holds on a shared machine), and the float32 GEMM peak (XLA's dot, as in
+prompt_gemm_bench) is printed for scale. ``int/exact`` is the wall-clock speed ratio.
+
+    python -m raylm.benchmarks.int8_matmul_bench [--shapes 2048x8192,8192x2048] [--format Q4_1]
+        [--rows 1,16,128,512] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from raylm.benchmarks.prompt_gemm_bench import float32_peak, gflops, seconds, weights_in
+from raylm.model.kernels.dense import dense
+from raylm.model.quantization.int8_panels import pack_int8_panels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="2048x8192,8192x2048", help="N x K of each matrix, as stored")
+    parser.add_argument("--format", default="Q4_1", help="Q4_0, Q4_1, Q8_0 or int8")
+    parser.add_argument("--rows", default="1,16,128,512")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    peak, peak_cpu = float32_peak(2048, 4096, 4096, 3)
+    print(f"float32 GEMM peak (XLA dot, 2048 x 4096 x 4096): {peak:.0f} GFLOP/s, {peak_cpu:.0f} per CPU second")
+    print(f"{'N x K':>11} {'rows':>5} {'exact GOP/s':>12} {'int8 GOP/s':>11} {'int/exact':>10} {'exact /cpu-s':>13} "
+          f"{'int8 /cpu-s':>12} {'int8 % f32 peak':>16}")
+    run = jax.jit(functools.partial(dense, kernel=True))
+    rng = np.random.default_rng(0)
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        (exact,) = weights_in(args.format, [(n, k)])
+        modes: dict[str, Any] = {"exact": exact, "int8": pack_int8_panels(exact)}
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+            for w in modes.values():
+                seconds(run, x, w)  # compile
+            times: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
+            for _ in range(args.rounds):
+                for mode, w in modes.items():
+                    times[mode].append(seconds(run, x, w))
+            ops = 2 * rows * n * k
+            (e, e_cpu), (i, i_cpu) = (gflops(ops, times[mode]) for mode in modes)
+            print(f"{shape:>11} {rows:>5} {e:>12.0f} {i:>11.0f} {i / e:>9.2f}x {e_cpu:>13.0f} {i_cpu:>12.0f} "
+                  f"{100 * i / peak:>15.0f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()

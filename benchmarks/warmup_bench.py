@@ -1,0 +1,113 @@
+"""Requests served while a new replica warms up: how long they wait, against the same requests
+once it has warmed up.
+
+A served engine serves once the programs a request alone takes are compiled and compiles the
+rest after (``workers/async_engine.py``). This builds the engine as a worker replica does
+(``AsyncEngine.from_model`` with the deploy file's engine settings, so the persistent
+compilation cache counts), then at once sends single greedy streaming requests one after
+another (``--concurrency`` clients doing so) until the warm-up is done, then ``--after`` more
+each. Each request is a fresh token-id prompt of ``--prompt-tokens`` (no prefix cache hits) and
+``--output-tokens`` out. It prints the
+engine's construction time, when the warm-up finished, and per phase the median and largest
+time to first token and gap between two tokens of one stream: a compile on the engine thread
+shows as a gap of its length. Run it twice to measure with a warm cache.
+
+    python -m raylm.benchmarks.warmup_bench [--config deploy/default.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import statistics
+import time
+
+import numpy as np
+
+from raylm.deploy.config import load_deploy_config
+
+
+@dataclasses.dataclass
+class Served:
+    """One request: when it started (seconds after the engine was built), its time to first
+    token and its largest gap between two tokens."""
+
+    started_s: float
+    ttft_s: float
+    max_gap_s: float
+
+
+async def _one(engine, prompt: list[int], params, request_id: str, origin: float) -> Served:
+    started = time.monotonic()
+    times = [started]
+    async for _ in engine.generate(prompt, params, request_id):
+        times.append(time.monotonic())
+    gaps = np.diff(times[1:])
+    return Served(started - origin, times[1] - started, float(gaps.max()) if len(gaps) else 0.0)
+
+
+async def _measure(engine, args: argparse.Namespace, origin: float) -> tuple[int, list[Served], list[Served], float]:
+    """``--concurrency`` clients, each sending one request after another, until the warm-up is
+    done and each has sent ``--after`` more."""
+    from raylm.workers.core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
+    left = (await engine.stats()).warmup_programs_left
+    during: list[Served] = []
+    after: list[Served] = []
+    warm: list[float] = []
+
+    async def client(index: int) -> None:
+        rng = np.random.RandomState(index)
+        for i in itertools.count():
+            prompt = rng.randint(300, 40_000, size=args.prompt_tokens).tolist()
+            served = await _one(engine, prompt, params, f"c{index}-{i}", origin)
+            if warm and served.started_s >= warm[0]:
+                after.append(served)
+                if len(after) >= args.after * args.concurrency:
+                    return
+            else:
+                during.append(served)
+                if not warm and (await engine.stats()).warmup_programs_left == 0:
+                    warm.append(time.monotonic() - origin)
+
+    await asyncio.gather(*(client(i) for i in range(args.concurrency)))
+    return left, during, after, warm[0]
+
+
+def _line(name: str, served: list[Served]) -> str:
+    ttft = [s.ttft_s * 1e3 for s in served]
+    gaps = [s.max_gap_s * 1e3 for s in served]
+    return (f"{name}: {len(served)} requests; TTFT median {statistics.median(ttft):.0f} ms, max {max(ttft):.0f} ms; "
+            f"largest gap between tokens median {statistics.median(gaps):.0f} ms, max {max(gaps):.0f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="deploy/default.yaml")
+    parser.add_argument("--prompt-tokens", type=int, default=48)
+    parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=1, help="clients, each one request at a time")
+    parser.add_argument("--after", type=int, default=8, help="requests per client once the warm-up is done")
+    args = parser.parse_args()
+
+    from raylm.workers.engine.async_engine import AsyncEngine
+
+    config = load_deploy_config(args.config)
+    started = time.monotonic()
+    engine = AsyncEngine.from_model(config.model.name, **dataclasses.asdict(config.engine_args()))
+    built = time.monotonic()
+    try:
+        left, during, after, warm_s = asyncio.run(_measure(engine, args, built))
+    finally:
+        engine.shutdown()
+    print(f"engine built in {built - started:.1f} s with {left} programs left to warm up; warm-up done "
+          f"{warm_s:.1f} s later")
+    print(_line("during the warm-up", during))
+    print(_line("after it", after))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""Model hyper-parameters, read from an HF ``config.json`` or from GGUF metadata.
+
+One frozen dataclass describes every decoder raylm runs: the Llama body plus the differences
+a family declares (model/families.py) and the numbers its config gives (head size, windows,
+soft-caps, RoPE kinds). The forward pass reads nothing else. A config option that raylm does
+not implement is a load error naming it, never a silent default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from raylm.model.config import gguf_metadata
+from raylm.model.config.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
+from raylm.model.config.moe import MoeConfig, moe_from_gguf, moe_from_hf
+from raylm.model.config.rope import RopeScaling, optional_float, parse_rope_scaling
+from raylm.model.errors import ModelLoadError, UnsupportedModelError
+
+SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = tuple(HF_FAMILIES)
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_FAMILIES)
+_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer's attention scores are formed: ``softmax(softcap(q.k * scale))`` over the
+    keys at positions ``p - window < k <= p`` (all ``k <= p`` when ``window`` is None)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Everything the forward pass needs to know about a model."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # The declared differences (defaults: Llama).
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    qk_norm_whole: bool = False  # ... over all heads' q (and all k) at once (OLMoE)
+    sandwich_norms: bool = False  # RMSNorm of the attention and MLP outputs before each residual add
+    activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embed_scale: float | None = None  # input embeddings times this (Gemma: sqrt(hidden))
+    query_scale: float | None = None  # attention scores' scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # tanh soft-cap of attention scores
+    final_softcap: float | None = None  # tanh soft-cap of the output logits
+    # Per layer: its sliding window (keys it sees, its own included), None for full attention;
+    # empty when no layer slides.
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of sliding layers (Gemma 3), default RoPE
+    moe: MoeConfig | None = None  # mixture-of-experts layers (None: every layer has a dense MLP)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}; GQA needs whole groups"
+            )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ModelLoadError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ModelLoadError(f"{len(self.moe.sparse_layers)} sparse-layer flags for {self.num_layers} layers")
+
+    @property
+    def q_per_kv(self) -> int:
+        """Query heads sharing one KV head (the GQA group size)."""
+        return self.num_heads // self.num_kv_heads
+
+    def first_layers(self, num_layers: int) -> "ModelConfig":
+        """This config cut after its first ``num_layers`` decoder layers (a layer-skipping draft)."""
+        moe = self.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, sparse_layers=moe.sparse_layers[:num_layers])
+        return dataclasses.replace(
+            self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers], moe=moe
+        )
+
+    def served_at(self, context_len: int) -> "ModelConfig":
+        """This config for a replica serving at most ``context_len`` tokens per sequence: what
+        depends on the served context (LongRoPE's factor choice) follows it."""
+        return dataclasses.replace(self, max_position_embeddings=min(self.max_position_embeddings, context_len))
+
+    def layer_window(self, layer: int) -> int | None:
+        """Keys a query of ``layer`` sees (its own included), None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def max_window(self) -> int | None:
+        """The widest sliding window if every layer slides, else None (some layer sees all keys)."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)  # type: ignore[type-var]
+
+    @functools.cached_property
+    def sliding_window(self) -> int | None:
+        """The widest window of the sliding layers of a model that also has full-attention
+        layers (Gemma 2 and 3 interleave them), else None: those keep their KV in a block table
+        of their own (``kv_group``), so that what their window left behind can be released.
+        Computed once (``kv_group`` asks it for every layer)."""
+        windows = [w for w in self.layer_windows if w is not None]
+        if not windows or len(windows) == self.num_layers:
+            return None
+        return max(windows)
+
+    def kv_group(self, layer: int) -> int:
+        """Which KV group (block table and pool) ``layer`` reads when sliding and full-attention
+        layers keep separate ones (``sliding_window``): 0 (the full-attention layers', or every
+        layer's), 1 (the sliding layers')."""
+        return int(self.sliding_window is not None and self.layer_window(layer) is not None)
+
+    @property
+    def kv_group_layers(self) -> tuple[tuple[int, ...], ...]:
+        """The layers of each KV group, in order (one group of every layer, or two)."""
+        groups = 1 if self.sliding_window is None else 2
+        return tuple(tuple(i for i in range(self.num_layers) if self.kv_group(i) == g) for g in range(groups))
+
+    def attention(self, layer: int) -> AttentionSpec:
+        """Layer ``layer``'s scale, window and soft-cap."""
+        scale = self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+        return AttentionSpec(scale, self.layer_window(layer), self.attn_softcap)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer`` runs a mixture of experts instead of a dense MLP."""
+        return self.moe is not None and self.moe.is_sparse(layer)
+
+    @functools.cached_property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers that run a mixture of experts (``is_sparse``), in order; empty for a dense model."""
+        return tuple(i for i in range(self.num_layers) if self.is_sparse(i))
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates with the sliding layers' own RoPE base."""
+        return self.local_rope_theta is not None and self.layer_window(layer) is not None
+
+    @classmethod
+    def from_hf_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from the parsed contents of an HF ``config.json``."""
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in HF_FAMILIES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or raw.get('model_type')!r} in {source}; "
+                f"raylm supports {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+            )
+        family = HF_FAMILIES[arch]
+        _refuse_unimplemented(raw, family, source)
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            layers = int(raw["num_hidden_layers"])
+            max_positions = int(raw.get("max_position_embeddings", 2048))
+            global_rope, local_rope = _rope_parameters(raw)
+            act = raw.get("hidden_activation") or raw.get("hidden_act") or family.default_act
+            config = cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=layers,
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(global_rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+                max_position_embeddings=max_positions,
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.gemma)),
+                # (Qwen2-MoE names its q/k/v biases' switch qkv_bias.)
+                attention_bias=bool(raw.get("attention_bias") or raw.get("qkv_bias", family.attention_bias)),
+                rope_scaling=parse_rope_scaling(
+                    global_rope, source, max_positions, raw.get("original_max_position_embeddings")
+                ),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
+                qk_norm=family.qk_norm,
+                qk_norm_whole=family.qk_norm_whole,
+                sandwich_norms=family.gemma,
+                activation=_activation(act, source),
+                embed_scale=math.sqrt(hidden) if family.gemma else None,
+                query_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if family.gemma else None,
+                attn_softcap=optional_float(raw.get("attn_logit_softcapping")),
+                final_softcap=optional_float(raw.get("final_logit_softcapping")),
+                layer_windows=_layer_windows(raw, family, layers, source),
+                local_rope_theta=_local_rope_theta(local_rope, source),
+                moe=moe_from_hf(raw, family, layers, source),
+            )
+        except KeyError as missing:
+            raise ModelLoadError(f"{source} lacks required key {missing}") from None
+        return config
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+        """Read ``config.json`` (and ``generation_config.json`` EOS ids) from a checkpoint dir."""
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ModelLoadError(f"{config_file} not found: an HF checkpoint directory needs config.json")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as err:
+            raise ModelLoadError(f"{config_file} is not valid JSON: {err}") from None
+        config = cls.from_hf_dict(raw, str(config_file))
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            extra = _as_id_tuple(json.loads(gen_file.read_text()).get("eos_token_id"))
+            config = dataclasses.replace(
+                config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra))
+            )
+        return config
+
+    @classmethod
+    def from_gguf_fields(
+        cls, fields: Mapping[str, Any], source: str, rope_tensors: Mapping[str, Sequence[float]] | None = None
+    ) -> "ModelConfig":
+        """Build from GGUF key/value metadata (already decoded to Python values), read as
+        llama.cpp reads each architecture (model/gguf_metadata.py); ``rope_tensors`` are the
+        file's RoPE factor tensors (``gguf_metadata.ROPE_TENSORS``) that it has."""
+        arch = fields.get("general.architecture")
+        if arch not in GGUF_FAMILIES:
+            raise UnsupportedModelError(
+                f"unsupported GGUF architecture {arch!r} in {source}; "
+                f"raylm supports {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+            )
+        family = HF_FAMILIES[GGUF_FAMILIES[arch]]
+        meta = gguf_metadata.GgufMetadata(fields, arch, source)
+        hidden = int(meta.get("embedding_length", required=True))
+        heads = int(meta.get("attention.head_count", required=True))
+        layers = int(meta.get("block_count", required=True))
+        head_dim = int(meta.get("attention.key_length") or hidden // heads)
+        gguf_metadata.refuse_unimplemented(meta, family, head_dim)
+        vocab = meta.get("vocab_size") or len(fields.get("tokenizer.ggml.tokens", ()))
+        max_positions = int(meta.get("context_length", 2048))
+        scaling, local_theta = gguf_metadata.rope(meta, max_positions, head_dim, rope_tensors or {})
+        attn_softcap, final_softcap = gguf_metadata.softcaps(meta)
+        windows = gguf_metadata.layer_windows(meta, layers)
+        dense_size = int(meta.get("feed_forward_length", required=True))
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=dense_size,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(meta.get("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(meta.get("rope.freq_base", 10000.0)),
+            max_position_embeddings=max_positions,
+            # Tied when the file has no separate output matrix; the loader decides that.
+            tie_word_embeddings=False,
+            attention_bias=family.attention_bias,
+            rope_scaling=scaling,
+            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=_as_id_tuple(fields.get("tokenizer.ggml.eos_token_id")),
+            qk_norm=family.qk_norm,
+            qk_norm_whole=family.qk_norm_whole,
+            sandwich_norms=family.gemma,
+            activation=ACTIVATIONS[family.default_act],
+            embed_scale=math.sqrt(hidden) if family.gemma else None,
+            query_scale=gguf_metadata.query_scale(meta, hidden, heads, head_dim, layers),
+            attn_softcap=attn_softcap,
+            final_softcap=final_softcap,
+            layer_windows=windows,
+            local_rope_theta=local_theta if windows else None,
+            moe=moe_from_gguf(meta, layers, dense_size),
+        )
+
+
+def _refuse_unimplemented(raw: Mapping[str, Any], family: Family, source: str) -> None:
+    """Options HF implements for these architectures and raylm does not: load errors."""
+    if raw.get("attention_bias") and not family.attention_bias:
+        raise UnsupportedModelError(
+            f"attention_bias=true in {source}: raylm implements q/k/v biases (Qwen2) only, not o_proj's"
+        )
+    if raw.get("mlp_bias"):
+        raise UnsupportedModelError(f"mlp_bias=true in {source} is not supported")
+    if raw.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"clip_qkv={raw['clip_qkv']} in {source}: raylm does not clamp q/k/v")
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"use_bidirectional_attention=true in {source}: raylm serves causal decoders")
+    partial = raw.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedModelError(f"partial_rotary_factor={partial} in {source}: raylm rotates whole heads only")
+    if not family.gemma:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if raw.get(key) is not None:
+                raise UnsupportedModelError(f"{key} in {source} is read only for Gemma architectures")
+
+
+def _rope_parameters(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(global RoPE dict, sliding layers' own or None), from ``rope_parameters`` (transformers
+    5, possibly per layer type) or the older ``rope_theta`` / ``rope_scaling`` /
+    ``rope_local_base_freq`` keys."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, Mapping) and "full_attention" in params:
+        return dict(params["full_attention"]), dict(params.get("sliding_attention") or {}) or None
+    merged = dict(raw.get("rope_scaling") or params or {})
+    if "rope_theta" in raw:
+        merged.setdefault("rope_theta", raw["rope_theta"])
+    local = {"rope_theta": raw["rope_local_base_freq"]} if "rope_local_base_freq" in raw else None
+    return merged, local
+
+
+def _local_rope_theta(local: Mapping[str, Any] | None, source: str) -> float | None:
+    if local is None:
+        return None
+    if (local.get("rope_type") or "default") != "default":
+        raise UnsupportedModelError(
+            f"sliding layers' RoPE type {local.get('rope_type')!r} in {source}: raylm scales global layers' RoPE only"
+        )
+    return float(local.get("rope_theta", 10000.0))
+
+
+def _layer_windows(raw: Mapping[str, Any], family: Family, layers: int, source: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window as HF applies it, or () when no layer slides."""
+    window = raw.get("sliding_window")
+    if family.window_on_all_layers:
+        kinds = [window is not None] * layers
+    elif raw.get("layer_types") is not None:
+        types = list(raw["layer_types"])
+        unknown = sorted(set(types) - set(_LAYER_TYPES))
+        if unknown:
+            raise UnsupportedModelError(
+                f"layer_types in {source}: {', '.join(unknown)} not supported (raylm implements "
+                f"{', '.join(_LAYER_TYPES)})"
+            )
+        if len(types) != layers:
+            raise ModelLoadError(f"layer_types in {source} lists {len(types)} layers, the model has {layers}")
+        kinds = [_LAYER_TYPES[t] for t in types]
+    elif raw.get("use_sliding_window") and window is not None:  # Qwen2/3 configs before layer_types
+        first = int(raw.get("max_window_layers", layers))
+        kinds = [i >= first for i in range(layers)]
+    elif family.sliding_pattern and window is not None:  # Gemma configs before layer_types
+        pattern = int(raw.get("sliding_window_pattern") or family.sliding_pattern)
+        kinds = [(i + 1) % pattern != 0 for i in range(layers)]
+    else:
+        kinds = [False] * layers
+    if window is None or not any(kinds):
+        return ()
+    if int(window) < 1:
+        raise UnsupportedModelError(f"sliding_window={window} in {source}: it must be at least 1")
+    return tuple(int(window) if sliding else None for sliding in kinds)
+
+
+def _activation(name: str, source: str) -> str:
+    if name not in ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"MLP activation {name!r} in {source}: raylm supports {', '.join(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[name]
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)

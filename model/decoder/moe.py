@@ -1,0 +1,96 @@
+"""A mixture-of-experts block: route each token to its top-k experts, run only those.
+
+The step's (token, k) pairs are sorted by expert, so each expert's rows are one contiguous
+group; one grouped matmul over the stacked expert weights (model/grouped_matmul.py) runs
+every group against its own expert (gate/up, then down), and the rows go back to their
+tokens, weighted by the router and summed. Shapes are static: ``tokens * top_k`` rows
+whatever the routing; how many rows each expert gets travels as data (``group_sizes``).
+
+Routing is HF's TopKRouter (model/moe_config.py): softmax over the router's logits in
+float32, the top-k probabilities, divided by their sum with ``norm_topk_prob``.
+
+A step's padding tokens (``valid`` False) are routed to no expert: their rows sort past every
+group, which the grouped kernel skips (their output is zero), so a decode bucket's padding
+costs no expert work, and the per-expert row counts are the real tokens' (the load metric,
+``moe_block``'s second result).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from raylm.model.config.moe import MoeConfig
+from raylm.model.decoder.layers import ACTIVATIONS, gated_mlp
+from raylm.model.decoder.params import LayerParams
+from raylm.model.kernels.dense import dense
+from raylm.model.kernels.grouped_matmul import grouped_matmul
+
+
+class Routing(NamedTuple):
+    """Each token's experts and their weights."""
+
+    experts: jax.Array  # [T, k] int32, most probable first
+    weights: jax.Array  # [T, k] float32
+
+
+def route(h: jax.Array, router: jax.Array, moe: MoeConfig, *, kernel: bool = False) -> Routing:
+    """Top-k routing of tokens ``h [T, D]`` by the router ``[E, D]``."""
+    logits = dense(h, router, kernel=kernel)  # in the model dtype, as HF's F.linear
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, moe.top_k)
+    if moe.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(experts.astype(jnp.int32), weights)
+
+
+def _routed(routing: Routing, num_experts: int, valid: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Each (token, k) pair's expert, ``num_experts`` (past every group) for a padding token's,
+    and how many pairs each expert got ``[E]``."""
+    flat = routing.experts.reshape(-1)
+    if valid is not None:
+        flat = jnp.where(jnp.repeat(valid.reshape(-1), routing.experts.shape[1]), flat, num_experts)
+    return flat, jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+
+
+def expert_mlps(
+    h: jax.Array, routing: Routing, w_gate_up: jax.Array, w_down: jax.Array, activation: str, *, kernel: bool = False,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """``sum_k weight[t, k] * expert[t, k](h[t])`` for tokens ``h [T, D]``, computing each
+    token only through its own experts: gated MLPs with stacked weights ``w_gate_up [E, 2, I,
+    D]`` and ``w_down [E, D, I]`` (``kernel``: see ``grouped_matmul``). Tokens where ``valid
+    [T]`` is False get zeros, computed by no expert."""
+    T, D = h.shape
+    E = w_gate_up.shape[0]
+    k = routing.experts.shape[1]
+    flat, group_sizes = _routed(routing, E, valid)
+    order = jnp.argsort(flat, stable=True)  # pair positions, grouped by expert (padding last)
+    rows = h[order // k]  # [T*k, D]: each pair's token
+    gate_up = grouped_matmul(rows, w_gate_up, group_sizes, kernel=kernel)  # [T*k, 2, I]
+    y = grouped_matmul(ACTIVATIONS[activation](gate_up[:, 0]) * gate_up[:, 1], w_down, group_sizes, kernel=kernel)
+    y = y * routing.weights.reshape(T * k)[order][:, None].astype(y.dtype)
+    unsorted = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back to (token, k) order
+    return jnp.sum(unsorted.reshape(T, k, D), axis=1)
+
+
+def moe_block(
+    x: jax.Array, lp: LayerParams, moe: MoeConfig, activation: str, *, kernel: bool = False,
+    valid: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """A sparse layer's feed-forward for ``x [B, S, D]`` (already normed): the routed experts,
+    plus Qwen2-MoE's shared expert scaled by ``sigmoid(x . shared_gate)``; and the tokens
+    routed to each expert ``[E]`` (int32), counting only those where ``valid [B, S]``."""
+    B, S, D = x.shape
+    h = x.reshape(B * S, D)
+    routing = route(h, lp.router, moe, kernel=kernel)
+    flat_valid = None if valid is None else valid.reshape(B * S)
+    out = expert_mlps(h, routing, lp.w_experts_gate_up, lp.w_experts_down, activation, kernel=kernel,
+                      valid=flat_valid)
+    if lp.w_shared_gate_up is not None:
+        shared = gated_mlp(x, lp.w_shared_gate_up, lp.w_shared_down, activation, kernel=kernel).reshape(B * S, D)
+        gate = jax.nn.sigmoid(jnp.sum(h * lp.shared_gate, axis=-1, keepdims=True))
+        out = out + gate * shared
+    return out.reshape(B, S, D).astype(x.dtype), _routed(routing, moe.num_experts, flat_valid)[1]

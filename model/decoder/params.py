@@ -1,0 +1,149 @@
+"""The parameter pytree: dataclasses whose array fields are JAX leaves.
+
+Each decoder layer has its own arrays (``ModelParams.layers`` is a tuple), and the forward
+pass loops over them in Python. A stacked ``[L, ...]`` layout under ``lax.scan`` compiles
+faster, but XLA's CPU backend then copies every layer's weights out of the stack on every
+step (dynamic-slice), which measured ~1.4x slower at batch 1 (see
+``benchmarks/decode_step_bench.py``).
+
+Matrices are stored output-first with their input dims last and contiguous (HF's
+``[out, in]``): each output's weights are one run of memory, which is what the CPU
+small-batch matmul kernel streams (model/dense.py) and what XLA's own dot handled best
+too at decode batch sizes. Q, K and V are one fused matrix and gate/up another, so a
+layer runs three matmuls before attention fewer (at batch 1 each matmul is bound by reading
+its weights, and the fused one reads them in one pass). The QKV columns are grouped by KV
+head: KV head ``k`` owns query heads ``k*G .. k*G+G-1`` (``G = H / KVH``, as in HF's GQA),
+then its key, then its value. So splitting the ``kv_heads`` axis over tensor-parallel
+devices gives each device whole groups, with the query heads that read its keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import jax
+
+if TYPE_CHECKING:
+    from raylm.model.config.model_config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    """Everything declared about one parameter, once: its shape for a config, the logical name
+    of each dim (model/sharding.py maps names onto a mesh), and for matrices (``dense``
+    weights, stored [out..., in...]) how many trailing dims are inputs. Matrices are what
+    weight-only quantization replaces by a QuantArray with a scale per output channel
+    (model/quantization.py); the embedding is one too: as the tied LM head it is a [V, D]
+    matrix, and its rows are the lookup's per-token scales. Every array has the model dtype."""
+
+    shape: Callable[[ModelConfig], tuple[int, ...]]
+    logical_axes: tuple[str, ...]
+    input_dims: int | None = None  # None: not a matrix
+
+    def __post_init__(self) -> None:
+        assert self.input_dims is None or 0 < self.input_dims < len(self.logical_axes), self
+
+
+def _param(info: ArrayInfo, optional: bool = False) -> Any:
+    """A dataclass field carrying its ArrayInfo (``optional``: absent for some models, None)."""
+    extra = {"default": None} if optional else {}
+    return dataclasses.field(metadata={"info": info}, **extra)
+
+
+def _norm() -> ArrayInfo:
+    return ArrayInfo(lambda c: (c.hidden_size,), ("embed",))
+
+
+def _head_norm(heads: Callable[[ModelConfig], int]) -> ArrayInfo:
+    """A q or k norm: over one head (shared by all), or over all ``heads`` at once (OLMoE)."""
+    return ArrayInfo(lambda c: (heads(c) * c.head_dim if c.qk_norm_whole else c.head_dim,), ("head_dim",))
+
+
+def _vocab_matrix() -> ArrayInfo:
+    return ArrayInfo(lambda c: (c.vocab_size, c.hidden_size), ("vocab", "embed"), input_dims=1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerParams:
+    """One decoder layer's weights (matrices may be QuantArrays of the same shape)."""
+
+    attn_norm: jax.Array = _param(_norm())
+    # Per KV head: its G query heads, its key, its value.
+    wqkv: jax.Array = _param(ArrayInfo(lambda c: (c.num_kv_heads, c.q_per_kv + 2, c.head_dim, c.hidden_size),
+                                       ("kv_heads", "qkv", "head_dim", "embed"), input_dims=1))
+    wo: jax.Array = _param(ArrayInfo(lambda c: (c.hidden_size, c.num_heads, c.head_dim),
+                                     ("embed", "heads", "head_dim"), input_dims=2))
+    mlp_norm: jax.Array = _param(_norm())
+    # The dense MLP (absent in a sparse layer): gate, then up.
+    w_gate_up: Optional[jax.Array] = _param(ArrayInfo(lambda c: (2, c.intermediate_size, c.hidden_size),
+                                                      ("gate_up", "mlp", "embed"), input_dims=1), optional=True)
+    w_down: Optional[jax.Array] = _param(ArrayInfo(lambda c: (c.hidden_size, c.intermediate_size), ("embed", "mlp"),
+                                                   input_dims=1), optional=True)
+    bqkv: Optional[jax.Array] = _param(  # Qwen2's attention bias
+        ArrayInfo(lambda c: (c.num_kv_heads, c.q_per_kv + 2, c.head_dim), ("kv_heads", "qkv", "head_dim")),
+        optional=True)
+    q_norm: Optional[jax.Array] = _param(_head_norm(lambda c: c.num_heads), optional=True)  # qk_norm models
+    k_norm: Optional[jax.Array] = _param(_head_norm(lambda c: c.num_kv_heads), optional=True)
+    post_attn_norm: Optional[jax.Array] = _param(_norm(), optional=True)  # sandwich_norms models (Gemma)
+    post_mlp_norm: Optional[jax.Array] = _param(_norm(), optional=True)
+    # A sparse layer's experts (model/moe.py), stacked: the router's logits per expert (kept
+    # unquantized: it picks the experts), each expert's gate/up and down.
+    router: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.moe.num_experts, c.hidden_size), ("router", "embed")), optional=True)
+    w_experts_gate_up: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.moe.num_experts, 2, c.moe.expert_size, c.hidden_size),
+                  ("experts", "gate_up", "expert_mlp", "embed"), input_dims=1), optional=True)
+    w_experts_down: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.moe.num_experts, c.hidden_size, c.moe.expert_size),
+                  ("experts", "embed", "expert_mlp"), input_dims=1), optional=True)
+    # Qwen2-MoE's shared expert: a dense MLP beside the experts, scaled by sigmoid(x . shared_gate).
+    w_shared_gate_up: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (2, c.moe.shared_expert_size, c.hidden_size), ("gate_up", "mlp", "embed"), input_dims=1),
+        optional=True)
+    w_shared_down: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.hidden_size, c.moe.shared_expert_size), ("embed", "mlp"), input_dims=1), optional=True)
+    shared_gate: Optional[jax.Array] = _param(ArrayInfo(lambda c: (c.hidden_size,), ("embed",)), optional=True)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelParams:
+    """A whole Llama-family model. ``lm_head`` is None when tied to ``embed``."""
+
+    embed: jax.Array = _param(_vocab_matrix())
+    layers: tuple[LayerParams, ...]
+    final_norm: jax.Array = _param(_norm())
+    lm_head: Optional[jax.Array] = _param(_vocab_matrix(), optional=True)  # as the tied embedding
+
+
+def _infos(cls: type) -> dict[str, ArrayInfo]:
+    return {f.name: f.metadata["info"] for f in dataclasses.fields(cls) if "info" in f.metadata}
+
+
+LAYER_INFO: dict[str, ArrayInfo] = _infos(LayerParams)
+MODEL_INFO: dict[str, ArrayInfo] = _infos(ModelParams)  # all but ``layers``
+# Derived views, by field name: logical axes, and the matrices' input dims.
+LAYER_AXES: dict[str, tuple[str, ...]] = {name: info.logical_axes for name, info in LAYER_INFO.items()}
+MODEL_AXES: dict[str, tuple[str, ...]] = {name: info.logical_axes for name, info in MODEL_INFO.items()}
+LAYER_MATRIX_INPUT_DIMS: dict[str, int] = {n: i.input_dims for n, i in LAYER_INFO.items() if i.input_dims}
+MODEL_MATRIX_INPUT_DIMS: dict[str, int] = {n: i.input_dims for n, i in MODEL_INFO.items() if i.input_dims}
+
+
+def shape_mismatches(params: ModelParams, config: ModelConfig) -> list[str]:
+    """``"field: shape, expected shape"`` for every array whose shape is not what its ArrayInfo
+    says for ``config`` (absent optional fields are not checked)."""
+
+    def check(where: str, info: ArrayInfo, array: Any) -> list[str]:
+        if array is None:
+            return []
+        expected = info.shape(config)
+        return [] if tuple(array.shape) == expected else [f"{where}: {tuple(array.shape)}, expected {expected}"]
+
+    out = [m for name, info in MODEL_INFO.items() for m in check(name, info, getattr(params, name))]
+    for i, layer in enumerate(params.layers):
+        out += [m for name, info in LAYER_INFO.items() for m in check(f"layers[{i}].{name}", info, getattr(layer, name))]
+    if len(params.layers) != config.num_layers:
+        out.append(f"layers: {len(params.layers)}, expected {config.num_layers}")
+    return out

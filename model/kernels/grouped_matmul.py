@@ -1,0 +1,91 @@
+"""One matmul over groups of rows, each group against its own matrix: the experts of an MoE
+layer (model/moe.py).
+
+``x [M, K]``'s rows are sorted into consecutive groups, ``group_sizes [G]`` long (summing to
+at most ``M``; rows past the last group are padding and come out as zeros), and group ``g``
+is multiplied by ``w[g]`` (stored ``[G, N..., K]``, output-first as every matrix here:
+model/params.py). ``w`` may be float, 8-bit (``QuantArray``, a scale per expert and output
+channel) or GGUF blocks (``GgufBlocks``) as model/dense.py takes them.
+
+``jax.lax.ragged_dot_general`` states exactly this, and accelerators run grouped-GEMM kernels
+for it. XLA's CPU backend does not: it lowers ragged_dot to a dense dot over every group
+with the other groups' rows masked to zero, ``G`` times the work and every expert's weights
+read whatever the routing (``benchmarks/moe_layer_bench.py`` measures it). So on CPU
+the C++ kernels run (model/kernels/grouped_matmul.cc): the dense kernel once per expert that
+got rows, over just those rows, reading 8-bit and block experts as stored (no float32 copy of
+the stack per step); and since that kernel sums each output in the same order whatever the
+batch, a token's result does not depend on what else was routed with it, and 8-bit and block
+experts give the float32 kernel's results on their widened values bit for bit. Sharded
+programs (expert parallelism) keep ragged_dot: XLA cannot partition a custom call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from raylm.model.kernels import CpuKernel, on_cpu
+from raylm.model.quantization.gguf_blocks import GgufBlocks
+from raylm.model.quantization.quant_array import QuantArray
+
+_KERNEL = CpuKernel("grouped_matmul", "RaylmGroupedMatmul", "raylm_grouped_matmul")
+_QUANTIZED_KERNEL = CpuKernel("grouped_matmul", "RaylmGroupedQuantizedMatmul", "raylm_grouped_quantized_matmul")
+_GGUF_KERNEL = CpuKernel("grouped_matmul", "RaylmGroupedGgufMatmul", "raylm_grouped_gguf_matmul")
+# Rows of x contract their one dim with w's last; x's rows are ragged over w's leading groups.
+_DIMENSIONS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+
+
+def available() -> bool:
+    """Whether the C++ grouped kernels are built and registered with JAX (CPU only)."""
+    return all(k.available() for k in (_KERNEL, _QUANTIZED_KERNEL, _GGUF_KERNEL))
+
+
+def grouped_matmul(
+    x: jax.Array, w: jax.Array | QuantArray | GgufBlocks, group_sizes: jax.Array, *, kernel: bool = False
+) -> jax.Array:
+    """``x [M, K]`` by groups: rows of group ``g`` times ``w[g] [N..., K]``; returns ``[M, N...]``.
+    ``kernel``: the C++ kernel on CPU where it is built (float32 activations), else ragged_dot
+    (8-bit experts converted for it and scaled after, blocks dequantized exactly)."""
+    G, K = w.shape[0], w.shape[-1]
+    out = tuple(w.shape[1:-1])
+    N = math.prod(out)
+    one_input_dim = not isinstance(w, (QuantArray, GgufBlocks)) or w.num_input_dims == 1
+    if x.ndim != 2 or x.shape[1] != K or group_sizes.shape != (G,) or not one_input_dim:
+        raise ValueError(f"grouped_matmul takes x [M, K], w [G, N..., K], group_sizes [G]: got "
+                         f"{x.shape}, {w.shape}, {group_sizes.shape}")
+    sizes = group_sizes.astype(jnp.int32)
+    # Every format's arrays as [G, N, ...] (free reshapes of row-major arrays).
+    if isinstance(w, QuantArray):
+        arrays = (w.q.reshape(G, N, K), w.scale.reshape(G, N).astype(jnp.float32))
+    elif isinstance(w, GgufBlocks):
+        arrays = (w.q.reshape(G, N, w.q.shape[-1]), w.scale.reshape(G, N, w.scale.shape[-1]),
+                  w.offset.reshape(G, N, w.offset.shape[-1]))
+    else:
+        arrays = (w.reshape(G, N, K).astype(x.dtype),)
+
+    def by_ragged_dot(x: jax.Array, sizes: jax.Array, *arrays: jax.Array) -> jax.Array:
+        if isinstance(w, GgufBlocks):
+            stacked, scale = GgufBlocks(*arrays, (K,)).dequantize(x.dtype), None
+        else:
+            stacked, scale = arrays[0].astype(x.dtype), (arrays[1] if isinstance(w, QuantArray) else None)
+        y = jax.lax.ragged_dot_general(x, stacked, sizes, _DIMENSIONS, preferred_element_type=x.dtype)
+        if scale is None:
+            return y
+        # Each row's expert (rows past the groups are zeros whatever scale they get).
+        group = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0]), side="right"), G - 1)
+        return (y * scale[group]).astype(x.dtype)
+
+    def by_kernel(x: jax.Array, sizes: jax.Array, *arrays: jax.Array) -> jax.Array:
+        target = (_QUANTIZED_KERNEL if isinstance(w, QuantArray) else _GGUF_KERNEL if isinstance(w, GgufBlocks)
+                  else _KERNEL).target
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))(x, *arrays, sizes)
+
+    if kernel and available() and x.dtype == jnp.float32 and x.shape[0] > 0:
+        y = on_cpu(x, sizes, *arrays, cpu=by_kernel, default=by_ragged_dot)
+    else:
+        y = by_ragged_dot(x, sizes, *arrays)
+    return y.reshape(x.shape[0], *out)

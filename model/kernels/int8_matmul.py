@@ -1,0 +1,67 @@
+"""The integer compute mode's matmul: int8 activations against 4- and 8-bit weights as stored.
+
+``model.activation_quantization: int8`` (model/activation_quantization.py packs the weights)
+trades the exact mode's float32 arithmetic for llama.cpp's: each activation row is quantized
+per block of 32 inputs to int8 (scale ``max|x| / 127``, round to nearest even), each block's
+products are summed in integers against the stored weight integers (GGUF Q4_0 / Q4_1 / Q8_0
+blocks, ``int8_g32`` matrices, int8 with a scale per output row), and only the block sums are
+scaled in float32. On AVX-512 VNNI one instruction does 64 multiply-adds where float32 does 16
+(model/kernels/int8_matmul.cc says how, and why a row's result does not depend on the batch).
+
+The result is not the float32 product: an activation moves by up to half its block's step
+(``max|x| / 254``). docs/performance.md and the README measure what that does to logits and
+greedy tokens. The exact mode stays the default and is untouched by this module.
+
+The weights are repacked once at load for the kernel (model/int8_panels.py). One loop nest
+serves every row count and every format, so unlike model/dense.py's pair of kernels there is one
+target; it runs on CPU only, unsharded (the engine checks both at start-up).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from raylm.model.kernels import CpuKernel, cpu_only_process
+from raylm.model.quantization.gguf_blocks import GgufBlocks
+from raylm.model.quantization.int8_panels import Int8Panels
+from raylm.model.quantization.quant_array import QuantArray
+
+_KERNEL = CpuKernel("int8_matmul", "RaylmInt8PanelMatmul", "raylm_int8_panel_matmul")
+
+
+def unavailable_reason() -> str | None:
+    """Why the integer kernel cannot run in this process (None when it can)."""
+    if not cpu_only_process():
+        return f"it runs C++ CPU kernels, and JAX's backend here is {jax.default_backend()}"
+    if not _KERNEL.available():
+        return f"its kernel library is not built ({_KERNEL.library}); reinstall with `pip install -e .`"
+    return None
+
+
+def takes_int8_activations(w: object) -> bool:
+    """Whether the integer kernel can read ``w`` (once packed by model/int8_panels.py): GGUF
+    blocks (int8_g32 included) or int8 with a scale per output row (not fp8, not float)."""
+    return isinstance(w, GgufBlocks) or (isinstance(w, QuantArray) and w.scheme == "int8")
+
+
+def int8_matmul(x: jax.Array, w: Int8Panels) -> jax.Array:
+    """``x [M, K] . w [N, K]^T -> [M, N]`` in the integer mode (inputs and outputs flattened)."""
+    _KERNEL.require()
+    n, k = math.prod(w.output_shape), math.prod(w.input_shape)
+    if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"int8_matmul takes float32 x [M, {k}] for weights {w.shape}, got {x.dtype} {x.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(_KERNEL.target, out)(x, w.q, w.scale, w.offset, w.row_scale)
+
+
+def int8_dense(x: jax.Array, w: Int8Panels, contract: int, out_dtype: jnp.dtype | None) -> jax.Array:
+    """``model.kernels.dense`` for packed weights: ``x [..., K...]`` contracted with ``w [N..., K...]``'s
+    inputs on 2-D views, in float32 (the result cast to ``out_dtype``, else to ``x``'s dtype)."""
+    if w.num_input_dims != contract:
+        raise ValueError(f"dense: weight {w.shape} has {w.num_input_dims} input dims, contracted {contract}")
+    lead, size = x.shape[: x.ndim - contract], math.prod(x.shape[x.ndim - contract:])
+    y = int8_matmul(x.astype(jnp.float32).reshape(math.prod(lead), size), w)
+    return y.reshape(*lead, *w.output_shape).astype(out_dtype or x.dtype)

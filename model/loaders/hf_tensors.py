@@ -1,0 +1,275 @@
+"""Turn a checkpoint's per-layer HF-named tensors into the ``ModelParams`` pytree.
+
+Every format loader (safetensors, GGUF) only has to answer "give me the tensor HF calls
+``name``, as a float numpy array in HF's ``[out, in]`` layout" (or, for a GGUF matrix kept
+in its blocks, a ``GgufBlocks`` of that shape); naming, orientation, fusing (QKV grouped by
+KV head, gate/up), shape checks and the dtype cast live here once.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.decoder.params import LayerParams, ModelParams, shape_mismatches
+from raylm.model.errors import ModelLoadError
+from raylm.model.quantization.gguf_blocks import GgufBlocks, dequantized, map_rows
+
+# Answers an HF tensor name with its array, or None if the checkpoint lacks it.
+TensorSource = Callable[[str], "np.ndarray | GgufBlocks | None"]
+
+_PREFIX = "model.layers.{i}."
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_HF_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    # A sparse layer (model/moe.py): the router (its experts: ``stacked_experts``), and
+    # Qwen2-MoE's shared expert with its gate.
+    "router": "mlp.gate.weight",
+    "shared_gate_proj": "mlp.shared_expert.gate_proj.weight",
+    "shared_up": "mlp.shared_expert.up_proj.weight",
+    "shared_down": "mlp.shared_expert.down_proj.weight",
+    "shared_gate": "mlp.shared_expert_gate.weight",
+}
+# How HF checkpoints name each expert's matrices: Qwen-MoE / OLMoE, and Mixtral (w1 gate, w3
+# up, w2 down, under "block_sparse_moe", its router too). GGUF files hold them stacked, under
+# the names "mlp.experts.gate_proj" etc. here (gguf_loader's table).
+_EXPERT_NAMINGS = (
+    ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
+    ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
+)
+# Sandwich-norm models (Gemma) name their norms after their place: "post_attention" follows
+# attention, and the norm before the MLP is "pre_feedforward" (Llama's "post_attention").
+_SANDWICH_NAMES = {
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
+_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
+# Checkpoints that store Q/K/V as one matrix and gate/up as another (Phi-3): HF name of the
+# fused tensor -> the parts it stacks along its rows, in order.
+_FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """``[H*Dh, ...]``, ``[KVH*Dh, ...]`` x2 (HF's output dim first) -> ``[KVH, G+2, Dh, ...]``.
+
+    Grouped by KV head (its G query heads, its key, its value) so a tensor-parallel split of
+    the KV-head axis keeps each query head with the keys it reads. Only the leading dim is
+    rearranged, so the same call fuses weights, biases and GGUF blocks' arrays.
+    """
+    rest = q.shape[1:]
+    Dh = k.shape[0] // num_kv_heads
+    groups = q.shape[0] // k.shape[0]  # explicit, not -1: Q8_0 blocks' offsets are [rows, 0]
+    return np.concatenate(
+        [
+            q.reshape(num_kv_heads, groups, Dh, *rest),
+            k.reshape(num_kv_heads, 1, Dh, *rest),
+            v.reshape(num_kv_heads, 1, Dh, *rest),
+        ],
+        axis=1,
+    )
+
+
+def _hf_shape(field: str, config: ModelConfig) -> tuple[int, ...]:
+    """Shape HF stores for one layer's tensor (to report mismatches in the file's own terms)."""
+    H, KVH, Dh, D, I = (
+        config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size, config.intermediate_size,
+    )
+    if config.moe is not None and field.startswith(("router", "shared")):
+        E, Is = config.moe.num_experts, config.moe.shared_expert_size
+        return {
+            "router": (E, D), "shared_gate_proj": (Is, D), "shared_up": (Is, D), "shared_down": (D, Is),
+            "shared_gate": (1, D),
+        }[field]
+    return {
+        "attn_norm": (D,), "mlp_norm": (D,),
+        "wq": (H * Dh, D), "wk": (KVH * Dh, D), "wv": (KVH * Dh, D), "wo": (D, H * Dh),
+        "w_gate": (I, D), "w_up": (I, D), "w_down": (D, I),
+        "bq": (H * Dh,), "bk": (KVH * Dh,), "bv": (KVH * Dh,),
+        "q_norm": (H * Dh if config.qk_norm_whole else Dh,), "k_norm": (KVH * Dh if config.qk_norm_whole else Dh,),
+        "post_attn_norm": (D,), "post_mlp_norm": (D,),
+    }[field]
+
+
+def unfused(get: TensorSource, config: ModelConfig) -> TensorSource:
+    """``get`` that also answers a part (q/k/v, gate/up) of a fused checkpoint tensor by
+    slicing its rows (blocks stay blocks: their rows are whole)."""
+    H, KVH, Dh, I = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
+    rows = {"self_attn.qkv_proj.weight": (H * Dh, KVH * Dh, KVH * Dh), "mlp.gate_up_proj.weight": (I, I)}
+
+    def answer(name: str) -> np.ndarray | GgufBlocks | None:
+        found = get(name)
+        if found is not None:
+            return found
+        match = _LAYER_RE.fullmatch(name)
+        if match is None:
+            return None
+        for fused, parts in _FUSED.items():
+            if match.group(2) in parts:
+                whole = get(f"model.layers.{match.group(1)}.{fused}")
+                if whole is None:
+                    return None
+                sizes = rows[fused]
+                if whole.shape[0] != sum(sizes):
+                    raise ModelLoadError(f"tensor {fused!r} of layer {match.group(1)} has {whole.shape[0]} rows, "
+                                         f"expected {sum(sizes)}")
+                start = sum(sizes[: parts.index(match.group(2))])
+                stop = start + sizes[parts.index(match.group(2))]
+                return map_rows(lambda a: a[start:stop], whole)
+        return None
+
+    return answer
+
+
+def mixtral_router(get: TensorSource) -> TensorSource:
+    """``get`` that also answers a layer's router (``mlp.gate.weight``) under Mixtral's name."""
+
+    def answer(name: str) -> np.ndarray | GgufBlocks | None:
+        found = get(name)
+        if found is not None:
+            return found
+        match = _LAYER_RE.fullmatch(name)
+        if match is None or match.group(2) != "mlp.gate.weight":
+            return None
+        return get(f"model.layers.{match.group(1)}.block_sparse_moe.gate.weight")
+
+    return answer
+
+
+def stacked_experts(get: TensorSource, config: ModelConfig, layer: int, projs: tuple[str, ...],
+                    source: str) -> np.ndarray | GgufBlocks:
+    """Layer ``layer``'s experts' ``projs`` matrices (of gate_proj, up_proj, down_proj) as one
+    array ``[E, len(projs), out, in]`` (``[E, out, in]`` for one), copied once: from the
+    stacked tensors a GGUF file holds (blocks stay blocks), or from an HF checkpoint's tensor
+    per expert."""
+    E, Ie, D = config.moe.num_experts, config.moe.expert_size, config.hidden_size
+    shapes = {"gate_proj": (Ie, D), "up_proj": (Ie, D), "down_proj": (D, Ie)}
+    stacked = [get(f"model.layers.{layer}.mlp.experts.{p}") for p in projs]
+    if all(part is not None for part in stacked):
+        named, lead = list(zip(projs, stacked)), (E,)
+    else:
+        for prefix, names in _EXPERT_NAMINGS:
+            named = [(p, get(f"model.layers.{layer}.{prefix}.experts.{e}.{names[p]}.weight"))
+                     for e in range(E) for p in projs]
+            if all(part is not None for _, part in named):
+                break
+        else:
+            raise ModelLoadError(f"{source}: layer {layer}'s experts are missing: expected model.layers.{layer}"
+                                 f".mlp.experts.{{0..{E - 1}}}.{projs[0]}.weight (or Mixtral's names)")
+        lead = ()
+    for proj, part in named:
+        if tuple(part.shape) != (*lead, *shapes[proj]):
+            raise ModelLoadError(f"{source}: layer {layer}'s experts' {proj} has shape {tuple(part.shape)}, "
+                                 f"expected {(*lead, *shapes[proj])}")
+    arrays = [part for _, part in named]
+    if lead:  # [E, out, in] each
+        return arrays[0] if len(projs) == 1 else map_rows(lambda *a: np.stack(a, axis=1), *arrays)
+    per_expert = (E,) if len(projs) == 1 else (E, len(projs))  # arrays: expert-major, then proj
+    return map_rows(lambda *a: np.stack(a).reshape(*per_expert, *a[0].shape), *arrays)
+
+
+def build_params(
+    config: ModelConfig, get: TensorSource, source: str, dtype: jnp.dtype, norm_offset: float = 0.0
+) -> ModelParams:
+    """Assemble and validate ``ModelParams`` from HF-named tensors, cast to ``dtype``.
+
+    ``norm_offset`` is added to every RMSNorm weight: HF's Gemma checkpoints store ``w`` for
+    a norm that multiplies by ``1 + w`` (llama.cpp's GGUF files store ``1 + w`` already)."""
+    get = mixtral_router(unfused(get, config))
+
+    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray | GgufBlocks:
+        array = get(name)
+        if array is None:
+            raise ModelLoadError(f"{source}: tensor {name!r} is missing (expected shape {shape})")
+        if tuple(array.shape) != shape:
+            raise ModelLoadError(
+                f"{source}: tensor {name!r} has shape {tuple(array.shape)}, expected {shape}"
+            )
+        return array
+
+    def on_device(array: np.ndarray | GgufBlocks) -> jax.Array | GgufBlocks:
+        if isinstance(array, GgufBlocks):
+            if jnp.dtype(dtype) != jnp.float32:
+                raise ModelLoadError(f"{source}: GGUF blocks are kept only for a float32 model, not {jnp.dtype(dtype)}")
+            return array.to_device()
+        return jnp.asarray(array, dtype=dtype)
+
+    H, KVH, Dh, D = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
+
+    def layer(i: int) -> LayerParams:
+        def hf(field: str) -> np.ndarray | GgufBlocks:
+            names = {**_HF_NAMES, **_SANDWICH_NAMES} if config.sandwich_norms else _HF_NAMES
+            array = fetch((_PREFIX + names[field]).format(i=i), _hf_shape(field, config))
+            if isinstance(array, GgufBlocks):
+                return array
+            array = array.astype(np.float32, copy=False)
+            return array + np.float32(norm_offset) if field in _NORMS and norm_offset else array
+
+        wo = hf("wo")
+        fields = {
+            "attn_norm": hf("attn_norm"),
+            "wqkv": map_rows(lambda q, k, v: fuse_qkv(q, k, v, KVH), hf("wq"), hf("wk"), hf("wv")),
+            "wo": wo.with_input_shape((H, Dh)) if isinstance(wo, GgufBlocks) else wo.reshape(D, H, Dh),
+            "mlp_norm": hf("mlp_norm"),
+        }
+        if config.is_sparse(i):
+            fields.update(
+                router=dequantized(hf("router")),
+                w_experts_gate_up=stacked_experts(get, config, i, ("gate_proj", "up_proj"), source),
+                w_experts_down=stacked_experts(get, config, i, ("down_proj",), source),
+            )
+            if config.moe.shared_expert_size:
+                fields.update(
+                    w_shared_gate_up=map_rows(lambda g, u: np.stack([g, u]), hf("shared_gate_proj"), hf("shared_up")),
+                    w_shared_down=hf("shared_down"),
+                    shared_gate=dequantized(hf("shared_gate")).reshape(D),
+                )
+        else:
+            fields.update(
+                w_gate_up=map_rows(lambda g, u: np.stack([g, u]), hf("w_gate"), hf("w_up")),
+                w_down=hf("w_down"),
+            )
+        if config.attention_bias:
+            fields["bqkv"] = fuse_qkv(hf("bq"), hf("bk"), hf("bv"), KVH)
+        if config.qk_norm:
+            fields.update(q_norm=hf("q_norm"), k_norm=hf("k_norm"))
+        if config.sandwich_norms:
+            fields.update(post_attn_norm=hf("post_attn_norm"), post_mlp_norm=hf("post_mlp_norm"))
+        return LayerParams(**{f: on_device(a) for f, a in fields.items()})
+
+    V = config.vocab_size
+    embed = fetch("model.embed_tokens.weight", (V, D))
+    lm_head = None
+    if not config.tie_word_embeddings:
+        lm_head = on_device(fetch("lm_head.weight", (V, D)))
+    params = ModelParams(
+        embed=on_device(embed),
+        layers=tuple(layer(i) for i in range(config.num_layers)),
+        final_norm=jnp.asarray(fetch("model.norm.weight", (D,)) + np.float32(norm_offset), dtype=dtype),
+        lm_head=lm_head,
+    )
+    wrong = shape_mismatches(params, config)  # the fused layout against model/params.py's declarations
+    if wrong:
+        raise ModelLoadError(f"{source}: built parameters have unexpected shapes: " + "; ".join(wrong))
+    return params

@@ -1,0 +1,128 @@
+"""One entry point to load any supported checkpoint: config, params and tokenizer together."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.config.model_info import load_tokenizer, with_tokenizer_eos
+from raylm.model.config.registry import resolve_model_path
+from raylm.model.decoder.params import ModelParams
+from raylm.model.errors import ModelLoadError
+from raylm.model.loaders.gguf_checkpoint import load_gguf_checkpoint
+from raylm.model.loaders.gguf_file import GGUFFile
+from raylm.model.loaders.hf_checkpoint import load_safetensors_checkpoint
+from raylm.model.quantization.quant_array import Scheme, parse_quantization, quantize_params
+from raylm.model.text.tokenizer import Tokenizer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# What happens to a GGUF's Q4_0 / Q4_1 / Q8_0 matrices (model/gguf_blocks.py): "keep" them as
+# stored (the float32 numbers, a sixth of the bytes; float32 models on one device), "expand"
+# them to float32 at load, or "auto": keep them where that is possible and pays (one CPU device).
+GGUF_BLOCKS_CHOICES: tuple[str, ...] = ("auto", "keep", "expand")
+
+
+def keep_gguf_blocks(choice: str, dtype: str, num_devices: int) -> bool:
+    """Whether to load GGUF matrices as blocks for ``gguf_blocks=choice``; an impossible
+    "keep" is an error naming the setting."""
+    if choice not in GGUF_BLOCKS_CHOICES:
+        raise ValueError(f"gguf_blocks must be one of {', '.join(GGUF_BLOCKS_CHOICES)}, got {choice!r}")
+    possible = dtype == "float32" and num_devices == 1
+    if choice == "keep" and not possible:
+        raise ValueError(
+            "gguf_blocks=keep serves a float32 model on one device; got "
+            f"dtype={dtype} on {num_devices} devices (tensor x expert parallel; use gguf_blocks=auto or expand)"
+        )
+    if choice == "auto":
+        # On accelerators XLA's dot would dequantize the whole matrix on every call.
+        return possible and jax.default_backend() == "cpu"
+    return choice == "keep"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """What a model replica needs: hyper-parameters, weights on device, tokenizer."""
+
+    name: str
+    path: Path
+    config: ModelConfig
+    params: ModelParams
+    tokenizer: Tokenizer
+    quantization: Scheme | None = None  # weight-only scheme the params were quantized with
+
+    def quantized(self, quantization: str | None) -> "LoadedModel":
+        """This model with its matrices quantized by ``quantization`` (``None``/``"none"``: as is).
+
+        Only float weights can be quantized; asking a quantized model for another scheme is an
+        error (its float weights are gone)."""
+        scheme = parse_quantization(quantization)
+        if scheme == self.quantization:
+            return self
+        if self.quantization is not None:
+            raise ValueError(
+                f"model {self.name} was loaded with quantization={self.quantization}; it cannot be served as "
+                f"quantization={quantization or 'none'} (pass quantization={self.quantization!r}, "
+                "or load the float model)"
+            )
+        return dataclasses.replace(self, params=quantize_params(self.params, scheme), quantization=scheme)
+
+    def first_layers(self, num_layers: int) -> "LoadedModel":
+        """This model cut after its first ``num_layers`` decoder layers (final norm and head
+        kept): a layer-skipping draft that shares the target's weight arrays, no copy."""
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"a draft of {num_layers} layers cannot be cut from {self.name} "
+                             f"({self.config.num_layers} layers)")
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}[:{num_layers}]",
+            config=self.config.first_layers(num_layers),
+            params=dataclasses.replace(self.params, layers=self.params.layers[:num_layers]),
+        )
+
+
+def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    return dtype
+
+
+def load_checkpoint(
+    path: str | Path, dtype: str | jnp.dtype = "float32", keep_blocks: bool = False
+) -> tuple[ModelConfig, ModelParams]:
+    """Weights and config of a ``.gguf`` file (``keep_blocks``: see load_gguf_checkpoint) or an
+    HF safetensors directory."""
+    path = Path(path)
+    if path.is_dir():
+        return load_safetensors_checkpoint(path, parse_dtype(dtype))
+    if path.suffix == ".gguf":
+        return load_gguf_checkpoint(path, parse_dtype(dtype), keep_blocks)
+    raise ModelLoadError(f"{path} is neither an HF checkpoint directory nor a .gguf file")
+
+
+def load_model(
+    name_or_path: str | Path,
+    dtype: str | jnp.dtype = "float32",
+    quantization: str | None = None,
+    keep_blocks: bool = False,
+) -> LoadedModel:
+    """Resolve a registry name or path and load everything a replica needs, its matrices
+    quantized by ``quantization`` (int8 / fp8; see model/quantization.py) if given, a GGUF's
+    block matrices kept as stored with ``keep_blocks`` (see ``keep_gguf_blocks``)."""
+    scheme = parse_quantization(quantization)  # a bad name fails before the weights load
+    path = resolve_model_path(name_or_path)
+    source: Path | GGUFFile = path
+    if path.suffix == ".gguf" and path.is_file():
+        # Parsed once for weights and tokenizer: the reader is slow on large vocabularies.
+        source = GGUFFile(path)
+        config, params = load_gguf_checkpoint(source, parse_dtype(dtype), keep_blocks)
+    else:
+        config, params = load_checkpoint(path, dtype, keep_blocks)
+    tokenizer = load_tokenizer(source, config)
+    loaded = LoadedModel(str(name_or_path), path, with_tokenizer_eos(config, tokenizer), params, tokenizer)
+    return loaded.quantized(scheme)

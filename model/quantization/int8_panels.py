@@ -1,0 +1,133 @@
+"""The integer compute mode's weights: 4- and 8-bit matrices repacked once, at load, for its kernel.
+
+Why: the integer kernel (model/kernels/int8_matmul.cc) multiplies sixteen output columns at once,
+each 4-byte vector lane holding one column's consecutive weight bytes. Read as stored, row after
+row, every call had to gather that layout first: at one decode row the gathers cost more than
+the products (0.4x the exact mode's speed). Repacked once, a call streams each weight byte once,
+in the order it uses it. It is the same numbers in another order: nothing is re-quantized.
+
+Layout of a matrix ``[N..., K...]`` (outputs and inputs each flattened, ``N`` and ``K``), in
+``G = ceil(N / 16)`` groups of 16 columns and ``B = ceil(K / 32)`` blocks of 32 inputs:
+
+- ``q [G, B, T, 16, 4]``: lane ``j`` of vector ``t`` holds column ``16 g + j``'s bytes ``4t .. 4t+3``
+  of block ``b`` as stored: for 4-bit GGUF blocks (``T = 4``, uint8) GGUF's byte ``i`` holds
+  weight ``i`` in its low nibble and ``i + 16`` in its high one; for 8-bit weights (``T = 8``,
+  int8) the bytes are the weights, zero past ``K``. Columns past ``N`` repeat column ``N - 1``
+  (the kernel computes them and drops them).
+- ``scale [G, B, 16]``: each block's ``d`` (GGUF blocks, ``int8_g32``), else ``[G, B, 0]``.
+- ``offset [G, B, 16]``: a 4-bit block's ``m`` (``w = d q + m``), else ``[G, B, 0]``.
+- ``scale`` and ``offset`` are float16 where every value of both is a float16 (GGUF stores them
+  so), else float32: a decode row reads every byte of the matrix, and float32 tables were a
+  third of a 4-bit weight's bytes (0.25 of 0.75 per weight; float16: 0.125 of 0.625). The
+  kernel widens them exactly, so the results do not change.
+- ``row_scale [N]``: per-row int8's scale per output column, else ``[0]``.
+
+Only the integer kernel reads this layout; ``rows`` (the tied embedding's lookup) and
+``dequantize`` (references) rebuild the stored form of what they need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from raylm.model.quantization.gguf_blocks import BLOCK, GgufBlocks
+from raylm.model.quantization.quant_array import QuantArray
+
+GROUP = 16  # output columns per packed group (the AVX-512 kernel's vector of int32 lanes)
+LANE = 4  # bytes per lane: one vpdpbusd adds four products
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Int8Panels:
+    """A matrix ``[*output_shape, *input_shape]`` packed for the integer kernel (module docstring)."""
+
+    q: Any
+    scale: Any
+    offset: Any
+    row_scale: Any
+    output_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    input_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.output_shape, *self.input_shape)
+
+    @property
+    def num_input_dims(self) -> int:
+        return len(self.input_shape)
+
+    @property
+    def nibbles(self) -> bool:
+        """4-bit GGUF blocks, else 8-bit weights."""
+        return self.q.dtype == np.uint8
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.nbytes + self.scale.nbytes + self.offset.nbytes + self.row_scale.nbytes)
+
+    def rows(self, index: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        """Output entries ``index`` (flat ids, e.g. token ids into ``[V, D]``) with their inputs,
+        dequantized exactly as the stored matrix's ``rows`` would give them."""
+        group, lane = index // GROUP, index % GROUP
+        lead = index.shape
+        size = math.prod(self.input_shape)
+        stored = self.q[group, :, :, lane, :].reshape(*lead, -1)  # [..., B * T * 4]: the stored bytes in order
+        if self.row_scale.shape[0]:
+            w = stored[..., :size].astype(jnp.float32) * self.row_scale[index][..., None]
+            return w.reshape(*lead, *self.input_shape).astype(dtype)
+        offset = self.offset[group, :, lane].astype(jnp.float32) if self.nibbles else jnp.zeros((*lead, 0), jnp.float32)
+        blocks = GgufBlocks(stored, self.scale[group, :, lane].astype(jnp.float32), offset, self.input_shape)
+        return blocks.dequantize(dtype)
+
+    def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """The whole matrix in ``dtype`` (for references and tests)."""
+        rows = self.rows(jnp.arange(math.prod(self.output_shape)), dtype)
+        return rows.reshape(self.shape)
+
+
+def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
+    """``w`` (GGUF Q4_0 / Q4_1 / Q8_0 blocks, ``int8_g32``, or int8 with a scale per output
+    channel) in the integer kernel's layout, on the device ``w`` is on (host numpy in between)."""
+    if isinstance(w, GgufBlocks):
+        output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
+        flat = w.flat()
+        q, scale = np.asarray(flat.q), np.asarray(flat.scale)
+        offset = np.asarray(flat.offset) if w.nibbles else None
+        row_scale = None
+    elif isinstance(w, QuantArray) and w.scheme == "int8":
+        output_shape, input_shape = tuple(w.scale.shape), tuple(w.shape[w.scale.ndim:])
+        size = math.prod(input_shape)
+        q = np.asarray(w.q).reshape(-1, size)
+        q = np.pad(q, ((0, 0), (0, -size % BLOCK)))  # zero weights past K (their activations are zero too)
+        scale = offset = None
+        row_scale = np.asarray(w.scale, np.float32).reshape(-1)
+    else:
+        raise TypeError(f"the integer kernel reads GGUF blocks and int8 weights, not {type(w).__name__}")
+    n = q.shape[0]
+    groups = -(-n // GROUP)
+    repeat = np.minimum(np.arange(groups * GROUP), n - 1)  # columns past N repeat the last one
+    blocks = q.shape[1] // (BLOCK // 2 if q.dtype == np.uint8 else BLOCK)
+    vectors = q.shape[1] // (blocks * LANE)
+    packed = q[repeat].reshape(groups, GROUP, blocks, vectors, LANE).transpose(0, 2, 3, 1, 4)
+
+    tables = [np.asarray(v, np.float32) for v in (scale, offset) if v is not None]
+    halves = all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables)
+    table_dtype = np.float16 if halves else np.float32
+
+    def per_block(values: np.ndarray | None) -> np.ndarray:
+        if values is None:
+            return np.zeros((groups, blocks, 0), table_dtype)
+        return np.ascontiguousarray(values[repeat].reshape(groups, GROUP, blocks).transpose(0, 2, 1), table_dtype)
+
+    return Int8Panels(
+        jnp.asarray(np.ascontiguousarray(packed)), jnp.asarray(per_block(scale)), jnp.asarray(per_block(offset)),
+        jnp.asarray(row_scale if row_scale is not None else np.zeros((0,), np.float32)), output_shape,
+        tuple(input_shape),
+    )

@@ -1,0 +1,392 @@
+"""The engine loop of one replica: add requests, step (schedule -> run -> process outputs), abort.
+
+Synchronous and single-threaded on purpose; ``AsyncEngine`` drives it from a background
+thread and ``LLM`` from a plain loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+import time
+from typing import Callable, Iterable
+from typing import Sequence as SequenceOf
+
+import numpy as np
+
+from raylm.cache.block_pool import NULL_BLOCK, BlockPool
+from raylm.cache.block_tables import BlockManager
+from raylm.cache.kv_budget import blocks_for_budget, group_blocks_for_budget
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.decoder.flop_count import ModelFlops
+from raylm.model.decoder.kv_pool import GroupedKV, KVCache, kv_pool_dtype
+from raylm.model.errors import PromptTooLongError
+from raylm.model.loaders.load import LoadedModel, parse_dtype
+from raylm.model.quantization.activations import with_int8_activations
+from raylm.model.runtime.backend_support import check_fp8
+from raylm.model.runtime.buckets import cdiv
+from raylm.model.runtime.compilation_cache import enable_compilation_cache
+from raylm.model.runtime.sharding import make_mesh
+from raylm.model.text.prompt_checks import check_prompt
+from raylm.workers.core.embedding import EmbeddingState
+from raylm.workers.core.engine_stats import EngineStats, LoraStats, MoeStats, remaining_work
+from raylm.workers.core.grammar import GrammarCompiler
+from raylm.workers.core.hidden_states import HiddenStateSlots, check_capture
+from raylm.workers.core.lora_adapters import LoraAdapters, LoRARequest, LoraSlots
+from raylm.workers.core.output_builder import stream_request_output
+from raylm.workers.core.request import RequestState
+from raylm.workers.core.request_output import RequestOutput
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.core.scheduler import Scheduler, SchedulerConfig
+from raylm.workers.core.sequence import Sequence
+from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.engine.progress import StderrProgress
+from raylm.workers.engine.step_work import StepCounters
+from raylm.workers.runner.draft_model import load_draft
+from raylm.workers.runner.model_runner import ModelRunner
+from raylm.workers.runner.speculative_step import DraftModel
+
+
+def _fp8_settings(model: LoadedModel, args: EngineArgs) -> list[str]:
+    """The settings of ``args`` (and the model as loaded) that store 8-bit floats."""
+    settings = []
+    if args.quantization == "fp8" or (args.quantization is None and model.quantization == "fp8"):
+        settings.append("model.quantization: fp8")
+    if args.kv_cache_dtype == "fp8":
+        settings.append("engine.kv_cache_dtype: fp8")
+    if args.speculative is not None and args.speculative.quantization == "fp8":
+        settings.append("engine.speculative.quantization: fp8")
+    return settings
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model replica (possibly tensor-parallel)."""
+
+    def __init__(
+        self, model: LoadedModel, args: EngineArgs = EngineArgs(),
+        progress: Callable[[Iterable], Iterable] = StderrProgress("compiling shape buckets"),
+        background_warmup: bool = False,
+    ):
+        check_fp8(_fp8_settings(model, args))
+        float_model = model
+        if args.quantization is not None:
+            model = model.quantized(args.quantization)
+        spec = args.speculative
+        draft = load_draft(spec, model, float_model, args.dtype) if spec and spec.method == "draft" else None
+        if args.activation_quantization == "int8":  # the target only: a draft keeps its exact sums
+            model = dataclasses.replace(model, params=with_int8_activations(model.params, model.name))
+        self.model = model
+        self.args = args
+        self.config = model.config
+        self.tokenizer = model.tokenizer
+        self.max_model_len = args.resolve_max_model_len(self.config.max_position_embeddings)
+        self.config = self.config.served_at(self.max_model_len)
+        self.eos_ids = frozenset(self.config.eos_token_ids)
+        if args.compilation_cache_dir:
+            enable_compilation_cache(args.compilation_cache_dir)
+        mesh = make_mesh(args.tensor_parallel_size, ep=args.expert_parallel_size)
+        kv_dtype = kv_pool_dtype(args.kv_cache_dtype, parse_dtype(args.dtype))
+        num_blocks, sliding_blocks = self._kv_block_counts(kv_dtype, draft.config if draft else None)
+        self.pool = BlockPool(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
+        # Interleaved sliding and full-attention layers: the sliding layers keep a KV group (block
+        # tables, pool, device arrays) of their own, whose blocks go back behind the window.
+        sliding = self.config.sliding_window
+        self.blocks = BlockManager(
+            self.pool, cache_salt=args.cache_salt(model.name, model.quantization),
+            window=_kv_window([self.config.max_window] + ([draft.config.max_window] if draft else [])),
+            sliding=None if sliding is None else (
+                BlockPool(sliding_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching), sliding),
+        )
+        # What one sequence alone can ever hold (None: its windows bound it): fixed by the pools.
+        self._pool_tokens = self.blocks.max_tokens(self._max_step_tokens())
+        self.max_prompt_tokens = self.blocks.max_prompt_tokens(self._max_step_tokens())
+        self.loras = LoraAdapters(self.config, args.max_lora_rank, args.max_cpu_loras or args.max_loras) \
+            if args.enable_lora else None
+        self.scheduler = Scheduler(
+            SchedulerConfig.from_engine_args(args),
+            self.blocks,
+            self.eos_ids,
+            HiddenStateSlots(args.hidden_state_slots),
+            LoraSlots(args.max_loras, self.loras) if self.loras is not None else None,
+        )
+        self.draft_model = draft
+        self.runner = ModelRunner(
+            self.config, model.params,
+            KVCache.create(self.config, num_blocks, args.block_size, kv_dtype, mesh) if sliding is None else
+            GroupedKV.create(self.config, (num_blocks, sliding_blocks), args.block_size, kv_dtype, mesh),
+            mesh, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len, eos_ids=self.eos_ids, speculative=spec,
+            draft=DraftModel(
+                draft.config, draft.params, KVCache.create(draft.config, num_blocks, args.block_size, kv_dtype, mesh)
+            ) if draft else None,
+            hidden_state_buffers=(args.hidden_state_slots, args.hidden_state_max_tokens),
+            lora_buffers=(args.max_loras, args.max_lora_rank, args.lora_dtype) if args.enable_lora else None,
+        )
+        # Warm-up: every bucket now, or with ``background_warmup`` the ones a request alone takes
+        # now and the rest by ``warm_up_next`` while the engine idles (a server that starts
+        # serving sooner; AsyncEngine does this).
+        self.warmup_pending: list[tuple[str, tuple[int, ...]]] = []
+        if args.warmup:
+            shapes = self.runner.warmup_shapes(args.num_scheduler_steps)
+            now = shapes[: self.runner.first_warmup_shapes(args.num_scheduler_steps)] if background_warmup else shapes
+            self.runner.warmup(args.num_scheduler_steps, now, progress, lora_slots=True)
+            self.warmup_pending = shapes[len(now):]
+        self._limit_chunks_to_compiled()
+        self.runner.take_expert_load()  # (the warm-up's tokens are not load)
+        self.step_counters = StepCounters(
+            args.block_size, ModelFlops.of(self.config, model.params),
+            ModelFlops.of(draft.config, draft.params) if draft else None,
+            integer_matmuls=args.activation_quantization == "int8")
+        # An MoE model's tokens routed per (sparse layer, expert), read from the device by ``stats``.
+        self.routed_tokens = None if self.config.moe is None else np.zeros(
+            (len(self.config.moe_layers), self.config.moe.num_experts), np.int64)
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_ids)
+        self.requests: dict[str, RequestState] = {}
+        self._seeds = random.Random(args.seed)
+        self.num_requests = 0
+        self.last_step_tokens = 0  # tokens the latest step computed (prefill chunks + decode steps)
+
+    def _kv_block_counts(self, kv_dtype, draft_config: ModelConfig | None) -> tuple[int, int | None]:
+        """Blocks of the pool (of the full-attention group's, with a sliding group) and of the
+        sliding group's (None without one). ``num_kv_blocks`` gives each group that many;
+        a memory budget gives the sliding group what its sequences can hold at once (each
+        running sequence its window and a decode step, a step's prompt chunks on top, a block
+        of misalignment each), as far as an even split allows, and the full group the rest."""
+        args, config = self.args, self.config
+        window = config.sliding_window
+        if args.num_kv_blocks:
+            return args.num_kv_blocks, None if window is None else args.num_kv_blocks
+        budget = (args.kv_cache_memory_bytes, args.kv_cache_memory_fraction)
+        if window is None:
+            return blocks_for_budget(config, args.block_size, kv_dtype, *budget, draft_config=draft_config), None
+        decode = self._max_step_tokens(prompts=False)
+        wanted = (args.max_num_seqs * (cdiv(window + decode, args.block_size) + 2)
+                  + cdiv(args.max_num_batched_tokens, args.block_size) + 1)
+        return group_blocks_for_budget(config, args.block_size, kv_dtype, *budget, wanted, draft_config=draft_config)
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | SequenceOf[int],
+        params: SamplingParams,
+        priority: int = 0,
+        embed: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError (e.g. PromptTooLongError) if it can never run.
+        ``embed``: the request wants its prompt's embedding (``RequestOutput.embedding``, pooled
+        as ``EngineArgs.embedding_pooling`` says) instead of a completion; ``params`` must ask
+        for one sequence. ``lora_request``: generate with that LoRA adapter (read now if it is
+        not in host memory: one that cannot be served raises ``LoraAdapterError``)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            if self.loras is None:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} asked of a replica without LoRA; "
+                                 "start it with enable_lora=True")
+            self.loras.add(lora_request)
+        text = prompt if isinstance(prompt, str) else None
+        prompt_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(prompt_ids, params)
+        max_tokens = self._max_tokens(len(prompt_ids), params)
+        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
+        if embed and (params.n != 1 or params.structured_output is not None):
+            raise ValueError("an embedding request takes one sequence and no structured output")
+        if params.logits_processors and (embed or self.args.speculative is not None):
+            raise ValueError("logits_processors do not combine with speculative decoding or embeddings")
+        hidden = None
+        if params.return_hidden_states is not None:
+            if params.n != 1 or embed:
+                raise ValueError("return_hidden_states takes one sequence (n = 1) and no embedding")
+            hidden = check_capture(
+                params.return_hidden_states, self.config.num_layers, len(prompt_ids), max_tokens,
+                params.hidden_states_include_prompt, self.args.hidden_state_slots, self.args.hidden_state_max_tokens,
+            )
+        seqs = [
+            Sequence.create(
+                request_id, i, prompt_ids, params, (base_seed + i * 1_000_003) % 2**32, max_tokens, priority,
+                self.tokenizer,
+                # each sequence follows the grammar on its own
+                matcher=self.grammars.matcher(params.structured_output) if params.structured_output else None,
+                embedding=EmbeddingState(self.args.embedding_pooling) if embed else None, hidden=hidden,
+                lora=lora_request,
+            )
+            for i in range(params.n)
+        ]
+        self.requests[request_id] = RequestState(request_id, text, prompt_ids, seqs, time.monotonic())
+        self.scheduler.add(seqs[0], forks=seqs[1:])
+        self.num_requests += 1
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        """Outputs a sequence may generate: what was asked for (else up to the context), but no
+        more than one sequence can hold in the whole KV pool. Beyond that it could never get
+        another block, even alone, and would wait for one forever; it ends with "length" there.
+        The last sampled token is never fed back, so it needs no K/V (hence the + 1). A KV
+        group whose layers all slide holds a bounded number of blocks of a sequence however
+        long it grows: when every group does, only the context limits it."""
+        asked = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+        if self._pool_tokens is None:
+            return asked  # its windows bound what it holds: the pools never run out for it alone
+        return min(asked, self._pool_tokens + 1 - prompt_len)
+
+    def _max_step_tokens(self, prompts: bool = True) -> int:
+        """The most tokens of one sequence a step computes: a prompt chunk (the token budget;
+        not with ``prompts=False``), the decode steps of one call, or a speculative step's last
+        token and guesses."""
+        spec = self.args.speculative
+        return max(self.args.max_num_batched_tokens if prompts else 1, self.args.num_scheduler_steps,
+                   1 + (spec.num_speculative_tokens if spec else 0))
+
+    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_ids)
+        check_prompt(prompt_ids, self.config.vocab_size, params.max_tokens or 1, self.max_model_len)
+        bad_bias = [t for t in params.logit_bias or {} if t >= self.config.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        if not self.args.enable_chunked_prefill and n > self.args.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens but max_num_batched_tokens is {self.args.max_num_batched_tokens} and "
+                "chunked prefill is off; enable chunked prefill or raise the budget"
+            )
+        if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens but the KV pool holds prompts of at most {self.max_prompt_tokens} tokens"
+            )
+
+    def warm_up_next(self) -> None:
+        """Compile the next program ``background_warmup`` left (a fraction of a second)."""
+        shape = self.warmup_pending.pop(0)
+        self.runner.warmup(self.args.num_scheduler_steps, [shape])
+        self._limit_chunks_to_compiled()
+
+    def end_warmup(self) -> None:
+        """Drop the background warm-up: what it left compiles on first use, and prompt chunks
+        are no longer held to the compiled buckets."""
+        self.warmup_pending.clear()
+        self._limit_chunks_to_compiled()
+
+    @property
+    def chunks_wait_for_compile(self) -> bool:
+        """Whether the last step held a prompt chunk to the compiled buckets: the caller should
+        compile the next one (``warm_up_next``) even while requests run, or under steady load
+        long prompts would stay in small chunks."""
+        return self.scheduler.chunk_capped and self.scheduler.chunk_cap is not None
+
+    def _limit_chunks_to_compiled(self) -> None:
+        """Hold prompt chunks to the packed buckets compiled so far, while others wait in the
+        background warm-up (``warmup_shapes`` orders them: the larger ones ascending, then the
+        smaller): a restarted replica serves a long prompt in chunks at once, and a short one
+        padded to a compiled bucket, rather than stalling every request for a compile. Without
+        chunked prefill a prompt cannot be split, so its bucket compiles on first use as before."""
+        waiting = frozenset(dims[0] for kind, dims in self.warmup_pending if kind == "packed")
+        if not self.args.enable_chunked_prefill:
+            waiting = frozenset()
+        self.runner.packed_unavailable = waiting
+        # The largest compiled bucket (the first one and those compiled above it, in order).
+        self.scheduler.chunk_cap = self.runner.buckets.largest_token_bucket(waiting) if waiting else None
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output, if it existed."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            if not seq.finished:
+                self.scheduler.abort(seq)
+        return stream_request_output(state, final=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling round; returns the outputs of requests that made progress."""
+        plan = self.scheduler.schedule()
+        self.last_step_tokens = 0
+        if plan.empty:
+            return []
+        self.last_step_tokens = plan.num_tokens
+        scheduled_at = time.monotonic()
+        output = self.runner.execute(plan)
+        self.step_counters.add(plan, output, time.monotonic() - scheduled_at)
+        progressed = self.scheduler.update_from_output(plan, output, scheduled_at)
+        for seq in progressed:  # finished captures: read before the next step reuses their slot
+            if seq.finished and seq.hidden is not None:
+                self.requests[seq.request_id].hidden_states = self.runner.read_hidden_states(seq.hidden, seq.num_tokens)
+
+        outputs = []
+        for state in {seq.request_id: self.requests[seq.request_id] for seq in progressed}.values():
+            outputs.append(stream_request_output(state, final=state.finished))
+            if state.finished:
+                del self.requests[state.request_id]
+        outputs += self._abort_failed_processors(output.processor_failures)
+        return outputs
+
+    def _abort_failed_processors(self, failed: dict[int, str]) -> list[RequestOutput]:
+        """Requests whose logits processor failed this step end now ("abort"; it was logged)."""
+        if not failed:
+            return []
+        ended = [self.abort(state.request_id) for state in list(self.requests.values())
+                 if any(seq.seq_id in failed for seq in state.seqs)]
+        return [out for out in ended if out is not None]
+
+    # -- introspection -----------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Queue, pool and token counters: what metrics, routing, autoscaling and status read."""
+        scheduler = self.scheduler
+        spec = scheduler.spec_stats if self.args.speculative is not None else None
+        return EngineStats(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            waiting_tokens=sum(len(s.prompt_ids) + len(s.output_ids) for s in scheduler.waiting),
+            work_tokens=sum(remaining_work(s) for s in (*scheduler.running, *scheduler.waiting)),
+            tokens_stored=sum(s.num_computed_tokens - s.block_ids.count(NULL_BLOCK) * self.pool.block_size
+                              for s in scheduler.running),
+            token_capacity=self.pool.num_used_blocks * self.pool.block_size,
+            num_preemptions=scheduler.num_preemptions,
+            requests=self.num_requests,
+            prompt_tokens=scheduler.num_prompt_tokens,
+            generation_tokens=scheduler.num_generated_tokens,
+            pool=self.pool.stats(),
+            spec=copy.deepcopy(spec),
+            lora=self._lora_stats(),
+            moe=self._moe_stats(),
+            max_prompt_tokens=self.max_prompt_tokens,
+            warmup_programs_left=len(self.warmup_pending),
+            compute=self.step_counters.stats(),
+        )
+
+    def _moe_stats(self) -> MoeStats | None:
+        load = self.runner.take_expert_load()
+        if load is None:
+            return None
+        self.routed_tokens += load
+        config, args = self.config, self.args
+        return MoeStats(args.expert_parallel_size, args.tensor_parallel_size, config.moe.num_experts,
+                        config.moe_layers,
+                        tuple(tuple(int(n) for n in layer) for layer in self.routed_tokens))
+
+    def _lora_stats(self) -> LoraStats | None:
+        slots = self.scheduler.lora_slots
+        if slots is None:
+            return None
+        return LoraStats(tuple(slots.resident), slots.num_in_use, dict(slots.loads), dict(slots.evictions))
+
+
+def _kv_window(windows: list[int | None]) -> int | None:
+    """The window of the models sharing the block tables (the model and any draft model) that
+    lets blocks go: every layer of every one of them must slide (the widest window counts)."""
+    return None if None in windows else max(windows)  # type: ignore[type-var]
+
+
+def make_engine(model: str | LoadedModel, background_warmup: bool = False, **engine_args) -> LLMEngine:
+    """Load ``model`` (name, path or LoadedModel) and build an engine with ``engine_args``."""
+    from raylm.model.loaders.load import load_model
+
+    args = EngineArgs.from_kwargs(**engine_args)
+    if not isinstance(model, LoadedModel):
+        model = load_model(model, args.dtype, args.quantization, args.keep_gguf_blocks())
+    return LLMEngine(model, args, background_warmup=background_warmup)
+

@@ -1,0 +1,554 @@
+"""Runs a step's plan on the device: the replica's weights and KV pools, and the one place each
+compiled program is launched.
+
+``ModelRunner.execute`` takes a ``SchedulerOutput`` (plain data) and returns a
+``RunnerOutput``; it never sees a sequence. Every kind of program is declared once, in
+``_program_kinds``: the buckets it is compiled for and its launcher, the program's one call
+site. Steps launch the buckets their rows take (``workers/batch_inputs.py`` pads them);
+``warmup`` launches every bucket with no rows, which compiles exactly the programs steps run
+(padding writes only to the null block), and the persistent compilation cache keeps them
+across restarts.
+
+A step's programs (prefill groups, then the decode) are all dispatched before any result is
+fetched: JAX runs them back to back on the device while the host waits once, so running
+sequences never wait for a host round trip behind a prefill. Attention (prompt chunks and
+decode tokens alike) goes through the CPU paged kernel where it can run
+(``model.kernels.paged_decode``); its cost follows each query's real context, so programs then use
+one block-table width instead of a bucket per width, and a step's prompt chunks are packed
+back to back, one token per row (the kernel gives each token its own context), into one
+call per token bucket instead of one per (rows, chunk length, width) bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.decoder.forward import PooledHidden
+from raylm.model.decoder.kv_pool import GroupedKV, KVCache
+from raylm.model.decoder.lora_slots import (
+    LoraBatch,
+    LoraWeights,
+    PackedLoraWeights,
+    create_lora_weights,
+    kernel_layout,
+    pack_lora_weights,
+    slot_values,
+    write_slot,
+)
+from raylm.model.decoder.params import ModelParams
+from raylm.model.kernels import paged_decode
+from raylm.model.loaders.lora_adapter import LoraAdapter
+from raylm.model.runtime.buckets import bucket
+from raylm.model.runtime.sharding import shard_lora, shard_params
+from raylm.workers.core.hidden_states import HiddenStateCapture
+from raylm.workers.core.logits_processors import LogitsProcessorError, apply_processors
+from raylm.workers.core.speculation import SpeculativeConfig
+from raylm.workers.core.step_plan import ScheduledChunk, ScheduledDecode, ScheduledRow, SchedulerOutput
+from raylm.workers.core.step_result import PooledChunk, RunnerOutput
+from raylm.workers.runner.batch_inputs import (
+    ShapeBuckets,
+    block_table,
+    decode_inputs,
+    hidden_where,
+    logits_flag,
+    lora_slots,
+    packed_prefill_inputs,
+    pooling_args,
+    prefill_inputs,
+    sampling_inputs,
+)
+from raylm.workers.runner.grammar_masks import position_bitmasks
+from raylm.workers.runner.programs import (
+    copy_blocks_program,
+    decode_program,
+    packed_prefill_program,
+    prefill_program,
+    read_hidden,
+    resample,
+)
+from raylm.workers.runner.sampler import SampleResult, SamplingBatch
+from raylm.workers.runner.speculative_step import (
+    DraftModel,
+    check_draft_guesses,
+    draft_program,
+    ngram_proposals,
+    spec_decode_program,
+    window_inputs,
+)
+
+logger = logging.getLogger(__name__)
+
+Collect = Callable[[RunnerOutput], None]  # fetches a launched program's results into the step's output
+Processing = Callable[..., SampleResult]
+
+
+class ModelRunner:
+    """Owns the weights and the device KV pools of one replica and executes scheduler output."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: ModelParams,
+        kv: KVCache | GroupedKV,
+        mesh: Mesh,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_ids: frozenset[int],
+        speculative: SpeculativeConfig | None = None,
+        draft: DraftModel | None = None,
+        hidden_state_buffers: tuple[int, int] = (0, 0),
+        lora_buffers: tuple[int, int, str | None] | None = None,
+    ):
+        self.config = config
+        self.mesh = mesh
+        self.params = shard_params(params, config, mesh)
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.eos_ids = eos_ids
+        self.cpu_kernels = _cpu_kernels_run(mesh, kv)
+        # KV groups: one pool for every layer, or the full-attention and the sliding layers' own.
+        self.num_kv_groups = 2 if isinstance(kv, GroupedKV) else 1
+        self.buckets = ShapeBuckets.create(max_num_seqs, max_num_batched_tokens, max_model_len, self.block_size,
+                                           self.cpu_kernels)
+        self.speculative = speculative
+        if draft is not None:
+            draft = dataclasses.replace(draft, params=shard_params(draft.params, draft.config, mesh))
+        self.draft = draft
+        # Hidden-state extraction (workers/hidden_states.py): [slots, L + 1, max_tokens, D].
+        slots, max_tokens = hidden_state_buffers
+        self.hidden_buffers = jnp.zeros((slots, config.num_layers + 1, max_tokens, config.hidden_size), jnp.float32) \
+            if slots else None
+        # LoRA adapter slots (model/lora_weights.py): (max_loras, max_lora_rank, dtype or None for
+        # the model's), None when off.
+        self.lora_weights = None
+        if lora_buffers is not None:
+            num_slots, self.lora_rank, dtype = lora_buffers
+            self.lora_dtype = jnp.dtype(dtype) if dtype else self.params.final_norm.dtype
+            # Packed for the CPU kernel (one program argument for every layer), else per layer,
+            # sharded with the base matrices. int8 slots exist only packed (the kernel scales them).
+            self.lora_packed = kernel_layout(self.cpu_kernels, self.params.final_norm.dtype, self.lora_dtype)
+            if self.lora_dtype == jnp.int8 and not self.lora_packed:
+                raise ValueError("lora_dtype int8 needs the CPU LoRA kernel: an unsharded replica on CPU with a "
+                                 "float32 model and the kernels built; use float32 or bfloat16 slots here")
+            self._slot_dtype = jnp.dtype(jnp.float32) if self.lora_dtype == jnp.int8 else self.lora_dtype
+            if self.lora_packed:  # empty slots on the device, laid out as one slot's packed values
+                empty = self._slot_contents(None)
+                self.lora_weights = jax.tree.map(lambda leaf: jnp.zeros((num_slots, *leaf.shape), leaf.dtype), empty)
+            else:
+                self.lora_weights = shard_lora(
+                    create_lora_weights(config, num_slots, self.lora_rank, self._slot_dtype), config, mesh)
+        # An MoE model's tokens routed per (sparse layer, expert) since ``take_expert_load``:
+        # every program adds its step's on the device (model/forward.py), so the load metric
+        # costs no transfer per step.
+        self._expert_load_shape = (len(config.moe_layers), config.moe.num_experts) if config.moe_layers else None
+        self.expert_load = self._zero_expert_load()
+        # Packed prompt buckets a step must not launch (their programs wait in a served engine's
+        # background warm-up): set by the engine.
+        self.packed_unavailable: frozenset[int] = frozenset()
+
+    # -- the programs -----------------------------------------------------------------------------
+    def _program_kinds(self, num_scheduler_steps: int) -> dict[str, tuple[list[tuple[int, ...]], Callable]]:
+        """Every kind of program a step may launch: the buckets it is compiled for (when no
+        request asks for logprobs, penalties, logits, grammars or hidden states, which are
+        variants) and its launcher, called as ``launch(rows, *bucket)``."""
+        b = self.buckets
+        rows, widths = b.row_buckets(), b.widths()
+        kinds: dict[str, tuple[list[tuple[int, ...]], Callable]] = {}
+        if b.cpu_kernels:
+            kinds["packed"] = ([(n,) for n in b.token_buckets()], self._launch_packed_prefill)
+        else:
+            kinds["prefill"] = ([(r, n, w) for r, n, w in itertools.product(rows, b.token_buckets(), widths)
+                                 if b.prefill_row_fits(r, n)], self._launch_prefill)
+        kinds["decode"] = ([(r, w, steps) for steps in sorted({1, num_scheduler_steps})
+                            for r, w in itertools.product(rows, widths)], self._launch_decode)
+        if self.speculative is not None:
+            # A draft model decodes with no guesses through the speculative program (K = 0) too.
+            lookaheads = sorted({self.speculative.num_speculative_tokens} | ({0} if self.draft else set()))
+            kinds["spec"] = (list(itertools.product(rows, widths, lookaheads)), self._launch_spec)
+        kinds["copy"] = ([(n, g) for n in rows for g in range(self.num_kv_groups)], self._launch_copy)
+        return kinds
+
+    def warmup_shapes(self, num_scheduler_steps: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Every (kind, bucket) the engine can hit when no request asks for a variant, in the
+        order to compile them: first the ones a request alone takes (``first_warmup_shapes``
+        of them: one row's decode, and its prompt chunks in the ``FIRST_PACKED_TOKENS`` bucket
+        when they are packed, any length when not), then the larger packed buckets in
+        ascending order, then the smaller ones, so a replica that serves while it compiles the
+        rest (``workers/async_engine.py``) rarely meets a cold one."""
+        smallest, first_packed = self.buckets.row_buckets()[0], self.first_packed_bucket()
+        shapes = [(kind, dims) for kind, (shapes, _) in self._program_kinds(num_scheduler_steps).items()
+                  for dims in shapes]
+        return sorted(shapes, key=lambda shape: (not _first(shape, smallest, first_packed), shape[0] != "packed",
+                                                 shape[0] == "packed" and shape[1][0] < first_packed))
+
+    def first_warmup_shapes(self, num_scheduler_steps: int) -> int:
+        """How many of ``warmup_shapes`` a served engine compiles before it serves."""
+        smallest, first_packed = self.buckets.row_buckets()[0], self.first_packed_bucket()
+        return sum(_first(shape, smallest, first_packed) for shape in self.warmup_shapes(num_scheduler_steps))
+
+    def first_packed_bucket(self) -> int:
+        """The one packed prompt bucket a served engine compiles before it serves: the token
+        bucket of ``FIRST_PACKED_TOKENS`` (or the largest there is, if smaller)."""
+        buckets = self.buckets.token_buckets()
+        return next((n for n in buckets if n >= FIRST_PACKED_TOKENS), buckets[-1])
+
+    def warmup(self, num_scheduler_steps: int, shapes: list[tuple[str, tuple[int, ...]]],
+               progress: Callable[[Iterable], Iterable] = lambda x: x, lora_slots: bool = False) -> None:
+        """Compile ``shapes`` ahead of traffic (launched with no rows: writes only to the null
+        block; the results are not fetched), and with ``lora_slots`` the program that fills a
+        LoRA slot (compiled on an empty slot 1: at start-up only, before any adapter is in it)."""
+        kinds = self._program_kinds(num_scheduler_steps)
+        for kind, dims in progress(shapes):
+            kinds[kind][1]([], *dims)
+        if lora_slots and self.lora_weights is not None:
+            self._load_lora(1, None)
+
+    # -- a step -----------------------------------------------------------------------------------
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run one engine step: the plan's block copies, its prompt chunks, and
+        ``num_decode_steps`` tokens for its decodes, or, with speculative decoding, each
+        decode's last token and up to its ``guesses`` verified in one call. Every program is
+        dispatched before the first result is fetched (one host wait per step)."""
+        b = self.buckets
+        for slot, adapter in plan.lora_loads:
+            self._load_lora(slot, adapter)
+        for group, copies in enumerate((plan.block_copies, plan.sliding_block_copies)):
+            if copies:
+                self._launch_copy(copies, bucket(len(copies), 1, max(b.max_batch, len(copies))), group)
+        chunks, decodes = plan.prefills, plan.decodes
+        if b.cpu_kernels:
+            pending = [self._launch_packed_prefill(group, n)
+                       for group, n in b.packed_groups(chunks, self.packed_unavailable)]
+        else:
+            pending = [self._launch_prefill(group, b.rows(len(group)), length, b.width([c.row for c in group]))
+                       for group, length in b.prefill_groups(chunks)]
+        if decodes:
+            assert plan.num_decode_steps == 1 or not any(d.row.host_before_each_token for d in decodes), \
+                "one step at a time"
+            pending.append(self._launch_decode_step(decodes, plan.num_decode_steps))
+        out = RunnerOutput()
+        for collect in pending:
+            collect(out)
+        return out
+
+    def _launch_copy(self, copies: list[tuple[int, int]], n: int, group: int = 0) -> None:
+        """Copy blocks (copy-on-write) of KV group ``group`` in its pool, and in a draft model's
+        (which reads the full-attention group's table), padded to ``n`` with null-block self
+        copies so the program count stays logarithmic."""
+        src, dst = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        if copies:
+            src[: len(copies)], dst[: len(copies)] = zip(*copies)
+        if isinstance(self.kv, GroupedKV):
+            name = self.kv._fields[group]
+            copied = copy_blocks_program(getattr(self.kv, name), src, dst, cpu_kernels=self.cpu_kernels)
+            self.kv = self.kv._replace(**{name: copied})
+        else:
+            self.kv = copy_blocks_program(self.kv, src, dst, cpu_kernels=self.cpu_kernels)
+        if self.draft is not None and group == 0:
+            self.draft.kv = copy_blocks_program(self.draft.kv, src, dst, cpu_kernels=self.cpu_kernels)
+
+    def _load_lora(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Fill LoRA slot ``slot`` with ``adapter`` (None: empty it; every slot and adapter share
+        one program)."""
+        self.lora_weights = write_slot(self.lora_weights, np.int32(slot - 1), self._slot_contents(adapter))
+
+    def _slot_contents(self, adapter: LoraAdapter | None) -> LoraWeights | PackedLoraWeights:
+        """One slot's values for ``adapter`` (None: empty), packed when the slots are."""
+        values = slot_values(adapter, self.config, self.lora_rank, self._slot_dtype)
+        return pack_lora_weights(values, slot_axis=False, dtype=self.lora_dtype) if self.lora_packed else values
+
+    def _lora(self, slots: np.ndarray) -> dict[str, Any]:
+        """A program's ``lora`` argument: the slots and each forward row's slot; none when LoRA
+        is off (the program without it: an argument given as None is another jit signature)."""
+        return {} if self.lora_weights is None else {"lora": LoraBatch(self.lora_weights, slots)}
+
+    def _launch_packed_prefill(self, chunks: list[ScheduledChunk], num_tokens: int) -> Collect:
+        rows = self.buckets.packed_rows(num_tokens)
+        seqs = [c.row for c in chunks]
+        tokens, positions, token_rows, last_tokens = packed_prefill_inputs(chunks, num_tokens, rows)
+        sbatch, flags = self._sampling(seqs, rows)
+        token_seqs = [seqs[r] if p >= 0 else None for r, p in zip(token_rows, positions)]
+        result, self.kv, draft_kv, pooled, hidden, logits, load = packed_prefill_program(
+            self.params, self.kv, *self._draft_args, tokens, positions, token_rows,
+            self._tables(seqs, rows, self.buckets.max_width), last_tokens, sbatch, config=self.config,
+            draft_config=self._draft_config, **flags, **pooling_args(chunks, rows, token_rows),
+            **self._hidden_sink(token_seqs, positions[:, None]), **logits_flag(seqs),
+            **self._lora(lora_slots(seqs, rows)[token_rows]), **self._expert_load(),
+        )
+        self._keep(draft_kv, hidden, load)
+        return self._collect_chunks(chunks, result, pooled, self._processing(
+            seqs, logits, sbatch, flags, [c.samples for c in chunks]))
+
+    def _launch_prefill(self, chunks: list[ScheduledChunk], rows: int, length: int, width: int) -> Collect:
+        seqs = [c.row for c in chunks]
+        tokens, positions, context = prefill_inputs(chunks, rows, length)
+        sbatch, flags = self._sampling(seqs, rows)
+        result, self.kv, draft_kv, pooled, hidden, logits, load = prefill_program(
+            self.params, self.kv, *self._draft_args, tokens, positions, self._tables(seqs, rows, width), context,
+            sbatch, config=self.config, draft_config=self._draft_config, **flags,
+            **pooling_args(chunks, rows, np.arange(rows)[:, None].repeat(length, 1)),
+            **self._hidden_sink(seqs, positions), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
+            **self._expert_load(),
+        )
+        self._keep(draft_kv, hidden, load)
+        return self._collect_chunks(chunks, result, pooled, self._processing(
+            seqs, logits, sbatch, flags, [c.samples for c in chunks]))
+
+    def _collect_chunks(self, chunks: list[ScheduledChunk], result: SampleResult, pooled: PooledHidden | None,
+                        process: Processing | None) -> Collect:
+        """Fetches a prefill call's samples: row ``r`` belongs to ``chunks[r]``, if it samples.
+        Embedding chunks return their pooled hidden states instead; rows with logits
+        processors are sampled again from their processed logits (``process``). A draft model
+        computed the chunks too, so it is behind by nothing."""
+        sampled = [(c.row.seq_id, r) for r, c in enumerate(chunks) if c.samples and not c.pools]
+        embedded = [(c.row.seq_id, r) for r, c in enumerate(chunks) if c.pools]
+
+        def collect(out: RunnerOutput) -> None:
+            fetched, hidden = jax.device_get((result, pooled))
+            for seq_id, r in embedded:
+                out.pooled[seq_id] = PooledChunk(hidden.sums[r], hidden.last[r, 0])
+            if process is not None:
+                fetched = process(fetched, out)
+            out.draft_lags.update((c.row.seq_id, 0) for c in chunks)
+            out.samples.update((seq_id, [_row(fetched, r)]) for seq_id, r in sampled
+                               if seq_id not in out.processor_failures)
+
+        return collect
+
+    def _launch_decode_step(self, decodes: list[ScheduledDecode], num_steps: int) -> Collect:
+        """A plain decode, or a speculative one: a draft model's pool must see every token the
+        target computes, so with one every decode goes through the speculative program (zero
+        guesses when the scheduler allowed none); n-gram rows without a match decode plainly."""
+        rows, width = self.buckets.rows(len(decodes)), self.buckets.width([d.row for d in decodes])
+        if self.speculative is None:
+            return self._launch_decode(decodes, rows, width, num_steps)
+        for decode in decodes:
+            self._assert_room_for_guesses(decode)
+        num_guesses, proposals = [d.guesses for d in decodes], None
+        if self.draft is None:
+            proposals = ngram_proposals(decodes, self.speculative)
+            if not any(proposals):
+                return self._launch_decode(decodes, rows, width, 1)
+            num_guesses = [min(k, len(p)) for k, p in zip(num_guesses, proposals)]
+        K = self.speculative.num_speculative_tokens if any(num_guesses) else 0
+        return self._launch_spec(decodes, rows, width, K, num_guesses, proposals)
+
+    def _assert_room_for_guesses(self, decode: ScheduledDecode) -> None:
+        """The scheduler grew the row's blocks for its guesses (leaving out what max_tokens
+        could not emit): a guess past them would write another sequence's block."""
+        room = len(decode.row.block_ids) * self.block_size - decode.position - 1
+        if decode.guesses > room:
+            raise AssertionError(f"sequence {decode.row.seq_id} was allowed {decode.guesses} guesses "
+                                 f"but holds room for {room}")
+
+    def _launch_decode(self, decodes: list[ScheduledDecode], rows: int, width: int, num_steps: int) -> Collect:
+        """``num_steps`` tokens for each row (fewer where its blocks end)."""
+        seqs = [d.row for d in decodes]
+        tokens, positions, limits = decode_inputs(decodes, rows, num_steps, self.block_size)
+        sbatch, flags = self._sampling(seqs, rows)
+        results, self.kv, hidden, logits, load = decode_program(
+            self.params, self.kv, tokens, positions, self._tables(seqs, rows, width), limits, sbatch,
+            config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels, **flags,
+            **self._hidden_sink(seqs, positions[:, None]), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
+            **self._expert_load(),
+        )
+        self._keep(None, hidden, load)
+        process = self._processing(seqs, logits, sbatch, flags)
+
+        def collect(out: RunnerOutput) -> None:
+            fetched = jax.device_get(results)
+            if process is not None:  # one step (rows with processors decode one at a time)
+                fetched = SampleResult(*(a[None] for a in process(_row(fetched, 0), out, 0)))
+            for r, seq in enumerate(seqs):
+                if seq.seq_id not in out.processor_failures:
+                    out.samples[seq.seq_id] = [_row(fetched, (i, r)) for i in range(int(limits[r] - positions[r]))]
+
+        return collect
+
+    def _launch_spec(self, decodes: list[ScheduledDecode], rows: int, width: int, num_speculative: int,
+                     num_guesses: list[int] = (), proposals: list[list[int]] | None = None) -> Collect:
+        """A speculative step (``workers/spec_decode.py``): row ``r`` carries ``num_guesses[r]``
+        guesses, ``proposals[r]`` from the host, else the draft model's."""
+        K = num_speculative
+        seqs = [d.row for d in decodes]
+        window_tokens, window_positions = window_inputs(decodes, rows, self.draft is not None)
+        guesses = np.zeros((rows, K), np.int32)
+        num_drafts = np.zeros(rows, np.int32)
+        num_drafts[: len(num_guesses)] = num_guesses
+        for r, proposal in enumerate(proposals or ()):
+            guesses[r, : num_drafts[r]] = proposal[: num_drafts[r]]
+        table = self._tables(seqs, rows, width)
+        drafted = num_drafts.copy()  # what the draft model computes (its lag depends on it)
+        draft_args, draft_config = self._draft_args, self._draft_config
+        constrained = K > 0 and any(s.matcher is not None for s in seqs)
+        if constrained and self.draft is not None:
+            # Structured output rows: the draft proposes alone, the host checks its guesses
+            # against the grammars, and the target verifies what they accept.
+            proposed, self.draft.kv = draft_program(
+                self.draft.params, self.draft.kv, window_tokens, window_positions, num_drafts, table,
+                draft_config=self.draft.config, num_speculative=K, cpu_kernels=self.cpu_kernels,
+            )
+            guesses = np.array(jax.device_get(proposed))
+            check_draft_guesses(seqs, guesses, num_drafts)
+            draft_args, draft_config = (None, None), None
+        bitmasks = position_bitmasks(seqs, rows, self.config.vocab_size, guesses, num_drafts) if constrained else None
+        sbatch, flags = self._sampling(seqs, rows, None if bitmasks is None else bitmasks[0])
+        # Passed only when there are some: an argument given as None is another signature to
+        # jit than one left out, and the warmed-up programs leave it out.
+        masks = {} if bitmasks is None else {"position_bitmasks": bitmasks}
+        samples, accepted, self.kv, draft_kv, load = spec_decode_program(
+            self.params, self.kv, *draft_args, window_tokens, window_positions, guesses, num_drafts, table, sbatch,
+            config=self.config, draft_config=draft_config, num_speculative=K, cpu_kernels=self.cpu_kernels,
+            **masks, **flags, **self._lora(lora_slots(seqs, rows)), **self._expert_load(),
+        )
+        self._keep(draft_kv, None, load)  # (no draft pool back when the draft proposed alone)
+
+        def collect(out: RunnerOutput) -> None:
+            fetched, accepted_host = jax.device_get((samples, accepted))
+            for r, seq in enumerate(seqs):
+                a = int(accepted_host[r])
+                out.accepted[seq.seq_id] = (int(num_drafts[r]), a)
+                # The draft computed the window and its guesses but the last: after a fully
+                # accepted run it is one token behind the target.
+                out.draft_lags[seq.seq_id] = int(self.draft is not None and 0 < drafted[r] == a)
+                out.samples[seq.seq_id] = [_row(fetched, (j, r)) for j in range(a + 1)]
+
+        return collect
+
+    # -- what the launches share ----------------------------------------------------------------
+    def _tables(self, seqs: list[ScheduledRow], rows: int, width: int) -> np.ndarray:
+        """The rows' block tables, one per KV group (``block_table``)."""
+        return block_table(seqs, rows, width, self.num_kv_groups)
+
+    def _sampling(self, seqs: list[ScheduledRow], rows: int,
+                  bitmask: np.ndarray | None = None) -> tuple[SamplingBatch, dict]:
+        return sampling_inputs(seqs, rows, self.config.vocab_size, self.eos_ids, bitmask)
+
+    def _processing(self, seqs: list[ScheduledRow], logits: jax.Array | None, sbatch: SamplingBatch, flags: dict,
+                    samples: list[bool] | None = None) -> Processing | None:
+        """For a call whose rows ``seqs`` include logits processors: a function taking the
+        fetched samples of one step (``[B]`` rows), the step's output and the step's index,
+        and returning the samples with those rows sampled again from their processed logits
+        (``workers/logits_processors.py``). A row whose processor fails keeps no sample and is
+        recorded in the output's ``processor_failures``. ``samples``: which rows sample (a
+        prompt chunk that does not end its prompt does not)."""
+        if logits is None:
+            return None
+
+        def process(fetched: SampleResult, out: RunnerOutput, step: int | None = None) -> SampleResult:
+            host = np.array(jax.device_get(logits if step is None else logits[step]))
+            rows = []
+            for r, seq in enumerate(seqs):
+                if seq.params.logits_processors and (samples is None or samples[r]):
+                    try:
+                        host[r] = apply_processors(seq.params.logits_processors, seq.prompt_ids, seq.output_ids,
+                                                   host[r])
+                        rows.append(r)
+                    except LogitsProcessorError as err:
+                        logger.error("request %s: %s", seq.request_id, err)
+                        out.processor_failures[seq.seq_id] = str(err)
+            again = jax.device_get(resample(jnp.asarray(host), sbatch, **flags))
+            picked = np.zeros(len(host), bool)
+            picked[rows] = True
+            return SampleResult(*(np.where(picked.reshape(-1, *[1] * (np.ndim(a) - 1)), b, a)
+                                  for a, b in zip(fetched, again)))
+
+        return process
+
+    def _zero_expert_load(self) -> jax.Array | None:
+        if self._expert_load_shape is None:
+            return None
+        return jax.device_put(np.zeros(self._expert_load_shape, np.int32), NamedSharding(self.mesh, PartitionSpec()))
+
+    def _expert_load(self) -> dict[str, Any]:
+        """A program's ``expert_load`` argument (donated); none for a model without experts."""
+        return {} if self.expert_load is None else {"expert_load": self.expert_load}
+
+    def take_expert_load(self) -> np.ndarray | None:
+        """Tokens routed per (sparse layer, expert) since the last call, ``[layers, E]`` (one
+        small transfer, waiting for the step in flight); the device count restarts from zero,
+        so its int32 never overflows. None for a model without experts."""
+        if self.expert_load is None:
+            return None
+        counts = np.asarray(jax.device_get(self.expert_load), np.int64)
+        self.expert_load = self._zero_expert_load()
+        return counts
+
+    def _hidden_sink(self, seqs: list[ScheduledRow | None], positions: np.ndarray) -> dict[str, Any]:
+        """The ``hidden_buffers`` / ``hidden_where`` arguments of a program (``hidden_where``);
+        none (the program without them) when no row captures."""
+        where = None if self.hidden_buffers is None else hidden_where(seqs, positions, self.hidden_buffers.shape[0])
+        return {} if where is None else {"hidden_buffers": self.hidden_buffers, "hidden_where": where}
+
+    def read_hidden_states(self, capture: HiddenStateCapture, num_tokens: int) -> np.ndarray:
+        """A finished capture's requested layers, ``[layers, positions, D]`` (one transfer)."""
+        count = capture.count(num_tokens)
+        layers = read_hidden(self.hidden_buffers, np.int32(capture.slot), np.asarray(capture.layers, np.int32))
+        return np.asarray(jax.device_get(layers))[:, :count].copy()
+
+    @property
+    def _draft_args(self) -> tuple:
+        """(params, kv) of the draft model, (None, None) without one."""
+        return (self.draft.params, self.draft.kv) if self.draft else (None, None)
+
+    @property
+    def _draft_config(self) -> ModelConfig | None:
+        return self.draft.config if self.draft else None
+
+    def _keep(self, draft_kv: KVCache | None, hidden_buffers: jax.Array | None,
+              expert_load: jax.Array | None) -> None:
+        """A program's updated draft pool, hidden-state buffers and expert load (it was given
+        them donated)."""
+        if self.draft is not None and draft_kv is not None:
+            self.draft.kv = draft_kv
+        if hidden_buffers is not None:
+            self.hidden_buffers = hidden_buffers
+        if expert_load is not None:
+            self.expert_load = expert_load
+
+
+def _cpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV) -> bool:
+    """Whether the programs run the C++ CPU kernels (``forward``'s ``cpu_kernels``): the paged
+    attention kernel built, a CPU backend, an unsharded replica (XLA cannot partition a custom
+    call) and a pool dtype it reads. Projections then take the small-batch matmul kernel
+    where it applies (``model.kernels.dense`` falls back to XLA's dot by itself)."""
+    return (
+        paged_decode.available()
+        and jax.default_backend() == "cpu"
+        and mesh.devices.size == 1
+        and kv.dtype in paged_decode.SUPPORTED_POOL_DTYPES
+    )
+
+
+def _row(result: SampleResult, index: int | tuple[int, int]) -> SampleResult:
+    """Row ``index`` of a fetched sample batch: ``r``, or ``(step, r)`` of a multi-token one."""
+    return SampleResult(*(np.asarray(a)[index] for a in result))
+
+
+# The packed prompt program a served engine compiles before it serves: a 64-token chunk holds a
+# chat turn's prompt whole (a shorter one is padded to it until its own bucket is compiled), and
+# a longer prompt runs in such chunks until its larger program is (workers/engine.py). Each
+# compile before serving delays a restarted or added replica: 0.45-0.8 s a program read back from
+# the persistent cache on a 2-core AVX-512 machine, ~2 s on AVX2, 4-7 s cold.
+FIRST_PACKED_TOKENS = 64
+
+
+def _first(shape: tuple[str, tuple[int, ...]], smallest_rows: int, first_packed: int) -> bool:
+    """Whether a served engine compiles this (kind, bucket) before it serves: the packed prompt
+    bucket ``first_packed``, and the programs of the smallest row bucket (decode, speculative, a
+    padded prefill of any length); no copies."""
+    kind, dims = shape
+    if kind == "packed":
+        return dims[0] == first_packed
+    return kind in ("prefill", "decode", "spec") and dims[0] == smallest_rows

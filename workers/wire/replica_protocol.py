@@ -1,0 +1,109 @@
+"""What crosses the wire between the router and a worker replica: the request, its streamed
+chunks, the errors a replica answers with, and a replica's routing report.
+
+Plain data, and the router's only view of the engine: this module and the ones it imports
+(sampling parameters, engine counters, output logprobs) load no JAX, so a router replica
+never loads the engine (tests/router/test_wire_imports.py).
+
+The worker streams deltas, never cumulative outputs: a cumulative ``RequestOutput`` per
+step would ship O(n^2) tokens through Ray for a long completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from raylm.cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
+from raylm.workers.core.engine_stats import EngineStats
+from raylm.workers.core.lora_adapters import LoRARequest
+from raylm.workers.core.request_output import TokenLogprobs
+from raylm.workers.core.sampling_params import BeamSearchParams, SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """The engine refused the request as given (prompt too long for the pool, bad token ids)."""
+
+
+class ReplicaDrainingError(RuntimeError):
+    """The replica is shutting down and takes no new requests; another replica may."""
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    """One tokenized request, as the router hands it to a replica."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower runs first (vLLM's convention)
+    block_hashes: list[int] = dataclasses.field(default_factory=list)  # of the prompt's full blocks, for routing
+    embed: bool = False  # the prompt's embedding instead of a completion (the final chunk's ``embedding``)
+    beam: BeamSearchParams | None = None  # beam search: ``beam_width`` completions in one final chunk
+    # The LoRA adapter to generate with, as the router resolved the request's ``model`` (from the
+    # deploy file or loaded over HTTP): the replica reads it on first use.
+    lora: LoRARequest | None = None
+
+
+@dataclasses.dataclass
+class ChoiceDelta:
+    """New output of one of the ``n`` completions since the previous chunk."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None  # one entry per token in ``token_ids``
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    hidden_states: np.ndarray | None = None  # SamplingParams.return_hidden_states, with the finish
+
+
+@dataclasses.dataclass
+class GenerateChunk:
+    """One engine step's progress for a request."""
+
+    request_id: str
+    choices: list[ChoiceDelta]
+    prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool
+    embedding: list[float] | None = None  # embedding requests, in the final chunk
+
+
+# How long a replica's periodic stats readers (Serve's autoscaling and routing callbacks) wait for
+# a busy engine thread before taking its last figures; a report made later in one step says so.
+PERIODIC_READ_WAIT_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingReport:
+    """What a replica's ``record_routing_stats`` answers (Serve ships it as a plain dict): its
+    engine's stats, its node, the hashes of the KV blocks it caches (bounded) for prefix-aware
+    routing, and how long its engine thread had been in one step (or warm-up compile) when it
+    answered: past ``PERIODIC_READ_WAIT_S`` the stats are those read before that step."""
+
+    engine: EngineStats
+    node_id: str
+    block_hashes: list[int]
+    busy_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine.as_dict(), "node_id": self.node_id, "block_hashes": self.block_hashes,
+                "busy_s": self.busy_s}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RoutingReport:
+        return cls(EngineStats.from_dict(data["engine"]), data["node_id"], data["block_hashes"],
+                   data.get("busy_s", 0.0))
+
+
+def replica_reports(app_name: str = DEFAULT_APP_NAME, timeout_s: float = 10.0) -> dict[str, RoutingReport]:
+    """``{replica id: report}`` of every live worker replica of ``app_name`` (needs Ray; those
+    that do not answer within ``timeout_s`` are left out)."""
+    from raylm.cluster.replicas import replica_stats
+
+    return {rid: RoutingReport.from_dict(data) for rid, data in
+            replica_stats(app_name, WORKER_DEPLOYMENT, timeout_s).items()}
+
