@@ -13,7 +13,7 @@ from raylm.workers.engine.async_engine import AsyncEngine
 from raylm.workers.engine.engine_args import EngineArgs
 from raylm.workers.engine.llm import LLM
 from raylm.workers.engine.llm_engine import LLMEngine
-from raylm.workers.runner.model_runner import FIRST_PACKED_TOKENS
+from raylm.workers.runner.warmup_order import FIRST_PACKED_TOKENS
 from tests.checkpoints import build_tiny_checkpoint
 
 

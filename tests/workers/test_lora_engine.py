@@ -111,7 +111,7 @@ SCHEMA = StructuredOutput("json_schema", json.dumps({
 def _as_int8(model, merged):
     """``merged`` (``model`` with an adapter merged in) as raylm serves it on int8 weights: every
     matrix of ``model`` rounded per output channel to 127 steps of its largest magnitude
-    (model/quantization.py), the adapter's delta on top in float32."""
+    (model/quantization/quant_array.py), the adapter's delta on top in float32."""
     out = copy.deepcopy(merged)
     with torch.no_grad():
         base = dict(model.named_parameters())
@@ -183,8 +183,8 @@ def test_adapters_on_gguf_blocks_kept_as_stored_match_merged_hf(tmp_path, lora_d
     runner = llm.engine.runner
     assert type(runner.params.layers[0].wqkv).__name__ == "GgufBlocks"
     if kernel:
-        assert isinstance(runner.lora_weights, PackedLoraWeights) and isinstance(runner.lora_weights.buffer, jax.Array)
-        assert runner.lora_weights.buffer.dtype == jax.numpy.dtype(lora_dtype or np.float32)
+        assert isinstance(runner.lora.weights, PackedLoraWeights) and isinstance(runner.lora.weights.buffer, jax.Array)
+        assert runner.lora.weights.buffer.dtype == jax.numpy.dtype(lora_dtype or np.float32)
     outputs = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": prompt}] * 3, GREEDY, lora_request=requests)]
     assert outputs == [hf_greedy(reference, prompt, NEW_TOKENS) for reference in references]

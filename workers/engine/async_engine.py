@@ -16,7 +16,6 @@ a prompt to them is followed by the next one's compile, so steady load cannot ke
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import itertools
 import logging
@@ -31,6 +30,17 @@ from raylm.workers.core.lora_adapters import LoRARequest
 from raylm.workers.core.request_output import CompletionOutput, RequestOutput
 from raylm.workers.core.sampling_params import BeamSearchParams, SamplingParams
 from raylm.workers.engine.beam_search import BeamSearch
+from raylm.workers.engine.engine_commands import (
+    Abort,
+    AbortAll,
+    Add,
+    Command,
+    Reply,
+    RunInEngine,
+    Shutdown,
+    call_soon,
+    consume_error,
+)
 from raylm.workers.wire.replica_protocol import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -50,96 +60,6 @@ class EngineShutdownError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """An engine step failed: a server fault, not the request's (the step's error is the cause)."""
-
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    """Set ``future``'s outcome unless its caller already gave up on it (a cancelled future
-    raises InvalidStateError when set)."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _consume_error(future: asyncio.Future) -> None:
-    """Mark a shared future's error as seen (asyncio logs an error nobody retrieved)."""
-    if not future.cancelled():
-        future.exception()
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    """Run ``fn`` on the caller's loop; a loop already closed has nobody left to tell."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # "Event loop is closed"
-        pass
-
-
-@dataclasses.dataclass
-class Reply:
-    """The caller's end of a command: a future on the caller's loop, settled from any thread."""
-
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-
-    @classmethod
-    def on_running_loop(cls) -> "Reply":
-        loop = asyncio.get_running_loop()
-        return cls(loop, loop.create_future())
-
-    def resolve(self, result: Any) -> None:
-        _call_soon(self.loop, _settle, self.future, result, None)
-
-    def fail(self, error: BaseException) -> None:
-        _call_soon(self.loop, _settle, self.future, None, error)
-
-
-@dataclasses.dataclass
-class Add:
-    """Queue a request; a request the engine refuses fails with InvalidRequestError."""
-
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    reply: Reply
-    embed: bool = False
-    lora_request: LoRARequest | None = None
-
-
-@dataclasses.dataclass
-class Abort:
-    """Stop one request and free its blocks; its stream ends with a final ``abort`` output."""
-
-    request_id: str
-    reply: Reply | None  # None: a stream's own clean-up, which nobody awaits
-
-
-@dataclasses.dataclass
-class AbortAll:
-    """Stop every request (a replica shutting down); replies how many there were."""
-
-    reply: Reply
-
-
-@dataclasses.dataclass
-class RunInEngine:
-    """Run ``fn(engine)`` between steps (reads see a consistent state); replies its result."""
-
-    fn: Callable[[LLMEngine], Any]
-    reply: Reply
-
-
-@dataclasses.dataclass
-class Shutdown:
-    """Free every request's blocks and stop the thread; always the last command queued."""
-
-    reply: None = None
-
-
-Command = Add | Abort | AbortAll | RunInEngine | Shutdown
 
 
 class AsyncEngine:
@@ -294,7 +214,7 @@ class AsyncEngine:
         target = self._streams.get(request_id)
         if target is not None:
             loop, q = target
-            _call_soon(loop, q.put_nowait, item)
+            call_soon(loop, q.put_nowait, item)
 
     def _close(self, reason: str) -> None:
         """Refuse new commands, fail the queued ones and end every open stream with
@@ -367,7 +287,7 @@ class AsyncEngine:
 
     async def beam_search(self, prompt_ids: Sequence[int], params: BeamSearchParams, request_id: str,
                           lora_request: LoRARequest | None = None) -> list[CompletionOutput]:
-        """The ``beam_width`` best continuations by beam search (``workers/beam_search.py``):
+        """The ``beam_width`` best continuations by beam search (``workers/engine/beam_search.py``):
         each step, every live beam runs as a one-token request (with ``lora_request``'s
         adapter); cancelling aborts them all."""
         search = BeamSearch(params, self.llm_engine.eos_ids)
@@ -418,7 +338,7 @@ class AsyncEngine:
         pending = self._pending_reads.get(key)
         if pending is None or pending.done() or pending.get_loop() is not asyncio.get_running_loop():
             pending = asyncio.ensure_future(self.run_in_engine(functools.partial(self._remember, key, fn)))
-            pending.add_done_callback(_consume_error)  # a caller that took the last answer never sees it
+            pending.add_done_callback(consume_error)  # a caller that took the last answer never sees it
             self._pending_reads[key] = pending
         if key not in self._last_reads:
             return await asyncio.shield(pending)

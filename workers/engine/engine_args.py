@@ -24,13 +24,13 @@ class EngineArgs:
     """Everything that shapes one model replica besides the model itself."""
 
     dtype: str = "float32"
-    # Weight-only int8 / fp8 (model/quantization.py); None: as loaded (a model given already
+    # Weight-only int8 / fp8 (model/quantization/quant_array.py); None: as loaded (a model given already
     # quantized stays so), "none": float weights.
     quantization: str | None = None
     # A GGUF's Q4_0 / Q4_1 / Q8_0 matrices: kept as stored (exact), or expanded to float32
-    # (model/loader.py's keep_gguf_blocks; "auto": kept on one CPU device in float32).
+    # (model/loaders/load.py's keep_gguf_blocks; "auto": kept on one CPU device in float32).
     gguf_blocks: str = "auto"
-    # The integer compute mode (model/activation_quantization.py): "int8" quantizes activations
+    # The integer compute mode (model/quantization/activations.py): "int8" quantizes activations
     # per block of 32 and sums in integers against GGUF block and int8 weights; "none": exact.
     activation_quantization: str = "none"
     kv_cache_dtype: str | None = None  # auto (None): the model dtype; int8 / fp8: 8-bit with scales
@@ -50,19 +50,19 @@ class EngineArgs:
     seed: int = 0  # seeds the per-request seeds of requests that give none
     warmup: bool = False  # compile every shape bucket at start-up
     compilation_cache_dir: str | None = None  # persistent XLA cache (the CLI uses ~/.cache/raylm/jax)
-    # Speculative decoding (workers/speculative.py); a mapping is accepted and parsed.
+    # Speculative decoding (workers/core/speculation.py); a mapping is accepted and parsed.
     speculative: SpeculativeConfig | None = None
     embedding_pooling: str = "mean"  # embedding requests: "mean" of the prompt's hidden states, or "last"
-    # Hidden-state extraction (workers/hidden_states.py): requests served at once (0: off) and
+    # Hidden-state extraction (workers/core/hidden_states.py): requests served at once (0: off) and
     # positions each may capture; the buffers take slots x (layers + 1) x tokens x hidden x 4 bytes.
     hidden_state_slots: int = 0
     hidden_state_max_tokens: int = 1024
-    # LoRA adapters (workers/lora_manager.py): requests may name one; max_loras of them sit in
+    # LoRA adapters (workers/core/lora_adapters.py): requests may name one; max_loras of them sit in
     # device slots at once (a batch mixes them), each of rank up to max_lora_rank; host memory
     # keeps max_cpu_loras (default: max_loras) read adapters. lora_dtype: the slots' type (None:
     # the model's); "bfloat16" on a float32 model halves the bytes each decode step reads for its
     # adapters, which are then rounded to bfloat16, "int8" quarters them, each A row and B output
-    # scaled to int8 (CPU replicas, model/lora_delta.py).
+    # scaled to int8 (CPU replicas, model/kernels/lora_delta.py).
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16

@@ -14,7 +14,7 @@ programs' (with the host's input building and launches, which they overlap). Kin
 A step's operations are the target model's over the tokens it computed, plus a draft model's
 (it computes every prompt chunk with the target, and in a speculative step each row's window
 and its guesses but the last; its prompt logits are thrown away and not counted), as
-``model/flop_count.py`` counts them.
+``model/decoder/flop_count.py`` counts them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Structured output's token masks: what a step's constrained rows may sample, filled from their
-grammars (``workers/structured_output.py`` compiles them) on the host before the step runs.
+grammars (``workers/core/grammar.py`` compiles them) on the host before the step runs.
 
 A mask is int32 words per row, token ``t`` allowed iff bit ``t % 32`` of word ``t // 32`` is
 set; free rows allow everything. A speculative step needs one mask per verify position: the

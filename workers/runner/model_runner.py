@@ -4,7 +4,7 @@ compiled program is launched.
 ``ModelRunner.execute`` takes a ``SchedulerOutput`` (plain data) and returns a
 ``RunnerOutput``; it never sees a sequence. Every kind of program is declared once, in
 ``_program_kinds``: the buckets it is compiled for and its launcher, the program's one call
-site. Steps launch the buckets their rows take (``workers/batch_inputs.py`` pads them);
+site. Steps launch the buckets their rows take (``workers/runner/batch_inputs.py`` pads them);
 ``warmup`` launches every bucket with no rows, which compiles exactly the programs steps run
 (padding writes only to the null block), and the persistent compilation cache keeps them
 across restarts.
@@ -29,28 +29,16 @@ from typing import Any, Callable, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.forward import PooledHidden
 from raylm.model.decoder.kv_pool import GroupedKV, KVCache
-from raylm.model.decoder.lora_slots import (
-    LoraBatch,
-    LoraWeights,
-    PackedLoraWeights,
-    create_lora_weights,
-    kernel_layout,
-    pack_lora_weights,
-    slot_values,
-    write_slot,
-)
 from raylm.model.decoder.params import ModelParams
 from raylm.model.kernels import paged_decode
-from raylm.model.loaders.lora_adapter import LoraAdapter
 from raylm.model.runtime.buckets import bucket
-from raylm.model.runtime.sharding import shard_lora, shard_params
+from raylm.model.runtime.sharding import shard_params
 from raylm.workers.core.hidden_states import HiddenStateCapture
-from raylm.workers.core.logits_processors import LogitsProcessorError, apply_processors
 from raylm.workers.core.speculation import SpeculativeConfig
 from raylm.workers.core.step_plan import ScheduledChunk, ScheduledDecode, ScheduledRow, SchedulerOutput
 from raylm.workers.core.step_result import PooledChunk, RunnerOutput
@@ -66,14 +54,16 @@ from raylm.workers.runner.batch_inputs import (
     prefill_inputs,
     sampling_inputs,
 )
+from raylm.workers.runner.expert_load import ExpertLoad
 from raylm.workers.runner.grammar_masks import position_bitmasks
+from raylm.workers.runner.logits_processing import Processing, processing
+from raylm.workers.runner.lora_slots import LoraSlots
 from raylm.workers.runner.programs import (
     copy_blocks_program,
     decode_program,
     packed_prefill_program,
     prefill_program,
     read_hidden,
-    resample,
 )
 from raylm.workers.runner.sampler import SampleResult, SamplingBatch
 from raylm.workers.runner.speculative_step import (
@@ -84,11 +74,11 @@ from raylm.workers.runner.speculative_step import (
     spec_decode_program,
     window_inputs,
 )
+from raylm.workers.runner.warmup_order import compiled_first, first_packed_bucket, warmup_order
 
 logger = logging.getLogger(__name__)
 
 Collect = Callable[[RunnerOutput], None]  # fetches a launched program's results into the step's output
-Processing = Callable[..., SampleResult]
 
 
 class ModelRunner:
@@ -125,34 +115,14 @@ class ModelRunner:
         if draft is not None:
             draft = dataclasses.replace(draft, params=shard_params(draft.params, draft.config, mesh))
         self.draft = draft
-        # Hidden-state extraction (workers/hidden_states.py): [slots, L + 1, max_tokens, D].
+        # Hidden-state extraction (workers/core/hidden_states.py): [slots, L + 1, max_tokens, D].
         slots, max_tokens = hidden_state_buffers
         self.hidden_buffers = jnp.zeros((slots, config.num_layers + 1, max_tokens, config.hidden_size), jnp.float32) \
             if slots else None
-        # LoRA adapter slots (model/lora_weights.py): (max_loras, max_lora_rank, dtype or None for
-        # the model's), None when off.
-        self.lora_weights = None
-        if lora_buffers is not None:
-            num_slots, self.lora_rank, dtype = lora_buffers
-            self.lora_dtype = jnp.dtype(dtype) if dtype else self.params.final_norm.dtype
-            # Packed for the CPU kernel (one program argument for every layer), else per layer,
-            # sharded with the base matrices. int8 slots exist only packed (the kernel scales them).
-            self.lora_packed = kernel_layout(self.cpu_kernels, self.params.final_norm.dtype, self.lora_dtype)
-            if self.lora_dtype == jnp.int8 and not self.lora_packed:
-                raise ValueError("lora_dtype int8 needs the CPU LoRA kernel: an unsharded replica on CPU with a "
-                                 "float32 model and the kernels built; use float32 or bfloat16 slots here")
-            self._slot_dtype = jnp.dtype(jnp.float32) if self.lora_dtype == jnp.int8 else self.lora_dtype
-            if self.lora_packed:  # empty slots on the device, laid out as one slot's packed values
-                empty = self._slot_contents(None)
-                self.lora_weights = jax.tree.map(lambda leaf: jnp.zeros((num_slots, *leaf.shape), leaf.dtype), empty)
-            else:
-                self.lora_weights = shard_lora(
-                    create_lora_weights(config, num_slots, self.lora_rank, self._slot_dtype), config, mesh)
-        # An MoE model's tokens routed per (sparse layer, expert) since ``take_expert_load``:
-        # every program adds its step's on the device (model/forward.py), so the load metric
-        # costs no transfer per step.
-        self._expert_load_shape = (len(config.moe_layers), config.moe.num_experts) if config.moe_layers else None
-        self.expert_load = self._zero_expert_load()
+        # LoRA adapter slots: (max_loras, max_lora_rank, dtype or None for the model's), None when off.
+        self.lora = None if lora_buffers is None else LoraSlots(
+            config, mesh, self.params.final_norm.dtype, self.cpu_kernels, *lora_buffers)
+        self.expert_load = ExpertLoad(config, mesh) if config.moe_layers else None
         # Packed prompt buckets a step must not launch (their programs wait in a served engine's
         # background warm-up): set by the engine.
         self.packed_unavailable: frozenset[int] = frozenset()
@@ -185,23 +155,19 @@ class ModelRunner:
         of them: one row's decode, and its prompt chunks in the ``FIRST_PACKED_TOKENS`` bucket
         when they are packed, any length when not), then the larger packed buckets in
         ascending order, then the smaller ones, so a replica that serves while it compiles the
-        rest (``workers/async_engine.py``) rarely meets a cold one."""
-        smallest, first_packed = self.buckets.row_buckets()[0], self.first_packed_bucket()
+        rest (``workers/engine/async_engine.py``) rarely meets a cold one."""
         shapes = [(kind, dims) for kind, (shapes, _) in self._program_kinds(num_scheduler_steps).items()
                   for dims in shapes]
-        return sorted(shapes, key=lambda shape: (not _first(shape, smallest, first_packed), shape[0] != "packed",
-                                                 shape[0] == "packed" and shape[1][0] < first_packed))
+        return warmup_order(shapes, self.buckets.row_buckets()[0], self.first_packed_bucket())
 
     def first_warmup_shapes(self, num_scheduler_steps: int) -> int:
         """How many of ``warmup_shapes`` a served engine compiles before it serves."""
         smallest, first_packed = self.buckets.row_buckets()[0], self.first_packed_bucket()
-        return sum(_first(shape, smallest, first_packed) for shape in self.warmup_shapes(num_scheduler_steps))
+        return sum(compiled_first(shape, smallest, first_packed) for shape in self.warmup_shapes(num_scheduler_steps))
 
     def first_packed_bucket(self) -> int:
-        """The one packed prompt bucket a served engine compiles before it serves: the token
-        bucket of ``FIRST_PACKED_TOKENS`` (or the largest there is, if smaller)."""
-        buckets = self.buckets.token_buckets()
-        return next((n for n in buckets if n >= FIRST_PACKED_TOKENS), buckets[-1])
+        """The one packed prompt bucket a served engine compiles before it serves."""
+        return first_packed_bucket(self.buckets.token_buckets())
 
     def warmup(self, num_scheduler_steps: int, shapes: list[tuple[str, tuple[int, ...]]],
                progress: Callable[[Iterable], Iterable] = lambda x: x, lora_slots: bool = False) -> None:
@@ -211,8 +177,8 @@ class ModelRunner:
         kinds = self._program_kinds(num_scheduler_steps)
         for kind, dims in progress(shapes):
             kinds[kind][1]([], *dims)
-        if lora_slots and self.lora_weights is not None:
-            self._load_lora(1, None)
+        if lora_slots and self.lora is not None:
+            self.lora.load(1, None)
 
     # -- a step -----------------------------------------------------------------------------------
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -222,7 +188,7 @@ class ModelRunner:
         dispatched before the first result is fetched (one host wait per step)."""
         b = self.buckets
         for slot, adapter in plan.lora_loads:
-            self._load_lora(slot, adapter)
+            self.lora.load(slot, adapter)
         for group, copies in enumerate((plan.block_copies, plan.sliding_block_copies)):
             if copies:
                 self._launch_copy(copies, bucket(len(copies), 1, max(b.max_batch, len(copies))), group)
@@ -258,20 +224,10 @@ class ModelRunner:
         if self.draft is not None and group == 0:
             self.draft.kv = copy_blocks_program(self.draft.kv, src, dst, cpu_kernels=self.cpu_kernels)
 
-    def _load_lora(self, slot: int, adapter: LoraAdapter | None) -> None:
-        """Fill LoRA slot ``slot`` with ``adapter`` (None: empty it; every slot and adapter share
-        one program)."""
-        self.lora_weights = write_slot(self.lora_weights, np.int32(slot - 1), self._slot_contents(adapter))
-
-    def _slot_contents(self, adapter: LoraAdapter | None) -> LoraWeights | PackedLoraWeights:
-        """One slot's values for ``adapter`` (None: empty), packed when the slots are."""
-        values = slot_values(adapter, self.config, self.lora_rank, self._slot_dtype)
-        return pack_lora_weights(values, slot_axis=False, dtype=self.lora_dtype) if self.lora_packed else values
-
     def _lora(self, slots: np.ndarray) -> dict[str, Any]:
         """A program's ``lora`` argument: the slots and each forward row's slot; none when LoRA
         is off (the program without it: an argument given as None is another jit signature)."""
-        return {} if self.lora_weights is None else {"lora": LoraBatch(self.lora_weights, slots)}
+        return {} if self.lora is None else self.lora.batch(slots)
 
     def _launch_packed_prefill(self, chunks: list[ScheduledChunk], num_tokens: int) -> Collect:
         rows = self.buckets.packed_rows(num_tokens)
@@ -287,7 +243,7 @@ class ModelRunner:
             **self._lora(lora_slots(seqs, rows)[token_rows]), **self._expert_load(),
         )
         self._keep(draft_kv, hidden, load)
-        return self._collect_chunks(chunks, result, pooled, self._processing(
+        return self._collect_chunks(chunks, result, pooled, processing(
             seqs, logits, sbatch, flags, [c.samples for c in chunks]))
 
     def _launch_prefill(self, chunks: list[ScheduledChunk], rows: int, length: int, width: int) -> Collect:
@@ -302,7 +258,7 @@ class ModelRunner:
             **self._expert_load(),
         )
         self._keep(draft_kv, hidden, load)
-        return self._collect_chunks(chunks, result, pooled, self._processing(
+        return self._collect_chunks(chunks, result, pooled, processing(
             seqs, logits, sbatch, flags, [c.samples for c in chunks]))
 
     def _collect_chunks(self, chunks: list[ScheduledChunk], result: SampleResult, pooled: PooledHidden | None,
@@ -364,7 +320,7 @@ class ModelRunner:
             **self._expert_load(),
         )
         self._keep(None, hidden, load)
-        process = self._processing(seqs, logits, sbatch, flags)
+        process = processing(seqs, logits, sbatch, flags)
 
         def collect(out: RunnerOutput) -> None:
             fetched = jax.device_get(results)
@@ -378,7 +334,7 @@ class ModelRunner:
 
     def _launch_spec(self, decodes: list[ScheduledDecode], rows: int, width: int, num_speculative: int,
                      num_guesses: list[int] = (), proposals: list[list[int]] | None = None) -> Collect:
-        """A speculative step (``workers/spec_decode.py``): row ``r`` carries ``num_guesses[r]``
+        """A speculative step (``workers/runner/speculative_step.py``): row ``r`` carries ``num_guesses[r]``
         guesses, ``proposals[r]`` from the host, else the draft model's."""
         K = num_speculative
         seqs = [d.row for d in decodes]
@@ -435,55 +391,13 @@ class ModelRunner:
                   bitmask: np.ndarray | None = None) -> tuple[SamplingBatch, dict]:
         return sampling_inputs(seqs, rows, self.config.vocab_size, self.eos_ids, bitmask)
 
-    def _processing(self, seqs: list[ScheduledRow], logits: jax.Array | None, sbatch: SamplingBatch, flags: dict,
-                    samples: list[bool] | None = None) -> Processing | None:
-        """For a call whose rows ``seqs`` include logits processors: a function taking the
-        fetched samples of one step (``[B]`` rows), the step's output and the step's index,
-        and returning the samples with those rows sampled again from their processed logits
-        (``workers/logits_processors.py``). A row whose processor fails keeps no sample and is
-        recorded in the output's ``processor_failures``. ``samples``: which rows sample (a
-        prompt chunk that does not end its prompt does not)."""
-        if logits is None:
-            return None
-
-        def process(fetched: SampleResult, out: RunnerOutput, step: int | None = None) -> SampleResult:
-            host = np.array(jax.device_get(logits if step is None else logits[step]))
-            rows = []
-            for r, seq in enumerate(seqs):
-                if seq.params.logits_processors and (samples is None or samples[r]):
-                    try:
-                        host[r] = apply_processors(seq.params.logits_processors, seq.prompt_ids, seq.output_ids,
-                                                   host[r])
-                        rows.append(r)
-                    except LogitsProcessorError as err:
-                        logger.error("request %s: %s", seq.request_id, err)
-                        out.processor_failures[seq.seq_id] = str(err)
-            again = jax.device_get(resample(jnp.asarray(host), sbatch, **flags))
-            picked = np.zeros(len(host), bool)
-            picked[rows] = True
-            return SampleResult(*(np.where(picked.reshape(-1, *[1] * (np.ndim(a) - 1)), b, a)
-                                  for a, b in zip(fetched, again)))
-
-        return process
-
-    def _zero_expert_load(self) -> jax.Array | None:
-        if self._expert_load_shape is None:
-            return None
-        return jax.device_put(np.zeros(self._expert_load_shape, np.int32), NamedSharding(self.mesh, PartitionSpec()))
-
     def _expert_load(self) -> dict[str, Any]:
         """A program's ``expert_load`` argument (donated); none for a model without experts."""
-        return {} if self.expert_load is None else {"expert_load": self.expert_load}
+        return {} if self.expert_load is None else self.expert_load.argument()
 
     def take_expert_load(self) -> np.ndarray | None:
-        """Tokens routed per (sparse layer, expert) since the last call, ``[layers, E]`` (one
-        small transfer, waiting for the step in flight); the device count restarts from zero,
-        so its int32 never overflows. None for a model without experts."""
-        if self.expert_load is None:
-            return None
-        counts = np.asarray(jax.device_get(self.expert_load), np.int64)
-        self.expert_load = self._zero_expert_load()
-        return counts
+        """Tokens routed per (sparse layer, expert) since the last call; None without experts."""
+        return None if self.expert_load is None else self.expert_load.take()
 
     def _hidden_sink(self, seqs: list[ScheduledRow | None], positions: np.ndarray) -> dict[str, Any]:
         """The ``hidden_buffers`` / ``hidden_where`` arguments of a program (``hidden_where``);
@@ -515,7 +429,7 @@ class ModelRunner:
         if hidden_buffers is not None:
             self.hidden_buffers = hidden_buffers
         if expert_load is not None:
-            self.expert_load = expert_load
+            self.expert_load.counts = expert_load
 
 
 def _cpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV) -> bool:
@@ -534,21 +448,3 @@ def _cpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV) -> bool:
 def _row(result: SampleResult, index: int | tuple[int, int]) -> SampleResult:
     """Row ``index`` of a fetched sample batch: ``r``, or ``(step, r)`` of a multi-token one."""
     return SampleResult(*(np.asarray(a)[index] for a in result))
-
-
-# The packed prompt program a served engine compiles before it serves: a 64-token chunk holds a
-# chat turn's prompt whole (a shorter one is padded to it until its own bucket is compiled), and
-# a longer prompt runs in such chunks until its larger program is (workers/engine.py). Each
-# compile before serving delays a restarted or added replica: 0.45-0.8 s a program read back from
-# the persistent cache on a 2-core AVX-512 machine, ~2 s on AVX2, 4-7 s cold.
-FIRST_PACKED_TOKENS = 64
-
-
-def _first(shape: tuple[str, tuple[int, ...]], smallest_rows: int, first_packed: int) -> bool:
-    """Whether a served engine compiles this (kind, bucket) before it serves: the packed prompt
-    bucket ``first_packed``, and the programs of the smallest row bucket (decode, speculative, a
-    padded prefill of any length); no copies."""
-    kind, dims = shape
-    if kind == "packed":
-        return dims[0] == first_packed
-    return kind in ("prefill", "decode", "spec") and dims[0] == smallest_rows

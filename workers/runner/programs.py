@@ -1,9 +1,9 @@
 """The compiled programs of a replica: prompt chunks, (multi-step) decode, block copies, and the
-small helpers around them. Speculative decoding's programs are in ``workers/spec_decode.py``.
+small helpers around them. Speculative decoding's programs are in ``workers/runner/speculative_step.py``.
 
 Each program is one XLA program per (bucket, variant): static arguments pick the variant
 (sampling flags, a draft model, hidden-state capture, returned logits), array shapes the
-bucket (``workers/batch_inputs.py``). Sampling runs inside the same program as the forward
+bucket (``workers/runner/batch_inputs.py``). Sampling runs inside the same program as the forward
 pass, so only token ids (and requested logprobs) come back to the host. The pools (and the
 hidden-state buffers, and an MoE model's expert-load counts) are donated: updated in place,
 returned, and kept by the runner.
@@ -37,7 +37,7 @@ def prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block
     ``hidden_buffers`` (donated) and ``hidden_where`` (each token's slot and index, see
     ``model.decoder.forward.HiddenSink``) it writes their hidden states there and returns the buffers
     last (else None). With ``return_logits`` the sampled logits come last too (logits
-    processors run on them on the host; ``workers/logits_processors.py``). With ``lora`` (a
+    processors run on them on the host; ``workers/core/logits_processors.py``). With ``lora`` (a
     ``model.decoder.lora_slots.LoraBatch``, a slot per row) the target model runs each row's adapter;
     a draft model never does. With ``expert_load`` (donated; an MoE model's tokens routed per
     expert, ``model.decoder.forward.forward``) the chunks' tokens are added to it and it comes last."""

@@ -1,9 +1,9 @@
 """Speculative decoding's step: the draft model's and the target's programs, and their inputs.
 
-The proposer (``workers/speculative.py``: a draft model, or n-gram lookup on the host)
+The proposer (``workers/core/speculation.py``: a draft model, or n-gram lookup on the host)
 guesses up to ``k`` tokens per row; ``spec_decode_program`` scores each row's last token and
 its guesses in one target call and accepts the longest prefix of guesses equal to the
-target's own samples (exact: see ``workers/speculative.py``). Rows with different numbers of
+target's own samples (exact: see ``workers/core/speculation.py``). Rows with different numbers of
 guesses share a batch (padding at position -1).
 
 A draft model keeps its own KV pool under the target's block tables. It computes every
