@@ -1,14 +1,18 @@
 """``raylm serve CONFIG.yaml``: deploy the OpenAI server on a Ray cluster and keep it up.
 
 Attaches to a running cluster (``--address``, or the one ``ray start`` left on this machine);
-otherwise (or with ``--address local``) starts a local Ray head owned by this process. Ctrl-C (or SIGTERM) deletes the
-application, and shuts Serve and Ray down when this process started them, at any point,
-start-up included.
+otherwise (or with ``--address local``) starts a local Ray head owned by this process. Ctrl-C
+(or SIGTERM) deletes the application, and shuts Serve and Ray down when this process started
+them, at any point, start-up included, and within ``STOP_LIMIT_S`` whatever state the cluster is
+in: a cluster that does not answer (its GCS died) is left, and the Ray processes this one
+started are killed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 import threading
@@ -22,7 +26,7 @@ from raylm.deploy.readiness import wait_healthy
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 READY_TIMEOUT_S = 900.0  # model load + warm-up compile of every bucket on a slow machine
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-SERVE_SHUTDOWN_TIMEOUT_S = 30.0  # serve.shutdown()'s own limit
+STOP_LIMIT_S = 8.0  # Ctrl-C to exit, a healthy cluster's clean-up included
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -78,13 +82,39 @@ def _serve(args: argparse.Namespace, config: DeployConfig, host: str, port: int)
         for sig in STOP_SIGNALS:  # a second Ctrl-C must not cut the clean-up short
             signal.signal(sig, signal.SIG_IGN)
         print("\nstopping ...", file=sys.stderr, flush=True)
+        _stop_within(ray, config.name, serve_was_running, started_ray)
+    return 0
+
+
+def _stop_within(ray, app_name: str, serve_was_running: bool, started_ray: bool) -> None:
+    """Remove the app (or Serve, if this process started it) and the Ray head this process
+    started, on a helper thread given ``STOP_LIMIT_S``. Every step waits on the cluster's GCS;
+    when that has died the calls retry for minutes, so past the limit the Ray processes this
+    process started are killed and it exits at once (Ray's own exit hook would wait again)."""
+    from ray import serve
+
+    def clean_up() -> None:
         if serve_was_running:
-            serve.delete(config.name)
+            serve.delete(app_name)
         else:
-            _shutdown_serve(ray)
+            _shutdown_serve(ray, STOP_LIMIT_S)
         if started_ray:
             ray.shutdown()
-    return 0
+
+    worker = threading.Thread(target=clean_up, name="raylm-serve-stop", daemon=True)
+    worker.start()
+    worker.join(STOP_LIMIT_S)
+    if not worker.is_alive():
+        return
+    print(f"raylm serve: the Ray cluster did not answer within {STOP_LIMIT_S:.0f} s; stopping without it",
+          file=sys.stderr, flush=True)
+    if started_ray:  # the head's processes and their workers all descend from this process
+        import psutil
+
+        for process in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+    os._exit(1)
 
 
 def _connect(ray, address: str | None) -> bool:
@@ -118,7 +148,7 @@ def _serve_running(ray) -> bool:
     return _serve_controller(ray) is not None
 
 
-def _shutdown_serve(ray, timeout_s: float = SERVE_SHUTDOWN_TIMEOUT_S) -> None:
+def _shutdown_serve(ray, timeout_s: float) -> None:
     """Shut Serve down without the warning ``serve.shutdown()`` makes Ray print.
 
     ``serve.shutdown()`` waits on a controller call that only ends when the controller, having

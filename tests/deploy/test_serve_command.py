@@ -9,11 +9,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from tests.deploy.test_one_import_name import shadowing_folder
 from tests.serving import free_port
 
 # What Ray prints when serve.shutdown() waits on the controller that kills itself.
@@ -71,9 +73,9 @@ _IN_THE_BACKGROUND = ["sh", "-c", 'trap "" INT; exec "$0" "$@"']
 
 
 def _raylm_serve(tmp_path, name: str, route_prefix: str, port: int, address: str,
-                 background: bool = False) -> subprocess.Popen:
+                 background: bool = False, cwd: Path | None = None) -> subprocess.Popen:
     """``raylm serve`` of a one-replica app on the cluster at ``address``, output piped
-    (``background``: started as a shell starts ``cmd &``)."""
+    (``background``: started as a shell starts ``cmd &``; ``cwd``: run from there)."""
     config = {
         "name": name,
         "route_prefix": route_prefix,
@@ -83,8 +85,8 @@ def _raylm_serve(tmp_path, name: str, route_prefix: str, port: int, address: str
     }
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "raylm.deploy.cli", "serve", str(path), "--address", address]
-    return subprocess.Popen((_IN_THE_BACKGROUND if background else []) + command,
+    command = [str(Path(sys.executable).with_name("raylm")), "serve", str(path), "--address", address]
+    return subprocess.Popen((_IN_THE_BACKGROUND if background else []) + command, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -130,9 +132,12 @@ def test_a_signal_during_start_up_stops_it_even_started_in_the_background(serve_
 
 def test_on_a_cluster_of_its_own_ctrl_c_stops_serve_and_ray_quietly(tmp_path):
     """The ``make serve`` case: raylm serve started Ray and Serve, so Ctrl-C shuts both down, and
-    prints nothing after "stopping ..." (Ray's line about the killed controller included)."""
+    prints nothing after "stopping ..." (Ray's line about the killed controller included). It
+    runs from a folder holding the user's own ``model.py``, ``cache.py``, ... that raise on import."""
     port = free_port()
-    proc = _raylm_serve(tmp_path, "alone", "/", port, "local")
+    users_folder = tmp_path / "project"
+    users_folder.mkdir()
+    proc = _raylm_serve(tmp_path, "alone", "/", port, "local", cwd=shadowing_folder(users_folder))
     try:
         lines = _lines(proc)
         _wait_for(lines, "Press Ctrl-C to stop", timeout_s=240)
@@ -145,3 +150,31 @@ def test_on_a_cluster_of_its_own_ctrl_c_stops_serve_and_ray_quietly(tmp_path):
     assert after_stop.strip() == "stopping ...", after_stop
     with pytest.raises(httpx.ConnectError):  # Serve's proxy went with the cluster
         httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+
+
+def test_ctrl_c_stops_it_within_10_s_after_its_cluster_died(tmp_path):
+    """raylm serve started Ray; the cluster's GCS is killed; Ctrl-C still ends raylm serve within
+    10 s, and the Ray processes it started go with it."""
+    import psutil
+
+    proc = _raylm_serve(tmp_path, "orphan", "/", free_port(), "local")
+    started: list[psutil.Process] = []
+    try:
+        lines = _lines(proc)
+        _wait_for(lines, "Press Ctrl-C to stop", timeout_s=240)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        [gcs] = [p for p in started if p.name() == "gcs_server"]
+        gcs.kill()
+        deadline = time.monotonic() + 10  # gone (or a zombie: raylm serve, its parent, reaps it)
+        while gcs.is_running() and gcs.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2)  # the driver notices the lost GCS connection and starts retrying
+        proc.send_signal(signal.SIGINT)
+        stopped_at = time.monotonic()
+        proc.wait(timeout=30)
+        assert time.monotonic() - stopped_at < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, alive = psutil.wait_procs([p for p in started if p.is_running()], timeout=20)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.name() for p in alive]
