@@ -19,7 +19,7 @@ Layout: ``q [N..., K/2]`` uint8 for 4-bit blocks (block byte ``i`` holds weight 
 low half and ``i + 16`` in its high half, GGUF's order) or ``q [N..., K]`` int8 for 8-bit
 ones; ``scale`` and ``offset`` ``[N..., K/32]`` float32 (``offset [N..., 0]`` for 8-bit).
 ``input_shape`` is the matrix's input dims (``K`` flattened in row-major order), so a
-``GgufBlocks`` stands wherever model/params.py declares an ``[N..., K...]`` matrix. Row
+``GgufBlocks`` stands wherever model/decoder/params.py declares an ``[N..., K...]`` matrix. Row
 operations (fusing QKV, stacking gate/up, llama.cpp's Q/K row permutation) apply to the three
 arrays alike (``map_rows``).
 """
@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from raylm.model.quantization.stored_bytes import StoredBytes
+
 BLOCK = 32
 # Bytes of one 32-weight block in the file, and where its float16 scale / offset / values sit.
 _LAYOUT = {
@@ -47,7 +49,7 @@ GGUF_BLOCK_TYPES: frozenset[GGMLQuantizationType] = frozenset(_LAYOUT)
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class GgufBlocks:
+class GgufBlocks(StoredBytes):
     """A matrix ``[N..., *input_shape]`` in GGUF blocks (see the module docstring)."""
 
     q: Any
@@ -58,19 +60,6 @@ class GgufBlocks:
     @property
     def shape(self) -> tuple[int, ...]:
         return (*self.scale.shape[:-1], *self.input_shape)
-
-    @property
-    def num_input_dims(self) -> int:
-        return len(self.input_shape)
-
-    @property
-    def nibbles(self) -> bool:
-        """4-bit blocks (two weights a byte), else 8-bit."""
-        return self.q.dtype == np.uint8
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.q.nbytes + self.scale.nbytes + self.offset.nbytes)
 
     def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """The float32 matrix, exactly as ``gguf.quants.dequantize`` computes it."""

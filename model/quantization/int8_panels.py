@@ -38,6 +38,7 @@ import numpy as np
 
 from raylm.model.quantization.gguf_blocks import BLOCK, GgufBlocks
 from raylm.model.quantization.quant_array import QuantArray
+from raylm.model.quantization.stored_bytes import StoredBytes
 
 GROUP = 16  # output columns per packed group (the AVX-512 kernel's vector of int32 lanes)
 LANE = 4  # bytes per lane: one vpdpbusd adds four products
@@ -45,7 +46,7 @@ LANE = 4  # bytes per lane: one vpdpbusd adds four products
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Int8Panels:
+class Int8Panels(StoredBytes):
     """A matrix ``[*output_shape, *input_shape]`` packed for the integer kernel (module docstring)."""
 
     q: Any
@@ -58,19 +59,6 @@ class Int8Panels:
     @property
     def shape(self) -> tuple[int, ...]:
         return (*self.output_shape, *self.input_shape)
-
-    @property
-    def num_input_dims(self) -> int:
-        return len(self.input_shape)
-
-    @property
-    def nibbles(self) -> bool:
-        """4-bit GGUF blocks, else 8-bit weights."""
-        return self.q.dtype == np.uint8
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.q.nbytes + self.scale.nbytes + self.offset.nbytes + self.row_scale.nbytes)
 
     def rows(self, index: jax.Array, dtype: jnp.dtype) -> jax.Array:
         """Output entries ``index`` (flat ids, e.g. token ids into ``[V, D]``) with their inputs,
