@@ -19,6 +19,7 @@ schema cannot see: the start commands, what the setup installs, and the synced f
 
 from __future__ import annotations
 
+import ast
 import copy
 import re
 import shlex
@@ -300,8 +301,7 @@ def test_file_mounts_sync_the_installable_package(config_path):
     synced = {Path(local).as_posix() for local in mounts.values()}
     with open(REPO / "pyproject.toml", "rb") as f:
         pyproject = tomllib.load(f)
-    needed = {"pyproject.toml", pyproject["project"]["readme"]}
-    needed |= {p.rstrip("*").rstrip(".") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    needed = {"pyproject.toml", "setup.py", pyproject["project"]["readme"]} | set(_mapped_folders())
     assert needed <= synced, f"pip install -e {REMOTE_CHECKOUT} needs {sorted(needed - synced)} synced"
 
 
@@ -326,3 +326,11 @@ def test_gcp_placeholders_agree():
         assert node_type["resources"]["CPU"] == vcpus, name
         if node_type["resources"].get("GPU"):
             assert config["scheduling"]["onHostMaintenance"] == "TERMINATE", name
+
+
+def _mapped_folders() -> tuple[str, ...]:
+    """The folders setup.py maps onto the raylm namespace (its ``FOLDERS``, read without running it)."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    [value] = [node.value for node in tree.body if isinstance(node, ast.Assign)
+               and any(isinstance(t, ast.Name) and t.id == "FOLDERS" for t in node.targets)]
+    return ast.literal_eval(value)
