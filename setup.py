@@ -14,6 +14,7 @@ clones chosen at load time) inside the source.
 """
 
 import importlib.util
+import os
 import pathlib
 
 from setuptools import Extension, find_packages, setup
@@ -30,9 +31,11 @@ def _xla_ffi_include_dir() -> str | None:
     return str(include) if (include / "xla" / "ffi" / "api" / "ffi.h").exists() else None
 
 
-include_dir = _xla_ffi_include_dir()
+# RAYLM_BUILD_KERNELS=0 builds without them (a platform without a C++ compiler; a quick wheel).
+include_dir = _xla_ffi_include_dir() if os.environ.get("RAYLM_BUILD_KERNELS", "1") != "0" else None
 if include_dir is None:
-    print("raylm: jaxlib's XLA FFI headers not found; skipping the C++ CPU kernels (jnp paths will run)")
+    print("raylm: building without the C++ CPU kernels (jnp paths will run): RAYLM_BUILD_KERNELS=0, "
+          "or jaxlib's XLA FFI headers not found")
 
 
 def _kernel(name: str, includes: tuple[str, ...] = ()) -> Extension:
