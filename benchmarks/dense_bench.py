@@ -3,7 +3,7 @@
 Every projection of the bundled model (30 layers' fused QKV, output, fused gate/up and down,
 plus the tied LM head) runs once per call with the model's own float32 weights, so weights
 stream from memory as in a real step (540 MB, far above the caches). A third path runs the
-block kernel on the same matrices kept in their GGUF blocks (model/gguf_blocks.py, 112 MB);
+block kernel on the same matrices kept in their GGUF blocks (model/quantization/gguf_blocks.py, 112 MB);
 its results must equal the float32 kernel's bit for bit, which the script checks. With
 ``--quantized``, two more paths run the 8-bit kernel on the same matrices quantized per output
 channel (``model.quantization: int8`` and ``fp8``, 135 MB each). The paths are jitted programs

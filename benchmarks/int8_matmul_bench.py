@@ -2,7 +2,7 @@
 
 Both run ``model.kernels.dense`` as the engine does on CPU: the exact mode's block kernels (the
 small-batch kernel up to ``KERNEL_MAX_ROWS`` rows, the prompt GEMM above) and the integer mode's
-kernel (the same weights packed for it at load, as the engine does; model/int8_panels.py). Weights are random,
+kernel (the same weights packed for it at load, as the engine does; model/quantization/int8_panels.py). Weights are random,
 quantized by the gguf package (default: a Llama-3.2-1B-shaped 2048 x 8192 matrix, ``[N, K]``
 as stored, in Q4_1, and its 8192 x 2048 transpose shape). Rounds alternate between the modes
 (medians); GOP/s counts 2 M N K operations per call, by the wall clock and per CPU second (all

@@ -1,8 +1,8 @@
 """The LoRA kernel alone: one decode step's 120 adapter calls on the bundled model, per slot type.
 
 Random adapters of rank ``--ranks`` on all seven projections of every layer are packed as a
-replica packs its slots (model/lora_weights.py, ``--slots`` buffers), and one jitted program
-runs model/lora_delta.py's kernel for every layer's four groups of targets (fused QKV, output,
+replica packs its slots (model/decoder/lora_slots.py, ``--slots`` buffers), and one jitted program
+runs model/kernels/lora_delta.py's kernel for every layer's four groups of targets (fused QKV, output,
 fused gate/up, down) one after another, each call's input depending on the previous call's
 result as in a real step (independent calls would let XLA run two at once). Rows use slots
 1, 2, ... in turn, so ``rows`` rows read min(rows, slots) adapters. Reported per slot type and
@@ -65,7 +65,7 @@ def packed_slots(config: ModelConfig, slots: int, rank: int, dtype: str, seed: i
     return PackedLoraWeights(buffer, jnp.asarray(packed.scales), packed.layouts)
 
 
-# Each group's fused weight (model/params.py): its output dims are the base result model.decoder.forward
+# Each group's fused weight (model/decoder/params.py): its output dims are the base result model.decoder.forward
 # adds the group's deltas to (LayerLora.add reads QKV's KV heads from it).
 _GROUP_WEIGHT = {"qkv": "wqkv", "o_proj": "wo", "gate_up": "w_gate_up", "down_proj": "w_down"}
 

@@ -83,7 +83,7 @@ def main() -> None:
         h = x.reshape(-1, D)
         routing = route(h, layer.router, moe)
         # Every expert's gate/up as one [E*2*I, D] matrix (XLA CPU's best dot: a weight with
-        # several output dims made it copy the whole matrix on every call, see model/dense.py).
+        # several output dims made it copy the whole matrix on every call, see model/kernels/dense.py).
         gate_up = jnp.einsum("td,nd->tn", h, layer.w_experts_gate_up.reshape(E * 2 * I, D)).reshape(-1, E, 2, I)
         y = jnp.einsum("tei,edi->ted", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], layer.w_experts_down)
         weight = jnp.zeros((h.shape[0], E), jnp.float32).at[jnp.arange(h.shape[0])[:, None], routing.experts].set(

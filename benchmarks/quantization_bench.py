@@ -3,7 +3,7 @@
 For each variant on the bundled model (``float32``: the GGUF's matrices expanded to float32;
 ``gguf_blocks``: the same numbers from its Q4_1 / Q8_0 blocks kept as stored, what serving
 does by default on CPU; ``+a8``: the same weights in the integer compute mode (activations
-int8 per 32 inputs, model/int8_matmul.py); ``int8`` / ``fp8`` weights; ``int8_g32`` (a scale per 32 inputs);
+int8 per 32 inputs, model/kernels/int8_matmul.py); ``int8`` / ``fp8`` weights; ``int8_g32`` (a scale per 32 inputs);
 ``kv_int8`` / ``kv_fp8`` KV pools; ``int8+kv_int8`` both):
 
 1. ``weight_bytes``: what the parameters hold (8-bit matrices and their scales as stored).

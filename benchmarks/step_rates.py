@@ -2,8 +2,8 @@
 of the machine the bench runs on.
 
 The worker replicas count, per step kind (prefill, decode, mixed, verify:
-``workers/step_work.py``), the steps they ran, the tokens the model computed in them, the
-wall seconds of their programs and the operations they did (``model/flop_count.py``). Two
+``workers/engine/step_work.py``), the steps they ran, the tokens the model computed in them, the
+wall seconds of their programs and the operations they did (``model/decoder/flop_count.py``). Two
 readings around a workload give the run's share: operations / seconds is the achieved rate,
 in integer GOP/s when the replicas multiply in integers (``activation_quantization: int8``),
 else GFLOP/s. The peak it is held against is XLA's own float32 dot on a large GEMM, measured

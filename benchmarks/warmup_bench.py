@@ -2,7 +2,7 @@
 once it has warmed up.
 
 A served engine serves once the programs a request alone takes are compiled and compiles the
-rest after (``workers/async_engine.py``). This builds the engine as a worker replica does
+rest after (``workers/engine/async_engine.py``). This builds the engine as a worker replica does
 (``AsyncEngine.from_model`` with the deploy file's engine settings, so the persistent
 compilation cache counts), then at once sends single greedy streaming requests one after
 another (``--concurrency`` clients doing so) until the warm-up is done, then ``--after`` more

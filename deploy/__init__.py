@@ -1,2 +1,2 @@
-"""How users launch raylm: the ``raylm`` CLI, the YAML deploy schema, the Serve application
-builder, and the benchmarks."""
+"""How users launch raylm: the ``raylm`` CLI, the YAML deploy schema and the Serve application
+builder."""

@@ -74,7 +74,7 @@ class NgramSection(_Section):
 
 
 class SpeculativeSection(_Section):
-    """``engine.speculative``: see workers/speculative.py (its checks run on the result)."""
+    """``engine.speculative``: see workers/core/speculation.py (its checks run on the result)."""
 
     method: Literal["draft", "ngram"] = "draft"
     model: str | None = Field(None, description="draft checkpoint; default: cut from the served model")

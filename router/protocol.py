@@ -44,7 +44,7 @@ _CHAT_FIELDS = _COMMON_FIELDS | {
 }
 _COMPLETION_FIELDS = _COMMON_FIELDS | {
     "prompt", "logprobs", "echo", "suffix", "best_of",
-    # hidden-state extraction (workers/hidden_states.py), raylm's extension
+    # hidden-state extraction (workers/core/hidden_states.py), raylm's extension
     "return_hidden_states", "hidden_states_include_prompt",
 }
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "priority"}

@@ -90,7 +90,7 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
                                   short_factor=[1.0 + 0.1 * i for i in range(8)],
                                   long_factor=[1.5 + 0.5 * i for i in range(8)])),
     ),
-    # Mixtures of experts (model/moe.py): 4-8 small experts, top-2. Mixtral renormalizes the
+    # Mixtures of experts (model/decoder/moe.py): 4-8 small experts, top-2. Mixtral renormalizes the
     # top-2; Qwen3-MoE too (norm_topk_prob) with a dense layer among the sparse ones
     # (mlp_only_layers); OLMoE does not renormalize and norms its whole q / k projections;
     # Qwen2-MoE has a gated shared expert, q/k/v biases and experts on every other layer only.

@@ -1,4 +1,4 @@
-"""What each supported architecture changes in the one decoder (model/forward.py).
+"""What each supported architecture changes in the one decoder (model/decoder/forward.py).
 
 Families are data, not copies of the forward pass: a ``Family`` declares the differences a
 checkpoint's architecture name implies; config.json / GGUF metadata supply the numbers
@@ -29,7 +29,7 @@ class Family:
     # Configs without ``layer_types``: every this-many-th layer is global, the rest slide
     # (Gemma 2: 2, Gemma 3: 6, overridden by ``sliding_window_pattern``); 0: none slide.
     sliding_pattern: int = 0
-    # Sparse layers: a mixture of experts in place of the MLP (model/moe_config.py).
+    # Sparse layers: a mixture of experts in place of the MLP (model/config/moe.py).
     moe: MoeKeys | None = None
 
 
@@ -62,7 +62,7 @@ HF_FAMILIES: dict[str, Family] = {
     "OlmoeForCausalLM": Family(qk_norm=True, qk_norm_whole=True, moe=MoeKeys("num_experts", "intermediate_size")),
 }
 # llama.cpp's architecture names -> the HF family they hold (Mistral and Mixtral convert to
-# "llama": its experts are in the metadata, model/moe_config.py).
+# "llama": its experts are in the metadata, model/config/moe.py).
 GGUF_FAMILIES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",

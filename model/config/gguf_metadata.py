@@ -54,7 +54,7 @@ _UNIMPLEMENTED: dict[str, Any] = {
     "rope.scaling.yarn_ext_factor": None,
     "rope.scaling.yarn_attn_factor": None,
     "rope.scaling.yarn_log_multiplier": None,
-    # mixture-of-experts routing variants (model/moe_config.py reads the rest of the block)
+    # mixture-of-experts routing variants (model/config/moe.py reads the rest of the block)
     "expert_gating_func": 1,  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
     "expert_weights_scale": 1.0,
     "expert_group_count": 0,

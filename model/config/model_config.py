@@ -1,7 +1,7 @@
 """Model hyper-parameters, read from an HF ``config.json`` or from GGUF metadata.
 
 One frozen dataclass describes every decoder raylm runs: the Llama body plus the differences
-a family declares (model/families.py) and the numbers its config gives (head size, windows,
+a family declares (model/config/families.py) and the numbers its config gives (head size, windows,
 soft-caps, RoPE kinds). The forward pass reads nothing else. A config option that raylm does
 not implement is a load error naming it, never a silent default.
 """
@@ -233,7 +233,7 @@ class ModelConfig:
         cls, fields: Mapping[str, Any], source: str, rope_tensors: Mapping[str, Sequence[float]] | None = None
     ) -> "ModelConfig":
         """Build from GGUF key/value metadata (already decoded to Python values), read as
-        llama.cpp reads each architecture (model/gguf_metadata.py); ``rope_tensors`` are the
+        llama.cpp reads each architecture (model/config/gguf_metadata.py); ``rope_tensors`` are the
         file's RoPE factor tensors (``gguf_metadata.ROPE_TENSORS``) that it has."""
         arch = fields.get("general.architecture")
         if arch not in GGUF_FAMILIES:

@@ -1,7 +1,7 @@
 """A model without its weights: config and tokenizer, all a front end needs (no JAX).
 
 The router tokenizes, renders chat templates and checks prompt lengths with these; only a
-worker replica loads the weights (``model/loader.py``).
+worker replica loads the weights (``model/loaders/load.py``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """The decoder forward pass over a paged KV pool: one body for every family, reading what a
 family changes (q/k norms, sandwich norms, GeGLU, embedding scale, soft-caps, per-layer windows
-and RoPE, mixture-of-experts layers: model/moe.py) from ``ModelConfig``.
+and RoPE, mixture-of-experts layers: model/decoder/moe.py) from ``ModelConfig``.
 
-It is not jitted here: the engine's programs (``workers/programs.py``) and the reference loop
-(``model/generate.py``) each jit it with what they add (bucketing and sampling, or nothing).
+It is not jitted here: the engine's programs (``workers/runner/programs.py``) and the reference loop
+(``model/decoder/generate.py``) each jit it with what they add (bucketing and sampling, or nothing).
 
 Variable sizes travel as data: each row ``b`` holds tokens at ``positions[b]``; a token is
 real when ``0 <= position < context_lens[b]`` (``context_lens`` counts the row's tokens
 *including* this step's), anything else is padding and writes to the null block.
-Layers run in a Python loop over their own weight arrays (see model/params.py for why not
+Layers run in a Python loop over their own weight arrays (see model/decoder/params.py for why not
 ``lax.scan``); each writes its K/V into its slice of the stacked pool, which is updated in
 place when the caller donates it.
 
@@ -104,7 +104,7 @@ def forward(
     updated buffers last.
 
     With ``lora`` each row ``b`` adds its LoRA adapter's deltas (slot ``lora.slots[b]``, 0 for
-    none) to the projections of every layer (model/lora_weights.py).
+    none) to the projections of every layer (model/decoder/lora_slots.py).
 
     With ``expert_load [sparse layers, E]`` (int32: tokens routed per expert of each MoE
     layer, in layer order) it adds this step's real tokens to it and returns the sum last:
@@ -289,7 +289,7 @@ def _layer(
 
 def _qk_norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:
     """RMSNorm of ``x [B, S, heads, Dh]``: over each head, or over all heads at once (OLMoE
-    normalizes the whole projection; its heads are in HF's order, see model/params.py)."""
+    normalizes the whole projection; its heads are in HF's order, see model/decoder/params.py)."""
     if not config.qk_norm_whole:
         return rms_norm(x, weight, config.rms_norm_eps)
     B, S, heads, Dh = x.shape

@@ -14,7 +14,7 @@ per adapter, and a batch's rows carry their slot as data (``slots [B]``):
 B_s^T`` is added to the base matmul's result whatever computed it (XLA's dot, the CPU kernels,
 8-bit or GGUF block weights).
 
-Where the CPU kernels run (an unsharded program on CPU, float32), model/lora_delta.py's kernel
+Where the CPU kernels run (an unsharded program on CPU, float32), model/kernels/lora_delta.py's kernel
 adds the deltas, reading each used adapter once in place, and the slots are packed
 (``PackedLoraWeights``): every layer's buffers in one array ``[n, S]``, a slot's adapter in its row,
 so that a step passes one argument instead of one per layer and target (on the bundled model the
@@ -142,7 +142,7 @@ class PackedLayerSlots(NamedTuple):
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class PackedLoraWeights:
-    """Every layer's slot buffers packed in one array ``buffer [n, S]`` (model/lora_delta.py's
+    """Every layer's slot buffers packed in one array ``buffer [n, S]`` (model/kernels/lora_delta.py's
     kernel reads each piece in place at its offset), int8 ones with their float32 ``scales [n,
     S2]`` (``[n, 0]`` otherwise); ``layouts`` (static) says where."""
 

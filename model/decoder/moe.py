@@ -1,12 +1,12 @@
 """A mixture-of-experts block: route each token to its top-k experts, run only those.
 
 The step's (token, k) pairs are sorted by expert, so each expert's rows are one contiguous
-group; one grouped matmul over the stacked expert weights (model/grouped_matmul.py) runs
+group; one grouped matmul over the stacked expert weights (model/kernels/grouped_matmul.py) runs
 every group against its own expert (gate/up, then down), and the rows go back to their
 tokens, weighted by the router and summed. Shapes are static: ``tokens * top_k`` rows
 whatever the routing; how many rows each expert gets travels as data (``group_sizes``).
 
-Routing is HF's TopKRouter (model/moe_config.py): softmax over the router's logits in
+Routing is HF's TopKRouter (model/config/moe.py): softmax over the router's logits in
 float32, the top-k probabilities, divided by their sum with ``norm_topk_prob``.
 
 A step's padding tokens (``valid`` False) are routed to no expert: their rows sort past every

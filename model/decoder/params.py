@@ -8,7 +8,7 @@ step (dynamic-slice), which measured ~1.4x slower at batch 1 (see
 
 Matrices are stored output-first with their input dims last and contiguous (HF's
 ``[out, in]``): each output's weights are one run of memory, which is what the CPU
-small-batch matmul kernel streams (model/dense.py) and what XLA's own dot handled best
+small-batch matmul kernel streams (model/kernels/dense.py) and what XLA's own dot handled best
 too at decode batch sizes. Q, K and V are one fused matrix and gate/up another, so a
 layer runs three matmuls before attention fewer (at batch 1 each matmul is bound by reading
 its weights, and the fused one reads them in one pass). The QKV columns are grouped by KV
@@ -31,10 +31,10 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class ArrayInfo:
     """Everything declared about one parameter, once: its shape for a config, the logical name
-    of each dim (model/sharding.py maps names onto a mesh), and for matrices (``dense``
+    of each dim (model/runtime/sharding.py maps names onto a mesh), and for matrices (``dense``
     weights, stored [out..., in...]) how many trailing dims are inputs. Matrices are what
     weight-only quantization replaces by a QuantArray with a scale per output channel
-    (model/quantization.py); the embedding is one too: as the tied LM head it is a [V, D]
+    (model/quantization/quant_array.py); the embedding is one too: as the tied LM head it is a [V, D]
     matrix, and its rows are the lookup's per-token scales. Every array has the model dtype."""
 
     shape: Callable[[ModelConfig], tuple[int, ...]]
@@ -88,7 +88,7 @@ class LayerParams:
     k_norm: Optional[jax.Array] = _param(_head_norm(lambda c: c.num_kv_heads), optional=True)
     post_attn_norm: Optional[jax.Array] = _param(_norm(), optional=True)  # sandwich_norms models (Gemma)
     post_mlp_norm: Optional[jax.Array] = _param(_norm(), optional=True)
-    # A sparse layer's experts (model/moe.py), stacked: the router's logits per expert (kept
+    # A sparse layer's experts (model/decoder/moe.py), stacked: the router's logits per expert (kept
     # unquantized: it picks the experts), each expert's gate/up and down.
     router: Optional[jax.Array] = _param(
         ArrayInfo(lambda c: (c.moe.num_experts, c.hidden_size), ("router", "embed")), optional=True)

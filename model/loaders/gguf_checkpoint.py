@@ -1,7 +1,7 @@
 """Load a llama.cpp GGUF file: metadata -> ModelConfig, tensors -> ModelParams.
 
 Every tensor type the ``gguf`` package can dequantize is accepted. With ``keep_blocks``,
-matrices in Q4_0 / Q4_1 / Q8_0 stay in their blocks (model/gguf_blocks.py: the same float32
+matrices in Q4_0 / Q4_1 / Q8_0 stay in their blocks (model/quantization/gguf_blocks.py: the same float32
 numbers from a sixth of the bytes); everything else is dequantized to float32 here.
 llama.cpp's converter permutes the Q/K projection rows of llama-arch models (only those) for
 its interleaved RoPE; we undo that here so the same rotate-half RoPE serves HF and GGUF

@@ -1,7 +1,7 @@
 """A parsed llama.cpp GGUF file: metadata, config, and tensors read on demand.
 
 Reading metadata needs no JAX (the router reads a GGUF's config and tokenizer, never its
-weights); ``model/gguf_loader.py`` turns the tensors into ``ModelParams``.
+weights); ``model/loaders/gguf_checkpoint.py`` turns the tensors into ``ModelParams``.
 """
 
 from __future__ import annotations

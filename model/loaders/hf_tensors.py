@@ -40,7 +40,7 @@ _HF_NAMES = {
     "bv": "self_attn.v_proj.bias",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
-    # A sparse layer (model/moe.py): the router (its experts: ``stacked_experts``), and
+    # A sparse layer (model/decoder/moe.py): the router (its experts: ``stacked_experts``), and
     # Qwen2-MoE's shared expert with its gate.
     "router": "mlp.gate.weight",
     "shared_gate_proj": "mlp.shared_expert.gate_proj.weight",
@@ -269,7 +269,7 @@ def build_params(
         final_norm=jnp.asarray(fetch("model.norm.weight", (D,)) + np.float32(norm_offset), dtype=dtype),
         lm_head=lm_head,
     )
-    wrong = shape_mismatches(params, config)  # the fused layout against model/params.py's declarations
+    wrong = shape_mismatches(params, config)  # the fused layout against model/decoder/params.py's declarations
     if wrong:
         raise ModelLoadError(f"{source}: built parameters have unexpected shapes: " + "; ".join(wrong))
     return params

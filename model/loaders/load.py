@@ -20,7 +20,7 @@ from raylm.model.quantization.quant_array import Scheme, parse_quantization, qua
 from raylm.model.text.tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# What happens to a GGUF's Q4_0 / Q4_1 / Q8_0 matrices (model/gguf_blocks.py): "keep" them as
+# What happens to a GGUF's Q4_0 / Q4_1 / Q8_0 matrices (model/quantization/gguf_blocks.py): "keep" them as
 # stored (the float32 numbers, a sixth of the bytes; float32 models on one device), "expand"
 # them to float32 at load, or "auto": keep them where that is possible and pays (one CPU device).
 GGUF_BLOCKS_CHOICES: tuple[str, ...] = ("auto", "keep", "expand")
@@ -112,7 +112,7 @@ def load_model(
     keep_blocks: bool = False,
 ) -> LoadedModel:
     """Resolve a registry name or path and load everything a replica needs, its matrices
-    quantized by ``quantization`` (int8 / fp8; see model/quantization.py) if given, a GGUF's
+    quantized by ``quantization`` (int8 / fp8; see model/quantization/quant_array.py) if given, a GGUF's
     block matrices kept as stored with ``keep_blocks`` (see ``keep_gguf_blocks``)."""
     scheme = parse_quantization(quantization)  # a bad name fails before the weights load
     path = resolve_model_path(name_or_path)

@@ -34,8 +34,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 class Target(NamedTuple):
     """A matrix an adapter may adapt: its HF module (``self_attn.q_proj``), and its input and
-    output dims in the layout of the replica's adapter slots (``model/lora_weights.py``), each
-    with its logical axis name (model/sharding.py splits them as it splits the base matrix's):
+    output dims in the layout of the replica's adapter slots (``model/decoder/lora_slots.py``), each
+    with its logical axis name (model/runtime/sharding.py splits them as it splits the base matrix's):
     q/k/v outputs grouped by KV head as the fused QKV is, ``wo``'s input as ``[heads, head_dim]``."""
 
     module: str

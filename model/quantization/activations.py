@@ -2,11 +2,11 @@
 
 ``none`` (the default) keeps every product exact: float32 sums over the weights as stored. ``int8``
 repacks every dense matrix the integer kernel reads (GGUF Q4_0 / Q4_1 / Q8_0 blocks, ``int8_g32``
-and per-row ``int8`` weights) into its layout (model/int8_panels.py), so that ``model.kernels.dense``
+and per-row ``int8`` weights) into its layout (model/quantization/int8_panels.py), so that ``model.kernels.dense``
 quantizes its activations to int8 per block of 32 and sums in integers, as llama.cpp does
-(model/int8_matmul.py). A float, fp8 or
+(model/kernels/int8_matmul.py). A float, fp8 or
 otherwise unsupported matrix stays in the exact mode, and so do a mixture of experts' grouped
-experts (model/grouped_matmul.py has no integer kernel); a model with no such matrix at all is an
+experts (model/kernels/grouped_matmul.py has no integer kernel); a model with no such matrix at all is an
 error, since the setting would change nothing.
 """
 

@@ -3,19 +3,19 @@
 ``model.quantization: int8 | fp8`` stores every linear layer and the (tied) embedding / LM
 head as a ``QuantArray`` at load time. At decode batch sizes a step is bound by reading
 weights, so a quarter of float32's bytes is most of the speed-up; the C++ matmul kernel
-reads the 8-bit values and widens them in registers (model/dense.py), XLA's dot converts
+reads the 8-bit values and widens them in registers (model/kernels/dense.py), XLA's dot converts
 them where the kernel does not run. Scales are per output channel (one per row of the
-``[out..., in...]`` layout, see model/params.py): int8 maps each row's absolute maximum to
+``[out..., in...]`` layout, see model/decoder/params.py): int8 maps each row's absolute maximum to
 127, fp8 (e4m3fn) to 448, its largest finite value. A channel of zeros gets scale 1 so it
 stays exactly zero.
 
 ``int8_g32`` keeps a scale per group of 32 consecutive inputs instead (absmax / 127 of the
 group): an outlier then coarsens 31 neighbours, not its whole row. That is GGUF's Q8_0 layout
-with float32 scales, so the matrices are ``GgufBlocks`` (model/gguf_blocks.py) and run through
+with float32 scales, so the matrices are ``GgufBlocks`` (model/quantization/gguf_blocks.py) and run through
 the block kernels, decode rows and prompt chunks alike; like GGUF blocks, one device only.
 Matrices whose inputs are not whole groups of 32 are an error naming the scheme to use instead.
 
-The KV pool can be 8-bit too (model/attention.py): a ``QuantArray`` whose one input dim is
+The KV pool can be 8-bit too (model/decoder/attention.py): a ``QuantArray`` whose one input dim is
 the head dim, so it has a scale per (token, kv head).
 
 The activations stay in the model dtype (W8A16 / W8A32): with int8 activations XLA's CPU

@@ -5,10 +5,10 @@ Attention heads, KV heads and the MLP hidden dimension are split over ``tp``; ev
 else is replicated. jit then inserts the collectives. With one device every spec is
 trivially replicated, so the single-device path is the same code.
 
-LoRA adapter slots (model/lora_weights.py) follow their base matrices: ``A`` is split like the
+LoRA adapter slots (model/decoder/lora_slots.py) follow their base matrices: ``A`` is split like the
 matrix's input dims, ``B`` like its output dims, the slot and rank dims are replicated.
 
-The fused QKV matrix is grouped by KV head (model/params.py), so splitting its ``kv_heads``
+The fused QKV matrix is grouped by KV head (model/decoder/params.py), so splitting its ``kv_heads``
 axis hands each device whole groups: its KV heads with the query heads that read them,
 and ``wo``'s ``heads`` split lines up with it. A quantized matrix's scales are split like
 its output dims. When ``tp`` does not divide the KV head count
@@ -162,7 +162,7 @@ def shard_params(params: ModelParams, config: ModelConfig, mesh: Mesh) -> ModelP
 
 def shard_lora(weights: LoraWeights, config: ModelConfig, mesh: Mesh) -> LoraWeights:
     """Place LoRA slots on ``mesh``: each ``A`` split like its base matrix's inputs, each ``B``
-    like its outputs (model/lora_weights.py), so a row's delta lands where its base output does."""
+    like its outputs (model/decoder/lora_slots.py), so a row's delta lands where its base output does."""
     rules = rules_for(config, mesh.shape[TP_AXIS], mesh.shape.get(EP_AXIS, 1))
     shardings = tuple(
         LayerSlots(*({name: NamedSharding(mesh, spec_for(a, rules)) for name, a in part.items()}

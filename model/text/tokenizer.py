@@ -174,7 +174,7 @@ class Tokenizer:
     @classmethod
     def from_gguf_fields(cls, fields: Mapping[str, Any], source: str) -> "Tokenizer":
         """Rebuild the tokenizer llama.cpp would use from GGUF metadata: byte-level BPE
-        (``tokenizer.ggml.model = gpt2``) or SentencePiece (``llama``: model/gguf_sentencepiece.py)."""
+        (``tokenizer.ggml.model = gpt2``) or SentencePiece (``llama``: model/text/gguf_sentencepiece.py)."""
         kind = fields.get("tokenizer.ggml.model")
         if kind == "gpt2":
             backend = _byte_level_backend(fields)

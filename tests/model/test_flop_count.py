@@ -1,4 +1,4 @@
-"""The operations counted per forward pass (model/flop_count.py), against hand computations and
+"""The operations counted per forward pass (model/decoder/flop_count.py), against hand computations and
 the HF model's own weights."""
 
 from __future__ import annotations

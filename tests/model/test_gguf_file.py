@@ -1,4 +1,4 @@
-"""raylm's GGUF reader (model/gguf_file.py) parses to exactly what gguf's own reader does: every
+"""raylm's GGUF reader (model/loaders/gguf_file.py) parses to exactly what gguf's own reader does: every
 metadata field (values, types, offsets) and every tensor (name, type, shape, bytes), with the
 tensors left as views of the file's memory map rather than copies."""
 

@@ -1,4 +1,4 @@
-"""The integer compute mode's kernel (model/int8_matmul.py) against a NumPy model of its scheme.
+"""The integer compute mode's kernel (model/kernels/int8_matmul.py) against a NumPy model of its scheme.
 
 The reference quantizes each row per block of 32 in float32 exactly as the kernel says it does
 (scale ``max|x| / 127``, ``rint(x * (127 / max|x|))``), sums each block's products in int64 and

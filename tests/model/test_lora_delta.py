@@ -1,4 +1,4 @@
-"""The CPU kernel that adds each row's LoRA delta (model/lora_delta.py) against a float64 NumPy
+"""The CPU kernel that adds each row's LoRA delta (model/kernels/lora_delta.py) against a float64 NumPy
 reference with each adapter merged (``B @ A``) and laid out in the fused QKV by hand; a row's
 result the same bits alone as in a batch mixing adapters and base rows; bfloat16 slots the
 same bits as float32 slots holding their values."""

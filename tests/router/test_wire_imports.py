@@ -1,6 +1,6 @@
 """A router replica parses, tokenizes and routes requests without the engine: importing the
-router in a fresh interpreter loads no JAX (nor the engine's modules), and the lazily exported
-names of ``model`` and ``workers`` are the objects their modules define."""
+router, the wire types or ``raylm.workers`` in a fresh interpreter loads no JAX (nor the
+engine's modules); building an engine does."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_MODULES = ("jax", "jaxlib", "workers.engine.llm_engine", "workers.runner.model_runner", "workers.core.scheduler", "model.loaders.load")
+ENGINE_MODULES = (
+    "jax", "jaxlib", "raylm.workers.engine.llm_engine", "raylm.workers.runner.model_runner",
+    "raylm.workers.core.scheduler", "raylm.model.loaders.load",
+)
 
 
 def _loaded_after(statement: str) -> set[str]:
@@ -27,9 +30,13 @@ def _run(code: str):
 
 
 @pytest.mark.parametrize("statement", [
-    "import router.app",
+    "import raylm.router.app",
+    "import raylm.workers.wire.replica_protocol",
+    "from raylm.workers import LLM, AsyncEngine, SamplingParams",
     # what a router replica does at start-up: its tokenizer and chat template
-    "from model import DEFAULT_MODEL, load_model_info; load_model_info(DEFAULT_MODEL).tokenizer.apply_chat_template("
+    "from raylm.model.config.registry import DEFAULT_MODEL\n"
+    "from raylm.model.config.model_info import load_model_info\n"
+    "load_model_info(DEFAULT_MODEL).tokenizer.apply_chat_template("
     "[{'role': 'user', 'content': 'Hi'}], add_generation_prompt=True)",
 ])
 def test_the_router_loads_no_engine(statement):
@@ -37,19 +44,10 @@ def test_the_router_loads_no_engine(statement):
     assert not loaded & set(ENGINE_MODULES), sorted(loaded & set(ENGINE_MODULES))
 
 
-def test_the_engine_still_loads_through_the_package_names():
-    assert {"jax", "workers.engine.llm_engine"} <= _loaded_after("from workers import LLM")
-
-
-@pytest.mark.parametrize("package", ["model", "workers"])
-def test_every_exported_name_is_what_its_module_defines(package):
-    """An export named like a submodule comes back as the submodule once that is imported
-    (``model.decoder.forward`` would): with every submodule imported first, each name in ``__all__``
-    is still the defining module's object."""
-    code = (
-        f"import importlib, json, pkgutil, types, {package}\n"
-        f"for info in pkgutil.iter_modules({package}.__path__):\n"
-        f"    importlib.import_module('{package}.' + info.name)\n"
-        f"print(json.dumps([n for n in {package}.__all__ if isinstance(getattr({package}, n), types.ModuleType)]))"
+def test_building_an_engine_loads_it():
+    loaded = _loaded_after(
+        "from raylm.workers import LLM\n"
+        "from raylm.model.config.registry import DEFAULT_MODEL\n"
+        "LLM(DEFAULT_MODEL, max_model_len=256, num_kv_blocks=8, warmup=False)"
     )
-    assert json.loads(_run(code)) == []
+    assert {"jax", "raylm.workers.engine.llm_engine"} <= loaded

@@ -1,4 +1,4 @@
-"""workers/block_manager.py over a real ``BlockPool`` (4-token blocks): growth arithmetic across
+"""cache/block_tables.py over a real ``BlockPool`` (4-token blocks): growth arithmetic across
 block boundaries, freeing, prefix-cache reuse (salted, optional), forks and copy-on-write."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""workers/block_manager.py with two KV groups (a model interleaving sliding and full-attention
+"""cache/block_tables.py with two KV groups (a model interleaving sliding and full-attention
 layers, 4-token blocks, a 4-token window): the full group keeps every block while the sliding
 group releases what its window left behind, each from its own pool; growth needs both pools;
 a prefix hit needs every block in the full group but only its window's in the sliding one;

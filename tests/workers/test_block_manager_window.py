@@ -1,4 +1,4 @@
-"""workers/block_manager.py with a sliding window (4-token blocks): which blocks a sequence's
+"""cache/block_tables.py with a sliding window (4-token blocks): which blocks a sequence's
 next queries can no longer read (hand-computed at block edges, window below, at and above a
 block), release during chunked prefill and decoding, forks, the prefix cache after release, and
 the bound on the blocks a sequence holds (checked against a position-by-position simulation)."""

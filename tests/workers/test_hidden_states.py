@@ -1,4 +1,4 @@
-"""Hidden-state extraction (workers/hidden_states.py) against HF transformers'
+"""Hidden-state extraction (workers/core/hidden_states.py) against HF transformers'
 ``output_hidden_states`` on the same tiny checkpoint, through the engine: every layer index
 (embeddings .. final norm), with and without the prompt, alone and batched with other
 requests, chunked, multi-step decode, preempted, from the prefix cache; fixed program shapes;

@@ -1,6 +1,6 @@
 """The integer compute mode through the engine: exact against itself.
 
-``activation_quantization="int8"`` changes the numbers (model/int8_matmul.py); the engine must not
+``activation_quantization="int8"`` changes the numbers (model/kernels/int8_matmul.py); the engine must not
 change them further. Batching, paging, prefix caching, chunked prefill, preemption and speculative
 verification must give each prompt the greedy tokens it gets served alone (one sequence at a time,
 its prompt in one step, no prefix cache). The reference is the engine alone, not the jnp

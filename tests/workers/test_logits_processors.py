@@ -1,4 +1,4 @@
-"""Custom logits processors (workers/logits_processors.py) through the engine: they see the
+"""Custom logits processors (workers/core/logits_processors.py) through the engine: they see the
 right tokens, rewrite the logits each token is sampled from (prompt chunks and decode steps,
 alone and batched, with multi-step decode and chunked prompts), leave other requests
 untouched, keep seeded sampling reproducible, and a failing one ends only its request."""

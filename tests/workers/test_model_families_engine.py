@@ -23,7 +23,7 @@ from tests.checkpoints import build_tiny_checkpoint
 from tests.reference import hf_greedy
 
 # (phi3-longrope switches RoPE factors at 32 tokens in HF, mid-sequence; raylm picks them by the
-# served context: model/layers.py. Its prompt-level match is in tests/model/test_model_vs_hf.py.)
+# served context: model/decoder/layers.py. Its prompt-level match is in tests/model/test_model_vs_hf.py.)
 FAMILIES = ["qwen3", "mistral-sliding", "gemma2", "gemma3", "phi3"]
 NEW_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

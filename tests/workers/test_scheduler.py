@@ -1,4 +1,4 @@
-"""workers/scheduler.py without a model: which tokens of which sequences each step computes.
+"""workers/core/scheduler.py without a model: which tokens of which sequences each step computes.
 
 A real ``BlockPool`` and ``BlockManager`` with small numbers (4-token blocks, a handful of them)
 and real ``Sequence`` objects; ``_apply`` feeds each step's samples back through

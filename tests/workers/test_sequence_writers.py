@@ -1,5 +1,5 @@
-"""Only the scheduler changes a sequence: no module but workers/scheduler.py, the block manager it
-calls and workers/sequence.py itself writes a ``Sequence`` attribute (issue 32; vLLM v1's
+"""Only the scheduler changes a sequence: no module but workers/core/scheduler.py, the block manager it
+calls and workers/core/sequence.py itself writes a ``Sequence`` attribute (issue 32; vLLM v1's
 ``update_from_output``). The runner and the engine see plain data (``SchedulerOutput`` /
 ``RunnerOutput``) and a request's stream state lives in ``RequestState``.
 
@@ -25,7 +25,7 @@ from raylm.workers.core.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("model", "cache", "workers", "deploy")
-OWNERS = {"workers/scheduler.py", "workers/block_manager.py", "workers/sequence.py"}
+OWNERS = {"workers/core/scheduler.py", "cache/block_tables.py", "workers/core/sequence.py"}
 FIELDS = frozenset(f.name for f in dataclasses.fields(Sequence))
 MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__"})
 
@@ -91,7 +91,7 @@ def test_only_the_scheduler_writes_sequence_state():
             relative = path.relative_to(ROOT).as_posix()
             if relative not in OWNERS:
                 offenders += [f"{relative}:{line}: {what}" for line, what in sequence_writes(path.read_text())]
-    assert offenders == [], "only workers/scheduler.py (and what it calls) may change a Sequence:\n" + \
+    assert offenders == [], "only workers/core/scheduler.py (and what it calls) may change a Sequence:\n" + \
         "\n".join(offenders)
 
 

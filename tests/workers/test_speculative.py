@@ -337,9 +337,9 @@ def test_guesses_never_cost_a_preemption():
 
 # -- step counters ------------------------------------------------------------------------------------------
 def test_each_step_counts_its_kind_tokens_and_the_operations_of_target_and_draft(tiny):
-    """workers/step_work.py over steps shaped by hand (16-token budget, a 1-layer draft, k = 2):
+    """workers/engine/step_work.py over steps shaped by hand (16-token budget, a 1-layer draft, k = 2):
     each step adds one step of its kind, the target's tokens, and the operations of the runs
-    of positions the target and the draft computed (model/flop_count.py counts a run)."""
+    of positions the target and the draft computed (model/decoder/flop_count.py counts a run)."""
     engine = LLM(tiny, max_model_len=512, num_kv_blocks=64, max_num_batched_tokens=16,
                  speculative=dict(method="draft", num_layers=1, num_speculative_tokens=2)).engine
     target, draft = engine.step_counters.target, engine.step_counters.draft

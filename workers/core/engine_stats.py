@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class LoraStats:
-    """LoRA adapter slots (workers/lora_manager.py): the adapters resident on the device (by
+    """LoRA adapter slots (workers/core/lora_adapters.py): the adapters resident on the device (by
     slot), the slots running sequences hold, and lifetime slot fills and evictions per adapter."""
 
     resident: tuple[str, ...]
@@ -31,7 +31,7 @@ class LoraStats:
 @dataclasses.dataclass(frozen=True)
 class MoeStats:
     """A mixture-of-experts replica: its expert-parallel layout (an ``ep x tp`` device mesh,
-    each device holding ``num_experts / ep`` experts of every sparse layer, model/sharding.py)
+    each device holding ``num_experts / ep`` experts of every sparse layer, model/runtime/sharding.py)
     and the tokens routed to each expert of each sparse layer since it started (load balance:
     the model computes them on the device, the engine reads them when it reports)."""
 
@@ -55,9 +55,9 @@ class MoeStats:
 
 @dataclasses.dataclass(frozen=True)
 class StepWork:
-    """Lifetime totals of one kind of engine step (workers/step_work.py): steps run, tokens the
+    """Lifetime totals of one kind of engine step (workers/engine/step_work.py): steps run, tokens the
     model computed in them, wall seconds of their programs (launch to results fetched) and the
-    operations they did (model/flop_count.py: multiply and add counted apart)."""
+    operations they did (model/decoder/flop_count.py: multiply and add counted apart)."""
 
     steps: int = 0
     tokens: int = 0
@@ -67,7 +67,7 @@ class StepWork:
 
 @dataclasses.dataclass(frozen=True)
 class ComputeStats:
-    """What the replica's steps computed and how fast, per step kind (workers/step_work.py).
+    """What the replica's steps computed and how fast, per step kind (workers/engine/step_work.py).
     ``integer_matmuls``: the matrices ran in integers (``activation_quantization: int8``), so
     the operations are integer operations (GOP), not floating point ones."""
 

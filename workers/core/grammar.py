@@ -3,10 +3,10 @@ object, a regular expression, one of a list of choices, or a Lark / GBNF grammar
 
 llguidance (a well-kept Rust engine with numpy bindings, no torch or transformers) compiles
 the grammar against the model's tokenizer and, before every sampled token, fills the row's
-bitmask of allowed tokens (workers/structured_output_masks.py); the batched sampler masks the
-logits with it (workers/sampler.py),
+bitmask of allowed tokens (workers/runner/grammar_masks.py); the batched sampler masks the
+logits with it (workers/runner/sampler.py),
 so constrained and free rows share a batch. After each sampled token the sequence's matcher
-consumes it (workers/output_processor.py); once the grammar cannot be extended the sequence
+consumes it (workers/core/output_builder.py); once the grammar cannot be extended the sequence
 finishes with ``stop``.
 
 Compiling (about a millisecond for a realistic schema, more for large grammars) happens once

@@ -4,7 +4,7 @@ A request names its adapter with a ``LoRARequest`` (vLLM's offline handle). ``Lo
 reads the adapter when it is first asked for (so a bad one is refused when the request
 arrives, naming the problem) and keeps the ``max_cpu_loras`` most recently used in host
 memory, reading others from disk again when they come back. ``LoraSlots`` is the scheduler's
-view of the ``max_loras`` device slots (``model/lora_weights.py``): a sequence takes its
+view of the ``max_loras`` device slots (``model/decoder/lora_slots.py``): a sequence takes its
 adapter's slot when it is admitted and holds it until it ends or is preempted; an adapter not
 resident gets a free slot, else the least recently used slot no running sequence holds, and the
 load is handed to the runner with the step that first uses it. When every slot is held by

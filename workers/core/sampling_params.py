@@ -47,10 +47,10 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None  # a grammar the output must follow
     # Hidden states of these layers (HF's numbering: 0 embeddings .. L final-normed output)
     # for every generated token, and the prompt's with ``hidden_states_include_prompt``
-    # (workers/hidden_states.py): ``CompletionOutput.hidden_states [layers, positions, D]``.
+    # (workers/core/hidden_states.py): ``CompletionOutput.hidden_states [layers, positions, D]``.
     return_hidden_states: Sequence[int] | None = None
     hidden_states_include_prompt: bool = False
-    # Offline only: callables rewriting the logits before each token (workers/logits_processors.py).
+    # Offline only: callables rewriting the logits before each token (workers/core/logits_processors.py).
     logits_processors: Sequence[LogitsProcessor] | None = None
 
     def __post_init__(self) -> None:
@@ -125,7 +125,7 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class BeamSearchParams:
-    """Beam search instead of sampling (workers/beam_search.py runs it): ``beam_width``
+    """Beam search instead of sampling (workers/engine/beam_search.py runs it): ``beam_width``
     completions, the best by length-penalized cumulative logprob, as vLLM's namesake."""
 
     beam_width: int

@@ -86,7 +86,7 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats()  # speculative guesses scored and accepted, lifetime
         # Tokens a prompt chunk may hold (None: the budget alone decides). A served engine sets it
         # while its larger prompt programs are still to compile, so a long prompt runs in the
-        # chunks already compiled rather than waiting for a compile (workers/engine.py).
+        # chunks already compiled rather than waiting for a compile (workers/engine/llm_engine.py).
         self.chunk_cap: int | None = None
         self.chunk_capped = False  # the last ``schedule`` shortened a chunk to ``chunk_cap``
 

@@ -58,7 +58,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_ids: list[int] = dataclasses.field(default_factory=list)
     # The sliding layers' own block table, for a model that interleaves them with full-attention
-    # layers (workers/block_manager.py); empty otherwise.
+    # layers (cache/block_tables.py); empty otherwise.
     sliding_block_ids: list[int] = dataclasses.field(default_factory=list)
     block_hashes: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
@@ -71,7 +71,7 @@ class Sequence:
     forks: list["Sequence"] = dataclasses.field(default_factory=list)  # children waiting on our prompt
     num_preemptions: int = 0
     # Known tokens before the last one whose K/V a draft model has not computed yet (0 or 1:
-    # after a speculative step that accepted every guess; see workers/spec_decode.py).
+    # after a speculative step that accepted every guess; see workers/runner/speculative_step.py).
     draft_lag: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -87,7 +87,7 @@ class Sequence:
     # Hidden-state extraction: the layers asked for, the device slot, and the result.
     hidden: HiddenStateCapture | None = None
     # LoRA: the adapter it is generated with (None: the base model), and the device slot it
-    # holds while running (0: none; workers/lora_manager.py).
+    # holds while running (0: none; workers/core/lora_adapters.py).
     lora: LoRARequest | None = None
     lora_slot: int = 0
 

@@ -2,7 +2,7 @@
 
 A proposer guesses the next ``k`` tokens of a sequence; the target model scores the last
 token and the ``k`` guesses in one call and keeps the longest prefix of guesses that equals
-what it samples itself (``workers/spec_decode.py`` runs the step, and keeps a draft model's
+what it samples itself (``workers/runner/speculative_step.py`` runs the step, and keeps a draft model's
 pool in step with the target's: the sequence's ``draft_lag``). Both proposers here
 are deterministic (the draft model proposes its argmax), so a guess is a one-hot proposal
 distribution ``q``: Leviathan et al.'s rule then accepts ``d`` with probability ``p(d)`` and,

@@ -66,7 +66,7 @@ class ScheduledDecode:
     row: ScheduledRow
     position: int  # of the last known token
     # The known tokens a draft model has not computed yet, the last known token last (1 token,
-    # or 2 after a speculative step accepted every guess: see workers/spec_decode.py).
+    # or 2 after a speculative step accepted every guess: see workers/runner/speculative_step.py).
     window: tuple[int, ...]
     guesses: int = 0  # speculative guesses it may carry this step (its blocks were grown for them)
 
@@ -77,7 +77,7 @@ class SchedulerOutput:
     decodes: list[ScheduledDecode]
     num_decode_steps: int
     block_copies: list[tuple[int, int]]  # (src, dst) device copies before the step (copy-on-write)
-    # (slot, adapter) LoRA slots to fill before the step (workers/lora_manager.py)
+    # (slot, adapter) LoRA slots to fill before the step (workers/core/lora_adapters.py)
     lora_loads: list[tuple[int, LoraAdapter]] = dataclasses.field(default_factory=list)
     sliding_block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # the sliding group's
 

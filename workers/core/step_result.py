@@ -31,5 +31,5 @@ class RunnerOutput:
     # Sequences whose logits processor failed this step (seq_id -> error): their requests end.
     processor_failures: dict[int, str] = dataclasses.field(default_factory=dict)
     # Known tokens before the last one whose K/V the draft model has not computed, per sequence
-    # it ran for (workers/spec_decode.py).
+    # it ran for (workers/runner/speculative_step.py).
     draft_lags: dict[int, int] = dataclasses.field(default_factory=dict)
