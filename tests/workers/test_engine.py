@@ -9,6 +9,7 @@ from raylm.model.decoder.generate import SingleSequenceGenerator
 from raylm.model.loaders.load import load_model
 from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.llm import LLM
+from raylm.workers.serve.replica_metrics import EngineStatsReporter
 from tests.checkpoints import build_tiny_checkpoint
 
 NUM_PROMPTS = 32
@@ -267,6 +268,38 @@ def test_prefix_lookup_counts_once_however_long_admission_waits(tiny):
     assert (stats.pool.prefix_queries, stats.pool.prefix_hits) == (64 + 100 + 94, 4 * 16)
     assert finished["B"].num_cached_tokens == 4 * 16
     assert stats.pool.num_used_blocks == 0
+
+
+class _CounterRecorder:
+    """WorkerMetrics' ``inc`` and ``set``: what each counter would export."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+
+    def set(self, name: str, value: float) -> None:
+        pass
+
+    def inc(self, name: str, value: float, **tags: str) -> None:
+        if value > 0:  # as WorkerMetrics: a Ray counter takes only positive increments
+            self.counters[name] = self.counters.get(name, 0) + value
+
+
+def test_prefix_cache_counters_count_prompt_tokens_from_the_first_short_request(tiny):
+    """As vLLM's: every prompt token looked up counts, so a prompt shorter than a block (16
+    tokens) shows at once; a repeat of a 20-token prompt finds its one full block (16 tokens)."""
+    engine = LLM(tiny, max_model_len=512, num_kv_blocks=64).engine
+    recorder = _CounterRecorder()
+    reporter = EngineStatsReporter(recorder)
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request("short", list(range(3, 8)), greedy)
+    _step_until_finished(engine)
+    reporter.report(engine.stats())
+    assert recorder.counters == {"raylm_prefix_cache_queries_total": 5}
+    for request_id in ("first", "again"):
+        engine.add_request(request_id, list(range(10, 30)), greedy)
+        _step_until_finished(engine)
+    reporter.report(engine.stats())
+    assert recorder.counters == {"raylm_prefix_cache_queries_total": 5 + 20 + 20, "raylm_prefix_cache_hits_total": 16}
 
 
 def test_cached_tokens_count_the_first_admission_prompt_hit_after_preemption(tiny, reference):
