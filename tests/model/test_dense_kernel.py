@@ -11,9 +11,6 @@ family forced, so an AVX-512 machine checks both.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +20,7 @@ import pytest
 from raylm.model.kernels import dense as dense_module
 from raylm.model.kernels import lowering_for_every_platform, tracing_targets
 from raylm.model.kernels.dense import KERNEL_MAX_ROWS, dense, dense_matmul
+from tests.reruns import rerun_in_child
 
 needs_kernel = pytest.mark.skipif(
     not dense_module.available(),
@@ -65,12 +63,8 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(n, k):
 def test_eight_lane_tiles_on_any_cpu():
     """The 8-lane family (what AVX2 CPUs run) is forced by RAYLM_DENSE_NARROW_TILES; on an
     AVX2 CPU this repeats the checks above, on an AVX-512 one it covers the other family."""
-    env = {**os.environ, "RAYLM_DENSE_NARROW_TILES": "1"}
     checks = "test_matches_float64_reference or test_a_row_does_not_depend_on_the_rest_of_the_batch"
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    rerun_in_child(__file__, checks, {"RAYLM_DENSE_NARROW_TILES": "1"})
 
 
 @needs_kernel

@@ -8,10 +8,6 @@ and whose tied embedding / LM head is Q8_0.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import gguf.quants
 import jax
 import jax.numpy as jnp
@@ -27,6 +23,7 @@ from raylm.model.quantization.gguf_blocks import GgufBlocks, from_gguf, map_rows
 from raylm.model.quantization.quant_array import quantize, weight_bytes
 from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.llm import LLM
+from tests.reruns import rerun_in_child
 
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 needs_kernel = pytest.mark.skipif(not dense_module.available(), reason="C++ kernel not built; XLA path tested")
@@ -93,11 +90,7 @@ def test_kernel_is_the_float32_kernel_on_the_dequantized_matrix(kind, m, n, k):
 @needs_kernel
 def test_eight_lane_family_too():
     """The tests above with the 8-lane tiles forced (what AVX2 CPUs run)."""
-    env = {**os.environ, "RAYLM_DENSE_NARROW_TILES": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "test_kernel_is_the_float32_kernel"], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    rerun_in_child(__file__, "test_kernel_is_the_float32_kernel", {"RAYLM_DENSE_NARROW_TILES": "1"})
 
 
 @needs_kernel

@@ -12,10 +12,6 @@ forced, so an AVX-512 machine checks both.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import gguf.quants
 import jax
 import jax.numpy as jnp
@@ -26,6 +22,7 @@ from gguf import GGMLQuantizationType
 import raylm.model.kernels.grouped_matmul as grouped
 from raylm.model.quantization.gguf_blocks import from_gguf
 from raylm.model.quantization.quant_array import QuantArray, quantize
+from tests.reruns import rerun_in_child
 
 needs_kernel = pytest.mark.skipif(not grouped.available(), reason="the C++ kernels are not built")
 SIZES = [0, 9, 1, 0, 7, 5]  # 22 of 24 rows
@@ -89,11 +86,7 @@ def test_block_experts_are_the_float32_kernel_on_their_dequantized_values(kind, 
 @needs_kernel
 def test_eight_lane_family_too():
     """The tests above with the 8-lane tiles forced (what AVX2 CPUs run)."""
-    env = {**os.environ, "RAYLM_DENSE_NARROW_TILES": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "float32_kernel"], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    rerun_in_child(__file__, "float32_kernel", {"RAYLM_DENSE_NARROW_TILES": "1"})
 
 
 def test_ragged_dot_path_computes_the_same_products():

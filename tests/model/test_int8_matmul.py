@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import subprocess
-import sys
 
 import gguf.quants
 import jax.numpy as jnp
@@ -36,6 +33,7 @@ from raylm.model.kernels.dense import dense
 from raylm.model.quantization.gguf_blocks import GgufBlocks, from_gguf
 from raylm.model.quantization.int8_panels import Int8Panels, pack_int8_panels
 from raylm.model.quantization.quant_array import QuantArray, quantize
+from tests.reruns import rerun_in_child
 
 pytestmark = pytest.mark.skipif(int8_matmul.unavailable_reason() is not None, reason="int8 kernel not built")
 
@@ -200,8 +198,4 @@ def test_a_packed_matrix_keeps_its_output_and_input_dims():
 def test_lower_families(family, select):
     """The tests above with a lower family forced (what AVX2-only and older CPUs run; the scalar
     loops skip the large shapes, which only they find slow)."""
-    env = {**os.environ, "RAYLM_INT8_MATMUL_FAMILY": family}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    rerun_in_child(__file__, select, {"RAYLM_INT8_MATMUL_FAMILY": family})

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +22,7 @@ from raylm.model.config.model_config import AttentionSpec
 from raylm.model.decoder.attention import paged_attention
 from raylm.model.kernels import lowering_for_every_platform, paged_decode
 from raylm.model.quantization.quant_array import QuantArray, quantize
+from tests.reruns import rerun_in_child
 
 needs_kernel = pytest.mark.skipif(
     not paged_decode.available(),
@@ -209,14 +207,10 @@ def test_eight_lane_family_on_any_cpu():
     an AVX2 CPU this repeats the checks, on an AVX-512 one it covers the other family
     (attention specs on float32 pools: other pools differ only in how rows are widened,
     which the 8-bit and bfloat16 checks cover)."""
-    env = {**os.environ, "RAYLM_ATTENTION_NARROW_LANES": "1"}
     checks = ("test_float32_matches_references or test_head_layouts or test_a_row_does_not_depend "
               "or test_quantized_pool_matches_references or test_bfloat16_pool_matches_float32 "
               "or test_sliding_window_matches or (test_attention_spec_matches and float32)")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    rerun_in_child(__file__, checks, {"RAYLM_ATTENTION_NARROW_LANES": "1"})
 
 
 @needs_kernel

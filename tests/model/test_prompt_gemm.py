@@ -13,10 +13,6 @@ both. ``test_eight_lane_family`` reruns them with the 8-lane tiles forced.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import gguf.quants
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +23,7 @@ from raylm.model.kernels import dense as dense_module
 from raylm.model.kernels.dense import KERNEL_MAX_ROWS, dense_matmul, gguf_matmul, quantized_matmul
 from raylm.model.quantization.gguf_blocks import from_gguf
 from raylm.model.quantization.quant_array import quantize
+from tests.reruns import rerun_in_child
 
 pytestmark = pytest.mark.skipif(not dense_module.available(), reason="C++ kernel not built; XLA path tested")
 
@@ -83,8 +80,4 @@ def test_gguf_rows_are_the_float32_matrix_rows(kind, m, n, k):
 
 def test_eight_lane_family():
     """The tests above with the 8-lane tiles forced (what AVX2 CPUs run)."""
-    env = {**os.environ, "RAYLM_DENSE_NARROW_TILES": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "not eight_lane"], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    rerun_in_child(__file__, "not eight_lane", {"RAYLM_DENSE_NARROW_TILES": "1"})

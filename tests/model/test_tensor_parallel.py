@@ -3,10 +3,6 @@ TP=2 over four (in a child process: the suite's has two)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
@@ -16,6 +12,7 @@ from raylm.model.errors import UnsupportedModelError
 from raylm.model.loaders.load import load_checkpoint
 from raylm.model.runtime.sharding import make_mesh, rules_for
 from tests.checkpoints import build_tiny_checkpoint
+from tests.reruns import rerun_in_child
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (XLA_FLAGS set in conftest)")
 
@@ -76,11 +73,8 @@ def test_ep2_tp2_equals_one_device(tmp_path):
 
 def test_ep2_tp2_on_four_devices():
     """The test above in a child process with four forced host devices."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "test_ep2_tp2_equals_one_device"], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "1 passed" in run.stdout
+    rerun_in_child(__file__, "test_ep2_tp2_equals_one_device", {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+                   expected="1 passed")
 
 
 def test_ep_must_divide_experts(tmp_path):
