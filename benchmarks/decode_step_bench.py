@@ -16,24 +16,25 @@ both see the same machine load (other work on a shared machine shifts both alike
 
     python -m raylm.benchmarks.decode_step_bench --baseline HEAD~1 [--parts steps,offline,prefill,compile]
 
-Workers only use names both trees export (``load_model``, ``KVCache.create`` or the older
-``KVCache.zeros``, ``forward``, ``workers.LLM``), so the baseline can be any commit that has them.
+Workers only use names both trees export (``load_model``, ``KVCache.create``, ``forward``,
+``raylm.workers.engine.llm.LLM``): the baseline can be any commit with the ``raylm`` namespace
+(``raylm.benchmarks.source_trees``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from raylm.benchmarks.source_trees import export_baseline, import_env
+
+ROOT = Path(__file__).resolve().parents[1]
 RESULT = "RESULT "
 NUM_BLOCKS, BLOCK_SIZE, WIDTH, CONTEXT = 512, 16, 16, 100
 DEPLOY_DEFAULTS = dict(max_num_seqs=64, max_num_batched_tokens=512, num_scheduler_steps=8, max_model_len=4096,
@@ -156,11 +157,10 @@ class Tree:
 
     def __init__(self, name: str, root: Path):
         self.name = name
-        # This file runs in both trees (the baseline may predate it); PYTHONPATH picks the tree's packages.
-        env = dict(os.environ, PYTHONPATH=str(root))
+        # This tree's file runs in both (the baseline may predate it); its imports resolve into ``root``.
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker"],
-            cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=root, env=import_env(root), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         self.root = self._read()
 
@@ -178,17 +178,6 @@ class Tree:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
-
-
-def export_baseline(rev: str) -> Path:
-    """``git archive`` of ``rev`` into a fresh temporary directory (the shared tree is untouched)."""
-    target = Path(tempfile.mkdtemp(prefix="raylm-baseline-"))
-    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
-    if (target / "setup.py").exists():  # its C++ kernels, built as pip install would (not installed)
-        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=target, check=True,
-                       capture_output=True)
-    return target
 
 
 def alternate(trees: list[Tree], rounds: int, op: str, **kwargs: Any) -> dict[str, float]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_baseline(revision: str, source: str, out_dir: Path) -> Path:

@@ -1,7 +1,7 @@
 """What a router replica costs to start: wall time and peak memory of a fresh interpreter that
-imports ``router.app`` and loads the model's tokenizer (what ``OpenAIRouter.__init__`` does
-before serving), against the same with the engine imported too (``workers.LLM``: JAX, the
-runner, the scheduler), which is what a router replica paid while it imported the engine.
+imports ``raylm.router.app`` and loads the model's tokenizer (what ``OpenAIRouter.__init__``
+does before serving), against the same with the engine imported too (JAX, the runner, the
+scheduler), which is what a router replica paid while it imported the engine.
 
 Each sample is a new process (imports are cached in a process), run alternately so both see
 the same machine load; medians are reported. With ``--baseline REV`` the router of that
@@ -14,22 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from raylm.benchmarks.decode_step_bench import export_baseline
+from raylm.benchmarks.source_trees import export_baseline, import_env
 
-ROOT = Path(__file__).resolve().parents[2]
-ROUTER = "import router.app"
-ENGINE = "import router.app\nfrom workers import LLM"
+ROOT = Path(__file__).resolve().parents[1]
+ROUTER = "import raylm.router.app"
+ENGINE = "import raylm.router.app\nimport raylm.workers.engine.llm_engine"
 CHILD = """
 import json, resource, sys
 {imports}
-from model import load_model_info
+from raylm.model.config.model_info import load_model_info
 load_model_info({model!r}).tokenizer
 print(json.dumps({{"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "jax": "jax" in sys.modules, "modules": len(sys.modules)}}))
@@ -41,7 +40,7 @@ def sample(root: Path, imports: str, model: str) -> dict[str, float]:
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-c", CHILD.format(imports=imports, model=model)], cwd=root,
-        env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, check=True,
+        env=import_env(root), capture_output=True, text=True, check=True,
     )
     return {"seconds": time.perf_counter() - start, **json.loads(done.stdout.splitlines()[-1])}
 
