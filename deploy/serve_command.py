@@ -97,7 +97,7 @@ def _stop_within(ray, app_name: str, serve_was_running: bool, started_ray: bool)
         if serve_was_running:
             serve.delete(app_name)
         else:
-            _shutdown_serve(ray, STOP_LIMIT_S)
+            _shutdown_serve(ray)
         if started_ray:
             ray.shutdown()
 
@@ -106,14 +106,17 @@ def _stop_within(ray, app_name: str, serve_was_running: bool, started_ray: bool)
     worker.join(STOP_LIMIT_S)
     if not worker.is_alive():
         return
-    print(f"raylm serve: the Ray cluster did not answer within {STOP_LIMIT_S:.0f} s; stopping without it",
-          file=sys.stderr, flush=True)
     if started_ray:  # the head's processes and their workers all descend from this process
         import psutil
 
+        print(f"raylm serve: Serve did not stop within {STOP_LIMIT_S:.0f} s; stopped the Ray processes raylm serve "
+              "started", file=sys.stderr, flush=True)
         for process in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+        os._exit(0)  # now, not through Ray's exit hook, which would wait on the cluster again
+    print(f"raylm serve: the Ray cluster did not answer within {STOP_LIMIT_S:.0f} s; application {app_name!r} may "
+          "still be there", file=sys.stderr, flush=True)
     os._exit(1)
 
 
@@ -148,7 +151,7 @@ def _serve_running(ray) -> bool:
     return _serve_controller(ray) is not None
 
 
-def _shutdown_serve(ray, timeout_s: float) -> None:
+def _shutdown_serve(ray) -> None:
     """Shut Serve down without the warning ``serve.shutdown()`` makes Ray print.
 
     ``serve.shutdown()`` waits on a controller call that only ends when the controller, having
@@ -161,11 +164,7 @@ def _shutdown_serve(ray, timeout_s: float) -> None:
     if controller is None:
         return
     ray.get(controller.graceful_shutdown.remote(wait=False))
-    deadline = time.monotonic() + timeout_s
-    while _serve_controller(ray) is not None:
-        if time.monotonic() > deadline:
-            print(f"raylm serve: Serve did not shut down within {timeout_s:.0f} s", file=sys.stderr)
-            return
+    while _serve_controller(ray) is not None:  # (``_stop_within`` bounds the wait)
         time.sleep(0.2)
 
 
