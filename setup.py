@@ -38,15 +38,20 @@ if include_dir is None:
           "or jaxlib's XLA FFI headers not found")
 
 
-def _kernel(name: str, includes: tuple[str, ...] = ()) -> Extension:
-    """``includes``: other kernels' sources that this one compiles in (a rebuild follows them)."""
+# The headers the kernels include (each kernel is one .cc, compiled on its own): a rebuild follows them.
+KERNEL_HEADERS = [f"model/kernels/{header}" for header in (
+    "attention_lanes.h", "attention_math.h", "attention_problem.h", "attention_rows.h", "bfloat16.h",
+    "column_items.h", "dense_columns.h", "dense_lanes.h", "dense_tiles.h", "ffi_helpers.h", "float16.h",
+    "fp8_e4m3.h", "gguf_blocks.h", "gguf_columns.h", "int8_families.h", "int8_panels.h", "lane_loads.h",
+    "lora_expand.h", "wide_lanes.h", "prompt_gemm.inc",
+)]
+
+
+def _kernel(name: str) -> Extension:
     return Extension(
         f"raylm.model.kernels._{name}",
         sources=[f"model/kernels/{name}.cc"],
-        depends=["model/kernels/bfloat16.h", "model/kernels/column_items.h", "model/kernels/ffi_shape.h",
-                 "model/kernels/float16.h", "model/kernels/fp8_e4m3.h", "model/kernels/gguf_blocks.h",
-                 "model/kernels/lane_loads.h", "model/kernels/wide_lanes.h", "model/kernels/prompt_gemm.inc",
-                 *(f"model/kernels/{i}.cc" for i in includes)],
+        depends=KERNEL_HEADERS,
         language="c++",
         # -isystem: XLA's own headers warn under Python's default flags; ours should not be lost.
         # -Wno-psabi: GCC notes that 8-lane vectors change the ABI of the non-AVX clone's
@@ -57,10 +62,8 @@ def _kernel(name: str, includes: tuple[str, ...] = ()) -> Extension:
 
 
 kernels = [
-    _kernel("paged_decode_attention"), _kernel("dense_matmul"), _kernel("kv_write"),
-    _kernel("grouped_matmul", includes=("dense_matmul",)), _kernel("int8_matmul"),
-    _kernel("lora_delta", includes=("dense_matmul",)), _kernel("fusion_barrier"),
-    _kernel("argmax"),
+    _kernel("paged_decode_attention"), _kernel("dense_matmul"), _kernel("kv_write"), _kernel("grouped_matmul"),
+    _kernel("int8_matmul"), _kernel("lora_delta"), _kernel("fusion_barrier"), _kernel("argmax"),
 ] if include_dir else []
 
 packages = [f"raylm.{folder}.{sub}" for folder in FOLDERS for sub in find_packages(folder)]

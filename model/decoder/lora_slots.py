@@ -71,7 +71,7 @@ def _aligned(size: int) -> int:
 # contiguous (``[ceil(O / 64), R, 64]``, the last tile's columns past ``O`` zero): the kernel
 # sums a tile over the ranks, and read in place from ``[R, O]`` that was ``R`` lines ``O``
 # values apart per tile, more streams than the CPU's prefetchers follow (int8 and bfloat16
-# slots at rank 64: 1.2x the time of contiguous tiles). Must equal lora_delta.cc's kExpandTile.
+# slots at rank 64: 1.2x the time of contiguous tiles). Must equal lora_expand.h's kExpandTile.
 B_TILE = 64
 
 

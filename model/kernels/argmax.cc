@@ -1,5 +1,5 @@
 // Greedy decoding's argmax over the vocabulary, for CPU: an XLA FFI custom call (see
-// model/row_argmax.py).
+// model/kernels/row_argmax.py).
 //
 // Why a kernel: XLA CPU computed `argmax` of a [64, 49152] float32 batch (a 64-row decode
 // step of the bundled model) as two reductions, each one pass over the 12.6 MB on one
@@ -15,10 +15,8 @@
 #include <string>
 
 #include "column_items.h"
-#include "ffi_shape.h"
-#include "xla/ffi/api/ffi.h"
+#include "ffi_helpers.h"
 
-namespace ffi = xla::ffi;
 using raylm::Shape;
 
 namespace {

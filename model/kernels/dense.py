@@ -1,7 +1,7 @@
 """Linear layers: ``x . w^T`` by C++ kernels on CPU, XLA's dot elsewhere.
 
 Weights are stored output-first, each output's inputs last and contiguous (``[N..., K...]``,
-HF's ``[out, in]``; see model/params.py). For the few rows of a decode step (1..64
+HF's ``[out, in]``; see model/decoder/params.py). For the few rows of a decode step (1..64
 sequences) XLA's CPU dot reaches a third to a half of what the cores do, and the tied LM
 head alone took 15-30 ms of a 16-row step; ``model/kernels/dense_matmul.cc`` streams each
 weight once while the rows stay in cache (1.2-2x XLA at 2-32 rows, see ``KERNEL_MAX_ROWS``).
@@ -16,17 +16,17 @@ another backend, the same program runs ``jnp`` (chosen when the program is lower
 traced function serves every platform). XLA cannot partition a custom call: sharded programs
 pass ``kernel=False``.
 
-Weights may be ``QuantArray``s (model/quantization.py): the kernels read their 8-bit values
+Weights may be ``QuantArray``s (model/quantization/quant_array.py): the kernels read their 8-bit values
 directly and apply the per-output-channel scale to their sums; XLA's paths convert the
 8-bit matrix to the activation dtype for their dot and scale its result (accelerators fuse
 the conversion into the dot).
 
-Weights may be ``GgufBlocks`` (model/gguf_blocks.py): a GGUF's Q4_0 / Q4_1 / Q8_0 matrices as
+Weights may be ``GgufBlocks`` (model/quantization/gguf_blocks.py): a GGUF's Q4_0 / Q4_1 / Q8_0 matrices as
 stored. The block kernels widen them exactly and run the float32 tiles, so wherever the
 float32 kernels run they give the float32 matrix's results bit for bit; elsewhere XLA's dot
 runs on the exactly dequantized matrix.
 
-Weights packed for the opt-in integer compute mode (model/int8_panels.py) run model/int8_matmul.py
+Weights packed for the opt-in integer compute mode (model/quantization/int8_panels.py) run model/kernels/int8_matmul.py
 instead, whatever the program.
 """
 
@@ -132,7 +132,7 @@ def dense(
     2-D views otherwise. Without it, a plain
     ``tensordot`` over the named dims, which a sharded program partitions. ``out_dtype`` is
     the dot's accumulation/result type (the LM head asks float32 of bfloat16 weights). Weights
-    packed for the integer compute mode take its kernel (model/int8_matmul.py).
+    packed for the integer compute mode take its kernel (model/kernels/int8_matmul.py).
     """
     if isinstance(w, Int8Panels):
         return int8_dense(x, w, contract, out_dtype)

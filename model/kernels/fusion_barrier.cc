@@ -1,14 +1,12 @@
 // An identity for XLA CPU programs that XLA cannot fuse into its consumers: the result is the
-// operand's bytes (see model/fusion_barrier.py for why).
+// operand's bytes (see model/kernels/fusion_barrier.py for why).
 //
 // Operand: any array. Result: a copy, of the same shape and element type (nothing to copy
 // should XLA ever hand the call the operand's own buffer).
 
 #include <cstring>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "ffi_helpers.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
 // llama.cpp's legacy block-quantized matrices (Q4_0, Q4_1, Q8_0) as the dense kernel reads them
-// (model/gguf_blocks.py lays them out; dense_matmul.cc widens and multiplies them).
+// (model/quantization/gguf_blocks.py lays them out; dense_matmul.cc widens and multiplies them).
 //
 // Each row of K weights is K/32 blocks of 32 along k. Per block a float32 scale d and, for 4-bit
 // blocks, a float32 offset m: Q4_1's w = d * q + m with q in 0..15, Q4_0's w = d * (q - 8) held

@@ -1,5 +1,5 @@
 // Grouped matmul for CPU, XLA FFI custom calls: a mixture of experts' stacked experts
-// (model/grouped_matmul.py).
+// (model/kernels/grouped_matmul.py).
 //
 // x [M, K] f32 whose rows are consecutive groups, group_sizes [G] int32 rows each, and G weight
 // matrices stacked [G, N, K]; group g's rows times matrix g, y [M, N] f32. Rows past the groups
@@ -12,12 +12,21 @@
 // with it, and 8-bit and block experts give the float32 kernel's sums on the widened weights bit
 // for bit (times the scale, for 8-bit ones).
 //
-// The dense kernel's source is compiled into this library (one translation unit, so its tiles
-// inline here as there and both libraries pick the same tile family): this file adds only the
-// grouping.
+// The dense kernel's loop nests (dense_columns.h, gguf_columns.h) are compiled into this library,
+// so its tiles inline here as there and both libraries pick the same tile family: this file adds
+// only the grouping.
 
-#include "dense_matmul.cc"
-#include "ffi_shape.h"
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "dense_columns.h"
+#include "ffi_helpers.h"
+#include "gguf_columns.h"
+
+using raylm::Fp8E4m3;
+using raylm::GgufRows;
+using raylm::Matrix;
 
 namespace {
 
@@ -81,18 +90,12 @@ ffi::Error GroupedQuantizedMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::An
             raylm::Shape(scale.dimensions());
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], G = wd[0], N = wd[1];
-  switch (w.element_type()) {
-    case ffi::DataType::S8:
-      GroupedQuantized(x.typed_data(), static_cast<const int8_t*>(w.untyped_data()), scale.typed_data(),
-                       group_sizes.typed_data(), y->typed_data(), M, G, N, K, thread_pool);
-      return ffi::Error::Success();
-    case ffi::DataType::F8E4M3FN:
-      GroupedQuantized(x.typed_data(), static_cast<const Fp8E4m3*>(w.untyped_data()), scale.typed_data(),
-                       group_sizes.typed_data(), y->typed_data(), M, G, N, K, thread_pool);
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("grouped_quantized_matmul: w must be int8 or float8_e4m3fn");
-  }
+  return raylm::RunOnDataOf<int8_t, Fp8E4m3>(w, "grouped_quantized_matmul: w must be int8 or float8_e4m3fn",
+                                             [&](const auto* ws) {
+                                               GroupedQuantized(x.typed_data(), ws, scale.typed_data(),
+                                                                group_sizes.typed_data(), y->typed_data(), M, G, N,
+                                                                K, thread_pool);
+                                             });
 }
 
 // GGUF block experts (gguf_blocks.h): q [G, N, K/2] uint8 (4-bit blocks, offset [G, N, K/32]) or

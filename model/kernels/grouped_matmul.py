@@ -1,11 +1,11 @@
 """One matmul over groups of rows, each group against its own matrix: the experts of an MoE
-layer (model/moe.py).
+layer (model/decoder/moe.py).
 
 ``x [M, K]``'s rows are sorted into consecutive groups, ``group_sizes [G]`` long (summing to
 at most ``M``; rows past the last group are padding and come out as zeros), and group ``g``
 is multiplied by ``w[g]`` (stored ``[G, N..., K]``, output-first as every matrix here:
-model/params.py). ``w`` may be float, 8-bit (``QuantArray``, a scale per expert and output
-channel) or GGUF blocks (``GgufBlocks``) as model/dense.py takes them.
+model/decoder/params.py). ``w`` may be float, 8-bit (``QuantArray``, a scale per expert and output
+channel) or GGUF blocks (``GgufBlocks``) as model/kernels/dense.py takes them.
 
 ``jax.lax.ragged_dot_general`` states exactly this, and accelerators run grouped-GEMM kernels
 for it. XLA's CPU backend does not: it lowers ragged_dot to a dense dot over every group

@@ -1,14 +1,14 @@
-// The integer compute mode's matmul for CPU, an XLA FFI custom call (model/int8_matmul.py).
+// The integer compute mode's matmul for CPU, an XLA FFI custom call (model/kernels/int8_matmul.py).
 //
 // Why: the exact kernels (dense_matmul.cc) widen 4- and 8-bit weights to float32 and multiply-add
 // in float32, 16 per instruction on AVX-512. An int8 dot product does 64 multiply-adds per
 // instruction (AVX-512 VNNI's vpdpbusd), and llama.cpp computes its Q4/Q8 blocks this way: the
 // activations are quantized per row and per block of 32 to int8 (its Q8_0 scheme), each block's
 // products summed in integers, and only the block sums scaled in float. Opt-in
-// (`model.activation_quantization: int8`): the activations lose precision (model/int8_matmul.py
+// (`model.activation_quantization: int8`): the activations lose precision (model/kernels/int8_matmul.py
 // says what is measured).
 //
-// Operands: x [M, K] f32 and the weights as model/int8_panels.py repacked them at load: GGUF
+// Operands: x [M, K] f32 and the weights as model/quantization/int8_panels.py repacked them at load: GGUF
 // blocks (Q4_0 / Q4_1 / Q8_0, and int8_g32, held as Q8_0 blocks) or int8 with a scale per output
 // row, N output columns in groups of 16.
 //
@@ -26,7 +26,7 @@
 // family (VNNI, AVX2 and the portable loops agree bit for bit), and one loop nest serves decode
 // rows and prompt chunks alike.
 //
-// Layout (model/int8_panels.py): for each group of 16 output columns and each block, T 64-byte
+// Layout (model/quantization/int8_panels.py): for each group of 16 output columns and each block, T 64-byte
 // vectors (T = 4 for 4-bit blocks, 8 for 8-bit weights) whose 4-byte lane j holds column j's bytes
 // 4t..4t+3 of the block as stored (4-bit: weights 4t..4t+3 in the low nibbles, 16+4t..19+4t in the
 // high ones), then the group's 16 d_w and 16 m per block in arrays of their own. A broadcast of
@@ -37,400 +37,20 @@
 // sixteen-column one.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <string>
-#include <vector>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
 
 #include "column_items.h"
-#include "ffi_shape.h"
-#include "float16.h"
-#include "gguf_blocks.h"
-#include "xla/ffi/api/ffi.h"
+#include "ffi_helpers.h"
+#include "int8_families.h"
+#include "int8_panels.h"
 
-namespace ffi = xla::ffi;
-using raylm::kGgufBlock;
+using raylm::Matrix;
 
 namespace {
 
-using Matrix = ffi::Buffer<ffi::F32, 2>;
 using RowScale = ffi::Buffer<ffi::F32, 1>;  // [N or 0]
-
-constexpr int64_t kGroupCols = 16;  // output columns of one packed group
-constexpr int64_t kVectorBytes = 64;
-
-// One call's activations, quantized (see the arithmetic above): row r's block b holds 32 values
-// at q[(r * blocks + b) * 32], its d_x, d_x * S and 128 * S.
-struct Int8Rows {
-  std::vector<int8_t> q;
-  std::vector<float> d, ds;
-  std::vector<int32_t> sum128;
-  int64_t blocks = 0;
-
-  const int8_t* Block(int64_t r, int64_t b) const { return q.data() + (r * blocks + b) * kGgufBlock; }
-  int64_t At(int64_t r, int64_t b) const { return r * blocks + b; }
-  // Four activation bytes, as the 32-bit lane a broadcast repeats.
-  int32_t Four(int64_t r, int64_t b, int at) const {
-    int32_t four;
-    std::memcpy(&four, Block(r, b) + at, 4);
-    return four;
-  }
-};
-
-// Buffers for M rows of K inputs (values zero, so a last partial block is padded with zeros).
-void AllocateRows(int64_t M, int64_t K, Int8Rows* out) {
-  const int64_t blocks = (K + kGgufBlock - 1) / kGgufBlock;
-  out->blocks = blocks;
-  out->q.assign(M * blocks * kGgufBlock, 0);
-  out->d.resize(M * blocks);
-  out->ds.resize(M * blocks);
-  out->sum128.resize(M * blocks);
-}
-
-// Stores block b of row r's scale and sums (the values are in place).
-inline void SetBlock(Int8Rows* out, int64_t r, int64_t b, float amax, int32_t sum) {
-  const float d = amax / 127.0f;
-  out->d[out->At(r, b)] = d;
-  out->ds[out->At(r, b)] = d * static_cast<float>(sum);
-  out->sum128[out->At(r, b)] = 128 * sum;
-}
-
-// The quantization by plain loops, rows [r_begin, r_end) (the portable family; VNNI's and AVX2's
-// give the same bits).
-void QuantizeRows(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int8Rows* out) {
-  const int64_t blocks = out->blocks;
-  for (int64_t r = r_begin; r < r_end; ++r)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* v = x + r * K + b * kGgufBlock;
-      const int64_t count = std::min<int64_t>(kGgufBlock, K - b * kGgufBlock);
-      float amax = 0.0f;
-      for (int64_t k = 0; k < count; ++k) amax = std::max(amax, std::fabs(v[k]));
-      const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int8_t* q = out->q.data() + (r * blocks + b) * kGgufBlock;
-      int32_t sum = 0;
-      for (int64_t k = 0; k < count; ++k) {
-        // |v * inverse| <= 127 * (1 + 2^-23): it rounds to at most 127.
-        const int32_t value = static_cast<int32_t>(std::nearbyint(v[k] * inverse));
-        q[k] = static_cast<int8_t>(value);
-        sum += value;
-      }
-      SetBlock(out, r, b, amax, sum);
-    }
-}
-
-// The three weight formats; each is its own instantiation of the tiles.
-enum class Format {
-  kNibbles,     // 4-bit GGUF blocks: d_w and m per block
-  kBlockBytes,  // Q8_0 blocks and int8_g32: signed bytes, d_w per block
-  kRowBytes,    // per-row int8: signed bytes, d_w = 1, a scale per output column at the end
-};
-
-// The packed weights (model/int8_panels.py): q [groups, blocks, T, 16, 4] bytes, d and m
-// [groups, blocks, 16] (absent: null) in float32, or in float16 (`half`) where the values are
-// float16's, as GGUF stores them (a sixth less to read per 4-bit weight: a decode row streams
-// every byte of the matrix once), row_scale [N] (absent: null).
-struct Int8Panels {
-  const uint8_t* q;
-  const void* d;
-  const void* m;
-  const float* row_scale;
-  int64_t N, K, blocks;
-  Format format = Format::kNibbles;
-  bool half = false;
-
-  int Vectors() const { return format == Format::kNibbles ? 4 : 8; }
-  // Vector t of block b for the lanes from column c (c a multiple of 8: AVX2 reads half groups).
-  const uint8_t* Vector(int64_t c, int64_t b, int t) const {
-    return q + (((c / kGroupCols) * blocks + b) * Vectors() + t) * kVectorBytes + (c % kGroupCols) * 4;
-  }
-  // Where block b's d_w or m are for the lanes from column c, in values of their type.
-  int64_t LaneIndex(int64_t c, int64_t b) const {
-    return ((c / kGroupCols) * blocks + b) * kGroupCols + c % kGroupCols;
-  }
-  // Block b's d_w or m (`values`: d or m) of column n.
-  float Lane(const void* values, int64_t n, int64_t b) const {
-    const int64_t i = LaneIndex(n, b);
-    return half ? raylm::HalfToFloat(static_cast<const uint16_t*>(values)[i]) : static_cast<const float*>(values)[i];
-  }
-  // Weight k of column n as the integer the sums use.
-  int32_t Value(int64_t n, int64_t k) const {
-    const int64_t b = k / kGgufBlock, i = k % kGgufBlock;
-    const int64_t byte = format == Format::kNibbles ? i % 16 : i;
-    const uint8_t stored = Vector(n - n % kGroupCols, b, static_cast<int>(byte / 4))[(n % kGroupCols) * 4 + byte % 4];
-    if (format != Format::kNibbles) return static_cast<int8_t>(stored);
-    return i < 16 ? stored & 0x0F : stored >> 4;
-  }
-};
-
-// The portable family: the arithmetic above as plain loops.
-void PortableColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      float acc = 0.0f;
-      for (int64_t b = 0; b < w.blocks; ++b) {
-        const int8_t* xq = a.Block(r, b);
-        int32_t sum = 0;
-        for (int64_t k = 0; k < kGgufBlock; ++k) sum += xq[k] * w.Value(n, b * kGgufBlock + k);
-        const float dw = w.format == Format::kRowBytes ? 1.0f : w.Lane(w.d, n, b);
-        acc = std::fma(static_cast<float>(sum), a.d[a.At(r, b)] * dw, acc);
-        if (w.format == Format::kNibbles) acc = std::fma(w.Lane(w.m, n, b), a.ds[a.At(r, b)], acc);
-      }
-      y[r * w.N + n] = w.format == Format::kRowBytes ? acc * w.row_scale[n] : acc;
-    }
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define RAYLM_INT8_VECTOR_FAMILIES 1
-
-// AVX-512 VNNI: sixteen columns a group; vpdpbusd adds four u8 x s8 products per lane, the
-// weights being the unsigned operand (nibbles as they are, 8-bit weights + 128, whose extra
-// 128 * S per block is subtracted by starting the block's sums at -128 * S).
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-
-struct VnniFamily {
-  static constexpr int kCols = 16;
-
-  // The sixteen d_w or m (`values`) of block b from column c, widened exactly where float16.
-  static __m512 Lanes(const Int8Panels& w, const void* values, int64_t c, int64_t b) {
-    const int64_t i = w.LaneIndex(c, b);
-    if (w.half) {
-      const uint16_t* halves = static_cast<const uint16_t*>(values) + i;
-      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves)));
-    }
-    return _mm512_loadu_ps(static_cast<const float*>(values) + i);
-  }
-
-  // QuantizeRows's arithmetic, two vectors a block: the maximum and the integer sum are exact
-  // in any order, and vcvtps2dq rounds to nearest even as nearbyint does.
-  static void Quantize(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int8Rows* out) {
-    for (int64_t r = r_begin; r < r_end; ++r)
-      for (int64_t b = 0; b < out->blocks; ++b) {
-        const float* v = x + r * K + b * kGgufBlock;
-        const int64_t count = std::min<int64_t>(kGgufBlock, K - b * kGgufBlock);
-        const __mmask16 first = count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
-        const __mmask16 second = count >= 32 ? 0xFFFF : count > 16 ? static_cast<__mmask16>((1u << (count - 16)) - 1) : 0;
-        const __m512 low = _mm512_maskz_loadu_ps(first, v), high = _mm512_maskz_loadu_ps(second, v + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
-        const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        const __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
-        const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
-        int8_t* q = out->q.data() + out->At(r, b) * kGgufBlock;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q_low));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q_high));
-        SetBlock(out, r, b, amax, _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)));
-      }
-  }
-
-  // Rows [m, m + R) against G consecutive groups from column n; writes y[r, n + c] for the
-  // first `valid` columns (of G * kCols).
-  template <int R, int G, Format F>
-  static void Tile(const Int8Rows& a, int64_t m, const Int8Panels& w, float* y, int64_t n, int64_t valid) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512 acc[R][G];
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < w.blocks; ++b) {
-      __m512i sums[R][G];
-      for (int r = 0; r < R; ++r) {
-        const __m512i start =
-            F == Format::kNibbles ? _mm512_setzero_si512() : _mm512_set1_epi32(-a.sum128[a.At(m + r, b)]);
-        for (int g = 0; g < G; ++g) sums[r][g] = start;
-      }
-      if constexpr (F == Format::kNibbles) {
-        for (int t = 0; t < 4; ++t) {
-          __m512i low[G], high[G];
-          for (int g = 0; g < G; ++g) {
-            const __m512i bytes = _mm512_loadu_si512(w.Vector(n + g * kCols, b, t));
-            low[g] = _mm512_and_si512(bytes, nibble);
-            high[g] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-          }
-          for (int r = 0; r < R; ++r) {
-            const __m512i x_low = _mm512_set1_epi32(a.Four(m + r, b, 4 * t));
-            const __m512i x_high = _mm512_set1_epi32(a.Four(m + r, b, 16 + 4 * t));
-            for (int g = 0; g < G; ++g) {
-              sums[r][g] = _mm512_dpbusd_epi32(sums[r][g], low[g], x_low);
-              sums[r][g] = _mm512_dpbusd_epi32(sums[r][g], high[g], x_high);
-            }
-          }
-        }
-      } else {
-        for (int t = 0; t < 8; ++t) {
-          __m512i weights[G];
-          for (int g = 0; g < G; ++g)
-            weights[g] = _mm512_xor_si512(_mm512_loadu_si512(w.Vector(n + g * kCols, b, t)), flip);
-          for (int r = 0; r < R; ++r) {
-            const __m512i x = _mm512_set1_epi32(a.Four(m + r, b, 4 * t));
-            for (int g = 0; g < G; ++g) sums[r][g] = _mm512_dpbusd_epi32(sums[r][g], weights[g], x);
-          }
-        }
-      }
-      for (int g = 0; g < G; ++g) {
-        const __m512 d = F == Format::kRowBytes ? _mm512_set1_ps(1.0f) : Lanes(w, w.d, n + g * kCols, b);
-        for (int r = 0; r < R; ++r) {
-          const __m512 dx = _mm512_set1_ps(a.d[a.At(m + r, b)]);
-          acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][g]), _mm512_mul_ps(dx, d), acc[r][g]);
-          if constexpr (F == Format::kNibbles)
-            acc[r][g] = _mm512_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
-                                        _mm512_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
-        }
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      const int64_t count = std::min<int64_t>(kCols, valid - g * kCols);
-      if (count <= 0) break;
-      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-      const __m512 scale = F == Format::kRowBytes ? _mm512_maskz_loadu_ps(mask, w.row_scale + n + g * kCols)
-                                                  : _mm512_set1_ps(1.0f);
-      for (int r = 0; r < R; ++r) {
-        const __m512 out = F == Format::kRowBytes ? _mm512_mul_ps(acc[r][g], scale) : acc[r][g];
-        _mm512_mask_storeu_ps(y + (m + r) * w.N + n + g * kCols, mask, out);
-      }
-    }
-  }
-};
-
-#pragma GCC diagnostic pop
-#pragma GCC pop_options
-
-// AVX2: eight columns a group (half of a packed one); vpmaddubsw multiplies u8 x s8 pairs into
-// int16 and vpmaddwd adds the pairs into int32. Nibbles are the unsigned operand as they are; for
-// 8-bit weights, |w| <= 128 is, with the activation given w's sign (|q_x| <= 127), so no pair sum
-// overflows.
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-
-struct Avx2Family {
-  static constexpr int kCols = 8;
-
-  // The eight d_w or m (`values`) of block b from column c, widened exactly where float16.
-  static __m256 Lanes(const Int8Panels& w, const void* values, int64_t c, int64_t b) {
-    const int64_t i = w.LaneIndex(c, b);
-    if (w.half) {
-      const uint16_t* halves = static_cast<const uint16_t*>(values) + i;
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
-    }
-    return _mm256_loadu_ps(static_cast<const float*>(values) + i);
-  }
-
-  // QuantizeRows's arithmetic, four vectors a block (as VnniFamily::Quantize; a last partial
-  // block is copied into zeros first).
-  static void Quantize(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int8Rows* out) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
-    for (int64_t r = r_begin; r < r_end; ++r)
-      for (int64_t b = 0; b < out->blocks; ++b) {
-        const float* v = x + r * K + b * kGgufBlock;
-        const int64_t count = std::min<int64_t>(kGgufBlock, K - b * kGgufBlock);
-        alignas(32) float padded[kGgufBlock];
-        if (count < kGgufBlock) {
-          std::fill(padded + count, padded + kGgufBlock, 0.0f);
-          std::copy(v, v + count, padded);
-          v = padded;
-        }
-        __m256 values[4];
-        for (int i = 0; i < 4; ++i) values[i] = _mm256_loadu_ps(v + 8 * i);
-        const __m256 wide = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(values[0], magnitude), _mm256_and_ps(values[1], magnitude)),
-                                          _mm256_max_ps(_mm256_and_ps(values[2], magnitude), _mm256_and_ps(values[3], magnitude)));
-        __m128 half = _mm_max_ps(_mm256_castps256_ps128(wide), _mm256_extractf128_ps(wide, 1));
-        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
-        const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        __m256i q[4];
-        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values[i], inverse));
-        const __m256i bytes = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->q.data() + out->At(r, b) * kGgufBlock), bytes);
-        const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(1, 0, 3, 2)));
-        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(2, 3, 0, 1)));
-        SetBlock(out, r, b, amax, _mm_cvtsi128_si32(sum));
-      }
-  }
-
-  template <int R, int G, Format F>
-  static void Tile(const Int8Rows& a, int64_t m, const Int8Panels& w, float* y, int64_t n, int64_t valid) {
-    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
-    __m256 acc[R][G];
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
-    // Adds the products of four-byte lanes `weights` (their magnitudes `magnitudes` when signed)
-    // and the broadcast `x` to `sums`.
-    auto add = [&](__m256i& sums, __m256i weights, __m256i magnitudes, __m256i x) {
-      const __m256i signed_x = F == Format::kNibbles ? x : _mm256_sign_epi8(x, weights);
-      sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_x), ones));
-    };
-    for (int64_t b = 0; b < w.blocks; ++b) {
-      __m256i sums[R][G];
-      for (int r = 0; r < R; ++r)
-        for (int g = 0; g < G; ++g) sums[r][g] = _mm256_setzero_si256();
-      if constexpr (F == Format::kNibbles) {
-        for (int t = 0; t < 4; ++t) {
-          __m256i low[G], high[G];
-          for (int g = 0; g < G; ++g) {
-            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Vector(n + g * kCols, b, t)));
-            low[g] = _mm256_and_si256(bytes, nibble);
-            high[g] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-          }
-          for (int r = 0; r < R; ++r) {
-            const __m256i x_low = _mm256_set1_epi32(a.Four(m + r, b, 4 * t));
-            const __m256i x_high = _mm256_set1_epi32(a.Four(m + r, b, 16 + 4 * t));
-            for (int g = 0; g < G; ++g) {
-              add(sums[r][g], low[g], low[g], x_low);
-              add(sums[r][g], high[g], high[g], x_high);
-            }
-          }
-        }
-      } else {
-        for (int t = 0; t < 8; ++t) {
-          __m256i weights[G], magnitudes[G];
-          for (int g = 0; g < G; ++g) {
-            weights[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Vector(n + g * kCols, b, t)));
-            magnitudes[g] = _mm256_abs_epi8(weights[g]);
-          }
-          for (int r = 0; r < R; ++r) {
-            const __m256i x = _mm256_set1_epi32(a.Four(m + r, b, 4 * t));
-            for (int g = 0; g < G; ++g) add(sums[r][g], weights[g], magnitudes[g], x);
-          }
-        }
-      }
-      for (int g = 0; g < G; ++g) {
-        const __m256 d = F == Format::kRowBytes ? _mm256_set1_ps(1.0f) : Lanes(w, w.d, n + g * kCols, b);
-        for (int r = 0; r < R; ++r) {
-          const __m256 dx = _mm256_set1_ps(a.d[a.At(m + r, b)]);
-          acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][g]), _mm256_mul_ps(dx, d), acc[r][g]);
-          if constexpr (F == Format::kNibbles)
-            acc[r][g] = _mm256_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
-                                        _mm256_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
-        }
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      const int64_t count = std::min<int64_t>(kCols, valid - g * kCols);
-      if (count <= 0) break;
-      for (int r = 0; r < R; ++r) {
-        alignas(32) float out[kCols];
-        _mm256_store_ps(out, acc[r][g]);
-        float* row = y + (m + r) * w.N + n + g * kCols;
-        for (int64_t j = 0; j < count; ++j)
-          row[j] = F == Format::kRowBytes ? out[j] * w.row_scale[n + g * kCols + j] : out[j];
-      }
-    }
-  }
-};
-
-#pragma GCC pop_options
-#endif
 
 enum class Int8Family { kPortable, kAvx2, kVnni };
 

@@ -1,6 +1,6 @@
 """The integer compute mode's matmul: int8 activations against 4- and 8-bit weights as stored.
 
-``model.activation_quantization: int8`` (model/activation_quantization.py packs the weights)
+``model.activation_quantization: int8`` (model/quantization/activations.py packs the weights)
 trades the exact mode's float32 arithmetic for llama.cpp's: each activation row is quantized
 per block of 32 inputs to int8 (scale ``max|x| / 127``, round to nearest even), each block's
 products are summed in integers against the stored weight integers (GGUF Q4_0 / Q4_1 / Q8_0
@@ -12,8 +12,8 @@ The result is not the float32 product: an activation moves by up to half its blo
 (``max|x| / 254``). docs/performance.md and the README measure what that does to logits and
 greedy tokens. The exact mode stays the default and is untouched by this module.
 
-The weights are repacked once at load for the kernel (model/int8_panels.py). One loop nest
-serves every row count and every format, so unlike model/dense.py's pair of kernels there is one
+The weights are repacked once at load for the kernel (model/quantization/int8_panels.py). One loop nest
+serves every row count and every format, so unlike model/kernels/dense.py's pair of kernels there is one
 target; it runs on CPU only, unsharded (the engine checks both at start-up).
 """
 
@@ -42,7 +42,7 @@ def unavailable_reason() -> str | None:
 
 
 def takes_int8_activations(w: object) -> bool:
-    """Whether the integer kernel can read ``w`` (once packed by model/int8_panels.py): GGUF
+    """Whether the integer kernel can read ``w`` (once packed by model/quantization/int8_panels.py): GGUF
     blocks (int8_g32 included) or int8 with a scale per output row (not fp8, not float)."""
     return isinstance(w, GgufBlocks) or (isinstance(w, QuantArray) and w.scheme == "int8")
 

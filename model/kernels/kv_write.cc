@@ -1,5 +1,5 @@
 // Writes new K/V rows into the paged pool in place, for CPU: an XLA FFI custom call whose
-// result aliases the pool (see model/kv_write.py).
+// result aliases the pool (see model/kernels/kv_write.py).
 //
 // Why a kernel: XLA's CPU backend has no native scatter for bfloat16, float16 or float8
 // elements. It upcasts the scatter, which turns writing one token into rewriting the whole
@@ -17,10 +17,8 @@
 #include <cstring>
 #include <string>
 
-#include "ffi_shape.h"
-#include "xla/ffi/api/ffi.h"
+#include "ffi_helpers.h"
 
-namespace ffi = xla::ffi;
 using raylm::Shape;
 
 namespace {

@@ -2,7 +2,8 @@
 // registers: shared by the matmul tiles (dense_matmul.cc, which adds its own 8-bit float and
 // 4-bit loads) and decode attention (paged_decode_attention.cc, for 16- and 8-bit KV pools).
 // LaneLoad<Vec8> is plain vector-extension code that every target_clones clone compiles;
-// LaneLoad<Vec16> is for AVX-512 (x86-64-v4) code only.
+// LaneLoad<Vec16> is for AVX-512 (x86-64-v4) code only. ToFloat widens one value of each format
+// the kernels read (float8 e4m3fn too), for their scalar loops and k tails.
 #ifndef RAYLM_LANE_LOADS_H_
 #define RAYLM_LANE_LOADS_H_
 
@@ -10,12 +11,18 @@
 #include <cstring>
 
 #include "bfloat16.h"
+#include "fp8_e4m3.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
 
 namespace raylm {
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(int8_t x) { return static_cast<float>(x); }
+inline float ToFloat(Fp8E4m3 x) { return Fp8ToFloat(x); }
+inline float ToFloat(Bf16 x) { return Bf16ToFloat(x); }  // exact: the high half of a float32
 
 typedef float Vec8 __attribute__((vector_size(32)));
 typedef float Vec16 __attribute__((vector_size(64)));

@@ -1,11 +1,11 @@
 """Each row's LoRA delta added to a projection's result by a C++ kernel on CPU.
 
 ``model/kernels/lora_delta.cc`` reads each row's adapter in place in the slot buffers
-(model/lora_weights.py), once per call however many rows share it, and adds the deltas into the
+(model/decoder/lora_slots.py), once per call however many rows share it, and adds the deltas into the
 base result (the call's result aliases it). XLA's gathered form copied every row's adapter out
 of the slots on every step and ran a dozen small ops per group of targets: at rank 64 a
 single stream decoded at a third of the base model's speed on the bundled model (0.35x,
-docs/performance.md). The kernel sums like the dense kernel (model/dense.py), in an order that
+docs/performance.md). The kernel sums like the dense kernel (model/kernels/dense.py), in an order that
 does not depend on the batch, so a row's delta is the same bits alone or beside other adapters.
 The slots are one array for every layer (``PackedLoraWeights``: a step's argument per layer
 and target cost the bundled model's single stream as much as its adapter's arithmetic), and may
@@ -51,7 +51,7 @@ def lora_add(y: jax.Array, x: jax.Array, slots: jax.Array, weights: jax.Array, s
 
     ``x [M, K]``; ``weights [n, S]``: buffer ``b``'s adapter in row ``b``, holding at ``a_offset``
     the ``T`` targets' ``A [T * rank, K]`` and at ``b_offsets[t]`` target ``t``'s ``B^T [rank,
-    outputs[t]]`` (model/lora_weights.py packs them so); see ``takes`` for the types. int8 weights
+    outputs[t]]`` (model/decoder/lora_slots.py packs them so); see ``takes`` for the types. int8 weights
     have float32 ``scales [n, S2]``: ``A``'s per row at ``a_scale_offset``, each ``B``'s per output
     at ``b_scale_offsets[t]`` (for float weights ``scales`` is ignored, ``[n, 0]`` will do). ``y``'s
     columns are ``groups`` groups, target ``t`` owning ``outputs[t] / groups`` consecutive columns of

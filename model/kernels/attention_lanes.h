@@ -1,0 +1,207 @@
+// Paged decode attention's vector loops (paged_decode_attention.cc): a block's scores summed by
+// lane trees, the value accumulators held in registers, and the online softmax's block update,
+// written once for vectors of 8 (AVX2) or 16 (AVX-512) floats.
+#ifndef RAYLM_ATTENTION_LANES_H_
+#define RAYLM_ATTENTION_LANES_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "attention_math.h"
+#include "lane_loads.h"
+
+namespace {
+
+using raylm::LaneLoad;
+using raylm::Vec16;
+using raylm::Vec8;
+
+// Vectors of 8 (AVX2) or 16 (AVX-512) floats (raylm::Vec8, Vec16, loaded by LaneLoad), as GCC
+// vector extensions: the same code serves both widths, compiled for the instruction set of the
+// function it is inlined into.
+template <typename V>
+constexpr int kLanesOf = sizeof(V) / sizeof(float);
+
+// Sums of W vectors at once (W = lanes): lane t of the result is the sum of a[t]'s lanes.
+// Each level adds two shuffles of a pair of vectors, halving the vectors while each lane
+// sums twice as many elements: W - 1 additions and 2 (W - 1) shuffles for W sums, against
+// a horizontal reduction of ~2 log2(W) + 1 dependent instructions per vector. The order of
+// additions is fixed, so a score does not depend on the batch or on its neighbours.
+template <typename V>
+struct LaneTree;
+
+template <>
+struct LaneTree<Vec8> {
+  __attribute__((always_inline)) static Vec8 Sum(const Vec8 (&a)[8]) {
+    Vec8 c[4], e[2];
+    for (int i = 0; i < 4; ++i)
+      c[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+             __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; ++i)
+      e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+             __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(e[0], e[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(e[0], e[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+};
+
+template <>
+struct LaneTree<Vec16> {
+  __attribute__((always_inline)) static Vec16 Sum(const Vec16 (&a)[16]) {
+    Vec16 c[8], e[4], g[2];
+    for (int i = 0; i < 8; ++i)
+      c[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+             __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    for (int i = 0; i < 4; ++i)
+      e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+             __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    for (int i = 0; i < 2; ++i)
+      g[i] = __builtin_shufflevector(e[2 * i], e[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+             __builtin_shufflevector(e[2 * i], e[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    return __builtin_shufflevector(g[0], g[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(g[0], g[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+};
+
+// Head dims above this are processed in slices of this many dims, so a slice of the query (or
+// of the value accumulator) stays in registers: a whole 256-dim query is 16 AVX-512 registers
+// beside 16 lane-tree accumulators, more than the 32 there are.
+constexpr int kMaxSliceDims = 128;
+
+template <int DH>
+constexpr int kSliceDims = DH < kMaxSliceDims ? DH : kMaxSliceDims;
+
+// Scores of one query head against the n keys of a block (rows `stride` apart, of type T:
+// float32, or bfloat16 or int8 widened exactly as they are loaded), times `scale`, into out[0, n)
+// (out has room up to n rounded up to the lanes). Keys go W at a time: W dot products
+// accumulate in W vectors side by side (slice / W multiply-adds each), then one lane tree sums
+// them into a vector of W scores; a head dim of several slices adds the slices' sums in order.
+template <typename V, int DH, typename T>
+__attribute__((always_inline)) inline void BlockScores(const float* __restrict q, const T* __restrict k,
+                                                       int64_t stride, int64_t n, float scale, float* __restrict out) {
+  constexpr int W = kLanesOf<V>, S = kSliceDims<DH>, C = S / W;
+  static_assert(DH % S == 0, "head dim must be a whole number of slices");
+  for (int d0 = 0; d0 < DH; d0 += S) {
+    V qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = LaneLoad<V>::From(q + d0 + c * W);
+    for (int64_t t0 = 0; t0 < n; t0 += W) {
+      const auto key_sum = [&](int i) __attribute__((always_inline)) {  // key t0 + i's lanes of q.k
+        const T* kt = k + (t0 + i) * stride + d0;
+        V a = qv[0] * LaneLoad<V>::From(kt);
+        for (int c = 1; c < C; ++c) a += qv[c] * LaneLoad<V>::From(kt + c * W);
+        return a;
+      };
+      V acc[W];
+      const int64_t m = std::min<int64_t>(W, n - t0);
+      if (m == W) {  // a whole group, branch-free, so the compiler keeps the W sums in registers
+#pragma GCC unroll 16
+        for (int i = 0; i < W; ++i) acc[i] = key_sum(i);
+      } else {
+        for (int i = 0; i < W; ++i) acc[i] = i < m ? key_sum(i) : V{};
+      }
+      V sums = LaneTree<V>::Sum(acc);
+      if (d0 > 0) sums += LaneLoad<V>::From(out + t0);
+      if (d0 + S == DH) sums *= scale;
+      std::memcpy(out + t0, &sums, sizeof sums);
+    }
+  }
+}
+
+// For G query heads g of one kv head: acc[g * DH, (g + 1) * DH) += sum over the block's n keys
+// of p[g * p_stride + t] * v_t, a slice of each accumulator held in registers across the block.
+// The heads share each value vector loaded (one load and widening, G multiply-adds); each
+// head's sums are the same, in the same order, as one head at a time. T as in BlockScores.
+template <typename V, int DH, int G, typename T>
+__attribute__((always_inline)) inline void AccumulateValues(const float* __restrict p, int64_t p_stride,
+                                                            const T* __restrict v, int64_t stride, int64_t n,
+                                                            float* __restrict acc) {
+  constexpr int W = kLanesOf<V>, S = kSliceDims<DH>, C = S / W;
+  for (int d0 = 0; d0 < DH; d0 += S) {
+    V a[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) a[g][c] = LaneLoad<V>::From(acc + g * DH + d0 + c * W);
+    for (int64_t t = 0; t < n; ++t) {
+      V pt[G];
+      for (int g = 0; g < G; ++g) pt[g] = V{} + p[g * p_stride + t];
+      const T* vt = v + t * stride + d0;
+      for (int c = 0; c < C; ++c) {
+        const V vc = LaneLoad<V>::From(vt + c * W);
+        for (int g = 0; g < G; ++g) a[g][c] += pt[g] * vc;
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) std::memcpy(acc + g * DH + d0 + c * W, &a[g][c], sizeof a[g][c]);
+  }
+}
+
+// Query heads whose value accumulators AccumulateValues keeps in registers at once: G * C
+// accumulators beside a value vector and G broadcast weights, within the 32 registers of the
+// sixteen-lane family (AVX-512) or the 16 of the eight-lane family's AVX2 clone, where a head
+// dim of 64 is already eight accumulators (one head at a time, as before).
+template <typename V, int DH>
+constexpr int kValueHeads = kLanesOf<V> == 16 ? (kSliceDims<DH> / 16 <= 4 ? 4 : 2)
+                                              : (kSliceDims<DH> / kLanesOf<V> <= 4 ? 2 : 1);
+
+// AccumulateValues for `count` (< kValueHeads) heads.
+template <typename V, int DH, typename T>
+__attribute__((always_inline)) inline void AccumulateValuesRest(int64_t count, const float* __restrict p,
+                                                                int64_t p_stride, const T* __restrict v,
+                                                                int64_t stride, int64_t n, float* __restrict acc) {
+  switch (count) {
+    case 3: return AccumulateValues<V, DH, 3, T>(p, p_stride, v, stride, n, acc);
+    case 2: return AccumulateValues<V, DH, 2, T>(p, p_stride, v, stride, n, acc);
+    case 1: return AccumulateValues<V, DH, 1, T>(p, p_stride, v, stride, n, acc);
+  }
+}
+
+// The largest of sh[0, n), W lanes at a time (the compiler leaves a scalar float max loop
+// scalar: it may not reorder it without fast-math). A maximum is exact, so the order of the
+// comparisons does not change it.
+template <typename V>
+__attribute__((always_inline)) inline float BlockMax(const float* __restrict sh, int64_t n) {
+  constexpr int W = kLanesOf<V>;
+  float block_max = sh[0];
+  int64_t t = 0;
+  if (n >= W) {
+    V lanes = LaneLoad<V>::From(sh);
+    for (t = W; t + W <= n; t += W) {
+      const V x = LaneLoad<V>::From(sh + t);
+      lanes = lanes > x ? lanes : x;
+    }
+    for (int i = 0; i < W; ++i) block_max = std::max(block_max, lanes[i]);
+  }
+  for (; t < n; ++t) block_max = std::max(block_max, sh[t]);
+  return block_max;
+}
+
+// Online-softmax update of `group` query heads with the scores `sc` ([group, stride], first
+// n valid) of one block: rescales what was accumulated, turns scores into weights.
+template <typename V>
+__attribute__((always_inline)) inline void SoftmaxUpdate(float* __restrict sc, int64_t stride, int64_t n,
+                                                         int64_t group, int64_t dh, float* __restrict max,
+                                                         float* __restrict denom, float* __restrict acc) {
+  for (int64_t h = 0; h < group; ++h) {
+    float* __restrict sh = sc + h * stride;
+    const float block_max = BlockMax<V>(sh, n);
+    const float new_max = std::max(max[h], block_max);
+    const float correction = ExpNonPositive(max[h] - new_max);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      sh[t] = ExpNonPositive(sh[t] - new_max);
+      sum += sh[t];
+    }
+    max[h] = new_max;
+    denom[h] = denom[h] * correction + sum;
+    if (correction != 1.0f) {
+      float* __restrict ah = acc + h * dh;
+#pragma omp simd
+      for (int64_t d = 0; d < dh; ++d) ah[d] *= correction;
+    }
+  }
+}
+
+}  // namespace
+
+#endif  // RAYLM_ATTENTION_LANES_H_

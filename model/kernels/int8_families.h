@@ -1,0 +1,267 @@
+// The integer compute mode's vector families (int8_matmul.cc): AVX-512 VNNI and AVX2 tiles of the
+// arithmetic int8_matmul.cc describes, and their quantization of the activations, each the same
+// bits as int8_panels.h's portable loops.
+#ifndef RAYLM_INT8_FAMILIES_H_
+#define RAYLM_INT8_FAMILIES_H_
+
+#include <algorithm>
+#include <cstdint>
+
+#include "int8_panels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define RAYLM_INT8_VECTOR_FAMILIES 1
+
+// AVX-512 VNNI: sixteen columns a group; vpdpbusd adds four u8 x s8 products per lane, the
+// weights being the unsigned operand (nibbles as they are, 8-bit weights + 128, whose extra
+// 128 * S per block is subtracted by starting the block's sums at -128 * S).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+struct VnniFamily {
+  static constexpr int kCols = 16;
+
+  // The sixteen d_w or m (`values`) of block b from column c, widened exactly where float16.
+  static __m512 Lanes(const Int8Panels& w, const void* values, int64_t c, int64_t b) {
+    const int64_t i = w.LaneIndex(c, b);
+    if (w.half) {
+      const uint16_t* halves = static_cast<const uint16_t*>(values) + i;
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves)));
+    }
+    return _mm512_loadu_ps(static_cast<const float*>(values) + i);
+  }
+
+  // QuantizeRows's arithmetic, two vectors a block: the maximum and the integer sum are exact
+  // in any order, and vcvtps2dq rounds to nearest even as nearbyint does.
+  static void Quantize(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int8Rows* out) {
+    for (int64_t r = r_begin; r < r_end; ++r)
+      for (int64_t b = 0; b < out->blocks; ++b) {
+        const float* v = x + r * K + b * kGgufBlock;
+        const int64_t count = std::min<int64_t>(kGgufBlock, K - b * kGgufBlock);
+        const __mmask16 first = count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+        const __mmask16 second = count >= 32 ? 0xFFFF : count > 16 ? static_cast<__mmask16>((1u << (count - 16)) - 1) : 0;
+        const __m512 low = _mm512_maskz_loadu_ps(first, v), high = _mm512_maskz_loadu_ps(second, v + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+        const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
+        const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
+        int8_t* q = out->q.data() + out->At(r, b) * kGgufBlock;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q_low));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q_high));
+        SetBlock(out, r, b, amax, _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)));
+      }
+  }
+
+  // Rows [m, m + R) against G consecutive groups from column n; writes y[r, n + c] for the
+  // first `valid` columns (of G * kCols).
+  template <int R, int G, Format F>
+  static void Tile(const Int8Rows& a, int64_t m, const Int8Panels& w, float* y, int64_t n, int64_t valid) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512 acc[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      __m512i sums[R][G];
+      for (int r = 0; r < R; ++r) {
+        const __m512i start =
+            F == Format::kNibbles ? _mm512_setzero_si512() : _mm512_set1_epi32(-a.sum128[a.At(m + r, b)]);
+        for (int g = 0; g < G; ++g) sums[r][g] = start;
+      }
+      if constexpr (F == Format::kNibbles) {
+        for (int t = 0; t < 4; ++t) {
+          __m512i low[G], high[G];
+          for (int g = 0; g < G; ++g) {
+            const __m512i bytes = _mm512_loadu_si512(w.Vector(n + g * kCols, b, t));
+            low[g] = _mm512_and_si512(bytes, nibble);
+            high[g] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+          }
+          for (int r = 0; r < R; ++r) {
+            const __m512i x_low = _mm512_set1_epi32(a.Four(m + r, b, 4 * t));
+            const __m512i x_high = _mm512_set1_epi32(a.Four(m + r, b, 16 + 4 * t));
+            for (int g = 0; g < G; ++g) {
+              sums[r][g] = _mm512_dpbusd_epi32(sums[r][g], low[g], x_low);
+              sums[r][g] = _mm512_dpbusd_epi32(sums[r][g], high[g], x_high);
+            }
+          }
+        }
+      } else {
+        for (int t = 0; t < 8; ++t) {
+          __m512i weights[G];
+          for (int g = 0; g < G; ++g)
+            weights[g] = _mm512_xor_si512(_mm512_loadu_si512(w.Vector(n + g * kCols, b, t)), flip);
+          for (int r = 0; r < R; ++r) {
+            const __m512i x = _mm512_set1_epi32(a.Four(m + r, b, 4 * t));
+            for (int g = 0; g < G; ++g) sums[r][g] = _mm512_dpbusd_epi32(sums[r][g], weights[g], x);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512 d = F == Format::kRowBytes ? _mm512_set1_ps(1.0f) : Lanes(w, w.d, n + g * kCols, b);
+        for (int r = 0; r < R; ++r) {
+          const __m512 dx = _mm512_set1_ps(a.d[a.At(m + r, b)]);
+          acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][g]), _mm512_mul_ps(dx, d), acc[r][g]);
+          if constexpr (F == Format::kNibbles)
+            acc[r][g] = _mm512_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
+                                        _mm512_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const int64_t count = std::min<int64_t>(kCols, valid - g * kCols);
+      if (count <= 0) break;
+      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+      const __m512 scale = F == Format::kRowBytes ? _mm512_maskz_loadu_ps(mask, w.row_scale + n + g * kCols)
+                                                  : _mm512_set1_ps(1.0f);
+      for (int r = 0; r < R; ++r) {
+        const __m512 out = F == Format::kRowBytes ? _mm512_mul_ps(acc[r][g], scale) : acc[r][g];
+        _mm512_mask_storeu_ps(y + (m + r) * w.N + n + g * kCols, mask, out);
+      }
+    }
+  }
+};
+
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
+// AVX2: eight columns a group (half of a packed one); vpmaddubsw multiplies u8 x s8 pairs into
+// int16 and vpmaddwd adds the pairs into int32. Nibbles are the unsigned operand as they are; for
+// 8-bit weights, |w| <= 128 is, with the activation given w's sign (|q_x| <= 127), so no pair sum
+// overflows.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+struct Avx2Family {
+  static constexpr int kCols = 8;
+
+  // The eight d_w or m (`values`) of block b from column c, widened exactly where float16.
+  static __m256 Lanes(const Int8Panels& w, const void* values, int64_t c, int64_t b) {
+    const int64_t i = w.LaneIndex(c, b);
+    if (w.half) {
+      const uint16_t* halves = static_cast<const uint16_t*>(values) + i;
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
+    }
+    return _mm256_loadu_ps(static_cast<const float*>(values) + i);
+  }
+
+  // QuantizeRows's arithmetic, four vectors a block (as VnniFamily::Quantize; a last partial
+  // block is copied into zeros first).
+  static void Quantize(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int8Rows* out) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+    for (int64_t r = r_begin; r < r_end; ++r)
+      for (int64_t b = 0; b < out->blocks; ++b) {
+        const float* v = x + r * K + b * kGgufBlock;
+        const int64_t count = std::min<int64_t>(kGgufBlock, K - b * kGgufBlock);
+        alignas(32) float padded[kGgufBlock];
+        if (count < kGgufBlock) {
+          std::fill(padded + count, padded + kGgufBlock, 0.0f);
+          std::copy(v, v + count, padded);
+          v = padded;
+        }
+        __m256 values[4];
+        for (int i = 0; i < 4; ++i) values[i] = _mm256_loadu_ps(v + 8 * i);
+        const __m256 wide = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(values[0], magnitude), _mm256_and_ps(values[1], magnitude)),
+                                          _mm256_max_ps(_mm256_and_ps(values[2], magnitude), _mm256_and_ps(values[3], magnitude)));
+        __m128 half = _mm_max_ps(_mm256_castps256_ps128(wide), _mm256_extractf128_ps(wide, 1));
+        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
+        const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values[i], inverse));
+        const __m256i bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->q.data() + out->At(r, b) * kGgufBlock), bytes);
+        const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(1, 0, 3, 2)));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(2, 3, 0, 1)));
+        SetBlock(out, r, b, amax, _mm_cvtsi128_si32(sum));
+      }
+  }
+
+  template <int R, int G, Format F>
+  static void Tile(const Int8Rows& a, int64_t m, const Int8Panels& w, float* y, int64_t n, int64_t valid) {
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+    __m256 acc[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+    // Adds the products of four-byte lanes `weights` (their magnitudes `magnitudes` when signed)
+    // and the broadcast `x` to `sums`.
+    auto add = [&](__m256i& sums, __m256i weights, __m256i magnitudes, __m256i x) {
+      const __m256i signed_x = F == Format::kNibbles ? x : _mm256_sign_epi8(x, weights);
+      sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_x), ones));
+    };
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      __m256i sums[R][G];
+      for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) sums[r][g] = _mm256_setzero_si256();
+      if constexpr (F == Format::kNibbles) {
+        for (int t = 0; t < 4; ++t) {
+          __m256i low[G], high[G];
+          for (int g = 0; g < G; ++g) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Vector(n + g * kCols, b, t)));
+            low[g] = _mm256_and_si256(bytes, nibble);
+            high[g] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+          }
+          for (int r = 0; r < R; ++r) {
+            const __m256i x_low = _mm256_set1_epi32(a.Four(m + r, b, 4 * t));
+            const __m256i x_high = _mm256_set1_epi32(a.Four(m + r, b, 16 + 4 * t));
+            for (int g = 0; g < G; ++g) {
+              add(sums[r][g], low[g], low[g], x_low);
+              add(sums[r][g], high[g], high[g], x_high);
+            }
+          }
+        }
+      } else {
+        for (int t = 0; t < 8; ++t) {
+          __m256i weights[G], magnitudes[G];
+          for (int g = 0; g < G; ++g) {
+            weights[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Vector(n + g * kCols, b, t)));
+            magnitudes[g] = _mm256_abs_epi8(weights[g]);
+          }
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = _mm256_set1_epi32(a.Four(m + r, b, 4 * t));
+            for (int g = 0; g < G; ++g) add(sums[r][g], weights[g], magnitudes[g], x);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m256 d = F == Format::kRowBytes ? _mm256_set1_ps(1.0f) : Lanes(w, w.d, n + g * kCols, b);
+        for (int r = 0; r < R; ++r) {
+          const __m256 dx = _mm256_set1_ps(a.d[a.At(m + r, b)]);
+          acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][g]), _mm256_mul_ps(dx, d), acc[r][g]);
+          if constexpr (F == Format::kNibbles)
+            acc[r][g] = _mm256_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
+                                        _mm256_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const int64_t count = std::min<int64_t>(kCols, valid - g * kCols);
+      if (count <= 0) break;
+      for (int r = 0; r < R; ++r) {
+        alignas(32) float out[kCols];
+        _mm256_store_ps(out, acc[r][g]);
+        float* row = y + (m + r) * w.N + n + g * kCols;
+        for (int64_t j = 0; j < count; ++j)
+          row[j] = F == Format::kRowBytes ? out[j] * w.row_scale[n + g * kCols + j] : out[j];
+      }
+    }
+  }
+};
+
+#pragma GCC pop_options
+#endif
+
+}  // namespace
+
+#endif  // RAYLM_INT8_FAMILIES_H_

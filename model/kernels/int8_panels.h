@@ -1,0 +1,146 @@
+// The integer compute mode's operands (int8_matmul.cc says the arithmetic): the activations as
+// quantized rows (Int8Rows), the weights as model/quantization/int8_panels.py packs them
+// (Int8Panels), and the arithmetic as plain loops, the portable family that the vector families
+// (int8_families.h) match bit for bit.
+#ifndef RAYLM_INT8_PANELS_H_
+#define RAYLM_INT8_PANELS_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "float16.h"
+#include "gguf_blocks.h"
+
+namespace {
+
+using raylm::kGgufBlock;
+
+constexpr int64_t kGroupCols = 16;  // output columns of one packed group
+constexpr int64_t kVectorBytes = 64;
+
+// One call's activations, quantized (int8_matmul.cc says how): row r's block b holds 32 values
+// at q[(r * blocks + b) * 32], its d_x, d_x * S and 128 * S.
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> sum128;
+  int64_t blocks = 0;
+
+  const int8_t* Block(int64_t r, int64_t b) const { return q.data() + (r * blocks + b) * kGgufBlock; }
+  int64_t At(int64_t r, int64_t b) const { return r * blocks + b; }
+  // Four activation bytes, as the 32-bit lane a broadcast repeats.
+  int32_t Four(int64_t r, int64_t b, int at) const {
+    int32_t four;
+    std::memcpy(&four, Block(r, b) + at, 4);
+    return four;
+  }
+};
+
+// Buffers for M rows of K inputs (values zero, so a last partial block is padded with zeros).
+void AllocateRows(int64_t M, int64_t K, Int8Rows* out) {
+  const int64_t blocks = (K + kGgufBlock - 1) / kGgufBlock;
+  out->blocks = blocks;
+  out->q.assign(M * blocks * kGgufBlock, 0);
+  out->d.resize(M * blocks);
+  out->ds.resize(M * blocks);
+  out->sum128.resize(M * blocks);
+}
+
+// Stores block b of row r's scale and sums (the values are in place).
+inline void SetBlock(Int8Rows* out, int64_t r, int64_t b, float amax, int32_t sum) {
+  const float d = amax / 127.0f;
+  out->d[out->At(r, b)] = d;
+  out->ds[out->At(r, b)] = d * static_cast<float>(sum);
+  out->sum128[out->At(r, b)] = 128 * sum;
+}
+
+// The quantization by plain loops, rows [r_begin, r_end) (the portable family; VNNI's and AVX2's
+// give the same bits).
+void QuantizeRows(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int8Rows* out) {
+  const int64_t blocks = out->blocks;
+  for (int64_t r = r_begin; r < r_end; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* v = x + r * K + b * kGgufBlock;
+      const int64_t count = std::min<int64_t>(kGgufBlock, K - b * kGgufBlock);
+      float amax = 0.0f;
+      for (int64_t k = 0; k < count; ++k) amax = std::max(amax, std::fabs(v[k]));
+      const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* q = out->q.data() + (r * blocks + b) * kGgufBlock;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < count; ++k) {
+        // |v * inverse| <= 127 * (1 + 2^-23): it rounds to at most 127.
+        const int32_t value = static_cast<int32_t>(std::nearbyint(v[k] * inverse));
+        q[k] = static_cast<int8_t>(value);
+        sum += value;
+      }
+      SetBlock(out, r, b, amax, sum);
+    }
+}
+
+// The three weight formats; each is its own instantiation of the tiles.
+enum class Format {
+  kNibbles,     // 4-bit GGUF blocks: d_w and m per block
+  kBlockBytes,  // Q8_0 blocks and int8_g32: signed bytes, d_w per block
+  kRowBytes,    // per-row int8: signed bytes, d_w = 1, a scale per output column at the end
+};
+
+// The packed weights (model/quantization/int8_panels.py): q [groups, blocks, T, 16, 4] bytes, d and m
+// [groups, blocks, 16] (absent: null) in float32, or in float16 (`half`) where the values are
+// float16's, as GGUF stores them (a sixth less to read per 4-bit weight: a decode row streams
+// every byte of the matrix once), row_scale [N] (absent: null).
+struct Int8Panels {
+  const uint8_t* q;
+  const void* d;
+  const void* m;
+  const float* row_scale;
+  int64_t N, K, blocks;
+  Format format = Format::kNibbles;
+  bool half = false;
+
+  int Vectors() const { return format == Format::kNibbles ? 4 : 8; }
+  // Vector t of block b for the lanes from column c (c a multiple of 8: AVX2 reads half groups).
+  const uint8_t* Vector(int64_t c, int64_t b, int t) const {
+    return q + (((c / kGroupCols) * blocks + b) * Vectors() + t) * kVectorBytes + (c % kGroupCols) * 4;
+  }
+  // Where block b's d_w or m are for the lanes from column c, in values of their type.
+  int64_t LaneIndex(int64_t c, int64_t b) const {
+    return ((c / kGroupCols) * blocks + b) * kGroupCols + c % kGroupCols;
+  }
+  // Block b's d_w or m (`values`: d or m) of column n.
+  float Lane(const void* values, int64_t n, int64_t b) const {
+    const int64_t i = LaneIndex(n, b);
+    return half ? raylm::HalfToFloat(static_cast<const uint16_t*>(values)[i]) : static_cast<const float*>(values)[i];
+  }
+  // Weight k of column n as the integer the sums use.
+  int32_t Value(int64_t n, int64_t k) const {
+    const int64_t b = k / kGgufBlock, i = k % kGgufBlock;
+    const int64_t byte = format == Format::kNibbles ? i % 16 : i;
+    const uint8_t stored = Vector(n - n % kGroupCols, b, static_cast<int>(byte / 4))[(n % kGroupCols) * 4 + byte % 4];
+    if (format != Format::kNibbles) return static_cast<int8_t>(stored);
+    return i < 16 ? stored & 0x0F : stored >> 4;
+  }
+};
+
+// The portable family: the arithmetic above as plain loops.
+void PortableColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const int8_t* xq = a.Block(r, b);
+        int32_t sum = 0;
+        for (int64_t k = 0; k < kGgufBlock; ++k) sum += xq[k] * w.Value(n, b * kGgufBlock + k);
+        const float dw = w.format == Format::kRowBytes ? 1.0f : w.Lane(w.d, n, b);
+        acc = std::fma(static_cast<float>(sum), a.d[a.At(r, b)] * dw, acc);
+        if (w.format == Format::kNibbles) acc = std::fma(w.Lane(w.m, n, b), a.ds[a.At(r, b)], acc);
+      }
+      y[r * w.N + n] = w.format == Format::kRowBytes ? acc * w.row_scale[n] : acc;
+    }
+}
+
+}  // namespace
+
+#endif  // RAYLM_INT8_PANELS_H_
