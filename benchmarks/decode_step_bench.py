@@ -144,7 +144,7 @@ class Worker:
 def worker_main() -> None:
     sys.stdout.reconfigure(line_buffering=True)
     worker = Worker()
-    print(RESULT + json.dumps(str(Path(sys.modules["model"].__file__).parent.parent)))
+    print(RESULT + json.dumps(str(Path(sys.modules["raylm.model"].__file__).resolve().parent.parent)))
     for line in sys.stdin:
         cmd = json.loads(line)
         result = getattr(worker, cmd.pop("op"))(**cmd)

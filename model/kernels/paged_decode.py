@@ -29,7 +29,7 @@ from raylm.model.quantization.quant_array import QUANTIZED_DTYPES, QuantArray
 
 _KERNEL = CpuKernel("paged_decode_attention", "RaylmPagedDecodeAttention", "raylm_paged_decode_attention")
 _QUANTIZED_KERNEL = CpuKernel(
-    "paged_decode_attention", "RaylmQuantizedPagedDecodeAttention", "raylm_quantized_paged_decode_attention"
+    "quantized_paged_decode_attention", "RaylmQuantizedPagedDecodeAttention", "raylm_quantized_paged_decode_attention"
 )
 SUPPORTED_POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), *QUANTIZED_DTYPES)
 
