@@ -27,6 +27,9 @@ DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 READY_TIMEOUT_S = 900.0  # model load + warm-up compile of every bucket on a slow machine
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_LIMIT_S = 8.0  # Ctrl-C to exit, a healthy cluster's clean-up included
+# Of that, how long Serve may take to stop its replicas (each finishes the compile or step it is
+# in) before the Ray head this process started is shut down under them.
+SERVE_STOP_S = 4.0
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -97,7 +100,7 @@ def _stop_within(ray, app_name: str, serve_was_running: bool, started_ray: bool)
         if serve_was_running:
             serve.delete(app_name)
         else:
-            _shutdown_serve(ray)
+            _shutdown_serve(ray, SERVE_STOP_S)
         if started_ray:
             ray.shutdown()
 
@@ -151,20 +154,22 @@ def _serve_running(ray) -> bool:
     return _serve_controller(ray) is not None
 
 
-def _shutdown_serve(ray) -> None:
+def _shutdown_serve(ray, timeout_s: float) -> None:
     """Shut Serve down without the warning ``serve.shutdown()`` makes Ray print.
 
     ``serve.shutdown()`` waits on a controller call that only ends when the controller, having
     deleted every application and proxy, kills itself; Ray then reports that call as
     "Task ServeController.graceful_shutdown failed ... killed by ray.kill", which reads like an
     error. Here the call only raises the controller's shutdown flag and returns; the same
-    shutdown then runs in the controller's loop while this process waits for the actor to go.
+    shutdown then runs in the controller's loop while this process waits up to ``timeout_s`` for
+    the actor to go (past that it goes on by itself, or goes with the Ray head).
     """
     controller = _serve_controller(ray)
     if controller is None:
         return
     ray.get(controller.graceful_shutdown.remote(wait=False))
-    while _serve_controller(ray) is not None:  # (``_stop_within`` bounds the wait)
+    deadline = time.monotonic() + timeout_s
+    while _serve_controller(ray) is not None and time.monotonic() < deadline:
         time.sleep(0.2)
 
 

@@ -142,7 +142,9 @@ def test_on_a_cluster_of_its_own_ctrl_c_stops_serve_and_ray_quietly(tmp_path):
         lines = _lines(proc)
         _wait_for(lines, "Press Ctrl-C to stop", timeout_s=240)
         proc.send_signal(signal.SIGINT)
+        stopped_at = time.monotonic()
         assert proc.wait(timeout=120) == 0
+        assert time.monotonic() - stopped_at < 10
         after_stop = _rest(lines)
     finally:
         if proc.poll() is None:
