@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -116,12 +117,18 @@ def hf_bundled_model(bundled_path):
 
 
 @pytest.fixture(scope="session")
-def tiny_gqa_model(tmp_path_factory) -> LoadedModel:
+def tiny_gqa_path(tmp_path_factory) -> Path:
     """A tiny random llama checkpoint with grouped KV heads, for engine tests that need no real text."""
     from tests.checkpoints import build_tiny_checkpoint
 
     path, _ = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("tiny-gqa") / "m")
-    return load_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa_model(tiny_gqa_path) -> LoadedModel:
+    """``tiny_gqa_path`` loaded."""
+    return load_model(tiny_gqa_path)
 
 
 @pytest.fixture(scope="module")

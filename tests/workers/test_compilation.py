@@ -75,7 +75,7 @@ def test_a_served_engine_serves_while_it_warms_up_and_then_never_compiles(tiny_g
 def test_a_served_engine_is_built_to_warm_up_in_the_background(monkeypatch):
     """Replicas build their engine with ``AsyncEngine.from_model``: it must ask for the background
     warm-up, or a replica compiles every bucket before serving (the replacement-time goal)."""
-    from raylm.workers.engine import async_engine
+    from raylm.workers.engine import async_engine, llm_engine
 
     built = {}
 
@@ -83,7 +83,7 @@ def test_a_served_engine_is_built_to_warm_up_in_the_background(monkeypatch):
         built.update(model=model, background_warmup=background_warmup, **engine_args)
         raise RuntimeError("stop before any engine is built")
 
-    monkeypatch.setattr(async_engine, "make_engine", make_engine)
+    monkeypatch.setattr(llm_engine, "make_engine", make_engine)  # (from_model imports it when called)
     with pytest.raises(RuntimeError, match="stop before"):
         async_engine.AsyncEngine.from_model("some-model", max_num_seqs=4)
     assert built == {"model": "some-model", "background_warmup": True, "max_num_seqs": 4}

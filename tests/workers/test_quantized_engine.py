@@ -26,17 +26,10 @@ from raylm.model.quantization.quant_array import QuantArray, weight_bytes
 from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.engine_args import EngineArgs
 from raylm.workers.engine.llm import LLM
-from tests.checkpoints import build_tiny_checkpoint
 
 NUM_PROMPTS = 12
 NEW_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("quantized") / "m")
-    return path
 
 
 # name -> (weight quantization, kv_cache_dtype)
@@ -52,7 +45,7 @@ KV_DTYPES = {"auto": None, "int8": np.int8, "fp8": jnp.float8_e4m3fn}
 
 
 @pytest.fixture(scope="module")
-def quantized(tiny_path):
+def quantized(tiny_gqa_path):
     """Per variant (built on first use): the tiny model, its prompts and the reference loop's
     greedy continuations on the same quantized weights and KV pool."""
     cache = {}
@@ -60,7 +53,7 @@ def quantized(tiny_path):
     def get(variant: str):
         if variant not in cache:
             quantization, kv_cache_dtype = VARIANTS[variant]
-            model = load_model(tiny_path, quantization=quantization)
+            model = load_model(tiny_gqa_path, quantization=quantization)
             reference = SingleSequenceGenerator(model.config, model.params, kv_dtype=KV_DTYPES[kv_cache_dtype])
             rng = np.random.RandomState(1)
             lengths = [1, 15, 16, 17, 200] + rng.randint(1, 200, size=NUM_PROMPTS - 5).tolist()
@@ -111,11 +104,11 @@ def test_greedy_equals_the_reference_on_the_same_quantization(quantized, variant
 
 
 @pytest.mark.parametrize("name", ["default", "chunked, small batches, multi-step", "preemption"])
-def test_a_bfloat16_pool_written_by_the_kernel_holds_what_the_scatter_writes(tiny_path, name, monkeypatch):
+def test_a_bfloat16_pool_written_by_the_kernel_holds_what_the_scatter_writes(tiny_gqa_path, name, monkeypatch):
     """A bfloat16 pool is written by model.kernels.kv_write's kernel on CPU; the engine's output is
     the same as with XLA's scatter. (The reference loop is not the reference here: it reads
     bfloat16 keys through the jnp attention, which rounds differently from the paged kernel.)"""
-    model = load_model(tiny_path)
+    model = load_model(tiny_gqa_path)
     rng = np.random.RandomState(2)
     prompts = [rng.randint(3, 320, size=n).tolist() for n in [1, 16, 17, 200] + rng.randint(1, 200, 6).tolist()]
     engine = dict(max_model_len=512, num_kv_blocks=600, kv_cache_dtype="bfloat16") | ENGINE_CONFIGS[name]
@@ -142,29 +135,29 @@ def test_n_forks_copy_a_quantized_pool_on_write(quantized):
     _assert_no_leak(llm)
 
 
-def test_an_8bit_kv_pool_holds_more_blocks_in_the_same_bytes(tiny_path, bundled_model):
+def test_an_8bit_kv_pool_holds_more_blocks_in_the_same_bytes(tiny_gqa_path, bundled_model):
     budget = 64 << 20
 
     def blocks(config, name: str) -> int:
         return blocks_for_budget(config, 16, kv_pool_dtype(name, jnp.float32), budget, 0.8)
 
-    for config in (load_model(tiny_path).config, bundled_model.config):
+    for config in (load_model(tiny_gqa_path).config, bundled_model.config):
         # Per token and kv head: head_dim bytes and a float32 scale, against 4 * head_dim.
         expected = 4 * config.head_dim / (config.head_dim + 4)
         assert blocks(config, "int8") == blocks(config, "fp8")
         assert abs(blocks(config, "int8") / blocks(config, "auto") - expected) < 0.01
         assert abs(blocks(config, "int8") / blocks(config, "bfloat16") - expected / 2) < 0.01
     assert blocks(bundled_model.config, "int8") / blocks(bundled_model.config, "auto") > 3.7  # head_dim 64
-    config = load_model(tiny_path).config
-    llm = LLM(tiny_path, kv_cache_dtype="int8", kv_cache_memory_bytes=budget, max_model_len=256)
+    config = load_model(tiny_gqa_path).config
+    llm = LLM(tiny_gqa_path, kv_cache_dtype="int8", kv_cache_memory_bytes=budget, max_model_len=256)
     kv = llm.engine.runner.kv
     assert llm.engine.stats().pool.num_usable_blocks == blocks(config, "int8") - 1
     assert isinstance(kv.k, QuantArray) and kv.dtype == np.int8
     assert kv.k.nbytes + kv.v.nbytes <= budget
 
 
-def test_the_engine_quantizes_a_float_model_it_is_given(tiny_path):
-    model = load_model(tiny_path)
+def test_the_engine_quantizes_a_float_model_it_is_given(tiny_gqa_path):
+    model = load_model(tiny_gqa_path)
     llm = LLM(model, quantization="int8", max_model_len=256, num_kv_blocks=64)
     params = llm.engine.runner.params
     assert isinstance(params.layers[0].wqkv, QuantArray) and params.layers[0].wqkv.q.dtype == np.int8
@@ -173,14 +166,14 @@ def test_the_engine_quantizes_a_float_model_it_is_given(tiny_path):
     assert weight_bytes(params) < 0.3 * weight_bytes(model.params)
 
 
-def test_quantization_settings_are_checked(tiny_path):
+def test_quantization_settings_are_checked(tiny_gqa_path):
     with pytest.raises(ValueError, match="quantization must be one of none, int8, int8_g32, fp8"):
         EngineArgs(quantization="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, int8, fp8"):
         EngineArgs(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="quantization must be one of"):
-        load_model(tiny_path, quantization="q4")
-    int8 = load_model(tiny_path, quantization="int8")
+        load_model(tiny_gqa_path, quantization="q4")
+    int8 = load_model(tiny_gqa_path, quantization="int8")
     with pytest.raises(ValueError, match="loaded with quantization=int8; it cannot be served as quantization=fp8"):
         int8.quantized("fp8")
     with pytest.raises(ValueError, match="cannot be served as quantization=none"):

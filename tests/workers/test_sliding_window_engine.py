@@ -76,7 +76,8 @@ def test_windowed_generation_equals_hf_and_its_blocks_stay_bounded_where_full_at
     outputs, used = _run(llm, prompts, GREEDY)
     _assert_hf_greedy(hf_model, prompts, [o[0] for o in outputs])
     stats = llm.engine.stats()
-    assert stats.pool.prefix_hits == 4  # the first's first chunk, 2 of its 4 blocks released by then
+    # (in tokens) the first's first chunk: 4 blocks, 2 of them released by then
+    assert stats.pool.prefix_hits == 4 * BLOCK
     assert max(used) <= len(prompts) * HELD_IN_PREFILL < 60 // 2
     assert max(used[-NEW_TOKENS // 2:]) <= len(prompts) * HELD_IN_DECODE  # decoding only
     assert stats.pool.num_used_blocks == 0

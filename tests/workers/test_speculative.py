@@ -38,14 +38,8 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("spec") / "m")
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return load_model(tiny_dir)
+def tiny(tiny_gqa_path):
+    return load_model(tiny_gqa_path)
 
 
 @pytest.fixture(scope="module")
