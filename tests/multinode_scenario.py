@@ -47,9 +47,9 @@ from typing import Any  # noqa: E402
 import httpx  # noqa: E402
 import ray  # noqa: E402
 
-from raylm.cluster.names import WORKER_DEPLOYMENT
-from raylm.deploy.readiness import wait_healthy
-from tests.serving import free_port  # noqa: E402
+from raylm.cluster.names import WORKER_DEPLOYMENT  # noqa: E402
+from raylm.deploy.readiness import wait_healthy  # noqa: E402
+from tests.serving import TEST_DEPLOY, free_port  # noqa: E402
 
 APP_NAME = "raylm"
 MIB = 1024 * 1024
@@ -67,14 +67,8 @@ WORKER_NODE_TYPES: dict[str, Any] = {
 }
 DEPLOY: dict[str, Any] = {
     "name": APP_NAME,
-    "model": {"name": "smollm2-135m-instruct"},
-    "workers": {
-        "num_replicas": 2,
-        "num_cpus": 1,
-        "max_ongoing_requests": 16,
-        "max_queued_requests": 16,
-        "graceful_shutdown_timeout_s": 2,
-    },
+    "model": TEST_DEPLOY["model"],
+    "workers": {**TEST_DEPLOY["workers"], "graceful_shutdown_timeout_s": 2},  # two replicas, a CPU each
     "engine": {
         "num_kv_blocks": 128,
         "max_num_seqs": 4,
