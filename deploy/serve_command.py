@@ -112,8 +112,8 @@ def _stop_within(ray, app_name: str, serve_was_running: bool, started_ray: bool)
     if started_ray:  # the head's processes and their workers all descend from this process
         import psutil
 
-        print(f"raylm serve: Serve did not stop within {STOP_LIMIT_S:.0f} s; stopped the Ray processes raylm serve "
-              "started", file=sys.stderr, flush=True)
+        print(f"raylm serve: the clean-up did not finish within {STOP_LIMIT_S:.0f} s; killed the Ray processes "
+              "raylm serve started", file=sys.stderr, flush=True)
         for process in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
