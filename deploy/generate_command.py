@@ -37,7 +37,7 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--activation-quantization", choices=ACTIVATION_QUANTIZATIONS, default="none",
                    help="int8: the integer compute mode for GGUF block and int8 weights (faster, not exact)")
     p.add_argument("--gguf-blocks", choices=GGUF_BLOCKS_CHOICES, default="auto",
-                   help="a GGUF's Q4_0/Q4_1/Q8_0 matrices kept as stored (exact) or expanded to float32")
+                   help="a GGUF's block-quantized matrices kept as stored (exact) or expanded to float32")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (local devices)")
     p.add_argument("--speculative-method", choices=["draft", "ngram"], default=None,
                    help="speculative decoding (default: off; draft when --speculative-model is given)")

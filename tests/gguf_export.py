@@ -22,7 +22,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import gguf
 import numpy as np
@@ -44,6 +44,53 @@ _ARCHES = {
 # llama.cpp's fixed choice, per architecture, of renormalizing the top-k expert weights.
 _NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
 _EXPERT_RE = re.compile(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight")
+T = gguf.GGMLQuantizationType
+# Where each type's float16 scales sit in its block, and a magnitude for them that keeps the
+# weights within about +-0.3 (the largest stored integers times the largest sub-scales).
+_F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+               T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q4_0: (0,), T.Q4_1: (0, 2),
+               T.Q8_0: (0,)}
+_SCALE = {T.Q2_K: 0.3 / 45, T.Q3_K: 0.3 / 128, T.Q4_K: 0.3 / 945, T.Q5_K: 0.3 / 1953, T.Q6_K: 0.3 / 4064,
+          T.IQ4_NL: 0.3 / 127, T.IQ4_XS: 0.3 / 4064, T.Q5_0: 0.3 / 16, T.Q5_1: 0.3 / 31, T.Q4_0: 0.3 / 8,
+          T.Q4_1: 0.3 / 15, T.Q8_0: 0.3 / 127}
+# Types export_gguf quantizes with the gguf package (the others get random blocks).
+_QUANTIZED = {T.Q4_0, T.Q4_1, T.Q8_0}
+# A qtype for every tensor, or one per GGUF tensor name.
+QTypes = T | Callable[[str], T]
+
+
+def random_blocks(kind: T, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """A tensor of ``shape`` (numpy order, rows of whole blocks) in ``kind``'s blocks with random
+    bits and float16 scales of a sane magnitude: a valid file tensor for types the gguf
+    package cannot quantize (the K-quants, IQ4). Its values are what the package dequantizes."""
+    block, type_size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    count = int(np.prod(shape)) // block
+    raw = rng.integers(0, 256, size=(count, type_size), dtype=np.uint8)
+    for at in _F16_FIELDS[kind]:
+        d = (rng.uniform(0.2, 1.0, count) * _SCALE[kind]).astype(np.float16)
+        raw[:, at: at + 2] = d.reshape(count, 1).view(np.uint8)
+    return raw.reshape(*shape[:-1], shape[-1] // block * type_size)
+
+
+def load_stored(hf_model: Any, path: Path) -> None:
+    """Give ``hf_model`` (a dense, non-llama architecture: no Q/K permutation, no stacked
+    experts) the matrices the GGUF file at ``path`` holds, as the gguf package dequantizes them,
+    in place: the reference for raylm reading the file's blocks as stored."""
+    import torch
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    assert arch != "llama", "llama files permute Q/K rows; use another architecture"
+    stored = {t.name: t for t in reader.tensors}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hf_model.config.num_hidden_layers)
+    with torch.no_grad():
+        for hf_name, param in hf_model.named_parameters():
+            if param.ndim < 2:
+                continue
+            tensor = stored[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))]
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(param.shape)
+            param.copy_(torch.from_numpy(np.ascontiguousarray(values, np.float32)))
 
 
 def round_to_stored(hf_model: Any, qtype: gguf.GGMLQuantizationType) -> None:
@@ -59,19 +106,23 @@ def round_to_stored(hf_model: Any, qtype: gguf.GGMLQuantizationType) -> None:
                 param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qtype).reshape(param.shape)))
 
 
-def export_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
-    """Write ``hf_dir`` as ``out``; matrices (and stacked experts) in ``qtype`` (F32, Q8_0 or
-    Q4_0), vectors F32."""
+def export_gguf(hf_dir: Path, out: Path, qtype: QTypes = T.F32) -> Path:
+    """Write ``hf_dir`` as ``out``; matrices (and stacked experts) in ``qtype`` (F32, a type the
+    gguf package quantizes, or one it cannot: random blocks, see ``random_blocks``; or a type per
+    tensor name, as llama-quantize mixes them), vectors F32."""
     hp = json.loads((hf_dir / "config.json").read_text())
     arch = _ARCHES[hp["architectures"][0]]
     writer = gguf.GGUFWriter(str(out), arch)
     tensors = load_file(str(hf_dir / "model.safetensors"))
     _write_metadata(writer, arch, hp)
     _write_tokenizer(writer, hf_dir, hp["vocab_size"])
-    for name, array in _tensors(writer, arch, hp, tensors):
+    for seed, (name, array) in enumerate(_tensors(writer, arch, hp, tensors)):
         array = np.ascontiguousarray(array, dtype=np.float32)
-        if array.ndim in (2, 3) and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        kind = qtype(name) if callable(qtype) else qtype
+        if array.ndim in (2, 3) and kind in _F16_FIELDS and kind not in _QUANTIZED:
+            writer.add_tensor(name, random_blocks(kind, array.shape, seed), raw_dtype=kind)
+        elif array.ndim in (2, 3) and kind != T.F32:
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()

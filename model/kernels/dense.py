@@ -21,7 +21,7 @@ directly and apply the per-output-channel scale to their sums; XLA's paths conve
 8-bit matrix to the activation dtype for their dot and scale its result (accelerators fuse
 the conversion into the dot).
 
-Weights may be ``GgufBlocks`` (model/quantization/gguf_blocks.py): a GGUF's Q4_0 / Q4_1 / Q8_0 matrices as
+Weights may be ``GgufBlocks`` (model/quantization/gguf_blocks.py): a GGUF's block-quantized matrices as
 stored. The block kernels widen them exactly and run the float32 tiles, so wherever the
 float32 kernels run they give the float32 matrix's results bit for bit; elsewhere XLA's dot
 runs on the exactly dequantized matrix.

@@ -69,9 +69,16 @@ struct Lanes<Vec8> {
 
   // The same values as weights d * q + m (a 4-bit block's, gguf_blocks.h).
   static void WidenNibbles(const uint8_t* p, float d, float m, Vec8* low, Vec8* high) {
+    WidenNibbles(p, d, m, d, m, low, high);
+  }
+
+  // The same with a scale and offset of their own for the low and the high halves (blocks of
+  // two 16-weight groups).
+  static void WidenNibbles(const uint8_t* p, float d_low, float m_low, float d_high, float m_high, Vec8* low,
+                           Vec8* high) {
     LoadNibbles(p, low, high);
-    *low = d * *low + m;  // exact with or without a fused multiply-add
-    *high = d * *high + m;
+    *low = d_low * *low + m_low;  // exact with or without a fused multiply-add
+    *high = d_high * *high + m_high;
   }
 
   static float Sum(Vec8 v) {  // in lane order
@@ -123,6 +130,17 @@ struct Lanes<Vec16> {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     *low = reinterpret_cast<Vec16>(_mm512_permutexvar_ps(bytes, table));
     *high = reinterpret_cast<Vec16>(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table));
+  }
+
+  // The same with a table of its own for the low and the high halves (two 16-weight groups).
+  static void WidenNibbles(const uint8_t* p, float d_low, float m_low, float d_high, float m_high, Vec16* low,
+                           Vec16* high) {
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 low_table = _mm512_fmadd_ps(_mm512_set1_ps(d_low), q, _mm512_set1_ps(m_low));
+    const __m512 high_table = _mm512_fmadd_ps(_mm512_set1_ps(d_high), q, _mm512_set1_ps(m_high));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    *low = reinterpret_cast<Vec16>(_mm512_permutexvar_ps(bytes, low_table));
+    *high = reinterpret_cast<Vec16>(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), high_table));
   }
 
   static float Sum(Vec16 v) {

@@ -16,7 +16,7 @@
 // them in registers (never an f32 copy of the matrix): at one to a few rows a step is bound
 // by reading weights, so a quarter of the bytes is most of the speed-up.
 //
-// GGUF block weights (model/quantization/gguf_blocks.py): llama.cpp's Q4_0 / Q4_1 / Q8_0 matrices kept as
+// GGUF block weights (model/quantization/gguf_blocks.py): llama.cpp's block types (Q4_0 .. Q8_0, K-quants, IQ4) kept as
 // stored, 32 weights per block along k with a float32 scale (and offset) per block, widened
 // with exactly the arithmetic of the gguf package's dequantization (gguf_blocks.h). With up to
 // one row tile of inputs the widened weights stay in registers (GgufTile); with more, each
@@ -102,25 +102,24 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer
       });
 }
 
-// GGUF block weights of N rows of K: q [N, K/2] uint8 (4-bit blocks, with offset [N, K/32]) or
-// [N, K] int8 (8-bit blocks, offset [N, 0]), scale [N, K/32]; K a multiple of 32. Checks the
-// buffers agree and fills `rows`; an empty message when they do.
+// GGUF block weights of N rows of K: q [N, K/2] uint8 (4-bit blocks) or [N, K] int8 (8-bit blocks),
+// scale [N, K/group] (group 32 or 16), offset [N, K/group] (always for 4-bit blocks) or [N, 0];
+// K a multiple of 32. Checks the buffers agree and fills `rows`; an empty message when they do.
 std::string GgufRowsOf(ffi::AnyBuffer q, Matrix scale, Matrix offset, int64_t N, int64_t K, GgufRows* rows) {
   const bool nibbles = q.element_type() == ffi::DataType::U8;
   const auto qd = q.dimensions();
-  const int64_t blocks = K / raylm::kGgufBlock;
+  const int64_t scales = scale.dimensions()[1], offsets = offset.dimensions()[1];
   const bool agree = (nibbles || q.element_type() == ffi::DataType::S8) && K % raylm::kGgufBlock == 0 &&
-                     qd.size() == 2 && qd[0] == N && qd[1] == (nibbles ? K / 2 : K) &&
-                     scale.dimensions()[0] == N && scale.dimensions()[1] == blocks && offset.dimensions()[0] == N &&
-                     offset.dimensions()[1] == (nibbles ? blocks : 0);
+                     qd.size() == 2 && qd[0] == N && qd[1] == (nibbles ? K / 2 : K) && scale.dimensions()[0] == N &&
+                     (scales == K / 32 || scales == K / 16) && offset.dimensions()[0] == N &&
+                     (offsets == scales || (offsets == 0 && !nibbles)) && K > 0;
   if (!agree)
-    return "q [N, K/2] uint8 or [N, K] int8, scale [N, K/32], offset [N, K/32] (uint8 q) or [N, 0] (int8 q), "
-           "K a multiple of 32; got N " + std::to_string(N) + ", K " + std::to_string(K) + ", q [" +
-           std::to_string(qd.size() == 2 ? qd[0] : -1) + ", " + std::to_string(qd.size() == 2 ? qd[1] : -1) +
-           "], scale [" + std::to_string(scale.dimensions()[0]) + ", " + std::to_string(scale.dimensions()[1]) +
-           "], offset [" + std::to_string(offset.dimensions()[0]) + ", " + std::to_string(offset.dimensions()[1]) + "]";
+    return "q [N, K/2] uint8 or [N, K] int8, scale [N, K/32] or [N, K/16], offset like scale (always for uint8 q) "
+           "or [N, 0], K a multiple of 32; got N " + std::to_string(N) + ", K " + std::to_string(K) + ", q " +
+           raylm::Shape(qd) + ", scale " + raylm::Shape(scale.dimensions()) + ", offset " +
+           raylm::Shape(offset.dimensions());
   *rows = GgufRows{static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
-                   nibbles ? offset.typed_data() : nullptr, K};
+                   offsets ? offset.typed_data() : nullptr, K, nibbles, K / scales};
   return "";
 }
 

@@ -78,13 +78,15 @@ __attribute__((always_inline)) inline void WidenRowsOf(const W* __restrict w, fl
 // same sums as TileOf<V, R, NR> on the widened rows: lanes over k in order (a block's vectors
 // low nibbles first, as GGUF orders them), then Sum or SumTile. `prefetch_next`: fetch the
 // next NR rows meanwhile. kStoresPanel: also store the widened rows in `panel` (NR * K floats,
-// as WidenGgufRowsOf lays them out) for the call's other row tiles.
-template <typename V, int R, int NR, bool kStoresPanel = false>
+// as WidenGgufRowsOf lays them out) for the call's other row tiles. kSplit: the blocks have a
+// scale (and offset) per 16 weights (w.group == 16), the low sixteen's and the high sixteen's.
+template <typename V, int R, int NR, bool kSplit, bool kStoresPanel = false>
 __attribute__((always_inline)) inline void GgufTileOf(const float* __restrict x, const GgufRows& w, int64_t n,
                                                       float* __restrict y, int64_t K, int64_t N, bool prefetch_next,
                                                       float* __restrict panel = nullptr) {
   constexpr int kLanes = sizeof(V) / sizeof(float), kVectors = raylm::kGgufBlock / kLanes;
-  const int64_t blocks = w.RowBlocks(), bytes_per_block = w.RowBytes() / blocks;
+  constexpr int kScalesPerBlock = kSplit ? 2 : 1;
+  const int64_t blocks = w.RowBlocks(), bytes_per_block = w.RowBytes() / blocks, scales = w.RowScales();
   V acc[R][NR];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = V{};
@@ -94,24 +96,36 @@ __attribute__((always_inline)) inline void GgufTileOf(const float* __restrict x,
     if (prefetch_next) {
       if ((b * bytes_per_block) % 64 < bytes_per_block)
         for (int j = 0; j < NR; ++j) __builtin_prefetch(w.q + (n + NR + j) * w.RowBytes() + b * bytes_per_block);
-      if (b % 16 == 0)
+      if (b % (16 / kScalesPerBlock) == 0)
         for (int j = 0; j < NR; ++j) {
-          __builtin_prefetch(w.scale + (n + NR + j) * blocks + b);
-          if (w.offset) __builtin_prefetch(w.offset + (n + NR + j) * blocks + b);
+          __builtin_prefetch(w.scale + (n + NR + j) * scales + b * kScalesPerBlock);
+          if (w.offset) __builtin_prefetch(w.offset + (n + NR + j) * scales + b * kScalesPerBlock);
         }
     }
     V weights[NR][kVectors];
     for (int j = 0; j < NR; ++j) {
-      const int64_t block = (n + j) * blocks + b;
+      const int64_t s = (n + j) * scales + b * kScalesPerBlock;
       const uint8_t* q = w.q + (n + j) * w.RowBytes() + b * bytes_per_block;
-      const float d = w.scale[block];
+      const float d = w.scale[s], d_high = kSplit ? w.scale[s + 1] : d;
       if (w.Nibbles()) {
-        const float m = w.offset[block];
-        for (int h = 0; h < kVectors / 2; ++h)
-          Lanes<V>::WidenNibbles(q + h * kLanes, d, m, &weights[j][h], &weights[j][h + kVectors / 2]);
+        const float m = w.offset[s];
+        for (int h = 0; h < kVectors / 2; ++h) {
+          if constexpr (kSplit) {
+            Lanes<V>::WidenNibbles(q + h * kLanes, d, m, d_high, w.offset[s + 1], &weights[j][h],
+                                   &weights[j][h + kVectors / 2]);
+          } else {
+            Lanes<V>::WidenNibbles(q + h * kLanes, d, m, &weights[j][h], &weights[j][h + kVectors / 2]);
+          }
+        }
+      } else if (w.offset) {  // d * q is exact here (gguf_blocks.h): one rounding, fused or not
+        const float m = w.offset[s], m_high = kSplit ? w.offset[s + 1] : m;
+        for (int v = 0; v < kVectors; ++v)
+          weights[j][v] = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) *
+                              (v < kVectors / 2 ? d : d_high) + (v < kVectors / 2 ? m : m_high);
       } else {
         for (int v = 0; v < kVectors; ++v)
-          weights[j][v] = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) * d;
+          weights[j][v] = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) *
+                          (v < kVectors / 2 ? d : d_high);
       }
       if constexpr (kStoresPanel)
         for (int v = 0; v < kVectors; ++v)
@@ -135,29 +149,33 @@ __attribute__((always_inline)) inline void WidenGgufRowsOf(const GgufRows& w, in
                                                            float* __restrict out, bool prefetch_next) {
   constexpr int kLanes = sizeof(V) / sizeof(float), kVectors = raylm::kGgufBlock / kLanes;
   const int64_t blocks = count * w.RowBlocks(), bytes_per_block = w.RowBytes() / w.RowBlocks();
+  const int64_t per_block = raylm::kGgufBlock / w.group, split = per_block - 1;  // scales a block: 1 or 2
   const uint8_t* q = w.q + n * w.RowBytes();
-  const float* scale = w.scale + n * w.RowBlocks();
-  const float* offset = w.offset ? w.offset + n * w.RowBlocks() : nullptr;
+  const float* scale = w.scale + n * w.RowScales();
+  const float* offset = w.offset ? w.offset + n * w.RowScales() : nullptr;
   for (int64_t b = 0; b < blocks; ++b, q += bytes_per_block, out += raylm::kGgufBlock) {
+    const int64_t s = b * per_block;
     if (prefetch_next) {  // the next rows start `count` rows on
       if ((b * bytes_per_block) % 64 < bytes_per_block) __builtin_prefetch(q + count * w.RowBytes());
-      if (b % 16 == 0) {
-        __builtin_prefetch(scale + b + blocks);
-        if (offset) __builtin_prefetch(offset + b + blocks);
+      if (s % 16 == 0) {
+        __builtin_prefetch(scale + s + blocks * per_block);
+        if (offset) __builtin_prefetch(offset + s + blocks * per_block);
       }
     }
     // Each vector is stored as soon as it is widened: gathering a block's vectors in an array
     // and copying it out made GCC pass them through the stack (a store and a reload each).
-    if (offset) {
+    if (w.Nibbles()) {
       for (int h = 0; h < kVectors / 2; ++h) {
         V low, high;
-        Lanes<V>::WidenNibbles(q + h * kLanes, scale[b], offset[b], &low, &high);
+        Lanes<V>::WidenNibbles(q + h * kLanes, scale[s], offset[s], scale[s + split], offset[s + split], &low, &high);
         std::memcpy(out + h * kLanes, &low, sizeof low);
         std::memcpy(out + (h + kVectors / 2) * kLanes, &high, sizeof high);
       }
     } else {
       for (int v = 0; v < kVectors; ++v) {
-        const V value = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) * scale[b];
+        const int64_t at = s + (v < kVectors / 2 ? 0 : split);
+        V value = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) * scale[at];
+        if (offset) value = value + offset[at];  // d * q exact where offsets are added (gguf_blocks.h)
         std::memcpy(out + v * kLanes, &value, sizeof value);
       }
     }
@@ -191,13 +209,13 @@ struct NarrowTiles {
     WidenRowsOf<Vec8>(w, out, count);
   }
 
-  template <int R, int NR>
+  template <int R, int NR, bool kSplit>
 #if defined(__x86_64__) && defined(__GNUC__)
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
   static void GgufTile(const float* x, const GgufRows& w, int64_t n, float* y, int64_t K, int64_t N,
                        bool prefetch_next) {
-    GgufTileOf<Vec8, R, NR>(x, w, n, y, K, N, prefetch_next);
+    GgufTileOf<Vec8, R, NR, kSplit>(x, w, n, y, K, N, prefetch_next);
   }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -239,16 +257,17 @@ struct WideTiles {
     WidenRowsOf<Vec16>(w, out, count);
   }
 
-  template <int R, int NR>
+  template <int R, int NR, bool kSplit>
   static void GgufTile(const float* x, const GgufRows& w, int64_t n, float* y, int64_t K, int64_t N,
                        bool prefetch_next) {
-    GgufTileOf<Vec16, R, NR>(x, w, n, y, K, N, prefetch_next);
+    GgufTileOf<Vec16, R, NR, kSplit>(x, w, n, y, K, N, prefetch_next);
   }
 
   // A full row tile against NR block rows that also leaves the widened rows in `panel`.
+  template <bool kSplit>
   static void GgufPanelTile(const float* x, const GgufRows& w, int64_t n, float* y, int64_t K, int64_t N,
                             bool prefetch_next, float* panel) {
-    GgufTileOf<Vec16, MR, NR, true>(x, w, n, y, K, N, prefetch_next, panel);
+    GgufTileOf<Vec16, MR, NR, kSplit, true>(x, w, n, y, K, N, prefetch_next, panel);
   }
 
   static void WidenGgufRows(const GgufRows& w, int64_t n, int64_t count, float* out, bool prefetch_next) {

@@ -5,7 +5,7 @@
 // matrices stacked [G, N, K]; group g's rows times matrix g, y [M, N] f32. Rows past the groups
 // (padding) come out as zeros. Each group is one call of the dense kernel's path for its weight
 // format (dense_matmul.cc): float32, 8-bit (int8 or float8 e4m3fn) with a scale per output row,
-// or GGUF Q4_0 / Q4_1 / Q8_0 blocks as stored. So only the rows routed to an expert are computed
+// or GGUF blocks as stored. So only the rows routed to an expert are computed
 // and only the experts that got rows are read, in their stored bytes: 8-bit and block experts are
 // never widened into a float32 copy of the stack. And since the dense path sums each output in
 // the same order whatever the batch, a token's result does not depend on what else was routed
@@ -98,31 +98,33 @@ ffi::Error GroupedQuantizedMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::An
                                              });
 }
 
-// GGUF block experts (gguf_blocks.h): q [G, N, K/2] uint8 (4-bit blocks, offset [G, N, K/32]) or
-// [G, N, K] int8 (8-bit blocks, offset [G, N, 0]), scale [G, N, K/32]; K a multiple of 32.
+// GGUF block experts (gguf_blocks.h): q [G, N, K/2] uint8 (4-bit blocks) or [G, N, K] int8 (8-bit
+// blocks), scale [G, N, K/group] (group 32 or 16), offset like scale (always for 4-bit blocks) or
+// [G, N, 0]; K a multiple of 32.
 ffi::Error GroupedGgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, Stacked scale, Stacked offset,
                              GroupSizes group_sizes, ffi::Result<Matrix> y) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   const auto qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
   const bool nibbles = q.element_type() == ffi::DataType::U8;
-  const int64_t blocks = K / raylm::kGgufBlock;
-  std::string error = GroupShapeError("grouped_gguf_matmul", x.dimensions(), sd, sd[2] * raylm::kGgufBlock,
-                                      group_sizes.dimensions(), y->dimensions());
-  const bool agree = (nibbles || q.element_type() == ffi::DataType::S8) && K % raylm::kGgufBlock == 0 &&
-                     qd.size() == 3 && qd[0] == sd[0] && qd[1] == sd[1] && qd[2] == (nibbles ? K / 2 : K) &&
-                     od[0] == sd[0] && od[1] == sd[1] && od[2] == (nibbles ? blocks : 0);
+  const int64_t scales = sd[2];
+  std::string error = GroupShapeError("grouped_gguf_matmul", x.dimensions(), sd, K, group_sizes.dimensions(),
+                                      y->dimensions());
+  const bool agree = (nibbles || q.element_type() == ffi::DataType::S8) && K % raylm::kGgufBlock == 0 && K > 0 &&
+                     (scales == K / 32 || scales == K / 16) && qd.size() == 3 && qd[0] == sd[0] &&
+                     qd[1] == sd[1] && qd[2] == (nibbles ? K / 2 : K) && od[0] == sd[0] && od[1] == sd[1] &&
+                     (od[2] == scales || (od[2] == 0 && !nibbles));
   if (error.empty() && !agree)
-    error = "grouped_gguf_matmul: q [G, N, K/2] uint8 or [G, N, K] int8, scale [G, N, K/32], offset [G, N, K/32] "
-            "(uint8 q) or [G, N, 0] (int8 q), K a multiple of 32; got K " + std::to_string(K) + ", q " +
-            raylm::Shape(qd) + ", scale " + raylm::Shape(sd) + ", offset " + raylm::Shape(od);
+    error = "grouped_gguf_matmul: q [G, N, K/2] uint8 or [G, N, K] int8, scale [G, N, K/32] or [G, N, K/16], "
+            "offset like scale (always for uint8 q) or [G, N, 0], K a multiple of 32; got K " + std::to_string(K) +
+            ", q " + raylm::Shape(qd) + ", scale " + raylm::Shape(sd) + ", offset " + raylm::Shape(od);
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   const int64_t G = sd[0], N = sd[1];
   const float* xs = x.typed_data();
   float* ys = y->typed_data();
   const auto* qs = static_cast<const uint8_t*>(q.untyped_data());
   ForEachGroup(group_sizes.typed_data(), G, M, N, ys, [&](int64_t g, int64_t start, int64_t rows) {
-    const GgufRows w{qs + g * N * qd[2], scale.typed_data() + g * N * blocks,
-                     nibbles ? offset.typed_data() + g * N * blocks : nullptr, K};
+    const GgufRows w{qs + g * N * qd[2], scale.typed_data() + g * N * scales,
+                     od[2] ? offset.typed_data() + g * N * scales : nullptr, K, nibbles, K / scales};
     const float* xg = xs + start * K;
     float* yg = ys + start * N;
     Run(N, K, kMaxWeightRowsPerTile * K,

@@ -9,8 +9,8 @@
 // says what is measured).
 //
 // Operands: x [M, K] f32 and the weights as model/quantization/int8_panels.py repacked them at load: GGUF
-// blocks (Q4_0 / Q4_1 / Q8_0, and int8_g32, held as Q8_0 blocks) or int8 with a scale per output
-// row, N output columns in groups of 16.
+// blocks with a scale per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0, IQ4; int8_g32, held as Q8_0
+// blocks) or int8 with a scale per output row, N output columns in groups of 16.
 //
 // The arithmetic, the same in every family below and for every M, per row r and output column n:
 //   activations, per block b of 32 (the last one zero-padded): a = max |x|, d_x = a / 127,

@@ -3,8 +3,8 @@
 ``model.activation_quantization: int8`` (model/quantization/activations.py packs the weights)
 trades the exact mode's float32 arithmetic for llama.cpp's: each activation row is quantized
 per block of 32 inputs to int8 (scale ``max|x| / 127``, round to nearest even), each block's
-products are summed in integers against the stored weight integers (GGUF Q4_0 / Q4_1 / Q8_0
-blocks, ``int8_g32`` matrices, int8 with a scale per output row), and only the block sums are
+products are summed in integers against the stored weight integers (GGUF blocks with a scale
+per 32 weights, ``int8_g32`` matrices, int8 with a scale per output row), and only the block sums are
 scaled in float32. On AVX-512 VNNI one instruction does 64 multiply-adds where float32 does 16
 (model/kernels/int8_matmul.cc says how, and why a row's result does not depend on the batch).
 
@@ -43,8 +43,13 @@ def unavailable_reason() -> str | None:
 
 def takes_int8_activations(w: object) -> bool:
     """Whether the integer kernel can read ``w`` (once packed by model/quantization/int8_panels.py): GGUF
-    blocks (int8_g32 included) or int8 with a scale per output row (not fp8, not float)."""
-    return isinstance(w, GgufBlocks) or (isinstance(w, QuantArray) and w.scheme == "int8")
+    blocks with a scale per 32 weights, 4-bit with offsets or 8-bit without (Q4_0, Q4_1, Q4_K, Q5_0,
+    Q8_0, IQ4_NL, IQ4_XS, int8_g32), or int8 with a scale per output row (not fp8, not float).
+    Blocks with a scale per 16 (Q2_K, Q3_K, Q6_K) or 8-bit ones with offsets (Q5_1, Q5_K) stay
+    in the exact kernels."""
+    if isinstance(w, GgufBlocks):
+        return w.group == 32 and w.nibbles == w.has_offset
+    return isinstance(w, QuantArray) and w.scheme == "int8"
 
 
 def int8_matmul(x: jax.Array, w: Int8Panels) -> jax.Array:

@@ -1,7 +1,7 @@
 """Load a llama.cpp GGUF file: metadata -> ModelConfig, tensors -> ModelParams.
 
 Every tensor type the ``gguf`` package can dequantize is accepted. With ``keep_blocks``,
-matrices in Q4_0 / Q4_1 / Q8_0 stay in their blocks (model/quantization/gguf_blocks.py: the same float32
+block-quantized matrices (Q4_0 .. Q8_0, the K-quants, IQ4) stay in their blocks (model/quantization/gguf_blocks.py: the same float32
 numbers from a sixth of the bytes); everything else is dequantized to float32 here.
 llama.cpp's converter permutes the Q/K projection rows of llama-arch models (only those) for
 its interleaved RoPE; we undo that here so the same rotate-half RoPE serves HF and GGUF
@@ -104,7 +104,7 @@ def load_gguf_checkpoint(
 ) -> tuple[ModelConfig, ModelParams]:
     """Read config and weights of a GGUF file (a path or an open one) of an architecture in
     ``SUPPORTED_GGUF_ARCHITECTURES``: dequantized, or with ``keep_blocks`` (float32 models
-    only) its Q4_0 / Q4_1 / Q8_0 matrices as stored. A tensor the file holds and the model
+    only) its block-quantized matrices as stored. A tensor the file holds and the model
     does not read is a load error (it belongs to a variant raylm does not implement)."""
     file = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = file.config()

@@ -64,8 +64,8 @@ class GGUFFile:
 
     def tensor(self, name: str, keep_blocks: bool = False) -> np.ndarray | GgufBlocks | None:
         """The tensor in numpy (= HF ``[out, in]``) layout, or None if absent: dequantized to
-        float32, or with ``keep_blocks`` a Q4_0 / Q4_1 / Q8_0 matrix (or an MoE layer's
-        stacked experts ``[E, out, in]``) as ``GgufBlocks``."""
+        float32, or with ``keep_blocks`` a block-quantized matrix (the types in
+        ``GGUF_BLOCK_TYPES``; or an MoE layer's stacked experts ``[E, out, in]``) as ``GgufBlocks``."""
         info = self._tensors.get(name)
         if info is None:
             return None
@@ -75,7 +75,10 @@ class GGUFFile:
             from raylm.model.quantization.gguf_blocks import GGUF_BLOCK_TYPES, from_gguf
 
             if info.tensor_type in GGUF_BLOCK_TYPES and len(shape) in (2, 3):
-                return from_gguf(info.data, info.tensor_type, shape)  # type: ignore[arg-type]
+                try:
+                    return from_gguf(info.data, info.tensor_type, shape, name)  # type: ignore[arg-type]
+                except ValueError as err:
+                    raise ModelLoadError(f"{self.path}: {err}") from None
         try:
             array = dequantize(info.data, info.tensor_type)
         except NotImplementedError:

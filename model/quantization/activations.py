@@ -1,7 +1,8 @@
 """``model.activation_quantization``: which matrices the integer compute mode multiplies.
 
 ``none`` (the default) keeps every product exact: float32 sums over the weights as stored. ``int8``
-repacks every dense matrix the integer kernel reads (GGUF Q4_0 / Q4_1 / Q8_0 blocks, ``int8_g32``
+repacks every dense matrix the integer kernel reads (GGUF blocks with a scale per 32 weights: Q4_0,
+Q4_1, Q4_K, Q5_0, Q8_0, IQ4_NL, IQ4_XS; ``int8_g32``
 and per-row ``int8`` weights) into its layout (model/quantization/int8_panels.py), so that ``model.kernels.dense``
 quantizes its activations to int8 per block of 32 and sums in integers, as llama.cpp does
 (model/kernels/int8_matmul.py). A float, fp8 or
@@ -57,7 +58,8 @@ def with_int8_activations(params: ModelParams, model_name: str) -> ModelParams:
                                  **{f: pack(getattr(params, f)) for f in MODEL_MATRIX_INPUT_DIMS})
     if not packed:
         raise ValueError(
-            f"activation_quantization int8 computes GGUF Q4_0/Q4_1/Q8_0 blocks and int8 weights in integers, and "
-            f"{model_name} has none (its matrices are float or fp8): serve a Q4_0/Q4_1/Q8_0 .gguf file with "
+            f"activation_quantization int8 computes GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/IQ4 blocks and int8 weights in "
+            "integers, and "
+            f"{model_name} has none (its matrices are float, fp8 or other block types): serve such a .gguf file with "
             "gguf_blocks keep/auto, or set quantization int8 or int8_g32, or leave activation_quantization none")
     return params

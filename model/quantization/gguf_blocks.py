@@ -1,27 +1,29 @@
-"""GGUF's block-quantized matrices (Q4_0, Q4_1, Q8_0) kept as stored, computed exactly.
+"""GGUF's block-quantized matrices kept as stored, computed exactly.
 
 Why: the bundled model's layers are Q4_1 and its tied embedding / LM head is Q8_0. Expanded
 to float32 at load, one decode step reads 538 MB of weights; kept as blocks it reads about 115
 MB. At one to a few sequences a step is bound by reading weights, so this is most of a
-single stream's speed (benchmarks/dense_bench.py).
+single stream's speed (benchmarks/dense_bench.py). An 8B Q4_K_M file (4.9 GB) would be ~32 GB
+as float32.
 
 It is not another quantization: the numbers are the float32 ones. Each row of a matrix is
-blocks of 32 weights along its inputs, with a scale ``d`` (and for 4-bit blocks an offset
-``m``) per block; the gguf package dequantizes ``w = d * q + m`` (Q4_1), ``d * (q - 8)``
-(Q4_0, held here as ``m = -8 d``) or ``q * d`` (Q8_0). ``d`` and ``m`` are float16 values, so
-``d * q`` is exact in float32 and ``w`` is rounded once, the same whether a compiler fuses
-the multiply-add or not. So the C++ kernel (which widens a few weight rows at a time into an
-L1 panel and runs its float32 tiles on them, model/kernels/gguf_blocks.h), XLA's dot on
-``dequantize()`` and numpy all see the same float32 matrix: a model served from blocks gives
-the logits of the same model expanded to float32, bit for bit (tests/model/test_gguf_blocks.py).
+blocks of 32 weights along its inputs, held as 4-bit nibbles or signed bytes, with a float32
+scale ``d`` and optionally an offset ``m`` per group of 32 (or 16) weights: ``w = d * q + m``
+or ``w = d * q``. model/quantization/gguf_transcode.py turns each GGUF type (Q4_0 .. Q8_0, the K-quants,
+IQ4) into this form, folding super-block scales into ``d`` and ``m`` exactly, so the C++ kernel
+(which widens a few weight rows at a time into an L1 panel and runs its float32 tiles on them,
+model/kernels/gguf_blocks.h), XLA's dot on ``dequantize()`` and numpy all see the same float32
+matrix: a model served from blocks gives the logits of the same model expanded to float32, bit
+for bit (tests/model/test_gguf_blocks.py, tests/model/test_gguf_kquants.py).
 
 Layout: ``q [N..., K/2]`` uint8 for 4-bit blocks (block byte ``i`` holds weight ``i`` in its
 low half and ``i + 16`` in its high half, GGUF's order) or ``q [N..., K]`` int8 for 8-bit
-ones; ``scale`` and ``offset`` ``[N..., K/32]`` float32 (``offset [N..., 0]`` for 8-bit).
+ones; ``scale [N..., K/group]`` float32 (group 32 or 16, read off the shapes) and ``offset``
+like it, or ``[N..., 0]`` for types without one (4-bit blocks always have one).
 ``input_shape`` is the matrix's input dims (``K`` flattened in row-major order), so a
 ``GgufBlocks`` stands wherever model/decoder/params.py declares an ``[N..., K...]`` matrix. Row
 operations (fusing QKV, stacking gate/up, llama.cpp's Q/K row permutation) apply to the three
-arrays alike (``map_rows``).
+arrays alike (``map_rows``); matrices of different types are first brought to one layout.
 """
 
 from __future__ import annotations
@@ -35,16 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from raylm.model.quantization.gguf_transcode import TRANSCODED_TYPES, transcode
 from raylm.model.quantization.stored_bytes import StoredBytes
 
 BLOCK = 32
-# Bytes of one 32-weight block in the file, and where its float16 scale / offset / values sit.
-_LAYOUT = {
-    GGMLQuantizationType.Q4_0: 18,
-    GGMLQuantizationType.Q4_1: 20,
-    GGMLQuantizationType.Q8_0: 34,
-}
-GGUF_BLOCK_TYPES: frozenset[GGMLQuantizationType] = frozenset(_LAYOUT)
+GGUF_BLOCK_TYPES: frozenset[GGMLQuantizationType] = TRANSCODED_TYPES
 
 
 @jax.tree_util.register_dataclass
@@ -61,15 +58,30 @@ class GgufBlocks(StoredBytes):
     def shape(self) -> tuple[int, ...]:
         return (*self.scale.shape[:-1], *self.input_shape)
 
+    @property
+    def group(self) -> int:
+        """Weights per scale: 32, or 16 (Q2_K, Q3_K, Q6_K)."""
+        return math.prod(self.input_shape) // self.scale.shape[-1]
+
+    @property
+    def has_offset(self) -> bool:
+        return self.offset.shape[-1] > 0
+
+    def values(self) -> jax.Array:
+        """The stored integers ``[N..., K]`` in input order (nibbles unpacked), as float32."""
+        lead, size = self.scale.shape[:-1], math.prod(self.input_shape)
+        q = jnp.asarray(self.q)
+        if self.nibbles:
+            q = q.reshape(*lead, size // BLOCK, BLOCK // 2)
+            q = jnp.concatenate([q & 0x0F, q >> 4], axis=-1)
+        return q.reshape(*lead, size).astype(jnp.float32)
+
     def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """The float32 matrix, exactly as ``gguf.quants.dequantize`` computes it."""
-        lead, blocks = self.scale.shape[:-1], self.scale.shape[-1]
-        if self.nibbles:
-            q = jnp.asarray(self.q).reshape(*lead, blocks, BLOCK // 2)
-            values = jnp.concatenate([q & 0x0F, q >> 4], axis=-1).astype(jnp.float32)
-            w = self.scale[..., None] * values + self.offset[..., None]
-        else:
-            w = jnp.asarray(self.q).reshape(*lead, blocks, BLOCK).astype(jnp.float32) * self.scale[..., None]
+        lead, groups = self.scale.shape[:-1], self.scale.shape[-1]
+        w = self.values().reshape(*lead, groups, -1) * self.scale[..., None]
+        if self.has_offset:
+            w = w + self.offset[..., None]
         return w.reshape(*lead, *self.input_shape).astype(dtype)
 
     def rows(self, index: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -95,50 +107,54 @@ class GgufBlocks(StoredBytes):
         return GgufBlocks(jnp.asarray(self.q), jnp.asarray(self.scale), jnp.asarray(self.offset), self.input_shape)
 
 
-def from_gguf(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...]) -> GgufBlocks:
+def from_gguf(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...], name: str = "") -> GgufBlocks:
     """A file tensor's raw blocks (``data``, the reader's bytes) as ``GgufBlocks`` of
     ``shape = (N..., K)`` (numpy arrays, host side): a matrix ``(rows, K)``, or stacked
-    matrices (an MoE layer's experts, ``(E, rows, K)``)."""
-    if kind not in _LAYOUT:
-        raise ValueError(f"{kind.name} is not one of the block types kept as stored ({', '.join(t.name for t in GGUF_BLOCK_TYPES)})")
+    matrices (an MoE layer's experts, ``(E, rows, K)``). ``name`` names the tensor in errors."""
     *lead, size = shape
-    rows = math.prod(lead)
     if size % BLOCK:
-        raise ValueError(f"a {kind.name} matrix's rows must be whole blocks of {BLOCK}, got {size}")
-    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, size // BLOCK, _LAYOUT[kind])
+        raise ValueError(f"tensor {name!r}: a {kind.name} matrix's rows must be whole blocks of {BLOCK}, got {size}")
+    q, scale, offset = transcode(data, kind, math.prod(lead), size, name)
+    return GgufBlocks(*(a.reshape(*lead, a.shape[-1]) for a in (q, scale, offset)), (size,))
 
-    def half(at: int) -> np.ndarray:  # the float16 at byte ``at`` of every block, as float32
-        return np.ascontiguousarray(blocks[..., at: at + 2]).view(np.float16)[..., 0].astype(np.float32)
 
-    scale = half(0)
-    if kind == GGMLQuantizationType.Q8_0:
-        q = blocks[..., 2:].reshape(rows, size).view(np.int8)
-        offset = np.zeros((rows, 0), np.float32)
-    elif kind == GGMLQuantizationType.Q4_1:
-        q, offset = blocks[..., 4:].reshape(rows, size // 2), half(2)
-    else:  # Q4_0: w = d * (q - 8) = d * q + (-8 d), both exact (see the module docstring)
-        q, offset = blocks[..., 2:].reshape(rows, size // 2), -8.0 * scale
-
-    def shaped(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(a).reshape(*lead, a.shape[-1])
-
-    return GgufBlocks(shaped(q), shaped(scale), shaped(offset), (size,))
+def _in_layout(m: GgufBlocks, nibbles: bool, group: int, offsets: bool) -> GgufBlocks:
+    """``m`` (host arrays) in a layout that holds it exactly: nibbles widened to bytes, each
+    scale repeated for a smaller group, zero offsets added (``d * q + 0`` rounds as ``d * q``)."""
+    q, scale, offset = np.asarray(m.q), np.asarray(m.scale), np.asarray(m.offset)
+    if m.nibbles and not nibbles:
+        halves = q.reshape(*q.shape[:-1], -1, BLOCK // 2)
+        q = np.concatenate([halves & 0x0F, halves >> 4], axis=-1).reshape(*q.shape[:-1], -1).astype(np.int8)
+    repeat = m.group // group
+    if repeat > 1:
+        scale = np.repeat(scale, repeat, axis=-1)
+        offset = np.repeat(offset, repeat, axis=-1)
+    if offsets and not m.has_offset:
+        offset = np.zeros_like(scale)
+    return GgufBlocks(q, scale, offset, m.input_shape)
 
 
 def map_rows(fn: Callable[..., np.ndarray], *matrices: np.ndarray | GgufBlocks) -> np.ndarray | GgufBlocks:
     """``fn`` (which rearranges leading, output dims only) over host matrices: on the arrays
-    themselves, or on each of the blocks' three arrays when all are blocks of one kind with
-    the same inputs. A mix is expanded to float32 first (exact, just larger)."""
+    themselves, or on each of the blocks' three arrays when all are blocks with the same
+    inputs, first brought to one layout when their types differ (a Q4_K_M file's Q4_K query
+    and Q6_K value projections: bytes with a scale and offset per 16, exact). A mix of blocks
+    and float matrices is expanded to float32 (exact, just larger)."""
     if not any(isinstance(m, GgufBlocks) for m in matrices):
         return fn(*matrices)
     first = matrices[0]
-    if all(isinstance(m, GgufBlocks) and m.nibbles == first.nibbles and m.input_shape == first.input_shape
-           for m in matrices):
-        return GgufBlocks(
-            fn(*(m.q for m in matrices)), fn(*(m.scale for m in matrices)), fn(*(m.offset for m in matrices)),
-            first.input_shape,
-        )
-    return fn(*(dequantized(m) for m in matrices))
+    if not all(isinstance(m, GgufBlocks) and m.input_shape == first.input_shape for m in matrices):
+        return fn(*(dequantized(m) for m in matrices))
+    layouts = {(m.nibbles, m.group, m.has_offset) for m in matrices}
+    if len(layouts) > 1:
+        nibbles = all(n for n, _, _ in layouts)
+        group = min(g for _, g, _ in layouts)
+        offsets = nibbles or any(o for _, _, o in layouts)
+        matrices = tuple(_in_layout(m, nibbles, group, offsets) for m in matrices)
+    return GgufBlocks(
+        fn(*(m.q for m in matrices)), fn(*(m.scale for m in matrices)), fn(*(m.offset for m in matrices)),
+        first.input_shape,
+    )
 
 
 def dequantized(matrix: np.ndarray | GgufBlocks) -> np.ndarray:

@@ -81,7 +81,7 @@ class Int8Panels(StoredBytes):
 
 
 def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
-    """``w`` (GGUF Q4_0 / Q4_1 / Q8_0 blocks, ``int8_g32``, or int8 with a scale per output
+    """``w`` (GGUF blocks that ``takes_int8_activations``, ``int8_g32``, or int8 with a scale per output
     channel) in the integer kernel's layout, on the device ``w`` is on (host numpy in between)."""
     if isinstance(w, GgufBlocks):
         output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape

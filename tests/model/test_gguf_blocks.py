@@ -67,10 +67,14 @@ def test_row_operations_and_input_views_act_on_the_matrix():
     np.testing.assert_array_equal(np.asarray(fused.dequantize()), expected)
     viewed = a.with_input_shape((4, 16))
     np.testing.assert_array_equal(np.asarray(viewed.dequantize()), ea.reshape(8, 4, 16))
-    # Blocks of another kind (or plain arrays) in one fuse: expanded, still exact.
+    # Blocks of another kind in one fuse: one layout that holds both exactly (bytes with offsets).
     c, ec = _blocks(GGMLQuantizationType.Q8_0, 4, 64, seed=3)
     mixed = map_rows(lambda x, y: np.concatenate([x, y]), a, c)
-    np.testing.assert_array_equal(mixed, np.concatenate([ea, ec]))
+    assert isinstance(mixed, GgufBlocks) and not mixed.nibbles and mixed.has_offset
+    np.testing.assert_array_equal(np.asarray(mixed.dequantize()), np.concatenate([ea, ec]))
+    # Blocks beside a float matrix: expanded, still exact.
+    expanded = map_rows(lambda x, y: np.concatenate([x, y]), a, ec)
+    np.testing.assert_array_equal(expanded, np.concatenate([ea, ec]))
     with pytest.raises(ValueError, match="cannot view"):
         a.with_input_shape((3, 16))
 

@@ -33,6 +33,7 @@ from raylm.model.kernels.dense import dense
 from raylm.model.quantization.gguf_blocks import GgufBlocks, from_gguf
 from raylm.model.quantization.int8_panels import Int8Panels, pack_int8_panels
 from raylm.model.quantization.quant_array import QuantArray, quantize
+from tests.gguf_export import random_blocks
 from tests.reruns import rerun_in_child
 
 pytestmark = pytest.mark.skipif(int8_matmul.unavailable_reason() is not None, reason="int8 kernel not built")
@@ -42,6 +43,9 @@ KINDS = ["Q4_0", "Q4_1", "Q8_0", "int8_g32", "int8"]
 # (rows, weight rows, K): column tails of both families on one thread; three row blocks on both threads.
 SHAPES = [(1, 67, 96), (3, 67, 96), (64, 67, 96), (65, 67, 96), (130, 67, 96), (130, 200, 2080)]
 INT8_K = [45, 2100]  # per-row int8 takes any K
+# Types with a scale per 32 that the gguf package cannot quantize: random blocks (every bit
+# pattern), as tests/gguf_export.py writes them. The K-quants' rows are whole 256-weight blocks.
+RANDOM_KINDS = {"Q4_K": 512, "IQ4_XS": 512, "IQ4_NL": 96, "Q5_0": 96}
 
 
 @functools.cache
@@ -56,7 +60,7 @@ def _weights(kind: str, n: int, k: int) -> tuple[GgufBlocks | QuantArray, np.nda
             q = GgufBlocks(q.q.at[0, :5].set(-128), q.scale, q.offset, q.input_shape)
         return q, np.asarray(q.dequantize())
     gtype = GGMLQuantizationType[kind]
-    data = gguf.quants.quantize(w, gtype)
+    data = random_blocks(gtype, (n, k), n + k) if kind in RANDOM_KINDS else gguf.quants.quantize(w, gtype)
     return from_gguf(data, gtype, (n, k)).to_device(), gguf.quants.dequantize(data, gtype).reshape(n, k)
 
 
@@ -124,6 +128,7 @@ def _matmul(x: np.ndarray, kind: str, n: int, k: int) -> np.ndarray:
 
 def _cases() -> list[tuple[str, int, int, int]]:
     cases = [(kind, m, n, k) for kind in KINDS for m, n, k in SHAPES]
+    cases += [(kind, m, 67, k) for kind, k in RANDOM_KINDS.items() for m in (1, 3, 65)]
     return cases + [("int8", 65, 67, INT8_K[0]), ("int8", 130, 200, INT8_K[1])]
 
 
@@ -151,7 +156,7 @@ def test_a_row_does_not_depend_on_the_batch(kind):
         np.testing.assert_array_equal(batch[r], _matmul(x[r: r + 1], kind, 67, 96)[0])
 
 
-@pytest.mark.parametrize("kind,k", [(kind, 96) for kind in KINDS] + [("int8", INT8_K[0])])
+@pytest.mark.parametrize("kind,k", [(kind, 96) for kind in KINDS] + [("int8", INT8_K[0]), *RANDOM_KINDS.items()])
 def test_packed_weights_give_back_the_stored_matrix(kind, k):
     """The packed layout keeps every weight: the embedding lookup (``rows``) and ``dequantize``
     of the packed matrix equal the stored matrix's, bit for bit, column tails included."""

@@ -64,7 +64,7 @@ def test_greedy_equals_each_prompt_alone(tiny_path):
 
 
 def test_a_model_without_integer_weights_is_refused(tiny_path):
-    with pytest.raises(ValueError, match="has none .its matrices are float or fp8.: serve a Q4_0/Q4_1/Q8_0"):
+    with pytest.raises(ValueError, match="has none .its matrices are float, fp8 or other block types.: serve such a .gguf"):
         LLM(tiny_path, activation_quantization="int8", max_model_len=64, num_kv_blocks=8)
     with pytest.raises(ValueError, match="activation_quantization must be one of none, int8"):
         EngineArgs(activation_quantization="int4")

@@ -27,7 +27,7 @@ class EngineArgs:
     # Weight-only int8 / fp8 (model/quantization/quant_array.py); None: as loaded (a model given already
     # quantized stays so), "none": float weights.
     quantization: str | None = None
-    # A GGUF's Q4_0 / Q4_1 / Q8_0 matrices: kept as stored (exact), or expanded to float32
+    # A GGUF's block-quantized matrices: kept as stored (exact), or expanded to float32
     # (model/loaders/load.py's keep_gguf_blocks; "auto": kept on one CPU device in float32).
     gguf_blocks: str = "auto"
     # The integer compute mode (model/quantization/activations.py): "int8" quantizes activations

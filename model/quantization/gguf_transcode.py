@@ -1,0 +1,221 @@
+"""Every GGUF block type the kernels read, turned at load into their one layout, exactly.
+
+Why: the file most people download is a Q4_K_M (Q4_K matrices with some Q6_K), then Q5_K_M,
+Q6_K, Q8_0, IQ4_XS. Expanded to float32, an 8B model is ~32 GB; kept as blocks it stays near
+its file's size, and the block kernels (model/kernels/gguf_blocks.h) compute the same float32
+numbers. Each type's super-block scales are folded into one float32 scale (and offset) per
+group of 32 or 16 weights, the values become 4-bit nibbles or signed bytes:
+
+==========  =======================================  =====  ======  =======
+type        w (the gguf package's dequantization)    group  values  offset
+==========  =======================================  =====  ======  =======
+Q4_0        d * (q - 8)                              32     nibble  -8 d
+Q4_1        d * q + m                                32     nibble  m
+Q5_0        d * (q - 16)                             32     byte    none
+Q5_1        d * q + m                                32     byte    m
+Q8_0        d * q                                    32     byte    none
+Q2_K        (d sc) * q - (dmin m)                    16     byte    -(dmin m)
+Q3_K        (d (sc - 32)) * q                        16     byte    none
+Q4_K        (d sc) * q - (dmin m)                    32     nibble  -(dmin m)
+Q5_K        (d sc) * q - (dmin m)                    32     byte    -(dmin m)
+Q6_K        (d sc) * (q - 32)                        16     byte    none
+IQ4_NL      d * kvalue[q]                            32     byte    none
+IQ4_XS      (d (ls - 32)) * kvalue[q]                32     byte    none
+==========  =======================================  =====  ======  =======
+
+Exact because the folded scale is a float16 times a small integer (at most 17 significant bits,
+exact in float32, the product the gguf package also forms first), the offset likewise, and
+wherever an offset is added the product ``scale * q`` is exact too (at most 22 bits): so the
+kernel's ``scale * q + offset`` rounds once, as numpy's ``d * q - dm`` does, fused or not.
+Without an offset ``scale * q`` is the one rounding on both sides. tests/model/test_gguf_kquants.py
+checks every type against ``gguf.quants.dequantize`` bit for bit.
+
+What it costs: a float32 scale per 32 weights is 1 bit a weight (2 with an offset, 2-4 per 16).
+Q4_K is held in 6 bits a weight (its file: 4.5), Q6_K in 10 (6.56), Q5_K in 10 (5.5).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import IQ4_NL as _IQ4_NL
+from gguf.quants import Q4_K as _Q4_K
+
+# One transcoder's answer for n file blocks: values [n, block] int8 (uint8 for types held as
+# nibbles, 0..15, in their natural order), scale [n, block / group] float32, offset like scale
+# or None.
+Transcoded = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
+T = GGMLQuantizationType
+_KVALUES = np.array(_IQ4_NL.kvalues, np.int8)
+# Weights a transcoder turns at once (bounds the load's temporaries, a few bytes a weight).
+CHUNK_WEIGHTS = 1 << 20
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte ``at`` of every block, as float32 ``[n, 1]``."""
+    return np.ascontiguousarray(blocks[:, at: at + 2]).view(np.float16).astype(np.float32)
+
+
+def _low_high(packed: np.ndarray, width: int) -> np.ndarray:
+    """``packed [n, c * width]`` bytes as ``[n, c * 2 * width]`` nibbles: per chunk of ``width``
+    bytes, their low halves then their high halves (GGUF's order within a chunk)."""
+    n = packed.shape[0]
+    chunks = packed.reshape(n, -1, 1, width) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (chunks & np.uint8(0x0F)).reshape(n, -1)
+
+
+def _bits(packed: np.ndarray, width: int, count: int, bits: int) -> np.ndarray:
+    """``packed [n, width]`` as ``[n, count * width]`` fields of ``bits``: field ``j`` of every
+    byte, for j in order (GGUF's high-bit planes)."""
+    n = packed.shape[0]
+    shifts = np.arange(0, count * bits, bits, dtype=np.uint8).reshape(1, count, 1)
+    return ((packed.reshape(n, 1, width) >> shifts) & np.uint8((1 << bits) - 1)).reshape(n, -1)
+
+
+def _q4_0(b: np.ndarray) -> Transcoded:
+    d = _f16(b, 0)
+    return _low_high(b[:, 2:], 16), d, -8.0 * d
+
+
+def _q4_1(b: np.ndarray) -> Transcoded:
+    return _low_high(b[:, 4:], 16), _f16(b, 0), _f16(b, 2)
+
+
+def _q5_0(b: np.ndarray) -> Transcoded:
+    high = _bits(np.ascontiguousarray(b[:, 2:6]).view(np.uint32), 1, 32, 1).astype(np.uint8)
+    q = (_low_high(b[:, 6:], 16) | (high << np.uint8(4))).astype(np.int8) - np.int8(16)
+    return q, _f16(b, 0), None
+
+
+def _q5_1(b: np.ndarray) -> Transcoded:
+    high = _bits(np.ascontiguousarray(b[:, 4:8]).view(np.uint32), 1, 32, 1).astype(np.uint8)
+    return (_low_high(b[:, 8:], 16) | (high << np.uint8(4))).astype(np.int8), _f16(b, 0), _f16(b, 2)
+
+
+def _q8_0(b: np.ndarray) -> Transcoded:
+    return np.ascontiguousarray(b[:, 2:]).view(np.int8), _f16(b, 0), None
+
+
+def _q2_k(b: np.ndarray) -> Transcoded:
+    scales, d, dmin = b[:, :16], _f16(b, 80), _f16(b, 82)
+    n = b.shape[0]
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    q = ((b[:, 16:80].reshape(n, -1, 1, 32) >> shifts) & np.uint8(3)).reshape(n, 256)
+    return q.astype(np.int8), d * (scales & 0x0F).astype(np.float32), -(dmin * (scales >> 4).astype(np.float32))
+
+
+def _q3_k(b: np.ndarray) -> Transcoded:
+    n = b.shape[0]
+    hmask, qs, packed, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b, 108)
+    low = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    high = (packed[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    sc = ((low & np.uint8(0x0F)) | ((high & np.uint8(0x03)) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    ql = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)).reshape(n, 256) & 3
+    qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).reshape(n, 256) & 1
+    q = ql.astype(np.int8) - ((qh ^ np.uint8(1)) << np.uint8(2)).astype(np.int8)
+    return q, d * sc.astype(np.float32), None
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the eight folded scales ``d * sc`` and offsets ``-(dmin * m)``."""
+    sc, m = _Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+    return _f16(b, 0) * sc.astype(np.float32), -(_f16(b, 2) * m.astype(np.float32))
+
+
+def _q4_k(b: np.ndarray) -> Transcoded:
+    scale, offset = _k_scales(b)
+    return _low_high(b[:, 16:], 32), scale, offset
+
+
+def _q5_k(b: np.ndarray) -> Transcoded:
+    scale, offset = _k_scales(b)
+    high = _bits(b[:, 16:48], 32, 8, 1)
+    return (_low_high(b[:, 48:], 32) | (high << np.uint8(4))).astype(np.int8), scale, offset
+
+
+def _q6_k(b: np.ndarray) -> Transcoded:
+    n = b.shape[0]
+    low = _low_high(b[:, :128], 64).reshape(n, 8, 32)
+    high = _bits(b[:, 128:192].reshape(n * 2, 32), 32, 4, 2).reshape(n, 8, 32)
+    q = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    return q.reshape(n, 256), _f16(b, 208) * sc, None
+
+
+def _iq4_nl(b: np.ndarray) -> Transcoded:
+    return _KVALUES[_low_high(b[:, 2:], 16)], _f16(b, 0), None
+
+
+def _iq4_xs(b: np.ndarray) -> Transcoded:
+    n = b.shape[0]
+    high = _bits(np.ascontiguousarray(b[:, 2:4]).view(np.uint16), 1, 8, 2).astype(np.uint8)
+    low = _low_high(b[:, 4:8], 1)  # per byte: its low half, then its high half
+    ls = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
+    q = _KVALUES[_low_high(b[:, 8:], 16)]
+    return q.reshape(n, 256), _f16(b, 0) * ls.astype(np.float32), None
+
+
+_TRANSCODERS: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Transcoded], int, bool]] = {
+    # type: (transcoder, weights per scale, held as nibbles)
+    T.Q4_0: (_q4_0, 32, True),
+    T.Q4_1: (_q4_1, 32, True),
+    T.Q5_0: (_q5_0, 32, False),
+    T.Q5_1: (_q5_1, 32, False),
+    T.Q8_0: (_q8_0, 32, False),
+    T.Q2_K: (_q2_k, 16, False),
+    T.Q3_K: (_q3_k, 16, False),
+    T.Q4_K: (_q4_k, 32, True),
+    T.Q5_K: (_q5_k, 32, False),
+    T.Q6_K: (_q6_k, 16, False),
+    T.IQ4_NL: (_iq4_nl, 32, False),
+    T.IQ4_XS: (_iq4_xs, 32, False),
+}
+TRANSCODED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_TRANSCODERS)
+
+
+def layout_of(kind: GGMLQuantizationType) -> tuple[int, bool, bool]:
+    """``(group, nibbles, offsets)`` of the layout a type is held in."""
+    group, nibbles = _TRANSCODERS[kind][1:]
+    return group, nibbles, kind in (T.Q4_0, T.Q4_1, T.Q5_1, T.Q2_K, T.Q4_K, T.Q5_K)
+
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """``values [R, K]`` (0..15, natural order) as the kernel's nibbles ``[R, K/2]``: block byte
+    ``i`` holds weight ``i`` in its low half and ``i + 16`` in its high half."""
+    halves = values.reshape(*values.shape[:-1], -1, 2, 16)
+    return (halves[..., 0, :] | (halves[..., 1, :] << np.uint8(4))).reshape(*values.shape[:-1], -1)
+
+
+def transcode(data: np.ndarray, kind: GGMLQuantizationType, rows: int, size: int, name: str
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A file tensor's raw bytes (``rows`` rows of ``size`` weights) as the kernel's arrays
+    ``(q, scale, offset)`` (``offset [rows, 0]`` for types without one), chunk by chunk so the
+    temporaries stay small whatever the tensor. ``name`` is the tensor's, for errors."""
+    if kind not in _TRANSCODERS:
+        raise ValueError(f"tensor {name!r}: GGML type {kind.name} is not one of the types kept as blocks "
+                         f"({', '.join(sorted(t.name for t in TRANSCODED_TYPES))})")
+    block, type_size = GGML_QUANT_SIZES[kind]
+    if size % block:
+        raise ValueError(f"tensor {name!r}: a {kind.name} row is whole blocks of {block} weights, got {size}")
+    raw = np.asarray(data).view(np.uint8).reshape(-1)
+    if raw.size != rows * (size // block) * type_size:
+        raise ValueError(f"tensor {name!r}: {raw.size} bytes for {rows} x {size} {kind.name} weights, expected "
+                         f"{rows * (size // block) * type_size} (a truncated or corrupt file)")
+    raw = raw.reshape(rows, size // block, type_size)
+    fn, group, nibbles = _TRANSCODERS[kind]
+    offsets = layout_of(kind)[2]
+    q = np.empty((rows, size // 2 if nibbles else size), np.uint8 if nibbles else np.int8)
+    scale = np.empty((rows, size // group), np.float32)
+    offset = np.empty((rows, size // group if offsets else 0), np.float32)
+    step = max(1, CHUNK_WEIGHTS // size)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        values, s, m = fn(raw[start:stop].reshape(-1, type_size))
+        values = values.reshape(stop - start, size)
+        q[start:stop] = pack_nibbles(values) if nibbles else values
+        scale[start:stop] = s.reshape(stop - start, -1)
+        if offsets:
+            offset[start:stop] = m.reshape(stop - start, -1)
+    return q, scale, offset

@@ -1,0 +1,192 @@
+"""Every GGUF block type kept as stored (K-quants, IQ4, Q5): the gguf package's numbers, bit for bit.
+
+The references are independent of raylm's code: ``gguf.quants.dequantize`` for the values of
+blocks with random bits (every bit pattern a file can hold, float16 scales of a sane size),
+the float32 kernel on that dequantized matrix for every product, and HF transformers on the
+weights a Q4_K_M-style file holds for a whole model.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.errors import ModelLoadError
+from raylm.model.kernels import dense as dense_module
+from raylm.model.kernels.dense import dense_matmul, gguf_matmul
+from raylm.model.kernels.grouped_matmul import grouped_matmul
+from raylm.model.loaders.gguf_file import GGUFFile
+from raylm.model.loaders.load import load_model
+from raylm.model.quantization.gguf_blocks import GGUF_BLOCK_TYPES, GgufBlocks, from_gguf, map_rows
+from raylm.model.quantization.quant_array import weight_bytes
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.llm import LLM
+from tests.checkpoints import build_tiny_checkpoint
+from tests.gguf_export import export_gguf, load_stored, random_blocks
+from tests.reference import hf_greedy
+from tests.reruns import rerun_in_child
+
+T = gguf.GGMLQuantizationType
+NEW_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.Q5_0, T.Q5_1]
+needs_kernel = pytest.mark.skipif(not dense_module.available(), reason="C++ kernel not built; XLA path tested")
+
+
+def _blocks(kind: T, n: int, k: int, seed: int = 0) -> tuple[GgufBlocks, np.ndarray]:
+    """Random blocks as raylm holds them and as the gguf package dequantizes them."""
+    raw = random_blocks(kind, (n, k), seed)
+    expected = gguf.quants.dequantize(raw, kind).reshape(n, k).astype(np.float32)
+    return from_gguf(raw, kind, (n, k), "blk.0.test.weight"), expected
+
+
+def test_every_type_the_kernels_read_is_kept():
+    assert set(NEW_TYPES) | {T.Q4_0, T.Q4_1, T.Q8_0} == set(GGUF_BLOCK_TYPES)
+
+
+@pytest.mark.parametrize("kind", NEW_TYPES, ids=lambda t: t.name)
+def test_values_are_the_gguf_packages_dequantization(kind):
+    blocks, expected = _blocks(kind, 11, 512)
+    np.testing.assert_array_equal(np.asarray(blocks.dequantize()), expected)
+    rows = jnp.asarray([[3, 0], [10, 3]])
+    np.testing.assert_array_equal(np.asarray(blocks.to_device().rows(rows, jnp.float32)), expected[np.asarray(rows)])
+    assert blocks.nbytes <= expected.nbytes * 12 / 32  # at most 12 bits a weight (Q2_K's bytes and two scales per 16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", NEW_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 17, 70])
+@pytest.mark.parametrize("n,k", [(1, 256), (7, 512), (130, 256)])
+def test_kernel_is_the_float32_kernel_on_the_dequantized_matrix(kind, m, n, k):
+    """Decode rows (1..17: in registers, through the panel) and a prompt chunk (70 rows: the
+    prompt GEMM), against the float32 kernel on gguf's dequantization, bit for bit."""
+    blocks, w = _blocks(kind, n, k, seed=m + n)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.float32)
+    got = np.asarray(gguf_matmul(x, blocks.to_device()))
+    np.testing.assert_array_equal(got, np.asarray(dense_matmul(x, jnp.asarray(w))))
+    np.testing.assert_allclose(got, np.asarray(x, np.float64) @ w.astype(np.float64).T, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_eight_lane_family_too():
+    """The kernel test above with the 8-lane tiles forced (what AVX2 CPUs run)."""
+    rerun_in_child(__file__, "test_kernel_is_the_float32_kernel", {"RAYLM_DENSE_NARROW_TILES": "1"})
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K, T.Q5_K], ids=lambda t: t.name)
+def test_grouped_experts_in_blocks_are_the_float32_experts(kind):
+    experts, k, n = 4, 256, 24
+    blocks, w = _blocks(kind, experts * n, k, seed=5)
+    stacked = GgufBlocks(*(a.reshape(experts, n, a.shape[-1]) for a in (blocks.q, blocks.scale, blocks.offset)),
+                         (k,)).to_device()
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((9, k)), jnp.float32)
+    sizes = jnp.asarray([2, 0, 4, 3], jnp.int32)
+    got = grouped_matmul(x, stacked, sizes, kernel=True)
+    expected = grouped_matmul(x, jnp.asarray(w.reshape(experts, n, k)), sizes, kernel=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_types_mixed_in_one_fused_matrix_share_an_exact_layout():
+    """A Q4_K_M file's Q4_K query and key beside its Q6_K value projection (and a Q8_0 one)
+    fuse into one block matrix holding every weight exactly."""
+    q, eq = _blocks(T.Q4_K, 8, 256, seed=1)
+    v, ev = _blocks(T.Q6_K, 4, 256, seed=2)
+    o, eo = _blocks(T.Q8_0, 4, 256, seed=3)
+    fused = map_rows(lambda *a: np.concatenate(a), q, v, o)
+    assert isinstance(fused, GgufBlocks) and not fused.nibbles and fused.group == 16 and fused.has_offset
+    np.testing.assert_array_equal(np.asarray(fused.dequantize()), np.concatenate([eq, ev, eo]))
+    same = map_rows(lambda *a: np.concatenate(a), q, q)
+    assert same.nibbles and same.group == 32
+
+
+def _write(tmp_path, tensors: dict[str, tuple[np.ndarray, T]]):
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    for name, (raw, kind) in tensors.items():
+        writer.add_tensor(name, raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFFile(tmp_path / "t.gguf")
+
+
+def test_loading_never_expands_the_matrix_to_float32(tmp_path):
+    """A Q4_K matrix of 16M weights (64 MB as float32) loads with temporaries bounded by the
+    transcoder's chunks: the peak traced allocation stays under a third of float32's bytes."""
+    rows, k = 8192, 2048
+    file = _write(tmp_path, {"token_embd.weight": (random_blocks(T.Q4_K, (rows, k), 0), T.Q4_K)})
+    tracemalloc.start()
+    try:
+        blocks = file.tensor("token_embd.weight", keep_blocks=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    float_bytes = rows * k * 4
+    assert isinstance(blocks, GgufBlocks) and blocks.nbytes < float_bytes / 2.5
+    assert peak < float_bytes / 3, f"peak {peak / 2**20:.1f} MiB loading a {float_bytes / 2**20:.0f} MiB matrix"
+
+
+def test_a_truncated_tensor_is_a_load_error_naming_it(tmp_path):
+    raw = random_blocks(T.Q6_K, (4, 256), 0)
+    file = _write(tmp_path, {"blk.0.ffn_down.weight": (raw, T.Q6_K)})
+    info = file._tensors["blk.0.ffn_down.weight"]
+    file._tensors[info.name] = info._replace(data=info.data[:, :-10])  # bytes missing from the tensor
+    with pytest.raises(ModelLoadError, match=r"'blk.0.ffn_down.weight'.*bytes for 4 x 256 Q6_K.*truncated"):
+        file.tensor("blk.0.ffn_down.weight", keep_blocks=True)
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        from_gguf(np.zeros((2, 210), np.uint8), T.Q6_K, (2, 224), "blk.1.attn_v.weight")
+
+
+def _q4_k_m(name: str) -> T:
+    """llama-quantize's Q4_K_M choice on a small model: Q6_K for the value and down projections
+    and the output matrix, Q4_K elsewhere (its per-layer alternation aside)."""
+    return T.Q6_K if name.startswith("output.") or "attn_v" in name or "ffn_down" in name else T.Q4_K
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_model(tmp_path_factory):
+    """A tiny Qwen3 (inputs of 256 and 512: whole K-quant super-blocks) as a Q4_K_M-style GGUF,
+    and the HF model holding the weights the file holds."""
+    tmp_path = tmp_path_factory.mktemp("q4_k_m")
+    directory, hf_model = build_tiny_checkpoint("qwen3", tmp_path / "hf", hidden_size=256, intermediate_size=512,
+                                                head_dim=64, tie_word_embeddings=False)
+    path = export_gguf(directory, tmp_path / "q4_k_m.gguf", _q4_k_m)
+    load_stored(hf_model, path)
+    return path, hf_model
+
+
+def test_a_q4_k_m_model_gives_hfs_logits_and_greedy_tokens(q4_k_m_model):
+    path, hf_model = q4_k_m_model
+    model = load_model(path, keep_blocks=True)
+    layer = model.params.layers[0]
+    assert all(isinstance(m, GgufBlocks) for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down,
+                                                    model.params.embed, model.params.lm_head))
+    assert layer.w_down.group == 16 and layer.w_gate_up.nibbles  # Q6_K and Q4_K as stored
+    ids = np.random.RandomState(0).randint(3, 320, size=40).tolist()
+    generator = SingleSequenceGenerator(model.config, model.params)
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(generator.prompt_logits(ids), reference, atol=1e-4, rtol=1e-4)
+    assert list(generator.generate(ids, 12)) == hf_greedy(hf_model, ids, 12)
+
+
+def test_a_q4_k_m_model_served_from_blocks_is_bit_identical_to_float32(q4_k_m_model):
+    """The engine, batched and alone, decode rows in the block kernels and prompt chunks in the
+    prompt GEMM: the same tokens and logprobs as the file expanded to float32."""
+    path, _ = q4_k_m_model
+    prompts = [[5, 9, 77, 31, 8], list(range(3, 80)), [100, 200, 300, 11]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs, sizes = {}, {}
+    for choice in ("keep", "expand"):
+        llm = LLM(str(path), gguf_blocks=choice, max_model_len=128, num_kv_blocks=48)
+        outputs = [*llm.generate([{"prompt_token_ids": p} for p in prompts], params),
+                   *llm.generate([{"prompt_token_ids": prompts[1]}], params)]
+        runs[choice] = [(c.token_ids, c.logprobs) for out in outputs for c in out.outputs]
+        sizes[choice] = weight_bytes(llm.engine.model.params)
+    assert runs["keep"] == runs["expand"]
+    assert sizes["expand"] > 3.5 * sizes["keep"]
