@@ -119,7 +119,12 @@ def gguf_matmul(x: jax.Array, w: GgufBlocks) -> jax.Array:
     if x.ndim != 2 or w.q.ndim != 2 or w.shape[1:] != x.shape[1:]:
         raise ValueError(f"gguf_matmul takes x [M, K] and 2-D blocks [N, K], got {x.shape} and {w.shape}")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(target, out)(x, w.q, w.scale, w.offset)
+    return jax.ffi.ffi_call(target, out)(x, w.q, w.scale, w.offset, _supers(w))
+
+
+def _supers(w: GgufBlocks) -> jax.Array:
+    """The kernel's ``supers`` operand: the two-level scales' float32 part, or ``[N..., 0]``."""
+    return w.supers if w.two_level else jnp.zeros((*w.scale.shape[:-1], 0), jnp.float32)
 
 
 def dense(
@@ -204,17 +209,21 @@ def _gguf_dense(
         raise ValueError(f"dense: weight {w.shape} has {w.num_input_dims} input dims, contracted {contract}")
     lead, size = x.shape[: x.ndim - contract], math.prod(x.shape[x.ndim - contract:])
     rows = math.prod(lead)
+    two_level = w.two_level
 
-    def by_xla(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array) -> jax.Array:
-        matrix = GgufBlocks(q, scale, offset, w.input_shape).dequantize(x.dtype)
-        return dense(x, matrix, contract, kernel=kernel, out_dtype=out_dtype)
+    def blocks(q: jax.Array, scale: jax.Array, offset: jax.Array, supers: jax.Array) -> GgufBlocks:
+        return GgufBlocks(q, scale, offset, w.input_shape, supers if two_level else None)
 
+    def by_xla(x: jax.Array, *arrays: jax.Array) -> jax.Array:
+        return dense(x, blocks(*arrays).dequantize(x.dtype), contract, kernel=kernel, out_dtype=out_dtype)
+
+    arrays = (w.q, w.scale, w.offset, _supers(w))
     if not (kernel and available() and x.dtype == jnp.float32 and rows > 0):
-        return by_xla(x, w.q, w.scale, w.offset)
+        return by_xla(x, *arrays)
 
-    def by_kernel(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array) -> jax.Array:
-        flat = GgufBlocks(q, scale, offset, w.input_shape).flat()
-        y = gguf_matmul(x.reshape(rows, size), flat).reshape(*lead, *scale.shape[:-1])
+    def by_kernel(x: jax.Array, *arrays: jax.Array) -> jax.Array:
+        flat = blocks(*arrays).flat()
+        y = gguf_matmul(x.reshape(rows, size), flat).reshape(*lead, *w.scale.shape[:-1])
         return y if out_dtype is None else y.astype(out_dtype)
 
-    return on_cpu(x, w.q, w.scale, w.offset, cpu=by_kernel, default=by_xla)
+    return on_cpu(x, *arrays, cpu=by_kernel, default=by_xla)

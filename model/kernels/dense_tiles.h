@@ -80,13 +80,17 @@ __attribute__((always_inline)) inline void WidenRowsOf(const W* __restrict w, fl
 // next NR rows meanwhile. kStoresPanel: also store the widened rows in `panel` (NR * K floats,
 // as WidenGgufRowsOf lays them out) for the call's other row tiles. kSplit: the blocks have a
 // scale (and offset) per 16 weights (w.group == 16), the low sixteen's and the high sixteen's.
-template <typename V, int R, int NR, bool kSplit, bool kStoresPanel = false>
+// kTwoLevel: int8 scales times the super-block's (w.supers).
+template <typename V, int R, int NR, bool kSplit, bool kTwoLevel, bool kStoresPanel = false>
 __attribute__((always_inline)) inline void GgufTileOf(const float* __restrict x, const GgufRows& w, int64_t n,
                                                       float* __restrict y, int64_t K, int64_t N, bool prefetch_next,
                                                       float* __restrict panel = nullptr) {
   constexpr int kLanes = sizeof(V) / sizeof(float), kVectors = raylm::kGgufBlock / kLanes;
   constexpr int kScalesPerBlock = kSplit ? 2 : 1;
+  constexpr int64_t kTableBytes = kTwoLevel ? 1 : 4;
   const int64_t blocks = w.RowBlocks(), bytes_per_block = w.RowBytes() / blocks, scales = w.RowScales();
+  const char* scale_bytes = static_cast<const char*>(w.scale);
+  const char* offset_bytes = static_cast<const char*>(w.offset);
   V acc[R][NR];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = V{};
@@ -96,29 +100,31 @@ __attribute__((always_inline)) inline void GgufTileOf(const float* __restrict x,
     if (prefetch_next) {
       if ((b * bytes_per_block) % 64 < bytes_per_block)
         for (int j = 0; j < NR; ++j) __builtin_prefetch(w.q + (n + NR + j) * w.RowBytes() + b * bytes_per_block);
-      if (b % (16 / kScalesPerBlock) == 0)
+      if ((b * kScalesPerBlock * kTableBytes) % 64 < kScalesPerBlock * kTableBytes)
         for (int j = 0; j < NR; ++j) {
-          __builtin_prefetch(w.scale + (n + NR + j) * scales + b * kScalesPerBlock);
-          if (w.offset) __builtin_prefetch(w.offset + (n + NR + j) * scales + b * kScalesPerBlock);
+          const int64_t at = ((n + NR + j) * scales + b * kScalesPerBlock) * kTableBytes;
+          __builtin_prefetch(scale_bytes + at);
+          if (w.offset) __builtin_prefetch(offset_bytes + at);
         }
     }
     V weights[NR][kVectors];
     for (int j = 0; j < NR; ++j) {
       const int64_t s = (n + j) * scales + b * kScalesPerBlock;
+      const float* super = kTwoLevel ? w.Super(n + j, b) : nullptr;
       const uint8_t* q = w.q + (n + j) * w.RowBytes() + b * bytes_per_block;
-      const float d = w.scale[s], d_high = kSplit ? w.scale[s + 1] : d;
+      const float d = w.Scale<kTwoLevel>(s, super), d_high = kSplit ? w.Scale<kTwoLevel>(s + 1, super) : d;
       if (w.Nibbles()) {
-        const float m = w.offset[s];
+        const float m = w.Offset<kTwoLevel>(s, super);
         for (int h = 0; h < kVectors / 2; ++h) {
           if constexpr (kSplit) {
-            Lanes<V>::WidenNibbles(q + h * kLanes, d, m, d_high, w.offset[s + 1], &weights[j][h],
+            Lanes<V>::WidenNibbles(q + h * kLanes, d, m, d_high, w.Offset<kTwoLevel>(s + 1, super), &weights[j][h],
                                    &weights[j][h + kVectors / 2]);
           } else {
             Lanes<V>::WidenNibbles(q + h * kLanes, d, m, &weights[j][h], &weights[j][h + kVectors / 2]);
           }
         }
       } else if (w.offset) {  // d * q is exact here (gguf_blocks.h): one rounding, fused or not
-        const float m = w.offset[s], m_high = kSplit ? w.offset[s + 1] : m;
+        const float m = w.Offset<kTwoLevel>(s, super), m_high = kSplit ? w.Offset<kTwoLevel>(s + 1, super) : m;
         for (int v = 0; v < kVectors; ++v)
           weights[j][v] = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) *
                               (v < kVectors / 2 ? d : d_high) + (v < kVectors / 2 ? m : m_high);
@@ -142,44 +148,52 @@ __attribute__((always_inline)) inline void GgufTileOf(const float* __restrict x,
     for (int j = 0; j < NR; ++j) y[i * N + j] = Lanes<V>::Sum(acc[i][j]);
 }
 
+// Block b of row `row` widened into out[32] (gguf_blocks.h's arithmetic).
+template <typename V, bool kTwoLevel>
+__attribute__((always_inline)) inline void WidenGgufBlock(const GgufRows& w, int64_t row, int64_t b,
+                                                          float* __restrict out) {
+  constexpr int kLanes = sizeof(V) / sizeof(float), kVectors = raylm::kGgufBlock / kLanes;
+  const int64_t per_block = raylm::kGgufBlock / w.group, split = per_block - 1;  // scales a block: 1 or 2
+  const int64_t s = row * w.RowScales() + b * per_block;
+  const float* super = kTwoLevel ? w.Super(row, b) : nullptr;
+  const uint8_t* q = w.q + row * w.RowBytes() + b * (w.RowBytes() / w.RowBlocks());
+  // Each vector is stored as soon as it is widened: gathering a block's vectors in an array
+  // and copying it out made GCC pass them through the stack (a store and a reload each).
+  if (w.Nibbles()) {
+    const float d = w.Scale<kTwoLevel>(s, super), m = w.Offset<kTwoLevel>(s, super);
+    const float d_high = w.Scale<kTwoLevel>(s + split, super), m_high = w.Offset<kTwoLevel>(s + split, super);
+    for (int h = 0; h < kVectors / 2; ++h) {
+      V low, high;
+      Lanes<V>::WidenNibbles(q + h * kLanes, d, m, d_high, m_high, &low, &high);
+      std::memcpy(out + h * kLanes, &low, sizeof low);
+      std::memcpy(out + (h + kVectors / 2) * kLanes, &high, sizeof high);
+    }
+  } else {
+    for (int v = 0; v < kVectors; ++v) {
+      const int64_t at = s + (v < kVectors / 2 ? 0 : split);
+      V value = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) * w.Scale<kTwoLevel>(at, super);
+      if (w.offset) value = value + w.Offset<kTwoLevel>(at, super);  // d * q exact here (gguf_blocks.h)
+      std::memcpy(out + v * kLanes, &value, sizeof value);
+    }
+  }
+}
+
 // Block rows [n, n + count) widened into out[count * K] (gguf_blocks.h's arithmetic), for the
 // panel; `prefetch_next`: fetch the next `count` rows meanwhile, spread as in GgufTileOf.
 template <typename V>
 __attribute__((always_inline)) inline void WidenGgufRowsOf(const GgufRows& w, int64_t n, int64_t count,
                                                            float* __restrict out, bool prefetch_next) {
-  constexpr int kLanes = sizeof(V) / sizeof(float), kVectors = raylm::kGgufBlock / kLanes;
-  const int64_t blocks = count * w.RowBlocks(), bytes_per_block = w.RowBytes() / w.RowBlocks();
-  const int64_t per_block = raylm::kGgufBlock / w.group, split = per_block - 1;  // scales a block: 1 or 2
-  const uint8_t* q = w.q + n * w.RowBytes();
-  const float* scale = w.scale + n * w.RowScales();
-  const float* offset = w.offset ? w.offset + n * w.RowScales() : nullptr;
-  for (int64_t b = 0; b < blocks; ++b, q += bytes_per_block, out += raylm::kGgufBlock) {
-    const int64_t s = b * per_block;
-    if (prefetch_next) {  // the next rows start `count` rows on
-      if ((b * bytes_per_block) % 64 < bytes_per_block) __builtin_prefetch(q + count * w.RowBytes());
-      if (s % 16 == 0) {
-        __builtin_prefetch(scale + s + blocks * per_block);
-        if (offset) __builtin_prefetch(offset + s + blocks * per_block);
+  const int64_t blocks = w.RowBlocks(), bytes_per_block = w.RowBytes() / blocks;
+  for (int64_t row = n; row < n + count; ++row)
+    for (int64_t b = 0; b < blocks; ++b, out += raylm::kGgufBlock) {
+      if (prefetch_next && (b * bytes_per_block) % 64 < bytes_per_block)  // the next rows start `count` rows on
+        __builtin_prefetch(w.q + (row + count) * w.RowBytes() + b * bytes_per_block);
+      if (w.supers) {
+        WidenGgufBlock<V, true>(w, row, b, out);
+      } else {
+        WidenGgufBlock<V, false>(w, row, b, out);
       }
     }
-    // Each vector is stored as soon as it is widened: gathering a block's vectors in an array
-    // and copying it out made GCC pass them through the stack (a store and a reload each).
-    if (w.Nibbles()) {
-      for (int h = 0; h < kVectors / 2; ++h) {
-        V low, high;
-        Lanes<V>::WidenNibbles(q + h * kLanes, scale[s], offset[s], scale[s + split], offset[s + split], &low, &high);
-        std::memcpy(out + h * kLanes, &low, sizeof low);
-        std::memcpy(out + (h + kVectors / 2) * kLanes, &high, sizeof high);
-      }
-    } else {
-      for (int v = 0; v < kVectors; ++v) {
-        const int64_t at = s + (v < kVectors / 2 ? 0 : split);
-        V value = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) * scale[at];
-        if (offset) value = value + offset[at];  // d * q exact where offsets are added (gguf_blocks.h)
-        std::memcpy(out + v * kLanes, &value, sizeof value);
-      }
-    }
-  }
 }
 
 // The eight-lane tiles. MR = 3, NR = 4 measured best of 2x4, 4x3, 2x5, 3x4 and 4x2 on an
@@ -209,13 +223,13 @@ struct NarrowTiles {
     WidenRowsOf<Vec8>(w, out, count);
   }
 
-  template <int R, int NR, bool kSplit>
+  template <int R, int NR, bool kSplit, bool kTwoLevel>
 #if defined(__x86_64__) && defined(__GNUC__)
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
   static void GgufTile(const float* x, const GgufRows& w, int64_t n, float* y, int64_t K, int64_t N,
                        bool prefetch_next) {
-    GgufTileOf<Vec8, R, NR, kSplit>(x, w, n, y, K, N, prefetch_next);
+    GgufTileOf<Vec8, R, NR, kSplit, kTwoLevel>(x, w, n, y, K, N, prefetch_next);
   }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -257,17 +271,17 @@ struct WideTiles {
     WidenRowsOf<Vec16>(w, out, count);
   }
 
-  template <int R, int NR, bool kSplit>
+  template <int R, int NR, bool kSplit, bool kTwoLevel>
   static void GgufTile(const float* x, const GgufRows& w, int64_t n, float* y, int64_t K, int64_t N,
                        bool prefetch_next) {
-    GgufTileOf<Vec16, R, NR, kSplit>(x, w, n, y, K, N, prefetch_next);
+    GgufTileOf<Vec16, R, NR, kSplit, kTwoLevel>(x, w, n, y, K, N, prefetch_next);
   }
 
   // A full row tile against NR block rows that also leaves the widened rows in `panel`.
-  template <bool kSplit>
+  template <bool kSplit, bool kTwoLevel>
   static void GgufPanelTile(const float* x, const GgufRows& w, int64_t n, float* y, int64_t K, int64_t N,
                             bool prefetch_next, float* panel) {
-    GgufTileOf<Vec16, MR, NR, kSplit, true>(x, w, n, y, K, N, prefetch_next, panel);
+    GgufTileOf<Vec16, MR, NR, kSplit, kTwoLevel, true>(x, w, n, y, K, N, prefetch_next, panel);
   }
 
   static void WidenGgufRows(const GgufRows& w, int64_t n, int64_t count, float* out, bool prefetch_next) {

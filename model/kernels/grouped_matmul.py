@@ -62,14 +62,16 @@ def grouped_matmul(
     if isinstance(w, QuantArray):
         arrays = (w.q.reshape(G, N, K), w.scale.reshape(G, N).astype(jnp.float32))
     elif isinstance(w, GgufBlocks):
-        arrays = (w.q.reshape(G, N, w.q.shape[-1]), w.scale.reshape(G, N, w.scale.shape[-1]),
-                  w.offset.reshape(G, N, w.offset.shape[-1]))
+        supers = w.supers if w.two_level else jnp.zeros((*w.scale.shape[:-1], 0), jnp.float32)
+        arrays = tuple(a.reshape(G, N, a.shape[-1]) for a in (w.q, w.scale, w.offset, supers))
     else:
         arrays = (w.reshape(G, N, K).astype(x.dtype),)
 
     def by_ragged_dot(x: jax.Array, sizes: jax.Array, *arrays: jax.Array) -> jax.Array:
         if isinstance(w, GgufBlocks):
-            stacked, scale = GgufBlocks(*arrays, (K,)).dequantize(x.dtype), None
+            q, scales, offsets, supers = arrays
+            stacked = GgufBlocks(q, scales, offsets, (K,), supers if w.two_level else None).dequantize(x.dtype)
+            scale = None
         else:
             stacked, scale = arrays[0].astype(x.dtype), (arrays[1] if isinstance(w, QuantArray) else None)
         y = jax.lax.ragged_dot_general(x, stacked, sizes, _DIMENSIONS, preferred_element_type=x.dtype)

@@ -19,7 +19,11 @@ for bit (tests/model/test_gguf_blocks.py, tests/model/test_gguf_kquants.py).
 Layout: ``q [N..., K/2]`` uint8 for 4-bit blocks (block byte ``i`` holds weight ``i`` in its
 low half and ``i + 16`` in its high half, GGUF's order) or ``q [N..., K]`` int8 for 8-bit
 ones; ``scale [N..., K/group]`` float32 (group 32 or 16, read off the shapes) and ``offset``
-like it, or ``[N..., 0]`` for types without one (4-bit blocks always have one).
+like it, or ``[N..., 0]`` for types without one (4-bit blocks always have one). Types with
+super-blocks of 256 weights (the K-quants, IQ4_XS) keep two levels, as their files do: int8
+``scale`` and ``offset`` per group and ``supers [N..., K/256 * 2]`` float32, each super-block's
+``d`` and ``dmin``; a group's scale is ``d * scale`` and its offset ``-(dmin * offset)``, both
+exact in float32 (``float_tables``).
 ``input_shape`` is the matrix's input dims (``K`` flattened in row-major order), so a
 ``GgufBlocks`` stands wherever model/decoder/params.py declares an ``[N..., K...]`` matrix. Row
 operations (fusing QKV, stacking gate/up, llama.cpp's Q/K row permutation) apply to the three
@@ -53,6 +57,7 @@ class GgufBlocks(StoredBytes):
     scale: Any
     offset: Any
     input_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    supers: Any = None  # two-level scales' super-block d and dmin, or None (float32 tables)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -67,6 +72,31 @@ class GgufBlocks(StoredBytes):
     def has_offset(self) -> bool:
         return self.offset.shape[-1] > 0
 
+    @property
+    def two_level(self) -> bool:
+        """Whether the scales are int8 per group times float32 per super-block."""
+        return self.supers is not None
+
+    def float_tables(self) -> tuple[Any, Any]:
+        """``(scale, offset)`` as float32 per group: ``d * scale`` and ``-(dmin * offset)`` for
+        two-level scales (exact: a float16 times a small integer), else the tables as held.
+        numpy in, numpy out; device arrays in, device arrays out."""
+        if not self.two_level:
+            return self.scale, self.offset
+        xp = np if isinstance(self.scale, np.ndarray) else jnp
+        per_super = self.scale.shape[-1] // (self.supers.shape[-1] // 2)
+        d = xp.repeat(self.supers[..., 0::2], per_super, axis=-1)
+        scale = d * self.scale.astype(xp.float32)
+        if not self.has_offset:
+            return scale, xp.zeros((*self.scale.shape[:-1], 0), xp.float32)
+        dmin = xp.repeat(self.supers[..., 1::2], per_super, axis=-1)
+        return scale, -(dmin * self.offset.astype(xp.float32))
+
+    def with_float_tables(self) -> "GgufBlocks":
+        """The same matrix with float32 scales and offsets per group (exact; larger)."""
+        scale, offset = self.float_tables()
+        return GgufBlocks(self.q, scale, offset, self.input_shape)
+
     def values(self) -> jax.Array:
         """The stored integers ``[N..., K]`` in input order (nibbles unpacked), as float32."""
         lead, size = self.scale.shape[:-1], math.prod(self.input_shape)
@@ -79,23 +109,26 @@ class GgufBlocks(StoredBytes):
     def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """The float32 matrix, exactly as ``gguf.quants.dequantize`` computes it."""
         lead, groups = self.scale.shape[:-1], self.scale.shape[-1]
-        w = self.values().reshape(*lead, groups, -1) * self.scale[..., None]
+        scale, offset = (jnp.asarray(t) for t in self.float_tables())
+        w = self.values().reshape(*lead, groups, -1) * scale[..., None]
         if self.has_offset:
-            w = w + self.offset[..., None]
+            w = w + offset[..., None]
         return w.reshape(*lead, *self.input_shape).astype(dtype)
+
+    def _map(self, fn: Callable[[Any], Any], input_shape: tuple[int, ...] | None = None) -> "GgufBlocks":
+        """``fn`` on every array (row selections, reshapes of the output dims, transfers)."""
+        return GgufBlocks(fn(self.q), fn(self.scale), fn(self.offset), input_shape or self.input_shape,
+                          None if self.supers is None else fn(self.supers))
 
     def rows(self, index: jax.Array, dtype: jnp.dtype) -> jax.Array:
         """Entries ``index`` of the output dims with their inputs, dequantized (the
         embedding lookup: token ids into ``[V, D]``)."""
-        return GgufBlocks(self.q[index], self.scale[index], self.offset[index], self.input_shape).dequantize(dtype)
+        return self._map(lambda a: a[index]).dequantize(dtype)
 
     def flat(self) -> "GgufBlocks":
         """The same blocks as a 2-D ``[N, K]`` matrix (free reshapes), as the kernel takes them."""
         rows = math.prod(self.scale.shape[:-1])
-        return GgufBlocks(
-            self.q.reshape(rows, -1), self.scale.reshape(rows, -1), self.offset.reshape(rows, -1),
-            (math.prod(self.input_shape),),
-        )
+        return self._map(lambda a: a.reshape(rows, -1), (math.prod(self.input_shape),))
 
     def with_input_shape(self, input_shape: tuple[int, ...]) -> "GgufBlocks":
         """The same matrix with its inputs viewed as ``input_shape`` (same count, row-major)."""
@@ -104,7 +137,7 @@ class GgufBlocks(StoredBytes):
         return dataclasses.replace(self, input_shape=tuple(input_shape))
 
     def to_device(self) -> "GgufBlocks":
-        return GgufBlocks(jnp.asarray(self.q), jnp.asarray(self.scale), jnp.asarray(self.offset), self.input_shape)
+        return self._map(jnp.asarray)
 
 
 def from_gguf(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...], name: str = "") -> GgufBlocks:
@@ -114,13 +147,15 @@ def from_gguf(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ..
     *lead, size = shape
     if size % BLOCK:
         raise ValueError(f"tensor {name!r}: a {kind.name} matrix's rows must be whole blocks of {BLOCK}, got {size}")
-    q, scale, offset = transcode(data, kind, math.prod(lead), size, name)
-    return GgufBlocks(*(a.reshape(*lead, a.shape[-1]) for a in (q, scale, offset)), (size,))
+    q, scale, offset, supers = transcode(data, kind, math.prod(lead), size, name)
+    return GgufBlocks(q, scale, offset, (size,), supers)._map(lambda a: a.reshape(*lead, a.shape[-1]))
 
 
 def _in_layout(m: GgufBlocks, nibbles: bool, group: int, offsets: bool) -> GgufBlocks:
-    """``m`` (host arrays) in a layout that holds it exactly: nibbles widened to bytes, each
-    scale repeated for a smaller group, zero offsets added (``d * q + 0`` rounds as ``d * q``)."""
+    """``m`` (host arrays) in a layout that holds it exactly: float32 tables, nibbles widened to
+    bytes, each scale repeated for a smaller group, zero offsets added (``d * q + 0`` rounds as
+    ``d * q``)."""
+    m = m.with_float_tables()
     q, scale, offset = np.asarray(m.q), np.asarray(m.scale), np.asarray(m.offset)
     if m.nibbles and not nibbles:
         halves = q.reshape(*q.shape[:-1], -1, BLOCK // 2)
@@ -145,15 +180,16 @@ def map_rows(fn: Callable[..., np.ndarray], *matrices: np.ndarray | GgufBlocks) 
     first = matrices[0]
     if not all(isinstance(m, GgufBlocks) and m.input_shape == first.input_shape for m in matrices):
         return fn(*(dequantized(m) for m in matrices))
-    layouts = {(m.nibbles, m.group, m.has_offset) for m in matrices}
+    layouts = {(m.nibbles, m.group, m.has_offset, m.two_level) for m in matrices}
     if len(layouts) > 1:
-        nibbles = all(n for n, _, _ in layouts)
-        group = min(g for _, g, _ in layouts)
-        offsets = nibbles or any(o for _, _, o in layouts)
+        nibbles = all(n for n, _, _, _ in layouts)
+        group = min(g for _, g, _, _ in layouts)
+        offsets = nibbles or any(o for _, _, o, _ in layouts)
         matrices = tuple(_in_layout(m, nibbles, group, offsets) for m in matrices)
+    supers = None if matrices[0].supers is None else fn(*(m.supers for m in matrices))
     return GgufBlocks(
         fn(*(m.q for m in matrices)), fn(*(m.scale for m in matrices)), fn(*(m.offset for m in matrices)),
-        first.input_shape,
+        first.input_shape, supers,
     )
 
 

@@ -23,15 +23,18 @@ IQ4_NL      d * kvalue[q]                            32     byte    none
 IQ4_XS      (d (ls - 32)) * kvalue[q]                32     byte    none
 ==========  =======================================  =====  ======  =======
 
+The K-quants and IQ4_XS keep their scales as the file does, in two levels: a signed byte per
+group (``sc``, ``m``; Q3_K's and IQ4_XS's ``sc - 32``) and per super-block of 256 weights the
+float32 ``d`` and ``dmin`` (``supers``); the kernel forms ``d * sc`` and ``-(dmin * m)`` as it
+reads a block. Q4_K is then held in 4.75 bits a weight (its file: 4.5), Q6_K in 8.75 (6.56), Q5_K
+in 8.75 (5.5); the other types keep a float32 scale (and offset) per 32.
+
 Exact because the folded scale is a float16 times a small integer (at most 17 significant bits,
 exact in float32, the product the gguf package also forms first), the offset likewise, and
 wherever an offset is added the product ``scale * q`` is exact too (at most 22 bits): so the
 kernel's ``scale * q + offset`` rounds once, as numpy's ``d * q - dm`` does, fused or not.
 Without an offset ``scale * q`` is the one rounding on both sides. tests/model/test_gguf_kquants.py
 checks every type against ``gguf.quants.dequantize`` bit for bit.
-
-What it costs: a float32 scale per 32 weights is 1 bit a weight (2 with an offset, 2-4 per 16).
-Q4_K is held in 6 bits a weight (its file: 4.5), Q6_K in 10 (6.56), Q5_K in 10 (5.5).
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ from gguf.quants import IQ4_NL as _IQ4_NL
 from gguf.quants import Q4_K as _Q4_K
 
 # One transcoder's answer for n file blocks: values [n, block] int8 (uint8 for types held as
-# nibbles, 0..15, in their natural order), scale [n, block / group] float32, offset like scale
-# or None.
-Transcoded = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
+# nibbles, 0..15, in their natural order), scale [n, block / group] float32 (int8 sub-scales for
+# types with super-blocks), offset like scale or None, and supers [n, 2] float32 (d, dmin; dmin
+# 0 without offsets) or None.
+Transcoded = tuple[np.ndarray, np.ndarray, "np.ndarray | None", "np.ndarray | None"]
+SUPER = 256  # weights per super-block of the types with two-level scales
 T = GGMLQuantizationType
 _KVALUES = np.array(_IQ4_NL.kvalues, np.int8)
 # Weights a transcoder turns at once (bounds the load's temporaries, a few bytes a weight).
@@ -76,26 +81,26 @@ def _bits(packed: np.ndarray, width: int, count: int, bits: int) -> np.ndarray:
 
 def _q4_0(b: np.ndarray) -> Transcoded:
     d = _f16(b, 0)
-    return _low_high(b[:, 2:], 16), d, -8.0 * d
+    return _low_high(b[:, 2:], 16), d, -8.0 * d, None
 
 
 def _q4_1(b: np.ndarray) -> Transcoded:
-    return _low_high(b[:, 4:], 16), _f16(b, 0), _f16(b, 2)
+    return _low_high(b[:, 4:], 16), _f16(b, 0), _f16(b, 2), None
 
 
 def _q5_0(b: np.ndarray) -> Transcoded:
     high = _bits(np.ascontiguousarray(b[:, 2:6]).view(np.uint32), 1, 32, 1).astype(np.uint8)
     q = (_low_high(b[:, 6:], 16) | (high << np.uint8(4))).astype(np.int8) - np.int8(16)
-    return q, _f16(b, 0), None
+    return q, _f16(b, 0), None, None
 
 
 def _q5_1(b: np.ndarray) -> Transcoded:
     high = _bits(np.ascontiguousarray(b[:, 4:8]).view(np.uint32), 1, 32, 1).astype(np.uint8)
-    return (_low_high(b[:, 8:], 16) | (high << np.uint8(4))).astype(np.int8), _f16(b, 0), _f16(b, 2)
+    return (_low_high(b[:, 8:], 16) | (high << np.uint8(4))).astype(np.int8), _f16(b, 0), _f16(b, 2), None
 
 
 def _q8_0(b: np.ndarray) -> Transcoded:
-    return np.ascontiguousarray(b[:, 2:]).view(np.int8), _f16(b, 0), None
+    return np.ascontiguousarray(b[:, 2:]).view(np.int8), _f16(b, 0), None, None
 
 
 def _q2_k(b: np.ndarray) -> Transcoded:
@@ -103,7 +108,7 @@ def _q2_k(b: np.ndarray) -> Transcoded:
     n = b.shape[0]
     shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
     q = ((b[:, 16:80].reshape(n, -1, 1, 32) >> shifts) & np.uint8(3)).reshape(n, 256)
-    return q.astype(np.int8), d * (scales & 0x0F).astype(np.float32), -(dmin * (scales >> 4).astype(np.float32))
+    return q.astype(np.int8), (scales & 0x0F).astype(np.int8), (scales >> 4).astype(np.int8), _supers(d, dmin)
 
 
 def _q3_k(b: np.ndarray) -> Transcoded:
@@ -115,24 +120,27 @@ def _q3_k(b: np.ndarray) -> Transcoded:
     ql = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)).reshape(n, 256) & 3
     qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).reshape(n, 256) & 1
     q = ql.astype(np.int8) - ((qh ^ np.uint8(1)) << np.uint8(2)).astype(np.int8)
-    return q, d * sc.astype(np.float32), None
+    return q, sc, None, _supers(d)
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K: the eight folded scales ``d * sc`` and offsets ``-(dmin * m)``."""
+def _supers(d: np.ndarray, dmin: np.ndarray | None = None) -> np.ndarray:
+    """``[n, 2]``: each super-block's ``d`` and ``dmin`` (0 for types without offsets)."""
+    return np.concatenate([d, np.zeros_like(d) if dmin is None else dmin], axis=-1)
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the eight 6-bit scales and mins, and the super-block's ``d`` and ``dmin``."""
     sc, m = _Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
-    return _f16(b, 0) * sc.astype(np.float32), -(_f16(b, 2) * m.astype(np.float32))
+    return sc.astype(np.int8), m.astype(np.int8), _supers(_f16(b, 0), _f16(b, 2))
 
 
 def _q4_k(b: np.ndarray) -> Transcoded:
-    scale, offset = _k_scales(b)
-    return _low_high(b[:, 16:], 32), scale, offset
+    return _low_high(b[:, 16:], 32), *_k_scales(b)
 
 
 def _q5_k(b: np.ndarray) -> Transcoded:
-    scale, offset = _k_scales(b)
     high = _bits(b[:, 16:48], 32, 8, 1)
-    return (_low_high(b[:, 48:], 32) | (high << np.uint8(4))).astype(np.int8), scale, offset
+    return (_low_high(b[:, 48:], 32) | (high << np.uint8(4))).astype(np.int8), *_k_scales(b)
 
 
 def _q6_k(b: np.ndarray) -> Transcoded:
@@ -140,12 +148,11 @@ def _q6_k(b: np.ndarray) -> Transcoded:
     low = _low_high(b[:, :128], 64).reshape(n, 8, 32)
     high = _bits(b[:, 128:192].reshape(n * 2, 32), 32, 4, 2).reshape(n, 8, 32)
     q = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
-    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
-    return q.reshape(n, 256), _f16(b, 208) * sc, None
+    return q.reshape(n, 256), np.ascontiguousarray(b[:, 192:208]).view(np.int8), None, _supers(_f16(b, 208))
 
 
 def _iq4_nl(b: np.ndarray) -> Transcoded:
-    return _KVALUES[_low_high(b[:, 2:], 16)], _f16(b, 0), None
+    return _KVALUES[_low_high(b[:, 2:], 16)], _f16(b, 0), None, None
 
 
 def _iq4_xs(b: np.ndarray) -> Transcoded:
@@ -154,7 +161,7 @@ def _iq4_xs(b: np.ndarray) -> Transcoded:
     low = _low_high(b[:, 4:8], 1)  # per byte: its low half, then its high half
     ls = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
     q = _KVALUES[_low_high(b[:, 8:], 16)]
-    return q.reshape(n, 256), _f16(b, 0) * ls.astype(np.float32), None
+    return q.reshape(n, 256), ls, None, _supers(_f16(b, 0))
 
 
 _TRANSCODERS: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Transcoded], int, bool]] = {
@@ -189,10 +196,12 @@ def pack_nibbles(values: np.ndarray) -> np.ndarray:
 
 
 def transcode(data: np.ndarray, kind: GGMLQuantizationType, rows: int, size: int, name: str
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """A file tensor's raw bytes (``rows`` rows of ``size`` weights) as the kernel's arrays
-    ``(q, scale, offset)`` (``offset [rows, 0]`` for types without one), chunk by chunk so the
-    temporaries stay small whatever the tensor. ``name`` is the tensor's, for errors."""
+    ``(q, scale, offset, supers)``: ``offset [rows, 0]`` for types without one; for types with
+    super-blocks int8 ``scale`` / ``offset`` and ``supers [rows, size / 256 * 2]`` float32, else
+    float32 tables and ``supers`` None. Chunk by chunk, so the temporaries stay small whatever
+    the tensor. ``name`` is the tensor's, for errors."""
     if kind not in _TRANSCODERS:
         raise ValueError(f"tensor {name!r}: GGML type {kind.name} is not one of the types kept as blocks "
                          f"({', '.join(sorted(t.name for t in TRANSCODED_TYPES))})")
@@ -206,16 +215,21 @@ def transcode(data: np.ndarray, kind: GGMLQuantizationType, rows: int, size: int
     raw = raw.reshape(rows, size // block, type_size)
     fn, group, nibbles = _TRANSCODERS[kind]
     offsets = layout_of(kind)[2]
+    two_level = block == SUPER
+    table = np.int8 if two_level else np.float32
     q = np.empty((rows, size // 2 if nibbles else size), np.uint8 if nibbles else np.int8)
-    scale = np.empty((rows, size // group), np.float32)
-    offset = np.empty((rows, size // group if offsets else 0), np.float32)
+    scale = np.empty((rows, size // group), table)
+    offset = np.empty((rows, size // group if offsets else 0), table)
+    supers = np.empty((rows, size // SUPER * 2), np.float32) if two_level else None
     step = max(1, CHUNK_WEIGHTS // size)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        values, s, m = fn(raw[start:stop].reshape(-1, type_size))
+        values, s, m, d = fn(raw[start:stop].reshape(-1, type_size))
         values = values.reshape(stop - start, size)
         q[start:stop] = pack_nibbles(values) if nibbles else values
         scale[start:stop] = s.reshape(stop - start, -1)
         if offsets:
             offset[start:stop] = m.reshape(stop - start, -1)
-    return q, scale, offset
+        if two_level:
+            supers[start:stop] = d.reshape(stop - start, -1)
+    return q, scale, offset, supers

@@ -85,7 +85,7 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
     channel) in the integer kernel's layout, on the device ``w`` is on (host numpy in between)."""
     if isinstance(w, GgufBlocks):
         output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
-        flat = w.flat()
+        flat = w.flat().with_float_tables()
         q, scale = np.asarray(flat.q), np.asarray(flat.scale)
         offset = np.asarray(flat.offset) if w.nibbles else None
         row_scale = None

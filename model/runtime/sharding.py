@@ -136,7 +136,8 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
                     f"load the model with gguf_blocks='expand' (quantization int8) to shard it over {mesh.devices.size}"
                 )
             whole = NamedSharding(mesh, PartitionSpec())
-            return dataclasses.replace(leaf, q=whole, scale=whole, offset=whole)
+            return dataclasses.replace(leaf, q=whole, scale=whole, offset=whole,
+                                       supers=None if leaf.supers is None else whole)
         if isinstance(leaf, Int8Panels):  # the integer mode runs unsharded (the engine checks)
             whole = NamedSharding(mesh, PartitionSpec())
             return dataclasses.replace(leaf, q=whole, scale=whole, offset=whole, row_scale=whole)

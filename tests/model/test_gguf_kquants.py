@@ -57,6 +57,18 @@ def test_values_are_the_gguf_packages_dequantization(kind):
     assert blocks.nbytes <= expected.nbytes * 12 / 32  # at most 12 bits a weight (Q2_K's bytes and two scales per 16)
 
 
+@pytest.mark.parametrize("kind,ratio", [(T.Q4_K, 4.75 / 4.5), (T.Q5_K, 8.75 / 5.5), (T.Q6_K, 8.75 / 6.5625),
+                                        (T.IQ4_XS, 8.5 / 4.25), (T.Q3_K, 8.75 / 3.4375)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q3_K"])
+def test_two_level_scales_are_held_as_the_file_holds_them(kind, ratio):
+    """The K-quants keep int8 scales per group and float32 ones per super-block: a Q4_K matrix
+    is held in 4.75 bits a weight (its file: 4.5), the types held as bytes in 8.5-8.75."""
+    blocks, expected = _blocks(kind, 16, 1024)
+    assert blocks.two_level and blocks.scale.dtype == np.int8
+    file_bytes = gguf.GGML_QUANT_SIZES[kind][1] * expected.size // gguf.GGML_QUANT_SIZES[kind][0]
+    assert blocks.nbytes == pytest.approx(file_bytes * ratio)
+
+
 @needs_kernel
 @pytest.mark.parametrize("kind", NEW_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 17, 70])
@@ -82,8 +94,9 @@ def test_eight_lane_family_too():
 def test_grouped_experts_in_blocks_are_the_float32_experts(kind):
     experts, k, n = 4, 256, 24
     blocks, w = _blocks(kind, experts * n, k, seed=5)
-    stacked = GgufBlocks(*(a.reshape(experts, n, a.shape[-1]) for a in (blocks.q, blocks.scale, blocks.offset)),
-                         (k,)).to_device()
+    q, scale, offset, supers = (a.reshape(experts, n, a.shape[-1])
+                                for a in (blocks.q, blocks.scale, blocks.offset, blocks.supers))
+    stacked = GgufBlocks(q, scale, offset, (k,), supers).to_device()
     x = jnp.asarray(np.random.default_rng(1).standard_normal((9, k)), jnp.float32)
     sizes = jnp.asarray([2, 0, 4, 3], jnp.int32)
     got = grouped_matmul(x, stacked, sizes, kernel=True)
