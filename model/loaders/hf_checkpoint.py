@@ -1,4 +1,9 @@
-"""Load an HF checkpoint directory: ``config.json`` + one or sharded ``*.safetensors`` files."""
+"""Load an HF checkpoint directory: ``config.json`` + one or sharded ``*.safetensors`` files.
+
+Float tensors are widened to float32 (build_params casts them to the model dtype); a checkpoint
+stored quantized (``quantization_config``: AWQ, GPTQ, compressed-tensors, FP8) has its layers
+read by model/loaders/hf_quantized.py.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import json
 from pathlib import Path
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -15,10 +21,15 @@ from raylm.model.config.families import HF_FAMILIES
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.params import ModelParams
 from raylm.model.errors import ModelLoadError
+from raylm.model.loaders.hf_quantized import QUANTIZED_SUFFIXES, read_quantization
+from raylm.model.loaders.hf_quantized_matrix import Matrix
 from raylm.model.loaders.hf_tensors import build_params
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# safetensors' numpy reader knows no 8-bit floats: these are read from the file's bytes.
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -49,27 +60,87 @@ def _open(file: Path):
         raise ModelLoadError(f"cannot read {file}: {err} (truncated or not a safetensors file?)") from None
 
 
+class _Tensors:
+    """A checkpoint's tensors by name, as stored (model/loaders/hf_quantized.py's ``Tensors``)."""
+
+    def __init__(self, names: dict[str, Path], handles: dict[Path, object]):
+        self.names, self.handles = names, handles
+        self.headers: dict[Path, tuple[int, dict]] = {}
+
+    def dtype(self, name: str) -> str | None:
+        file = self.names.get(name)
+        if file is None:
+            return None
+        try:
+            return self.handles[file].get_slice(name).get_dtype()
+        except (SafetensorError, OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read tensor {name!r} from {file}: {err}") from None
+
+    def read(self, name: str) -> np.ndarray | None:
+        kind = self.dtype(name)
+        if kind is None:
+            return None
+        file = self.names[name]
+        try:
+            if kind in _RAW_DTYPES:
+                return self._raw(file, name, _RAW_DTYPES[kind])
+            return self.handles[file].get_tensor(name)
+        except (SafetensorError, OSError, ValueError, KeyError) as err:
+            raise ModelLoadError(f"cannot read tensor {name!r} from {file}: {err}") from None
+
+    def _raw(self, file: Path, name: str, dtype: np.dtype) -> np.ndarray:
+        """A tensor from the file's bytes: an 8-byte header length, the JSON header, the data."""
+        if file not in self.headers:
+            with open(file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self.headers[file] = (8 + size, json.loads(f.read(size)))
+        start, header = self.headers[file]
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        with open(file, "rb") as f:
+            f.seek(start + begin)
+            data = f.read(end - begin)
+        if len(data) != end - begin:
+            raise ValueError(f"the file ends {end - begin - len(data)} bytes early (truncated?)")
+        return np.frombuffer(data, dtype=dtype).reshape(entry["shape"])
+
+
 def load_safetensors_checkpoint(
-    path: str | Path, dtype: jnp.dtype = jnp.float32
+    path: str | Path, dtype: jnp.dtype = jnp.float32, keep_blocks: bool = False
 ) -> tuple[ModelConfig, ModelParams]:
-    """Read config and weights of an HF checkpoint directory of a supported architecture."""
+    """Read config and weights of an HF checkpoint directory of a supported architecture.
+
+    A quantized checkpoint's layers come back as stored where that is exact (4-bit groups as
+    GGUF-style blocks, 8-bit values with row scales as QuantArrays) with ``keep_blocks`` (a
+    float32 model on one CPU device: load.py's ``keep_gguf_blocks``), else as the float32
+    matrices the format defines, cast to ``dtype``."""
     path = Path(path)
     config = ModelConfig.from_hf_dir(path)
+    quantization = read_quantization(path)
     names = _tensor_files(path)
-    if config.tie_word_embeddings is False and "lm_head.weight" not in names:
+    if quantization is None:
+        stored = next((n for n in names if n.endswith(QUANTIZED_SUFFIXES)), None)
+        if stored is not None:
+            raise ModelLoadError(f"{path} holds quantized tensors ({stored!r}) but its config.json has no "
+                                 "quantization_config saying how to read them")
+    if config.tie_word_embeddings is False and not any(n.startswith("lm_head.") for n in names):
         # Some exports omit lm_head without saying the embeddings are tied.
         config = dataclasses.replace(config, tie_word_embeddings=True)
     with contextlib.ExitStack() as stack:
-        handles = {file: stack.enter_context(_open(file)) for file in set(names.values())}
+        tensors = _Tensors(names, {file: stack.enter_context(_open(file)) for file in set(names.values())})
 
-        def get(name: str) -> np.ndarray | None:
-            file = names.get(name)
-            if file is None:
-                return None
-            try:
-                return _to_float(handles[file].get_tensor(name))
-            except (SafetensorError, OSError, ValueError) as err:
-                raise ModelLoadError(f"cannot read tensor {name!r} from {file}: {err}") from None
+        def get(name: str) -> Matrix | None:
+            if quantization is not None and name.endswith(".weight"):
+                matrix = quantization.matrix(name[: -len(".weight")], tensors, keep_blocks)
+                if matrix is not None:
+                    return matrix
+            kind = tensors.dtype(name)
+            if kind is not None and kind not in _FLOAT_DTYPES:
+                how = "" if quantization is None else f" (its {quantization.method} layers store other tensors)"
+                raise ModelLoadError(f"tensor {name!r} in {names[name]} is {kind}, not floats, and nothing in "
+                                     f"config.json's quantization_config says how to read it{how}")
+            array = tensors.read(name)
+            return None if array is None else _to_float(array)
 
         params = build_params(config, get, str(path), dtype, norm_offset=1.0 if HF_FAMILIES[config.architecture].gemma else 0.0)
     return config, params

@@ -1,9 +1,9 @@
 """Turn a checkpoint's per-layer HF-named tensors into the ``ModelParams`` pytree.
 
 Every format loader (safetensors, GGUF) only has to answer "give me the tensor HF calls
-``name``, as a float numpy array in HF's ``[out, in]`` layout" (or, for a GGUF matrix kept
-in its blocks, a ``GgufBlocks`` of that shape); naming, orientation, fusing (QKV grouped by
-KV head, gate/up), shape checks and the dtype cast live here once.
+``name``, as a float numpy array in HF's ``[out, in]`` layout" (or, for a matrix kept as
+stored, a ``GgufBlocks`` or ``QuantArray`` of that shape); naming, orientation, fusing (QKV
+grouped by KV head, gate/up), shape checks and the dtype cast live here once.
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ import numpy as np
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.params import LayerParams, ModelParams, shape_mismatches
 from raylm.model.errors import ModelLoadError
-from raylm.model.quantization.gguf_blocks import GgufBlocks, dequantized, map_rows
+from raylm.model.quantization.gguf_blocks import GgufBlocks
+from raylm.model.quantization.gguf_blocks import dequantized as blocks_dequantized
+from raylm.model.quantization.gguf_blocks import map_rows as blocks_map_rows
+from raylm.model.quantization.quant_array import QuantArray
 
 # Answers an HF tensor name with its array, or None if the checkpoint lacks it.
-TensorSource = Callable[[str], "np.ndarray | GgufBlocks | None"]
+TensorSource = Callable[[str], "np.ndarray | GgufBlocks | QuantArray | None"]
 
 _PREFIX = "model.layers.{i}."
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -71,6 +74,36 @@ _FUSED = {
 }
 
 
+def map_rows(fn: Callable[..., np.ndarray],
+             *matrices: np.ndarray | GgufBlocks | QuantArray) -> np.ndarray | GgufBlocks | QuantArray:
+    """``fn`` (which rearranges leading, output dims only) over host matrices: gguf_blocks'
+    ``map_rows`` for floats and blocks; on the values and the row scales of QuantArrays of one
+    storage type; a mix with QuantArrays is expanded to float32 first (exact, just larger)."""
+    if not any(isinstance(m, QuantArray) for m in matrices):
+        return blocks_map_rows(fn, *matrices)
+    first = matrices[0]
+    if all(isinstance(m, QuantArray) and m.q.dtype == first.q.dtype for m in matrices):
+        return QuantArray(fn(*(m.q for m in matrices)), fn(*(m.scale for m in matrices)))
+    return fn(*(dequantized(m) for m in matrices))
+
+
+def dequantized(matrix: np.ndarray | GgufBlocks | QuantArray) -> np.ndarray:
+    """A host matrix as a float32 numpy array (blocks and 8-bit values expanded exactly)."""
+    if isinstance(matrix, QuantArray):
+        return np.asarray(matrix.dequantize(), np.float32)
+    return blocks_dequantized(matrix)
+
+
+def _with_input_shape(matrix: np.ndarray | GgufBlocks | QuantArray,
+                      input_shape: tuple[int, ...]) -> np.ndarray | GgufBlocks | QuantArray:
+    """A host ``[N, K]`` matrix with its inputs viewed as ``input_shape``."""
+    if isinstance(matrix, GgufBlocks):
+        return matrix.with_input_shape(input_shape)
+    if isinstance(matrix, QuantArray):
+        return QuantArray(matrix.q.reshape(*matrix.scale.shape, *input_shape), matrix.scale)
+    return matrix.reshape(*matrix.shape[:-1], *input_shape)
+
+
 def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, num_kv_heads: int) -> np.ndarray:
     """``[H*Dh, ...]``, ``[KVH*Dh, ...]`` x2 (HF's output dim first) -> ``[KVH, G+2, Dh, ...]``.
 
@@ -118,7 +151,7 @@ def unfused(get: TensorSource, config: ModelConfig) -> TensorSource:
     H, KVH, Dh, I = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
     rows = {"self_attn.qkv_proj.weight": (H * Dh, KVH * Dh, KVH * Dh), "mlp.gate_up_proj.weight": (I, I)}
 
-    def answer(name: str) -> np.ndarray | GgufBlocks | None:
+    def answer(name: str) -> np.ndarray | GgufBlocks | QuantArray | None:
         found = get(name)
         if found is not None:
             return found
@@ -145,7 +178,7 @@ def unfused(get: TensorSource, config: ModelConfig) -> TensorSource:
 def mixtral_router(get: TensorSource) -> TensorSource:
     """``get`` that also answers a layer's router (``mlp.gate.weight``) under Mixtral's name."""
 
-    def answer(name: str) -> np.ndarray | GgufBlocks | None:
+    def answer(name: str) -> np.ndarray | GgufBlocks | QuantArray | None:
         found = get(name)
         if found is not None:
             return found
@@ -158,7 +191,7 @@ def mixtral_router(get: TensorSource) -> TensorSource:
 
 
 def stacked_experts(get: TensorSource, config: ModelConfig, layer: int, projs: tuple[str, ...],
-                    source: str) -> np.ndarray | GgufBlocks:
+                    source: str) -> np.ndarray | GgufBlocks | QuantArray:
     """Layer ``layer``'s experts' ``projs`` matrices (of gate_proj, up_proj, down_proj) as one
     array ``[E, len(projs), out, in]`` (``[E, out, in]`` for one), copied once: from the
     stacked tensors a GGUF file holds (blocks stay blocks), or from an HF checkpoint's tensor
@@ -198,7 +231,7 @@ def build_params(
     a norm that multiplies by ``1 + w`` (llama.cpp's GGUF files store ``1 + w`` already)."""
     get = mixtral_router(unfused(get, config))
 
-    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray | GgufBlocks:
+    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray | GgufBlocks | QuantArray:
         array = get(name)
         if array is None:
             raise ModelLoadError(f"{source}: tensor {name!r} is missing (expected shape {shape})")
@@ -208,20 +241,23 @@ def build_params(
             )
         return array
 
-    def on_device(array: np.ndarray | GgufBlocks) -> jax.Array | GgufBlocks:
+    def on_device(array: np.ndarray | GgufBlocks | QuantArray) -> jax.Array | GgufBlocks | QuantArray:
+        if isinstance(array, (GgufBlocks, QuantArray)) and jnp.dtype(dtype) != jnp.float32:
+            raise ModelLoadError(f"{source}: matrices are kept as stored only for a float32 model, "
+                                 f"not {jnp.dtype(dtype)}")
         if isinstance(array, GgufBlocks):
-            if jnp.dtype(dtype) != jnp.float32:
-                raise ModelLoadError(f"{source}: GGUF blocks are kept only for a float32 model, not {jnp.dtype(dtype)}")
             return array.to_device()
+        if isinstance(array, QuantArray):
+            return QuantArray(jnp.asarray(array.q), jnp.asarray(array.scale, jnp.float32))
         return jnp.asarray(array, dtype=dtype)
 
     H, KVH, Dh, D = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
 
     def layer(i: int) -> LayerParams:
-        def hf(field: str) -> np.ndarray | GgufBlocks:
+        def hf(field: str) -> np.ndarray | GgufBlocks | QuantArray:
             names = {**_HF_NAMES, **_SANDWICH_NAMES} if config.sandwich_norms else _HF_NAMES
             array = fetch((_PREFIX + names[field]).format(i=i), _hf_shape(field, config))
-            if isinstance(array, GgufBlocks):
+            if isinstance(array, (GgufBlocks, QuantArray)):
                 return array
             array = array.astype(np.float32, copy=False)
             return array + np.float32(norm_offset) if field in _NORMS and norm_offset else array
@@ -230,7 +266,7 @@ def build_params(
         fields = {
             "attn_norm": hf("attn_norm"),
             "wqkv": map_rows(lambda q, k, v: fuse_qkv(q, k, v, KVH), hf("wq"), hf("wk"), hf("wv")),
-            "wo": wo.with_input_shape((H, Dh)) if isinstance(wo, GgufBlocks) else wo.reshape(D, H, Dh),
+            "wo": _with_input_shape(wo, (H, Dh)),
             "mlp_norm": hf("mlp_norm"),
         }
         if config.is_sparse(i):

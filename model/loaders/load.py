@@ -16,11 +16,12 @@ from raylm.model.errors import ModelLoadError
 from raylm.model.loaders.gguf_checkpoint import load_gguf_checkpoint
 from raylm.model.loaders.gguf_file import GGUFFile
 from raylm.model.loaders.hf_checkpoint import load_safetensors_checkpoint
+from raylm.model.loaders.hf_quantized import method_of
 from raylm.model.quantization.quant_array import Scheme, parse_quantization, quantize_params
 from raylm.model.text.tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# What happens to a GGUF's Q4_0 / Q4_1 / Q8_0 matrices (model/quantization/gguf_blocks.py): "keep" them as
+# What happens to a GGUF's block-quantized matrices (model/quantization/gguf_blocks.py): "keep" them as
 # stored (the float32 numbers, a sixth of the bytes; float32 models on one device), "expand"
 # them to float32 at load, or "auto": keep them where that is possible and pays (one CPU device).
 GGUF_BLOCKS_CHOICES: tuple[str, ...] = ("auto", "keep", "expand")
@@ -53,13 +54,19 @@ class LoadedModel:
     params: ModelParams
     tokenizer: Tokenizer
     quantization: Scheme | None = None  # weight-only scheme the params were quantized with
+    # The quant_method of an HF checkpoint stored quantized (awq, gptq, compressed-tensors, fp8):
+    # its matrices are served as the checkpoint defines them, never quantized again.
+    checkpoint_quantization: str | None = None
 
     def quantized(self, quantization: str | None) -> "LoadedModel":
         """This model with its matrices quantized by ``quantization`` (``None``/``"none"``: as is).
 
         Only float weights can be quantized; asking a quantized model for another scheme is an
-        error (its float weights are gone)."""
+        error (its float weights are gone), and so is asking it of a checkpoint stored quantized
+        (quantizing its 4- or 8-bit weights again would only lose precision)."""
         scheme = parse_quantization(quantization)
+        if scheme is not None and self.checkpoint_quantization is not None:
+            raise ValueError(_requantize_message(self.name, self.checkpoint_quantization, scheme))
         if scheme == self.quantization:
             return self
         if self.quantization is not None:
@@ -84,6 +91,11 @@ class LoadedModel:
         )
 
 
+def _requantize_message(name: str, method: str, scheme: str) -> str:
+    return (f"model {name} is a {method} checkpoint, stored quantized: it is served as its checkpoint defines it "
+            f"and cannot be quantized again as {scheme} (leave quantization unset or none)")
+
+
 def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -96,10 +108,11 @@ def load_checkpoint(
     path: str | Path, dtype: str | jnp.dtype = "float32", keep_blocks: bool = False
 ) -> tuple[ModelConfig, ModelParams]:
     """Weights and config of a ``.gguf`` file (``keep_blocks``: see load_gguf_checkpoint) or an
-    HF safetensors directory."""
+    HF safetensors directory (``keep_blocks``: a quantized checkpoint's matrices as stored, see
+    load_safetensors_checkpoint)."""
     path = Path(path)
     if path.is_dir():
-        return load_safetensors_checkpoint(path, parse_dtype(dtype))
+        return load_safetensors_checkpoint(path, parse_dtype(dtype), keep_blocks)
     if path.suffix == ".gguf":
         return load_gguf_checkpoint(path, parse_dtype(dtype), keep_blocks)
     raise ModelLoadError(f"{path} is neither an HF checkpoint directory nor a .gguf file")
@@ -113,9 +126,13 @@ def load_model(
 ) -> LoadedModel:
     """Resolve a registry name or path and load everything a replica needs, its matrices
     quantized by ``quantization`` (int8 / fp8; see model/quantization/quant_array.py) if given, a GGUF's
-    block matrices kept as stored with ``keep_blocks`` (see ``keep_gguf_blocks``)."""
+    block matrices (and a quantized HF checkpoint's) kept as stored with ``keep_blocks`` (see
+    ``keep_gguf_blocks``)."""
     scheme = parse_quantization(quantization)  # a bad name fails before the weights load
     path = resolve_model_path(name_or_path)
+    stored = method_of(path) if path.is_dir() else None
+    if scheme is not None and stored is not None:
+        raise ValueError(_requantize_message(str(name_or_path), stored, scheme))
     source: Path | GGUFFile = path
     if path.suffix == ".gguf" and path.is_file():
         # Parsed once for weights and tokenizer: the reader is slow on large vocabularies.
@@ -124,5 +141,6 @@ def load_model(
     else:
         config, params = load_checkpoint(path, dtype, keep_blocks)
     tokenizer = load_tokenizer(source, config)
-    loaded = LoadedModel(str(name_or_path), path, with_tokenizer_eos(config, tokenizer), params, tokenizer)
+    loaded = LoadedModel(str(name_or_path), path, with_tokenizer_eos(config, tokenizer), params, tokenizer,
+                         checkpoint_quantization=stored)
     return loaded.quantized(scheme)
