@@ -1,4 +1,4 @@
-"""Write a random-weight ~1B GGUF of a new family (Qwen3, Gemma 2 or Qwen3-MoE) for serving benchmarks.
+"""Write a random-weight GGUF of a family (Llama, Qwen3, Gemma 2 or Qwen3-MoE) for serving benchmarks.
 
 The counterpart of ``shared/peers/make_big_gguf.py`` (a dense Llama-3.2-1B-shaped file) for the
 families of issue 33, so raylm and llama-server can be compared on the same file: the metadata
@@ -17,7 +17,9 @@ active per token at the defaults. Outputs are noise: benchmarks use ``ignore_eos
         [--experts 8 --top-k 2]
 
 ``--type`` is the matrices' GGUF type (F32, F16, Q8_0, Q4_0, Q4_1; norms stay F32 as
-llama-quantize keeps them).
+llama-quantize keeps them). ``--arch llama`` writes Llama 3's layout (``--untied``: an output
+matrix of its own, as Llama-3.1-8B has); benchmarks/make_test_ggufs.py sizes it like the models
+people download and quantizes it with llama-quantize.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from gguf import GGMLQuantizationType, GGUFWriter, quants
 from raylm.model.loaders.gguf_file import GGUFReader
 
 # Per family: (default heads, KV heads, head size) giving the Llama file's matmul shapes.
-DEFAULT_HEADS = {"qwen3": (16, 8, 128), "gemma2": (8, 4, 256), "qwen3moe": (16, 8, 128)}
-DEFAULT_FFN = {"qwen3": 8192, "gemma2": 8192, "qwen3moe": 1024}  # qwen3moe: each expert's
+DEFAULT_HEADS = {"llama": (16, 8, 128), "qwen3": (16, 8, 128), "gemma2": (8, 4, 256), "qwen3moe": (16, 8, 128)}
+DEFAULT_FFN = {"llama": 8192, "qwen3": 8192, "gemma2": 8192, "qwen3moe": 1024}  # qwen3moe: each expert's
 TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 _TOKENIZER_KEYS = (
     "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
@@ -46,10 +48,10 @@ _TOKENIZER_KEYS = (
 def write_family_gguf(
     out: Path, src: Path, arch: str = "qwen3", kind: str = "Q4_1", layers: int = 16, hidden: int = 2048,
     ffn: int | None = None, heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
-    seed: int = 0, experts: int = 8, top_k: int = 2,
+    seed: int = 0, experts: int = 8, top_k: int = 2, untied: bool = False,
 ) -> Path:
     """Write the file; returns ``out``. ``ffn`` / ``heads`` / ``kv_heads`` / ``head_dim`` default
-    per family; ``experts`` / ``top_k``: qwen3moe's."""
+    per family; ``experts`` / ``top_k``: qwen3moe's; ``untied``: an output matrix of its own."""
     defaults = DEFAULT_HEADS[arch]
     ffn = ffn or DEFAULT_FFN[arch]
     heads, kv_heads, head_dim = heads or defaults[0], kv_heads or defaults[1], head_dim or defaults[2]
@@ -67,6 +69,9 @@ def write_family_gguf(
     writer.add_layer_norm_rms_eps(1e-6)
     if arch in ("qwen3", "qwen3moe"):
         writer.add_rope_freq_base(1_000_000.0)
+    elif arch == "llama":
+        writer.add_rope_freq_base(500_000.0)
+        writer.add_rope_dimension_count(head_dim)
     else:  # Gemma2Model writes no RoPE base (llama.cpp's 10000) and these three
         writer.add_attn_logit_softcapping(50.0)
         writer.add_final_logit_softcapping(30.0)
@@ -76,6 +81,8 @@ def write_family_gguf(
         writer.add_expert_used_count(top_k)
         writer.add_expert_feed_forward_length(ffn)
     vocab = _copy_tokenizer(writer, GGUFReader(str(src)))
+    if arch == "llama":
+        writer.add_vocab_size(vocab)
 
     rng = np.random.default_rng(seed)
 
@@ -101,7 +108,7 @@ def write_family_gguf(
         if arch in ("qwen3", "qwen3moe"):
             norm(p + "attn_q_norm.weight", head_dim)
             norm(p + "attn_k_norm.weight", head_dim)
-        else:
+        elif arch == "gemma2":
             norm(p + "post_attention_norm.weight", hidden)
             norm(p + "post_ffw_norm.weight", hidden)
         norm(p + "ffn_norm.weight", hidden)
@@ -114,7 +121,9 @@ def write_family_gguf(
         matrix(p + "ffn_gate.weight", ffn, hidden)
         matrix(p + "ffn_up.weight", ffn, hidden)
         matrix(p + "ffn_down.weight", hidden, ffn)
-    norm("output_norm.weight", hidden)  # both families tie the LM head to token_embd here
+    norm("output_norm.weight", hidden)
+    if untied:  # else the LM head is token_embd
+        matrix("output.weight", vocab, hidden)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -150,10 +159,11 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--experts", type=int, default=8, help="qwen3moe: experts per layer")
     ap.add_argument("--top-k", type=int, default=2, help="qwen3moe: experts routed per token")
+    ap.add_argument("--untied", action="store_true", help="an output matrix of its own (else tied to the embedding)")
     a = ap.parse_args()
     src = a.src or resolve_model_path(DEFAULT_MODEL)
     write_family_gguf(a.out, src, a.arch, a.kind, a.layers, a.hidden, a.ffn, a.heads, a.kv_heads, a.head_dim,
-                      experts=a.experts, top_k=a.top_k)
+                      experts=a.experts, top_k=a.top_k, untied=a.untied)
     print("wrote", a.out)
 
 
