@@ -21,6 +21,11 @@ directly and apply the per-output-channel scale to their sums; XLA's paths conve
 8-bit matrix to the activation dtype for their dot and scale its result (accelerators fuse
 the conversion into the dot).
 
+Weights may be bfloat16 or float16 with float32 activations (a float32 model keeping its
+checkpoint's 16-bit matrices, model/loaders/hf_tensors.py): the 16-bit kernels widen them
+exactly in registers and run the float32 tiles, so they give the widened matrix's float32
+results bit for bit from half the bytes; elsewhere XLA's dot runs on ``w.astype(float32)``.
+
 Weights may be ``GgufBlocks`` (model/quantization/gguf_blocks.py): a GGUF's block-quantized matrices as
 stored. The block kernels widen them exactly and run the float32 tiles, so wherever the
 float32 kernels run they give the float32 matrix's results bit for bit; elsewhere XLA's dot
@@ -68,6 +73,9 @@ def _kernels(symbol: str, target: str) -> _Kernels:
 _KERNEL = _kernels("RaylmDenseMatmul", "raylm_dense_matmul")
 _QUANTIZED_KERNEL = _kernels("RaylmDenseMatmulQuantized", "raylm_dense_matmul_quantized")
 _GGUF_KERNEL = _kernels("RaylmGgufMatmul", "raylm_gguf_matmul")
+_HALF_KERNEL = _kernels("RaylmDenseMatmulHalf", "raylm_dense_matmul_half")
+# 16-bit weights a float32 model keeps as its checkpoint stores them (model/loaders/hf_tensors.py).
+HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Rows up to which the small-batch loop nest runs (every decode batch of the deploy defaults);
 # larger calls run the prompt GEMM. Either gives every row the same bits, so this is a speed
 # choice only. The small-batch kernel against XLA's dot, on the bundled model's projections
@@ -84,7 +92,7 @@ KERNEL_MAX_ROWS = 64
 
 def available() -> bool:
     """Whether the C++ kernel is built and registered with JAX (CPU only)."""
-    return all(k.available() for pair in (_KERNEL, _QUANTIZED_KERNEL, _GGUF_KERNEL) for k in pair)
+    return all(k.available() for pair in (_KERNEL, _QUANTIZED_KERNEL, _GGUF_KERNEL, _HALF_KERNEL) for k in pair)
 
 
 def dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -94,6 +102,19 @@ def dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
         raise ValueError(f"the dense matmul kernel takes float32 operands, got x {x.dtype} and w {w.dtype}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"dense_matmul takes x [M, K] and w [N, K], got {x.shape} and {w.shape}")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(x, w)
+
+
+def half_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x [M, K] . w [N, K]^T -> [M, N]`` for float32 ``x`` and bfloat16 or float16 ``w`` by
+    the C++ kernel: the float32 kernel's result on ``w.astype(float32)``, bit for bit (the
+    weights are widened exactly in registers); raises if unavailable."""
+    target = _HALF_KERNEL.target(x.shape[0])
+    if x.dtype != jnp.float32 or w.dtype not in HALF_DTYPES:
+        raise ValueError(f"the 16-bit matmul kernel takes float32 x and bfloat16/float16 w, got {x.dtype} and {w.dtype}")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"half_matmul takes x [M, K] and w [N, K], got {x.shape} and {w.shape}")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
     return call(x, w)
 
@@ -154,6 +175,8 @@ def dense(
         axes = (tuple(range(x.ndim - contract, x.ndim)), tuple(range(w.ndim - contract, w.ndim)))
         return jnp.tensordot(x, w, axes, preferred_element_type=out_dtype)
 
+    if x.dtype == jnp.float32 and w.dtype in HALF_DTYPES:
+        return _half_dense(x, w, contract, kernel=kernel, out_dtype=out_dtype)
     if not kernel:
         return by_jnp(x, w)
     # An unsharded program: both operands as 2-D matrices (free reshapes of row-major
@@ -170,6 +193,31 @@ def dense(
 
     def by_kernel(x: jax.Array, w: jax.Array) -> jax.Array:
         return dense_matmul(x.reshape(rows, size), w.reshape(-1, size)).reshape(*lead, *out)
+
+    return on_cpu(x, w, cpu=by_kernel, default=by_xla)
+
+
+def _half_dense(x: jax.Array, w: jax.Array, contract: int, *, kernel: bool, out_dtype: jnp.dtype | None) -> jax.Array:
+    """``dense`` for float32 activations and 16-bit weights (a float32 model keeping its
+    checkpoint's bfloat16 or float16 matrices): the 16-bit kernels wherever the float32 kernels
+    would run, so a program gives the widened matrix's float32 results bit for bit; else
+    ``dense`` over ``w.astype(float32)`` (XLA's dot on the exactly widened matrix; accelerators
+    fuse the conversion)."""
+    lead, size = x.shape[: x.ndim - contract], math.prod(x.shape[x.ndim - contract:])
+    rows = math.prod(lead)
+
+    def by_xla(x: jax.Array, w: jax.Array) -> jax.Array:
+        return dense(x, w.astype(x.dtype), contract, kernel=kernel, out_dtype=out_dtype)
+
+    if not (kernel and available() and rows > 0):
+        return by_xla(x, w)
+    if w.shape[w.ndim - contract:] != x.shape[x.ndim - contract:]:
+        raise ValueError(f"dense: x {x.shape} and w {w.shape} differ in their last {contract} dims")
+    out = w.shape[: w.ndim - contract]
+
+    def by_kernel(x: jax.Array, w: jax.Array) -> jax.Array:
+        y = half_matmul(x.reshape(rows, size), w.reshape(-1, size)).reshape(*lead, *out)
+        return y if out_dtype is None else y.astype(out_dtype)
 
     return on_cpu(x, w, cpu=by_kernel, default=by_xla)
 

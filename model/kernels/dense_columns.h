@@ -15,17 +15,20 @@ namespace {
 using raylm::Run;
 
 // Whether Columns widens a tile of weight rows of type W once into an L1 panel for calls of
-// more than one row tile, rather than in registers in every row tile. Only fp8 does: its
+// more than one row tile, rather than in registers in every row tile. fp8 does: its
 // widening takes several operations a vector, and the panel made 16-64-row calls 1.4-2x
 // faster. int8's takes two, and the panel's store and reload cost more than widening again:
 // the bundled model's 120 int8 projections ran 2.2x faster at 8 rows and 1.1-1.6x at 16-64
-// in registers (2-core AMD EPYC; eight-lane tiles 1.0-1.2x).
+// in registers (2-core AMD EPYC; eight-lane tiles 1.0-1.2x). bfloat16 and float16 do too:
+// in registers their 16- and 64-row calls ran at half the float32 kernel's speed (2048x2048
+// and 8192x2048, 16-lane tiles, same machine), through the panel at 0.9-1.0x of it.
 template <typename W>
-constexpr bool kWidensThroughPanel = std::is_same_v<W, Fp8E4m3>;
+constexpr bool kWidensThroughPanel = std::is_same_v<W, Fp8E4m3> || sizeof(W) == 2;
 
 // Output columns [n_begin, n_end) for all M rows. `scale` is null for float32 weights.
-// fp8 weights feeding more than one row tile are widened once per tile of weight rows into
-// `panel` (NR * K floats, L1-resident), which every row tile then reads (kWidensThroughPanel).
+// fp8 and 16-bit weights feeding more than one row tile are widened once per tile of weight rows into
+// `panel` (NR * K floats, L1-resident), which every row tile then reads (kWidensThroughPanel);
+// without a panel (null: the LoRA kernel's bfloat16 slots) they are widened in registers.
 // The widened values are exact, so a row's sums are the same on either path (the
 // batch-invariance the engine relies on).
 template <typename Tiles, typename W>
@@ -37,7 +40,7 @@ void Columns(const float* x, const W* w, const float* scale, float* y, int64_t M
   for (; n + NR <= n_end; n += NR) {  // NR weight rows stay in L1 while every input row passes
     int64_t m = 0;
     const float* s = scale ? scale + n : nullptr;
-    if (kWidensThroughPanel<W> && M > MR) {
+    if (kWidensThroughPanel<W> && M > MR && panel) {
       Tiles::WidenRows(w + n * K, panel, NR * K);
       for (; m + MR <= M; m += MR) Tiles::template Tile<MR, NR>(x + m * K, panel, s, y + m * N + n, K, N, nullptr);
       RemainderRows<Tiles, NR>(M - m, x + m * K, panel, s, y + m * N + n, K, N, nullptr);
@@ -46,7 +49,7 @@ void Columns(const float* x, const W* w, const float* scale, float* y, int64_t M
     // With more than one row, the first row tile also prefetches the next NR float32 weight
     // rows, one cache line per row and step: the hardware prefetcher alone left memory idle
     // while the other row tiles computed (8 and 16 rows 1.15-1.3x faster on either family).
-    // At one row it made calls slower (1.1x). 8-bit rows prefetch themselves in the tile.
+    // At one row it made calls slower (1.1x). 8- and 16-bit rows prefetch themselves in the tile.
     const float* ahead = nullptr;
     if constexpr (sizeof(W) == 4)
       if (M > 1 && n + 2 * NR <= n_end) ahead = reinterpret_cast<const float*>(w + (n + NR) * K);

@@ -19,6 +19,7 @@
 namespace {
 
 using raylm::Bf16;
+using raylm::Fp16;
 using raylm::Fp8E4m3;
 using raylm::ToFloat;
 
@@ -54,6 +55,7 @@ struct Lanes<Vec8> {
   static Vec8 Load(const float* p) { return Loads::From(p); }
   static Vec8 Load(const int8_t* p) { return Loads::From(p); }
   static Vec8 Load(const Bf16* p) { return Loads::From(p); }
+  static Vec8 Load(const Fp16* p) { return Loads::From(p); }
   static I32x8 BytesAtLaneTops(const void* p) { return Loads::BytesAtLaneTops(p); }
 
   static Vec8 Load(const Fp8E4m3* p) {
@@ -112,6 +114,7 @@ struct Lanes<Vec16> {
   static Vec16 Load(const float* p) { return raylm::LaneLoad<Vec16>::From(p); }
   static Vec16 Load(const int8_t* p) { return raylm::LaneLoad<Vec16>::From(p); }
   static Vec16 Load(const Bf16* p) { return raylm::LaneLoad<Vec16>::From(p); }
+  static Vec16 Load(const Fp16* p) { return raylm::LaneLoad<Vec16>::From(p); }
 
   static Vec16 Load(const Fp8E4m3* p) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

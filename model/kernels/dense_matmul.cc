@@ -16,6 +16,11 @@
 // them in registers (never an f32 copy of the matrix): at one to a few rows a step is bound
 // by reading weights, so a quarter of the bytes is most of the speed-up.
 //
+// 16-bit float weights (bfloat16 or float16, as a float32 model keeps a checkpoint's 16-bit
+// matrices): w [N, K] read as stored and widened in registers (exactly: every 16-bit float is a
+// float32), then the float32 tiles, so y is the float32 kernel's on the widened matrix, bit for
+// bit, from half the bytes.
+//
 // GGUF block weights (model/quantization/gguf_blocks.py): llama.cpp's block types (Q4_0 .. Q8_0, K-quants, IQ4) kept as
 // stored, 32 weights per block along k with a float32 scale (and offset) per block, widened
 // with exactly the arithmetic of the gguf package's dequantization (gguf_blocks.h). With up to
@@ -102,6 +107,20 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer
       });
 }
 
+// 16-bit float weights (bfloat16 or float16, told apart by the buffer's type): y = x . w^T.
+template <Nest kNest>
+ffi::Error HalfMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer w, ffi::Result<Matrix> y) {
+  if (w.dimensions().size() != 2) return ffi::Error::InvalidArgument("dense_matmul: w must be [N, K]");
+  const std::string error = ShapeError(x.dimensions(), w.dimensions(), nullptr, y->dimensions());
+  if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  return raylm::RunOnDataOf<raylm::Bf16, raylm::Fp16>(
+      w, "dense_matmul: 16-bit weights must be bfloat16 or float16", [&](const auto* ws) {
+        RunMatmul<kNest>(x.typed_data(), ws, nullptr, y->typed_data(), M, N, K, thread_pool);
+      });
+}
+
 // GGUF block weights of N rows of K: q [N, K/2] uint8 (4-bit blocks) or [N, K] int8 (8-bit blocks);
 // scale [N, K/group] (group 32 or 16) and offset like scale (always for 4-bit blocks) or [N, 0],
 // float32, or int8 with supers [N, K/256 * 2] float32 (two-level scales; else supers [N, 0]);
@@ -176,6 +195,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmulQuantized, QuantizedMatmul<Nest::k
                                   .Arg<Scales>()
                                   .Ret<Matrix>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmulHalf, HalfMatmul<Nest::kSmallBatch>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<Matrix>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufMatmul, GgufMatmul<Nest::kSmallBatch>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -186,7 +212,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufMatmul, GgufMatmul<Nest::kSmallBatch>,
                                   .Arg<Matrix>()
                                   .Ret<Matrix>());
 
-// The same three products by the prompt GEMM (prompt_gemm.inc), for calls of many rows.
+// The same four products by the prompt GEMM (prompt_gemm.inc), for calls of many rows.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmulPrompt, DenseMatmul<Nest::kPrompt>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -200,6 +226,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmulQuantizedPrompt, QuantizedMatmul<N
                                   .Arg<Matrix>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Scales>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmDenseMatmulHalfPrompt, HalfMatmul<Nest::kPrompt>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufMatmulPrompt, GgufMatmul<Nest::kPrompt>,

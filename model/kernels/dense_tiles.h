@@ -17,6 +17,7 @@ namespace {
 
 using raylm::GgufRows;
 
+
 // y[i, j] = x[i, :] . w[j, :] for i < MR, j < NR: MR*NR vector accumulators, NR weight vectors
 // and one input vector per step. Each element is summed over V's lanes along k, then the
 // lanes in Lanes<V>::Sum's order, then the k tail. `ahead` (or null): NR weight rows to
@@ -36,6 +37,12 @@ __attribute__((always_inline)) inline void TileOf(const float* __restrict x, con
       // pick up before they end, which left a one-row call at a third of DRAM bandwidth.
       // Fetch the next tile's rows (contiguous after these) one tile ahead.
       if (k % 64 == 0)
+        for (int j = 0; j < NR; ++j) __builtin_prefetch(w + (NR + j) * K + k);
+    } else if constexpr (sizeof(W) == 2) {
+      // 16-bit rows likewise, a cache line (32 values) per row at a time: without it 4-row
+      // calls of a 2048x2048 and an 8192x2048 matrix were 1.1x the float32 kernel's speed,
+      // with it 1.3-1.5x (16-lane tiles, 2-core AMD EPYC).
+      if (k % 32 == 0)
         for (int j = 0; j < NR; ++j) __builtin_prefetch(w + (NR + j) * K + k);
     }
     if (ahead && k % 16 == 0)

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "bfloat16.h"
+#include "float16.h"
 #include "fp8_e4m3.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -31,6 +32,8 @@ template <>
 constexpr ffi::DataType kDataTypeOf<float> = ffi::DataType::F32;
 template <>
 constexpr ffi::DataType kDataTypeOf<Bf16> = ffi::DataType::BF16;
+template <>
+constexpr ffi::DataType kDataTypeOf<Fp16> = ffi::DataType::F16;
 template <>
 constexpr ffi::DataType kDataTypeOf<int8_t> = ffi::DataType::S8;
 template <>

@@ -1,4 +1,4 @@
-// Loads of float32, int8 and bfloat16 values into vectors of float32 lanes, widened exactly in
+// Loads of float32, int8, bfloat16 and float16 values into vectors of float32 lanes, widened exactly in
 // registers: shared by the matmul tiles (dense_matmul.cc, which adds its own 8-bit float and
 // 4-bit loads) and decode attention (paged_decode_attention.cc, for 16- and 8-bit KV pools).
 // LaneLoad<Vec8> is plain vector-extension code that every target_clones clone compiles;
@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "bfloat16.h"
+#include "float16.h"
 #include "fp8_e4m3.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -23,6 +24,7 @@ inline float ToFloat(float x) { return x; }
 inline float ToFloat(int8_t x) { return static_cast<float>(x); }
 inline float ToFloat(Fp8E4m3 x) { return Fp8ToFloat(x); }
 inline float ToFloat(Bf16 x) { return Bf16ToFloat(x); }  // exact: the high half of a float32
+inline float ToFloat(Fp16 x) { return Fp16ToFloat(x); }  // exact: every float16 is a float32
 
 typedef float Vec8 __attribute__((vector_size(32)));
 typedef float Vec16 __attribute__((vector_size(64)));
@@ -68,6 +70,11 @@ struct LaneLoad<Vec8> {
 
   // bfloat16: each value to the top half of its lane.
   static Vec8 From(const Bf16* p) { return LoadBf16Lanes<Vec8, U16x8, U32x8>(p); }
+
+  // float16: bit arithmetic every clone compiles (float16.h). GCC's own _Float16 conversion
+  // calls a library function per value in the default clone, and F16C's vcvtph2ps cannot be
+  // named in code the default clone also compiles.
+  static Vec8 From(const Fp16* p) { return LoadFp16Lanes<Vec8, U16x8, U32x8>(p); }
 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -97,6 +104,12 @@ struct LaneLoad<Vec16> {
   static Vec16 From(const Bf16* p) {
     const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return reinterpret_cast<Vec16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+  }
+
+  // float16 by F16C's AVX-512 form (vcvtph2ps): exact, as HalfToFloat.
+  static Vec16 From(const Fp16* p) {
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return reinterpret_cast<Vec16>(_mm512_cvtph_ps(halves));
   }
 };
 #pragma GCC diagnostic pop

@@ -182,8 +182,8 @@ void AddDeltas(const float* x, const W* w, const Packed& p, const std::vector<in
   // Phase 1: xa_t [rows, R] = x A_t^T per target; `shrink` computes columns [begin, end) of
   // segment (run, target)'s R.
   std::unique_ptr<float[]> xa(new float[T * rows * R]);
-  // Columns widens every slot type in registers, so it needs no panel (null below).
-  static_assert(!kWidensThroughPanel<W>, "slot types that Columns widens through a panel need its scratch");
+  // Columns widens every slot type in registers when given no panel (null below), bfloat16
+  // slots too (which 16-bit weight matrices widen through a panel).
   const auto shrink = [&](size_t segment, int64_t begin, int64_t end) {
     const SlotRows& run = runs[segment / T];
     const int64_t t = segment % T;
