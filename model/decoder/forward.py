@@ -127,7 +127,10 @@ def forward(
         kernel_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
     batch = _Batch(positions, tables, context_lens, valid, slots, rotations, kernel_lens)
     embed = params.embed
-    x = embed.rows(tokens, params.final_norm.dtype) if isinstance(embed, (QuantArray, GgufBlocks, Int8Panels)) else embed[tokens]
+    if isinstance(embed, (QuantArray, GgufBlocks, Int8Panels)):
+        x = embed.rows(tokens, params.final_norm.dtype)
+    else:  # a float32 model's 16-bit embedding (model/loaders/hf_tensors.py): the looked-up rows widened
+        x = embed[tokens].astype(params.final_norm.dtype)
     if config.embed_scale is not None:  # in the model dtype, as HF Gemma rounds it
         x = x * jnp.asarray(config.embed_scale, x.dtype)
     eps = config.rms_norm_eps

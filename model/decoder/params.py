@@ -35,7 +35,9 @@ class ArrayInfo:
     weights, stored [out..., in...]) how many trailing dims are inputs. Matrices are what
     weight-only quantization replaces by a QuantArray with a scale per output channel
     (model/quantization/quant_array.py); the embedding is one too: as the tied LM head it is a [V, D]
-    matrix, and its rows are the lookup's per-token scales. Every array has the model dtype."""
+    matrix, and its rows are the lookup's per-token scales. Every array has the model dtype, but a
+    float32 model may keep its checkpoint's bfloat16 or float16 matrices (model/loaders/hf_tensors.py;
+    the dense kernels and the embedding lookup widen them exactly)."""
 
     shape: Callable[[ModelConfig], tuple[int, ...]]
     logical_axes: tuple[str, ...]

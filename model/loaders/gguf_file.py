@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import gguf
+import ml_dtypes
 import numpy as np
 from gguf.quants import dequantize
 
@@ -21,6 +22,12 @@ from raylm.model.errors import ModelLoadError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from raylm.model.quantization.gguf_blocks import GgufBlocks
+
+# 16-bit float tensor types and the numpy dtypes they are read as, kept with ``keep_blocks``.
+_HALF_TYPES = {
+    gguf.GGMLQuantizationType.F16: np.dtype(np.float16),
+    gguf.GGMLQuantizationType.BF16: np.dtype(ml_dtypes.bfloat16),
+}
 
 
 class GGUFReader(gguf.GGUFReader):
@@ -65,12 +72,16 @@ class GGUFFile:
     def tensor(self, name: str, keep_blocks: bool = False) -> np.ndarray | GgufBlocks | None:
         """The tensor in numpy (= HF ``[out, in]``) layout, or None if absent: dequantized to
         float32, or with ``keep_blocks`` a block-quantized matrix (the types in
-        ``GGUF_BLOCK_TYPES``; or an MoE layer's stacked experts ``[E, out, in]``) as ``GgufBlocks``."""
+        ``GGUF_BLOCK_TYPES``; or an MoE layer's stacked experts ``[E, out, in]``) as ``GgufBlocks``
+        and an F16 or BF16 matrix as float16 or bfloat16."""
         info = self._tensors.get(name)
         if info is None:
             return None
         self.read.add(name)
         shape = tuple(int(d) for d in reversed(info.shape))
+        if keep_blocks and info.tensor_type in _HALF_TYPES and len(shape) in (2, 3):
+            # 16-bit float matrices as stored (a float32 model keeps them: hf_tensors.py).
+            return np.asarray(info.data).view(_HALF_TYPES[info.tensor_type]).reshape(shape)
         if keep_blocks:
             from raylm.model.quantization.gguf_blocks import GGUF_BLOCK_TYPES, from_gguf
 

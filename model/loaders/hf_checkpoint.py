@@ -1,6 +1,8 @@
 """Load an HF checkpoint directory: ``config.json`` + one or sharded ``*.safetensors`` files.
 
-Float tensors are widened to float32 (build_params casts them to the model dtype); a checkpoint
+Float tensors are widened to float32 (build_params casts them to the model dtype), except that
+with ``keep_blocks`` (a float32 model on one CPU device) bfloat16 and float16 matrices stay
+16-bit (model/loaders/hf_tensors.py: the kernels widen them exactly); a checkpoint
 stored quantized (``quantization_config``: AWQ, GPTQ, compressed-tensors, FP8) has its layers
 read by model/loaders/hf_quantized.py.
 """
@@ -23,7 +25,7 @@ from raylm.model.decoder.params import ModelParams
 from raylm.model.errors import ModelLoadError
 from raylm.model.loaders.hf_quantized import QUANTIZED_SUFFIXES, read_quantization
 from raylm.model.loaders.hf_quantized_matrix import Matrix
-from raylm.model.loaders.hf_tensors import build_params
+from raylm.model.loaders.hf_tensors import HALF_DTYPES, build_params
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -140,7 +142,11 @@ def load_safetensors_checkpoint(
                 raise ModelLoadError(f"tensor {name!r} in {names[name]} is {kind}, not floats, and nothing in "
                                      f"config.json's quantization_config says how to read it{how}")
             array = tensors.read(name)
-            return None if array is None else _to_float(array)
+            if array is None:
+                return None
+            # A float32 model on one CPU device keeps 16-bit matrices as stored (build_params
+            # widens what is not a matrix); otherwise everything is widened here.
+            return array if keep_blocks and array.dtype in HALF_DTYPES else _to_float(array)
 
         params = build_params(config, get, str(path), dtype, norm_offset=1.0 if HF_FAMILIES[config.architecture].gemma else 0.0)
     return config, params

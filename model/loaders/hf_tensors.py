@@ -13,6 +13,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from raylm.model.config.model_config import ModelConfig
@@ -22,6 +23,12 @@ from raylm.model.quantization.gguf_blocks import GgufBlocks
 from raylm.model.quantization.gguf_blocks import dequantized as blocks_dequantized
 from raylm.model.quantization.gguf_blocks import map_rows as blocks_map_rows
 from raylm.model.quantization.quant_array import QuantArray
+
+# 16-bit float matrices a float32 model keeps as stored (the loaders return them only with
+# ``keep_blocks``); build_params widens everything else (norms, biases, routers, MoE experts).
+HALF_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+# The fields read through the dense kernels, which take 16-bit matrices (model/kernels/dense.py).
+_HALF_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "shared_gate_proj", "shared_up", "shared_down")
 
 # Answers an HF tensor name with its array, or None if the checkpoint lacks it.
 TensorSource = Callable[[str], "np.ndarray | GgufBlocks | QuantArray | None"]
@@ -80,6 +87,9 @@ def map_rows(fn: Callable[..., np.ndarray],
     ``map_rows`` for floats and blocks; on the values and the row scales of QuantArrays of one
     storage type; a mix with QuantArrays is expanded to float32 first (exact, just larger)."""
     if not any(isinstance(m, QuantArray) for m in matrices):
+        floats = [m for m in matrices if isinstance(m, np.ndarray)]
+        if len({m.dtype for m in floats}) > 1:  # 16-bit matrices of mixed kinds: widened (exact)
+            matrices = tuple(m.astype(np.float32) if isinstance(m, np.ndarray) else m for m in matrices)
         return blocks_map_rows(fn, *matrices)
     first = matrices[0]
     if all(isinstance(m, QuantArray) and m.q.dtype == first.q.dtype for m in matrices):
@@ -225,7 +235,9 @@ def stacked_experts(get: TensorSource, config: ModelConfig, layer: int, projs: t
 def build_params(
     config: ModelConfig, get: TensorSource, source: str, dtype: jnp.dtype, norm_offset: float = 0.0
 ) -> ModelParams:
-    """Assemble and validate ``ModelParams`` from HF-named tensors, cast to ``dtype``.
+    """Assemble and validate ``ModelParams`` from HF-named tensors, cast to ``dtype``; for a
+    float32 model, bfloat16 and float16 projections, embedding and LM head stay 16-bit (the
+    loaders return them so only with ``keep_blocks``; the dense kernels widen them exactly).
 
     ``norm_offset`` is added to every RMSNorm weight: HF's Gemma checkpoints store ``w`` for
     a norm that multiplies by ``1 + w`` (llama.cpp's GGUF files store ``1 + w`` already)."""
@@ -249,7 +261,13 @@ def build_params(
             return array.to_device()
         if isinstance(array, QuantArray):
             return QuantArray(jnp.asarray(array.q), jnp.asarray(array.scale, jnp.float32))
+        if array.dtype in HALF_DTYPES and jnp.dtype(dtype) == jnp.float32:
+            return jnp.asarray(array)  # a 16-bit matrix kept as stored
         return jnp.asarray(array, dtype=dtype)
+
+    def widened(array: np.ndarray | GgufBlocks | QuantArray) -> np.ndarray | GgufBlocks | QuantArray:
+        """16-bit floats as float32: what no kernel reads at 16 bits (the grouped MoE kernel)."""
+        return array.astype(np.float32) if isinstance(array, np.ndarray) and array.dtype in HALF_DTYPES else array
 
     H, KVH, Dh, D = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
 
@@ -257,7 +275,7 @@ def build_params(
         def hf(field: str) -> np.ndarray | GgufBlocks | QuantArray:
             names = {**_HF_NAMES, **_SANDWICH_NAMES} if config.sandwich_norms else _HF_NAMES
             array = fetch((_PREFIX + names[field]).format(i=i), _hf_shape(field, config))
-            if isinstance(array, (GgufBlocks, QuantArray)):
+            if isinstance(array, (GgufBlocks, QuantArray)) or (array.dtype in HALF_DTYPES and field in _HALF_MATRICES):
                 return array
             array = array.astype(np.float32, copy=False)
             return array + np.float32(norm_offset) if field in _NORMS and norm_offset else array
@@ -272,8 +290,8 @@ def build_params(
         if config.is_sparse(i):
             fields.update(
                 router=dequantized(hf("router")),
-                w_experts_gate_up=stacked_experts(get, config, i, ("gate_proj", "up_proj"), source),
-                w_experts_down=stacked_experts(get, config, i, ("down_proj",), source),
+                w_experts_gate_up=widened(stacked_experts(get, config, i, ("gate_proj", "up_proj"), source)),
+                w_experts_down=widened(stacked_experts(get, config, i, ("down_proj",), source)),
             )
             if config.moe.shared_expert_size:
                 fields.update(
@@ -302,7 +320,7 @@ def build_params(
     params = ModelParams(
         embed=on_device(embed),
         layers=tuple(layer(i) for i in range(config.num_layers)),
-        final_norm=jnp.asarray(fetch("model.norm.weight", (D,)) + np.float32(norm_offset), dtype=dtype),
+        final_norm=jnp.asarray(fetch("model.norm.weight", (D,)).astype(np.float32) + np.float32(norm_offset), dtype=dtype),
         lm_head=lm_head,
     )
     wrong = shape_mismatches(params, config)  # the fused layout against model/decoder/params.py's declarations

@@ -24,6 +24,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # What happens to a GGUF's block-quantized matrices (model/quantization/gguf_blocks.py): "keep" them as
 # stored (the float32 numbers, a sixth of the bytes; float32 models on one device), "expand"
 # them to float32 at load, or "auto": keep them where that is possible and pays (one CPU device).
+# The same choice keeps bfloat16 / float16 matrices (GGUF F16 / BF16, 16-bit safetensors) at 16
+# bits rather than widening them (model/loaders/hf_tensors.py).
 GGUF_BLOCKS_CHOICES: tuple[str, ...] = ("auto", "keep", "expand")
 
 
