@@ -112,7 +112,9 @@ def half_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     weights are widened exactly in registers); raises if unavailable."""
     target = _HALF_KERNEL.target(x.shape[0])
     if x.dtype != jnp.float32 or w.dtype not in HALF_DTYPES:
-        raise ValueError(f"the 16-bit matmul kernel takes float32 x and bfloat16/float16 w, got {x.dtype} and {w.dtype}")
+        raise ValueError(
+            f"the 16-bit matmul kernel takes float32 x and bfloat16/float16 w, got {x.dtype} and {w.dtype}"
+        )
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"half_matmul takes x [M, K] and w [N, K], got {x.shape} and {w.shape}")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))

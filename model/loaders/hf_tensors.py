@@ -320,7 +320,8 @@ def build_params(
     params = ModelParams(
         embed=on_device(embed),
         layers=tuple(layer(i) for i in range(config.num_layers)),
-        final_norm=jnp.asarray(fetch("model.norm.weight", (D,)).astype(np.float32) + np.float32(norm_offset), dtype=dtype),
+        final_norm=jnp.asarray(fetch("model.norm.weight", (D,)).astype(np.float32) + np.float32(norm_offset),
+                               dtype=dtype),
         lm_head=lm_head,
     )
     wrong = shape_mismatches(params, config)  # the fused layout against model/decoder/params.py's declarations

@@ -170,3 +170,19 @@ def test_f16_gguf_keeps_float16_matrices_and_matches_hf(tmp_path):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(widened)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))
     _matches_hf(config, params, hf_model)
+
+
+@pytest.mark.parametrize("variant", ["llama-tied", "gemma2", "qwen2-moe"])
+def test_other_families_kept_16_bit_match_hf(variant, tmp_path):
+    """A tied embedding (the LM head by the 16-bit kernel), Gemma's norms stored as ``w`` (+1
+    after widening), and an MoE layer (experts widened at load for the grouped kernel, the
+    shared expert kept 16-bit)."""
+    path, hf_model = build_tiny_checkpoint(variant, tmp_path / "float32")
+    sixteen, hf_model = _sixteen_bit_copy(path, hf_model, torch.bfloat16, tmp_path / "bf16")
+    config, params = load_checkpoint(sixteen, keep_blocks=True)
+    assert params.embed.dtype == jnp.bfloat16 and params.final_norm.dtype == jnp.float32
+    if config.moe is not None:
+        layer = next(lp for i, lp in enumerate(params.layers) if config.is_sparse(i))
+        assert layer.w_experts_gate_up.dtype == layer.router.dtype == jnp.float32
+        assert layer.w_shared_gate_up.dtype == jnp.bfloat16
+    _matches_hf(config, params, hf_model)
