@@ -68,6 +68,10 @@ void Columns(const float* x, const W* w, const float* scale, float* y, int64_t M
 #ifdef RAYLM_WIDE_TILES
   if (UseWideTiles()) return Columns<WideTiles>(x, w, scale, y, M, N, K, n_begin, n_end, panel);
 #endif
+#ifdef RAYLM_F16C_TILES
+  if constexpr (std::is_same_v<W, Fp16>)
+    if (UseF16cTiles()) return Columns<NarrowF16cTiles>(x, w, scale, y, M, N, K, n_begin, n_end, panel);
+#endif
   Columns<NarrowTiles>(x, w, scale, y, M, N, K, n_begin, n_end, panel);
 }
 

@@ -19,10 +19,10 @@ using raylm::GgufRows;
 
 
 // y[i, j] = x[i, :] . w[j, :] for i < MR, j < NR: MR*NR vector accumulators, NR weight vectors
-// and one input vector per step. Each element is summed over V's lanes along k, then the
+// and one input vector per step, loaded by L (Lanes<V>, or F16cLanes for float16 weights). Each element is summed over V's lanes along k, then the
 // lanes in Lanes<V>::Sum's order, then the k tail. `ahead` (or null): NR weight rows to
 // prefetch, one cache line per row every 16 floats, while this tile computes.
-template <typename V, int MR, int NR, typename W>
+template <typename V, int MR, int NR, typename W, typename L = Lanes<V>>
 __attribute__((always_inline)) inline void TileOf(const float* __restrict x, const W* __restrict w,
                                                   const float* __restrict scale, float* __restrict y, int64_t K,
                                                   int64_t N, const float* __restrict ahead) {
@@ -48,18 +48,18 @@ __attribute__((always_inline)) inline void TileOf(const float* __restrict x, con
     if (ahead && k % 16 == 0)
       for (int j = 0; j < NR; ++j) __builtin_prefetch(ahead + j * K + k);
     V wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = Lanes<V>::Load(w + j * K + k);
+    for (int j = 0; j < NR; ++j) wv[j] = L::Load(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
-      const V xv = Lanes<V>::Load(x + i * K + k);
+      const V xv = L::Load(x + i * K + k);
       for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
     }
   }
-  if constexpr (Lanes<V>::kSumsTiles && MR == 4 && NR == 4) {
-    if (k == K) return Lanes<V>::SumTile(acc, scale, y, N);
+  if constexpr (L::kSumsTiles && MR == 4 && NR == 4) {
+    if (k == K) return L::SumTile(acc, scale, y, N);
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
-      float s = Lanes<V>::Sum(acc[i][j]);
+      float s = L::Sum(acc[i][j]);
       // std::fma, not `s += x * w`: whether the compiler fuses a written multiply-add
       // depends on how it vectorises each instantiation, and the float32-panel and direct
       // 8-bit tiles must round the tail alike (batch invariance).
@@ -68,13 +68,13 @@ __attribute__((always_inline)) inline void TileOf(const float* __restrict x, con
     }
 }
 
-// out[0 .. count) = w[0 .. count) widened to float32 (exactly: both formats fit).
-template <typename V, typename W>
+// out[0 .. count) = w[0 .. count) widened to float32 (exactly: every format fits).
+template <typename V, typename W, typename L = Lanes<V>>
 __attribute__((always_inline)) inline void WidenRowsOf(const W* __restrict w, float* __restrict out, int64_t count) {
   constexpr int kLanes = sizeof(V) / sizeof(float);
   int64_t i = 0;
   for (; i + kLanes <= count; i += kLanes) {
-    const V v = Lanes<V>::Load(w + i);
+    const V v = L::Load(w + i);
     std::memcpy(out + i, &v, sizeof v);
   }
   for (; i < count; ++i) out[i] = ToFloat(w[i]);
@@ -246,6 +246,46 @@ struct NarrowTiles {
     WidenGgufRowsOf<Vec8>(w, n, count, out, prefetch_next);
   }
 };
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The eight-lane tiles for float16 weights on CPUs with x86-64-v3 (AVX2, FMA, F16C): the same
+// sums as NarrowTiles (whose v3 and v4 clones such a CPU runs, both contracting the same
+// multiply-adds), the weights widened by F16C's vcvtph2ps where NarrowTiles' clones, compiled
+// for the default target too, use bit arithmetic (float16.h; 0.6-0.8x the float32 kernel at
+// 1-16 rows). Picked by Columns and the prompt GEMM (UseF16cTiles).
+#define RAYLM_F16C_TILES 1
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v3")
+struct F16cLanes : Lanes<Vec8> {
+  using Lanes<Vec8>::Load;
+  static Vec8 Load(const Fp16* p) {
+    return reinterpret_cast<Vec8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+
+struct NarrowF16cTiles {
+  static constexpr int MR = NarrowTiles::MR, NR = NarrowTiles::NR;
+
+  template <int R, int C, typename W>
+  static void Tile(const float* x, const W* w, const float* scale, float* y, int64_t K, int64_t N,
+                   const float* ahead) {
+    TileOf<Vec8, R, C, W, F16cLanes>(x, w, scale, y, K, N, ahead);
+  }
+
+  template <typename W>
+  static void WidenRows(const W* w, float* out, int64_t count) {
+    WidenRowsOf<Vec8, W, F16cLanes>(w, out, count);
+  }
+};
+#pragma GCC pop_options
+
+// Whether float16 weights take NarrowF16cTiles when the eight-lane family runs: the CPU runs
+// NarrowTiles' x86-64-v3 or v4 clone. Decided once.
+inline bool UseF16cTiles() {
+  static const bool v3 = __builtin_cpu_supports("x86-64-v3");
+  return v3;
+}
+#endif
 
 #ifdef RAYLM_WIDE_TILES
 // Sixteen-lane tiles for CPUs with AVX-512 (x86-64-v4). The eight-lane clone uses half of
