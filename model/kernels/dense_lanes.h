@@ -1,5 +1,5 @@
 // The dense kernel's vector lanes (dense_matmul.cc; the grouped and LoRA kernels run the same
-// tiles): Lanes<V> loads float32, 8-bit and bfloat16 weights into a V of float32 lanes, widened
+// tiles): Lanes<V> loads float32, 8-bit, bfloat16 and float16 weights into a V of float32 lanes, widened
 // exactly, and sums a V's lanes in its fixed order (lane_loads.h's ToFloat widens one value at a
 // time, for the tiles' k tails).
 #ifndef RAYLM_DENSE_LANES_H_
@@ -46,8 +46,8 @@ using raylm::Vec8;
 
 template <>
 struct Lanes<Vec8> {
-  // float32, int8 and bfloat16 (LoRA slots, lora_delta.cc) as lane_loads.h widens them; 8-bit
-  // floats and 4-bit blocks from the same bytes at the lanes' tops.
+  // float32, int8, bfloat16 (LoRA slots, lora_delta.cc; 16-bit weight matrices) and float16 as
+  // lane_loads.h widens them; 8-bit floats and 4-bit blocks from the same bytes at the lanes' tops.
   using Loads = raylm::LaneLoad<Vec8>;
   using I32x8 = Loads::I32x8;
   using U32x8 = Loads::U32x8;
@@ -110,7 +110,7 @@ struct Lanes<Vec16> {
   typedef float Vec4 __attribute__((vector_size(16)));
   typedef uint32_t U32x16 __attribute__((vector_size(64)));
 
-  // float32, int8 and bfloat16 as lane_loads.h widens them (intrinsics), 8-bit floats here.
+  // float32, int8, bfloat16 and float16 as lane_loads.h widens them (intrinsics), 8-bit floats here.
   static Vec16 Load(const float* p) { return raylm::LaneLoad<Vec16>::From(p); }
   static Vec16 Load(const int8_t* p) { return raylm::LaneLoad<Vec16>::From(p); }
   static Vec16 Load(const Bf16* p) { return raylm::LaneLoad<Vec16>::From(p); }

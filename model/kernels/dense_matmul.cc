@@ -10,7 +10,7 @@
 // and the first row tile prefetches the next weight rows, so memory keeps streaming while
 // the other row tiles compute.
 //
-// Operands: x [M, K] f32, w [N, K] f32. Result: y [M, N] f32, y = x . w^T.
+// Operands: x [M, K] f32, w [N, K] f32 (or bf16 / f16, below). Result: y [M, N] f32, y = x . w^T.
 // Quantized weights (model/quantization/quant_array.py): w [N, K] int8 or float8 e4m3fn with one f32
 // scale per output row, y = (x . w^T) * scale. The kernel reads the 8-bit weights and widens
 // them in registers (never an f32 copy of the matrix): at one to a few rows a step is bound
