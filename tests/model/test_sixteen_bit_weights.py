@@ -158,14 +158,17 @@ def test_served_kept_16_bit_is_bit_identical_to_widened(bf16_checkpoint):
     assert sizes["expand"] > 1.8 * sizes["keep"]
 
 
-def test_f16_gguf_keeps_float16_matrices_and_matches_hf(tmp_path):
+@pytest.mark.parametrize("qtype,dtype", [(GGMLQuantizationType.F16, jnp.float16),
+                                         (GGMLQuantizationType.BF16, jnp.bfloat16)], ids=["F16", "BF16"])
+def test_16_bit_gguf_keeps_16_bit_matrices_and_matches_hf(qtype, dtype, tmp_path):
     path, hf_model = build_tiny_checkpoint("llama-gqa", tmp_path / "float32")
-    sixteen, hf_model = _sixteen_bit_copy(path, hf_model, torch.float16, tmp_path / "f16")
-    file = export_gguf(sixteen, tmp_path / "model.gguf", qtype=GGMLQuantizationType.F16)
+    sixteen, hf_model = _sixteen_bit_copy(path, hf_model, torch.float16 if dtype == jnp.float16 else torch.bfloat16,
+                                          tmp_path / "sixteen")
+    file = export_gguf(sixteen, tmp_path / "model.gguf", qtype=qtype)
     config, params = load_checkpoint(file, keep_blocks=True)
     layer = params.layers[0]
     for matrix in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down, params.embed, params.lm_head):
-        assert matrix is None or matrix.dtype == jnp.float16
+        assert matrix is None or matrix.dtype == dtype
     _, widened = load_checkpoint(file)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(widened)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))
