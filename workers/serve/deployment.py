@@ -20,6 +20,7 @@ from ray import serve
 
 from raylm.cluster.metrics import WorkerMetrics
 from raylm.cluster.names import WORKER_DEPLOYMENT
+from raylm.model.quantization.quant_array import weight_bytes
 from raylm.workers.core.engine_stats import EngineStats
 from raylm.workers.core.lora_adapters import LoRARequest
 from raylm.workers.core.request_output import RequestOutput
@@ -93,7 +94,9 @@ class LLMWorker:
     ):
         self.model = model
         self.max_reported_hashes = max_reported_hashes
+        started = time.perf_counter()
         self.engine = await asyncio.to_thread(AsyncEngine.from_model, model, **engine_args)
+        built_s = time.perf_counter() - started
         # The deploy file's adapters, read now: one that cannot be served fails the replica's start,
         # naming it. Requests carry their adapter (router/lora_catalog.py), so those loaded over
         # HTTP need nothing here: a replica reads each on first use.
@@ -107,7 +110,10 @@ class LLMWorker:
         self.engine.step_observer = lambda tokens, seconds: self.metrics.observe("raylm_iteration_tokens_total", tokens)
         self._reporter = EngineStatsReporter(self.metrics)
         self._metrics_task = asyncio.get_running_loop().create_task(self._report_metrics(metrics_period_s))
-        logger.info("raylm worker ready: %s, %d KV blocks", model, self.engine.llm_engine.pool.num_usable_blocks)
+        engine = self.engine.llm_engine
+        logger.info("raylm worker ready: %s loaded and built in %.1f s (weights as held %.2f GiB), %d KV blocks; "
+                    "the warm-up compiles in the background", model, built_s,
+                    weight_bytes(engine.model.params) / 2**30, engine.pool.num_usable_blocks)
 
     async def _report_metrics(self, period_s: float) -> None:
         while True:
