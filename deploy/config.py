@@ -48,9 +48,9 @@ class ModelSection(_Section):
         "none", description="int8: the integer compute mode, activations quantized per 32 inputs and summed in "
         "integers against GGUF block and int8 weights (faster, not exact; README); none: exact float32 sums")
     gguf_blocks: Literal["auto", "keep", "expand"] = Field(
-        "auto", description="a GGUF's block-quantized matrices (Q4_0..Q8_0, K-quants, IQ4): kept as stored (exact "
-        "float32 results from a fifth to a third of the bytes; auto: on one CPU device in float32) or expanded to "
-        "float32 at load")
+        "auto", description="a GGUF's block-quantized matrices (Q4_0..Q8_0, K-quants, IQ4), 4-bit HF groups and "
+        "16-bit matrices: kept as stored (exact float32 results from a fifth to a half of the bytes; auto: on one "
+        "CPU device in float32) or expanded to float32 at load")
     tool_call_parser: Literal["hermes"] = Field(
         RouterSettings.tool_call_parser, description="the format tool calls are written and read in (router/tools.py)")
     lora_modules: list[LoraModuleSection] = Field(
