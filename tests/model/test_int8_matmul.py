@@ -108,6 +108,8 @@ def _reference(x: np.ndarray, w: GgufBlocks | QuantArray) -> np.ndarray:
     integers = _stored_integers(w, k).astype(np.float64)  # products and sums are exact in float64
     sums = np.stack([q[:, b].astype(np.float64) @ integers[:, b].T for b in range(q.shape[1])], axis=-1)
     blocks = isinstance(w, GgufBlocks)
+    if blocks:  # two-level scales (the K-quants) as the float32 products they stand for
+        w = w.with_float_tables()
     d_w = np.asarray(w.scale) if blocks else np.ones((sums.shape[1], sums.shape[2]), np.float32)
     acc = np.zeros(sums.shape[:2], np.float32)
     for b in range(sums.shape[2]):
