@@ -24,11 +24,9 @@ from raylm.model.kernels.grouped_matmul import grouped_matmul
 from raylm.model.loaders.gguf_file import GGUFFile
 from raylm.model.loaders.load import load_model
 from raylm.model.quantization.gguf_blocks import GGUF_BLOCK_TYPES, GgufBlocks, from_gguf, map_rows
-from raylm.model.quantization.quant_array import weight_bytes
-from raylm.workers.core.sampling_params import SamplingParams
-from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
 from tests.gguf_export import export_gguf, load_stored, random_blocks
+from tests.kept_and_expanded import served_kept_and_expanded
 from tests.reference import hf_greedy
 from tests.reruns import rerun_in_child
 
@@ -192,14 +190,6 @@ def test_a_q4_k_m_model_served_from_blocks_is_bit_identical_to_float32(q4_k_m_mo
     """The engine, batched and alone, decode rows in the block kernels and prompt chunks in the
     prompt GEMM: the same tokens and logprobs as the file expanded to float32."""
     path, _ = q4_k_m_model
-    prompts = [[5, 9, 77, 31, 8], list(range(3, 80)), [100, 200, 300, 11]]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
-    runs, sizes = {}, {}
-    for choice in ("keep", "expand"):
-        llm = LLM(str(path), gguf_blocks=choice, max_model_len=128, num_kv_blocks=48)
-        outputs = [*llm.generate([{"prompt_token_ids": p} for p in prompts], params),
-                   *llm.generate([{"prompt_token_ids": prompts[1]}], params)]
-        runs[choice] = [(c.token_ids, c.logprobs) for out in outputs for c in out.outputs]
-        sizes[choice] = weight_bytes(llm.engine.model.params)
+    runs, sizes = served_kept_and_expanded(path)
     assert runs["keep"] == runs["expand"]
     assert sizes["expand"] > 3.5 * sizes["keep"]

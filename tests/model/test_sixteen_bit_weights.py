@@ -21,10 +21,9 @@ from raylm.model.kernels import dense as dense_module
 from raylm.model.kernels.dense import KERNEL_MAX_ROWS, dense, dense_matmul, half_matmul
 from raylm.model.loaders.load import load_checkpoint, load_model
 from raylm.model.quantization.quant_array import weight_bytes
-from raylm.workers.core.sampling_params import SamplingParams
-from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
 from tests.gguf_export import export_gguf
+from tests.kept_and_expanded import served_kept_and_expanded
 from tests.reference import hf_greedy
 from tests.reruns import rerun_in_child
 
@@ -145,15 +144,7 @@ def test_served_kept_16_bit_is_bit_identical_to_widened(bf16_checkpoint):
     """The engine, batched and alone, decode rows in the small-batch kernel and prompt chunks in
     the prompt GEMM: the same tokens and logprobs as the checkpoint widened at load."""
     path, _ = bf16_checkpoint
-    prompts = [[5, 9, 77, 31, 8], list(range(3, 80)), [100, 200, 300, 11]]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
-    runs, sizes = {}, {}
-    for choice in ("keep", "expand"):
-        llm = LLM(str(path), gguf_blocks=choice, max_model_len=128, num_kv_blocks=48)
-        outputs = [*llm.generate([{"prompt_token_ids": p} for p in prompts], params),
-                   *llm.generate([{"prompt_token_ids": prompts[1]}], params)]
-        runs[choice] = [(c.token_ids, c.logprobs) for out in outputs for c in out.outputs]
-        sizes[choice] = weight_bytes(llm.engine.model.params)
+    runs, sizes = served_kept_and_expanded(path)
     assert runs["keep"] == runs["expand"]
     assert sizes["expand"] > 1.8 * sizes["keep"]
 
