@@ -109,6 +109,17 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
              decoder_sparse_step=2),
     ),
+    # GLM-4.5 (DeepSeek-V3's routing): sigmoid scores with a non-zero correction bias (set by
+    # build_tiny_checkpoint), top-3 of the best 2 of 4 groups of 2 experts, renormalized and
+    # scaled by 1.7; two shared experts' worth of an ungated MLP; layer 0 dense; RoPE on half of
+    # each head; q/k/v biases and per-head q/k norms.
+    "glm4-moe": (
+        transformers.Glm4MoeConfig,
+        dict(head_dim=32, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=2,
+             n_group=4, topk_group=2, routed_scaling_factor=1.7, norm_topk_prob=True, first_k_dense_replace=1,
+             attention_bias=True, use_qk_norm=True,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+    ),
 }
 
 _CORPUS = [
@@ -150,6 +161,7 @@ def build_tiny_checkpoint(variant: str, directory: Path, seed: int = 0, **overri
         transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
         transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
         transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
+        transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
     }[config_cls]
     config._attn_implementation = "eager"  # soft-capping and windows as the modeling code writes them
     model = model_cls(config).eval().to(torch.float32)
@@ -158,6 +170,9 @@ def build_tiny_checkpoint(variant: str, directory: Path, seed: int = 0, **overri
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 param.add_(0.1 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():  # DeepSeek-style routers' bias: big enough to change choices
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     tiny_tokenizer(config.vocab_size).save(str(directory / "tokenizer.json"))

@@ -31,6 +31,9 @@ class Family:
     sliding_pattern: int = 0
     # Sparse layers: a mixture of experts in place of the MLP (model/config/moe.py).
     moe: MoeKeys | None = None
+    # config.json's ``attention_bias`` switches q/k/v biases on (o_proj has none; GLM-4.5).
+    reads_attention_bias: bool = False
+    qk_norm_key: str | None = None  # config.json's switch for per-head q/k norms (GLM-4.5: use_qk_norm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,9 @@ class MoeKeys:
     sparse_step: bool = False  # reads decoder_sparse_step / mlp_only_layers (Qwen-MoE)
     always_norm_topk: bool = False  # renormalizes the top-k whatever norm_topk_prob says (Mixtral)
     shared_expert: bool = False  # a gated dense MLP beside the experts (Qwen2-MoE)
+    # DeepSeek-style routing, shared experts and leading dense layers, as this HF family reads
+    # them (a key of model/config/deepseek_routing.HF_ROUTERS).
+    deepseek: str | None = None
 
 
 HF_FAMILIES: dict[str, Family] = {
@@ -60,6 +66,10 @@ HF_FAMILIES: dict[str, Family] = {
     ),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe=MoeKeys("num_experts", "moe_intermediate_size", sparse_step=True)),
     "OlmoeForCausalLM": Family(qk_norm=True, qk_norm_whole=True, moe=MoeKeys("num_experts", "intermediate_size")),
+    "Glm4MoeForCausalLM": Family(
+        reads_attention_bias=True, qk_norm_key="use_qk_norm",
+        moe=MoeKeys("n_routed_experts", "moe_intermediate_size", deepseek="glm4_moe"),
+    ),
 }
 # llama.cpp's architecture names -> the HF family they hold (Mistral and Mixtral convert to
 # "llama": its experts are in the metadata, model/config/moe.py).

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 from raylm.model.config import gguf_metadata
 from raylm.model.config.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
 from raylm.model.config.moe import MoeConfig, moe_from_gguf, moe_from_hf
-from raylm.model.config.rope import RopeScaling, optional_float, parse_rope_scaling
+from raylm.model.config.rope import RopeScaling, optional_float, parse_rope_scaling, rotary_dim
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = tuple(HF_FAMILIES)
@@ -54,6 +54,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     rope_scaling: RopeScaling | None = None
+    # RoPE rotates each head's first this-many dims, the rest pass through (partial_rotary_factor);
+    # None: the whole head.
+    rotary_dim: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # The declared differences (defaults: Llama).
@@ -86,6 +89,11 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         """Query heads sharing one KV head (the GQA group size)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each query and key head that RoPE rotates (the leading ones)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def first_layers(self, num_layers: int) -> "ModelConfig":
         """This config cut after its first ``num_layers`` decoder layers (a layer-skipping draft)."""
@@ -172,6 +180,7 @@ class ModelConfig:
             max_positions = int(raw.get("max_position_embeddings", 2048))
             global_rope, local_rope = _rope_parameters(raw)
             act = raw.get("hidden_activation") or raw.get("hidden_act") or family.default_act
+            head_dim = int(raw.get("head_dim") or hidden // heads)
             config = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -180,7 +189,7 @@ class ModelConfig:
                 num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                head_dim=head_dim,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(global_rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
                 max_position_embeddings=max_positions,
@@ -190,9 +199,10 @@ class ModelConfig:
                 rope_scaling=parse_rope_scaling(
                     global_rope, source, max_positions, raw.get("original_max_position_embeddings")
                 ),
+                rotary_dim=rotary_dim(global_rope, raw, head_dim, source),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
-                qk_norm=family.qk_norm,
+                qk_norm=family.qk_norm or bool(family.qk_norm_key and raw.get(family.qk_norm_key)),
                 qk_norm_whole=family.qk_norm_whole,
                 sandwich_norms=family.gemma,
                 activation=_activation(act, source),
@@ -206,6 +216,11 @@ class ModelConfig:
             )
         except KeyError as missing:
             raise ModelLoadError(f"{source} lacks required key {missing}") from None
+        if local_rope is not None and rotary_dim(local_rope, {}, config.head_dim, source) != config.rotary_dim:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor in {source} differs between sliding and full layers: raylm rotates "
+                "every layer's heads alike"
+            )
         return config
 
     @classmethod
@@ -288,9 +303,9 @@ class ModelConfig:
 
 def _refuse_unimplemented(raw: Mapping[str, Any], family: Family, source: str) -> None:
     """Options HF implements for these architectures and raylm does not: load errors."""
-    if raw.get("attention_bias") and not family.attention_bias:
+    if raw.get("attention_bias") and not (family.attention_bias or family.reads_attention_bias):
         raise UnsupportedModelError(
-            f"attention_bias=true in {source}: raylm implements q/k/v biases (Qwen2) only, not o_proj's"
+            f"attention_bias=true in {source}: raylm implements q/k/v biases (Qwen2, GLM-4.5) only, not o_proj's"
         )
     if raw.get("mlp_bias"):
         raise UnsupportedModelError(f"mlp_bias=true in {source} is not supported")
@@ -298,9 +313,6 @@ def _refuse_unimplemented(raw: Mapping[str, Any], family: Family, source: str) -
         raise UnsupportedModelError(f"clip_qkv={raw['clip_qkv']} in {source}: raylm does not clamp q/k/v")
     if raw.get("use_bidirectional_attention"):
         raise UnsupportedModelError(f"use_bidirectional_attention=true in {source}: raylm serves causal decoders")
-    partial = raw.get("partial_rotary_factor", 1.0)
-    if partial not in (None, 1, 1.0):
-        raise UnsupportedModelError(f"partial_rotary_factor={partial} in {source}: raylm rotates whole heads only")
     if not family.gemma:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if raw.get(key) is not None:
@@ -328,6 +340,7 @@ def _local_rope_theta(local: Mapping[str, Any] | None, source: str) -> float | N
         raise UnsupportedModelError(
             f"sliding layers' RoPE type {local.get('rope_type')!r} in {source}: raylm scales global layers' RoPE only"
         )
+
     return float(local.get("rope_theta", 10000.0))
 
 

@@ -3,11 +3,14 @@ which layers have them. Read from an HF ``config.json`` (Mixtral, Qwen2-MoE, Qwe
 OLMoE) or from GGUF metadata (llama with experts, qwen2moe, qwen3moe, olmoe), as HF and
 llama.cpp read them.
 
-Every family served here routes the same way (HF's TopKRouter): the router's logits go
-through a softmax over all experts, the ``top_k`` largest probabilities pick the experts,
-and with ``norm_topk_prob`` the picked probabilities are divided by their sum (Mixtral
-always: its softmax-over-the-top-k is the same numbers). Any other routing (sigmoid scores,
-grouped top-k, a score bias, capacity limits, expert-choice) is a load error naming the key.
+Most families route the same way (HF's TopKRouter): the router's logits go through a
+softmax over all experts, the ``top_k`` largest probabilities pick the experts, and with
+``norm_topk_prob`` the picked probabilities are divided by their sum (Mixtral always: its
+softmax-over-the-top-k is the same numbers). The DeepSeek-style families (GLM-4.5; DeepSeek
+V2/V3's reader is ready for their attention) route as model/config/deepseek_routing.py reads
+(sigmoid scores, grouped top-k, a score-correction bias, a scaling factor, ungated shared
+experts, leading dense layers). Any other routing (capacity limits, router biases,
+expert-choice) is a load error naming the key.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from raylm.model.config.deepseek_routing import KEYS as DEEPSEEK_KEYS
+from raylm.model.config.deepseek_routing import DeepseekRouting, deepseek_moe_from_hf
 from raylm.model.config.families import Family
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
 
@@ -29,6 +34,8 @@ class MoeConfig:
     norm_topk_prob: bool  # renormalize the top-k probabilities to sum to 1
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
     shared_expert_size: int = 0  # Qwen2-MoE: a dense MLP beside the experts, gated by sigmoid(x . w)
+    shared_expert_gated: bool = True  # False: the shared MLP's output is added as is (DeepSeek, GLM)
+    deepseek: DeepseekRouting | None = None  # DeepSeek-style routing in place of HF's TopKRouter
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -41,7 +48,8 @@ class MoeConfig:
 
 
 # Config keys of routing variants HF or other families define and raylm does not implement,
-# with the value that means "off" (None: refused whatever the value).
+# with the value that means "off" (None: refused whatever the value). The DeepSeek-style
+# families read the DeepSeek keys among them (model/config/deepseek_routing.py).
 _UNIMPLEMENTED_HF: dict[str, Any] = {
     "scoring_func": "softmax",  # DeepSeek-V3's sigmoid scores
     "topk_method": "greedy",  # grouped / noaux top-k
@@ -64,6 +72,8 @@ def moe_from_hf(raw: Mapping[str, Any], family: Family, num_layers: int, source:
     if keys is None:
         return None
     for key, off in _UNIMPLEMENTED_HF.items():
+        if keys.deepseek is not None and key in DEEPSEEK_KEYS:
+            continue  # read below
         if raw.get(key) is not None and (off is None or raw[key] != off):
             raise UnsupportedModelError(f"{key}={raw[key]!r} in {source}: raylm does not implement this MoE routing")
     try:
@@ -73,6 +83,8 @@ def moe_from_hf(raw: Mapping[str, Any], family: Family, num_layers: int, source:
         top_k = int(raw["num_experts_per_tok"])
     except KeyError as missing:
         raise ModelLoadError(f"{source} lacks required key {missing}") from None
+    if keys.deepseek is not None:
+        return _deepseek_moe(raw, keys.deepseek, experts, size, top_k, num_layers, source)
     sparse = [experts > 0] * num_layers
     if keys.sparse_step:  # every decoder_sparse_step-th layer, less mlp_only_layers
         step = int(raw.get("decoder_sparse_step") or 1)
@@ -87,6 +99,25 @@ def moe_from_hf(raw: Mapping[str, Any], family: Family, num_layers: int, source:
         norm_topk_prob=keys.always_norm_topk or bool(raw.get("norm_topk_prob", False)),
         sparse_layers=tuple(sparse),
         shared_expert_size=int(raw.get("shared_expert_intermediate_size") or 0) if keys.shared_expert else 0,
+    )
+
+
+def _deepseek_moe(
+    raw: Mapping[str, Any], router: str, experts: int, size: int, top_k: int, num_layers: int, source: str
+) -> MoeConfig:
+    """The MoE block of a DeepSeek-style family (model/config/deepseek_routing.py)."""
+    block = deepseek_moe_from_hf(raw, router, experts, size, top_k, num_layers, source)
+    if experts < 1 or not any(block.sparse_layers):
+        raise UnsupportedModelError(f"{source}: no layer has experts; serve this model as its dense family")
+    return MoeConfig(
+        num_experts=experts,
+        top_k=top_k,
+        expert_size=size,
+        norm_topk_prob=block.norm_topk_prob,
+        sparse_layers=block.sparse_layers,
+        shared_expert_size=block.shared_expert_size,
+        shared_expert_gated=False,
+        deepseek=block.routing,
     )
 
 

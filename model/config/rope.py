@@ -52,9 +52,6 @@ def parse_rope_scaling(
             f"unsupported rope_scaling type {rope_type!r} in {source}; "
             f"raylm supports {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    partial = raw.get("partial_rotary_factor", 1.0)
-    if partial not in (None, 1, 1.0):
-        raise UnsupportedModelError(f"partial_rotary_factor={partial} in {source}: raylm rotates whole heads only")
     if rope_type == "default":
         return None
     original = raw.get("original_max_position_embeddings") or original_default
@@ -83,6 +80,22 @@ def parse_rope_scaling(
     if rope_type == "longrope" and not (scaling.short_factor and scaling.long_factor):
         raise UnsupportedModelError(f"longrope RoPE in {source} needs short_factor and long_factor")
     return scaling
+
+
+def rotary_dim(rope: Mapping[str, Any], raw: Mapping[str, Any], head_dim: int, source: str) -> int | None:
+    """How many leading dims of each head RoPE rotates (rotate-half over those, the rest pass
+    through: HF's ``apply_rotary_pos_emb`` with ``partial_rotary_factor``), None for all.
+    HF keeps the factor in ``rope_parameters``; older configs (GLM-4.5's) state it top-level."""
+    factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if factor in (None, 1, 1.0):
+        return None
+    dim = int(head_dim * float(factor))  # HF's int(), as its RoPE initialisation computes it
+    if not 0 < dim <= head_dim or dim % 2:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor={factor} in {source} rotates {dim} of {head_dim} dims: it needs an even "
+            "number between 2 and the head size"
+        )
+    return None if dim == head_dim else dim
 
 
 def optional_float(value: Any) -> float | None:

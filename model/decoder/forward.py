@@ -229,7 +229,7 @@ class _Batch(NamedTuple):
     context_lens: jax.Array  # [B]
     valid: jax.Array  # [B, S]
     slots: tuple[tuple[jax.Array, jax.Array], ...]  # per KV group: each token's K/V block, offset [B, S]
-    rotations: dict[bool, tuple[jax.Array, jax.Array]]  # local RoPE? -> cos/sin [B, S, Dh] each
+    rotations: dict[bool, tuple[jax.Array, jax.Array]]  # local RoPE? -> cos/sin [B, S, rope_dim] each
     kernel_lens: jax.Array | None  # [B] keys each query sees when the CPU kernels run, else None
 
     @property

@@ -34,11 +34,11 @@ class Rope(NamedTuple):
 def rope_for(config: ModelConfig, local: bool = False) -> Rope:
     """The RoPE of ``config``'s global layers, or with ``local`` of its sliding layers (their own
     base, no scaling; Gemma 3). Computed once on the host in float32, as HF's rope
-    initialisation functions do."""
+    initialisation functions do, over the dims it rotates (``ModelConfig.rope_dim``)."""
     if local:
         assert config.local_rope_theta is not None
-        return Rope(_default_inv_freq(config.local_rope_theta, config.head_dim))
-    return _scaled(config.rope_theta, config.head_dim, config.rope_scaling, config.max_position_embeddings)
+        return Rope(_default_inv_freq(config.local_rope_theta, config.rope_dim))
+    return _scaled(config.rope_theta, config.rope_dim, config.rope_scaling, config.max_position_embeddings)
 
 
 def _default_inv_freq(theta: float, dim: int) -> np.ndarray:
@@ -123,7 +123,7 @@ def _longrope(theta: float, dim: int, s: RopeScaling, max_positions: int) -> Rop
 
 
 def rope_cos_sin(positions: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables ``[..., head_dim]`` for integer positions (HF's duplicated-halves layout),
+    """cos/sin tables ``[..., rope_dim]`` for integer positions (HF's duplicated-halves layout),
     times the rope's attention factor; computed once per program, not in every layer's
     rotations (``model.kernels.fusion_barrier``)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.inv_freq)
@@ -135,12 +135,19 @@ def rope_cos_sin(positions: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x [B, S, heads, Dh]`` by position (rotate-half convention, as HF Llama)."""
-    half = x.shape[-1] // 2
+    """Rotate ``x [B, S, heads, Dh]`` by position (rotate-half convention, as HF Llama) over its
+    first ``R`` dims, the tables' ``[B, S, R]``; the other ``Dh - R`` pass through unchanged
+    (partial rotary: HF's ``apply_rotary_pos_emb`` rotates ``x[..., :R]`` by halves of R)."""
+    rotary = cos.shape[-1]
     x32 = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    part, rest = x32[..., :rotary], x32[..., rotary:]
+    half = rotary // 2
+    rotated = jnp.concatenate([-part[..., half:], part[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    out = part * cos + rotated * sin
+    if rest.shape[-1]:
+        out = jnp.concatenate([out, rest], axis=-1)
+    return out.astype(x.dtype)
 
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}

@@ -7,7 +7,8 @@ tokens, weighted by the router and summed. Shapes are static: ``tokens * top_k``
 whatever the routing; how many rows each expert gets travels as data (``group_sizes``).
 
 Routing is HF's TopKRouter (model/config/moe.py): softmax over the router's logits in
-float32, the top-k probabilities, divided by their sum with ``norm_topk_prob``.
+float32, the top-k probabilities, divided by their sum with ``norm_topk_prob``; or DeepSeek's
+(model/decoder/deepseek_routing.py) where the config declares it.
 
 A step's padding tokens (``valid`` False) are routed to no expert: their rows sort past every
 group, which the grouped kernel skips (their output is zero), so a decode bucket's padding
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from raylm.model.config.moe import MoeConfig
+from raylm.model.decoder.deepseek_routing import deepseek_route
 from raylm.model.decoder.layers import ACTIVATIONS, gated_mlp
 from raylm.model.decoder.params import LayerParams
 from raylm.model.kernels.dense import dense
@@ -81,16 +83,21 @@ def moe_block(
     valid: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """A sparse layer's feed-forward for ``x [B, S, D]`` (already normed): the routed experts,
-    plus Qwen2-MoE's shared expert scaled by ``sigmoid(x . shared_gate)``; and the tokens
-    routed to each expert ``[E]`` (int32), counting only those where ``valid [B, S]``."""
+    plus the shared expert (Qwen2-MoE's scaled by ``sigmoid(x . shared_gate)``, DeepSeek's as
+    is); and the tokens routed to each expert ``[E]`` (int32), counting only those where
+    ``valid [B, S]``."""
     B, S, D = x.shape
     h = x.reshape(B * S, D)
-    routing = route(h, lp.router, moe, kernel=kernel)
+    if moe.deepseek is not None:
+        routing = Routing(*deepseek_route(h, lp.router, lp.router_score_bias, moe, kernel=kernel))
+    else:
+        routing = route(h, lp.router, moe, kernel=kernel)
     flat_valid = None if valid is None else valid.reshape(B * S)
     out = expert_mlps(h, routing, lp.w_experts_gate_up, lp.w_experts_down, activation, kernel=kernel,
                       valid=flat_valid)
     if lp.w_shared_gate_up is not None:
         shared = gated_mlp(x, lp.w_shared_gate_up, lp.w_shared_down, activation, kernel=kernel).reshape(B * S, D)
-        gate = jax.nn.sigmoid(jnp.sum(h * lp.shared_gate, axis=-1, keepdims=True))
-        out = out + gate * shared
+        if lp.shared_gate is not None:
+            shared = jax.nn.sigmoid(jnp.sum(h * lp.shared_gate, axis=-1, keepdims=True)) * shared
+        out = out + shared
     return out.reshape(B, S, D).astype(x.dtype), _routed(routing, moe.num_experts, flat_valid)[1]

@@ -100,13 +100,18 @@ class LayerParams:
     w_experts_down: Optional[jax.Array] = _param(
         ArrayInfo(lambda c: (c.moe.num_experts, c.hidden_size, c.moe.expert_size),
                   ("experts", "embed", "expert_mlp"), input_dims=1), optional=True)
-    # Qwen2-MoE's shared expert: a dense MLP beside the experts, scaled by sigmoid(x . shared_gate).
+    # The shared expert: a dense MLP beside the experts, scaled by sigmoid(x . shared_gate)
+    # (Qwen2-MoE) or not (DeepSeek, GLM-4.5: no shared_gate).
     w_shared_gate_up: Optional[jax.Array] = _param(
         ArrayInfo(lambda c: (2, c.moe.shared_expert_size, c.hidden_size), ("gate_up", "mlp", "embed"), input_dims=1),
         optional=True)
     w_shared_down: Optional[jax.Array] = _param(
         ArrayInfo(lambda c: (c.hidden_size, c.moe.shared_expert_size), ("embed", "mlp"), input_dims=1), optional=True)
     shared_gate: Optional[jax.Array] = _param(ArrayInfo(lambda c: (c.hidden_size,), ("embed",)), optional=True)
+    # DeepSeek V3 / GLM-4.5's per-expert bias added to the router's scores to choose experts
+    # (model/decoder/deepseek_routing.py); float32 whatever the model dtype, as HF keeps it.
+    router_score_bias: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.moe.num_experts,), ("router",)), optional=True)
 
 
 @jax.tree_util.register_dataclass

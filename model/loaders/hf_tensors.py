@@ -30,6 +30,9 @@ HALF_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 # The fields read through the dense kernels, which take 16-bit matrices (model/kernels/dense.py).
 _HALF_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "shared_gate_proj", "shared_up", "shared_down")
 
+# Kept float32 whatever the model dtype (HF's _keep_in_fp32_modules_strict).
+_FLOAT32_FIELDS = ("router_score_bias",)
+
 # Answers an HF tensor name with its array, or None if the checkpoint lacks it.
 TensorSource = Callable[[str], "np.ndarray | GgufBlocks | QuantArray | None"]
 
@@ -57,6 +60,8 @@ _HF_NAMES = {
     "shared_up": "mlp.shared_expert.up_proj.weight",
     "shared_down": "mlp.shared_expert.down_proj.weight",
     "shared_gate": "mlp.shared_expert_gate.weight",
+    # DeepSeek V3 / GLM-4.5's score-correction bias (their shared experts: ``deepseek_shared_experts``).
+    "router_score_bias": "mlp.gate.e_score_correction_bias",
 }
 # How HF checkpoints name each expert's matrices: Qwen-MoE / OLMoE, and Mixtral (w1 gate, w3
 # up, w2 down, under "block_sparse_moe", its router too). GGUF files hold them stacked, under
@@ -143,7 +148,7 @@ def _hf_shape(field: str, config: ModelConfig) -> tuple[int, ...]:
         E, Is = config.moe.num_experts, config.moe.shared_expert_size
         return {
             "router": (E, D), "shared_gate_proj": (Is, D), "shared_up": (Is, D), "shared_down": (D, Is),
-            "shared_gate": (1, D),
+            "shared_gate": (1, D), "router_score_bias": (E,),
         }[field]
     return {
         "attn_norm": (D,), "mlp_norm": (D,),
@@ -200,6 +205,22 @@ def mixtral_router(get: TensorSource) -> TensorSource:
     return answer
 
 
+def deepseek_shared_experts(get: TensorSource) -> TensorSource:
+    """``get`` that also answers a layer's shared expert (``mlp.shared_expert.*``) under
+    DeepSeek's and GLM-4.5's name (``mlp.shared_experts.*``)."""
+
+    def answer(name: str) -> np.ndarray | GgufBlocks | QuantArray | None:
+        found = get(name)
+        if found is not None:
+            return found
+        match = _LAYER_RE.fullmatch(name)
+        if match is None or not match.group(2).startswith("mlp.shared_expert."):
+            return None
+        return get(f"model.layers.{match.group(1)}.mlp.shared_experts.{match.group(2)[len('mlp.shared_expert.'):]}")
+
+    return answer
+
+
 def stacked_experts(get: TensorSource, config: ModelConfig, layer: int, projs: tuple[str, ...],
                     source: str) -> np.ndarray | GgufBlocks | QuantArray:
     """Layer ``layer``'s experts' ``projs`` matrices (of gate_proj, up_proj, down_proj) as one
@@ -241,7 +262,7 @@ def build_params(
 
     ``norm_offset`` is added to every RMSNorm weight: HF's Gemma checkpoints store ``w`` for
     a norm that multiplies by ``1 + w`` (llama.cpp's GGUF files store ``1 + w`` already)."""
-    get = mixtral_router(unfused(get, config))
+    get = deepseek_shared_experts(mixtral_router(unfused(get, config)))
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray | GgufBlocks | QuantArray:
         array = get(name)
@@ -297,8 +318,11 @@ def build_params(
                 fields.update(
                     w_shared_gate_up=map_rows(lambda g, u: np.stack([g, u]), hf("shared_gate_proj"), hf("shared_up")),
                     w_shared_down=hf("shared_down"),
-                    shared_gate=dequantized(hf("shared_gate")).reshape(D),
                 )
+                if config.moe.shared_expert_gated:
+                    fields["shared_gate"] = dequantized(hf("shared_gate")).reshape(D)
+            if config.moe.deepseek is not None and config.moe.deepseek.score_correction:
+                fields["router_score_bias"] = dequantized(hf("router_score_bias"))
         else:
             fields.update(
                 w_gate_up=map_rows(lambda g, u: np.stack([g, u]), hf("w_gate"), hf("w_up")),
@@ -310,7 +334,8 @@ def build_params(
             fields.update(q_norm=hf("q_norm"), k_norm=hf("k_norm"))
         if config.sandwich_norms:
             fields.update(post_attn_norm=hf("post_attn_norm"), post_mlp_norm=hf("post_mlp_norm"))
-        return LayerParams(**{f: on_device(a) for f, a in fields.items()})
+        return LayerParams(**{f: jnp.asarray(a, jnp.float32) if f in _FLOAT32_FIELDS else on_device(a)
+                              for f, a in fields.items()})
 
     V = config.vocab_size
     embed = fetch("model.embed_tokens.weight", (V, D))
