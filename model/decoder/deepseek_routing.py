@@ -24,7 +24,7 @@ def deepseek_route(
     h: jax.Array, router: jax.Array, score_bias: jax.Array | None, moe: MoeConfig, *, kernel: bool = False
 ) -> tuple[jax.Array, jax.Array]:
     """``(experts [T, k] int32, weights [T, k] float32)`` of tokens ``h [T, D]`` by the router
-    ``[E, D]`` and, where the routing has one, the correction bias ``[E]``."""
+    ``[E, D]`` and, where the routing has one (``score_correction``), the correction bias ``[E]``."""
     routing = moe.deepseek
     assert routing is not None
     logits = dense(h.astype(jnp.float32), router.astype(jnp.float32), kernel=kernel)
@@ -32,7 +32,7 @@ def deepseek_route(
         scores = jax.nn.softmax(logits, axis=-1)
     else:
         scores = jax.nn.sigmoid(logits)
-    choice = scores if score_bias is None else scores + score_bias.astype(jnp.float32)
+    choice = scores + score_bias.astype(jnp.float32) if routing.score_correction else scores
     if routing.num_groups > 1:
         choice = _best_groups_only(choice, routing.num_groups, routing.groups_used, routing.group_score)
     _, experts = jax.lax.top_k(choice, moe.top_k)
