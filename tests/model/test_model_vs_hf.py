@@ -35,7 +35,7 @@ def test_logits_and_greedy_match_hf(variant, tmp_path):
     assert list(generator.generate(ids, 32)) == hf_greedy(hf_model, ids, 32)
 
 
-@pytest.mark.parametrize("variant,dtype", [("llama-gqa", "float32"), ("qwen3-moe", "float32"),
+@pytest.mark.parametrize("variant,dtype", [("llama-gqa", "float32"), ("qwen3-moe", "float32"), ("glm4-moe", "float32"),
                                            ("llama-gqa", "bfloat16")])
 def test_float32_matmuls_are_lowered_at_full_precision(variant, dtype, tmp_path):
     """The CPU computes float32 dots in float32 whatever they ask; a GPU rounds them to TF32

@@ -55,6 +55,27 @@ def test_ep2_equals_ep1(tmp_path):
     assert list(ep2.generate(ids, 24)) == list(ep1.generate(ids, 24))
 
 
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
+def test_glm_sharded_equals_one_device(tmp_path, tp, ep):
+    """GLM-4.5's arrays shard as declared: the ungated shared experts' hidden dim over ``tp`` (with
+    the dense first layer's MLP), the routed experts over ``ep``, the router and its correction
+    bias replicated (every device routes every token)."""
+    path, _ = build_tiny_checkpoint("glm4-moe", tmp_path / "m")
+    config, params = load_checkpoint(path)
+    ids = np.random.RandomState(3).randint(3, 320, size=24).tolist()
+    one = SingleSequenceGenerator(config, params, mesh=make_mesh(1))
+    sharded = SingleSequenceGenerator(config, params, mesh=make_mesh(tp, ep=ep))
+    dense, sparse = sharded.params.layers[0], sharded.params.layers[1]
+    assert dense.w_gate_up.addressable_shards[0].data.shape[1] == config.intermediate_size // tp
+    assert sparse.w_shared_gate_up.addressable_shards[0].data.shape[1] == config.moe.shared_expert_size // tp
+    assert sparse.w_experts_gate_up.addressable_shards[0].data.shape[0] == config.moe.num_experts // ep
+    for replicated in (sparse.router, sparse.router_score_bias):
+        assert replicated.addressable_shards[0].data.shape == replicated.shape
+    assert sparse.router_score_bias.dtype == np.float32
+    np.testing.assert_allclose(sharded.prompt_logits(ids), one.prompt_logits(ids), atol=1e-4, rtol=1e-5)
+    assert list(sharded.generate(ids, 8)) == list(one.generate(ids, 8))
+
+
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices: test_ep2_tp2_on_four_devices runs it")
 def test_ep2_tp2_equals_one_device(tmp_path):
     """Experts split over ``ep``, attention heads and the dense layer's MLP over ``tp``, at once."""

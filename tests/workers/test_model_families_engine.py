@@ -42,11 +42,11 @@ ENGINE_SETTINGS = {
     "expert-parallel-2": dict(num_kv_blocks=400, expert_parallel_size=2),
 }
 # Mixtures of experts, one setting each (their routing and experts are the difference).
-MOE_FAMILIES = ["mixtral", "qwen3-moe", "olmoe"]  # (qwen2-moe: tests/model/test_model_vs_hf.py)
-CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + ["qwen3-moe", "olmoe"]] + [
+MOE_FAMILIES = ["mixtral", "qwen3-moe", "olmoe", "glm4-moe"]  # (qwen2-moe: tests/model/test_model_vs_hf.py)
+CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + ["qwen3-moe", "olmoe", "glm4-moe"]] + [
     ("mixtral", "ngram-chunked-preempted-prefix-cached"),
     ("gemma3", "tensor-parallel-2"), ("gemma2", "draft-speculation"), ("olmoe", "expert-parallel-2"),
-]
+]  # (glm4-moe's TP=2 and EP=2: tests/model/test_tensor_parallel.py)
 
 
 @pytest.fixture(scope="module")
