@@ -90,6 +90,13 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
                                   short_factor=[1.0 + 0.1 * i for i in range(8)],
                                   long_factor=[1.5 + 0.5 * i for i in range(8)])),
     ),
+    # RoPE on the first half of each head only (partial_rotary_factor, read for every family; HF's
+    # Phi-3 implements it).
+    "phi3-partial-rotary": (
+        transformers.Phi3Config,
+        dict(pad_token_id=0, eos_token_id=2,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+    ),
     # Mixtures of experts (model/decoder/moe.py): 4-8 small experts, top-2. Mixtral renormalizes the
     # top-2; Qwen3-MoE too (norm_topk_prob) with a dense layer among the sparse ones
     # (mlp_only_layers); OLMoE does not renormalize and norms its whole q / k projections;

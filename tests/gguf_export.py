@@ -3,8 +3,8 @@
 Independent of raylm's loader: tensor names come from the gguf package's own HF -> GGUF map
 (``gguf.get_tensor_name_map``) and the metadata keys from its writer, per architecture as the
 converter writes them (its LlamaModel for Llama and Mistral, Qwen3Model, Gemma2Model,
-Gemma3Model, Phi3MiniModel, and for experts its LlamaModel (Mixtral), Qwen3MoeModel and
-OlmoeModel, which stack each layer's experts into one tensor): Q/K rows permuted for llama only, ``1 + w`` in Gemma's norms,
+Gemma3Model, Phi3MiniModel, and for experts its LlamaModel (Mixtral), Qwen3MoeModel,
+OlmoeModel and Glm4MoeModel, which stack each layer's experts into one tensor): Q/K rows permuted for llama only, ``1 + w`` in Gemma's norms,
 Phi-3's fused qkv / gate_up kept whole with its LongRoPE factors as tensors, Llama 3's RoPE
 as a ``rope_freqs`` tensor. Two things the converter drops and these tests need are written
 in the keys llama.cpp defines for them: a Mistral window (``attention.sliding_window``) and
@@ -40,6 +40,7 @@ _ARCHES = {
     "Qwen3MoeForCausalLM": "qwen3moe",
     "OlmoeForCausalLM": "olmoe",
     "Qwen2MoeForCausalLM": "qwen2moe",
+    "Glm4MoeForCausalLM": "glm4moe",
 }
 # llama.cpp's fixed choice, per architecture, of renormalizing the top-k expert weights.
 _NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
@@ -83,7 +84,7 @@ def load_stored(hf_model: Any, path: Path) -> None:
     arch = reader.fields["general.architecture"].contents()
     assert arch != "llama", "llama files permute Q/K rows; use another architecture"
     stored = {t.name: t for t in reader.tensors}
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hf_model.config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(_model_arch(arch), hf_model.config.num_hidden_layers)
     with torch.no_grad():
         for hf_name, param in hf_model.named_parameters():
             if param.ndim < 2:
@@ -146,7 +147,9 @@ def _head_dim(hp: dict[str, Any]) -> int:
 
 def _write_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
     rope, local_rope = _rope_params(hp)
-    w.add_block_count(hp["num_hidden_layers"])
+    # (Glm4MoeModel counts the multi-token-prediction layers as blocks; the tiny checkpoints store none.)
+    nextn = (hp.get("num_nextn_predict_layers") or 0) if arch == "glm4moe" else 0
+    w.add_block_count(hp["num_hidden_layers"] + nextn)
     w.add_context_length(hp["max_position_embeddings"])
     w.add_embedding_length(hp["hidden_size"])
     w.add_feed_forward_length(hp["intermediate_size"])
@@ -190,9 +193,31 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
             w.add_sliding_window(hp["sliding_window"])
     if arch in ("gemma2", "gemma3"):
         _write_gemma(w, arch, hp)
+    if arch == "glm4moe":
+        _write_glm4moe(w, hp)
+        return
     experts = hp.get("num_local_experts") or hp.get("num_experts")
     if experts:
         _write_experts(w, arch, hp, experts)
+
+
+def _write_glm4moe(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """Glm4MoeModel.set_gguf_parameters; and the expert groups, which it drops (GLM-4.5's own
+    configs have one) and llama.cpp reads for every architecture."""
+    rope, _ = _rope_params(hp)
+    w.add_rope_dimension_count(int(_head_dim(hp) * rope.get("partial_rotary_factor", 0.5)))
+    w.add_expert_count(hp["n_routed_experts"])
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_shared_count(hp["n_shared_experts"])
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    w.add_expert_weights_norm(hp["norm_topk_prob"])
+    w.add_nextn_predict_layers(hp.get("num_nextn_predict_layers") or 0)
+    if hp.get("n_group", 1) > 1:
+        w.add_expert_group_count(hp["n_group"])
+        w.add_expert_group_used_count(hp["topk_group"])
 
 
 def _write_experts(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], experts: int) -> None:
@@ -232,12 +257,14 @@ def _write_gemma(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
 
 def _tensors(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], tensors: dict[str, np.ndarray]):
     """(GGUF name, array) pairs, as the converter's modify_tensors / generate_extra_tensors give."""
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hp["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(_model_arch(arch), hp["num_hidden_layers"])
     heads, kv_heads = hp["num_attention_heads"], hp["num_key_value_heads"]
     for hf_name, array in _merged_experts(tensors).items():
         if hf_name == "lm_head.weight" and hp.get("tie_word_embeddings"):
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        # (Glm4MoeModel.modify_tensors renames the correction bias for the name map.)
+        name = names.get_name(hf_name.replace("e_score_correction_bias", "e_score_correction.bias"),
+                              try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"no GGUF name for {hf_name} in a {arch} file")
         if arch == "llama" and hf_name.endswith("q_proj.weight"):
@@ -253,6 +280,11 @@ def _tensors(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], tensors: dict[st
         yield "rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32)
     if arch == "llama" and rope.get("rope_type") == "llama3":
         yield "rope_freqs.weight", _llama3_divisors(rope, _head_dim(hp))
+
+
+def _model_arch(arch: str) -> gguf.MODEL_ARCH:
+    """The gguf package's enum member for llama.cpp's architecture name."""
+    return next(member for member, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
 
 
 def _merged_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

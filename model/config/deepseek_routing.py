@@ -138,3 +138,40 @@ def deepseek_moe_from_hf(
         sparse_layers=tuple(i >= dense for i in range(num_layers)),
         shared_expert_size=int(values["n_shared_experts"] or 0) * expert_size,
     )
+
+
+# llama.cpp's architectures with this routing, and what each fixes (src/models/<arch>.cpp):
+# glm4moe scores by sigmoid unless expert_gating_func says otherwise and always reads the
+# exp_probs_b bias; build_moe_ffn groups by the two best scores (expert_group_count, read for
+# every architecture), renormalizes with expert_weights_norm and scales by expert_weights_scale.
+GGUF_ARCHES: dict[str, str] = {"glm4moe": "sigmoid"}
+# Their keys that this reads (model/config/gguf_metadata.py refuses them for the others).
+GGUF_KEYS = ("expert_gating_func", "expert_weights_scale", "expert_group_count", "expert_group_used_count",
+             "leading_dense_block_count", "nextn_predict_layers")
+_GGUF_GATING = {1: "softmax", 2: "sigmoid"}  # LLAMA_EXPERT_GATING_FUNC_TYPE_*
+
+
+def deepseek_moe_from_gguf(meta: Any, num_experts: int, expert_size: int, top_k: int, num_layers: int) -> DeepseekMoe:
+    """The routing a GGUF's metadata (a ``gguf_metadata.GgufMetadata``) states, read as llama.cpp reads it."""
+    gating = meta.get("expert_gating_func")
+    scoring = GGUF_ARCHES[meta.arch] if gating in (None, 0) else _GGUF_GATING.get(int(gating))
+    if scoring is None:
+        raise meta.refuse("expert_gating_func", "is not a gating raylm implements (1 softmax, 2 sigmoid)")
+    scale = float(meta.get("expert_weights_scale") or 0.0)
+    groups = int(meta.get("expert_group_count") or 0)
+    routing = DeepseekRouting(
+        scoring=scoring,
+        score_correction=True,
+        num_groups=max(groups, 1),
+        groups_used=int(meta.get("expert_group_used_count") or 0) if groups > 1 else 1,
+        group_score="top2_sum",
+        scaling_factor=1.0 if scale == 0.0 else scale,  # (llama.cpp: 0, unset, means no scaling)
+    )
+    routing.check(num_experts, top_k, meta.source)
+    dense = int(meta.get("leading_dense_block_count") or 0)
+    return DeepseekMoe(
+        routing=routing,
+        norm_topk_prob=bool(meta.get("expert_weights_norm") or False),
+        sparse_layers=tuple(i >= dense for i in range(num_layers)),
+        shared_expert_size=int(meta.get("expert_shared_count") or 0) * expert_size,
+    )

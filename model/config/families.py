@@ -83,6 +83,7 @@ GGUF_FAMILIES: dict[str, str] = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "glm4moe": "Glm4MoeForCausalLM",
 }
 # HF's names for the same activations.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
+from raylm.model.config.deepseek_routing import GGUF_ARCHES as DEEPSEEK_ARCHES
+from raylm.model.config.deepseek_routing import GGUF_KEYS as DEEPSEEK_KEYS
 from raylm.model.config.families import Family
 from raylm.model.config.rope import RopeScaling, parse_rope_scaling
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
@@ -61,7 +63,11 @@ _UNIMPLEMENTED: dict[str, Any] = {
     "expert_group_used_count": 0,
     "leading_dense_block_count": 0,
     "moe_every_n_layers": 0,
+    "nextn_predict_layers": 0,  # multi-token prediction layers after the decoder's
 }
+# Architectures whose RoPE (llama.cpp's NEOX mode) may rotate fewer dims than a head's
+# (``rope.dimension_count``): the leading ones, by halves, as HF's partial rotary does.
+_PARTIAL_ROTARY_ARCHES = ("glm4moe",)
 
 
 class GgufMetadata:
@@ -90,9 +96,13 @@ class GgufMetadata:
 def refuse_unimplemented(meta: GgufMetadata, family: Family, head_dim: int) -> None:
     """Load errors for settings the file states and raylm does not compute."""
     for key, off in _UNIMPLEMENTED.items():
+        if meta.arch in DEEPSEEK_ARCHES and key in DEEPSEEK_KEYS:
+            continue  # read by model/config/deepseek_routing.py
         if meta.has(key) and (off is None or meta.get(key) != off):
             raise meta.refuse(key, "is not implemented by raylm")
     for key in ("attention.value_length", "rope.dimension_count"):
+        if key == "rope.dimension_count" and meta.arch in _PARTIAL_ROTARY_ARCHES:
+            continue  # ``rotary_dim``
         if meta.get(key, head_dim) != head_dim:
             raise meta.refuse(key, f"differs from the head size {head_dim}: raylm rotates and attends whole heads")
     if not family.gemma:
@@ -101,6 +111,22 @@ def refuse_unimplemented(meta: GgufMetadata, family: Family, head_dim: int) -> N
                 raise meta.refuse(key, f"is a Gemma setting; llama.cpp does not read it for {meta.arch}")
     elif meta.arch == "gemma3" and meta.has("attn_logit_softcapping"):
         raise meta.refuse("attn_logit_softcapping", "is not part of Gemma 3 (llama.cpp does not read it)")
+
+
+def decoder_layers(meta: GgufMetadata) -> int:
+    """The decoder's layers: ``block_count`` less the multi-token-prediction layers stored after
+    them (llama.cpp's n_layer; their tensors are not read)."""
+    return int(meta.get("block_count", required=True)) - int(meta.get("nextn_predict_layers") or 0)
+
+
+def rotary_dim(meta: GgufMetadata, head_dim: int) -> int | None:
+    """The leading dims of each head RoPE rotates (``rope.dimension_count``), None for all."""
+    dim = int(meta.get("rope.dimension_count") or head_dim)
+    if dim == head_dim:
+        return None
+    if not 0 < dim < head_dim or dim % 2:
+        raise meta.refuse("rope.dimension_count", f"must be even and at most the head size {head_dim}")
+    return dim
 
 
 def layer_windows(meta: GgufMetadata, num_layers: int) -> tuple[int | None, ...]:

@@ -260,12 +260,13 @@ class ModelConfig:
         meta = gguf_metadata.GgufMetadata(fields, arch, source)
         hidden = int(meta.get("embedding_length", required=True))
         heads = int(meta.get("attention.head_count", required=True))
-        layers = int(meta.get("block_count", required=True))
+        layers = gguf_metadata.decoder_layers(meta)
         head_dim = int(meta.get("attention.key_length") or hidden // heads)
         gguf_metadata.refuse_unimplemented(meta, family, head_dim)
         vocab = meta.get("vocab_size") or len(fields.get("tokenizer.ggml.tokens", ()))
         max_positions = int(meta.get("context_length", 2048))
-        scaling, local_theta = gguf_metadata.rope(meta, max_positions, head_dim, rope_tensors or {})
+        rotary = gguf_metadata.rotary_dim(meta, head_dim)
+        scaling, local_theta = gguf_metadata.rope(meta, max_positions, rotary or head_dim, rope_tensors or {})
         attn_softcap, final_softcap = gguf_metadata.softcaps(meta)
         windows = gguf_metadata.layer_windows(meta, layers)
         dense_size = int(meta.get("feed_forward_length", required=True))
@@ -285,6 +286,7 @@ class ModelConfig:
             tie_word_embeddings=False,
             attention_bias=family.attention_bias,
             rope_scaling=scaling,
+            rotary_dim=rotary,
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_as_id_tuple(fields.get("tokenizer.ggml.eos_token_id")),
             qk_norm=family.qk_norm,

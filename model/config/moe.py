@@ -18,8 +18,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from raylm.model.config.deepseek_routing import GGUF_ARCHES as DEEPSEEK_GGUF_ARCHES
 from raylm.model.config.deepseek_routing import KEYS as DEEPSEEK_KEYS
-from raylm.model.config.deepseek_routing import DeepseekRouting, deepseek_moe_from_hf
+from raylm.model.config.deepseek_routing import (
+    DeepseekMoe,
+    DeepseekRouting,
+    deepseek_moe_from_gguf,
+    deepseek_moe_from_hf,
+)
 from raylm.model.config.families import Family
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
 
@@ -106,7 +112,11 @@ def _deepseek_moe(
     raw: Mapping[str, Any], router: str, experts: int, size: int, top_k: int, num_layers: int, source: str
 ) -> MoeConfig:
     """The MoE block of a DeepSeek-style family (model/config/deepseek_routing.py)."""
-    block = deepseek_moe_from_hf(raw, router, experts, size, top_k, num_layers, source)
+    return _deepseek_config(deepseek_moe_from_hf(raw, router, experts, size, top_k, num_layers, source), experts,
+                            size, top_k, source)
+
+
+def _deepseek_config(block: DeepseekMoe, experts: int, size: int, top_k: int, source: str) -> MoeConfig:
     if experts < 1 or not any(block.sparse_layers):
         raise UnsupportedModelError(f"{source}: no layer has experts; serve this model as its dense family")
     return MoeConfig(
@@ -128,14 +138,22 @@ _GGUF_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": 
 
 def moe_from_gguf(meta: Any, num_layers: int, dense_size: int) -> MoeConfig | None:
     """The MoE block a GGUF's metadata (a ``gguf_metadata.GgufMetadata``) states, or None.
-    llama.cpp makes every layer of these architectures sparse."""
+    llama.cpp makes every layer of these architectures sparse, except the DeepSeek-style ones'
+    leading dense layers (model/config/deepseek_routing.py)."""
     experts = int(meta.get("expert_count", 0) or 0)
     if experts == 0:
-        if meta.arch in ("qwen2moe", "qwen3moe", "olmoe"):
+        if meta.arch in ("qwen2moe", "qwen3moe", "olmoe", *DEEPSEEK_GGUF_ARCHES):
             raise ModelLoadError(f"{meta.source}: a {meta.arch} file without {meta.arch}.expert_count")
         return None
+    if meta.arch in DEEPSEEK_GGUF_ARCHES:
+        size = int(meta.get("expert_feed_forward_length", required=True))
+        top_k = int(meta.get("expert_used_count", required=True))
+        block = deepseek_moe_from_gguf(meta, experts, size, top_k, num_layers)
+        return _deepseek_config(block, experts, size, top_k, meta.source)
     if meta.arch not in _GGUF_NORM_TOPK:
         raise meta.refuse("expert_count", "(experts) is not implemented by raylm for this architecture")
+    if meta.has("expert_shared_count"):
+        raise meta.refuse("expert_shared_count", f"(DeepSeek-style shared experts) is not read for {meta.arch}")
     shared = int(meta.get("expert_shared_feed_forward_length", 0) or 0)
     if shared and meta.arch != "qwen2moe":
         raise meta.refuse("expert_shared_feed_forward_length", "(shared experts) is read for qwen2moe only")

@@ -49,6 +49,7 @@ _LAYER_NAMES = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",  # DeepSeek-style routing's correction bias
 }
 # What an architecture names differently (None: the file has no such tensor). Gemma's HF
 # "post_attention" norm follows attention (llama.cpp's post_attention_norm) and its norm
@@ -60,6 +61,7 @@ _GEMMA_NAMES = {
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
 _ARCH_LAYER_NAMES: dict[str, dict[str, str | None]] = {
+    "glm4moe": {"post_attention_layernorm.weight": "post_attention_norm.weight"},  # (before the MLP)
     "gemma2": _GEMMA_NAMES,
     "gemma3": _GEMMA_NAMES,
     "phi3": {
@@ -87,6 +89,13 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str | None:
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     name = names.get(match.group(2))
     return None if name is None else f"blk.{match.group(1)}.{name}"
+
+
+def _prediction_layer(name: str, decoder_layers: int, blocks: int) -> bool:
+    """Whether tensor ``name`` belongs to a multi-token-prediction layer, a block the file counts
+    after the decoder's (GLM-4.5's nextn layers: llama.cpp skips them too)."""
+    match = re.fullmatch(r"blk\.(\d+)\..+", name)
+    return match is not None and decoder_layers <= int(match.group(1)) < blocks
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -121,7 +130,9 @@ def load_gguf_checkpoint(
         return array
 
     params = build_params(config, get, str(file.path), dtype)
-    unread = sorted(set(file.tensor_names) - file.read)
+    blocks = int(file.fields[f"{config.architecture}.block_count"])
+    unread = sorted(name for name in set(file.tensor_names) - file.read
+                    if not _prediction_layer(name, config.num_layers, blocks))
     if unread:
         raise UnsupportedModelError(
             f"{file.path}: tensors raylm does not use for a {config.architecture} model: {', '.join(unread[:8])}"

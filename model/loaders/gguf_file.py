@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 from gguf.quants import dequantize
 
+from raylm.model.config.families import GGUF_FAMILIES, HF_FAMILIES
 from raylm.model.config.gguf_metadata import ROPE_TENSORS
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
@@ -101,7 +102,14 @@ class GGUFFile:
 
     def config(self) -> ModelConfig:
         """ModelConfig from metadata and RoPE factor tensors; embeddings are tied when the file
-        has no output matrix."""
+        has no output matrix; where llama.cpp takes q/k/v biases and q/k norms when the file has
+        them (GLM-4.5), so does this."""
         rope_tensors = {name: self.tensor(name).ravel().tolist() for name in ROPE_TENSORS if name in self._tensors}
         config = ModelConfig.from_gguf_fields(self.fields, str(self.path), rope_tensors)
-        return dataclasses.replace(config, tie_word_embeddings="output.weight" not in self._tensors)
+        config = dataclasses.replace(config, tie_word_embeddings="output.weight" not in self._tensors)
+        family = HF_FAMILIES[GGUF_FAMILIES[config.architecture]]
+        if family.reads_attention_bias:  # optional tensors in llama.cpp (GLM-4.5): there or not
+            config = dataclasses.replace(config, attention_bias="blk.0.attn_q.bias" in self._tensors)
+        if family.qk_norm_key is not None:
+            config = dataclasses.replace(config, qk_norm="blk.0.attn_q_norm.weight" in self._tensors)
+        return config

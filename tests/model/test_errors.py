@@ -79,9 +79,10 @@ def test_unsupported_rope_scaling(checkpoint):
     [
         (dict(attention_bias=True), "attention_bias=true .* not o_proj's"),
         (dict(mlp_bias=True), "mlp_bias=true"),
-        (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
-        (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
-         "partial_rotary_factor=0.5"),
+        # (a factor leaving an odd number of dims to rotate: HF's rotate-half needs pairs)
+        (dict(partial_rotary_factor=0.1), "partial_rotary_factor=0.1 .* rotates 1 of 16 dims"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}),
+         "partial_rotary_factor=0.1"),
         (dict(hidden_act="relu2"), "MLP activation 'relu2'"),
         (dict(final_logit_softcapping=30.0), "final_logit_softcapping .* only for Gemma"),
         (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),

@@ -9,6 +9,8 @@ that matrices kept as GGUF blocks give HF's logits on the dequantized weights.
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -32,7 +34,7 @@ _OVERRIDES = {
     "phi3-longrope": dict(sliding_window=24),
 }
 FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-sliding", "llama3-rope", "llama-yarn", "qwen2",
-            "mixtral", "olmoe"]  # (qwen3moe's keys: the refusal test below; its tensors are olmoe's)
+            "mixtral", "olmoe", "glm4-moe"]  # (qwen3moe's keys: the refusal test below; its tensors are olmoe's)
 
 
 def _prompt(length: int = PROMPT_LEN) -> list[int]:
@@ -109,6 +111,56 @@ def test_moe_config_follows_llama_cpp_conventions(tmp_path):
     assert {"blk.0.ffn_gate_inp_shexp.weight", "blk.0.ffn_up_shexp.weight"} <= set(file.tensor_names)
 
 
+def test_glm4moe_config_follows_llama_cpp_conventions(tmp_path):
+    """GLM-4.5's file: partial rotary from rope.dimension_count, biases and q/k norms from the tensors
+    it has, the routing from the expert keys (the groups from expert_group_count, which llama.cpp
+    reads for every architecture), the nextn layer counted in block_count but not a decoder layer."""
+    from raylm.model.config.model_config import ModelConfig
+
+    path, _ = _export("glm4-moe", tmp_path)
+    file = GGUFFile(path)
+    config, hf = file.config(), ModelConfig.from_hf_dir(path.parent / "glm4-moe")
+    assert file.fields["glm4moe.block_count"] == 4 and config.num_layers == 3
+    assert (config.rotary_dim, config.attention_bias, config.qk_norm) == (16, True, True)
+    routing = config.moe.deepseek
+    assert routing.scaling_factor == pytest.approx(1.7)  # (a float32 in the file)
+    assert dataclasses.replace(config.moe, deepseek=dataclasses.replace(routing, scaling_factor=1.7)) == hf.moe
+    directory, _ = build_tiny_checkpoint("glm4-moe", tmp_path / "plain", n_group=1, topk_group=1, attention_bias=False,
+                                         use_qk_norm=False)
+    plain = GGUFFile(export_gguf(directory, tmp_path / "plain.gguf")).config()
+    assert plain.moe.deepseek.num_groups == 1 and not plain.attention_bias and not plain.qk_norm
+
+
+def _rewritten(path, out, extra: dict[str, np.ndarray]):
+    """The GGUF at ``path`` written again to ``out`` with the tensors ``extra`` added."""
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            value = field.contents()
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data).reshape(tuple(reversed(tensor.shape.tolist()))))
+    for name, array in extra.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_glm4moe_prediction_layer_tensors_are_skipped_as_llama_cpp_skips_them(tmp_path):
+    path, _ = _export("glm4-moe", tmp_path)
+    nextn = _rewritten(path, tmp_path / "nextn.gguf", {"blk.3.nextn.eh_proj.weight": np.zeros((64, 128), np.float32)})
+    assert load_checkpoint(nextn)[0].num_layers == 3
+    beyond = _rewritten(path, tmp_path / "beyond.gguf", {"blk.4.attn_norm.weight": np.ones(64, np.float32)})
+    with pytest.raises(UnsupportedModelError, match="blk.4.attn_norm.weight"):
+        load_checkpoint(beyond)
+
+
 def _fields(**extra):
     base = {
         "general.architecture": "gemma2", "gemma2.embedding_length": 4608, "gemma2.attention.head_count": 32,
@@ -135,6 +187,13 @@ def test_gemma_defaults_and_27b_query_scale_are_llama_cpps():
     assert config.layer_windows[:3] == (512, 512, None)
 
 
+def _glm4moe(**extra):
+    base = {"general.architecture": "glm4moe", "glm4moe.embedding_length": 64, "glm4moe.attention.head_count": 4,
+            "glm4moe.attention.key_length": 32, "glm4moe.block_count": 3, "glm4moe.feed_forward_length": 128,
+            "glm4moe.expert_count": 8, "glm4moe.expert_used_count": 2, "glm4moe.expert_feed_forward_length": 32}
+    return {**base, **extra}
+
+
 @pytest.mark.parametrize(
     "extra,match",
     [
@@ -150,6 +209,13 @@ def test_gemma_defaults_and_27b_query_scale_are_llama_cpps():
         ({"gemma2.rope.scaling.type": "linear", "gemma2.rope.scaling.factor": 2.0,
           "gemma2.rope.scaling.attn_factor": 0.5}, "gemma2.rope.scaling.attn_factor"),
         ({"gemma2.attention.head_count_kv": [8, 16]}, "per layer"),
+        ({"general.architecture": "qwen3moe", "qwen3moe.embedding_length": 64, "qwen3moe.attention.head_count": 4,
+          "qwen3moe.block_count": 2, "qwen3moe.feed_forward_length": 128, "qwen3moe.expert_count": 8,
+          "qwen3moe.expert_used_count": 2, "qwen3moe.expert_shared_count": 1}, "qwen3moe.expert_shared_count"),
+        ({"gemma2.nextn_predict_layers": 1}, "gemma2.nextn_predict_layers"),
+        (_glm4moe(**{"glm4moe.expert_gating_func": 3}), "glm4moe.expert_gating_func"),
+        (_glm4moe(**{"glm4moe.rope.dimension_count": 15}), "glm4moe.rope.dimension_count"),
+        (_glm4moe(**{"glm4moe.expert_group_count": 3}), "n_group=3"),
     ],
 )
 def test_metadata_raylm_does_not_implement_is_a_load_error(extra, match):
@@ -161,20 +227,6 @@ def test_metadata_raylm_does_not_implement_is_a_load_error(extra, match):
 
 def test_a_tensor_the_model_does_not_read_is_a_load_error(tmp_path):
     path, _ = _export("qwen3", tmp_path)
-    reader = gguf.GGUFReader(str(path))
-    writer = gguf.GGUFWriter(str(tmp_path / "extra.gguf"), "qwen3")
-    for field in reader.fields.values():
-        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
-            value = field.contents()
-            kind = field.types[0]
-            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, value, kind, sub_type=sub)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, np.asarray(tensor.data).reshape(tuple(reversed(tensor.shape.tolist()))))
-    writer.add_tensor("blk.0.attn_q.bias", np.zeros(128, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    extra = _rewritten(path, tmp_path / "extra.gguf", {"blk.0.attn_q.bias": np.zeros(128, np.float32)})
     with pytest.raises(UnsupportedModelError, match="blk.0.attn_q.bias"):
-        load_checkpoint(tmp_path / "extra.gguf")
+        load_checkpoint(extra)
