@@ -342,7 +342,6 @@ def _local_rope_theta(local: Mapping[str, Any] | None, source: str) -> float | N
         raise UnsupportedModelError(
             f"sliding layers' RoPE type {local.get('rope_type')!r} in {source}: raylm scales global layers' RoPE only"
         )
-
     return float(local.get("rope_theta", 10000.0))
 
 

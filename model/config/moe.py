@@ -1,7 +1,7 @@
 """The mixture-of-experts block of a config: how many experts, how tokens are routed to them,
 which layers have them. Read from an HF ``config.json`` (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE) or from GGUF metadata (llama with experts, qwen2moe, qwen3moe, olmoe), as HF and
-llama.cpp read them.
+OLMoE, GLM-4.5) or from GGUF metadata (llama with experts, qwen2moe, qwen3moe, olmoe,
+glm4moe), as HF and llama.cpp read them.
 
 Most families route the same way (HF's TopKRouter): the router's logits go through a
 softmax over all experts, the ``top_k`` largest probabilities pick the experts, and with
@@ -90,7 +90,8 @@ def moe_from_hf(raw: Mapping[str, Any], family: Family, num_layers: int, source:
     except KeyError as missing:
         raise ModelLoadError(f"{source} lacks required key {missing}") from None
     if keys.deepseek is not None:
-        return _deepseek_moe(raw, keys.deepseek, experts, size, top_k, num_layers, source)
+        block = deepseek_moe_from_hf(raw, keys.deepseek, experts, size, top_k, num_layers, source)
+        return _deepseek_config(block, experts, size, top_k, source)
     sparse = [experts > 0] * num_layers
     if keys.sparse_step:  # every decoder_sparse_step-th layer, less mlp_only_layers
         step = int(raw.get("decoder_sparse_step") or 1)
@@ -108,15 +109,8 @@ def moe_from_hf(raw: Mapping[str, Any], family: Family, num_layers: int, source:
     )
 
 
-def _deepseek_moe(
-    raw: Mapping[str, Any], router: str, experts: int, size: int, top_k: int, num_layers: int, source: str
-) -> MoeConfig:
-    """The MoE block of a DeepSeek-style family (model/config/deepseek_routing.py)."""
-    return _deepseek_config(deepseek_moe_from_hf(raw, router, experts, size, top_k, num_layers, source), experts,
-                            size, top_k, source)
-
-
 def _deepseek_config(block: DeepseekMoe, experts: int, size: int, top_k: int, source: str) -> MoeConfig:
+    """The MoeConfig of a DeepSeek-style block (model/config/deepseek_routing.py)."""
     if experts < 1 or not any(block.sparse_layers):
         raise UnsupportedModelError(f"{source}: no layer has experts; serve this model as its dense family")
     return MoeConfig(
