@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from raylm.model.decoder.generate import SingleSequenceGenerator
-from raylm.model.loaders.load import load_checkpoint
+from raylm.model.loaders.load import load_checkpoint, load_model
+from raylm.model.quantization.quant_array import QuantArray
 from tests.checkpoints import build_tiny_checkpoint
 
 
@@ -69,8 +70,13 @@ FLIPS = {
 
 
 @pytest.fixture(scope="module")
-def glm(tmp_path_factory):
-    config, params = load_checkpoint(build_tiny_checkpoint("glm4-moe", tmp_path_factory.mktemp("glm") / "m")[0])
+def path(tmp_path_factory):
+    return build_tiny_checkpoint("glm4-moe", tmp_path_factory.mktemp("glm") / "m")[0]
+
+
+@pytest.fixture(scope="module")
+def glm(path):
+    config, params = load_checkpoint(path)
     ids = np.random.RandomState(0).randint(3, 320, size=24).tolist()
     return config, params, ids, SingleSequenceGenerator(config, params).prompt_logits(ids)
 
@@ -80,3 +86,12 @@ def test_each_difference_moves_the_logits(glm, flip):
     config, params, ids, logits = glm
     flipped = SingleSequenceGenerator(*FLIPS[flip](config, params)).prompt_logits(ids)
     assert np.abs(flipped - logits).max() > 1e-2
+
+
+def test_router_and_correction_bias_stay_unquantized(path):
+    """They pick the experts: int8 weights leave them as loaded, a bfloat16 model keeps the bias
+    float32 (as HF does)."""
+    layer = load_model(path, quantization="int8").params.layers[1]
+    assert isinstance(layer.w_experts_gate_up, QuantArray) and isinstance(layer.w_shared_gate_up, QuantArray)
+    assert not isinstance(layer.router, QuantArray) and layer.router_score_bias.dtype == np.float32
+    assert load_checkpoint(path, "bfloat16")[1].layers[1].router_score_bias.dtype == np.float32
