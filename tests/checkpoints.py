@@ -72,6 +72,14 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
              rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
                                   full_attention=dict(rope_type="linear", rope_theta=1e6, factor=2.0))),
     ),
+    # Gemma 1: 1 + w norms, sqrt(hidden) embeddings, GeGLU, tied embeddings, head_dim
+    # independent of hidden / heads.
+    "gemma": (transformers.GemmaConfig, dict(head_dim=32)),
+    # Granite: every multiplier away from 1 (and the attention one from 1/sqrt(head_dim)).
+    "granite": (
+        transformers.GraniteConfig,
+        dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.5, logits_scaling=2.5),
+    ),
     # Fused qkv / gate_up in the checkpoint, a 24-token window on every layer, LongRoPE within
     # its original context (short factors, as HF uses them for every sequence that fits).
     "phi3": (
@@ -143,9 +151,11 @@ def build_tiny_checkpoint(variant: str, directory: Path, seed: int = 0, **overri
         transformers.MistralConfig: transformers.MistralForCausalLM,
         transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
         transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+        transformers.GemmaConfig: transformers.GemmaForCausalLM,
         transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
         transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM,
         transformers.Phi3Config: transformers.Phi3ForCausalLM,
+        transformers.GraniteConfig: transformers.GraniteForCausalLM,
         transformers.MixtralConfig: transformers.MixtralForCausalLM,
         transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
         transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,

@@ -63,6 +63,9 @@ _UNIMPLEMENTED: dict[str, Any] = {
     "moe_every_n_layers": 0,
 }
 
+# Keys of that list a family's own module reads instead (model/config/multipliers.py: Granite's).
+_READ_BY_FAMILY = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
+
 
 class GgufMetadata:
     """A GGUF's fields seen through its architecture's key prefix."""
@@ -89,16 +92,17 @@ class GgufMetadata:
 
 def refuse_unimplemented(meta: GgufMetadata, family: Family, head_dim: int) -> None:
     """Load errors for settings the file states and raylm does not compute."""
+    read = _READ_BY_FAMILY if family.granite_multipliers else ()
     for key, off in _UNIMPLEMENTED.items():
-        if meta.has(key) and (off is None or meta.get(key) != off):
+        if key not in read and meta.has(key) and (off is None or meta.get(key) != off):
             raise meta.refuse(key, "is not implemented by raylm")
     for key in ("attention.value_length", "rope.dimension_count"):
         if meta.get(key, head_dim) != head_dim:
             raise meta.refuse(key, f"differs from the head size {head_dim}: raylm rotates and attends whole heads")
-    if not family.gemma:
+    if not family.logit_softcaps:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if meta.has(key):
-                raise meta.refuse(key, f"is a Gemma setting; llama.cpp does not read it for {meta.arch}")
+                raise meta.refuse(key, f"is a Gemma 2 / 3 setting; llama.cpp does not read it for {meta.arch}")
     elif meta.arch == "gemma3" and meta.has("attn_logit_softcapping"):
         raise meta.refuse("attn_logit_softcapping", "is not part of Gemma 3 (llama.cpp does not read it)")
 

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 from raylm.model.config import gguf_metadata
 from raylm.model.config.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
 from raylm.model.config.moe import MoeConfig, moe_from_gguf, moe_from_hf
+from raylm.model.config.multipliers import Multipliers, multipliers_from_gguf, multipliers_from_hf
 from raylm.model.config.rope import RopeScaling, optional_float, parse_rope_scaling
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
 
@@ -61,8 +62,11 @@ class ModelConfig:
     qk_norm_whole: bool = False  # ... over all heads' q (and all k) at once (OLMoE)
     sandwich_norms: bool = False  # RMSNorm of the attention and MLP outputs before each residual add
     activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
-    embed_scale: float | None = None  # input embeddings times this (Gemma: sqrt(hidden))
+    embed_scale: float | None = None  # input embeddings times this, rounded in the model dtype (Gemma: sqrt(hidden))
+    embedding_multiplier: float | None = None  # input embeddings times this, in float32 (Granite)
+    residual_multiplier: float | None = None  # each residual branch times this before its add (Granite)
     query_scale: float | None = None  # attention scores' scale; None: head_dim ** -0.5
+    logits_divisor: float | None = None  # output logits divided by this (Granite's logits_scaling)
     attn_softcap: float | None = None  # tanh soft-cap of attention scores
     final_softcap: float | None = None  # tanh soft-cap of the output logits
     # Per layer: its sliding window (keys it sees, its own included), None for full attention;
@@ -171,7 +175,13 @@ class ModelConfig:
             layers = int(raw["num_hidden_layers"])
             max_positions = int(raw.get("max_position_embeddings", 2048))
             global_rope, local_rope = _rope_parameters(raw)
-            act = raw.get("hidden_activation") or raw.get("hidden_act") or family.default_act
+            act = next((raw[key] for key in family.activation_keys if raw.get(key)), family.default_act)
+            if act == "gelu" and family.gelu_is_tanh:
+                act = "gelu_pytorch_tanh"
+            scales = multipliers_from_hf(raw, source) if family.granite_multipliers else Multipliers()
+            query_scale = scales.attention
+            if family.query_pre_attn_scalar:
+                query_scale = float(raw.get("query_pre_attn_scalar", 256)) ** -0.5
             config = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -184,7 +194,7 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(global_rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
                 max_position_embeddings=max_positions,
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.gemma)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.tied_by_default)),
                 # (Qwen2-MoE names its q/k/v biases' switch qkv_bias.)
                 attention_bias=bool(raw.get("attention_bias") or raw.get("qkv_bias", family.attention_bias)),
                 rope_scaling=parse_rope_scaling(
@@ -194,10 +204,13 @@ class ModelConfig:
                 eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
                 qk_norm=family.qk_norm,
                 qk_norm_whole=family.qk_norm_whole,
-                sandwich_norms=family.gemma,
+                sandwich_norms=family.sandwich_norms,
                 activation=_activation(act, source),
-                embed_scale=math.sqrt(hidden) if family.gemma else None,
-                query_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if family.gemma else None,
+                embed_scale=math.sqrt(hidden) if family.sqrt_hidden_embed_scale else None,
+                embedding_multiplier=scales.embedding,
+                residual_multiplier=scales.residual,
+                query_scale=query_scale,
+                logits_divisor=scales.logits_divisor,
                 attn_softcap=optional_float(raw.get("attn_logit_softcapping")),
                 final_softcap=optional_float(raw.get("final_logit_softcapping")),
                 layer_windows=_layer_windows(raw, family, layers, source),
@@ -254,6 +267,8 @@ class ModelConfig:
         attn_softcap, final_softcap = gguf_metadata.softcaps(meta)
         windows = gguf_metadata.layer_windows(meta, layers)
         dense_size = int(meta.get("feed_forward_length", required=True))
+        scales = multipliers_from_gguf(meta) if family.granite_multipliers else Multipliers()
+        query_scale = gguf_metadata.query_scale(meta, hidden, heads, head_dim, layers)
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -274,10 +289,13 @@ class ModelConfig:
             eos_token_ids=_as_id_tuple(fields.get("tokenizer.ggml.eos_token_id")),
             qk_norm=family.qk_norm,
             qk_norm_whole=family.qk_norm_whole,
-            sandwich_norms=family.gemma,
+            sandwich_norms=family.sandwich_norms,
             activation=ACTIVATIONS[family.default_act],
-            embed_scale=math.sqrt(hidden) if family.gemma else None,
-            query_scale=gguf_metadata.query_scale(meta, hidden, heads, head_dim, layers),
+            embed_scale=math.sqrt(hidden) if family.sqrt_hidden_embed_scale else None,
+            embedding_multiplier=scales.embedding,
+            residual_multiplier=scales.residual,
+            query_scale=scales.attention if query_scale is None else query_scale,
+            logits_divisor=scales.logits_divisor,
             attn_softcap=attn_softcap,
             final_softcap=final_softcap,
             layer_windows=windows,
@@ -301,10 +319,10 @@ def _refuse_unimplemented(raw: Mapping[str, Any], family: Family, source: str) -
     partial = raw.get("partial_rotary_factor", 1.0)
     if partial not in (None, 1, 1.0):
         raise UnsupportedModelError(f"partial_rotary_factor={partial} in {source}: raylm rotates whole heads only")
-    if not family.gemma:
+    if not family.logit_softcaps:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if raw.get(key) is not None:
-                raise UnsupportedModelError(f"{key} in {source} is read only for Gemma architectures")
+                raise UnsupportedModelError(f"{key} in {source} is read only for Gemma 2 and 3")
 
 
 def _rope_parameters(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:

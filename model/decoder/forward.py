@@ -1,6 +1,7 @@
 """The decoder forward pass over a paged KV pool: one body for every family, reading what a
-family changes (q/k norms, sandwich norms, GeGLU, embedding scale, soft-caps, per-layer windows
-and RoPE, mixture-of-experts layers: model/decoder/moe.py) from ``ModelConfig``.
+family changes (q/k norms, sandwich norms, GeGLU, embedding, residual and logit scales,
+soft-caps, per-layer windows and RoPE, mixture-of-experts layers: model/decoder/moe.py) from
+``ModelConfig``.
 
 It is not jitted here: the engine's programs (``workers/runner/programs.py``) and the reference loop
 (``model/decoder/generate.py``) each jit it with what they add (bucketing and sampling, or nothing).
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.attention import paged_attention, slot_indices, write_kv
 from raylm.model.decoder.kv_pool import GroupedKV, KVCache
-from raylm.model.decoder.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin, rope_for
+from raylm.model.decoder.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin, rope_for, scaled
 from raylm.model.decoder.lora_slots import LayerLora, LoraBatch
 from raylm.model.decoder.moe import moe_block
 from raylm.model.decoder.params import LayerParams, ModelParams
@@ -133,6 +134,8 @@ def forward(
         x = embed[tokens].astype(params.final_norm.dtype)
     if config.embed_scale is not None:  # in the model dtype, as HF Gemma rounds it
         x = x * jnp.asarray(config.embed_scale, x.dtype)
+    if config.embedding_multiplier is not None:  # in float32, as HF Granite multiplies by a Python float
+        x = scaled(x, config.embedding_multiplier)
     eps = config.rms_norm_eps
 
     pools = [[group.k, group.v] for group in (kv if grouped else (kv,))]
@@ -174,6 +177,8 @@ def forward(
     head = params.embed if params.lm_head is None else params.lm_head
     with jax.named_scope("lm_head"):
         logits = dense(x, head, kernel=cpu_kernels, out_dtype=jnp.float32)
+        if config.logits_divisor is not None:
+            logits = logits / config.logits_divisor
         if config.final_softcap is not None:
             logits = jnp.tanh(logits / config.final_softcap) * config.final_softcap
     if not all_logits:
@@ -244,7 +249,7 @@ def _layer(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Decoder layer ``i``: fused QKV, (q/k norm), RoPE, K/V write into index ``slot`` of its KV
     group's pool (``group``: which table it reads), attention, fused MLP; with sandwich norms
-    each block's output is normed before its residual add; each projection plus its LoRA delta
+    each block's output is normed before its residual add (and scaled, with a residual multiplier); each projection plus its LoRA delta
     with ``lora``. Returns ``x``, both pools, and for a sparse layer the tokens routed to each
     expert (else None)."""
     B, S, _ = x.shape
@@ -278,7 +283,7 @@ def _layer(
         out = dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
         if lora is not None:
             out = lora.add("o_proj", out, attn)
-        x = x + (out if lp.post_attn_norm is None else rms_norm(out, lp.post_attn_norm, eps))
+        x = _residual_add(x, out, lp.post_attn_norm, config)
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, eps)
         counts = None
@@ -286,8 +291,18 @@ def _layer(
             out, counts = moe_block(h, lp, config.moe, config.activation, kernel=batch.cpu_kernels, valid=batch.valid)
         else:
             out = gated_mlp(h, lp.w_gate_up, lp.w_down, config.activation, kernel=batch.cpu_kernels, lora=lora)
-        x = x + (out if lp.post_mlp_norm is None else rms_norm(out, lp.post_mlp_norm, eps))
+        x = _residual_add(x, out, lp.post_mlp_norm, config)
         return x, k_pool, v_pool, counts
+
+
+def _residual_add(x: jax.Array, branch: jax.Array, post_norm: jax.Array | None, config: ModelConfig) -> jax.Array:
+    """``x`` plus a block's output, that output normed first with sandwich norms (Gemma 2, 3)
+    and times the residual multiplier (Granite)."""
+    if post_norm is not None:
+        branch = rms_norm(branch, post_norm, config.rms_norm_eps)
+    if config.residual_multiplier is not None:
+        branch = scaled(branch, config.residual_multiplier)
+    return x + branch
 
 
 def _qk_norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:

@@ -24,6 +24,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
+def scaled(x: jax.Array, factor: float) -> jax.Array:
+    """``x`` times a constant, multiplied in float32 and rounded to ``x``'s dtype: what torch
+    does for a tensor times a Python float (Granite's multipliers)."""
+    return (x.astype(jnp.float32) * np.float32(factor)).astype(x.dtype)
+
+
 class Rope(NamedTuple):
     """Per-pair inverse frequencies and the factor cos/sin are multiplied by (yarn, longrope)."""
 

@@ -148,7 +148,8 @@ def load_safetensors_checkpoint(
             # widens what is not a matrix); otherwise everything is widened here.
             return array if keep_blocks and array.dtype in HALF_DTYPES else _to_float(array)
 
-        params = build_params(config, get, str(path), dtype, norm_offset=1.0 if HF_FAMILIES[config.architecture].gemma else 0.0)
+        norm_offset = 1.0 if HF_FAMILIES[config.architecture].norm_plus_one else 0.0
+        params = build_params(config, get, str(path), dtype, norm_offset=norm_offset)
     return config, params
 
 
