@@ -117,6 +117,15 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
              decoder_sparse_step=2),
     ),
+    # Llama 4 text: three chunked RoPE layers (16-token chunks) with q/k L2 norms, a NoPE
+    # full-attention layer with temperature tuning that bites within the prompts (floor_scale 8),
+    # sigmoid top-1 experts with a shared expert on layers 1 and 3, wider dense MLPs on 0 and 2.
+    "llama4": (
+        transformers.Llama4TextConfig,
+        dict(num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,
+             num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=16, no_rope_layers=[1, 1, 1, 0],
+             floor_scale=8, attn_scale=0.5, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    ),
 }
 
 _CORPUS = [
@@ -160,6 +169,7 @@ def build_tiny_checkpoint(variant: str, directory: Path, seed: int = 0, **overri
         transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
         transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
         transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
+        transformers.Llama4TextConfig: transformers.Llama4ForCausalLM,
     }[config_cls]
     config._attn_implementation = "eager"  # soft-capping and windows as the modeling code writes them
     model = model_cls(config).eval().to(torch.float32)

@@ -45,6 +45,9 @@ class Family:
     sliding_pattern: int = 0
     # Sparse layers: a mixture of experts in place of the MLP (model/config/moe.py).
     moe: MoeKeys | None = None
+    # Llama 4 text: NoPE and chunked-attention layers, q/k L2 norm, attention temperature and its
+    # experts (model/config/llama4.py); dense MLPs ``intermediate_size_mlp`` wide.
+    llama4: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +78,7 @@ HF_FAMILIES: dict[str, Family] = {
     "Gemma2ForCausalLM": Family(**_GEMMA_2_AND_3, sliding_pattern=2),
     "Gemma3ForCausalLM": Family(qk_norm=True, **_GEMMA_2_AND_3, sliding_pattern=6),
     "GraniteForCausalLM": Family(granite_multipliers=True),
+    "Llama4ForCausalLM": Family(llama4=True),
     "Phi3ForCausalLM": Family(window_on_all_layers=True),
     "MixtralForCausalLM": Family(
         window_on_all_layers=True, moe=MoeKeys("num_local_experts", "intermediate_size", always_norm_topk=True)

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from raylm.model.config import gguf_metadata
 from raylm.model.config.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
+from raylm.model.config.llama4 import AttnTemperature, Llama4Attention, llama4_attention, llama4_moe
 from raylm.model.config.moe import MoeConfig, moe_from_gguf, moe_from_hf
 from raylm.model.config.multipliers import Multipliers, multipliers_from_gguf, multipliers_from_hf
 from raylm.model.config.rope import RopeScaling, optional_float, parse_rope_scaling
@@ -30,11 +31,13 @@ _LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """How one layer's attention scores are formed: ``softmax(softcap(q.k * scale))`` over the
-    keys at positions ``p - window < k <= p`` (all ``k <= p`` when ``window`` is None)."""
+    keys at positions ``p - window < k <= p`` (all ``k <= p`` when ``window`` is None), and only
+    those of the query's own ``chunk`` of positions (``k // chunk == p // chunk``) when set."""
 
     scale: float
     window: int | None = None
     softcap: float | None = None
+    chunk: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,11 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     local_rope_theta: float | None = None  # RoPE base of sliding layers (Gemma 3), default RoPE
     moe: MoeConfig | None = None  # mixture-of-experts layers (None: every layer has a dense MLP)
+    # Llama 4 (model/config/llama4.py); each per-layer tuple empty when no layer has it.
+    nope_layers: tuple[bool, ...] = ()  # per layer: no RoPE
+    layer_chunks: tuple[int | None, ...] = ()  # per layer: its attention chunk (None: full attention)
+    l2_qk_norm: bool = False  # the RoPE layers' q and k RMS-normalized (no weight) after RoPE
+    attn_temperature: AttnTemperature | None = None  # the NoPE layers' query scale by position
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -83,6 +91,9 @@ class ModelConfig:
             )
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ModelLoadError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        for name in ("nope_layers", "layer_chunks"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
+                raise ModelLoadError(f"{len(getattr(self, name))} {name} for {self.num_layers} layers")
         if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
             raise ModelLoadError(f"{len(self.moe.sparse_layers)} sparse-layer flags for {self.num_layers} layers")
 
@@ -97,7 +108,8 @@ class ModelConfig:
         if moe is not None:
             moe = dataclasses.replace(moe, sparse_layers=moe.sparse_layers[:num_layers])
         return dataclasses.replace(
-            self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers], moe=moe
+            self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers], moe=moe,
+            nope_layers=self.nope_layers[:num_layers], layer_chunks=self.layer_chunks[:num_layers],
         )
 
     def served_at(self, context_len: int) -> "ModelConfig":
@@ -142,7 +154,12 @@ class ModelConfig:
     def attention(self, layer: int) -> AttentionSpec:
         """Layer ``layer``'s scale, window and soft-cap."""
         scale = self.query_scale if self.query_scale is not None else self.head_dim**-0.5
-        return AttentionSpec(scale, self.layer_window(layer), self.attn_softcap)
+        chunk = self.layer_chunks[layer] if self.layer_chunks else None
+        return AttentionSpec(scale, self.layer_window(layer), self.attn_softcap, chunk)
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates its queries and keys (Llama 4's NoPE layers do not)."""
+        return not (self.nope_layers and self.nope_layers[layer])
 
     def is_sparse(self, layer: int) -> bool:
         """Whether ``layer`` runs a mixture of experts instead of a dense MLP."""
@@ -179,6 +196,7 @@ class ModelConfig:
             if act == "gelu" and family.gelu_is_tanh:
                 act = "gelu_pytorch_tanh"
             scales = multipliers_from_hf(raw, source) if family.granite_multipliers else Multipliers()
+            llama4 = llama4_attention(raw, layers, source) if family.llama4 else Llama4Attention((), (), False, None)
             query_scale = scales.attention
             if family.query_pre_attn_scalar:
                 query_scale = float(raw.get("query_pre_attn_scalar", 256)) ** -0.5
@@ -186,7 +204,7 @@ class ModelConfig:
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
+                intermediate_size=int(raw["intermediate_size_mlp" if family.llama4 else "intermediate_size"]),
                 num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
@@ -215,7 +233,11 @@ class ModelConfig:
                 final_softcap=optional_float(raw.get("final_logit_softcapping")),
                 layer_windows=_layer_windows(raw, family, layers, source),
                 local_rope_theta=_local_rope_theta(local_rope, source),
-                moe=moe_from_hf(raw, family, layers, source),
+                moe=llama4_moe(raw, layers, source) if family.llama4 else moe_from_hf(raw, family, layers, source),
+                nope_layers=llama4.nope_layers,
+                layer_chunks=llama4.layer_chunks,
+                l2_qk_norm=llama4.l2_qk_norm,
+                attn_temperature=llama4.temperature,
             )
         except KeyError as missing:
             raise ModelLoadError(f"{source} lacks required key {missing}") from None
@@ -351,6 +373,8 @@ def _local_rope_theta(local: Mapping[str, Any] | None, source: str) -> float | N
 
 def _layer_windows(raw: Mapping[str, Any], family: Family, layers: int, source: str) -> tuple[int | None, ...]:
     """Each layer's sliding window as HF applies it, or () when no layer slides."""
+    if family.llama4:  # its layer_types say chunked or full attention (model/config/llama4.py)
+        return ()
     window = raw.get("sliding_window")
     if family.window_on_all_layers:
         kinds = [window is not None] * layers

@@ -7,7 +7,8 @@ Every family served here routes the same way (HF's TopKRouter): the router's log
 through a softmax over all experts, the ``top_k`` largest probabilities pick the experts,
 and with ``norm_topk_prob`` the picked probabilities are divided by their sum (Mixtral
 always: its softmax-over-the-top-k is the same numbers). Any other routing (sigmoid scores,
-grouped top-k, a score bias, capacity limits, expert-choice) is a load error naming the key.
+grouped top-k, a score bias, capacity limits, expert-choice) is a load error naming the key,
+except Llama 4's own (model/config/llama4.py: ``sigmoid_scales_input``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ class MoeConfig:
     expert_size: int  # intermediate size of each expert's gated MLP
     norm_topk_prob: bool  # renormalize the top-k probabilities to sum to 1
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
-    shared_expert_size: int = 0  # Qwen2-MoE: a dense MLP beside the experts, gated by sigmoid(x . w)
+    shared_expert_size: int = 0  # a dense MLP beside the experts (Qwen2-MoE's gated by sigmoid(x . w))
+    # Llama 4: the top-k router logits through a sigmoid scale each expert's input (not its output).
+    sigmoid_scales_input: bool = False
+    shared_expert_gated: bool = True  # the shared expert scaled by sigmoid(x . w) (Qwen2-MoE; not Llama 4)
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:

@@ -32,7 +32,15 @@ import jax.numpy as jnp
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.attention import paged_attention, slot_indices, write_kv
 from raylm.model.decoder.kv_pool import GroupedKV, KVCache
-from raylm.model.decoder.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin, rope_for, scaled
+from raylm.model.decoder.layers import (
+    apply_rope,
+    attention_temperature,
+    gated_mlp,
+    rms_norm,
+    rope_cos_sin,
+    rope_for,
+    scaled,
+)
 from raylm.model.decoder.lora_slots import LayerLora, LoraBatch
 from raylm.model.decoder.moe import moe_block
 from raylm.model.decoder.params import LayerParams, ModelParams
@@ -267,14 +275,20 @@ def _layer(
         k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
         if lp.q_norm is not None:
             q, k = _qk_norm(q, lp.q_norm, config), _qk_norm(k, lp.k_norm, config)
-        cos, sin = batch.rotations[config.uses_local_rope(i)]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if config.uses_rope(i):
+            cos, sin = batch.rotations[config.uses_local_rope(i)]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if config.l2_qk_norm:  # Llama 4: after RoPE, no weight
+                unit = jnp.ones((), q.dtype)
+                q, k = rms_norm(q, unit, eps), rms_norm(k, unit, eps)
+        elif config.attn_temperature is not None:
+            q = attention_temperature(q, batch.positions, config.attn_temperature)
     table, (block, offset) = batch.block_tables[group], batch.slots[group]
     with jax.named_scope("kv_write"):
         k_pool = write_kv(k_pool, slot, block, offset, k, batch.cpu_kernels)
         v_pool = write_kv(v_pool, slot, block, offset, v, batch.cpu_kernels)
     with jax.named_scope("attention"):
-        if batch.kernel_lens is not None:
+        if batch.kernel_lens is not None and spec.chunk is None:  # (the kernel has no chunked mask)
             attn = decode_attention(q[:, 0], k_pool, v_pool, slot, table, batch.kernel_lens, spec)[:, None]
         else:
             attn = paged_attention(q, k_pool, v_pool, slot, table, batch.positions, batch.context_lens, batch.valid,

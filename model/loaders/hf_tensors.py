@@ -297,8 +297,9 @@ def build_params(
                 fields.update(
                     w_shared_gate_up=map_rows(lambda g, u: np.stack([g, u]), hf("shared_gate_proj"), hf("shared_up")),
                     w_shared_down=hf("shared_down"),
-                    shared_gate=dequantized(hf("shared_gate")).reshape(D),
                 )
+                if config.moe.shared_expert_gated:
+                    fields["shared_gate"] = dequantized(hf("shared_gate")).reshape(D)
         else:
             fields.update(
                 w_gate_up=map_rows(lambda g, u: np.stack([g, u]), hf("w_gate"), hf("w_up")),

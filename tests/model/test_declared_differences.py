@@ -1,4 +1,4 @@
-"""Every declared difference of Gemma 1 and Granite from Llama is exercised: with it set back to
+"""Every declared difference of Gemma 1, Granite and Llama 4 from Llama is exercised: with it set back to
 Llama's, the tiny checkpoint's logits leave HF's (which they match with it, 1e-4); and their
 configs are read as HF reads them (defaults, legacy names, options raylm refuses by name)."""
 
@@ -44,6 +44,14 @@ DIFFERENCES = {
         "residual_multiplier": _config_field(residual_multiplier=None),
         "attention_multiplier": _config_field(query_scale=None),
         "logits_scaling": _config_field(logits_divisor=None),
+    },
+    "llama4": {
+        "nope_layers": _config_field(nope_layers=()),
+        "chunked_attention": _config_field(layer_chunks=()),
+        "l2_qk_norm": _config_field(l2_qk_norm=False),
+        "attn_temperature_tuning": _config_field(attn_temperature=None),
+        "sigmoid_scaled_expert_input": lambda config, params: (
+            dataclasses.replace(config, moe=dataclasses.replace(config.moe, sigmoid_scales_input=False)), params),
     },
 }
 CASES = [(family, name) for family, names in DIFFERENCES.items() for name in names]
@@ -100,3 +108,19 @@ def test_granite_config_reads_as_hf_granite():
     for option in ("attention_bias", "mlp_bias"):
         with pytest.raises(UnsupportedModelError, match=option):
             ModelConfig.from_hf_dict(_granite(**{option: True}))
+
+
+def test_llama4_config_reads_as_hf_llama4():
+    raw = {**_gemma(), "architectures": ["Llama4ForCausalLM"], "num_hidden_layers": 8, "intermediate_size": 32,
+           "intermediate_size_mlp": 96, "num_local_experts": 4, "interleave_moe_layer_step": 2}
+    config = ModelConfig.from_hf_dict(raw)  # HF's defaults: a NoPE full-attention layer in four, chunks of 8192
+    assert config.nope_layers == (False, False, False, True) * 2
+    assert config.layer_chunks == (8192, 8192, 8192, None) * 2 and not config.layer_windows
+    assert config.l2_qk_norm and config.attn_temperature == (8192.0, 0.1) and config.activation == "silu"
+    assert config.moe.sparse_layers == (False, True) * 4 and config.intermediate_size == 96
+    assert (config.moe.expert_size, config.moe.shared_expert_size, config.moe.top_k) == (32, 32, 1)
+    assert config.moe.sigmoid_scales_input and not config.moe.shared_expert_gated
+    with pytest.raises(UnsupportedModelError, match="attention_chunk_size"):
+        ModelConfig.from_hf_dict({**raw, "attention_chunk_size": None})
+    with pytest.raises(UnsupportedModelError, match="sliding_attention"):
+        ModelConfig.from_hf_dict({**raw, "layer_types": ["sliding_attention"] * 8})

@@ -44,7 +44,7 @@ ENGINE_SETTINGS = {
 }
 # Mixtures of experts, one setting each (their routing and experts are the difference).
 MOE_FAMILIES = ["mixtral", "qwen3-moe", "olmoe"]  # (qwen2-moe: tests/model/test_model_vs_hf.py)
-CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + ["qwen3-moe", "olmoe"]] + [
+CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + ["qwen3-moe", "olmoe", "llama4"]] + [
     ("mixtral", "ngram-chunked-preempted-prefix-cached"),
     ("gemma3", "tensor-parallel-2"), ("gemma2", "draft-speculation"), ("olmoe", "expert-parallel-2"),
 ]
