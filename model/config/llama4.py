@@ -38,12 +38,12 @@ class AttnTemperature(NamedTuple):
 
 
 class Llama4Attention(NamedTuple):
-    """What ``ModelConfig`` keeps of a Llama 4 config's attention."""
+    """What ``ModelConfig`` keeps of a Llama 4 config's attention (defaults: Llama's)."""
 
-    nope_layers: tuple[bool, ...]  # per layer: no RoPE
-    layer_chunks: tuple[int | None, ...]  # per layer: its attention chunk, None for full attention
-    l2_qk_norm: bool  # the RoPE layers' q and k RMS-normalized (no weight) after RoPE
-    temperature: AttnTemperature | None  # on the NoPE layers
+    nope_layers: tuple[bool, ...] = ()  # per layer: no RoPE
+    layer_chunks: tuple[int | None, ...] = ()  # per layer: its attention chunk, None for full attention
+    l2_qk_norm: bool = False  # the RoPE layers' q and k RMS-normalized (no weight) after RoPE
+    temperature: AttnTemperature | None = None  # on the NoPE layers
 
 
 def llama4_attention(raw: Mapping[str, Any], num_layers: int, source: str) -> Llama4Attention:

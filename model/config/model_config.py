@@ -152,7 +152,7 @@ class ModelConfig:
         return tuple(tuple(i for i in range(self.num_layers) if self.kv_group(i) == g) for g in range(groups))
 
     def attention(self, layer: int) -> AttentionSpec:
-        """Layer ``layer``'s scale, window and soft-cap."""
+        """Layer ``layer``'s scale, window, soft-cap and attention chunk."""
         scale = self.query_scale if self.query_scale is not None else self.head_dim**-0.5
         chunk = self.layer_chunks[layer] if self.layer_chunks else None
         return AttentionSpec(scale, self.layer_window(layer), self.attn_softcap, chunk)
@@ -196,7 +196,7 @@ class ModelConfig:
             if act == "gelu" and family.gelu_is_tanh:
                 act = "gelu_pytorch_tanh"
             scales = multipliers_from_hf(raw, source) if family.granite_multipliers else Multipliers()
-            llama4 = llama4_attention(raw, layers, source) if family.llama4 else Llama4Attention((), (), False, None)
+            llama4 = llama4_attention(raw, layers, source) if family.llama4 else Llama4Attention()
             query_scale = scales.attention
             if family.query_pre_attn_scalar:
                 query_scale = float(raw.get("query_pre_attn_scalar", 256)) ** -0.5

@@ -255,10 +255,11 @@ def _layer(
     lp: LayerParams, config: ModelConfig, batch: _Batch, i: int, group: int, slot: int, x: jax.Array,
     k_pool: jax.Array, v_pool: jax.Array, lora: LayerLora | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Decoder layer ``i``: fused QKV, (q/k norm), RoPE, K/V write into index ``slot`` of its KV
-    group's pool (``group``: which table it reads), attention, fused MLP; with sandwich norms
-    each block's output is normed before its residual add (and scaled, with a residual multiplier); each projection plus its LoRA delta
-    with ``lora``. Returns ``x``, both pools, and for a sparse layer the tokens routed to each
+    """Decoder layer ``i``: fused QKV, (q/k norm), RoPE (none on a NoPE layer, whose queries
+    may be temperature-scaled instead; Llama 4's L2 q/k norm after it), K/V write into index
+    ``slot`` of its KV group's pool (``group``: which table it reads), attention, fused MLP;
+    with sandwich norms each block's output is normed before its residual add, and scaled by a
+    residual multiplier; each projection plus its LoRA delta with ``lora``. Returns ``x``, both pools, and for a sparse layer the tokens routed to each
     expert (else None)."""
     B, S, _ = x.shape
     G = config.q_per_kv
