@@ -4,8 +4,8 @@ Every tensor type the ``gguf`` package can dequantize is accepted. With ``keep_b
 block-quantized matrices (Q4_0 .. Q8_0, the K-quants, IQ4) stay in their blocks (model/quantization/gguf_blocks.py: the same float32
 numbers from a sixth of the bytes); everything else is dequantized to float32 here.
 llama.cpp's converter permutes the Q/K projection rows of llama-arch models (and Granite's,
-a LlamaModel subclass there) for its interleaved RoPE; we undo that here so the same rotate-half RoPE serves HF and GGUF
-checkpoints. Tensor names are llama.cpp's (gguf.constants.TENSOR_NAMES), mapped to HF's
+a LlamaModel subclass there) for its interleaved RoPE; we undo that here so the same
+rotate-half RoPE serves HF and GGUF checkpoints. Tensor names are llama.cpp's (gguf.constants.TENSOR_NAMES), mapped to HF's
 per architecture; Gemma's norms are stored as ``1 + w`` already, so they load as they are.
 """
 
