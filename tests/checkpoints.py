@@ -72,6 +72,14 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
              rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
                                   full_attention=dict(rope_type="linear", rope_theta=1e6, factor=2.0))),
     ),
+    # Gemma 1: 1 + w norms, sqrt(hidden) embeddings, GeGLU, tied embeddings, head_dim
+    # independent of hidden / heads.
+    "gemma": (transformers.GemmaConfig, dict(head_dim=32)),
+    # Granite: every multiplier away from 1 (and the attention one from 1/sqrt(head_dim)).
+    "granite": (
+        transformers.GraniteConfig,
+        dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.5, logits_scaling=2.5),
+    ),
     # Fused qkv / gate_up in the checkpoint, a 24-token window on every layer, LongRoPE within
     # its original context (short factors, as HF uses them for every sequence that fits).
     "phi3": (
@@ -127,6 +135,15 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
              attention_bias=True, use_qk_norm=True,
              rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
     ),
+    # Llama 4 text: three chunked RoPE layers (16-token chunks) with q/k L2 norms, a NoPE
+    # full-attention layer with temperature tuning that bites within the prompts (floor_scale 8),
+    # sigmoid top-1 experts with a shared expert on layers 1 and 3, wider dense MLPs on 0 and 2.
+    "llama4": (
+        transformers.Llama4TextConfig,
+        dict(num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,
+             num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=16, no_rope_layers=[1, 1, 1, 0],
+             floor_scale=8, attn_scale=0.5, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    ),
 }
 
 _CORPUS = [
@@ -161,14 +178,17 @@ def build_tiny_checkpoint(variant: str, directory: Path, seed: int = 0, **overri
         transformers.MistralConfig: transformers.MistralForCausalLM,
         transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
         transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+        transformers.GemmaConfig: transformers.GemmaForCausalLM,
         transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
         transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM,
         transformers.Phi3Config: transformers.Phi3ForCausalLM,
+        transformers.GraniteConfig: transformers.GraniteForCausalLM,
         transformers.MixtralConfig: transformers.MixtralForCausalLM,
         transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
         transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
         transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
         transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
+        transformers.Llama4TextConfig: transformers.Llama4ForCausalLM,
     }[config_cls]
     config._attn_implementation = "eager"  # soft-capping and windows as the modeling code writes them
     model = model_cls(config).eval().to(torch.float32)

@@ -2,11 +2,12 @@
 
 Independent of raylm's loader: tensor names come from the gguf package's own HF -> GGUF map
 (``gguf.get_tensor_name_map``) and the metadata keys from its writer, per architecture as the
-converter writes them (its LlamaModel for Llama and Mistral, Qwen3Model, Gemma2Model,
-Gemma3Model, Phi3MiniModel, and for experts its LlamaModel (Mixtral), Qwen3MoeModel,
-OlmoeModel and Glm4MoeModel, which stack each layer's experts into one tensor): Q/K rows permuted for llama only, ``1 + w`` in Gemma's norms,
-Phi-3's fused qkv / gate_up kept whole with its LongRoPE factors as tensors, Llama 3's RoPE
-as a ``rope_freqs`` tensor. Two things the converter drops and these tests need are written
+converter writes them (its LlamaModel for Llama and Mistral, Qwen3Model, GemmaModel,
+Gemma2Model, Gemma3Model, Phi3MiniModel, GraniteModel (a LlamaModel plus its four multipliers
+as keys), and for experts its LlamaModel (Mixtral), Qwen3MoeModel, OlmoeModel and Glm4MoeModel,
+which stack each layer's experts into one tensor): Q/K rows permuted for llama and granite, ``1 + w`` in
+Gemma's norms, Phi-3's fused qkv / gate_up kept whole with its LongRoPE factors as tensors,
+Llama 3's RoPE as a ``rope_freqs`` tensor. Two things the converter drops and these tests need are written
 in the keys llama.cpp defines for them: a Mistral window (``attention.sliding_window``) and
 a Gemma 3 layer pattern other than five-in-six (``attention.sliding_window_pattern``, one
 flag per layer). A setting GGUF cannot express (Gemma's query scale other than llama.cpp's
@@ -33,6 +34,7 @@ _ARCHES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
@@ -41,7 +43,14 @@ _ARCHES = {
     "OlmoeForCausalLM": "olmoe",
     "Qwen2MoeForCausalLM": "qwen2moe",
     "Glm4MoeForCausalLM": "glm4moe",
+    "GraniteForCausalLM": "granite",
 }
+# The converter's LlamaModel and its subclasses permute Q/K rows; Gemma's models store norms as 1 + w.
+_PERMUTED = ("llama", "granite")
+_GEMMAS = ("gemma", "gemma2", "gemma3")
+# Granite's multipliers and the keys GraniteModel writes them as (only when non-zero).
+_GRANITE_SCALES = {"attention_multiplier": "add_attention_scale", "embedding_multiplier": "add_embedding_scale",
+                   "residual_multiplier": "add_residual_scale", "logits_scaling": "add_logit_scale"}
 # llama.cpp's fixed choice, per architecture, of renormalizing the top-k expert weights.
 _NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
 _EXPERT_RE = re.compile(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight")
@@ -167,7 +176,7 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
             math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])) if scale > 1 else 1.0
         )
         return
-    if arch == "gemma2":  # Gemma2Model writes no RoPE keys: llama.cpp's base 10000 applies
+    if arch in ("gemma", "gemma2"):  # GemmaModel, Gemma2Model write no RoPE keys: llama.cpp's base 10000 applies
         assert rope.get("rope_theta", 10000.0) == 10000.0 and rope.get("rope_type", "default") == "default", rope
     else:
         kind = rope.get("rope_type", "default")
@@ -186,13 +195,17 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
     if hp.get("head_dim") is not None:
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
-    if arch == "llama":
+    if arch in _PERMUTED:  # LlamaModel's own keys (GraniteModel's too)
         w.add_vocab_size(hp["vocab_size"])
         w.add_rope_dimension_count(_head_dim(hp))
         if hp.get("sliding_window"):
             w.add_sliding_window(hp["sliding_window"])
     if arch in ("gemma2", "gemma3"):
         _write_gemma(w, arch, hp)
+    if arch == "granite":
+        for key, add in _GRANITE_SCALES.items():
+            if hp.get(key):
+                getattr(w, add)(hp[key])
     if arch == "glm4moe":
         _write_glm4moe(w, hp)
         return
@@ -267,11 +280,11 @@ def _tensors(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], tensors: dict[st
                               try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"no GGUF name for {hf_name} in a {arch} file")
-        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+        if arch in _PERMUTED and hf_name.endswith("q_proj.weight"):
             array = _permute(array, heads)
-        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+        elif arch in _PERMUTED and hf_name.endswith("k_proj.weight"):
             array = _permute(array, kv_heads)
-        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+        if arch in _GEMMAS and hf_name.endswith("norm.weight"):
             array = array + 1
         yield name, array
     rope, _ = _rope_params(hp)

@@ -18,11 +18,25 @@ class Family:
     qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
     # ... over the whole query and key projections instead, all heads at once (OLMoE).
     qk_norm_whole: bool = False
-    # Gemma: norms also after attention and after the MLP (before each residual add), RMSNorm
-    # weights stored as ``w`` for ``1 + w``, embeddings scaled by sqrt(hidden), attention
-    # scaled by ``query_pre_attn_scalar``, GeGLU by default.
-    gemma: bool = False
+    # RMSNorm weights stored as ``w`` for a norm that multiplies by ``1 + w`` (Gemma 1, 2, 3).
+    norm_plus_one: bool = False
+    # Input embeddings times sqrt(hidden_size), rounded in the model dtype (Gemma 1, 2, 3).
+    sqrt_hidden_embed_scale: bool = False
+    # Norms also after attention and after the MLP, before each residual add (Gemma 2, 3).
+    sandwich_norms: bool = False
+    # Attention scaled by ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5`` (Gemma 2, 3).
+    query_pre_attn_scalar: bool = False
+    # Reads ``attn_logit_softcapping`` / ``final_logit_softcapping`` (Gemma 2, 3).
+    logit_softcaps: bool = False
+    # Granite's embedding, residual, attention and logit multipliers (model/config/multipliers.py).
+    granite_multipliers: bool = False
+    tied_by_default: bool = False  # tie_word_embeddings when config.json omits it
     default_act: str = "silu"
+    # The config.json keys naming the MLP activation, first present wins (Gemma 1's modeling
+    # code reads ``hidden_act`` only, Gemma 2 and 3 ``hidden_activation``).
+    activation_keys: tuple[str, ...] = ("hidden_activation", "hidden_act")
+    # ``gelu`` means the tanh approximation (Gemma 1's legacy configs: GemmaConfig rewrites it).
+    gelu_is_tanh: bool = False
     # Sliding window from config.json's ``sliding_window`` on every layer (Mistral, Phi-3);
     # otherwise only the layers ``layer_types`` marks sliding.
     window_on_all_layers: bool = False
@@ -34,6 +48,9 @@ class Family:
     # config.json's ``attention_bias`` switches q/k/v biases on (o_proj has none; GLM-4.5).
     reads_attention_bias: bool = False
     qk_norm_key: str | None = None  # config.json's switch for per-head q/k norms (GLM-4.5: use_qk_norm)
+    # Llama 4 text: NoPE and chunked-attention layers, q/k L2 norm, attention temperature and its
+    # experts (model/config/llama4.py); dense MLPs ``intermediate_size_mlp`` wide.
+    llama4: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,13 +67,24 @@ class MoeKeys:
     deepseek: str | None = None
 
 
+# What Gemma 2 and 3 share.
+_GEMMA_2_AND_3 = dict(
+    norm_plus_one=True, sqrt_hidden_embed_scale=True, sandwich_norms=True, query_pre_attn_scalar=True,
+    logit_softcaps=True, tied_by_default=True, default_act="gelu_pytorch_tanh", activation_keys=("hidden_activation",),
+)
 HF_FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(),
     "MistralForCausalLM": Family(window_on_all_layers=True),
     "Qwen2ForCausalLM": Family(attention_bias=True),
     "Qwen3ForCausalLM": Family(qk_norm=True),
-    "Gemma2ForCausalLM": Family(gemma=True, default_act="gelu_pytorch_tanh", sliding_pattern=2),
-    "Gemma3ForCausalLM": Family(qk_norm=True, gemma=True, default_act="gelu_pytorch_tanh", sliding_pattern=6),
+    "GemmaForCausalLM": Family(
+        norm_plus_one=True, sqrt_hidden_embed_scale=True, tied_by_default=True, default_act="gelu_pytorch_tanh",
+        activation_keys=("hidden_act",), gelu_is_tanh=True,
+    ),
+    "Gemma2ForCausalLM": Family(**_GEMMA_2_AND_3, sliding_pattern=2),
+    "Gemma3ForCausalLM": Family(qk_norm=True, **_GEMMA_2_AND_3, sliding_pattern=6),
+    "GraniteForCausalLM": Family(granite_multipliers=True),
+    "Llama4ForCausalLM": Family(llama4=True),
     "Phi3ForCausalLM": Family(window_on_all_layers=True),
     "MixtralForCausalLM": Family(
         window_on_all_layers=True, moe=MoeKeys("num_local_experts", "intermediate_size", always_norm_topk=True)
@@ -77,6 +105,7 @@ GGUF_FAMILIES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -84,6 +113,7 @@ GGUF_FAMILIES: dict[str, str] = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "glm4moe": "Glm4MoeForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 # HF's names for the same activations.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}

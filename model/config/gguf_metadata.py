@@ -69,6 +69,9 @@ _UNIMPLEMENTED: dict[str, Any] = {
 # (``rope.dimension_count``): the leading ones, by halves, as HF's partial rotary does.
 _PARTIAL_ROTARY_ARCHES = ("glm4moe",)
 
+# Keys of that list a family's own module reads instead (model/config/multipliers.py: Granite's).
+_READ_BY_FAMILY = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
+
 
 class GgufMetadata:
     """A GGUF's fields seen through its architecture's key prefix."""
@@ -95,20 +98,21 @@ class GgufMetadata:
 
 def refuse_unimplemented(meta: GgufMetadata, family: Family, head_dim: int) -> None:
     """Load errors for settings the file states and raylm does not compute."""
+    read = _READ_BY_FAMILY if family.granite_multipliers else ()
     for key, off in _UNIMPLEMENTED.items():
         if meta.arch in DEEPSEEK_ARCHES and key in DEEPSEEK_KEYS:
             continue  # read by model/config/deepseek_routing.py
-        if meta.has(key) and (off is None or meta.get(key) != off):
+        if key not in read and meta.has(key) and (off is None or meta.get(key) != off):
             raise meta.refuse(key, "is not implemented by raylm")
     for key in ("attention.value_length", "rope.dimension_count"):
         if key == "rope.dimension_count" and meta.arch in _PARTIAL_ROTARY_ARCHES:
             continue  # ``rotary_dim``
         if meta.get(key, head_dim) != head_dim:
             raise meta.refuse(key, f"differs from the head size {head_dim}: raylm rotates and attends whole heads")
-    if not family.gemma:
+    if not family.logit_softcaps:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if meta.has(key):
-                raise meta.refuse(key, f"is a Gemma setting; llama.cpp does not read it for {meta.arch}")
+                raise meta.refuse(key, f"is a Gemma 2 / 3 setting; llama.cpp does not read it for {meta.arch}")
     elif meta.arch == "gemma3" and meta.has("attn_logit_softcapping"):
         raise meta.refuse("attn_logit_softcapping", "is not part of Gemma 3 (llama.cpp does not read it)")
 

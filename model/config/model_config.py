@@ -17,7 +17,9 @@ from typing import Any, Mapping, Sequence
 
 from raylm.model.config import gguf_metadata
 from raylm.model.config.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
+from raylm.model.config.llama4 import AttnTemperature, Llama4Attention, llama4_attention, llama4_moe
 from raylm.model.config.moe import MoeConfig, moe_from_gguf, moe_from_hf
+from raylm.model.config.multipliers import Multipliers, multipliers_from_gguf, multipliers_from_hf
 from raylm.model.config.rope import RopeScaling, optional_float, parse_rope_scaling, rotary_dim
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
 
@@ -29,11 +31,13 @@ _LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """How one layer's attention scores are formed: ``softmax(softcap(q.k * scale))`` over the
-    keys at positions ``p - window < k <= p`` (all ``k <= p`` when ``window`` is None)."""
+    keys at positions ``p - window < k <= p`` (all ``k <= p`` when ``window`` is None), and only
+    those of the query's own ``chunk`` of positions (``k // chunk == p // chunk``) when set."""
 
     scale: float
     window: int | None = None
     softcap: float | None = None
+    chunk: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +68,11 @@ class ModelConfig:
     qk_norm_whole: bool = False  # ... over all heads' q (and all k) at once (OLMoE)
     sandwich_norms: bool = False  # RMSNorm of the attention and MLP outputs before each residual add
     activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
-    embed_scale: float | None = None  # input embeddings times this (Gemma: sqrt(hidden))
+    embed_scale: float | None = None  # input embeddings times this, rounded in the model dtype (Gemma: sqrt(hidden))
+    embedding_multiplier: float | None = None  # input embeddings times this, in float32 (Granite)
+    residual_multiplier: float | None = None  # each residual branch times this before its add (Granite)
     query_scale: float | None = None  # attention scores' scale; None: head_dim ** -0.5
+    logits_divisor: float | None = None  # output logits divided by this (Granite's logits_scaling)
     attn_softcap: float | None = None  # tanh soft-cap of attention scores
     final_softcap: float | None = None  # tanh soft-cap of the output logits
     # Per layer: its sliding window (keys it sees, its own included), None for full attention;
@@ -73,6 +80,11 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     local_rope_theta: float | None = None  # RoPE base of sliding layers (Gemma 3), default RoPE
     moe: MoeConfig | None = None  # mixture-of-experts layers (None: every layer has a dense MLP)
+    # Llama 4 (model/config/llama4.py); each per-layer tuple empty when no layer has it.
+    nope_layers: tuple[bool, ...] = ()  # per layer: no RoPE
+    layer_chunks: tuple[int | None, ...] = ()  # per layer: its attention chunk (None: full attention)
+    l2_qk_norm: bool = False  # the RoPE layers' q and k RMS-normalized (no weight) after RoPE
+    attn_temperature: AttnTemperature | None = None  # the NoPE layers' query scale by position
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -82,6 +94,9 @@ class ModelConfig:
             )
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ModelLoadError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        for name in ("nope_layers", "layer_chunks"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
+                raise ModelLoadError(f"{len(getattr(self, name))} {name} for {self.num_layers} layers")
         if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
             raise ModelLoadError(f"{len(self.moe.sparse_layers)} sparse-layer flags for {self.num_layers} layers")
 
@@ -101,7 +116,8 @@ class ModelConfig:
         if moe is not None:
             moe = dataclasses.replace(moe, sparse_layers=moe.sparse_layers[:num_layers])
         return dataclasses.replace(
-            self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers], moe=moe
+            self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers], moe=moe,
+            nope_layers=self.nope_layers[:num_layers], layer_chunks=self.layer_chunks[:num_layers],
         )
 
     def served_at(self, context_len: int) -> "ModelConfig":
@@ -144,9 +160,14 @@ class ModelConfig:
         return tuple(tuple(i for i in range(self.num_layers) if self.kv_group(i) == g) for g in range(groups))
 
     def attention(self, layer: int) -> AttentionSpec:
-        """Layer ``layer``'s scale, window and soft-cap."""
+        """Layer ``layer``'s scale, window, soft-cap and attention chunk."""
         scale = self.query_scale if self.query_scale is not None else self.head_dim**-0.5
-        return AttentionSpec(scale, self.layer_window(layer), self.attn_softcap)
+        chunk = self.layer_chunks[layer] if self.layer_chunks else None
+        return AttentionSpec(scale, self.layer_window(layer), self.attn_softcap, chunk)
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates its queries and keys (Llama 4's NoPE layers do not)."""
+        return not (self.nope_layers and self.nope_layers[layer])
 
     def is_sparse(self, layer: int) -> bool:
         """Whether ``layer`` runs a mixture of experts instead of a dense MLP."""
@@ -179,13 +200,20 @@ class ModelConfig:
             layers = int(raw["num_hidden_layers"])
             max_positions = int(raw.get("max_position_embeddings", 2048))
             global_rope, local_rope = _rope_parameters(raw)
-            act = raw.get("hidden_activation") or raw.get("hidden_act") or family.default_act
             head_dim = int(raw.get("head_dim") or hidden // heads)
+            act = next((raw[key] for key in family.activation_keys if raw.get(key)), family.default_act)
+            if act == "gelu" and family.gelu_is_tanh:
+                act = "gelu_pytorch_tanh"
+            scales = multipliers_from_hf(raw, source) if family.granite_multipliers else Multipliers()
+            llama4 = llama4_attention(raw, layers, source) if family.llama4 else Llama4Attention()
+            query_scale = scales.attention
+            if family.query_pre_attn_scalar:
+                query_scale = float(raw.get("query_pre_attn_scalar", 256)) ** -0.5
             config = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
+                intermediate_size=int(raw["intermediate_size_mlp" if family.llama4 else "intermediate_size"]),
                 num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
@@ -193,7 +221,7 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(global_rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
                 max_position_embeddings=max_positions,
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.gemma)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.tied_by_default)),
                 # (Qwen2-MoE names its q/k/v biases' switch qkv_bias.)
                 attention_bias=bool(raw.get("attention_bias") or raw.get("qkv_bias", family.attention_bias)),
                 rope_scaling=parse_rope_scaling(
@@ -204,15 +232,22 @@ class ModelConfig:
                 eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
                 qk_norm=family.qk_norm or bool(family.qk_norm_key and raw.get(family.qk_norm_key)),
                 qk_norm_whole=family.qk_norm_whole,
-                sandwich_norms=family.gemma,
+                sandwich_norms=family.sandwich_norms,
                 activation=_activation(act, source),
-                embed_scale=math.sqrt(hidden) if family.gemma else None,
-                query_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if family.gemma else None,
+                embed_scale=math.sqrt(hidden) if family.sqrt_hidden_embed_scale else None,
+                embedding_multiplier=scales.embedding,
+                residual_multiplier=scales.residual,
+                query_scale=query_scale,
+                logits_divisor=scales.logits_divisor,
                 attn_softcap=optional_float(raw.get("attn_logit_softcapping")),
                 final_softcap=optional_float(raw.get("final_logit_softcapping")),
                 layer_windows=_layer_windows(raw, family, layers, source),
                 local_rope_theta=_local_rope_theta(local_rope, source),
-                moe=moe_from_hf(raw, family, layers, source),
+                moe=llama4_moe(raw, layers, source) if family.llama4 else moe_from_hf(raw, family, layers, source),
+                nope_layers=llama4.nope_layers,
+                layer_chunks=llama4.layer_chunks,
+                l2_qk_norm=llama4.l2_qk_norm,
+                attn_temperature=llama4.temperature,
             )
         except KeyError as missing:
             raise ModelLoadError(f"{source} lacks required key {missing}") from None
@@ -270,6 +305,8 @@ class ModelConfig:
         attn_softcap, final_softcap = gguf_metadata.softcaps(meta)
         windows = gguf_metadata.layer_windows(meta, layers)
         dense_size = int(meta.get("feed_forward_length", required=True))
+        scales = multipliers_from_gguf(meta) if family.granite_multipliers else Multipliers()
+        query_scale = gguf_metadata.query_scale(meta, hidden, heads, head_dim, layers)
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -291,10 +328,13 @@ class ModelConfig:
             eos_token_ids=_as_id_tuple(fields.get("tokenizer.ggml.eos_token_id")),
             qk_norm=family.qk_norm,
             qk_norm_whole=family.qk_norm_whole,
-            sandwich_norms=family.gemma,
+            sandwich_norms=family.sandwich_norms,
             activation=ACTIVATIONS[family.default_act],
-            embed_scale=math.sqrt(hidden) if family.gemma else None,
-            query_scale=gguf_metadata.query_scale(meta, hidden, heads, head_dim, layers),
+            embed_scale=math.sqrt(hidden) if family.sqrt_hidden_embed_scale else None,
+            embedding_multiplier=scales.embedding,
+            residual_multiplier=scales.residual,
+            query_scale=scales.attention if query_scale is None else query_scale,
+            logits_divisor=scales.logits_divisor,
             attn_softcap=attn_softcap,
             final_softcap=final_softcap,
             layer_windows=windows,
@@ -315,10 +355,10 @@ def _refuse_unimplemented(raw: Mapping[str, Any], family: Family, source: str) -
         raise UnsupportedModelError(f"clip_qkv={raw['clip_qkv']} in {source}: raylm does not clamp q/k/v")
     if raw.get("use_bidirectional_attention"):
         raise UnsupportedModelError(f"use_bidirectional_attention=true in {source}: raylm serves causal decoders")
-    if not family.gemma:
+    if not family.logit_softcaps:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if raw.get(key) is not None:
-                raise UnsupportedModelError(f"{key} in {source} is read only for Gemma architectures")
+                raise UnsupportedModelError(f"{key} in {source} is read only for Gemma 2 and 3")
 
 
 def _rope_parameters(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -347,6 +387,8 @@ def _local_rope_theta(local: Mapping[str, Any] | None, source: str) -> float | N
 
 def _layer_windows(raw: Mapping[str, Any], family: Family, layers: int, source: str) -> tuple[int | None, ...]:
     """Each layer's sliding window as HF applies it, or () when no layer slides."""
+    if family.llama4:  # its layer_types say chunked or full attention (model/config/llama4.py)
+        return ()
     window = raw.get("sliding_window")
     if family.window_on_all_layers:
         kinds = [window is not None] * layers

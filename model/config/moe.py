@@ -10,7 +10,8 @@ softmax-over-the-top-k is the same numbers). The DeepSeek-style families (GLM-4.
 V2/V3's reader is ready for their attention) route as model/config/deepseek_routing.py reads
 (sigmoid scores, grouped top-k, a score-correction bias, a scaling factor, ungated shared
 experts, leading dense layers). Any other routing (capacity limits, router biases,
-expert-choice) is a load error naming the key.
+expert-choice) is a load error naming the key, except Llama 4's own
+(model/config/llama4.py: ``sigmoid_scales_input``).
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ class MoeConfig:
     expert_size: int  # intermediate size of each expert's gated MLP
     norm_topk_prob: bool  # renormalize the top-k probabilities to sum to 1
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
-    shared_expert_size: int = 0  # Qwen2-MoE: a dense MLP beside the experts, gated by sigmoid(x . w)
-    shared_expert_gated: bool = True  # False: the shared MLP's output is added as is (DeepSeek, GLM)
+    shared_expert_size: int = 0  # a dense MLP beside the experts (Qwen2-MoE's gated by sigmoid(x . w))
+    shared_expert_gated: bool = True  # False: the shared MLP's output is added as is (DeepSeek, GLM, Llama 4)
     deepseek: DeepseekRouting | None = None  # DeepSeek-style routing in place of HF's TopKRouter
+    # Llama 4: the top-k router logits through a sigmoid scale each expert's input (not its output).
+    sigmoid_scales_input: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:

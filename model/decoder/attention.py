@@ -94,8 +94,9 @@ def paged_attention(
 
     A query at position ``p`` sees the keys at positions ``0..p`` of its own row (which
     includes the K/V just written for this step), only ``p - window + 1..p`` for a sliding
-    ``spec.window``; scores are ``q.k * spec.scale`` (default ``Dh ** -0.5``), soft-capped
-    by ``spec.softcap`` (``cap * tanh(s / cap)``) before the mask. Returns ``[B, S, H, Dh]``.
+    ``spec.window``, only those from ``p``'s ``spec.chunk`` start on for a chunked layer;
+    scores are ``q.k * spec.scale`` (default ``Dh ** -0.5``), soft-capped by ``spec.softcap``
+    (``cap * tanh(s / cap)``) before the mask. Returns ``[B, S, H, Dh]``.
     """
     B, S, H, Dh = q.shape
     spec = spec or AttentionSpec(Dh**-0.5)
@@ -120,6 +121,8 @@ def paged_attention(
     )  # [B, S, T]
     if spec.window is not None:
         mask &= key_pos[None, None, :] > positions[:, :, None] - spec.window
+    if spec.chunk is not None:  # Llama 4's chunked layers: keys from the query's chunk start on
+        mask &= key_pos[None, None, :] >= positions[:, :, None] - positions[:, :, None] % spec.chunk
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, KVH, -1, P * bs)
     out = jnp.einsum("bkqt,bktd->bkqd", probs, v, preferred_element_type=jnp.float32)

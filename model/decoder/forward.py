@@ -1,6 +1,7 @@
 """The decoder forward pass over a paged KV pool: one body for every family, reading what a
-family changes (q/k norms, sandwich norms, GeGLU, embedding scale, soft-caps, per-layer windows
-and RoPE, mixture-of-experts layers: model/decoder/moe.py) from ``ModelConfig``.
+family changes (q/k norms, sandwich norms, GeGLU, embedding, residual and logit scales,
+soft-caps, per-layer windows and RoPE, mixture-of-experts layers: model/decoder/moe.py) from
+``ModelConfig``.
 
 It is not jitted here: the engine's programs (``workers/runner/programs.py``) and the reference loop
 (``model/decoder/generate.py``) each jit it with what they add (bucketing and sampling, or nothing).
@@ -31,7 +32,15 @@ import jax.numpy as jnp
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.attention import paged_attention, slot_indices, write_kv
 from raylm.model.decoder.kv_pool import GroupedKV, KVCache
-from raylm.model.decoder.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin, rope_for
+from raylm.model.decoder.layers import (
+    apply_rope,
+    attention_temperature,
+    gated_mlp,
+    rms_norm,
+    rope_cos_sin,
+    rope_for,
+    scaled,
+)
 from raylm.model.decoder.lora_slots import LayerLora, LoraBatch
 from raylm.model.decoder.moe import moe_block
 from raylm.model.decoder.params import LayerParams, ModelParams
@@ -133,6 +142,8 @@ def forward(
         x = embed[tokens].astype(params.final_norm.dtype)
     if config.embed_scale is not None:  # in the model dtype, as HF Gemma rounds it
         x = x * jnp.asarray(config.embed_scale, x.dtype)
+    if config.embedding_multiplier is not None:  # in float32, as HF Granite multiplies by a Python float
+        x = scaled(x, config.embedding_multiplier)
     eps = config.rms_norm_eps
 
     pools = [[group.k, group.v] for group in (kv if grouped else (kv,))]
@@ -174,6 +185,8 @@ def forward(
     head = params.embed if params.lm_head is None else params.lm_head
     with jax.named_scope("lm_head"):
         logits = dense(x, head, kernel=cpu_kernels, out_dtype=jnp.float32)
+        if config.logits_divisor is not None:
+            logits = logits / config.logits_divisor
         if config.final_softcap is not None:
             logits = jnp.tanh(logits / config.final_softcap) * config.final_softcap
     if not all_logits:
@@ -242,10 +255,11 @@ def _layer(
     lp: LayerParams, config: ModelConfig, batch: _Batch, i: int, group: int, slot: int, x: jax.Array,
     k_pool: jax.Array, v_pool: jax.Array, lora: LayerLora | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Decoder layer ``i``: fused QKV, (q/k norm), RoPE, K/V write into index ``slot`` of its KV
-    group's pool (``group``: which table it reads), attention, fused MLP; with sandwich norms
-    each block's output is normed before its residual add; each projection plus its LoRA delta
-    with ``lora``. Returns ``x``, both pools, and for a sparse layer the tokens routed to each
+    """Decoder layer ``i``: fused QKV, (q/k norm), RoPE (none on a NoPE layer, whose queries
+    may be temperature-scaled instead; Llama 4's L2 q/k norm after it), K/V write into index
+    ``slot`` of its KV group's pool (``group``: which table it reads), attention, fused MLP;
+    with sandwich norms each block's output is normed before its residual add, and scaled by a
+    residual multiplier; each projection plus its LoRA delta with ``lora``. Returns ``x``, both pools, and for a sparse layer the tokens routed to each
     expert (else None)."""
     B, S, _ = x.shape
     G = config.q_per_kv
@@ -262,14 +276,20 @@ def _layer(
         k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
         if lp.q_norm is not None:
             q, k = _qk_norm(q, lp.q_norm, config), _qk_norm(k, lp.k_norm, config)
-        cos, sin = batch.rotations[config.uses_local_rope(i)]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if config.uses_rope(i):
+            cos, sin = batch.rotations[config.uses_local_rope(i)]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if config.l2_qk_norm:  # Llama 4: after RoPE, no weight
+                unit = jnp.ones((), q.dtype)
+                q, k = rms_norm(q, unit, eps), rms_norm(k, unit, eps)
+        elif config.attn_temperature is not None:
+            q = attention_temperature(q, batch.positions, config.attn_temperature)
     table, (block, offset) = batch.block_tables[group], batch.slots[group]
     with jax.named_scope("kv_write"):
         k_pool = write_kv(k_pool, slot, block, offset, k, batch.cpu_kernels)
         v_pool = write_kv(v_pool, slot, block, offset, v, batch.cpu_kernels)
     with jax.named_scope("attention"):
-        if batch.kernel_lens is not None:
+        if batch.kernel_lens is not None and spec.chunk is None:  # (the kernel has no chunked mask)
             attn = decode_attention(q[:, 0], k_pool, v_pool, slot, table, batch.kernel_lens, spec)[:, None]
         else:
             attn = paged_attention(q, k_pool, v_pool, slot, table, batch.positions, batch.context_lens, batch.valid,
@@ -278,7 +298,7 @@ def _layer(
         out = dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
         if lora is not None:
             out = lora.add("o_proj", out, attn)
-        x = x + (out if lp.post_attn_norm is None else rms_norm(out, lp.post_attn_norm, eps))
+        x = _residual_add(x, out, lp.post_attn_norm, config)
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, eps)
         counts = None
@@ -286,8 +306,18 @@ def _layer(
             out, counts = moe_block(h, lp, config.moe, config.activation, kernel=batch.cpu_kernels, valid=batch.valid)
         else:
             out = gated_mlp(h, lp.w_gate_up, lp.w_down, config.activation, kernel=batch.cpu_kernels, lora=lora)
-        x = x + (out if lp.post_mlp_norm is None else rms_norm(out, lp.post_mlp_norm, eps))
+        x = _residual_add(x, out, lp.post_mlp_norm, config)
         return x, k_pool, v_pool, counts
+
+
+def _residual_add(x: jax.Array, branch: jax.Array, post_norm: jax.Array | None, config: ModelConfig) -> jax.Array:
+    """``x`` plus a block's output, that output normed first with sandwich norms (Gemma 2, 3)
+    and times the residual multiplier (Granite)."""
+    if post_norm is not None:
+        branch = rms_norm(branch, post_norm, config.rms_norm_eps)
+    if config.residual_multiplier is not None:
+        branch = scaled(branch, config.residual_multiplier)
+    return x + branch
 
 
 def _qk_norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from raylm.model.config.llama4 import AttnTemperature
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.config.rope import RopeScaling
 from raylm.model.decoder.lora_slots import LayerLora
@@ -22,6 +23,20 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * normed.astype(x.dtype)
+
+
+def scaled(x: jax.Array, factor: float) -> jax.Array:
+    """``x`` times a constant, multiplied in float32 and rounded to ``x``'s dtype: what torch
+    does for a tensor times a Python float (Granite's multipliers)."""
+    return (x.astype(jnp.float32) * np.float32(factor)).astype(x.dtype)
+
+
+def attention_temperature(q: jax.Array, positions: jax.Array, temperature: AttnTemperature) -> jax.Array:
+    """Llama 4's NoPE-layer queries ``q [B, S, H, Dh]`` times ``log1p(floor((p + 1) / floor_scale))
+    * attn_scale + 1`` at their positions ``[B, S]``, in float32 as HF computes it."""
+    p = positions.astype(jnp.float32)
+    scales = jnp.log1p(jnp.floor((p + 1.0) / temperature.floor_scale)) * temperature.attn_scale + 1.0
+    return (q.astype(jnp.float32) * scales[:, :, None, None]).astype(q.dtype)
 
 
 class Rope(NamedTuple):

@@ -8,7 +8,8 @@ whatever the routing; how many rows each expert gets travels as data (``group_si
 
 Routing is HF's TopKRouter (model/config/moe.py): softmax over the router's logits in
 float32, the top-k probabilities, divided by their sum with ``norm_topk_prob``; or DeepSeek's
-(model/decoder/deepseek_routing.py) where the config declares it.
+(model/decoder/deepseek_routing.py) where the config declares it; or Llama 4's
+(``route_sigmoid_input``): a sigmoid of the top-k logits, scaling each expert's input.
 
 A step's padding tokens (``valid`` False) are routed to no expert: their rows sort past every
 group, which the grouped kernel skips (their output is zero), so a decode bucket's padding
@@ -48,6 +49,15 @@ def route(h: jax.Array, router: jax.Array, moe: MoeConfig, *, kernel: bool = Fal
     return Routing(experts.astype(jnp.int32), weights)
 
 
+def route_sigmoid_input(h: jax.Array, router: jax.Array, moe: MoeConfig, *, kernel: bool = False) -> Routing:
+    """Llama 4's routing: the top-k router logits, through a sigmoid in float32 and back to the
+    model dtype as HF's Llama4Router gives them (the weights scale each expert's input)."""
+    logits = dense(h, router, kernel=kernel)
+    top, experts = jax.lax.top_k(logits, moe.top_k)
+    weights = jax.nn.sigmoid(top.astype(jnp.float32)).astype(logits.dtype)
+    return Routing(experts.astype(jnp.int32), weights)
+
+
 def _routed(routing: Routing, num_experts: int, valid: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """Each (token, k) pair's expert, ``num_experts`` (past every group) for a padding token's,
     and how many pairs each expert got ``[E]``."""
@@ -59,21 +69,26 @@ def _routed(routing: Routing, num_experts: int, valid: jax.Array | None) -> tupl
 
 def expert_mlps(
     h: jax.Array, routing: Routing, w_gate_up: jax.Array, w_down: jax.Array, activation: str, *, kernel: bool = False,
-    valid: jax.Array | None = None,
+    valid: jax.Array | None = None, weights_scale_input: bool = False,
 ) -> jax.Array:
     """``sum_k weight[t, k] * expert[t, k](h[t])`` for tokens ``h [T, D]``, computing each
     token only through its own experts: gated MLPs with stacked weights ``w_gate_up [E, 2, I,
     D]`` and ``w_down [E, D, I]`` (``kernel``: see ``grouped_matmul``). Tokens where ``valid
-    [T]`` is False get zeros, computed by no expert."""
+    [T]`` is False get zeros, computed by no expert. With ``weights_scale_input`` (Llama 4)
+    it is ``sum_k expert[t, k](weight[t, k] * h[t])``."""
     T, D = h.shape
     E = w_gate_up.shape[0]
     k = routing.experts.shape[1]
     flat, group_sizes = _routed(routing, E, valid)
     order = jnp.argsort(flat, stable=True)  # pair positions, grouped by expert (padding last)
     rows = h[order // k]  # [T*k, D]: each pair's token
+    pair_weights = routing.weights.reshape(T * k)[order][:, None]
+    if weights_scale_input:
+        rows = rows * pair_weights.astype(rows.dtype)
     gate_up = grouped_matmul(rows, w_gate_up, group_sizes, kernel=kernel)  # [T*k, 2, I]
     y = grouped_matmul(ACTIVATIONS[activation](gate_up[:, 0]) * gate_up[:, 1], w_down, group_sizes, kernel=kernel)
-    y = y * routing.weights.reshape(T * k)[order][:, None].astype(y.dtype)
+    if not weights_scale_input:
+        y = y * pair_weights.astype(y.dtype)
     unsorted = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back to (token, k) order
     return jnp.sum(unsorted.reshape(T, k, D), axis=1)
 
@@ -83,18 +98,20 @@ def moe_block(
     valid: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """A sparse layer's feed-forward for ``x [B, S, D]`` (already normed): the routed experts,
-    plus the shared expert (Qwen2-MoE's scaled by ``sigmoid(x . shared_gate)``, DeepSeek's as
-    is); and the tokens routed to each expert ``[E]`` (int32), counting only those where
+    plus the shared expert (Qwen2-MoE's scaled by ``sigmoid(x . shared_gate)``, DeepSeek's and Llama 4's
+    as is); and the tokens routed to each expert ``[E]`` (int32), counting only those where
     ``valid [B, S]``."""
     B, S, D = x.shape
     h = x.reshape(B * S, D)
     if moe.deepseek is not None:
         routing = Routing(*deepseek_route(h, lp.router, lp.router_score_bias, moe, kernel=kernel))
+    elif moe.sigmoid_scales_input:
+        routing = route_sigmoid_input(h, lp.router, moe, kernel=kernel)
     else:
         routing = route(h, lp.router, moe, kernel=kernel)
     flat_valid = None if valid is None else valid.reshape(B * S)
     out = expert_mlps(h, routing, lp.w_experts_gate_up, lp.w_experts_down, activation, kernel=kernel,
-                      valid=flat_valid)
+                      valid=flat_valid, weights_scale_input=moe.sigmoid_scales_input)
     if lp.w_shared_gate_up is not None:
         shared = gated_mlp(x, lp.w_shared_gate_up, lp.w_shared_down, activation, kernel=kernel).reshape(B * S, D)
         if lp.shared_gate is not None:

@@ -79,6 +79,8 @@ def paged_decode_attention(
         )
     rest = (jnp.asarray(layer, jnp.int32).reshape(()), block_tables.astype(jnp.int32), context_lens.astype(jnp.int32))
     spec = spec or AttentionSpec(q.shape[-1] ** -0.5)
+    if spec.chunk is not None:
+        raise ValueError("the paged decode kernel has no chunked-attention mask; chunked layers take paged_attention")
     attributes = dict(  # 0 means none for the kernel
         scale=np.float32(spec.scale), softcap=np.float32(spec.softcap or 0), window=np.int64(spec.window or 0)
     )

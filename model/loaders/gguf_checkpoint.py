@@ -3,9 +3,9 @@
 Every tensor type the ``gguf`` package can dequantize is accepted. With ``keep_blocks``,
 block-quantized matrices (Q4_0 .. Q8_0, the K-quants, IQ4) stay in their blocks (model/quantization/gguf_blocks.py: the same float32
 numbers from a sixth of the bytes); everything else is dequantized to float32 here.
-llama.cpp's converter permutes the Q/K projection rows of llama-arch models (only those) for
-its interleaved RoPE; we undo that here so the same rotate-half RoPE serves HF and GGUF
-checkpoints. Tensor names are llama.cpp's (gguf.constants.TENSOR_NAMES), mapped to HF's
+llama.cpp's converter permutes the Q/K projection rows of llama-arch models (and Granite's,
+a LlamaModel subclass there) for its interleaved RoPE; we undo that here so the same
+rotate-half RoPE serves HF and GGUF checkpoints. Tensor names are llama.cpp's (gguf.constants.TENSOR_NAMES), mapped to HF's
 per architecture; Gemma's norms are stored as ``1 + w`` already, so they load as they are.
 """
 
@@ -76,6 +76,8 @@ _GLOBAL_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses).
+PERMUTED_QK_ARCHES = ("llama", "granite")
 
 
 def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str | None:
@@ -117,7 +119,7 @@ def load_gguf_checkpoint(
     does not read is a load error (it belongs to a variant raylm does not implement)."""
     file = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = file.config()
-    permuted = config.architecture == "llama"
+    permuted = config.architecture in PERMUTED_QK_ARCHES
 
     def get(hf_name: str) -> np.ndarray | GgufBlocks | None:
         name = gguf_tensor_name(hf_name, config.architecture)

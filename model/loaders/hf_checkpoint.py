@@ -26,6 +26,7 @@ from raylm.model.errors import ModelLoadError
 from raylm.model.loaders.hf_quantized import QUANTIZED_SUFFIXES, read_quantization
 from raylm.model.loaders.hf_quantized_matrix import Matrix
 from raylm.model.loaders.hf_tensors import HALF_DTYPES, build_params
+from raylm.model.loaders.llama4_tensors import llama4_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -148,7 +149,9 @@ def load_safetensors_checkpoint(
             # widens what is not a matrix); otherwise everything is widened here.
             return array if keep_blocks and array.dtype in HALF_DTYPES else _to_float(array)
 
-        params = build_params(config, get, str(path), dtype, norm_offset=1.0 if HF_FAMILIES[config.architecture].gemma else 0.0)
+        family = HF_FAMILIES[config.architecture]
+        source = llama4_tensors(get, config) if family.llama4 else get
+        params = build_params(config, source, str(path), dtype, norm_offset=1.0 if family.norm_plus_one else 0.0)
     return config, params
 
 

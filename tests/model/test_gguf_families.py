@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from raylm.model.decoder.generate import SingleSequenceGenerator
-from raylm.model.errors import UnsupportedModelError
+from raylm.model.errors import ModelLoadError, UnsupportedModelError
 from raylm.model.loaders.gguf_file import GGUFFile
 from raylm.model.loaders.load import load_checkpoint, load_model
 from tests.checkpoints import build_tiny_checkpoint
@@ -33,8 +33,8 @@ _OVERRIDES = {
     "gemma3": dict(query_pre_attn_scalar=32),
     "phi3-longrope": dict(sliding_window=24),
 }
-FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3-longrope", "mistral-sliding", "llama3-rope", "llama-yarn", "qwen2",
-            "mixtral", "olmoe", "glm4-moe"]  # (qwen3moe's keys: the refusal test below; its tensors are olmoe's)
+FAMILIES = ["qwen3", "gemma", "gemma2", "gemma3", "granite", "phi3-longrope", "mistral-sliding", "llama3-rope",
+            "llama-yarn", "qwen2", "mixtral", "olmoe", "glm4-moe"]  # (qwen3moe's keys: the refusal test below)
 
 
 def _prompt(length: int = PROMPT_LEN) -> list[int]:
@@ -90,6 +90,14 @@ def test_config_follows_llama_cpp_conventions(tmp_path):
     config = GGUFFile(path).config()
     assert config.local_rope_theta == 10000.0 and config.rope_theta == 1e6
     assert config.rope_scaling.rope_type == "linear" and config.rope_scaling.factor == 2.0
+    path, _ = _export("gemma", tmp_path)
+    config = GGUFFile(path).config()  # Gemma 1: none of Gemma 2's sandwich norms, caps or query scalar
+    assert config.embed_scale == pytest.approx(8.0) and config.tie_word_embeddings and config.activation == "gelu_tanh"
+    assert not config.sandwich_norms and (config.attn_softcap, config.final_softcap, config.query_scale) == (None,) * 3
+    path, _ = _export("granite", tmp_path)
+    config = GGUFFile(path).config()  # the multipliers from granite.* keys
+    assert (config.embedding_multiplier, config.residual_multiplier, config.query_scale,
+            config.logits_divisor) == (4.0, 0.5, 0.5, 2.5)
     path, _ = _export("phi3-longrope", tmp_path)
     config = GGUFFile(path).config()
     assert config.layer_windows == (24, 24, 24) and config.rope_scaling.rope_type == "longrope"
@@ -170,6 +178,25 @@ def _fields(**extra):
     return {**base, **extra}
 
 
+def _granite(**extra):
+    fields = {k.replace("gemma2", "granite"): v for k, v in _fields(**{"gemma2.logit_scale": 8.0}).items()}
+    return {k: v for k, v in {**fields, "general.architecture": "granite", **extra}.items() if v is not None}
+
+
+def test_granite_keys_are_read_as_llama_cpp_reads_them():
+    from raylm.model.config.model_config import ModelConfig
+
+    # 0 (or absent) means none for the embedding and residual scales, 1/sqrt(head_dim) for attention's.
+    config = ModelConfig.from_gguf_fields(_granite(**{"granite.embedding_scale": 0.0, "granite.residual_scale": 0.25}),
+                                          "g.gguf")
+    assert (config.embedding_multiplier, config.residual_multiplier, config.query_scale,
+            config.logits_divisor) == (None, 0.25, None, 8.0)
+    with pytest.raises(ModelLoadError, match="granite.logit_scale"):  # llama.cpp requires it
+        ModelConfig.from_gguf_fields(_granite(**{"granite.logit_scale": None}), "g.gguf")
+    with pytest.raises(UnsupportedModelError, match="granite.rope.scaling.finetuned"):  # no RoPE at all
+        ModelConfig.from_gguf_fields(_granite(**{"granite.rope.scaling.finetuned": False}), "g.gguf")
+
+
 def test_gemma_defaults_and_27b_query_scale_are_llama_cpps():
     from raylm.model.config.model_config import ModelConfig
 
@@ -216,6 +243,10 @@ def _glm4moe(**extra):
         (_glm4moe(**{"glm4moe.expert_gating_func": 3}), "glm4moe.expert_gating_func"),
         (_glm4moe(**{"glm4moe.rope.dimension_count": 15}), "glm4moe.rope.dimension_count"),
         (_glm4moe(**{"glm4moe.expert_group_count": 3}), "n_group=3"),
+        ({"gemma2.logit_scale": 2.0}, "gemma2.logit_scale"),  # Granite's keys on another architecture
+        ({"gemma2.attention.scale": 0.5}, "gemma2.attention.scale"),
+        ({**{k.replace("gemma2", "gemma"): v for k, v in _fields().items()}, "general.architecture": "gemma",
+          "gemma.final_logit_softcapping": 30.0}, "gemma.final_logit_softcapping"),
     ],
 )
 def test_metadata_raylm_does_not_implement_is_a_load_error(extra, match):

@@ -1,8 +1,9 @@
 """Every model family through the batching engine: greedy tokens equal HF transformers' own
 greedy decoding on the same weights, with batching, paging, prefix caching, chunked prefill and
 preemption, tensor parallelism and speculative decoding (sliding windows, soft-caps, q/k norms,
-sandwich norms, fused checkpoints, mixtures of experts included; for these also n-gram
-speculation and structured output in one engine, and their per-expert load counts). Where the
+sandwich norms, Granite's multipliers, fused checkpoints, mixtures of experts included; for
+these also n-gram speculation and structured output in one engine, and their per-expert load
+counts). Where the
 C++ CPU kernels are built the single-device engine runs them (decode and packed prompt attention
 by the paged kernel, windows and soft-caps included), so this checks them against HF too."""
 
@@ -24,7 +25,7 @@ from tests.reference import hf_greedy
 
 # (phi3-longrope switches RoPE factors at 32 tokens in HF, mid-sequence; raylm picks them by the
 # served context: model/decoder/layers.py. Its prompt-level match is in tests/model/test_model_vs_hf.py.)
-FAMILIES = ["qwen3", "mistral-sliding", "gemma2", "gemma3", "phi3"]
+FAMILIES = ["qwen3", "mistral-sliding", "gemma", "gemma2", "gemma3", "phi3", "granite"]
 NEW_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # Each setting is one of the ways a sequence's K/V reach attention differently; every family
@@ -43,7 +44,7 @@ ENGINE_SETTINGS = {
 }
 # Mixtures of experts, one setting each (their routing and experts are the difference).
 MOE_FAMILIES = ["mixtral", "qwen3-moe", "olmoe", "glm4-moe"]  # (qwen2-moe: tests/model/test_model_vs_hf.py)
-CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + ["qwen3-moe", "olmoe", "glm4-moe"]] + [
+CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + ["qwen3-moe", "olmoe", "glm4-moe", "llama4"]] + [
     ("mixtral", "ngram-chunked-preempted-prefix-cached"),
     ("gemma3", "tensor-parallel-2"), ("gemma2", "draft-speculation"), ("olmoe", "expert-parallel-2"),
 ]  # (glm4-moe's TP=2 and EP=2: tests/model/test_tensor_parallel.py)
