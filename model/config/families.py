@@ -15,6 +15,11 @@ class Family:
     """The declared differences of one architecture from Llama."""
 
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    # ... and with ``attention_bias`` the output projection too (gpt-oss).
+    o_proj_bias: bool = False
+    # A learned logit per query head joins each query's softmax denominator, with no value
+    # (gpt-oss's ``sinks``: a head may attend to nothing).
+    attention_sinks: bool = False
     qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
     # ... over the whole query and key projections instead, all heads at once (OLMoE).
     qk_norm_whole: bool = False
@@ -42,6 +47,9 @@ class MoeKeys:
     sparse_step: bool = False  # reads decoder_sparse_step / mlp_only_layers (Qwen-MoE)
     always_norm_topk: bool = False  # renormalizes the top-k whatever norm_topk_prob says (Mixtral)
     shared_expert: bool = False  # a gated dense MLP beside the experts (Qwen2-MoE)
+    # gpt-oss's experts (model/config/expert_mlp.py): a router bias, biased gate/up and down,
+    # gate and up interleaved, and a clamped SwiGLU (swiglu_limit, swiglu_alpha).
+    gpt_oss_experts: bool = False
 
 
 HF_FAMILIES: dict[str, Family] = {
@@ -60,6 +68,11 @@ HF_FAMILIES: dict[str, Family] = {
     ),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe=MoeKeys("num_experts", "moe_intermediate_size", sparse_step=True)),
     "OlmoeForCausalLM": Family(qk_norm=True, qk_norm_whole=True, moe=MoeKeys("num_experts", "intermediate_size")),
+    # Its router's softmax over the top-k logits is the renormalized top-k of the softmax over all.
+    "GptOssForCausalLM": Family(
+        attention_bias=True, o_proj_bias=True, attention_sinks=True, sliding_pattern=2,
+        moe=MoeKeys("num_local_experts", "intermediate_size", always_norm_topk=True, gpt_oss_experts=True),
+    ),
 }
 # llama.cpp's architecture names -> the HF family they hold (Mistral and Mixtral convert to
 # "llama": its experts are in the metadata, model/config/moe.py).

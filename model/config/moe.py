@@ -6,7 +6,8 @@ llama.cpp read them.
 Every family served here routes the same way (HF's TopKRouter): the router's logits go
 through a softmax over all experts, the ``top_k`` largest probabilities pick the experts,
 and with ``norm_topk_prob`` the picked probabilities are divided by their sum (Mixtral
-always: its softmax-over-the-top-k is the same numbers). Any other routing (sigmoid scores,
+always: its softmax-over-the-top-k is the same numbers; gpt-oss too, whose router's logits
+carry a bias: model/config/expert_mlp.py). Any other routing (sigmoid scores,
 grouped top-k, a score bias, capacity limits, expert-choice) is a load error naming the key.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from raylm.model.config.expert_mlp import ClampedSwiglu, clamped_swiglu_from_hf
 from raylm.model.config.families import Family
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
 
@@ -29,6 +31,11 @@ class MoeConfig:
     norm_topk_prob: bool  # renormalize the top-k probabilities to sum to 1
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
     shared_expert_size: int = 0  # Qwen2-MoE: a dense MLP beside the experts, gated by sigmoid(x . w)
+    # gpt-oss (model/config/expert_mlp.py): biases on the router and on each expert's
+    # projections, and the clamped SwiGLU in place of the config's activation.
+    router_bias: bool = False
+    expert_bias: bool = False
+    clamped_swiglu: ClampedSwiglu | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -87,6 +94,9 @@ def moe_from_hf(raw: Mapping[str, Any], family: Family, num_layers: int, source:
         norm_topk_prob=keys.always_norm_topk or bool(raw.get("norm_topk_prob", False)),
         sparse_layers=tuple(sparse),
         shared_expert_size=int(raw.get("shared_expert_intermediate_size") or 0) if keys.shared_expert else 0,
+        router_bias=keys.gpt_oss_experts,
+        expert_bias=keys.gpt_oss_experts,
+        clamped_swiglu=clamped_swiglu_from_hf(raw, source) if keys.gpt_oss_experts else None,
     )
 
 
