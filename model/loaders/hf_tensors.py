@@ -292,7 +292,7 @@ def build_params(
             "mlp_norm": hf("mlp_norm"),
         }
         if config.is_sparse(i) and config.moe.expert_bias:
-            fields.update(gpt_oss_moe_fields(fetch, config, i))
+            fields.update(gpt_oss_moe_fields(get, config, i))
         elif config.is_sparse(i):
             fields.update(
                 router=dequantized(hf("router")),
