@@ -38,6 +38,10 @@ def _moe(config: ModelConfig, **changes) -> ModelConfig:
     return dataclasses.replace(config, moe=dataclasses.replace(config.moe, **changes))
 
 
+def _rope(config: ModelConfig, **changes) -> ModelConfig:
+    return dataclasses.replace(config, rope_scaling=dataclasses.replace(config.rope_scaling, **changes))
+
+
 # difference -> (config, params) with it set back to Llama's (or Mixtral's, for the experts).
 LLAMA_LIKE = {
     "attention_sinks": lambda c, p: (dataclasses.replace(c, attention_sinks=False), _without(p, "sinks")),
@@ -51,6 +55,9 @@ LLAMA_LIKE = {
     "softmax_over_top_k": lambda c, p: (_moe(c, norm_topk_prob=False), p),
     "sliding_layers": lambda c, p: (dataclasses.replace(c, layer_windows=()), p),
     "yarn_rope": lambda c, p: (dataclasses.replace(c, rope_scaling=None), p),
+    # ... and YaRN's details as gpt-oss sets them: no truncation, the default attention factor.
+    "yarn_truncate": lambda c, p: (_rope(c, truncate=True), p),
+    "yarn_attention_factor": lambda c, p: (_rope(c, attention_factor=1.0), p),
 }
 
 
@@ -91,3 +98,29 @@ def test_config_defaults_follow_hf():
     assert not off.attention_bias and not off.o_proj_bias
     with pytest.raises(UnsupportedModelError, match="swiglu_limit"):
         ModelConfig.from_hf_dict(_raw(swiglu_limit=0))
+
+
+def test_release_config_parses():
+    """openai/gpt-oss-20b's config.json as released (older rope_scaling / rope_theta keys, the
+    MXFP4 quantization_config beside): every difference read as HF reads it."""
+    raw = dict(
+        architectures=["GptOssForCausalLM"], attention_bias=True, attention_dropout=0.0, eos_token_id=200002,
+        experts_per_token=4, head_dim=64, hidden_act="silu", hidden_size=2880, initial_context_length=4096,
+        initializer_range=0.02, intermediate_size=2880, layer_types=["sliding_attention", "full_attention"] * 12,
+        max_position_embeddings=131072, model_type="gpt_oss", num_attention_heads=64, num_experts_per_tok=4,
+        num_hidden_layers=24, num_key_value_heads=8, num_local_experts=32, output_router_logits=False,
+        pad_token_id=199999, rms_norm_eps=1e-05,
+        quantization_config=dict(modules_to_not_convert=["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                         "model.embed_tokens", "lm_head"], quant_method="mxfp4"),
+        rope_scaling=dict(beta_fast=32.0, beta_slow=1.0, factor=32.0, original_max_position_embeddings=4096,
+                          rope_type="yarn", truncate=False),
+        rope_theta=150000, router_aux_loss_coef=0.9, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False,
+        use_cache=True, vocab_size=201088)
+    config = ModelConfig.from_hf_dict(raw)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.rope_theta) == (64, 8, 64, 150000.0)
+    assert config.layer_windows == (128, None) * 12 and config.attention_sinks and config.o_proj_bias
+    scaling = config.rope_scaling
+    assert (scaling.rope_type, scaling.factor, scaling.original_max_position_embeddings, scaling.truncate) == (
+        "yarn", 32.0, 4096, False)
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.expert_size) == (32, 4, 2880)
+    assert config.moe.clamped_swiglu == ClampedSwiglu(7.0, 1.702)
