@@ -53,8 +53,8 @@ def _experts(get: TensorSource, name: str, E: int, out: int, size: int) -> np.nd
 
 
 def gpt_oss_moe_fields(get: TensorSource, config: ModelConfig, layer: int) -> dict[str, np.ndarray | GgufBlocks]:
-    """Layer ``layer``'s router, router bias, experts and expert biases as LayerParams fields
-    (float32, or the experts as MXFP4 blocks)."""
+    """Layer ``layer``'s router (and its bias, as ``config.moe.router_bias`` says), experts and
+    expert biases as LayerParams fields (float32, or the experts as MXFP4 blocks)."""
     E, I, D = config.moe.num_experts, config.moe.expert_size, config.hidden_size
     prefix = f"model.layers.{layer}.mlp."
 
@@ -65,12 +65,14 @@ def gpt_oss_moe_fields(get: TensorSource, config: ModelConfig, layer: int) -> di
         return _float(array, prefix + name, shape)
 
     gate_up = _experts(get, prefix + "experts.gate_up_proj", E, 2 * I, D)  # rows alternate gate, up
-    return dict(
+    fields = dict(
         router=vector("router.weight", (E, D)),
-        router_bias=vector("router.bias", (E,)),
         w_experts_gate_up=map_rows(lambda a: np.ascontiguousarray(
             a.reshape(E, I, 2, a.shape[-1]).transpose(0, 2, 1, 3)), gate_up),
         b_experts_gate_up=deinterleaved_gate_up(vector("experts.gate_up_proj_bias", (E, 2 * I))),
         w_experts_down=_experts(get, prefix + "experts.down_proj", E, D, I),
         b_experts_down=vector("experts.down_proj_bias", (E, D)),
     )
+    if config.moe.router_bias:
+        fields["router_bias"] = vector("router.bias", (E,))
+    return fields

@@ -291,7 +291,7 @@ def build_params(
             "wo": _with_input_shape(wo, (H, Dh)),
             "mlp_norm": hf("mlp_norm"),
         }
-        if config.is_sparse(i) and config.moe.expert_bias:
+        if config.is_sparse(i) and config.moe.expert_bias:  # (gpt-oss: its stacked, biased experts)
             fields.update(gpt_oss_moe_fields(get, config, i))
         elif config.is_sparse(i):
             fields.update(
