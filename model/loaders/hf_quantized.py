@@ -304,7 +304,8 @@ class Mxfp4(QuantizedCheckpoint):
     ``.weight`` in floats (``modules_to_not_convert`` lists them)."""
 
     method = "mxfp4"
-    READ = frozenset({"quant_method", "modules_to_not_convert", "dequantize"})
+    READ = frozenset({"quant_method", "modules_to_not_convert"})
+    IGNORED = frozenset({"dequantize"})  # transformers' choice of kernel or expansion at load
 
     def form(self, layer: Layer) -> None:
         return self.plain(layer)
