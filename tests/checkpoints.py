@@ -144,6 +144,16 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
              num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=16, no_rope_layers=[1, 1, 1, 0],
              floor_scale=8, attn_scale=0.5, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
     ),
+    # gpt-oss: attention sinks; q/k/v/o, router and expert biases; experts with gate/up interleaved
+    # and a SwiGLU clamped at a limit small enough to bite on random weights; sliding layers 0 and
+    # 2 (a 16-token window); YaRN without truncation; head_dim 64, as the released models.
+    "gpt-oss": (
+        transformers.GptOssConfig,
+        dict(head_dim=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+             swiglu_limit=1.5,
+             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                                  beta_fast=32.0, beta_slow=1.0, truncate=False)),
+    ),
 }
 
 _CORPUS = [
@@ -189,13 +199,15 @@ def build_tiny_checkpoint(variant: str, directory: Path, seed: int = 0, **overri
         transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
         transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
         transformers.Llama4TextConfig: transformers.Llama4ForCausalLM,
+        transformers.GptOssConfig: transformers.GptOssForCausalLM,
     }[config_cls]
     config._attn_implementation = "eager"  # soft-capping and windows as the modeling code writes them
     model = model_cls(config).eval().to(torch.float32)
-    # Random init leaves norms at 1 and biases at 0; perturb them so loading errors show.
+    # Random init leaves norms at 1 and biases (gpt-oss's experts' too) at 0; perturb them, and
+    # gpt-oss's attention sinks, so loading errors show.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith(("norm.weight", ".bias", "_bias", ".sinks")):
                 param.add_(0.1 * torch.randn_like(param))
         for name, buffer in model.named_buffers():  # DeepSeek-style routers' bias: big enough to change choices
             if name.endswith("e_score_correction_bias"):

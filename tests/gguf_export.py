@@ -77,9 +77,11 @@ def random_blocks(kind: T, shape: tuple[int, ...], seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     count = int(np.prod(shape)) // block
     raw = rng.integers(0, 256, size=(count, type_size), dtype=np.uint8)
-    for at in _F16_FIELDS[kind]:
+    for at in _F16_FIELDS.get(kind, ()):
         d = (rng.uniform(0.2, 1.0, count) * _SCALE[kind]).astype(np.float16)
         raw[:, at: at + 2] = d.reshape(count, 1).view(np.uint8)
+    if kind == T.MXFP4:  # its scale is an e8m0 byte, a power of two: 2^-10 .. 2^-4 here
+        raw[:, 0] = rng.integers(117, 124, count)
     return raw.reshape(*shape[:-1], shape[-1] // block * type_size)
 
 

@@ -15,6 +15,11 @@ class Family:
     """The declared differences of one architecture from Llama."""
 
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    # ... and with ``attention_bias`` the output projection too (gpt-oss).
+    o_proj_bias: bool = False
+    # A learned logit per query head joins each query's softmax denominator, with no value
+    # (gpt-oss's ``sinks``: a head may attend to nothing).
+    attention_sinks: bool = False
     qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
     # ... over the whole query and key projections instead, all heads at once (OLMoE).
     qk_norm_whole: bool = False
@@ -65,6 +70,9 @@ class MoeKeys:
     # DeepSeek-style routing, shared experts and leading dense layers, as this HF family reads
     # them (a key of model/config/deepseek_routing.HF_ROUTERS).
     deepseek: str | None = None
+    # gpt-oss's experts (model/config/expert_mlp.py): a router bias, biased gate/up and down,
+    # gate and up interleaved, and a clamped SwiGLU (swiglu_limit, swiglu_alpha).
+    gpt_oss_experts: bool = False
 
 
 # What Gemma 2 and 3 share.
@@ -97,6 +105,11 @@ HF_FAMILIES: dict[str, Family] = {
     "Glm4MoeForCausalLM": Family(
         reads_attention_bias=True, qk_norm_key="use_qk_norm",
         moe=MoeKeys("n_routed_experts", "moe_intermediate_size", deepseek="glm4_moe"),
+    ),
+    # Its router's softmax over the top-k logits is the renormalized top-k of the softmax over all.
+    "GptOssForCausalLM": Family(
+        attention_bias=True, o_proj_bias=True, attention_sinks=True, sliding_pattern=2,
+        moe=MoeKeys("num_local_experts", "intermediate_size", always_norm_topk=True, gpt_oss_experts=True),
     ),
 }
 # llama.cpp's architecture names -> the HF family they hold (Mistral and Mixtral convert to

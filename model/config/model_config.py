@@ -56,7 +56,7 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q/k/v projections carry a bias
     rope_scaling: RopeScaling | None = None
     # RoPE rotates each head's first this-many dims, the rest pass through (partial_rotary_factor);
     # None: the whole head.
@@ -85,6 +85,8 @@ class ModelConfig:
     layer_chunks: tuple[int | None, ...] = ()  # per layer: its attention chunk (None: full attention)
     l2_qk_norm: bool = False  # the RoPE layers' q and k RMS-normalized (no weight) after RoPE
     attn_temperature: AttnTemperature | None = None  # the NoPE layers' query scale by position
+    o_proj_bias: bool = False  # the attention output projection carries a bias (gpt-oss)
+    attention_sinks: bool = False  # a learned per-head logit joins each softmax's denominator (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -222,8 +224,10 @@ class ModelConfig:
                 rope_theta=float(global_rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
                 max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.tied_by_default)),
-                # (Qwen2-MoE names its q/k/v biases' switch qkv_bias.)
-                attention_bias=bool(raw.get("attention_bias") or raw.get("qkv_bias", family.attention_bias)),
+                # (Qwen2-MoE names its q/k/v biases' switch qkv_bias; gpt-oss's attention_bias
+                # switches all four projections' biases, off too.)
+                attention_bias=bool(raw["attention_bias"]) if family.o_proj_bias and "attention_bias" in raw
+                else bool(raw.get("attention_bias") or raw.get("qkv_bias", family.attention_bias)),
                 rope_scaling=parse_rope_scaling(
                     global_rope, source, max_positions, raw.get("original_max_position_embeddings")
                 ),
@@ -248,6 +252,8 @@ class ModelConfig:
                 layer_chunks=llama4.layer_chunks,
                 l2_qk_norm=llama4.l2_qk_norm,
                 attn_temperature=llama4.temperature,
+                o_proj_bias=family.o_proj_bias and bool(raw.get("attention_bias", family.attention_bias)),
+                attention_sinks=family.attention_sinks,
             )
         except KeyError as missing:
             raise ModelLoadError(f"{source} lacks required key {missing}") from None
@@ -347,7 +353,8 @@ def _refuse_unimplemented(raw: Mapping[str, Any], family: Family, source: str) -
     """Options HF implements for these architectures and raylm does not: load errors."""
     if raw.get("attention_bias") and not (family.attention_bias or family.reads_attention_bias):
         raise UnsupportedModelError(
-            f"attention_bias=true in {source}: raylm implements q/k/v biases (Qwen2, GLM-4.5) only, not o_proj's"
+            f"attention_bias=true in {source}: raylm implements q/k/v biases (Qwen2, GLM-4.5) and o_proj's "
+            "(gpt-oss) only"
         )
     if raw.get("mlp_bias"):
         raise UnsupportedModelError(f"mlp_bias=true in {source} is not supported")

@@ -6,10 +6,11 @@ glm4moe), as HF and llama.cpp read them.
 Most families route the same way (HF's TopKRouter): the router's logits go through a
 softmax over all experts, the ``top_k`` largest probabilities pick the experts, and with
 ``norm_topk_prob`` the picked probabilities are divided by their sum (Mixtral always: its
-softmax-over-the-top-k is the same numbers). The DeepSeek-style families (GLM-4.5; DeepSeek
+softmax-over-the-top-k is the same numbers; gpt-oss too, whose router's logits carry a
+bias: model/config/expert_mlp.py). The DeepSeek-style families (GLM-4.5; DeepSeek
 V2/V3's reader is ready for their attention) route as model/config/deepseek_routing.py reads
 (sigmoid scores, grouped top-k, a score-correction bias, a scaling factor, ungated shared
-experts, leading dense layers). Any other routing (capacity limits, router biases,
+experts, leading dense layers). Any other routing (capacity limits,
 expert-choice) is a load error naming the key, except Llama 4's own
 (model/config/llama4.py: ``sigmoid_scales_input``).
 """
@@ -27,6 +28,7 @@ from raylm.model.config.deepseek_routing import (
     deepseek_moe_from_gguf,
     deepseek_moe_from_hf,
 )
+from raylm.model.config.expert_mlp import ClampedSwiglu, clamped_swiglu_from_hf
 from raylm.model.config.families import Family
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
 
@@ -45,6 +47,11 @@ class MoeConfig:
     deepseek: DeepseekRouting | None = None  # DeepSeek-style routing in place of HF's TopKRouter
     # Llama 4: the top-k router logits through a sigmoid scale each expert's input (not its output).
     sigmoid_scales_input: bool = False
+    # gpt-oss (model/config/expert_mlp.py): biases on the router and on each expert's
+    # projections, and the clamped SwiGLU in place of the config's activation.
+    router_bias: bool = False
+    expert_bias: bool = False
+    clamped_swiglu: ClampedSwiglu | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -109,6 +116,9 @@ def moe_from_hf(raw: Mapping[str, Any], family: Family, num_layers: int, source:
         norm_topk_prob=keys.always_norm_topk or bool(raw.get("norm_topk_prob", False)),
         sparse_layers=tuple(sparse),
         shared_expert_size=int(raw.get("shared_expert_intermediate_size") or 0) if keys.shared_expert else 0,
+        router_bias=keys.gpt_oss_experts,
+        expert_bias=keys.gpt_oss_experts,
+        clamped_swiglu=clamped_swiglu_from_hf(raw, source) if keys.gpt_oss_experts else None,
     )
 
 

@@ -89,6 +89,7 @@ def paged_attention(
     context_lens: jax.Array,
     valid: jax.Array,
     spec: AttentionSpec | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA attention of queries ``q [B, S, H, Dh]`` over each row's cached keys.
 
@@ -96,7 +97,8 @@ def paged_attention(
     includes the K/V just written for this step), only ``p - window + 1..p`` for a sliding
     ``spec.window``, only those from ``p``'s ``spec.chunk`` start on for a chunked layer;
     scores are ``q.k * spec.scale`` (default ``Dh ** -0.5``), soft-capped by ``spec.softcap``
-    (``cap * tanh(s / cap)``) before the mask. Returns ``[B, S, H, Dh]``.
+    (``cap * tanh(s / cap)``) before the mask. With ``sinks [H]`` each head's sink logit joins
+    its softmax's denominator (``softmax_with_sinks``). Returns ``[B, S, H, Dh]``.
     """
     B, S, H, Dh = q.shape
     spec = spec or AttentionSpec(Dh**-0.5)
@@ -124,7 +126,23 @@ def paged_attention(
     if spec.chunk is not None:  # Llama 4's chunked layers: keys from the query's chunk start on
         mask &= key_pos[None, None, :] >= positions[:, :, None] - positions[:, :, None] % spec.chunk
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, KVH, -1, P * bs)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        probs = softmax_with_sinks(scores, sinks.reshape(1, KVH, H // KVH, 1, 1))
+    probs = probs.astype(v.dtype).reshape(B, KVH, -1, P * bs)
     out = jnp.einsum("bkqt,bktd->bkqd", probs, v, preferred_element_type=jnp.float32)
     out = out.reshape(B, KVH, H // KVH, S, Dh).transpose(0, 3, 1, 2, 4)
     return out.reshape(B, S, H, Dh).astype(q.dtype)
+
+
+def softmax_with_sinks(scores: jax.Array, sinks: jax.Array) -> jax.Array:
+    """Softmax over the last axis of float32 ``scores`` with one more logit per row, ``sinks``
+    (broadcast against ``scores`` with a last axis of 1), that takes probability but carries
+    no value: ``exp(s) / (sum exp(s) + exp(sink))``, as HF's gpt-oss appends the sink to the
+    scores and drops its column after the softmax. Shifted by the larger of the scores' and
+    the sink's maximum, so neither overflows."""
+    sinks = sinks.astype(jnp.float32)
+    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sinks)
+    weights = jnp.exp(scores - top)
+    return weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sinks - top))

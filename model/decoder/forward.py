@@ -1,7 +1,7 @@
 """The decoder forward pass over a paged KV pool: one body for every family, reading what a
 family changes (q/k norms, sandwich norms, GeGLU, embedding, residual and logit scales,
-soft-caps, per-layer windows and RoPE, mixture-of-experts layers: model/decoder/moe.py) from
-``ModelConfig``.
+soft-caps, per-layer windows, chunks and RoPE, attention sinks and the output projection's bias,
+mixture-of-experts layers: model/decoder/moe.py) from ``ModelConfig``.
 
 It is not jitted here: the engine's programs (``workers/runner/programs.py``) and the reference loop
 (``model/decoder/generate.py``) each jit it with what they add (bucketing and sampling, or nothing).
@@ -290,12 +290,14 @@ def _layer(
         v_pool = write_kv(v_pool, slot, block, offset, v, batch.cpu_kernels)
     with jax.named_scope("attention"):
         if batch.kernel_lens is not None and spec.chunk is None:  # (the kernel has no chunked mask)
-            attn = decode_attention(q[:, 0], k_pool, v_pool, slot, table, batch.kernel_lens, spec)[:, None]
+            attn = decode_attention(q[:, 0], k_pool, v_pool, slot, table, batch.kernel_lens, spec, lp.sinks)[:, None]
         else:
             attn = paged_attention(q, k_pool, v_pool, slot, table, batch.positions, batch.context_lens, batch.valid,
-                                   spec)
+                                   spec, lp.sinks)
     with jax.named_scope("wo"):
         out = dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
+        if lp.bo is not None:
+            out = out + lp.bo
         if lora is not None:
             out = lora.add("o_proj", out, attn)
         x = _residual_add(x, out, lp.post_attn_norm, config)

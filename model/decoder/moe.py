@@ -24,8 +24,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from raylm.model.config.expert_mlp import ClampedSwiglu
 from raylm.model.config.moe import MoeConfig
 from raylm.model.decoder.deepseek_routing import deepseek_route
+from raylm.model.decoder.expert_mlp import clamped_swiglu, expert_rows
 from raylm.model.decoder.layers import ACTIVATIONS, gated_mlp
 from raylm.model.decoder.params import LayerParams
 from raylm.model.kernels.dense import dense
@@ -39,9 +41,13 @@ class Routing(NamedTuple):
     weights: jax.Array  # [T, k] float32
 
 
-def route(h: jax.Array, router: jax.Array, moe: MoeConfig, *, kernel: bool = False) -> Routing:
-    """Top-k routing of tokens ``h [T, D]`` by the router ``[E, D]``."""
+def route(
+    h: jax.Array, router: jax.Array, moe: MoeConfig, *, kernel: bool = False, bias: jax.Array | None = None
+) -> Routing:
+    """Top-k routing of tokens ``h [T, D]`` by the router ``[E, D]`` (plus its ``bias [E]``: gpt-oss)."""
     logits = dense(h, router, kernel=kernel)  # in the model dtype, as HF's F.linear
+    if bias is not None:
+        logits = logits + bias
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, moe.top_k)
     if moe.norm_topk_prob:
@@ -69,13 +75,16 @@ def _routed(routing: Routing, num_experts: int, valid: jax.Array | None) -> tupl
 
 def expert_mlps(
     h: jax.Array, routing: Routing, w_gate_up: jax.Array, w_down: jax.Array, activation: str, *, kernel: bool = False,
-    valid: jax.Array | None = None, weights_scale_input: bool = False,
+    valid: jax.Array | None = None, weights_scale_input: bool = False, b_gate_up: jax.Array | None = None,
+    b_down: jax.Array | None = None, swiglu: ClampedSwiglu | None = None,
 ) -> jax.Array:
     """``sum_k weight[t, k] * expert[t, k](h[t])`` for tokens ``h [T, D]``, computing each
     token only through its own experts: gated MLPs with stacked weights ``w_gate_up [E, 2, I,
     D]`` and ``w_down [E, D, I]`` (``kernel``: see ``grouped_matmul``). Tokens where ``valid
     [T]`` is False get zeros, computed by no expert. With ``weights_scale_input`` (Llama 4)
-    it is ``sum_k expert[t, k](weight[t, k] * h[t])``."""
+    it is ``sum_k expert[t, k](weight[t, k] * h[t])``. gpt-oss (model/decoder/expert_mlp.py):
+    biases ``b_gate_up [E, 2, I]`` and ``b_down [E, D]``, and ``swiglu`` in place of
+    ``activation``."""
     T, D = h.shape
     E = w_gate_up.shape[0]
     k = routing.experts.shape[1]
@@ -86,7 +95,15 @@ def expert_mlps(
     if weights_scale_input:
         rows = rows * pair_weights.astype(rows.dtype)
     gate_up = grouped_matmul(rows, w_gate_up, group_sizes, kernel=kernel)  # [T*k, 2, I]
-    y = grouped_matmul(ACTIVATIONS[activation](gate_up[:, 0]) * gate_up[:, 1], w_down, group_sizes, kernel=kernel)
+    if b_gate_up is not None:
+        gate_up = gate_up + expert_rows(b_gate_up, flat[order])
+    if swiglu is not None:
+        hidden = clamped_swiglu(gate_up[:, 0], gate_up[:, 1], swiglu)
+    else:
+        hidden = ACTIVATIONS[activation](gate_up[:, 0]) * gate_up[:, 1]
+    y = grouped_matmul(hidden, w_down, group_sizes, kernel=kernel)
+    if b_down is not None:
+        y = y + expert_rows(b_down, flat[order])
     if not weights_scale_input:
         y = y * pair_weights.astype(y.dtype)
     unsorted = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back to (token, k) order
@@ -108,10 +125,11 @@ def moe_block(
     elif moe.sigmoid_scales_input:
         routing = route_sigmoid_input(h, lp.router, moe, kernel=kernel)
     else:
-        routing = route(h, lp.router, moe, kernel=kernel)
+        routing = route(h, lp.router, moe, kernel=kernel, bias=lp.router_bias)
     flat_valid = None if valid is None else valid.reshape(B * S)
     out = expert_mlps(h, routing, lp.w_experts_gate_up, lp.w_experts_down, activation, kernel=kernel,
-                      valid=flat_valid, weights_scale_input=moe.sigmoid_scales_input)
+                      valid=flat_valid, weights_scale_input=moe.sigmoid_scales_input, b_gate_up=lp.b_experts_gate_up,
+                      b_down=lp.b_experts_down, swiglu=moe.clamped_swiglu)
     if lp.w_shared_gate_up is not None:
         shared = gated_mlp(x, lp.w_shared_gate_up, lp.w_shared_down, activation, kernel=kernel).reshape(B * S, D)
         if lp.shared_gate is not None:

@@ -112,6 +112,16 @@ class LayerParams:
     # (model/decoder/deepseek_routing.py); float32 whatever the model dtype, as HF keeps it.
     router_score_bias: Optional[jax.Array] = _param(
         ArrayInfo(lambda c: (c.moe.num_experts,), ("router",)), optional=True)
+    # gpt-oss: the output projection's bias, each query head's attention sink (a logit in its
+    # softmax's denominator), the router's bias and each expert's gate/up and down biases.
+    bo: Optional[jax.Array] = _param(ArrayInfo(lambda c: (c.hidden_size,), ("embed",)), optional=True)
+    sinks: Optional[jax.Array] = _param(ArrayInfo(lambda c: (c.num_heads,), ("heads",)), optional=True)
+    router_bias: Optional[jax.Array] = _param(ArrayInfo(lambda c: (c.moe.num_experts,), ("router",)), optional=True)
+    b_experts_gate_up: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.moe.num_experts, 2, c.moe.expert_size), ("experts", "gate_up", "expert_mlp")),
+        optional=True)
+    b_experts_down: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.moe.num_experts, c.hidden_size), ("experts", "embed")), optional=True)
 
 
 @jax.tree_util.register_dataclass

@@ -32,6 +32,7 @@ using LayerBuffer = ffi::Buffer<ffi::S32, 0>;      // []
 using TableBuffer = ffi::Buffer<ffi::S32, 2>;      // [B, P]
 using LensBuffer = ffi::Buffer<ffi::S32, 1>;       // [B]
 using ScaleBuffer = ffi::Buffer<ffi::F32, 4>;      // [L, num_blocks, block_size, KVH]
+using SinkBuffer = ffi::Buffer<ffi::F32, 1>;       // [H] or [0] (none)
 
 // The pool the engine uses today: [L, num_blocks, block_size, KVH, Dh], row-major.
 PoolLayout StackedPoolLayout(const ffi::AnyBuffer::Dimensions& d) {
@@ -183,8 +184,8 @@ void Run(const Problem& pr, int64_t batch, RowFn row, ffi::ThreadPool& pool) {
 // Checks the operands and attributes and fills `pr` (all but the 8-bit pools' scales); an
 // error message when they do not fit.
 std::string Prepare(QueryBuffer& q, ffi::AnyBuffer& k_pool, ffi::AnyBuffer& v_pool, LayerBuffer& layer,
-                    TableBuffer& block_tables, LensBuffer& context_lens, ffi::Result<QueryBuffer>& out,
-                    float scale, float softcap, int64_t window, Problem& pr) {
+                    TableBuffer& block_tables, LensBuffer& context_lens, SinkBuffer& sinks,
+                    ffi::Result<QueryBuffer>& out, float scale, float softcap, int64_t window, Problem& pr) {
   if (!std::isfinite(scale) || !std::isfinite(softcap) || softcap < 0.0f || window < 0)
     return "paged_decode_attention: scale must be finite, softcap and window >= 0 (0: none); got scale " +
            std::to_string(scale) + ", softcap " + std::to_string(softcap) + ", window " + std::to_string(window);
@@ -205,6 +206,10 @@ std::string Prepare(QueryBuffer& q, ffi::AnyBuffer& k_pool, ffi::AnyBuffer& v_po
   if (td[0] != batch || context_lens.dimensions()[0] != batch)
     return "paged_decode_attention: block_tables " + Shape(td) + " and context_lens " +
            Shape(context_lens.dimensions()) + " must have q's batch " + std::to_string(batch);
+  const int64_t num_sinks = sinks.dimensions()[0];
+  if (num_sinks != 0 && num_sinks != num_heads)
+    return "paged_decode_attention: sinks must be [num_heads] = [" + std::to_string(num_heads) + "] or [0] (none), got " +
+           Shape(sinks.dimensions());
   const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, pool.num_layers - 1);
   const size_t elem = ffi::ByteWidth(k_pool.element_type());
   pr = Problem{q.typed_data(),
@@ -212,7 +217,7 @@ std::string Prepare(QueryBuffer& q, ffi::AnyBuffer& k_pool, ffi::AnyBuffer& v_po
                static_cast<const char*>(v_pool.untyped_data()) + l * pool.layer_stride * elem,
                nullptr, nullptr,
                block_tables.typed_data(), context_lens.typed_data(), out->typed_data(), pool,
-               num_heads, td[1], scale, softcap, window};
+               num_heads, td[1], scale, softcap, window, num_sinks ? sinks.typed_data() : nullptr};
   return "";
 }
 

@@ -52,6 +52,7 @@ struct Problem {
   float scale;
   float softcap;            // 0: none
   int64_t window;           // 0: none
+  const float* sinks;       // [H]: each head's sink logit (gpt-oss); null: none
 };
 
 // The keys row `b` sees, [first, end): the first `lens[b]` (clamped to the table), or only

@@ -154,6 +154,16 @@ __attribute__((always_inline)) inline void AttendBlockOf(const Problem& pr, int6
   }
 }
 
+// What a head's accumulator (values summed with weights exp(s - max), the weights' sum `denom`)
+// is multiplied by when a sink logit joins the softmax's denominator (gpt-oss): 1 / (denom +
+// exp(sink - max)), computed shifted by top = max(max, sink) so no exponential overflows:
+// c / (denom * c + exp(sink - top)) with c = exp(max - top).
+inline float SinkedInverse(float max, float denom, float sink) {
+  const float top = std::max(max, sink);
+  const float c = ExpNonPositive(max - top);
+  return c / (denom * c + ExpNonPositive(sink - top));
+}
+
 // Attention of the query heads of kv heads [kv_begin, kv_end) of rows `rows[0, count)`. One
 // row walks its blocks in order. Rows that share their blocks (a common prompt prefix) go
 // block by block and kv head by kv head across the rows, so the other rows read a shared
@@ -208,7 +218,8 @@ __attribute__((always_inline)) inline void AttendRowsOf(const Problem& pr, const
     }
     const RowState st = state(r);
     for (int64_t h = 0; h < h_count; ++h) {
-      const float inv = 1.0f / st.denom[h_begin + h];
+      float inv = 1.0f / st.denom[h_begin + h];
+      if (pr.sinks) inv = SinkedInverse(st.max[h_begin + h], st.denom[h_begin + h], pr.sinks[h_begin + h]);
 #pragma omp simd
       for (int64_t d = 0; d < dh; ++d) out[h * dh + d] = st.acc[(h_begin + h) * dh + d] * inv;
     }

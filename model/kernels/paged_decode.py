@@ -56,6 +56,7 @@ def paged_decode_attention(
     block_tables: jax.Array,
     context_lens: jax.Array,
     spec: AttentionSpec | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """One query per row ``q [B, H, Dh]`` (a decode token or a packed prompt token) over its
     paged keys, by the C++ kernel.
@@ -67,6 +68,7 @@ def paged_decode_attention(
     row, which gets zeros). ``spec`` (scale, sliding window, soft-cap; default plain
     ``Dh ** -0.5`` causal attention) as in ``paged_attention``; a windowed row reads only the
     blocks its window touches, so the table entries before them may be the null block.
+    ``sinks [H]`` (gpt-oss): each head's sink logit joins its softmax's denominator.
     Computes in float32, returns ``[B, H, Dh]`` in ``q``'s dtype. Raises if the kernel is
     unavailable or the pool dtype unsupported; ``decode_attention`` falls back instead.
     """
@@ -77,7 +79,9 @@ def paged_decode_attention(
             f"k {pool_dtype(k_pool)} and v {pool_dtype(v_pool)}; use decode_attention() to fall back to the "
             "jnp path"
         )
-    rest = (jnp.asarray(layer, jnp.int32).reshape(()), block_tables.astype(jnp.int32), context_lens.astype(jnp.int32))
+    no_sinks = jnp.zeros((0,), jnp.float32)  # the kernel's "none"
+    rest = (jnp.asarray(layer, jnp.int32).reshape(()), block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
+            no_sinks if sinks is None else sinks.astype(jnp.float32))
     spec = spec or AttentionSpec(q.shape[-1] ** -0.5)
     if spec.chunk is not None:
         raise ValueError("the paged decode kernel has no chunked-attention mask; chunked layers take paged_attention")
@@ -103,11 +107,13 @@ def reference_decode_attention(
     block_tables: jax.Array,
     context_lens: jax.Array,
     spec: AttentionSpec | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The same contract as ``paged_decode_attention``, by the portable jnp ``paged_attention``."""
     valid = (context_lens > 0)[:, None]
     positions = (context_lens - 1)[:, None]
-    out = paged_attention(q[:, None], k_pool, v_pool, layer, block_tables, positions, context_lens, valid, spec)
+    out = paged_attention(q[:, None], k_pool, v_pool, layer, block_tables, positions, context_lens, valid, spec,
+                          sinks)
     return jnp.where(valid[:, :, None], out[:, 0], 0).astype(q.dtype)
 
 
@@ -119,15 +125,17 @@ def decode_attention(
     block_tables: jax.Array,
     context_lens: jax.Array,
     spec: AttentionSpec | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention by the kernel when it can run here (CPU, built, dtype), else by jnp.
 
     With an accelerator present the platform is chosen when the program is lowered
-    (``model.kernels.on_cpu``), so the same traced function also lowers for GPU/TPU (to the jnp path). ``spec``: see ``paged_attention``.
+    (``model.kernels.on_cpu``), so the same traced function also lowers for GPU/TPU (to the jnp path). ``spec``
+    and ``sinks``: see ``paged_attention``.
     """
     args = (q, k_pool, v_pool, layer, block_tables, context_lens)
-    reference = functools.partial(reference_decode_attention, spec=spec)
+    reference = functools.partial(reference_decode_attention, spec=spec, sinks=sinks)
     if not available() or not _kernel_reads(k_pool, v_pool):
         return reference(*args)
-    kernel = functools.partial(paged_decode_attention, spec=spec)
+    kernel = functools.partial(paged_decode_attention, spec=spec, sinks=sinks)
     return on_cpu(*args, cpu=kernel, default=reference)

@@ -9,7 +9,9 @@
 //
 // Operands: q [B, H, Dh] f32; k_pool, v_pool (f32 or bf16, layout: PoolLayout below);
 // layer [] s32; block_tables [B, P] s32; context_lens [B] s32 (keys the query sees:
-// position + 1 for a real decode row, 0 for a padding row). Result: [B, H, Dh] f32,
+// position + 1 for a real decode row, 0 for a padding row); sinks [H] f32, each head's sink
+// logit that joins its softmax's denominator with no value (gpt-oss), or [0] for none.
+// Result: [B, H, Dh] f32,
 // zeros for rows with no keys. Block ids and the layer are clamped, so no input can make
 // the kernel read outside the pool.
 //
@@ -28,11 +30,11 @@ namespace {
 
 ffi::Error PagedDecodeAttention(ffi::ThreadPool thread_pool, QueryBuffer q,
                                 ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, LayerBuffer layer,
-                                TableBuffer block_tables, LensBuffer context_lens, float scale, float softcap,
+                                TableBuffer block_tables, LensBuffer context_lens, SinkBuffer sinks, float scale, float softcap,
                                 int64_t window, ffi::Result<QueryBuffer> out) {
   Problem pr{};
   const std::string error =
-      Prepare(q, k_pool, v_pool, layer, block_tables, context_lens, out, scale, softcap, window, pr);
+      Prepare(q, k_pool, v_pool, layer, block_tables, context_lens, sinks, out, scale, softcap, window, pr);
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   const int64_t batch = q.dimensions()[0];
   return raylm::RunOnDataOf<float, Bf16>(
@@ -53,6 +55,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmPagedDecodeAttention, PagedDecodeAttention,
                                   .Arg<LayerBuffer>()
                                   .Arg<TableBuffer>()
                                   .Arg<LensBuffer>()
+                                  .Arg<SinkBuffer>()
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("window")

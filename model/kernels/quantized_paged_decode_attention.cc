@@ -13,11 +13,11 @@ namespace {
 ffi::Error QuantizedPagedDecodeAttention(ffi::ThreadPool thread_pool, QueryBuffer q, ffi::AnyBuffer k_pool,
                                          ScaleBuffer k_scale, ffi::AnyBuffer v_pool, ScaleBuffer v_scale,
                                          LayerBuffer layer, TableBuffer block_tables, LensBuffer context_lens,
-                                         float scale, float softcap, int64_t window,
+                                         SinkBuffer sinks, float scale, float softcap, int64_t window,
                                          ffi::Result<QueryBuffer> out) {
   Problem pr{};
   const std::string error =
-      Prepare(q, k_pool, v_pool, layer, block_tables, context_lens, out, scale, softcap, window, pr);
+      Prepare(q, k_pool, v_pool, layer, block_tables, context_lens, sinks, out, scale, softcap, window, pr);
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   const PoolLayout& L = pr.pool;
   const auto kd = k_pool.dimensions();
@@ -49,6 +49,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmQuantizedPagedDecodeAttention, QuantizedPaged
                                   .Arg<LayerBuffer>()
                                   .Arg<TableBuffer>()
                                   .Arg<LensBuffer>()
+                                  .Arg<SinkBuffer>()
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("window")

@@ -3,7 +3,7 @@
 Float tensors are widened to float32 (build_params casts them to the model dtype), except that
 with ``keep_blocks`` (a float32 model on one CPU device) bfloat16 and float16 matrices stay
 16-bit (model/loaders/hf_tensors.py: the kernels widen them exactly); a checkpoint
-stored quantized (``quantization_config``: AWQ, GPTQ, compressed-tensors, FP8) has its layers
+stored quantized (``quantization_config``: AWQ, GPTQ, compressed-tensors, FP8, MXFP4) has its layers
 read by model/loaders/hf_quantized.py.
 """
 
@@ -137,6 +137,10 @@ def load_safetensors_checkpoint(
                 matrix = quantization.matrix(name[: -len(".weight")], tensors, keep_blocks)
                 if matrix is not None:
                     return matrix
+            if quantization is not None:  # gpt-oss's MXFP4 experts (``*_blocks``), [E, out, in]
+                experts = quantization.packed_experts(name, tensors, keep_blocks)
+                if experts is not None:
+                    return experts
             kind = tensors.dtype(name)
             if kind is not None and kind not in _FLOAT_DTYPES:
                 how = "" if quantization is None else f" (its {quantization.method} layers store other tensors)"

@@ -5,7 +5,8 @@ or FP8 exports, whose layers are int32 words of 4-bit values or 8-bit floats wit
 as float weights they are garbage. ``read_quantization`` reads the config once; its
 ``matrix`` turns one layer's stored tensors into the matrix HF means, held as
 model/loaders/hf_quantized_matrix.py describes (blocks or 8-bit values where that is exact and a
-kernel reads them, float32 otherwise).
+kernel reads them, float32 otherwise). gpt-oss's release (MXFP4) packs its stacked experts
+instead, which ``packed_experts`` reads (model/quantization/mxfp4.py).
 
 The file says which layers are quantized: a layer holding the format's tensors (``qweight``,
 ``weight_packed``, or an 8-bit ``weight`` beside its scale) is read by the format; one holding a
@@ -42,6 +43,8 @@ from raylm.model.loaders.hf_quantized_matrix import (
     RowScaled,
     unpack_words,
 )
+from raylm.model.quantization.gguf_blocks import dequantized
+from raylm.model.quantization.mxfp4 import hf_mxfp4_blocks
 
 FLOATS = ("F16", "BF16", "F32")
 INTS = ("I32", "I64")
@@ -123,6 +126,11 @@ class QuantizedCheckpoint:
 
     def form(self, layer: Layer) -> Form | None:
         raise NotImplementedError
+
+    def packed_experts(self, name: str, tensors: Tensors, keep: bool) -> Matrix | None:
+        """Stacked experts stored packed under ``name`` (``*_blocks``, gpt-oss's MXFP4) as
+        ``[E, out, in]``, or None: this method packs none."""
+        return None
 
     def plain(self, layer: Layer) -> None:
         """A layer without this format's tensors: its ``weight`` must be floats (or absent)."""
@@ -290,6 +298,35 @@ class Fp8(QuantizedCheckpoint):
         return BlockScaled(weight, scale, self.block)
 
 
+class Mxfp4(QuantizedCheckpoint):
+    """transformers' Mxfp4Config (the gpt-oss release): the experts' ``gate_up_proj`` and
+    ``down_proj`` stored as ``*_blocks`` and ``*_scales`` (model/quantization/mxfp4.py), every
+    ``.weight`` in floats (``modules_to_not_convert`` lists them)."""
+
+    method = "mxfp4"
+    READ = frozenset({"quant_method", "modules_to_not_convert"})
+    IGNORED = frozenset({"dequantize"})  # transformers' choice of kernel or expansion at load
+
+    def form(self, layer: Layer) -> None:
+        return self.plain(layer)
+
+    def packed_experts(self, name: str, tensors: Tensors, keep: bool) -> Matrix | None:
+        if not name.endswith("_blocks"):
+            return None
+        blocks = tensors.read(name)
+        if blocks is None:
+            return None
+        scales_name = name.removesuffix("_blocks") + "_scales"
+        scales = tensors.read(scales_name)
+        if scales is None:
+            raise ModelLoadError(f"{self.source}: {name!r} has no {scales_name!r} (MXFP4 keeps a scale per 32 weights)")
+        try:
+            matrix = hf_mxfp4_blocks(blocks, scales)
+        except ValueError as err:
+            raise ModelLoadError(f"tensor {name!r} ({self.method} checkpoint): {err}") from None
+        return matrix if keep else dequantized(matrix)
+
+
 def method_of(path: Path) -> str | None:
     """The checkpoint directory's ``quant_method`` (None: stored in floats)."""
     config = _quantization_config(path)
@@ -303,7 +340,7 @@ def read_quantization(path: Path) -> QuantizedCheckpoint | None:
     config = _quantization_config(path)
     if config is None:
         return None
-    methods = {"awq": Awq, "gptq": Gptq, "fp8": Fp8, "compressed-tensors": CompressedTensors}
+    methods = {"awq": Awq, "gptq": Gptq, "fp8": Fp8, "compressed-tensors": CompressedTensors, "mxfp4": Mxfp4}
     method = str(config.get("quant_method", "")).lower()
     if method not in methods:
         raise ModelLoadError(f"{path}: quantization_config's quant_method {config.get('quant_method')!r} is not "

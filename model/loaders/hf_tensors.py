@@ -19,6 +19,7 @@ import numpy as np
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.params import LayerParams, ModelParams, shape_mismatches
 from raylm.model.errors import ModelLoadError
+from raylm.model.loaders.hf_gpt_oss import gpt_oss_moe_fields
 from raylm.model.quantization.gguf_blocks import GgufBlocks
 from raylm.model.quantization.gguf_blocks import dequantized as blocks_dequantized
 from raylm.model.quantization.gguf_blocks import map_rows as blocks_map_rows
@@ -62,6 +63,9 @@ _HF_NAMES = {
     "shared_gate": "mlp.shared_expert_gate.weight",
     # DeepSeek V3 / GLM-4.5's score-correction bias (their shared experts: ``deepseek_shared_experts``).
     "router_score_bias": "mlp.gate.e_score_correction_bias",
+    # gpt-oss (its experts and router: model/loaders/hf_gpt_oss.py).
+    "bo": "self_attn.o_proj.bias",
+    "sinks": "self_attn.sinks",
 }
 # How HF checkpoints name each expert's matrices: Qwen-MoE / OLMoE, and Mixtral (w1 gate, w3
 # up, w2 down, under "block_sparse_moe", its router too). GGUF files hold them stacked, under
@@ -156,7 +160,7 @@ def _hf_shape(field: str, config: ModelConfig) -> tuple[int, ...]:
         "w_gate": (I, D), "w_up": (I, D), "w_down": (D, I),
         "bq": (H * Dh,), "bk": (KVH * Dh,), "bv": (KVH * Dh,),
         "q_norm": (H * Dh if config.qk_norm_whole else Dh,), "k_norm": (KVH * Dh if config.qk_norm_whole else Dh,),
-        "post_attn_norm": (D,), "post_mlp_norm": (D,),
+        "post_attn_norm": (D,), "post_mlp_norm": (D,), "bo": (D,), "sinks": (H,),
     }[field]
 
 
@@ -308,7 +312,9 @@ def build_params(
             "wo": _with_input_shape(wo, (H, Dh)),
             "mlp_norm": hf("mlp_norm"),
         }
-        if config.is_sparse(i):
+        if config.is_sparse(i) and config.moe.expert_bias:  # (gpt-oss: its stacked, biased experts)
+            fields.update(gpt_oss_moe_fields(get, config, i))
+        elif config.is_sparse(i):
             fields.update(
                 router=dequantized(hf("router")),
                 w_experts_gate_up=widened(stacked_experts(get, config, i, ("gate_proj", "up_proj"), source)),
@@ -330,6 +336,10 @@ def build_params(
             )
         if config.attention_bias:
             fields["bqkv"] = fuse_qkv(hf("bq"), hf("bk"), hf("bv"), KVH)
+        if config.o_proj_bias:
+            fields["bo"] = hf("bo")
+        if config.attention_sinks:
+            fields["sinks"] = hf("sinks")
         if config.qk_norm:
             fields.update(q_norm=hf("q_norm"), k_norm=hf("k_norm"))
         if config.sandwich_norms:

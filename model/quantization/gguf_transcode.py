@@ -21,6 +21,7 @@ Q5_K        (d sc) * q - (dmin m)                    32     byte    -(dmin m)
 Q6_K        (d sc) * (q - 32)                        16     byte    none
 IQ4_NL      d * kvalue[q]                            32     byte    none
 IQ4_XS      (d (ls - 32)) * kvalue[q]                32     byte    none
+MXFP4       (2^e / 2) * (2 e2m1[q])                  32     byte    none
 ==========  =======================================  =====  ======  =======
 
 The K-quants and IQ4_XS keep their scales as the file does, in two levels: a signed byte per
@@ -28,6 +29,12 @@ group (``sc``, ``m``; Q3_K's and IQ4_XS's ``sc - 32``) and per super-block of 25
 float32 ``d`` and ``dmin`` (``supers``); the kernel forms ``d * sc`` and ``-(dmin * m)`` as it
 reads a block. Q4_K is then held in 4.75 bits a weight (its file: 4.5), Q6_K in 8.75 (6.56), Q5_K
 in 8.75 (5.5); the other types keep a float32 scale (and offset) per 32.
+
+MXFP4 (gpt-oss's experts; HF checkpoints' ``*_blocks`` / ``*_scales`` too, model/quantization/mxfp4.py)
+is IQ4_NL's form, as llama.cpp reads it: twice an e2m1 value is an integer of {0, 1, 2, 3, 4, 6,
+8, 12} with its sign (a 16-entry table), and the e8m0 scale ``2^(e - 127)`` halved is a power of
+two held exactly as a float32 (2^-128 subnormal, 2^127 normal): each weight is one product of
+two exact numbers, a power of two times a small integer, exact itself.
 
 Exact because the folded scale is a float16 times a small integer (at most 17 significant bits,
 exact in float32, the product the gguf package also forms first), the offset likewise, and
@@ -54,6 +61,8 @@ Transcoded = tuple[np.ndarray, np.ndarray, "np.ndarray | None", "np.ndarray | No
 SUPER = 256  # weights per super-block of the types with two-level scales
 T = GGMLQuantizationType
 _KVALUES = np.array(_IQ4_NL.kvalues, np.int8)
+# Twice each e2m1 value of a 4-bit code (sign in the top bit): the OCP microscaling FP4 table.
+E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 # Weights a transcoder turns at once (bounds the load's temporaries, a few bytes a weight).
 CHUNK_WEIGHTS = 1 << 20
 
@@ -164,6 +173,16 @@ def _iq4_xs(b: np.ndarray) -> Transcoded:
     return q.reshape(n, 256), ls, None, _supers(_f16(b, 0))
 
 
+def e8m0_halved(e: np.ndarray) -> np.ndarray:
+    """e8m0 scale bytes as float32 ``2^(e - 127) / 2`` (exact: a power of two from 2^-128 to
+    2^127; llama.cpp's ``ggml_e8m0_to_fp32_half``), the scale of the doubled e2m1 values."""
+    return np.ldexp(np.float32(0.5), e.astype(np.int32) - 127).astype(np.float32)
+
+
+def _mxfp4(b: np.ndarray) -> Transcoded:
+    return E2M1_DOUBLED[_low_high(b[:, 1:], 16)], e8m0_halved(b[:, :1]), None, None
+
+
 _TRANSCODERS: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Transcoded], int, bool]] = {
     # type: (transcoder, weights per scale, held as nibbles)
     T.Q4_0: (_q4_0, 32, True),
@@ -178,6 +197,7 @@ _TRANSCODERS: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Transcoded
     T.Q6_K: (_q6_k, 16, False),
     T.IQ4_NL: (_iq4_nl, 32, False),
     T.IQ4_XS: (_iq4_xs, 32, False),
+    T.MXFP4: (_mxfp4, 32, False),
 }
 TRANSCODED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_TRANSCODERS)
 

@@ -1,4 +1,4 @@
-"""Every GGUF block type kept as stored (K-quants, IQ4, Q5): the gguf package's numbers, bit for bit.
+"""Every GGUF block type kept as stored (K-quants, IQ4, Q5, MXFP4): the gguf package's numbers, bit for bit.
 
 The references are independent of raylm's code: ``gguf.quants.dequantize`` for the values of
 blocks with random bits (every bit pattern a file can hold, float16 scales of a sane size),
@@ -31,7 +31,7 @@ from tests.reference import hf_greedy
 from tests.reruns import rerun_in_child
 
 T = gguf.GGMLQuantizationType
-NEW_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.Q5_0, T.Q5_1]
+NEW_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.Q5_0, T.Q5_1, T.MXFP4]
 needs_kernel = pytest.mark.skipif(not dense_module.available(), reason="C++ kernel not built; XLA path tested")
 
 

@@ -88,7 +88,8 @@ def test_padding_tokens_are_routed_to_no_expert():
     h = np.random.RandomState(1).randn(2, 4, D).astype(np.float32)
     valid = np.array([[True, True, False, False], [True, False, False, False]])
     layer = types.SimpleNamespace(router=jnp.asarray(router), w_experts_gate_up=jnp.asarray(gate_up),
-                                  w_experts_down=jnp.asarray(down), w_shared_gate_up=None)
+                                  w_experts_down=jnp.asarray(down), w_shared_gate_up=None, router_bias=None,
+                                  b_experts_gate_up=None, b_experts_down=None)
     out, counts = jax.jit(lambda h, v: moe_block(h, layer, _moe(), "silu", valid=v))(jnp.asarray(h), jnp.asarray(valid))
     out, counts = np.asarray(out), np.asarray(counts)
     np.testing.assert_allclose(out[valid], _naive(h[valid], router, gate_up, down, _moe()), atol=1e-5, rtol=1e-5)

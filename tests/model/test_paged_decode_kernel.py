@@ -65,17 +65,18 @@ def make_case(seed, *, layers=3, heads=9, kv_heads=3, head_dim=64, block_size=16
     )
 
 
-def jnp_reference(case, layer, spec=None):
+def jnp_reference(case, layer, spec=None, sinks=None):
     """``paged_attention`` as the engine calls it for one decode token per row."""
     lens = case["context_lens"]
     out = paged_attention(case["q"][:, None], case["k_pool"], case["v_pool"], jnp.int32(layer),
-                          case["block_tables"], (lens - 1)[:, None], lens, (lens > 0)[:, None], spec)
+                          case["block_tables"], (lens - 1)[:, None], lens, (lens > 0)[:, None], spec, sinks)
     return np.asarray(out[:, 0], np.float32)
 
 
-def naive_reference(case, layer, spec=None):
+def naive_reference(case, layer, spec=None, sinks=None):
     """Per row: the first ``context_len`` keys in logical order (only the last ``spec.window``
-    of them), scores scaled and soft-capped as ``spec`` says, softmax in float64."""
+    of them), scores scaled and soft-capped as ``spec`` says, softmax in float64 (with each
+    head's sink logit in its denominator, given ``sinks``)."""
     q = np.asarray(case["q"], np.float64)
     k = np.asarray(case["k_pool"].astype(jnp.float32), np.float64)[layer]
     v = np.asarray(case["v_pool"].astype(jnp.float32), np.float64)[layer]
@@ -92,13 +93,15 @@ def naive_reference(case, layer, spec=None):
             s = keys[:, h // group] @ q[b, h] * spec.scale
             if spec.softcap:
                 s = spec.softcap * np.tanh(s / spec.softcap)
-            p = np.exp(s - s.max())
-            out[b, h] = p @ vals[:, h // group] / p.sum()
+            sink = -np.inf if sinks is None else float(sinks[h])
+            top = max(s.max(), sink)
+            p = np.exp(s - top)
+            out[b, h] = p @ vals[:, h // group] / (p.sum() + np.exp(sink - top))
     return out
 
 
-def kernel(case, layer, spec=None):
-    return np.asarray(paged_decode.paged_decode_attention(layer=layer, spec=spec, **case))
+def kernel(case, layer, spec=None, sinks=None):
+    return np.asarray(paged_decode.paged_decode_attention(layer=layer, spec=spec, sinks=sinks, **case))
 
 
 @needs_kernel
@@ -478,3 +481,4 @@ def test_rejects_a_bad_attention_spec():
     case = make_case(25)
     with pytest.raises(Exception, match="softcap and window >= 0"):
         kernel(case, 0, AttentionSpec(0.1, window=-1))
+

@@ -44,9 +44,12 @@ ENGINE_SETTINGS = {
 }
 # Mixtures of experts, one setting each (their routing and experts are the difference).
 MOE_FAMILIES = ["mixtral", "qwen3-moe", "olmoe", "glm4-moe"]  # (qwen2-moe: tests/model/test_model_vs_hf.py)
-CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + ["qwen3-moe", "olmoe", "glm4-moe", "llama4"]] + [
+# gpt-oss: attention sinks in the paged kernel, sliding and full layers, biased clamped experts;
+# under tensor parallelism its sinks split with the heads.
+CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + ["qwen3-moe", "olmoe", "glm4-moe", "llama4", "gpt-oss"]] + [
     ("mixtral", "ngram-chunked-preempted-prefix-cached"),
     ("gemma3", "tensor-parallel-2"), ("gemma2", "draft-speculation"), ("olmoe", "expert-parallel-2"),
+    ("gpt-oss", "tensor-parallel-2"),
 ]  # (glm4-moe's TP=2 and EP=2: tests/model/test_tensor_parallel.py)
 
 
