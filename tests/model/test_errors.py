@@ -77,7 +77,7 @@ def test_unsupported_rope_scaling(checkpoint):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(attention_bias=True), "attention_bias=true .* not o_proj's"),
+        (dict(attention_bias=True), r"attention_bias=true .* o_proj's \(gpt-oss\) only"),
         (dict(mlp_bias=True), "mlp_bias=true"),
         # (a factor leaving an odd number of dims to rotate: HF's rotate-half needs pairs)
         (dict(partial_rotary_factor=0.1), "partial_rotary_factor=0.1 .* rotates 1 of 16 dims"),

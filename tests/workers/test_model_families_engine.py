@@ -46,7 +46,8 @@ ENGINE_SETTINGS = {
 MOE_FAMILIES = ["mixtral", "qwen3-moe", "olmoe", "glm4-moe"]  # (qwen2-moe: tests/model/test_model_vs_hf.py)
 # gpt-oss: attention sinks in the paged kernel, sliding and full layers, biased clamped experts;
 # under tensor parallelism its sinks split with the heads.
-CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + ["qwen3-moe", "olmoe", "glm4-moe", "llama4", "gpt-oss"]] + [
+CASES = [(f, "chunked-preempted-prefix-cached")
+         for f in FAMILIES + ["qwen3-moe", "olmoe", "glm4-moe", "llama4", "gpt-oss"]] + [
     ("mixtral", "ngram-chunked-preempted-prefix-cached"),
     ("gemma3", "tensor-parallel-2"), ("gemma2", "draft-speculation"), ("olmoe", "expert-parallel-2"),
     ("gpt-oss", "tensor-parallel-2"),
