@@ -31,6 +31,11 @@ class Family:
     sliding_pattern: int = 0
     # Sparse layers: a mixture of experts in place of the MLP (model/config/moe.py).
     moe: MoeKeys | None = None
+    # DeepSeek's multi-head latent attention (model/config/latent_attention.py) in place of GQA;
+    # ``interleaved_rope``: its rotary dims are always interleaved pairs (V2), else config.json's
+    # ``rope_interleave`` says (V3).
+    latent_attention: bool = False
+    interleaved_rope: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +65,9 @@ HF_FAMILIES: dict[str, Family] = {
     ),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe=MoeKeys("num_experts", "moe_intermediate_size", sparse_step=True)),
     "OlmoeForCausalLM": Family(qk_norm=True, qk_norm_whole=True, moe=MoeKeys("num_experts", "intermediate_size")),
+    # Dense layers only for now (model/config/latent_attention.py refuses their MoE layers).
+    "DeepseekV2ForCausalLM": Family(latent_attention=True, interleaved_rope=True),
+    "DeepseekV3ForCausalLM": Family(latent_attention=True),
 }
 # llama.cpp's architecture names -> the HF family they hold (Mistral and Mixtral convert to
 # "llama": its experts are in the metadata, model/config/moe.py).

@@ -17,6 +17,12 @@ from typing import Any, Mapping, Sequence
 
 from raylm.model.config import gguf_metadata
 from raylm.model.config.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
+from raylm.model.config.latent_attention import (
+    LatentAttention,
+    latent_attention_from_hf,
+    refuse_routed_experts,
+    softmax_scale,
+)
 from raylm.model.config.moe import MoeConfig, moe_from_gguf, moe_from_hf
 from raylm.model.config.rope import RopeScaling, optional_float, parse_rope_scaling
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
@@ -70,6 +76,9 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     local_rope_theta: float | None = None  # RoPE base of sliding layers (Gemma 3), default RoPE
     moe: MoeConfig | None = None  # mixture-of-experts layers (None: every layer has a dense MLP)
+    # DeepSeek's multi-head latent attention in place of GQA: then ``num_kv_heads`` is 1 (the
+    # pool's one latent "head") and ``head_dim`` the rotary dims (HF's ``head_dim`` for these).
+    mla: LatentAttention | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -81,6 +90,11 @@ class ModelConfig:
             raise ModelLoadError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
         if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
             raise ModelLoadError(f"{len(self.moe.sparse_layers)} sparse-layer flags for {self.num_layers} layers")
+
+    @property
+    def attn_out_dim(self) -> int:
+        """Each head's attention output (the input of ``o_proj`` per head): MLA's ``v_head_dim``."""
+        return self.head_dim if self.mla is None else self.mla.v_head_dim
 
     @property
     def q_per_kv(self) -> int:
@@ -172,6 +186,13 @@ class ModelConfig:
             max_positions = int(raw.get("max_position_embeddings", 2048))
             global_rope, local_rope = _rope_parameters(raw)
             act = raw.get("hidden_activation") or raw.get("hidden_act") or family.default_act
+            rope_scaling = parse_rope_scaling(
+                global_rope, source, max_positions, raw.get("original_max_position_embeddings")
+            )
+            mla = None
+            if family.latent_attention:
+                refuse_routed_experts(raw, layers, source)
+                mla = latent_attention_from_hf(raw, family.interleaved_rope, source)
             config = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -179,17 +200,15 @@ class ModelConfig:
                 intermediate_size=int(raw["intermediate_size"]),
                 num_layers=layers,
                 num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                num_kv_heads=1 if mla else int(raw.get("num_key_value_heads") or heads),
+                head_dim=mla.qk_rope_head_dim if mla else int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(global_rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
                 max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.gemma)),
                 # (Qwen2-MoE names its q/k/v biases' switch qkv_bias.)
                 attention_bias=bool(raw.get("attention_bias") or raw.get("qkv_bias", family.attention_bias)),
-                rope_scaling=parse_rope_scaling(
-                    global_rope, source, max_positions, raw.get("original_max_position_embeddings")
-                ),
+                rope_scaling=rope_scaling,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
                 qk_norm=family.qk_norm,
@@ -197,12 +216,13 @@ class ModelConfig:
                 sandwich_norms=family.gemma,
                 activation=_activation(act, source),
                 embed_scale=math.sqrt(hidden) if family.gemma else None,
-                query_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if family.gemma else None,
+                query_scale=_query_scale(raw, family, mla, rope_scaling),
                 attn_softcap=optional_float(raw.get("attn_logit_softcapping")),
                 final_softcap=optional_float(raw.get("final_logit_softcapping")),
                 layer_windows=_layer_windows(raw, family, layers, source),
                 local_rope_theta=_local_rope_theta(local_rope, source),
                 moe=moe_from_hf(raw, family, layers, source),
+                mla=mla,
             )
         except KeyError as missing:
             raise ModelLoadError(f"{source} lacks required key {missing}") from None
@@ -305,6 +325,16 @@ def _refuse_unimplemented(raw: Mapping[str, Any], family: Family, source: str) -
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if raw.get(key) is not None:
                 raise UnsupportedModelError(f"{key} in {source} is read only for Gemma architectures")
+
+
+def _query_scale(
+    raw: Mapping[str, Any], family: Family, mla: LatentAttention | None, rope_scaling: RopeScaling | None
+) -> float | None:
+    """Attention scores' scale where it is not ``head_dim ** -0.5``: Gemma's query_pre_attn_scalar,
+    MLA's (model/config/latent_attention.py)."""
+    if mla is not None:
+        return softmax_scale(mla, rope_scaling)
+    return float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if family.gemma else None
 
 
 def _rope_parameters(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
