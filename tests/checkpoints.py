@@ -115,17 +115,18 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
     "deepseek-v2-lite": (
         transformers.DeepseekV2Config,
         dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-             v_head_dim=12, first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+             v_head_dim=12, first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32),
     ),
     # V3's shape: a low-rank query (q_a_proj, its norm, q_b_proj), interleaved rotary pairs, YaRN
     # whose mscale_all_dim scales the softmax (and mscale != mscale_all_dim the cos/sin).
     "deepseek-v3": (
         transformers.DeepseekV3Config,
         dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-             v_head_dim=16, first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-             moe_intermediate_size=32, rope_interleave=True,
-             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                                  original_max_position_embeddings=128, mscale=1.0, mscale_all_dim=0.8, beta_fast=32.0, beta_slow=1.0)),
+             v_head_dim=16, first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+             topk_group=1, moe_intermediate_size=32, rope_interleave=True,
+             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=0.8,
+                                  original_max_position_embeddings=128, beta_fast=32.0, beta_slow=1.0)),
     ),
 }
 
