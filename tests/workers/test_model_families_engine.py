@@ -24,7 +24,7 @@ from tests.reference import hf_greedy
 
 # (phi3-longrope switches RoPE factors at 32 tokens in HF, mid-sequence; raylm picks them by the
 # served context: model/decoder/layers.py. Its prompt-level match is in tests/model/test_model_vs_hf.py.)
-FAMILIES = ["qwen3", "mistral-sliding", "gemma2", "gemma3", "phi3"]
+FAMILIES = ["qwen3", "mistral-sliding", "gemma2", "gemma3", "phi3", "deepseek-v2-lite", "deepseek-v3"]
 NEW_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # Each setting is one of the ways a sequence's K/V reach attention differently; every family
@@ -46,6 +46,7 @@ MOE_FAMILIES = ["mixtral", "qwen3-moe", "olmoe"]  # (qwen2-moe: tests/model/test
 CASES = [(f, "chunked-preempted-prefix-cached") for f in FAMILIES + ["qwen3-moe", "olmoe"]] + [
     ("mixtral", "ngram-chunked-preempted-prefix-cached"),
     ("gemma3", "tensor-parallel-2"), ("gemma2", "draft-speculation"), ("olmoe", "expert-parallel-2"),
+    ("deepseek-v3", "tensor-parallel-2"),  # latent attention: query heads split, the latent pool replicated
 ]
 
 
