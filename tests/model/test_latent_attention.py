@@ -14,6 +14,7 @@ import pytest
 
 from raylm.cache.kv_budget import bytes_per_block
 from raylm.model.config.model_config import ModelConfig
+from raylm.model.decoder.flop_count import ModelFlops
 from raylm.model.decoder.forward import forward
 from raylm.model.decoder.generate import SingleSequenceGenerator
 from raylm.model.decoder.kv_pool import KVCache
@@ -57,6 +58,12 @@ def test_routed_experts_are_refused_naming_the_key():
         _v3_config(first_k_dense_replace=1)
     with pytest.raises(UnsupportedModelError, match="first_k_dense_replace=0"):
         _v3_config(architectures=["DeepseekV2ForCausalLM"], first_k_dense_replace=0)
+
+
+def test_flops_count_the_absorbed_attention(deepseek_v3):
+    """Per key and layer: scores over the 32 + 8 latent dims and values of its 32, for 4 heads."""
+    config, params = deepseek_v3
+    assert ModelFlops.of(config, params).attention == ((None, 3 * (2 * 4 * (32 + 8) + 2 * 4 * 32)),)
 
 
 def test_lora_is_refused():
