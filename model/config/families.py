@@ -81,6 +81,8 @@ GGUF_FAMILIES: dict[str, str] = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    # DeepSeek V2 and V3 alike (both rotate interleaved pairs in llama.cpp).
+    "deepseek2": "DeepseekV2ForCausalLM",
 }
 # HF's names for the same activations.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}

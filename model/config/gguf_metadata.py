@@ -87,13 +87,14 @@ class GgufMetadata:
         return UnsupportedModelError(f"{self.source}: GGUF key {self.arch}.{key}={self.get(key)!r} {why}")
 
 
-def refuse_unimplemented(meta: GgufMetadata, family: Family, head_dim: int) -> None:
-    """Load errors for settings the file states and raylm does not compute."""
+def refuse_unimplemented(meta: GgufMetadata, family: Family, head_dim: int, answered: Sequence[str] = ()) -> None:
+    """Load errors for settings the file states and raylm does not compute (``answered``: keys
+    a family's own reading has taken care of)."""
     for key, off in _UNIMPLEMENTED.items():
-        if meta.has(key) and (off is None or meta.get(key) != off):
+        if key not in answered and meta.has(key) and (off is None or meta.get(key) != off):
             raise meta.refuse(key, "is not implemented by raylm")
     for key in ("attention.value_length", "rope.dimension_count"):
-        if meta.get(key, head_dim) != head_dim:
+        if key not in answered and meta.get(key, head_dim) != head_dim:
             raise meta.refuse(key, f"differs from the head size {head_dim}: raylm rotates and attends whole heads")
     if not family.gemma:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):

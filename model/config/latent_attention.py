@@ -86,3 +86,52 @@ def softmax_scale(mla: LatentAttention, scaling: RopeScaling | None) -> float:
         mscale = 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
         scale *= mscale * mscale
     return scale
+
+
+# What a deepseek2 GGUF says about its attention (after "deepseek2."), read by
+# ``latent_attention_from_gguf`` rather than by gguf_metadata's generic checks; with its layers all
+# dense (checked there), the expert keys llama.cpp's converter writes describe no layer.
+GGUF_KEYS = (
+    "attention.key_length", "attention.value_length", "attention.key_length_mla", "attention.value_length_mla",
+    "attention.q_lora_rank", "attention.kv_lora_rank", "rope.dimension_count", "rope.scaling.yarn_log_multiplier",
+    "leading_dense_block_count", "expert_count", "expert_used_count", "expert_shared_count",
+    "expert_feed_forward_length", "expert_weights_scale", "expert_weights_norm", "expert_gating_func",
+    "expert_group_count", "expert_group_used_count",
+)
+
+
+def latent_attention_from_gguf(meta: Any, num_layers: int) -> LatentAttention:
+    """The MLA sizes of a llama.cpp ``deepseek2`` file (``meta``: a ``gguf_metadata.GgufMetadata``).
+    Its converter writes ``key_length`` / ``value_length`` as the latent pool's (``kv_lora_rank +
+    qk_rope_head_dim`` / ``kv_lora_rank``) and the heads' sizes as ``key_length_mla`` /
+    ``value_length_mla``; files older than that split state the heads' sizes in the first two.
+    Its RoPE rotates interleaved pairs (llama.cpp's NORM rope type), as HF's V2 does."""
+    experts = int(meta.get("expert_count", 0) or 0)
+    dense = int(meta.get("leading_dense_block_count", 0) or 0)
+    if experts and dense < num_layers:
+        raise meta.refuse("leading_dense_block_count", f"leaves layers {dense}..{num_layers - 1} to {experts} "
+                          "routed experts (DeepSeek MoE), which raylm does not implement yet")
+    rope = int(meta.get("rope.dimension_count", required=True))
+    split = meta.has("attention.key_length_mla")
+    qk = int(meta.get("attention.key_length_mla" if split else "attention.key_length", required=True))
+    value = int(meta.get("attention.value_length_mla" if split else "attention.value_length", required=True))
+    q_lora = meta.get("attention.q_lora_rank")
+    return LatentAttention(
+        kv_lora_rank=int(meta.get("attention.kv_lora_rank", required=True)),
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=qk - rope,
+        v_head_dim=value,
+        q_lora_rank=int(q_lora) if q_lora else None,
+        rope_interleave=True,
+    )
+
+
+def gguf_yarn(meta: Any, scaling: RopeScaling | None) -> RopeScaling | None:
+    """A deepseek2 file's YaRN as llama.cpp computes it: ``rope.scaling.yarn_log_multiplier`` is
+    ``0.1 * mscale_all_dim`` and cos/sin keep no factor of their own (HF's ``mscale`` equal to
+    ``mscale_all_dim``, as DeepSeek's configs have it)."""
+    multiplier = meta.get("rope.scaling.yarn_log_multiplier")
+    if multiplier is None or scaling is None:
+        return scaling
+    mscale = float(multiplier) / 0.1
+    return dataclasses.replace(scaling, mscale=mscale, mscale_all_dim=mscale)

@@ -15,14 +15,9 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from raylm.model.config import gguf_metadata
+from raylm.model.config import gguf_metadata, latent_attention
 from raylm.model.config.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
-from raylm.model.config.latent_attention import (
-    LatentAttention,
-    latent_attention_from_hf,
-    refuse_routed_experts,
-    softmax_scale,
-)
+from raylm.model.config.latent_attention import LatentAttention, softmax_scale
 from raylm.model.config.moe import MoeConfig, moe_from_gguf, moe_from_hf
 from raylm.model.config.rope import RopeScaling, optional_float, parse_rope_scaling
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
@@ -191,8 +186,8 @@ class ModelConfig:
             )
             mla = None
             if family.latent_attention:
-                refuse_routed_experts(raw, layers, source)
-                mla = latent_attention_from_hf(raw, family.interleaved_rope, source)
+                latent_attention.refuse_routed_experts(raw, layers, source)
+                mla = latent_attention.latent_attention_from_hf(raw, family.interleaved_rope, source)
             config = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -267,10 +262,16 @@ class ModelConfig:
         heads = int(meta.get("attention.head_count", required=True))
         layers = int(meta.get("block_count", required=True))
         head_dim = int(meta.get("attention.key_length") or hidden // heads)
-        gguf_metadata.refuse_unimplemented(meta, family, head_dim)
+        mla = latent_attention.latent_attention_from_gguf(meta, layers) if family.latent_attention else None
+        if mla is not None:
+            head_dim = mla.qk_rope_head_dim
+        gguf_metadata.refuse_unimplemented(meta, family, head_dim, latent_attention.GGUF_KEYS if mla else ())
         vocab = meta.get("vocab_size") or len(fields.get("tokenizer.ggml.tokens", ()))
         max_positions = int(meta.get("context_length", 2048))
         scaling, local_theta = gguf_metadata.rope(meta, max_positions, head_dim, rope_tensors or {})
+        if mla is not None:
+            scaling = latent_attention.gguf_yarn(meta, scaling)
+        query_scale = gguf_metadata.query_scale(meta, hidden, heads, head_dim, layers)
         attn_softcap, final_softcap = gguf_metadata.softcaps(meta)
         windows = gguf_metadata.layer_windows(meta, layers)
         dense_size = int(meta.get("feed_forward_length", required=True))
@@ -281,7 +282,7 @@ class ModelConfig:
             intermediate_size=dense_size,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(meta.get("attention.head_count_kv", heads)),
+            num_kv_heads=1 if mla else int(meta.get("attention.head_count_kv", heads)),
             head_dim=head_dim,
             rms_norm_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(meta.get("rope.freq_base", 10000.0)),
@@ -297,12 +298,13 @@ class ModelConfig:
             sandwich_norms=family.gemma,
             activation=ACTIVATIONS[family.default_act],
             embed_scale=math.sqrt(hidden) if family.gemma else None,
-            query_scale=gguf_metadata.query_scale(meta, hidden, heads, head_dim, layers),
+            query_scale=softmax_scale(mla, scaling) if mla else query_scale,
             attn_softcap=attn_softcap,
             final_softcap=final_softcap,
             layer_windows=windows,
             local_rope_theta=local_theta if windows else None,
-            moe=moe_from_gguf(meta, layers, dense_size),
+            moe=None if mla else moe_from_gguf(meta, layers, dense_size),
+            mla=mla,
         )
 
 

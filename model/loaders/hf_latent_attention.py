@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 
 from raylm.model.config.model_config import ModelConfig
-from raylm.model.quantization.gguf_blocks import GgufBlocks
+from raylm.model.quantization.gguf_blocks import GgufBlocks, dequantized
 from raylm.model.quantization.quant_array import QuantArray
 
 HostMatrix = np.ndarray | GgufBlocks | QuantArray
@@ -44,7 +44,9 @@ def latent_attention_tensors(fetch: Fetch, config: ModelConfig, layer: int) -> d
 
 
 def _as_float(array: HostMatrix) -> np.ndarray:
-    """HF safetensors' floats as float32 (the model dtype is cast on placing them)."""
-    if not isinstance(array, np.ndarray):
-        raise TypeError(f"latent attention loads float tensors, got {type(array).__name__}")
-    return array.astype(np.float32, copy=False)
+    """As float32 (the model dtype is cast on placing them): the absorbed form contracts
+    ``kv_b_proj`` per head rather than through the dense kernels, so these are not kept as stored
+    (a GGUF file's blocks and 8-bit values expanded exactly)."""
+    if isinstance(array, QuantArray):
+        return np.asarray(array.dequantize(), np.float32)
+    return dequantized(array).astype(np.float32, copy=False)
