@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from raylm.model.config.latent_attention import LATENT_NORM_EPS
 from raylm.model.config.model_config import AttentionSpec, ModelConfig
-from raylm.model.decoder.attention import gather_blocks, paged_attention, write_kv
+from raylm.model.decoder.attention import gather_blocks, gathered_attention, paged_attention, write_kv
 from raylm.model.decoder.kv_pool import Pool
 from raylm.model.decoder.layers import apply_rope, rms_norm
 from raylm.model.decoder.params import LayerParams
@@ -111,26 +111,11 @@ def _expanded(
 ) -> jax.Array:
     """Multi-head attention over keys and values expanded by ``kv_b_proj`` from each row's latents."""
     mla = config.mla
-    B, P = table.shape
     entries = gather_blocks(pool, layer, table, q_nope.dtype)  # [B, P, bs, 1, R + rope]
-    bs = entries.shape[2]
-    entries = entries.reshape(B, P * bs, mla.latent_dim)
+    entries = entries.reshape(table.shape[0], -1, mla.latent_dim)  # [B, T, R + rope]: key t at position t
     kv = dense(entries[..., : mla.kv_lora_rank], lp.wkv_b, kernel=batch.cpu_kernels)  # [B, T, H, nope + v]
-    H = kv.shape[2]
-    k_rot = jnp.broadcast_to(entries[:, :, None, mla.kv_lora_rank:], (B, P * bs, H, mla.qk_rope_head_dim))
+    k_rot = jnp.broadcast_to(entries[:, :, None, mla.kv_lora_rank:], (*kv.shape[:3], mla.qk_rope_head_dim))
     keys = jnp.concatenate([kv[..., : mla.qk_nope_head_dim], k_rot.astype(kv.dtype)], axis=-1)
-    values = kv[..., mla.qk_nope_head_dim:]
-    # As a pool of their own (one layer, each row's blocks in order) for paged_attention's masks,
-    # values padded to the query's head size (its contract: one head size).
-    pad = mla.qk_head_dim - mla.v_head_dim
-    if pad > 0:
-        values = jnp.pad(values, ((0, 0), (0, 0), (0, 0), (0, pad)))
-    elif pad < 0:
-        keys = jnp.pad(keys, ((0, 0), (0, 0), (0, 0), (0, -pad)))
-    keys, values = (a.reshape(1, B * P, bs, H, a.shape[-1]) for a in (keys, values))
-    rows = jnp.arange(B * P, dtype=table.dtype).reshape(B, P)
     q = jnp.concatenate([q_nope, q_rot.astype(q_nope.dtype)], axis=-1)
-    if pad < 0:
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, -pad)))
-    out = paged_attention(q, keys, values, 0, rows, batch.positions, batch.context_lens, batch.valid, spec)
-    return out[..., : mla.v_head_dim]
+    return gathered_attention(q, keys, kv[..., mla.qk_nope_head_dim:], batch.positions, batch.context_lens,
+                              batch.valid, spec)
