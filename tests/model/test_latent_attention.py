@@ -20,7 +20,11 @@ from raylm.model.decoder.generate import SingleSequenceGenerator
 from raylm.model.decoder.kv_pool import KVCache
 from raylm.model.errors import UnsupportedModelError
 from raylm.model.kernels import paged_decode
+from raylm.model.kernels.int8_matmul import unavailable_reason
 from raylm.model.loaders.load import load_checkpoint
+from raylm.model.quantization.activations import with_int8_activations
+from raylm.model.quantization.int8_panels import Int8Panels
+from raylm.model.quantization.quant_array import QuantArray, parse_quantization, quantize_params
 from raylm.workers.core.lora_adapters import LoraAdapters
 from tests.checkpoints import build_tiny_checkpoint
 
@@ -64,6 +68,22 @@ def test_flops_count_the_absorbed_attention(deepseek_v3):
     """Per key and layer: scores over the 32 + 8 latent dims and values of its 32, for 4 heads."""
     config, params = deepseek_v3
     assert ModelFlops.of(config, params).attention == ((None, 3 * (2 * 4 * (32 + 8) + 2 * 4 * 32)),)
+
+
+def test_int8_weights_and_activations(deepseek_v3):
+    """Weight-only int8 and the integer compute mode: kv_b_proj, contracted per head by the
+    absorbed form, stays an int8 QuantArray (dequantized there); the projections run in integers."""
+    if unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    config, params = deepseek_v3
+    weights = quantize_params(params, parse_quantization("int8"))
+    packed = with_int8_activations(weights, "deepseek-v3")
+    assert isinstance(packed.layers[0].wkv_b, QuantArray) and isinstance(packed.layers[0].wkv_a, Int8Panels)
+    ids = np.random.RandomState(5).randint(3, 320, size=20).tolist()
+    reference = SingleSequenceGenerator(config, params).prompt_logits(ids)
+    for quantized in (weights, packed):  # (int8 moves these tiny random models' logits by 5-10%, as Llama's)
+        logits = SingleSequenceGenerator(config, quantized).prompt_logits(ids)
+        assert np.abs(logits - reference).max() < 0.15 * np.abs(reference).max()
 
 
 def test_lora_is_refused():

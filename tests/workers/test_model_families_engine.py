@@ -24,7 +24,9 @@ from tests.reference import hf_greedy
 
 # (phi3-longrope switches RoPE factors at 32 tokens in HF, mid-sequence; raylm picks them by the
 # served context: model/decoder/layers.py. Its prompt-level match is in tests/model/test_model_vs_hf.py.)
-FAMILIES = ["qwen3", "mistral-sliding", "gemma2", "gemma3", "phi3", "deepseek-v2-lite", "deepseek-v3"]
+# (DeepSeek: V3's latent attention, its low-rank query and YaRN; V2-Lite's differences are in the
+# projections, which tests/model/test_model_vs_hf.py checks.)
+FAMILIES = ["qwen3", "mistral-sliding", "gemma2", "gemma3", "phi3", "deepseek-v3"]
 NEW_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # Each setting is one of the ways a sequence's K/V reach attention differently; every family
