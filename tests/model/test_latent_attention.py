@@ -25,6 +25,7 @@ from raylm.model.loaders.load import load_checkpoint
 from raylm.model.quantization.activations import with_int8_activations
 from raylm.model.quantization.int8_panels import Int8Panels
 from raylm.model.quantization.quant_array import QuantArray, parse_quantization, quantize_params
+from raylm.model.runtime.sharding import make_mesh, param_shardings
 from raylm.workers.core.lora_adapters import LoraAdapters
 from tests.checkpoints import build_tiny_checkpoint
 
@@ -55,6 +56,18 @@ def test_pool_holds_one_latent_per_token_and_layer(dtype):
     assert bytes_per_block(config, BLOCK, dtype) == 2 * BLOCK * 576 * jnp.dtype(dtype).itemsize
     pool = KVCache.create(config, num_blocks=3, block_size=BLOCK, dtype=dtype)
     assert pool.v is None and pool.k.shape == (2, 3, BLOCK, 1, 576) and pool.k.dtype == dtype
+
+
+def test_tensor_parallel_splits_the_heads_and_replicates_the_latent(deepseek_v3):
+    config, params = deepseek_v3
+    mesh = make_mesh(2)
+    layer = param_shardings(params, config, mesh).layers[0]
+    specs = {name: tuple(getattr(layer, name).spec) for name in ("wq_a", "q_a_norm", "wq_b", "wkv_a", "kv_a_norm",
+                                                                  "wkv_b", "wo")}
+    assert specs == {"wq_a": (None, None), "q_a_norm": (None,), "wq_b": ("tp", None, None), "wkv_a": (None, None),
+                     "kv_a_norm": (None,), "wkv_b": ("tp", None, None), "wo": (None, "tp", None)}
+    pool = KVCache.abstract(config, 4, BLOCK, jnp.float32).shardings(config, mesh)
+    assert all(axis is None for axis in pool.spec)
 
 
 def test_routed_experts_are_refused_naming_the_key():
