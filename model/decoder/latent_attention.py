@@ -40,14 +40,13 @@ if TYPE_CHECKING:
 
 def latent_attention(
     lp: LayerParams, config: ModelConfig, batch: _Batch, h: jax.Array, pool: Pool, layer: int, group: int,
-    spec: AttentionSpec, absorbed: bool | None = None,
+    spec: AttentionSpec,
 ) -> tuple[jax.Array, Pool]:
     """Attention of the normed hidden states ``h [B, S, D]`` of layer ``layer`` (its index in the
     pool of KV group ``group``): writes their latents into ``pool`` and returns each head's
-    output ``[B, S, H, v_head_dim]`` (``o_proj``'s input) and the pool. ``absorbed``: the form
-    (default: absorbed for one token per row, expanded otherwise)."""
+    output ``[B, S, H, v_head_dim]`` (``o_proj``'s input) and the pool; in the absorbed form for
+    one token per row, else in the expanded form (module docstring)."""
     mla = config.mla
-    B, S, _ = h.shape
     kernel = batch.cpu_kernels
     q = _query(lp, h, kernel)  # [B, S, H, nope + rope]
     q_nope, q_rot = q[..., : mla.qk_nope_head_dim], q[..., mla.qk_nope_head_dim:]
@@ -60,9 +59,7 @@ def latent_attention(
     q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
     table, (block, offset) = batch.block_tables[group], batch.slots[group]
     pool = write_kv(pool, layer, block, offset, jnp.concatenate([latent[:, :, None], k_rot], axis=-1), kernel)
-    if absorbed is None:
-        absorbed = S == 1
-    if absorbed:
+    if h.shape[1] == 1:
         return _absorbed(lp, config, batch, q_nope, q_rot, pool, layer, table, spec), pool
     return _expanded(lp, config, batch, q_nope, q_rot, pool, layer, table, spec), pool
 
