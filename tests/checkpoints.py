@@ -154,6 +154,25 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
                                   beta_fast=32.0, beta_slow=1.0, truncate=False)),
     ),
+    # DeepSeek's multi-head latent attention, dense layers only (first_k_dense_replace = the layer
+    # count). V2-Lite's shape: a full-rank q_proj, complex-pair RoPE, value heads narrower than
+    # the query/key heads.
+    "deepseek-v2-lite": (
+        transformers.DeepseekV2Config,
+        dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=12, first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32),
+    ),
+    # V3's shape: a low-rank query (q_a_proj, its norm, q_b_proj), interleaved rotary pairs, YaRN
+    # whose mscale_all_dim scales the softmax (and mscale != mscale_all_dim the cos/sin).
+    "deepseek-v3": (
+        transformers.DeepseekV3Config,
+        dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=16, first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+             topk_group=1, moe_intermediate_size=32, rope_interleave=True,
+             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=0.8,
+                                  original_max_position_embeddings=128, beta_fast=32.0, beta_slow=1.0)),
+    ),
 }
 
 _CORPUS = [
@@ -200,6 +219,8 @@ def build_tiny_checkpoint(variant: str, directory: Path, seed: int = 0, **overri
         transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
         transformers.Llama4TextConfig: transformers.Llama4ForCausalLM,
         transformers.GptOssConfig: transformers.GptOssForCausalLM,
+        transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
+        transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,
     }[config_cls]
     config._attn_implementation = "eager"  # soft-capping and windows as the modeling code writes them
     model = model_cls(config).eval().to(torch.float32)

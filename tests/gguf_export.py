@@ -44,6 +44,8 @@ _ARCHES = {
     "Qwen2MoeForCausalLM": "qwen2moe",
     "Glm4MoeForCausalLM": "glm4moe",
     "GraniteForCausalLM": "granite",
+    "DeepseekV2ForCausalLM": "deepseek2",
+    "DeepseekV3ForCausalLM": "deepseek2",
 }
 # The converter's LlamaModel and its subclasses permute Q/K rows; Gemma's models store norms as 1 + w.
 _PERMUTED = ("llama", "granite")
@@ -118,17 +120,20 @@ def round_to_stored(hf_model: Any, qtype: gguf.GGMLQuantizationType) -> None:
                 param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qtype).reshape(param.shape)))
 
 
-def export_gguf(hf_dir: Path, out: Path, qtype: QTypes = T.F32) -> Path:
+def export_gguf(hf_dir: Path, out: Path, qtype: QTypes = T.F32, split_kv_b: bool = True) -> Path:
     """Write ``hf_dir`` as ``out``; matrices (and stacked experts) in ``qtype`` (F32, a type the
     gguf package quantizes, or one it cannot: random blocks, see ``random_blocks``; or a type per
-    tensor name, as llama-quantize mixes them), vectors F32."""
+    tensor name, as llama-quantize mixes them), vectors F32. A DeepSeek checkpoint's kv_b_proj is
+    split into attn_k_b / attn_v_b as today's converter does, or with ``split_kv_b=False`` kept
+    whole as attn_kv_b with the head sizes in key_length / value_length, as converters before
+    llama.cpp's MLA absorption wrote it."""
     hp = json.loads((hf_dir / "config.json").read_text())
     arch = _ARCHES[hp["architectures"][0]]
     writer = gguf.GGUFWriter(str(out), arch)
     tensors = load_file(str(hf_dir / "model.safetensors"))
-    _write_metadata(writer, arch, hp)
+    _write_metadata(writer, arch, hp, split_kv_b)
     _write_tokenizer(writer, hf_dir, hp["vocab_size"])
-    for seed, (name, array) in enumerate(_tensors(writer, arch, hp, tensors)):
+    for seed, (name, array) in enumerate(_tensors(writer, arch, hp, tensors, split_kv_b)):
         array = np.ascontiguousarray(array, dtype=np.float32)
         kind = qtype(name) if callable(qtype) else qtype
         if array.ndim in (2, 3) and kind in _F16_FIELDS and kind not in _QUANTIZED:
@@ -156,7 +161,7 @@ def _head_dim(hp: dict[str, Any]) -> int:
     return hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
 
 
-def _write_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
+def _write_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], split_kv_b: bool = True) -> None:
     rope, local_rope = _rope_params(hp)
     # (Glm4MoeModel counts the multi-token-prediction layers as blocks; the tiny checkpoints store none.)
     nextn = (hp.get("num_nextn_predict_layers") or 0) if arch == "glm4moe" else 0
@@ -165,9 +170,12 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
     w.add_embedding_length(hp["hidden_size"])
     w.add_feed_forward_length(hp["intermediate_size"])
     w.add_head_count(hp["num_attention_heads"])
-    w.add_head_count_kv(hp["num_key_value_heads"])
+    w.add_head_count_kv(1 if arch == "deepseek2" else hp["num_key_value_heads"])  # (its one latent)
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch == "deepseek2":
+        _write_deepseek2(w, hp, rope, split_kv_b)
+        return
     if arch == "phi3":  # Phi3MiniModel writes its own set, no scaling type
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_dimension_count(hp["hidden_size"] // hp["num_attention_heads"])
@@ -235,6 +243,44 @@ def _write_glm4moe(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
         w.add_expert_group_used_count(hp["topk_group"])
 
 
+def _write_deepseek2(w: gguf.GGUFWriter, hp: dict[str, Any], rope: dict[str, Any], split_kv_b: bool) -> None:
+    """DeepseekV2Model.set_gguf_parameters' keys (V3 converts as the same architecture)."""
+    if not hp.get("rope_interleave", True):
+        raise ValueError("rope_interleave=false: llama.cpp's deepseek2 rotates interleaved pairs")
+    rank, rope_dim = hp["kv_lora_rank"], hp["qk_rope_head_dim"]
+    nope, value = hp["qk_nope_head_dim"], hp["v_head_dim"]
+    w.add_vocab_size(hp["vocab_size"])
+    if hp.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(hp["q_lora_rank"])
+    w.add_kv_lora_rank(rank)
+    if split_kv_b:  # the cache's sizes (the latent and rotary key; the latent as value), then the heads'
+        w.add_key_length(rank + rope_dim)
+        w.add_value_length(rank)
+        w.add_key_length_mla(nope + rope_dim)
+        w.add_value_length_mla(value)
+    else:
+        w.add_key_length(nope + rope_dim)
+        w.add_value_length(value)
+    w.add_rope_dimension_count(rope_dim)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_expert_count(hp["n_routed_experts"])
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_shared_count(hp["n_shared_experts"])
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    w.add_expert_weights_norm(bool(hp.get("norm_topk_prob")))
+    if rope.get("rope_type", "default") == "yarn":
+        if rope.get("mscale") != rope.get("mscale_all_dim"):
+            raise ValueError("mscale != mscale_all_dim: llama.cpp's deepseek2 YaRN implies them equal")
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    else:
+        assert rope.get("rope_type", "default") == "default", rope
+
+
 def _write_experts(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], experts: int) -> None:
     # llama.cpp makes every layer sparse and fixes the renormalization per architecture.
     if hp.get("mlp_only_layers") or (hp.get("decoder_sparse_step") or 1) != 1:
@@ -270,7 +316,8 @@ def _write_gemma(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
             w.add_sliding_window_pattern(sliding)
 
 
-def _tensors(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], tensors: dict[str, np.ndarray]):
+def _tensors(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], tensors: dict[str, np.ndarray],
+             split_kv_b: bool = True):
     """(GGUF name, array) pairs, as the converter's modify_tensors / generate_extra_tensors give."""
     names = gguf.get_tensor_name_map(_model_arch(arch), hp["num_hidden_layers"])
     heads, kv_heads = hp["num_attention_heads"], hp["num_key_value_heads"]
@@ -288,6 +335,12 @@ def _tensors(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], tensors: dict[st
             array = _permute(array, kv_heads)
         if arch in _GEMMAS and hf_name.endswith("norm.weight"):
             array = array + 1
+        if arch == "deepseek2" and split_kv_b and hf_name.endswith("kv_b_proj.weight"):
+            # DeepseekV2Model.modify_tensors: each head's key rows transposed, its value rows as they are.
+            kv_b = array.reshape(heads, hp["qk_nope_head_dim"] + hp["v_head_dim"], -1)
+            yield name.replace("attn_kv_b", "attn_k_b"), np.swapaxes(kv_b[:, : hp["qk_nope_head_dim"]], 1, 2)
+            yield name.replace("attn_kv_b", "attn_v_b"), kv_b[:, hp["qk_nope_head_dim"]:]
+            continue
         yield name, array
     rope, _ = _rope_params(hp)
     if arch == "phi3" and rope.get("long_factor"):

@@ -56,6 +56,11 @@ class Family:
     # Llama 4 text: NoPE and chunked-attention layers, q/k L2 norm, attention temperature and its
     # experts (model/config/llama4.py); dense MLPs ``intermediate_size_mlp`` wide.
     llama4: bool = False
+    # DeepSeek's multi-head latent attention (model/config/latent_attention.py) in place of GQA;
+    # ``interleaved_rope``: its rotary dims are always interleaved pairs (V2), else config.json's
+    # ``rope_interleave`` says (V3).
+    latent_attention: bool = False
+    interleaved_rope: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +116,9 @@ HF_FAMILIES: dict[str, Family] = {
         attention_bias=True, o_proj_bias=True, attention_sinks=True, sliding_pattern=2,
         moe=MoeKeys("num_local_experts", "intermediate_size", always_norm_topk=True, gpt_oss_experts=True),
     ),
+    # Dense layers only for now (model/config/latent_attention.py refuses their MoE layers).
+    "DeepseekV2ForCausalLM": Family(latent_attention=True, interleaved_rope=True),
+    "DeepseekV3ForCausalLM": Family(latent_attention=True),
 }
 # llama.cpp's architecture names -> the HF family they hold (Mistral and Mixtral convert to
 # "llama": its experts are in the metadata, model/config/moe.py).
@@ -127,6 +135,8 @@ GGUF_FAMILIES: dict[str, str] = {
     "olmoe": "OlmoeForCausalLM",
     "glm4moe": "Glm4MoeForCausalLM",
     "granite": "GraniteForCausalLM",
+    # DeepSeek V2 and V3 alike (both rotate interleaved pairs in llama.cpp).
+    "deepseek2": "DeepseekV2ForCausalLM",
 }
 # HF's names for the same activations.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}

@@ -96,17 +96,18 @@ class GgufMetadata:
         return UnsupportedModelError(f"{self.source}: GGUF key {self.arch}.{key}={self.get(key)!r} {why}")
 
 
-def refuse_unimplemented(meta: GgufMetadata, family: Family, head_dim: int) -> None:
-    """Load errors for settings the file states and raylm does not compute."""
+def refuse_unimplemented(meta: GgufMetadata, family: Family, head_dim: int, answered: Sequence[str] = ()) -> None:
+    """Load errors for settings the file states and raylm does not compute (``answered``: keys
+    a family's own reading has taken care of)."""
     read = _READ_BY_FAMILY if family.granite_multipliers else ()
     for key, off in _UNIMPLEMENTED.items():
         if meta.arch in DEEPSEEK_ARCHES and key in DEEPSEEK_KEYS:
             continue  # read by model/config/deepseek_routing.py
-        if key not in read and meta.has(key) and (off is None or meta.get(key) != off):
+        if key not in read and key not in answered and meta.has(key) and (off is None or meta.get(key) != off):
             raise meta.refuse(key, "is not implemented by raylm")
     for key in ("attention.value_length", "rope.dimension_count"):
-        if key == "rope.dimension_count" and meta.arch in _PARTIAL_ROTARY_ARCHES:
-            continue  # ``rotary_dim``
+        if key in answered or (key == "rope.dimension_count" and meta.arch in _PARTIAL_ROTARY_ARCHES):
+            continue  # (``rotary_dim``, or the family's own reading)
         if meta.get(key, head_dim) != head_dim:
             raise meta.refuse(key, f"differs from the head size {head_dim}: raylm rotates and attends whole heads")
     if not family.logit_softcaps:

@@ -15,8 +15,9 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from raylm.model.config import gguf_metadata
+from raylm.model.config import gguf_metadata, latent_attention
 from raylm.model.config.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
+from raylm.model.config.latent_attention import LatentAttention, softmax_scale
 from raylm.model.config.llama4 import AttnTemperature, Llama4Attention, llama4_attention, llama4_moe
 from raylm.model.config.moe import MoeConfig, moe_from_gguf, moe_from_hf
 from raylm.model.config.multipliers import Multipliers, multipliers_from_gguf, multipliers_from_hf
@@ -87,6 +88,9 @@ class ModelConfig:
     attn_temperature: AttnTemperature | None = None  # the NoPE layers' query scale by position
     o_proj_bias: bool = False  # the attention output projection carries a bias (gpt-oss)
     attention_sinks: bool = False  # a learned per-head logit joins each softmax's denominator (gpt-oss)
+    # DeepSeek's multi-head latent attention in place of GQA: then ``num_kv_heads`` is 1 (the
+    # pool's one latent "head") and ``head_dim`` the rotary dims (HF's ``head_dim`` for these).
+    mla: LatentAttention | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -101,6 +105,11 @@ class ModelConfig:
                 raise ModelLoadError(f"{len(getattr(self, name))} {name} for {self.num_layers} layers")
         if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
             raise ModelLoadError(f"{len(self.moe.sparse_layers)} sparse-layer flags for {self.num_layers} layers")
+
+    @property
+    def attn_out_dim(self) -> int:
+        """Each head's attention output (the input of ``o_proj`` per head): MLA's ``v_head_dim``."""
+        return self.head_dim if self.mla is None else self.mla.v_head_dim
 
     @property
     def q_per_kv(self) -> int:
@@ -202,15 +211,19 @@ class ModelConfig:
             layers = int(raw["num_hidden_layers"])
             max_positions = int(raw.get("max_position_embeddings", 2048))
             global_rope, local_rope = _rope_parameters(raw)
-            head_dim = int(raw.get("head_dim") or hidden // heads)
             act = next((raw[key] for key in family.activation_keys if raw.get(key)), family.default_act)
             if act == "gelu" and family.gelu_is_tanh:
                 act = "gelu_pytorch_tanh"
             scales = multipliers_from_hf(raw, source) if family.granite_multipliers else Multipliers()
             llama4 = llama4_attention(raw, layers, source) if family.llama4 else Llama4Attention()
-            query_scale = scales.attention
-            if family.query_pre_attn_scalar:
-                query_scale = float(raw.get("query_pre_attn_scalar", 256)) ** -0.5
+            rope_scaling = parse_rope_scaling(
+                global_rope, source, max_positions, raw.get("original_max_position_embeddings")
+            )
+            mla = None
+            if family.latent_attention:
+                latent_attention.refuse_routed_experts(raw, layers, source)
+                mla = latent_attention.latent_attention_from_hf(raw, family.interleaved_rope, source)
+            head_dim = mla.qk_rope_head_dim if mla else int(raw.get("head_dim") or hidden // heads)
             config = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -218,7 +231,7 @@ class ModelConfig:
                 intermediate_size=int(raw["intermediate_size_mlp" if family.llama4 else "intermediate_size"]),
                 num_layers=layers,
                 num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                num_kv_heads=1 if mla else int(raw.get("num_key_value_heads") or heads),
                 head_dim=head_dim,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(global_rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
@@ -228,10 +241,8 @@ class ModelConfig:
                 # switches all four projections' biases, off too.)
                 attention_bias=bool(raw["attention_bias"]) if family.o_proj_bias and "attention_bias" in raw
                 else bool(raw.get("attention_bias") or raw.get("qkv_bias", family.attention_bias)),
-                rope_scaling=parse_rope_scaling(
-                    global_rope, source, max_positions, raw.get("original_max_position_embeddings")
-                ),
-                rotary_dim=rotary_dim(global_rope, raw, head_dim, source),
+                rope_scaling=rope_scaling,
+                rotary_dim=None if mla else rotary_dim(global_rope, raw, head_dim, source),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
                 qk_norm=family.qk_norm or bool(family.qk_norm_key and raw.get(family.qk_norm_key)),
@@ -241,7 +252,7 @@ class ModelConfig:
                 embed_scale=math.sqrt(hidden) if family.sqrt_hidden_embed_scale else None,
                 embedding_multiplier=scales.embedding,
                 residual_multiplier=scales.residual,
-                query_scale=query_scale,
+                query_scale=_query_scale(raw, family, mla, rope_scaling, scales),
                 logits_divisor=scales.logits_divisor,
                 attn_softcap=optional_float(raw.get("attn_logit_softcapping")),
                 final_softcap=optional_float(raw.get("final_logit_softcapping")),
@@ -254,6 +265,7 @@ class ModelConfig:
                 attn_temperature=llama4.temperature,
                 o_proj_bias=family.o_proj_bias and bool(raw.get("attention_bias", family.attention_bias)),
                 attention_sinks=family.attention_sinks,
+                mla=mla,
             )
         except KeyError as missing:
             raise ModelLoadError(f"{source} lacks required key {missing}") from None
@@ -303,11 +315,16 @@ class ModelConfig:
         heads = int(meta.get("attention.head_count", required=True))
         layers = gguf_metadata.decoder_layers(meta)
         head_dim = int(meta.get("attention.key_length") or hidden // heads)
-        gguf_metadata.refuse_unimplemented(meta, family, head_dim)
+        mla = latent_attention.latent_attention_from_gguf(meta, layers) if family.latent_attention else None
+        if mla is not None:
+            head_dim = mla.qk_rope_head_dim
+        gguf_metadata.refuse_unimplemented(meta, family, head_dim, latent_attention.GGUF_KEYS if mla else ())
         vocab = meta.get("vocab_size") or len(fields.get("tokenizer.ggml.tokens", ()))
         max_positions = int(meta.get("context_length", 2048))
-        rotary = gguf_metadata.rotary_dim(meta, head_dim)
+        rotary = None if mla else gguf_metadata.rotary_dim(meta, head_dim)
         scaling, local_theta = gguf_metadata.rope(meta, max_positions, rotary or head_dim, rope_tensors or {})
+        if mla is not None:
+            scaling = latent_attention.gguf_yarn(meta, scaling)
         attn_softcap, final_softcap = gguf_metadata.softcaps(meta)
         windows = gguf_metadata.layer_windows(meta, layers)
         dense_size = int(meta.get("feed_forward_length", required=True))
@@ -320,7 +337,7 @@ class ModelConfig:
             intermediate_size=dense_size,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(meta.get("attention.head_count_kv", heads)),
+            num_kv_heads=1 if mla else int(meta.get("attention.head_count_kv", heads)),
             head_dim=head_dim,
             rms_norm_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(meta.get("rope.freq_base", 10000.0)),
@@ -339,13 +356,14 @@ class ModelConfig:
             embed_scale=math.sqrt(hidden) if family.sqrt_hidden_embed_scale else None,
             embedding_multiplier=scales.embedding,
             residual_multiplier=scales.residual,
-            query_scale=scales.attention if query_scale is None else query_scale,
+            query_scale=softmax_scale(mla, scaling) if mla else scales.attention if query_scale is None else query_scale,
             logits_divisor=scales.logits_divisor,
             attn_softcap=attn_softcap,
             final_softcap=final_softcap,
             layer_windows=windows,
             local_rope_theta=local_theta if windows else None,
-            moe=moe_from_gguf(meta, layers, dense_size),
+            moe=None if mla else moe_from_gguf(meta, layers, dense_size),
+            mla=mla,
         )
 
 
@@ -366,6 +384,19 @@ def _refuse_unimplemented(raw: Mapping[str, Any], family: Family, source: str) -
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if raw.get(key) is not None:
                 raise UnsupportedModelError(f"{key} in {source} is read only for Gemma 2 and 3")
+
+
+def _query_scale(
+    raw: Mapping[str, Any], family: Family, mla: LatentAttention | None, rope_scaling: RopeScaling | None,
+    scales: Multipliers,
+) -> float | None:
+    """Attention scores' scale where it is not ``head_dim ** -0.5``: Gemma 2/3's
+    query_pre_attn_scalar, MLA's (model/config/latent_attention.py), Granite's multiplier."""
+    if mla is not None:
+        return softmax_scale(mla, rope_scaling)
+    if family.query_pre_attn_scalar:
+        return float(raw.get("query_pre_attn_scalar", 256)) ** -0.5
+    return scales.attention
 
 
 def _rope_parameters(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -100,22 +100,40 @@ def paged_attention(
     (``cap * tanh(s / cap)``) before the mask. With ``sinks [H]`` each head's sink logit joins
     its softmax's denominator (``softmax_with_sinks``). Returns ``[B, S, H, Dh]``.
     """
-    B, S, H, Dh = q.shape
-    spec = spec or AttentionSpec(Dh**-0.5)
     k = gather_blocks(k_pool, layer, block_tables, q.dtype)  # [B, P, bs, KVH, Dh]
     v = gather_blocks(v_pool, layer, block_tables, q.dtype)
-    P, bs, KVH = k.shape[1], k.shape[2], k.shape[3]
+    B, P, bs = k.shape[:3]
+    return gathered_attention(q, k.reshape(B, P * bs, *k.shape[3:]), v.reshape(B, P * bs, *v.shape[3:]), positions,
+                              context_lens, valid, spec, sinks)
+
+
+def gathered_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    context_lens: jax.Array,
+    valid: jax.Array,
+    spec: AttentionSpec | None = None,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
+    """``paged_attention`` over keys and values already gathered in position order: key ``t``
+    of row ``b`` is ``k[b, t]`` (``[B, T, KVH, Dk]``, values ``[B, T, KVH, Dv]``: a head size of
+    their own, as DeepSeek's expanded latent attention has). Returns ``[B, S, H, Dv]``."""
+    B, S, H, Dh = q.shape
+    spec = spec or AttentionSpec(Dh**-0.5)
+    T, KVH, Dv = k.shape[1], k.shape[2], v.shape[-1]
     # (batch, kv_head) leading, keys next: XLA CPU's batched dot is ~8x faster on this layout
     # than on the gathered one, which is worth one transposing copy.
-    k = k.transpose(0, 3, 1, 2, 4).reshape(B, KVH, P * bs, Dh)
-    v = v.transpose(0, 3, 1, 2, 4).reshape(B, KVH, P * bs, Dh)
+    k = k.transpose(0, 2, 1, 3)  # [B, KVH, T, Dk]
+    v = v.transpose(0, 2, 1, 3)
     qg = q.reshape(B, S, KVH, H // KVH, Dh).transpose(0, 2, 3, 1, 4).reshape(B, KVH, -1, Dh)  # [B,KVH,G*S,Dh]
 
     scores = jnp.einsum("bkqd,bktd->bkqt", qg, k, preferred_element_type=jnp.float32)
-    scores = scores.reshape(B, KVH, H // KVH, S, P * bs) * spec.scale
+    scores = scores.reshape(B, KVH, H // KVH, S, T) * spec.scale
     if spec.softcap is not None:
         scores = jnp.tanh(scores / spec.softcap) * spec.softcap
-    key_pos = jnp.arange(P * bs)
+    key_pos = jnp.arange(T)
     mask = (
         (key_pos[None, None, :] <= positions[:, :, None])
         & (key_pos[None, None, :] < context_lens[:, None, None])
@@ -130,10 +148,10 @@ def paged_attention(
         probs = jax.nn.softmax(scores, axis=-1)
     else:
         probs = softmax_with_sinks(scores, sinks.reshape(1, KVH, H // KVH, 1, 1))
-    probs = probs.astype(v.dtype).reshape(B, KVH, -1, P * bs)
+    probs = probs.astype(v.dtype).reshape(B, KVH, -1, T)
     out = jnp.einsum("bkqt,bktd->bkqd", probs, v, preferred_element_type=jnp.float32)
-    out = out.reshape(B, KVH, H // KVH, S, Dh).transpose(0, 3, 1, 2, 4)
-    return out.reshape(B, S, H, Dh).astype(q.dtype)
+    out = out.reshape(B, KVH, H // KVH, S, Dv).transpose(0, 3, 1, 2, 4)
+    return out.reshape(B, S, H, Dv).astype(q.dtype)
 
 
 def softmax_with_sinks(scores: jax.Array, sinks: jax.Array) -> jax.Array:

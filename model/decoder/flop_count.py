@@ -9,7 +9,10 @@ down), of a mixture of experts only the ``top_k`` experts it is routed to (with 
 ``[V, D]`` only for the rows whose logits are computed (a prompt chunk's last token, every
 decode and verify position). Attention adds, per layer, ``4 x heads x head_dim`` per key the
 token reads (``q . k`` and the weighted sum of ``v``: 2 each), the keys being its own
-position and those before it, or its window's on a sliding layer.
+position and those before it, or its window's on a sliding layer. DeepSeek's latent attention
+counts its absorbed form (model/decoder/latent_attention.py), one KV head of ``kv_lora_rank +
+qk_rope_head_dim`` read by every head: ``2 x heads x (kv_lora_rank + qk_rope_head_dim)`` per key for
+the scores and ``2 x heads x kv_lora_rank`` for the latent values.
 
 Not counted: norms, rotary embeddings, activations, softmax, routing's top-k and sampling
 (element-wise, noise beside the matrices), LoRA deltas, and the padding rows and keys of the
@@ -55,7 +58,9 @@ class ModelFlops:
             for vector in ("router", "shared_gate"):  # matrices not marked as such: kept unquantized
                 if getattr(layer, vector) is not None:
                     matrix += math.prod(LAYER_INFO[vector].shape(config))
-        per_layer = 4 * config.num_heads * config.head_dim
+        mla = config.mla
+        per_layer = 4 * config.num_heads * config.head_dim if mla is None else \
+            2 * config.num_heads * (mla.latent_dim + mla.kv_lora_rank)
         windows = Counter(config.layer_window(i) for i in range(config.num_layers))
         return cls(matrix, math.prod(MODEL_INFO["embed"].shape(config)),
                    tuple((window, per_layer * n) for window, n in windows.items()))

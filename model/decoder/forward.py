@@ -29,9 +29,10 @@ from typing import NamedTuple, TypeVar
 import jax
 import jax.numpy as jnp
 
-from raylm.model.config.model_config import ModelConfig
+from raylm.model.config.model_config import AttentionSpec, ModelConfig
 from raylm.model.decoder.attention import paged_attention, slot_indices, write_kv
 from raylm.model.decoder.kv_pool import GroupedKV, KVCache
+from raylm.model.decoder.latent_attention import latent_attention
 from raylm.model.decoder.layers import (
     apply_rope,
     attention_temperature,
@@ -255,16 +256,48 @@ def _layer(
     lp: LayerParams, config: ModelConfig, batch: _Batch, i: int, group: int, slot: int, x: jax.Array,
     k_pool: jax.Array, v_pool: jax.Array, lora: LayerLora | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Decoder layer ``i``: fused QKV, (q/k norm), RoPE (none on a NoPE layer, whose queries
-    may be temperature-scaled instead; Llama 4's L2 q/k norm after it), K/V write into index
-    ``slot`` of its KV group's pool (``group``: which table it reads), attention, fused MLP;
-    with sandwich norms each block's output is normed before its residual add, and scaled by a
-    residual multiplier; each projection plus its LoRA delta with ``lora``. Returns ``x``, both pools, and for a sparse layer the tokens routed to each
-    expert (else None)."""
+    """Decoder layer ``i``: attention (GQA: ``_attention``, or DeepSeek's latent attention:
+    model/decoder/latent_attention.py) writing into index ``slot`` of its KV group's pool
+    (``group``: which table it reads), fused MLP; with sandwich norms each block's output is
+    normed before its residual add, and scaled by a residual multiplier; each projection plus its
+    LoRA delta with ``lora``. Returns ``x``, both pools, and for a sparse layer the tokens routed
+    to each expert (else None)."""
+    eps = config.rms_norm_eps
+    spec = config.attention(i)
+    if config.mla is not None:
+        with jax.named_scope("latent_attention"):
+            attn, k_pool = latent_attention(lp, config, batch, rms_norm(x, lp.attn_norm, eps), k_pool, slot, group,
+                                            spec)
+    else:
+        attn, k_pool, v_pool = _attention(lp, config, batch, i, group, slot, x, k_pool, v_pool, lora, spec)
+    with jax.named_scope("wo"):
+        out = dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
+        if lp.bo is not None:
+            out = out + lp.bo
+        if lora is not None:
+            out = lora.add("o_proj", out, attn)
+        x = _residual_add(x, out, lp.post_attn_norm, config)
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, lp.mlp_norm, eps)
+        counts = None
+        if config.is_sparse(i):
+            out, counts = moe_block(h, lp, config.moe, config.activation, kernel=batch.cpu_kernels, valid=batch.valid)
+        else:
+            out = gated_mlp(h, lp.w_gate_up, lp.w_down, config.activation, kernel=batch.cpu_kernels, lora=lora)
+        x = _residual_add(x, out, lp.post_mlp_norm, config)
+        return x, k_pool, v_pool, counts
+
+
+def _attention(
+    lp: LayerParams, config: ModelConfig, batch: _Batch, i: int, group: int, slot: int, x: jax.Array,
+    k_pool: jax.Array, v_pool: jax.Array, lora: LayerLora | None, spec: AttentionSpec,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Layer ``i``'s GQA: fused QKV, (q/k norm), RoPE (none on a NoPE layer, whose queries may be
+    temperature-scaled instead; Llama 4's L2 q/k norm after it), K/V write, attention; returns each head's
+    output ``[B, S, H, Dh]`` and both pools."""
     B, S, _ = x.shape
     G = config.q_per_kv
     eps = config.rms_norm_eps
-    spec = config.attention(i)
     with jax.named_scope("qkv"):
         h = rms_norm(x, lp.attn_norm, eps)
         qkv = dense(h, lp.wqkv, kernel=batch.cpu_kernels)  # [B, S, KVH, G + 2, Dh]
@@ -294,22 +327,7 @@ def _layer(
         else:
             attn = paged_attention(q, k_pool, v_pool, slot, table, batch.positions, batch.context_lens, batch.valid,
                                    spec, lp.sinks)
-    with jax.named_scope("wo"):
-        out = dense(attn, lp.wo, 2, kernel=batch.cpu_kernels)
-        if lp.bo is not None:
-            out = out + lp.bo
-        if lora is not None:
-            out = lora.add("o_proj", out, attn)
-        x = _residual_add(x, out, lp.post_attn_norm, config)
-    with jax.named_scope("mlp"):
-        h = rms_norm(x, lp.mlp_norm, eps)
-        counts = None
-        if config.is_sparse(i):
-            out, counts = moe_block(h, lp, config.moe, config.activation, kernel=batch.cpu_kernels, valid=batch.valid)
-        else:
-            out = gated_mlp(h, lp.w_gate_up, lp.w_down, config.activation, kernel=batch.cpu_kernels, lora=lora)
-        x = _residual_add(x, out, lp.post_mlp_norm, config)
-        return x, k_pool, v_pool, counts
+    return attn, k_pool, v_pool
 
 
 def _residual_add(x: jax.Array, branch: jax.Array, post_norm: jax.Array | None, config: ModelConfig) -> jax.Array:

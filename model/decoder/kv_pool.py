@@ -8,6 +8,11 @@ A quantized pool (``kv_cache_dtype: int8 | fp8``) holds each of K and V as a ``Q
 8-bit values and one float32 scale per (token, kv head) (``[L, num_blocks, block_size, KVH]``,
 kept beside the values so block copies, prefix caching and preemption move them together).
 
+A model with DeepSeek's latent attention (``config.mla``) keeps one array only, the ``k`` of a
+``KVCache`` whose ``v`` is None: per token and layer its latent and shared rotary key
+(``kv_lora_rank + qk_rope_head_dim`` values, one "KV head"), from which every head's keys and
+values are computed (model/decoder/latent_attention.py).
+
 The decoder reads and writes pools through this declaration (``attention``); the engine
 allocates them (``KVCache.create``), and ``raylm.cache.kv_budget`` sizes them from
 ``KVPoolInfo.nbytes``. A ``kv_cache_dtype`` setting is read here, once (``kv_pool_dtype``).
@@ -52,6 +57,12 @@ class KVPoolInfo:
     shape: tuple[int, int, int, int, int]  # [layers, num_blocks, block_size, kv_heads, head_dim]
     dtype: jnp.dtype
     axes: tuple[str, ...] = ("layers", "blocks", "block_slot", "kv_heads", "head_dim")
+    latent: bool = False  # one array (MLA's latents), no separate V
+
+    @property
+    def num_arrays(self) -> int:
+        """Arrays of ``shape`` the pool holds: K and V, or MLA's latents alone."""
+        return 1 if self.latent else 2
 
     @property
     def quantized(self) -> bool:
@@ -63,9 +74,9 @@ class KVPoolInfo:
 
     @property
     def nbytes(self) -> int:
-        """K and V together, an 8-bit pool's scales included."""
+        """K and V together (or MLA's latents), an 8-bit pool's scales included."""
         scales = math.prod(self.scale_shape) * 4 if self.quantized else 0
-        return 2 * (math.prod(self.shape) * self.dtype.itemsize + scales)
+        return self.num_arrays * (math.prod(self.shape) * self.dtype.itemsize + scales)
 
     def shardings(self, config: ModelConfig, mesh: Mesh) -> NamedSharding | QuantArray:
         """How one of K / V lies on ``mesh`` (a QuantArray of the values' and scales' for an 8-bit pool)."""
@@ -76,10 +87,11 @@ class KVPoolInfo:
 
 class KVCache(NamedTuple):
     """The paged KV pool of all layers: ``k``/``v`` are ``[L, num_blocks, block_size, KVH, Dh]``
-    arrays, or QuantArrays of that shape for an 8-bit pool (``KVPoolInfo``)."""
+    arrays, or QuantArrays of that shape for an 8-bit pool (``KVPoolInfo``); for latent
+    attention ``k`` holds the latents and ``v`` is None."""
 
     k: Pool
-    v: Pool
+    v: Pool | None
 
     @property
     def block_size(self) -> int:
@@ -97,6 +109,8 @@ class KVCache(NamedTuple):
         the null block) of ``block_size`` tokens for every layer (or ``num_layers``: one KV
         group's, ``GroupedKV``) and KV head of ``config``."""
         layers = config.num_layers if num_layers is None else num_layers
+        if config.mla is not None:
+            return KVPoolInfo((layers, num_blocks, block_size, 1, config.mla.latent_dim), jnp.dtype(dtype), latent=True)
         shape = (layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         return KVPoolInfo(shape, jnp.dtype(dtype))
 
@@ -114,7 +128,7 @@ class KVCache(NamedTuple):
             return QuantArray(values, jnp.ones(info.scale_shape, jnp.float32)) if info.quantized else values
 
         make = jax.jit(zeros, out_shardings=info.shardings(config, mesh) if mesh is not None else None)
-        return cls(make(), make())
+        return cls(make(), None if info.latent else make())
 
 
 class GroupedKV(NamedTuple):

@@ -66,16 +66,22 @@ def _vocab_matrix() -> ArrayInfo:
     return ArrayInfo(lambda c: (c.vocab_size, c.hidden_size), ("vocab", "embed"), input_dims=1)
 
 
+def _mla_heads(rows: Callable[[ModelConfig], int], inputs: Callable[[ModelConfig], int],
+               input_axis: str) -> ArrayInfo:
+    """An MLA matrix with ``rows(c)`` outputs per query head (split over tensor parallelism)."""
+    return ArrayInfo(lambda c: (c.num_heads, rows(c), inputs(c)), ("heads", "head_dim", input_axis), input_dims=1)
+
+
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class LayerParams:
     """One decoder layer's weights (matrices may be QuantArrays of the same shape)."""
 
     attn_norm: jax.Array = _param(_norm())
-    # Per KV head: its G query heads, its key, its value.
-    wqkv: jax.Array = _param(ArrayInfo(lambda c: (c.num_kv_heads, c.q_per_kv + 2, c.head_dim, c.hidden_size),
-                                       ("kv_heads", "qkv", "head_dim", "embed"), input_dims=1))
-    wo: jax.Array = _param(ArrayInfo(lambda c: (c.hidden_size, c.num_heads, c.head_dim),
+    # Per KV head: its G query heads, its key, its value (absent with latent attention).
+    wqkv: Optional[jax.Array] = _param(ArrayInfo(lambda c: (c.num_kv_heads, c.q_per_kv + 2, c.head_dim, c.hidden_size),
+                                                 ("kv_heads", "qkv", "head_dim", "embed"), input_dims=1), optional=True)
+    wo: jax.Array = _param(ArrayInfo(lambda c: (c.hidden_size, c.num_heads, c.attn_out_dim),
                                      ("embed", "heads", "head_dim"), input_dims=2))
     mlp_norm: jax.Array = _param(_norm())
     # The dense MLP (absent in a sparse layer): gate, then up.
@@ -122,6 +128,24 @@ class LayerParams:
         optional=True)
     b_experts_down: Optional[jax.Array] = _param(
         ArrayInfo(lambda c: (c.moe.num_experts, c.hidden_size), ("experts", "embed")), optional=True)
+    # DeepSeek's latent attention (model/decoder/latent_attention.py), HF's names: the query by
+    # q_proj, or by q_a_proj, its norm and q_b_proj (q_lora_rank); each head's non-rotary then
+    # rotary part. kv_a_proj_with_mqa: the latent, then the shared rotary key; the latent's norm;
+    # kv_b_proj: each head's non-rotary key then value, from the latent. The latent is replicated
+    # under tensor parallelism, the heads split.
+    wq: Optional[jax.Array] = _param(_mla_heads(lambda c: c.mla.qk_head_dim, lambda c: c.hidden_size, "embed"),
+                                     optional=True)
+    wq_a: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.mla.q_lora_rank, c.hidden_size), ("q_lora", "embed"), input_dims=1), optional=True)
+    q_a_norm: Optional[jax.Array] = _param(ArrayInfo(lambda c: (c.mla.q_lora_rank,), ("q_lora",)), optional=True)
+    wq_b: Optional[jax.Array] = _param(
+        _mla_heads(lambda c: c.mla.qk_head_dim, lambda c: c.mla.q_lora_rank, "q_lora"), optional=True)
+    wkv_a: Optional[jax.Array] = _param(
+        ArrayInfo(lambda c: (c.mla.latent_dim, c.hidden_size), ("latent", "embed"), input_dims=1), optional=True)
+    kv_a_norm: Optional[jax.Array] = _param(ArrayInfo(lambda c: (c.mla.kv_lora_rank,), ("latent",)), optional=True)
+    wkv_b: Optional[jax.Array] = _param(
+        _mla_heads(lambda c: c.mla.qk_nope_head_dim + c.mla.v_head_dim, lambda c: c.mla.kv_lora_rank, "latent"),
+        optional=True)
 
 
 @jax.tree_util.register_dataclass

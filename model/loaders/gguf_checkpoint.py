@@ -69,6 +69,16 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str | None]] = {
         "mlp.gate_up_proj.weight": "ffn_up.weight",
         "mlp.up_proj.weight": None,
     },
+    # DeepSeek's latent attention. Newer converters split kv_b_proj into attn_k_b (each head's
+    # key part, transposed) and attn_v_b: ``_joined_kv_b`` puts them back together.
+    "deepseek2": {
+        "self_attn.q_a_proj.weight": "attn_q_a.weight",
+        "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+        "self_attn.q_b_proj.weight": "attn_q_b.weight",
+        "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+        "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+        "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    },
 }
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -110,6 +120,19 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+def _joined_kv_b(file: GGUFFile, kv_b_name: str) -> np.ndarray | None:
+    """HF's ``kv_b_proj`` ``[H * (nope + v), kv_lora_rank]`` from a file that holds it split, as
+    llama.cpp's converter splits it: ``attn_k_b`` ``[H, kv_lora_rank, nope]`` (each head's key
+    rows, transposed) and ``attn_v_b`` ``[H, v, kv_lora_rank]``; dequantized (transposing
+    blocks is no rearrangement of whole rows)."""
+    k_b = file.tensor(kv_b_name.replace("attn_kv_b", "attn_k_b"), False)
+    v_b = file.tensor(kv_b_name.replace("attn_kv_b", "attn_v_b"), False)
+    if k_b is None or v_b is None:
+        return None
+    heads, rank, _ = k_b.shape
+    return np.concatenate([np.swapaxes(k_b, 1, 2), v_b], axis=1).reshape(-1, rank)
+
+
 def load_gguf_checkpoint(
     path: str | Path | GGUFFile, dtype: jnp.dtype = jnp.float32, keep_blocks: bool = False
 ) -> tuple[ModelConfig, ModelParams]:
@@ -124,6 +147,8 @@ def load_gguf_checkpoint(
     def get(hf_name: str) -> np.ndarray | GgufBlocks | None:
         name = gguf_tensor_name(hf_name, config.architecture)
         array = None if name is None else file.tensor(name, keep_blocks)
+        if array is None and config.mla is not None and hf_name.endswith("self_attn.kv_b_proj.weight"):
+            array = _joined_kv_b(file, name)
         if array is not None and permuted:
             if hf_name.endswith("q_proj.weight"):
                 array = map_rows(lambda a: unpermute_qk(a, config.num_heads), array)

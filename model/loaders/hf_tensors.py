@@ -20,6 +20,7 @@ from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.params import LayerParams, ModelParams, shape_mismatches
 from raylm.model.errors import ModelLoadError
 from raylm.model.loaders.hf_gpt_oss import gpt_oss_moe_fields
+from raylm.model.loaders.hf_latent_attention import latent_attention_tensors
 from raylm.model.quantization.gguf_blocks import GgufBlocks
 from raylm.model.quantization.gguf_blocks import dequantized as blocks_dequantized
 from raylm.model.quantization.gguf_blocks import map_rows as blocks_map_rows
@@ -156,7 +157,7 @@ def _hf_shape(field: str, config: ModelConfig) -> tuple[int, ...]:
         }[field]
     return {
         "attn_norm": (D,), "mlp_norm": (D,),
-        "wq": (H * Dh, D), "wk": (KVH * Dh, D), "wv": (KVH * Dh, D), "wo": (D, H * Dh),
+        "wq": (H * Dh, D), "wk": (KVH * Dh, D), "wv": (KVH * Dh, D), "wo": (D, H * config.attn_out_dim),
         "w_gate": (I, D), "w_up": (I, D), "w_down": (D, I),
         "bq": (H * Dh,), "bk": (KVH * Dh,), "bv": (KVH * Dh,),
         "q_norm": (H * Dh if config.qk_norm_whole else Dh,), "k_norm": (KVH * Dh if config.qk_norm_whole else Dh,),
@@ -294,7 +295,7 @@ def build_params(
         """16-bit floats as float32: what no kernel reads at 16 bits (the grouped MoE kernel)."""
         return array.astype(np.float32) if isinstance(array, np.ndarray) and array.dtype in HALF_DTYPES else array
 
-    H, KVH, Dh, D = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
+    H, KVH, D = config.num_heads, config.num_kv_heads, config.hidden_size
 
     def layer(i: int) -> LayerParams:
         def hf(field: str) -> np.ndarray | GgufBlocks | QuantArray:
@@ -308,10 +309,13 @@ def build_params(
         wo = hf("wo")
         fields = {
             "attn_norm": hf("attn_norm"),
-            "wqkv": map_rows(lambda q, k, v: fuse_qkv(q, k, v, KVH), hf("wq"), hf("wk"), hf("wv")),
-            "wo": _with_input_shape(wo, (H, Dh)),
+            "wo": _with_input_shape(wo, (H, config.attn_out_dim)),
             "mlp_norm": hf("mlp_norm"),
         }
+        if config.mla is None:
+            fields["wqkv"] = map_rows(lambda q, k, v: fuse_qkv(q, k, v, KVH), hf("wq"), hf("wk"), hf("wv"))
+        else:
+            fields.update(latent_attention_tensors(fetch, config, i))
         if config.is_sparse(i) and config.moe.expert_bias:  # (gpt-oss: its stacked, biased experts)
             fields.update(gpt_oss_moe_fields(get, config, i))
         elif config.is_sparse(i):

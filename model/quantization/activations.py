@@ -22,8 +22,9 @@ from raylm.model.quantization.int8_panels import pack_int8_panels
 
 ActivationQuantization = Literal["none", "int8"]
 ACTIVATION_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
-# Stacked experts run the grouped kernel, which has no integer mode.
-_GROUPED = frozenset({"w_experts_gate_up", "w_experts_down"})
+# Stacked experts run the grouped kernel, which has no integer mode; latent attention's kv_b_proj
+# is contracted per head by its absorbed form (model/decoder/latent_attention.py), not by a kernel.
+_NOT_PACKED = frozenset({"w_experts_gate_up", "w_experts_down", "wkv_b"})
 
 
 def parse_activation_quantization(value: str | None) -> ActivationQuantization:
@@ -52,7 +53,8 @@ def with_int8_activations(params: ModelParams, model_name: str) -> ModelParams:
         return pack_int8_panels(matrix)  # type: ignore[arg-type]
 
     def layer(lp: LayerParams) -> LayerParams:
-        return dataclasses.replace(lp, **{f: pack(getattr(lp, f)) for f in LAYER_MATRIX_INPUT_DIMS if f not in _GROUPED})
+        return dataclasses.replace(
+            lp, **{f: pack(getattr(lp, f)) for f in LAYER_MATRIX_INPUT_DIMS if f not in _NOT_PACKED})
 
     params = dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers),
                                  **{f: pack(getattr(params, f)) for f in MODEL_MATRIX_INPUT_DIMS})

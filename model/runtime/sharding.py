@@ -61,6 +61,8 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "block_slot": None,
     "lora_slots": None,
     "lora_rank": None,
+    "q_lora": None,  # MLA's low-rank query and its latent: replicated, the heads they expand to split
+    "latent": None,
 }
 
 

@@ -32,9 +32,13 @@ _OVERRIDES = {
     "gemma2": dict(query_pre_attn_scalar=32),
     "gemma3": dict(query_pre_attn_scalar=32),
     "phi3-longrope": dict(sliding_window=24),
+    # llama.cpp's deepseek2 YaRN has one mscale (rope.scaling.yarn_log_multiplier): HF's two equal.
+    "deepseek-v3": dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.8,
+                                             mscale_all_dim=0.8, original_max_position_embeddings=128)),
 }
 FAMILIES = ["qwen3", "gemma", "gemma2", "gemma3", "granite", "phi3-longrope", "mistral-sliding", "llama3-rope",
-            "llama-yarn", "qwen2", "mixtral", "olmoe", "glm4-moe"]  # (qwen3moe's keys: the refusal test below)
+            "llama-yarn", "qwen2", "mixtral", "olmoe", "glm4-moe",  # (qwen3moe's keys: the refusal test below)
+            "deepseek-v2-lite", "deepseek-v3"]
 
 
 def _prompt(length: int = PROMPT_LEN) -> list[int]:
@@ -77,6 +81,17 @@ def test_blocks_kept_as_stored_match_hf_on_the_dequantized_weights(variant, qtyp
     _assert_matches_hf(model.config, model.params, hf_model)
     if model.config.moe is not None:  # the stacked experts too (their kernel: tests/model/test_grouped_kernel.py)
         assert type(layer.w_experts_gate_up).__name__ == type(layer.w_experts_down).__name__ == "GgufBlocks"
+
+
+def test_deepseek2_with_kv_b_whole_loads_as_with_it_split(tmp_path):
+    """Files converted before llama.cpp split kv_b_proj (attn_kv_b, the heads' sizes in key_length /
+    value_length) load to HF's logits too; the split ones (FAMILIES above) hold attn_k_b / attn_v_b."""
+    directory, hf_model = build_tiny_checkpoint("deepseek-v2-lite", tmp_path / "ds")
+    whole = GGUFFile(export_gguf(directory, tmp_path / "whole.gguf", split_kv_b=False))
+    split = GGUFFile(export_gguf(directory, tmp_path / "split.gguf"))
+    assert "blk.0.attn_kv_b.weight" in whole.tensor_names and "blk.0.attn_k_b.weight" in split.tensor_names
+    assert whole.config() == split.config()
+    _assert_matches_hf(*load_checkpoint(whole.path), hf_model)
 
 
 def test_config_follows_llama_cpp_conventions(tmp_path):
@@ -247,6 +262,11 @@ def _glm4moe(**extra):
         ({"gemma2.attention.scale": 0.5}, "gemma2.attention.scale"),
         ({**{k.replace("gemma2", "gemma"): v for k, v in _fields().items()}, "general.architecture": "gemma",
           "gemma.final_logit_softcapping": 30.0}, "gemma.final_logit_softcapping"),
+        ({"general.architecture": "deepseek2", "deepseek2.embedding_length": 64, "deepseek2.attention.head_count": 4,
+          "deepseek2.block_count": 3, "deepseek2.feed_forward_length": 128, "deepseek2.attention.kv_lora_rank": 32,
+          "deepseek2.rope.dimension_count": 8, "deepseek2.attention.key_length": 24,
+          "deepseek2.attention.value_length": 16, "deepseek2.expert_count": 4,
+          "deepseek2.leading_dense_block_count": 1}, "deepseek2.leading_dense_block_count"),
     ],
 )
 def test_metadata_raylm_does_not_implement_is_a_load_error(extra, match):

@@ -36,11 +36,12 @@ def test_logits_and_greedy_match_hf(variant, tmp_path):
 
 
 @pytest.mark.parametrize("variant,dtype", [("llama-gqa", "float32"), ("qwen3-moe", "float32"), ("glm4-moe", "float32"),
-                                           ("llama-gqa", "bfloat16")])
+                                           ("deepseek-v3", "float32"), ("llama-gqa", "bfloat16")])
 def test_float32_matmuls_are_lowered_at_full_precision(variant, dtype, tmp_path):
     """The CPU computes float32 dots in float32 whatever they ask; a GPU rounds them to TF32
     unless the program says HIGHEST (an H200 gave logits ~1e-2 from the test above's HF ones).
-    Every dot of a float32 model's forward pass, attention and experts included, must say so;
+    Every dot of a float32 model's forward pass, attention (latent attention's too) and experts
+    included, must say so;
     a bfloat16 model's keep JAX's default."""
     path, _ = build_tiny_checkpoint(variant, tmp_path / variant)
     config, params = load_checkpoint(path, dtype)

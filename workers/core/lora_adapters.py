@@ -18,6 +18,7 @@ import collections
 import dataclasses
 
 from raylm.model.config.model_config import ModelConfig
+from raylm.model.errors import UnsupportedModelError
 from raylm.model.loaders.lora_adapter import LoraAdapter, load_lora_adapter
 
 
@@ -49,6 +50,11 @@ class LoraAdapters:
     """The adapters a replica has been asked for, by id, and the host copies of the most recent."""
 
     def __init__(self, config: ModelConfig, max_rank: int, max_cpu_loras: int):
+        if config.mla is not None:  # (its projections are not the q/k/v/o LoRA targets)
+            raise UnsupportedModelError(
+                f"LoRA adapters are not implemented for {config.architecture}'s latent attention; "
+                "start the engine without enable_lora"
+            )
         self.config = config
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras

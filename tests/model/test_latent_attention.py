@@ -1,0 +1,163 @@
+"""DeepSeek's multi-head latent attention (model/decoder/latent_attention.py) beyond the logits
+match with HF (tests/model/test_model_vs_hf.py): the pool holds the latent only, the absorbed
+form (one query per row) equals the expanded form (prompt chunks), every declared difference
+moves the logits, and what is not implemented is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from raylm.cache.kv_budget import bytes_per_block
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.decoder.flop_count import ModelFlops
+from raylm.model.decoder.forward import forward
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.decoder.kv_pool import KVCache
+from raylm.model.errors import UnsupportedModelError
+from raylm.model.kernels import paged_decode
+from raylm.model.kernels.int8_matmul import unavailable_reason
+from raylm.model.loaders.load import load_checkpoint
+from raylm.model.quantization.activations import with_int8_activations
+from raylm.model.quantization.int8_panels import Int8Panels
+from raylm.model.quantization.quant_array import QuantArray, parse_quantization, quantize_params
+from raylm.model.runtime.sharding import make_mesh, param_shardings
+from raylm.workers.core.lora_adapters import LoraAdapters
+from tests.checkpoints import build_tiny_checkpoint
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory):
+    path, _ = build_tiny_checkpoint("deepseek-v3", tmp_path_factory.mktemp("dsv3") / "m")
+    return load_checkpoint(path)
+
+
+def _v3_config(**overrides) -> ModelConfig:
+    """DeepSeek-V3's own attention sizes (num_hidden_layers cut to 2, all dense)."""
+    raw = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+               num_hidden_layers=2, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+               kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+               first_k_dense_replace=2, n_routed_experts=256, rope_theta=10000.0)
+    return ModelConfig.from_hf_dict({**raw, **overrides})
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pool_holds_one_latent_per_token_and_layer(dtype):
+    config = _v3_config()
+    info = KVCache.abstract(config, num_blocks=1, block_size=1, dtype=dtype, num_layers=1)
+    assert info.shape == (1, 1, 1, 1, 576) and info.latent
+    assert info.nbytes == 576 * jnp.dtype(dtype).itemsize  # kv_lora_rank + qk_rope_head_dim, stored once
+    assert bytes_per_block(config, BLOCK, dtype) == 2 * BLOCK * 576 * jnp.dtype(dtype).itemsize
+    pool = KVCache.create(config, num_blocks=3, block_size=BLOCK, dtype=dtype)
+    assert pool.v is None and pool.k.shape == (2, 3, BLOCK, 1, 576) and pool.k.dtype == dtype
+
+
+def test_tensor_parallel_splits_the_heads_and_replicates_the_latent(deepseek_v3):
+    config, params = deepseek_v3
+    mesh = make_mesh(2)
+    layer = param_shardings(params, config, mesh).layers[0]
+    specs = {name: tuple(getattr(layer, name).spec) for name in ("wq_a", "q_a_norm", "wq_b", "wkv_a", "kv_a_norm",
+                                                                  "wkv_b", "wo")}
+    assert specs == {"wq_a": (None, None), "q_a_norm": (None,), "wq_b": ("tp", None, None), "wkv_a": (None, None),
+                     "kv_a_norm": (None,), "wkv_b": ("tp", None, None), "wo": (None, "tp", None)}
+    pool = KVCache.abstract(config, 4, BLOCK, jnp.float32).shardings(config, mesh)
+    assert all(axis is None for axis in pool.spec)
+
+
+def test_routed_experts_are_refused_naming_the_key():
+    with pytest.raises(UnsupportedModelError, match="first_k_dense_replace=1"):
+        _v3_config(first_k_dense_replace=1)
+    with pytest.raises(UnsupportedModelError, match="first_k_dense_replace=0"):
+        _v3_config(architectures=["DeepseekV2ForCausalLM"], first_k_dense_replace=0)
+
+
+def test_flops_count_the_absorbed_attention(deepseek_v3):
+    """Per key and layer: scores over the 32 + 8 latent dims and values of its 32, for 4 heads."""
+    config, params = deepseek_v3
+    assert ModelFlops.of(config, params).attention == ((None, 3 * (2 * 4 * (32 + 8) + 2 * 4 * 32)),)
+
+
+def test_int8_weights_and_activations(deepseek_v3):
+    """Weight-only int8 and the integer compute mode: kv_b_proj, contracted per head by the
+    absorbed form, stays an int8 QuantArray (dequantized there); the projections run in integers."""
+    if unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    config, params = deepseek_v3
+    weights = quantize_params(params, parse_quantization("int8"))
+    packed = with_int8_activations(weights, "deepseek-v3")
+    assert isinstance(packed.layers[0].wkv_b, QuantArray) and isinstance(packed.layers[0].wkv_a, Int8Panels)
+    ids = np.random.RandomState(5).randint(3, 320, size=20).tolist()
+    reference = SingleSequenceGenerator(config, params).prompt_logits(ids)
+    for quantized in (weights, packed):  # (int8 moves these tiny random models' logits by 5-10%, as Llama's)
+        logits = SingleSequenceGenerator(config, quantized).prompt_logits(ids)
+        assert np.abs(logits - reference).max() < 0.15 * np.abs(reference).max()
+
+
+def test_lora_is_refused():
+    with pytest.raises(UnsupportedModelError, match="enable_lora"):
+        LoraAdapters(_v3_config(), max_rank=8, max_cpu_loras=2)
+
+
+def _logits(config, params, tokens, start, kv, cpu_kernels=False):
+    """All logits of ``tokens`` at positions ``start..``, one forward call, blocks 1.. as the table."""
+    n = len(tokens)
+    table = jnp.arange(1, kv.k.shape[1], dtype=jnp.int32)[None]
+    positions = jnp.arange(start, start + n, dtype=jnp.int32)[None]
+    run = jax.jit(forward, static_argnames=("config", "all_logits", "cpu_kernels"))
+    logits, kv = run(params, config, jnp.asarray([tokens], jnp.int32), positions, kv, table,
+                     jnp.array([start + n], jnp.int32), all_logits=True, cpu_kernels=cpu_kernels)
+    return np.asarray(logits[0]), kv
+
+
+@pytest.mark.parametrize("cpu_kernels", [False, True])
+def test_absorbed_decode_equals_expanded_prompt(deepseek_v3, cpu_kernels):
+    """Tokens 20..39 one at a time (the absorbed form; the paged kernel reading the latent pool as
+    keys and values with ``cpu_kernels``) after a 20-token chunk, against all 40 as one chunk (the
+    expanded form), on the latents each wrote into the pool."""
+    if cpu_kernels and not paged_decode.available():
+        pytest.skip("the C++ paged kernel is not built")
+    config, params = deepseek_v3
+    tokens = np.random.RandomState(3).randint(3, 320, size=40).tolist()
+    expanded, _ = _logits(config, params, tokens, 0, KVCache.create(config, 5, BLOCK, jnp.float32))
+    _, kv = _logits(config, params, tokens[:20], 0, KVCache.create(config, 5, BLOCK, jnp.float32))
+    absorbed = []
+    for p in range(20, 40):
+        step, kv = _logits(config, params, tokens[p:p + 1], p, kv, cpu_kernels)
+        absorbed.append(step[0])
+    np.testing.assert_allclose(np.stack(absorbed), expanded[20:], atol=1e-4, rtol=1e-4)
+
+
+def _without_q_lora(params):
+    """Full-rank queries ``q_b_proj . q_a_proj`` (no q_a_layernorm between them)."""
+    layers = tuple(dataclasses.replace(lp, wq=jnp.einsum("hkr,rd->hkd", lp.wq_b, lp.wq_a), wq_a=None, wq_b=None,
+                                       q_a_norm=None) for lp in params.layers)
+    return dataclasses.replace(params, layers=layers)
+
+
+def _unit_latent_norm(params):
+    return dataclasses.replace(params, layers=tuple(
+        dataclasses.replace(lp, kv_a_norm=jnp.ones_like(lp.kv_a_norm)) for lp in params.layers))
+
+
+def test_each_declared_difference_moves_the_logits(deepseek_v3):
+    config, params = deepseek_v3
+    ids = np.random.RandomState(4).randint(3, 320, size=24).tolist()
+    base = SingleSequenceGenerator(config, params).prompt_logits(ids)
+    mla = config.mla
+    flips = {
+        "rope_interleave": (dataclasses.replace(config, mla=dataclasses.replace(mla, rope_interleave=False)), params),
+        "mscale_all_dim softmax scale": (dataclasses.replace(config, query_scale=mla.qk_head_dim**-0.5), params),
+        "yarn (mscale / mscale_all_dim cos/sin)": (dataclasses.replace(config, rope_scaling=None), params),
+        "q_lora_rank": (dataclasses.replace(config, mla=dataclasses.replace(mla, q_lora_rank=None)),
+                        _without_q_lora(params)),
+        "latent norm weight": (config, _unit_latent_norm(params)),
+    }
+    for name, (flipped_config, flipped_params) in flips.items():
+        moved = SingleSequenceGenerator(flipped_config, flipped_params).prompt_logits(ids)
+        assert np.abs(moved - base).max() > 1e-2, name
