@@ -17,7 +17,8 @@ import numpy as np
 
 from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.protocol import ParsedRequest
-from raylm.router.tools import ToolCallStream, held_back, parse_tool_calls
+from raylm.router.reasoning import CLOSE, ReasoningSplitter, Split, reasoning_token_count
+from raylm.router.tool_formats import CallStream
 from raylm.workers.wire.replica_protocol import ChoiceDelta, GenerateChunk
 
 
@@ -29,7 +30,11 @@ class _Choice:
     finish_reason: str | None = None
     streamed: int = 0  # characters of content streamed (a reply that may call tools holds some back)
     hidden_states: np.ndarray | None = None  # return_hidden_states: [layers, positions, D]
-    tool_calls: ToolCallStream | None = None  # a streamed reply's calls, when the request offers tools
+    tool_calls: CallStream | None = None  # a streamed reply's calls, when the request offers tools
+    thoughts: ReasoningSplitter | None = None  # a reasoning model's reply: its thoughts apart from its answer
+    reasoning: str = ""  # the thoughts so far
+    content: str = ""  # the answer so far (the whole text without a reasoning parser)
+    last: Split = Split()  # what the latest delta added to each
 
 
 class ResponseBuilder:
@@ -41,7 +46,8 @@ class ResponseBuilder:
         self.created = created
         self.tokenizer = tokenizer
         n = parsed.params.n
-        self.choices = [_Choice() for _ in range(n * len(parsed.prompts))]
+        self.choices = [_Choice(thoughts=parsed.thoughts.splitter() if parsed.thoughts else None)
+                        for _ in range(n * len(parsed.prompts))]
         self.cached_tokens = [0] * len(parsed.prompts)
         self._token_text: dict[int, str] = {}
         if parsed.echo:
@@ -65,6 +71,10 @@ class ResponseBuilder:
                 choice.logprobs += delta.logprobs
             if delta.finish_reason is not None:
                 choice.finish_reason = _openai_finish_reason(delta.finish_reason)
+            choice.last = choice.thoughts.feed(delta.text, delta.finish_reason is not None) if choice.thoughts \
+                else Split(content=delta.text)
+            choice.reasoning += choice.last.reasoning
+            choice.content += choice.last.content
             if delta.hidden_states is not None:
                 choice.hidden_states = delta.hidden_states
             out.append((index, delta))
@@ -78,16 +88,31 @@ class ResponseBuilder:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)},
+            **self._reasoning_usage(),
         }
+
+    def _reasoning_usage(self) -> dict[str, Any]:
+        """``completion_tokens_details.reasoning_tokens``: counted up to the token that closed the
+        thoughts; where ``</think>`` is not one token, the thoughts' text re-encoded (an estimate)."""
+        if self.parsed.thoughts is None:
+            return {}
+        close_id = self.tokenizer.token_to_id(CLOSE)
+        total = 0
+        for c in self.choices:
+            count = reasoning_token_count(c.token_ids, close_id, c.thoughts)
+            total += count if count is not None else len(self.tokenizer.encode(c.reasoning + CLOSE, False))
+        return {"completion_tokens_details": {"reasoning_tokens": total}}
 
     # -- final responses -----------------------------------------------------------------------------
     def final(self) -> dict[str, Any]:
         if self.parsed.kind == "chat":
             choices = []
             for i, c in enumerate(self.choices):
-                message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+                message: dict[str, Any] = {"role": "assistant", "content": c.content, "refusal": None}
+                if self.parsed.thoughts is not None:  # OpenAI-compatible servers' name, and vLLM's newer one
+                    message["reasoning_content"] = message["reasoning"] = c.reasoning or None
                 finish = c.finish_reason
-                content, calls = self._calls(c.text)
+                content, calls = self._calls(c.content)
                 if calls:
                     message.update(content=content, tool_calls=calls)
                     finish = _finish_with_calls(finish)
@@ -127,15 +152,18 @@ class ResponseBuilder:
     def stream_delta(self, index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
         """The chunk for one choice's delta (None when there is nothing to tell the client)."""
         finish = _openai_finish_reason(delta.finish_reason) if delta.finish_reason else None
-        text, calls, called = self._streamable(index, delta.text, finish is not None)
+        text, calls, called = self._streamable(index, finish is not None)
         if finish is not None and called:
             finish = _finish_with_calls(finish)
         hidden = self._hidden_states(delta.hidden_states)
-        if (not text and not calls and finish is None and not hidden
+        reasoning = self.choices[index].last.reasoning
+        if (not text and not calls and not reasoning and finish is None and not hidden
                 and not (self.parsed.logprobs is not None and delta.token_ids)):
             return None
         if self.parsed.kind == "chat":
             message: dict[str, Any] = {"content": text} if text else {}
+            if reasoning:
+                message["reasoning_content"] = message["reasoning"] = reasoning
             if calls:
                 message["tool_calls"] = calls
             choice = {
@@ -166,24 +194,26 @@ class ResponseBuilder:
 
     def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """A chat reply's content and tool calls (none when the request offered no tools)."""
-        if self.parsed.tool_use is None:
+        if self.parsed.tool_use is None or self.parsed.tool_format is None:
             return text, []
-        return parse_tool_calls(text, self.parsed.tool_use)
+        return self.parsed.tool_format.parse(text, self.parsed.tool_use)
 
-    def _streamable(self, index: int, text: str, finished: bool) -> tuple[str, list[dict[str, Any]], bool]:
-        """For a delta of ``text``: the content to stream now, the ``tool_calls`` entries to send
-        now (a call's name as soon as it is written, then its arguments as they grow; see
-        ``ToolCallStream``), and whether the reply has made a call. Without tools that is the
-        delta itself; with them, content stops before anything that may be a call, and a reply
-        that ends with no call sends the rest of its text as content."""
-        if self.parsed.tool_use is None:
-            return text, [], False
+    def _streamable(self, index: int, finished: bool) -> tuple[str, list[dict[str, Any]], bool]:
+        """For the latest delta: the content to stream now, the ``tool_calls`` entries to send
+        now (for Hermes a call's name as soon as it is written, then its arguments as they grow;
+        see router/tool_formats.py), and whether the reply has made a call. Without tools that
+        is the delta's content itself; with them, content stops before anything that may be a
+        call, and a reply that ends with no call sends the rest of its content. Calls are read
+        from the answer only, never from a reasoning model's thoughts."""
         choice = self.choices[index]
+        fmt = self.parsed.tool_format
+        if self.parsed.tool_use is None or fmt is None:
+            return choice.last.content, [], False
         if choice.tool_calls is None:
-            choice.tool_calls = ToolCallStream(self.parsed.tool_use)
-        calls = choice.tool_calls.deltas(choice.text, finished)
+            choice.tool_calls = fmt.stream(self.parsed.tool_use)
+        calls = choice.tool_calls.deltas(choice.content, finished)
         called = choice.tool_calls.called
-        visible = choice.text if finished and not called else choice.text[: held_back(choice.text)]
+        visible = choice.content if finished and not called else choice.content[: fmt.held_back(choice.content)]
         new = visible[choice.streamed:] if len(visible) > choice.streamed else ""
         choice.streamed = max(choice.streamed, len(visible))
         return new, calls, called

@@ -22,7 +22,6 @@ from typing import Any, Mapping
 from raylm.router.errors import invalid
 from raylm.workers.core.grammar import JSON_LAYOUT, StructuredOutput
 
-TOOL_CALL_PARSERS = ("hermes",)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"

@@ -1,0 +1,312 @@
+"""Each model family's way of writing tool calls: reading a reply's calls back (whole and
+while it streams) and the grammar that forces calls in that family's own format.
+
+- ``hermes`` (Qwen2/2.5/3, NousResearch; router/tools.py): ``<tool_call>{"name", "arguments"}</tool_call>``.
+- ``llama3_json`` (Llama 3.1-3.3): the reply is a JSON call ``{"name": ..., "parameters": {...}}``,
+  possibly after ``<|python_tag|>``; parallel calls separated by ``;``.
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` (v3 templates) or,
+  in newer templates (those that know ``[ARGS]``), ``[TOOL_CALLS]name[ARGS]{...}`` per call.
+
+A format is chosen from the chat template (``detect_tool_call_parser``) unless the deploy
+file's ``model.tool_call_parser`` names one. Every format answers the same questions
+(``ToolFormat``), so the chat, Responses and Messages endpoints share them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from typing import Any, Callable, Protocol
+
+from raylm.model.text.tokenizer import Tokenizer
+from raylm.router import tools
+from raylm.router.errors import invalid
+from raylm.router.tools import ToolCallStream, ToolUse
+from raylm.workers.core.grammar import JSON_LAYOUT, StructuredOutput
+from raylm.workers.core.sampling_params import SamplingParams
+
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+PYTHON_TAG, TOOL_CALLS, ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
+Calls = list[dict[str, Any]]
+
+
+class CallStream(Protocol):
+    """A streamed reply's ``tool_calls`` entries (see ``ToolCallStream``)."""
+
+    def deltas(self, text: str, finished: bool) -> Calls: ...
+
+    @property
+    def called(self) -> bool: ...
+
+
+class ToolFormat(Protocol):
+    name: str
+
+    def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
+        """The reply's content (None when empty) and its calls; a reply whose calls are not
+        well-formed calls of offered functions is all content."""
+
+    def held_back(self, text: str) -> int:
+        """Where streamed content must stop for now (before what is or may become a call)."""
+
+    def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
+        """For ``required`` / a named function: the grammar of calls in this format."""
+
+    def stream(self, tool_use: ToolUse) -> CallStream:
+        """The calls of one streamed reply, as OpenAI streams them."""
+
+
+def detect_tool_call_parser(chat_template: str | None) -> str:
+    """The format a chat template writes calls in (Hermes when it says nothing of its own)."""
+    template = chat_template or ""
+    if TOOL_CALLS in template:
+        return "mistral"
+    if PYTHON_TAG in template or ('"parameters"' in template and "ipython" in template):
+        return "llama3_json"
+    return "hermes"
+
+
+def tool_format(name: str, tokenizer: Tokenizer) -> ToolFormat:
+    """The format ``name`` (``auto``: the chat template's) for a model with ``tokenizer``."""
+    if name == "auto":
+        name = detect_tool_call_parser(tokenizer.chat_template)
+    if name == "hermes":
+        return HermesFormat()
+    if name == "llama3_json":
+        return Llama3JsonFormat()
+    if name == "mistral":
+        return MistralFormat(ARGS in (tokenizer.chat_template or ""), _marker(tokenizer, TOOL_CALLS),
+                             _marker(tokenizer, ARGS))
+    raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
+
+
+def params_for_calls(fmt: ToolFormat, tool_use: ToolUse, params: SamplingParams) -> SamplingParams:
+    """A chat request's sampling params when it offers tools: the grammar that forces calls
+    (``required`` / a named function), and special tokens kept where the format's marker is one."""
+    forced = fmt.grammar(tool_use)
+    if forced is not None:
+        if params.structured_output is not None:
+            raise invalid("tool_choice required or a named function cannot be combined with structured output",
+                          "tool_choice")
+        params = dataclasses.replace(params, structured_output=forced)
+    if fmt.name == "mistral":  # [TOOL_CALLS] is a special token of Mistral's vocabularies
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params
+
+
+def _marker(tokenizer: Tokenizer, text: str) -> str:
+    """A grammar literal for ``text``: the special token itself when the vocabulary has it as
+    one (llguidance's ``<[id]>``; the model writes it as that one token), else the text."""
+    token_id = tokenizer.token_to_id(text)
+    if token_id is not None and tokenizer.decode([token_id]) == "":
+        return f"<[{token_id}]>"
+    return json.dumps(text)
+
+
+def new_call(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:
+    """An OpenAI tool call; ``arguments`` as the model wrote them (text) or a value."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": text}}
+
+
+def _function_rules(tool_use: ToolUse, arguments_key: str) -> tuple[str, list[str]]:
+    """The alternatives of forced calls as ``{"name": const, <arguments_key>: schema}`` JSON."""
+    functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+    rules = []
+    for i, function in enumerate(functions):
+        schema = {"type": "object", "properties": {"name": {"const": function["name"]},
+                                                   arguments_key: function["parameters"]},
+                  "required": ["name", arguments_key], "additionalProperties": False, "x-guidance": JSON_LAYOUT}
+        rules.append(f"f{i}: %json {json.dumps(schema)}")
+    return " | ".join(f"f{i}" for i in range(len(functions))), rules
+
+
+def _repeats(tool_use: ToolUse) -> bool:
+    return tool_use.parallel and tool_use.choice == "required"
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """The JSON values ``text`` holds one after another (separated by whitespace or ``;``),
+    or None when it holds anything else."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or (values and text[at] == ";")):
+            at += 1
+        if at == len(text):
+            return values
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        values.append(value)
+
+
+def _call_of(value: Any, tool_use: ToolUse, keys: tuple[str, ...], make_id: Callable[[], str] | None = None
+             ) -> dict[str, Any] | None:
+    """A call from ``{"name": ..., <one of keys>: {...}}`` naming an offered function, else None."""
+    if not isinstance(value, dict) or value.get("name") not in tool_use.names:
+        return None
+    arguments = next((value[k] for k in keys if k in value), {})
+    if isinstance(arguments, str):  # some write the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return new_call(value["name"], arguments, make_id() if make_id else None)
+
+
+def _partial_at_end(text: str, marker: str) -> int:
+    """The length of ``text`` without a final piece that may be the start of ``marker``."""
+    return tools._before_partial_tag(text, marker)
+
+
+class HermesFormat:
+    """Hermes' ``<tool_call>`` blocks (router/tools.py), streamed argument piece by piece."""
+
+    name = "hermes"
+
+    def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
+        return tools.parse_tool_calls(text, tool_use)
+
+    def held_back(self, text: str) -> int:
+        return tools.held_back(text)
+
+    def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
+        return tools.forced_calls_grammar(tool_use)
+
+    def stream(self, tool_use: ToolUse) -> CallStream:
+        return ToolCallStream(tool_use)
+
+
+class WholeCallStream:
+    """Calls streamed whole: each call's index, id, type, name and complete arguments in one
+    ``tool_calls`` entry once the reply ends (a client joins them as it joins pieces). For the
+    formats whose calls cannot be told apart from plain JSON text before the reply ends."""
+
+    def __init__(self, fmt: ToolFormat, tool_use: ToolUse):
+        self.fmt, self.tool_use = fmt, tool_use
+        self._count = 0
+
+    def deltas(self, text: str, finished: bool) -> Calls:
+        if not finished:
+            return []
+        _, calls = self.fmt.parse(text, self.tool_use)
+        self._count = len(calls)
+        return [{"index": i, **call} for i, call in enumerate(calls)]
+
+    @property
+    def called(self) -> bool:
+        return self._count > 0
+
+
+class Llama3JsonFormat:
+    """Llama 3.x's JSON calls: the reply (after ``<|python_tag|>``, if written) is
+    ``{"name": ..., "parameters": {...}}``, parallel calls joined by ``;``."""
+
+    name = "llama3_json"
+
+    def _start(self, text: str) -> int:
+        tag = text.find(PYTHON_TAG)
+        if tag >= 0:
+            return tag
+        return len(text) - len(text.lstrip()) if text.lstrip().startswith("{") else -1
+
+    def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
+        start = self._start(text)
+        if start < 0:
+            return text, []
+        body = text[start:].strip()
+        body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+        values = _json_values(body)
+        calls = [_call_of(v, tool_use, ("parameters", "arguments")) for v in values or []]
+        if not calls or None in calls:
+            return text, []
+        return text[:start].strip() or None, calls
+
+    def held_back(self, text: str) -> int:
+        start = self._start(text)
+        if start >= 0:
+            return start
+        if not text.strip():
+            return 0  # the reply may still begin with a call
+        return _partial_at_end(text, PYTHON_TAG)
+
+    def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
+        if tool_use.choice == "auto":
+            return None
+        alternatives, rules = _function_rules(tool_use, "parameters")
+        repeat = ' ("; " call)*' if _repeats(tool_use) else ""
+        return StructuredOutput("grammar", "\n".join([f"start: call{repeat}", f"call: {alternatives}", *rules]))
+
+    def stream(self, tool_use: ToolUse) -> CallStream:
+        return WholeCallStream(self, tool_use)
+
+
+class MistralFormat:
+    """Mistral's ``[TOOL_CALLS]``: a JSON array of ``{"name", "arguments"}``, or (templates that
+    know ``[ARGS]``) ``[TOOL_CALLS]name[ARGS]{...}`` for each call. Ids are 9 letters and digits,
+    the only ids Mistral's templates accept back."""
+
+    name = "mistral"
+
+    def __init__(self, args_form: bool, tool_calls_literal: str = json.dumps(TOOL_CALLS),
+                 args_literal: str = json.dumps(ARGS)):
+        self.args_form = args_form
+        self._tool_calls, self._args = tool_calls_literal, args_literal
+
+    def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
+        start = text.find(TOOL_CALLS)
+        if start < 0:
+            return text, []
+        calls: list[dict[str, Any] | None] = []
+        body = text[start + len(TOOL_CALLS):]
+        if body.lstrip().startswith("["):
+            values = _json_values(body)
+            if values is None or len(values) != 1 or not isinstance(values[0], list):
+                return text, []
+            calls = [_call_of(v, tool_use, ("arguments", "parameters"), _mistral_id) for v in values[0]]
+        else:
+            for segment in body.split(TOOL_CALLS):
+                name, sep, arguments = segment.partition(ARGS)
+                values = _json_values(arguments) if sep else None
+                ok = values is not None and len(values) == 1
+                calls.append(_call_of({"name": name.strip(), "arguments": values[0]}, tool_use, ("arguments",),
+                                      _mistral_id) if ok else None)
+        if not calls or None in calls:
+            return text, []
+        return text[:start].strip() or None, calls
+
+    def held_back(self, text: str) -> int:
+        start = text.find(TOOL_CALLS)
+        return start if start >= 0 else _partial_at_end(text, TOOL_CALLS)
+
+    def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
+        if tool_use.choice == "auto":
+            return None
+        if self.args_form:
+            functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+            rules = [f"f{i}: {json.dumps(f['name'])} {self._args} %json {json.dumps(_schema(f['parameters']))}"
+                     for i, f in enumerate(functions)]
+            alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
+            repeat = " call*" if _repeats(tool_use) else ""
+            lines = [f"start: call{repeat}", f"call: {self._tool_calls} ({alternatives})", *rules]
+        else:
+            alternatives, rules = _function_rules(tool_use, "arguments")
+            repeat = ' (", " call)*' if _repeats(tool_use) else ""
+            lines = [f'start: {self._tool_calls} "[" call{repeat} "]"', f"call: {alternatives}", *rules]
+        return StructuredOutput("grammar", "\n".join(lines))
+
+    def stream(self, tool_use: ToolUse) -> CallStream:
+        return WholeCallStream(self, tool_use)
+
+
+def _schema(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {**parameters, "x-guidance": JSON_LAYOUT}
+
+
+def _mistral_id() -> str:
+    return uuid.uuid4().hex[:9]
