@@ -1,0 +1,214 @@
+"""router/tool_formats.py: each family's tool-call format read back whole and streamed (split
+at every position), over HTTP with the official ``openai`` client, and forced by its grammar:
+the text a model writes under ``required`` / a named function (here a random one, any token
+the grammar allows) is read back as calls of the offered functions."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+import numpy as np
+import pytest
+from tokenizers import AddedToken
+
+from raylm.model.text.tokenizer import Tokenizer
+from raylm.router.openai_service import OpenAIService
+from raylm.router.protocol import RequestParser
+from raylm.router.responses import ResponseBuilder
+from raylm.router.tool_formats import MistralFormat, detect_tool_call_parser, tool_format
+from raylm.router.tools import parse_tool_use
+from raylm.workers.core.grammar import GrammarCompiler
+from tests.fake_worker import FakeWorker, fake_settings, openai_client, token_chunks
+
+openai = pytest.importorskip("openai")
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Weather in Paris, and 1 + 2?"}]
+_MESSAGES = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATES = {  # what each family's template says of tools (enough to be told apart), then the turns
+    "hermes": "{% if tools %}<tools>{{ tools | tojson }}</tools> <tool_call></tool_call>{% endif %}" + _MESSAGES,
+    "llama3_json": ('{% if tools %}{{ tools | tojson }} Respond in the format {"name": function name, '
+                    '"parameters": dictionary of argument name and its value}.{% endif %}{# <|python_tag|> #}'
+                    + _MESSAGES),
+    "mistral": "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}{# [TOOL_CALLS] #}"
+               + _MESSAGES,
+    "mistral_args": "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                    "{# [TOOL_CALLS]name[ARGS]{...} #}" + _MESSAGES,
+}
+# Replies with parallel calls in each format, and the content before the calls.
+REPLIES = {
+    "hermes": ('Let me see.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', "Let me see."),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "add", "parameters": {"a": 1, "b": 2}}', None),
+    "mistral": ('Let me see.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "add", "arguments": {"a": 1, "b": 2}}]', "Let me see."),
+    "mistral_args": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', None),
+}
+EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+
+
+def _family_tokenizer(tokenizer: Tokenizer, family: str) -> Tokenizer:
+    """The bundled tokenizer with the family's template and its markers as special tokens, as
+    in those families' vocabularies."""
+    out = copy.copy(tokenizer)
+    out.backend = copy.deepcopy(tokenizer.backend)
+    out.backend.add_special_tokens([AddedToken(t, special=True) for t in ("[TOOL_CALLS]", "[ARGS]", "<|python_tag|>")])
+    out.chat_template = TEMPLATES[family]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tokenizer) -> dict[str, Tokenizer]:
+    return {family: _family_tokenizer(tokenizer, family) for family in TEMPLATES}
+
+
+def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_the_format_follows_the_chat_template(tokenizers):
+    assert [detect_tool_call_parser(TEMPLATES[f]) for f in TEMPLATES] == ["hermes", "llama3_json", "mistral",
+                                                                          "mistral"]
+    assert detect_tool_call_parser(None) == "hermes"
+    assert not tool_format("auto", tokenizers["mistral"]).args_form
+    assert tool_format("auto", tokenizers["mistral_args"]).args_form
+
+
+@pytest.mark.parametrize("family", list(REPLIES))
+def test_replies_are_read_back_and_malformed_calls_stay_content(family, tokenizers):
+    fmt = tool_format("auto", tokenizers[family])
+    use = parse_tool_use({"tools": [WEATHER, ADD]})
+    reply, content = REPLIES[family]
+    got_content, calls = fmt.parse(reply, use)
+    assert got_content == content and _calls(calls) == EXPECTED
+    assert all(c["type"] == "function" and c["id"] for c in calls)
+    if fmt.name == "mistral":  # the only ids Mistral's templates take back: 9 letters and digits
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    cut = [] if family == "hermes" else [reply[:-3]]  # Hermes keeps the calls complete before a cut one
+    for bad in ("Just text.", reply.replace("get_weather", "launch"), reply.replace('"a": 1', '"a": 1,,'), *cut):
+        assert fmt.parse(bad, use) == (bad, [])
+
+
+def test_llama3_calls_after_the_python_tag():
+    fmt = tool_format("llama3_json", Tokenizer.__new__(Tokenizer))
+    use = parse_tool_use({"tools": [WEATHER, ADD]})
+    content, calls = fmt.parse('Checking.<|python_tag|>{"name": "add", "arguments": {"a": 1, "b": 2}}', use)
+    assert content == "Checking." and _calls(calls) == [("add", {"a": 1, "b": 2})]
+    assert [fmt.held_back(t) for t in ("Paris is", "Paris <|pyth", " {", "")] == [8, 6, 1, 0]
+
+
+def _stream(builder: ResponseBuilder, tokenizer: Tokenizer, pieces: list[str]) -> tuple[str, list[dict], str]:
+    """Content, tool_calls entries and the last finish_reason a stream sends for ``pieces``."""
+    from raylm.workers.wire.replica_protocol import ChoiceDelta, GenerateChunk
+
+    chunks = [GenerateChunk("r", [ChoiceDelta(0, p, [1], None, "stop" if i == len(pieces) - 1 else None)], 3, 0,
+                            i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    deltas = [d for c in chunks for i, delta in builder.add(0, c) if (d := builder.stream_delta(i, delta))]
+    content = "".join(d["choices"][0]["delta"].get("content", "") for d in deltas)
+    entries = [t for d in deltas for t in d["choices"][0]["delta"].get("tool_calls", [])]
+    return content, entries, deltas[-1]["choices"][0]["finish_reason"]
+
+
+def _joined(entries: list[dict]) -> list[tuple[str, dict]]:
+    calls: dict[int, dict[str, str]] = {}
+    for t in entries:
+        call = calls.setdefault(t["index"], {"name": "", "arguments": ""})
+        call["name"] += t.get("function", {}).get("name", "")
+        call["arguments"] += t["function"].get("arguments", "")
+    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("family", list(REPLIES))
+def test_streamed_at_every_split_the_calls_join_into_the_whole_reply_s(family, tokenizers):
+    parser = RequestParser(tokenizers[family], ["m"], 4096)
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WEATHER, ADD]})
+    reply, content = REPLIES[family]
+    for cut in range(len(reply) + 1):
+        sent, entries, finish = _stream(ResponseBuilder(parsed, "id", 0, parser.tokenizer), parser.tokenizer,
+                                        [reply[:cut], reply[cut:]])
+        assert finish == "tool_calls" and _joined(entries) == EXPECTED, cut
+        assert sent.strip() == (content or ""), cut
+    plain = "Paris is sunny {not a call"
+    sent, entries, finish = _stream(ResponseBuilder(parsed, "id", 0, parser.tokenizer), parser.tokenizer, [plain])
+    assert (sent, entries, finish) == (plain, [], "stop")
+
+
+def _service(tokenizer: Tokenizer, reply: str) -> OpenAIService:
+    service = OpenAIService(FakeWorker(token_chunks(tokenizer, reply)), fake_settings(), tokenizer)
+    service.admission.set_capacity(4)
+    return service
+
+
+@pytest.mark.parametrize("family", list(REPLIES))
+def test_the_openai_client_gets_parallel_calls_whole_and_streamed(family, tokenizers):
+    reply, content = REPLIES[family]
+    service = _service(tokenizers[family], reply)
+
+    async def both():
+        client = openai_client(service)
+        kwargs = dict(model="m", messages=ASK, tools=[WEATHER, ADD])
+        return await client.chat.completions.create(**kwargs), [c async for c in await client.chat.completions.create(
+            **kwargs, stream=True)]
+
+    whole, chunks = asyncio.run(both())
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and message.content == content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == EXPECTED
+    entries = [t.model_dump(exclude_none=True) for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert _joined(entries) == EXPECTED and all("id" in t and t["type"] == "function" for t in entries
+                                                if "name" in t.get("function", {}))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    if family.startswith("mistral"):  # [TOOL_CALLS] is a special token: the worker must keep it
+        assert service.worker.requests[0].params.skip_special_tokens is False
+
+
+def _forced_text(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar, seed: int) -> str:
+    """What a model writes under ``grammar``: here, at each step any token the grammar allows
+    (not EOS), stopping at random once the text is complete."""
+    rng = np.random.default_rng(seed)
+    matcher = compiler.matcher(grammar)
+    vocab, eos = tokenizer.vocab_size, sorted(tokenizer.eos_token_ids)
+    ids: list[int] = []
+    for _ in range(300):
+        allowed = np.flatnonzero(np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8),
+                                               bitorder="little")[:vocab])
+        allowed = np.setdiff1d(allowed, eos)
+        if matcher.is_accepting() and (not len(allowed) or rng.random() < 0.4):
+            break
+        token = int(rng.choice(allowed))
+        assert matcher.consume_token(token)
+        ids.append(token)
+    assert matcher.is_accepting(), tokenizer.decode(ids, skip_special_tokens=False)
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("family", list(REPLIES))
+def test_calls_forced_by_each_format_s_grammar_are_read_back(family, tokenizers):
+    tokenizer = tokenizers[family]
+    fmt = tool_format("auto", tokenizer)
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    required = parse_tool_use({"tools": [WEATHER, ADD], "tool_choice": "required"})
+    named = parse_tool_use({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    counts = []
+    for seed in range(6):
+        text = _forced_text(compiler, tokenizer, fmt.grammar(required), seed)
+        content, calls = fmt.parse(text, required)
+        assert calls and content is None, text
+        assert all(name in ("get_weather", "add") and isinstance(args, dict) for name, args in _calls(calls))
+        counts.append(len(calls))
+        text = _forced_text(compiler, tokenizer, fmt.grammar(named), seed)
+        assert [name for name, _ in _calls(fmt.parse(text, named)[1])] == ["add"], text
+    assert max(counts) >= 2  # required with parallel calls allowed: several calls
+    if isinstance(fmt, MistralFormat):  # the marker is forced as the special token itself
+        assert "<[" in fmt.grammar(required).spec
+    assert fmt.grammar(parse_tool_use({"tools": [WEATHER]})) is None  # auto: free
