@@ -108,6 +108,9 @@ def test_enable_thinking_false_reaches_the_template_and_the_reply_is_all_answer(
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert whole.choices[0].message.content == ANSWER and _joined(chunks, "content") == ANSWER
     assert "reasoning_content" not in whole.choices[0].message.model_extra
+    tokenized = asyncio.run(openai_client(service).post("http://router/tokenize", cast_to=object, body={
+        "messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}))
+    assert tokenized["tokens"] == service.worker.requests[0].prompt_token_ids  # /tokenize renders it the same
     # With thinking off, structured output applies to the whole reply, so it is allowed.
     asyncio.run(openai_client(service).chat.completions.create(
         model="m", messages=ASK, response_format={"type": "json_object"}, extra_body=off))
