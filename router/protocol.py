@@ -15,8 +15,9 @@ from raylm.router.chat_messages import parse_messages
 from raylm.router.chat_options import template_variables
 from raylm.router.errors import OpenAIError, invalid
 from raylm.router.reasoning import REASONING_PARSERS, ThoughtsStart, detect_reasoning_parser, thoughts_start
+from raylm.router.reasoning_grammar import params_after_thoughts
 from raylm.router.structured_request import structured_output
-from raylm.router.tool_formats import ToolFormat, params_for_calls, tool_format
+from raylm.router.tool_formats import ToolFormat, check_template_renders_tools, params_for_calls, tool_format
 from raylm.router.tools import ToolUse, parse_tool_use, template_messages
 from raylm.workers.core.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -119,8 +120,8 @@ class RequestParser:
         if tool_use is not None:
             parsed.params = params_for_calls(self.tool_format, tool_use, parsed.params)
             parsed.tool_use, parsed.tool_format = tool_use, self.tool_format
-        parsed.thoughts = thoughts_start(self.reasoning_parser, prompt_text, parsed.params.structured_output,
-                                         tool_use is not None and tool_use.choice != "auto")
+        parsed.thoughts = thoughts_start(self.reasoning_parser, prompt_text)
+        parsed.params = params_after_thoughts(parsed.params, parsed.thoughts, bool(tool_use and tool_use.choice != "auto"))
         if parsed.beam is not None and tool_use is not None:
             raise invalid("use_beam_search cannot be combined with tools", "use_beam_search")
         return parsed
@@ -130,9 +131,7 @@ class RequestParser:
         """The conversation's prompt text and ids: its messages (and tools, and the request's
         template variables) through the chat template."""
         takes_tools = self.tokenizer.chat_template_takes_tools
-        if tool_use is not None and not takes_tools and self.tool_format.name != "hermes":
-            raise invalid(f"the {self.tool_format.name} tool call format needs a chat template that renders tools",
-                          "tools")
+        check_template_renders_tools(self.tool_format, tool_use, takes_tools)
         messages, extra = template_messages(parse_messages(body.get("messages")), tool_use, takes_tools)
         variables = template_variables(body, self.tokenizer.chat_template)
         try:

@@ -23,8 +23,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from raylm.router.errors import invalid
-
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -139,19 +137,11 @@ class ThoughtsStart:
         return ReasoningSplitter(self.in_thoughts, self.may_open)
 
 
-def thoughts_start(parser: str, prompt_text: str, constraint: object = None, forced_calls: bool = False
-                   ) -> ThoughtsStart | None:
+def thoughts_start(parser: str, prompt_text: str) -> ThoughtsStart | None:
     """For a reasoning ``parser`` and a rendered prompt: how the reply begins; None when it
-    holds no thoughts (no parser, or the template turned thinking off). A reply that thinks
-    cannot take a ``constraint`` (structured output, or ``forced_calls``' grammar): it would
-    apply from the first token, to the thoughts too, so the request is refused."""
+    holds no thoughts (no parser, or the template turned thinking off)."""
     if parser == "none" or prompt_closes_thoughts(prompt_text):
         return None
-    if constraint is not None:
-        raise invalid("structured output (response_format, guided_*, or tool_choice required / a named function) "
-                      "cannot be combined with this reasoning model's thinking: turn thinking off with "
-                      'chat_template_kwargs {"enable_thinking": false}', "tool_choice" if forced_calls else
-                      "response_format")
     if parser == "deepseek_r1" or prompt_opens_thoughts(prompt_text):
         return ThoughtsStart(in_thoughts=True)
     return ThoughtsStart(in_thoughts=False)

@@ -95,6 +95,13 @@ def params_for_calls(fmt: ToolFormat, tool_use: ToolUse, params: SamplingParams)
     return params
 
 
+def check_template_renders_tools(fmt: ToolFormat, tool_use: ToolUse | None, template_takes_tools: bool) -> None:
+    """Only Hermes' format is described in the system message of a template without tools
+    (router/tools.py); the others need the family's own template to show the tools."""
+    if tool_use is not None and not template_takes_tools and fmt.name != "hermes":
+        raise invalid(f"the {fmt.name} tool call format needs a chat template that renders tools", "tools")
+
+
 def _marker(tokenizer: Tokenizer, text: str) -> str:
     """A grammar literal for ``text``: the special token itself when the vocabulary has it as
     one (llguidance's ``<[id]>``; the model writes it as that one token), else the text."""

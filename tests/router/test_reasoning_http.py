@@ -117,7 +117,7 @@ def test_enable_thinking_false_reaches_the_template_and_the_reply_is_all_answer(
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),  # it would constrain the thoughts
+    ({"extra_body": {"guided_regex": "[0-9]+"}}, "guided_regex"),  # cannot be moved past the thoughts
     ({"reasoning_effort": "low"}, "reasoning_effort"),  # this template has no effort to set
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"extra_body": {"chat_template_kwargs": {"messages": []}}}, "chat_template_kwargs"),
@@ -128,6 +128,15 @@ def test_what_cannot_be_done_is_a_clear_400(qwen3_tokenizer, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
         asyncio.run(client.chat.completions.create(model="m", messages=ASK, **kwargs))
     assert err.value.body["param"] == param
+
+
+def test_structured_output_applies_after_the_thoughts(qwen3_tokenizer):
+    service = _service(qwen3_tokenizer, '<think>\nPlan.\n</think>\n\n{"a": 1}')
+    reply = asyncio.run(openai_client(service).chat.completions.create(
+        model="m", messages=ASK, response_format={"type": "json_object"}))
+    assert (reply.choices[0].message.reasoning_content, reply.choices[0].message.content) == ("\nPlan.\n", '{"a": 1}')
+    grammar = service.worker.requests[0].params.structured_output
+    assert grammar.kind == "grammar" and "raylm_thoughts[lazy]" in grammar.spec  # router/reasoning_grammar.py
 
 
 def test_reasoning_effort_reaches_a_template_that_reads_it(tokenizer):
