@@ -43,6 +43,8 @@ TEMPLATES = {  # what each family's template says of tools (enough to be told ap
                + _MESSAGES,
     "mistral_args": "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
                     "{# [TOOL_CALLS]name[ARGS]{...} #}" + _MESSAGES,
+    "glm45": "{% if tools %}{{ tools | tojson }} <tool_call>{name}\n<arg_key>{k}</arg_key>\n<arg_value>{v}"
+             "</arg_value></tool_call>{% endif %}" + _MESSAGES,
 }
 # Replies with parallel calls in each format, and the content before the calls.
 REPLIES = {
@@ -53,6 +55,9 @@ REPLIES = {
     "mistral": ('Let me see.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                 '{"name": "add", "arguments": {"a": 1, "b": 2}}]', "Let me see."),
     "mistral_args": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', None),
+    "glm45": ("Let me see.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+              "</tool_call>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n"
+              "<arg_value>2</arg_value>\n</tool_call>", "Let me see."),
 }
 EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
 
@@ -78,7 +83,7 @@ def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
 
 def test_the_format_follows_the_chat_template(tokenizers):
     assert [detect_tool_call_parser(TEMPLATES[f]) for f in TEMPLATES] == ["hermes", "llama3_json", "mistral",
-                                                                          "mistral"]
+                                                                          "mistral", "glm45"]
     assert detect_tool_call_parser(None) == "hermes"
     assert not tool_format("auto", tokenizers["mistral"]).args_form
     assert tool_format("auto", tokenizers["mistral_args"]).args_form
@@ -95,7 +100,8 @@ def test_replies_are_read_back_and_malformed_calls_stay_content(family, tokenize
     if fmt.name == "mistral":  # the only ids Mistral's templates take back: 9 letters and digits
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
     cut = [] if family == "hermes" else [reply[:-3]]  # Hermes keeps the calls complete before a cut one
-    for bad in ("Just text.", reply.replace("get_weather", "launch"), reply.replace('"a": 1', '"a": 1,,'), *cut):
+    malformed = reply.replace("</arg_value>", "", 1) if family == "glm45" else reply.replace('"a": 1', '"a": 1,,')
+    for bad in ("Just text.", reply.replace("get_weather", "launch"), malformed, *cut):
         assert fmt.parse(bad, use) == (bad, [])
 
 
@@ -179,7 +185,7 @@ def _forced_text(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar, seed:
     matcher = compiler.matcher(grammar)
     vocab, eos = tokenizer.vocab_size, sorted(tokenizer.eos_token_ids)
     ids: list[int] = []
-    for _ in range(300):
+    for _ in range(1000):
         allowed = np.flatnonzero(np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8),
                                                bitorder="little")[:vocab])
         allowed = np.setdiff1d(allowed, eos)
@@ -212,3 +218,14 @@ def test_calls_forced_by_each_format_s_grammar_are_read_back(family, tokenizers)
     if isinstance(fmt, MistralFormat):  # the marker is forced as the special token itself
         assert "<[" in fmt.grammar(required).spec
     assert fmt.grammar(parse_tool_use({"tools": [WEATHER]})) is None  # auto: free
+
+
+def test_glm_values_are_text_for_strings_and_json_for_the_rest():
+    use = parse_tool_use({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"}, "tags": {}}}}}]})
+    fmt = tool_format("glm45", Tokenizer.__new__(Tokenizer))
+    text = ('<tool_call>f\n<arg_key>code</arg_key>\n<arg_value>007</arg_value>\n<arg_key>n</arg_key>\n'
+            '<arg_value>7</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>["a", 1]</arg_value>\n</tool_call>')
+    assert _calls(fmt.parse(text, use)[1]) == [("f", {"code": "007", "n": 7, "tags": ["a", 1]})]
+    assert fmt.parse("<tool_call>f<arg_key>n</arg_key><arg_value>1</arg_value></tool_call>", use)[1]  # no newlines
+    assert fmt.parse(text + " trailing words", use)[1] == []  # text after the calls: not calls
