@@ -17,7 +17,7 @@ from raylm.router.errors import OpenAIError, invalid
 from raylm.router.reasoning import REASONING_PARSERS, ThoughtsStart, detect_reasoning_parser, thoughts_start
 from raylm.router.reasoning_grammar import params_after_thoughts
 from raylm.router.structured_request import structured_output
-from raylm.router.tool_formats import ToolFormat, check_template_renders_tools, params_for_calls, tool_format
+from raylm.router.tool_parsers import ToolFormat, check_template_renders_tools, params_for_calls, tool_format
 from raylm.router.tools import ToolUse, parse_tool_use, template_messages
 from raylm.workers.core.sampling_params import (
     MAX_LOGIT_BIAS,

@@ -9,27 +9,22 @@ while it streams) and the grammar that forces calls in that family's own format.
 - ``glm45`` (GLM-4.5 / 4.6): ``<tool_call>name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n
   </tool_call>``, a string value as plain text, any other as JSON.
 
-A format is chosen from the chat template (``detect_tool_call_parser``) unless the deploy
-file's ``model.tool_call_parser`` names one. Every format answers the same questions
+A format is chosen from the chat template unless the deploy file's ``model.tool_call_parser``
+names one (router/tool_parsers.py). Every format answers the same questions
 (``ToolFormat``), so the chat, Responses and Messages endpoints share them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import uuid
 from typing import Any, Callable, Protocol
 
-from raylm.model.text.tokenizer import Tokenizer
 from raylm.router import tools
-from raylm.router.errors import invalid
 from raylm.router.tools import ToolCallStream, ToolUse
 from raylm.workers.core.grammar import JSON_LAYOUT, StructuredOutput
-from raylm.workers.core.sampling_params import SamplingParams
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "glm45")
 PYTHON_TAG, TOOL_CALLS, ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
 Calls = list[dict[str, Any]]
 
@@ -60,64 +55,6 @@ class ToolFormat(Protocol):
         """The calls of one streamed reply, as OpenAI streams them."""
 
 
-def detect_tool_call_parser(chat_template: str | None) -> str:
-    """The format a chat template writes calls in (Hermes when it says nothing of its own)."""
-    template = chat_template or ""
-    if TOOL_CALLS in template:
-        return "mistral"
-    if "<arg_key>" in template:
-        return "glm45"
-    if PYTHON_TAG in template or ('"parameters"' in template and "ipython" in template):
-        return "llama3_json"
-    return "hermes"
-
-
-def tool_format(name: str, tokenizer: Tokenizer) -> ToolFormat:
-    """The format ``name`` (``auto``: the chat template's) for a model with ``tokenizer``."""
-    if name == "auto":
-        name = detect_tool_call_parser(tokenizer.chat_template)
-    if name == "hermes":
-        return HermesFormat()
-    if name == "llama3_json":
-        return Llama3JsonFormat()
-    if name == "glm45":
-        return Glm45Format()
-    if name == "mistral":
-        return MistralFormat(ARGS in (tokenizer.chat_template or ""), _marker(tokenizer, TOOL_CALLS),
-                             _marker(tokenizer, ARGS))
-    raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
-
-
-def params_for_calls(fmt: ToolFormat, tool_use: ToolUse, params: SamplingParams) -> SamplingParams:
-    """A chat request's sampling params when it offers tools: the grammar that forces calls
-    (``required`` / a named function), and special tokens kept where the format's marker is one."""
-    forced = fmt.grammar(tool_use)
-    if forced is not None:
-        if params.structured_output is not None:
-            raise invalid("tool_choice required or a named function cannot be combined with structured output",
-                          "tool_choice")
-        params = dataclasses.replace(params, structured_output=forced)
-    if fmt.name == "mistral":  # [TOOL_CALLS] is a special token of Mistral's vocabularies
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    return params
-
-
-def check_template_renders_tools(fmt: ToolFormat, tool_use: ToolUse | None, template_takes_tools: bool) -> None:
-    """Only Hermes' format is described in the system message of a template without tools
-    (router/tools.py); the others need the family's own template to show the tools."""
-    if tool_use is not None and not template_takes_tools and fmt.name != "hermes":
-        raise invalid(f"the {fmt.name} tool call format needs a chat template that renders tools", "tools")
-
-
-def _marker(tokenizer: Tokenizer, text: str) -> str:
-    """A grammar literal for ``text``: the special token itself when the vocabulary has it as
-    one (llguidance's ``<[id]>``; the model writes it as that one token), else the text."""
-    token_id = tokenizer.token_to_id(text)
-    if token_id is not None and tokenizer.decode([token_id]) == "":
-        return f"<[{token_id}]>"
-    return json.dumps(text)
-
-
 def new_call(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:
     """An OpenAI tool call; ``arguments`` as the model wrote them (text) or a value."""
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
@@ -137,11 +74,11 @@ def _function_rules(tool_use: ToolUse, arguments_key: str) -> tuple[str, list[st
     return " | ".join(f"f{i}" for i in range(len(functions))), rules
 
 
-def _repeats(tool_use: ToolUse) -> bool:
+def repeats(tool_use: ToolUse) -> bool:
     return tool_use.parallel and tool_use.choice == "required"
 
 
-def _json_values(text: str) -> list[Any] | None:
+def json_values(text: str) -> list[Any] | None:
     """The JSON values ``text`` holds one after another (separated by whitespace or ``;``),
     or None when it holds anything else."""
     decoder, values, at = json.JSONDecoder(), [], 0
@@ -173,7 +110,7 @@ def _call_of(value: Any, tool_use: ToolUse, keys: tuple[str, ...], make_id: Call
     return new_call(value["name"], arguments, make_id() if make_id else None)
 
 
-def _partial_at_end(text: str, marker: str) -> int:
+def before_partial_marker(text: str, marker: str) -> int:
     """The length of ``text`` without a final piece that may be the start of ``marker``."""
     return tools._before_partial_tag(text, marker)
 
@@ -235,7 +172,7 @@ class Llama3JsonFormat:
             return text, []
         body = text[start:].strip()
         body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
-        values = _json_values(body)
+        values = json_values(body)
         calls = [_call_of(v, tool_use, ("parameters", "arguments")) for v in values or []]
         if not calls or None in calls:
             return text, []
@@ -247,13 +184,13 @@ class Llama3JsonFormat:
             return start
         if not text.strip():
             return 0  # the reply may still begin with a call
-        return _partial_at_end(text, PYTHON_TAG)
+        return before_partial_marker(text, PYTHON_TAG)
 
     def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
         if tool_use.choice == "auto":
             return None
         alternatives, rules = _function_rules(tool_use, "parameters")
-        repeat = ' ("; " call)*' if _repeats(tool_use) else ""
+        repeat = ' ("; " call)*' if repeats(tool_use) else ""
         return StructuredOutput("grammar", "\n".join([f"start: call{repeat}", f"call: {alternatives}", *rules]))
 
     def stream(self, tool_use: ToolUse) -> CallStream:
@@ -279,14 +216,14 @@ class MistralFormat:
         calls: list[dict[str, Any] | None] = []
         body = text[start + len(TOOL_CALLS):]
         if body.lstrip().startswith("["):
-            values = _json_values(body)
+            values = json_values(body)
             if values is None or len(values) != 1 or not isinstance(values[0], list):
                 return text, []
             calls = [_call_of(v, tool_use, ("arguments", "parameters"), _mistral_id) for v in values[0]]
         else:
             for segment in body.split(TOOL_CALLS):
                 name, sep, arguments = segment.partition(ARGS)
-                values = _json_values(arguments) if sep else None
+                values = json_values(arguments) if sep else None
                 ok = values is not None and len(values) == 1
                 calls.append(_call_of({"name": name.strip(), "arguments": values[0]}, tool_use, ("arguments",),
                                       _mistral_id) if ok else None)
@@ -296,21 +233,21 @@ class MistralFormat:
 
     def held_back(self, text: str) -> int:
         start = text.find(TOOL_CALLS)
-        return start if start >= 0 else _partial_at_end(text, TOOL_CALLS)
+        return start if start >= 0 else before_partial_marker(text, TOOL_CALLS)
 
     def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
         if tool_use.choice == "auto":
             return None
         if self.args_form:
             functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
-            rules = [f"f{i}: {json.dumps(f['name'])} {self._args} %json {json.dumps(_schema(f['parameters']))}"
+            rules = [f"f{i}: {json.dumps(f['name'])} {self._args} %json {json.dumps(with_layout(f['parameters']))}"
                      for i, f in enumerate(functions)]
             alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
-            repeat = " call*" if _repeats(tool_use) else ""
+            repeat = " call*" if repeats(tool_use) else ""
             lines = [f"start: call{repeat}", f"call: {self._tool_calls} ({alternatives})", *rules]
         else:
             alternatives, rules = _function_rules(tool_use, "arguments")
-            repeat = ' (", " call)*' if _repeats(tool_use) else ""
+            repeat = ' (", " call)*' if repeats(tool_use) else ""
             lines = [f'start: {self._tool_calls} "[" call{repeat} "]"', f"call: {alternatives}", *rules]
         return StructuredOutput("grammar", "\n".join(lines))
 
@@ -318,7 +255,7 @@ class MistralFormat:
         return WholeCallStream(self, tool_use)
 
 
-def _schema(parameters: dict[str, Any]) -> dict[str, Any]:
+def with_layout(parameters: dict[str, Any]) -> dict[str, Any]:
     return {**parameters, "x-guidance": JSON_LAYOUT}
 
 
@@ -389,7 +326,7 @@ class Glm45Format:
                 parts.append(f"f{i}a{j}" if key in required else f"f{i}a{j}?")
             rules.append(f"f{i}: {json.dumps(function['name'] + chr(10))} {' '.join(parts)}".rstrip())
         alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
-        repeat = ' ("\\n" call)*' if _repeats(tool_use) else ""
+        repeat = ' ("\\n" call)*' if repeats(tool_use) else ""
         lines = [f"start: call{repeat}", f'call: "<tool_call>" ({alternatives}) "</tool_call>"', *rules]
         return StructuredOutput("grammar", "\n".join(lines))
 
@@ -404,7 +341,7 @@ def _glm_value(schema: Any) -> str:
         return "(" + " | ".join(json.dumps(v) for v in schema["enum"]) + ")"
     if _is_text(schema):
         return _GLM_VALUE_TEXT
-    return f"%json {json.dumps(_schema(schema if isinstance(schema, dict) else {}))}"
+    return f"%json {json.dumps(with_layout(schema if isinstance(schema, dict) else {}))}"
 
 
 def _is_text(schema: Any) -> bool:

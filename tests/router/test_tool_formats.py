@@ -17,7 +17,8 @@ from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.openai_service import OpenAIService
 from raylm.router.protocol import RequestParser
 from raylm.router.responses import ResponseBuilder
-from raylm.router.tool_formats import MistralFormat, detect_tool_call_parser, tool_format
+from raylm.router.tool_formats import MistralFormat
+from raylm.router.tool_parsers import detect_tool_call_parser, tool_format
 from raylm.router.tools import parse_tool_use
 from raylm.workers.core.grammar import GrammarCompiler
 from tests.fake_worker import FakeWorker, fake_settings, openai_client, token_chunks
