@@ -9,6 +9,7 @@ import json
 
 from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.errors import invalid
+from raylm.router.tool_format_deepseek import MARKERS, DeepSeekFormat
 from raylm.router.tool_formats import (
     ARGS,
     PYTHON_TAG,
@@ -22,7 +23,7 @@ from raylm.router.tool_formats import (
 from raylm.router.tools import ToolUse
 from raylm.workers.core.sampling_params import SamplingParams
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "glm45")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "glm45", "deepseek_v3")
 
 
 def detect_tool_call_parser(chat_template: str | None) -> str:
@@ -30,6 +31,8 @@ def detect_tool_call_parser(chat_template: str | None) -> str:
     template = chat_template or ""
     if TOOL_CALLS in template:
         return "mistral"
+    if "tool▁calls▁begin" in template:
+        return "deepseek_v3"
     if "<arg_key>" in template:
         return "glm45"
     if PYTHON_TAG in template or ('"parameters"' in template and "ipython" in template):
@@ -45,6 +48,8 @@ def tool_format(name: str, tokenizer: Tokenizer) -> ToolFormat:
         return HermesFormat()
     if name == "llama3_json":
         return Llama3JsonFormat()
+    if name == "deepseek_v3":
+        return DeepSeekFormat("```json" in (tokenizer.chat_template or ""), {m: _marker(tokenizer, m) for m in MARKERS})
     if name == "glm45":
         return Glm45Format()
     if name == "mistral":
@@ -62,7 +67,7 @@ def params_for_calls(fmt: ToolFormat, tool_use: ToolUse, params: SamplingParams)
             raise invalid("tool_choice required or a named function cannot be combined with structured output",
                           "tool_choice")
         params = dataclasses.replace(params, structured_output=forced)
-    if fmt.name == "mistral":  # [TOOL_CALLS] is a special token of Mistral's vocabularies
+    if fmt.name in ("mistral", "deepseek_v3"):  # their markers may be special tokens of the vocabulary
         params = dataclasses.replace(params, skip_special_tokens=False)
     return params
 

@@ -17,6 +17,8 @@ from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.openai_service import OpenAIService
 from raylm.router.protocol import RequestParser
 from raylm.router.responses import ResponseBuilder
+from raylm.router.tool_format_deepseek import MARKERS as DEEPSEEK_MARKERS
+from raylm.router.tool_format_deepseek import DeepSeekFormat
 from raylm.router.tool_formats import MistralFormat
 from raylm.router.tool_parsers import detect_tool_call_parser, tool_format
 from raylm.router.tools import parse_tool_use
@@ -46,6 +48,8 @@ TEMPLATES = {  # what each family's template says of tools (enough to be told ap
                     "{# [TOOL_CALLS]name[ARGS]{...} #}" + _MESSAGES,
     "glm45": "{% if tools %}{{ tools | tojson }} <tool_call>{name}\n<arg_key>{k}</arg_key>\n<arg_value>{v}"
              "</arg_value></tool_call>{% endif %}" + _MESSAGES,
+    "deepseek_v3": "{% if tools %}{{ tools | tojson }}{% endif %}{# <｜tool▁calls▁begin｜> ```json #}" + _MESSAGES,
+    "deepseek_v31": "{% if tools %}{{ tools | tojson }}{% endif %}{# <｜tool▁calls▁begin｜> #}" + _MESSAGES,
 }
 # Replies with parallel calls in each format, and the content before the calls.
 REPLIES = {
@@ -59,6 +63,11 @@ REPLIES = {
     "glm45": ("Let me see.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
               "</tool_call>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n"
               "<arg_value>2</arg_value>\n</tool_call>", "Let me see."),
+    "deepseek_v3": ('Let me see.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                    '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n'
+                    '{"a": 1, "b": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me see."),
+    "deepseek_v31": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+                     '<｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 1, "b": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None),
 }
 EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
 
@@ -68,7 +77,8 @@ def _family_tokenizer(tokenizer: Tokenizer, family: str) -> Tokenizer:
     in those families' vocabularies."""
     out = copy.copy(tokenizer)
     out.backend = copy.deepcopy(tokenizer.backend)
-    out.backend.add_special_tokens([AddedToken(t, special=True) for t in ("[TOOL_CALLS]", "[ARGS]", "<|python_tag|>")])
+    out.backend.add_special_tokens([AddedToken(t, special=True) for t in ("[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
+                                                                          *DEEPSEEK_MARKERS)])
     out.chat_template = TEMPLATES[family]
     return out
 
@@ -84,10 +94,13 @@ def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
 
 def test_the_format_follows_the_chat_template(tokenizers):
     assert [detect_tool_call_parser(TEMPLATES[f]) for f in TEMPLATES] == ["hermes", "llama3_json", "mistral",
-                                                                          "mistral", "glm45"]
+                                                                          "mistral", "glm45", "deepseek_v3",
+                                                                          "deepseek_v3"]
     assert detect_tool_call_parser(None) == "hermes"
     assert not tool_format("auto", tokenizers["mistral"]).args_form
     assert tool_format("auto", tokenizers["mistral_args"]).args_form
+    assert tool_format("auto", tokenizers["deepseek_v3"]).fenced and not tool_format("auto",
+                                                                                     tokenizers["deepseek_v31"]).fenced
 
 
 @pytest.mark.parametrize("family", list(REPLIES))
@@ -102,6 +115,8 @@ def test_replies_are_read_back_and_malformed_calls_stay_content(family, tokenize
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
     cut = [] if family == "hermes" else [reply[:-3]]  # Hermes keeps the calls complete before a cut one
     malformed = reply.replace("</arg_value>", "", 1) if family == "glm45" else reply.replace('"a": 1', '"a": 1,,')
+    if family.startswith("deepseek"):
+        malformed = reply.replace("<｜tool▁calls▁end｜>", "")
     for bad in ("Just text.", reply.replace("get_weather", "launch"), malformed, *cut):
         assert fmt.parse(bad, use) == (bad, [])
 
@@ -175,7 +190,7 @@ def test_the_openai_client_gets_parallel_calls_whole_and_streamed(family, tokeni
     assert _joined(entries) == EXPECTED and all("id" in t and t["type"] == "function" for t in entries
                                                 if "name" in t.get("function", {}))
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
-    if family.startswith("mistral"):  # [TOOL_CALLS] is a special token: the worker must keep it
+    if family.startswith(("mistral", "deepseek")):  # their markers are special tokens: the worker must keep them
         assert service.worker.requests[0].params.skip_special_tokens is False
 
 
@@ -216,7 +231,7 @@ def test_calls_forced_by_each_format_s_grammar_are_read_back(family, tokenizers)
         text = _forced_text(compiler, tokenizer, fmt.grammar(named), seed)
         assert [name for name, _ in _calls(fmt.parse(text, named)[1])] == ["add"], text
     assert max(counts) >= 2  # required with parallel calls allowed: several calls
-    if isinstance(fmt, MistralFormat):  # the marker is forced as the special token itself
+    if isinstance(fmt, (MistralFormat, DeepSeekFormat)):  # the markers are forced as the special tokens themselves
         assert "<[" in fmt.grammar(required).spec
     assert fmt.grammar(parse_tool_use({"tools": [WEATHER]})) is None  # auto: free
 
