@@ -133,10 +133,12 @@ def _arguments(function: Mapping[str, Any]) -> Any:
 def _as_text(message: dict[str, Any]) -> dict[str, Any]:
     if message["role"] == "tool":
         return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+    thoughts = {"reasoning_content": message["reasoning_content"]} if "reasoning_content" in message else {}
     if message.get("tool_calls"):
         calls = "\n".join(_call_text(c) for c in message["tool_calls"])
-        return {"role": "assistant", "content": f"{message['content']}\n{calls}" if message["content"] else calls}
-    return {"role": message["role"], "content": message["content"]}
+        return {"role": "assistant", "content": f"{message['content']}\n{calls}" if message["content"] else calls,
+                **thoughts}
+    return {"role": message["role"], "content": message["content"], **thoughts}
 
 
 def _for_tool_template(message: dict[str, Any]) -> dict[str, Any]:

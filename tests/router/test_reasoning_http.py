@@ -19,7 +19,8 @@ from tests.fake_worker import FakeWorker, fake_settings, openai_client, token_ch
 openai = pytest.importorskip("openai")
 
 QWEN3_TEMPLATE = (
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+    "</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
     "{%- endif %}")
@@ -148,3 +149,12 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(tokenizer):
     assert reply.choices[0].message.content == ANSWER and "reasoning_content" not in reply.choices[0].message.model_extra
     prompt = effortful.decode(service.worker.requests[0].prompt_token_ids)
     assert prompt.endswith("Reasoning: high")
+
+
+def test_earlier_thoughts_sent_back_reach_the_template(qwen3_tokenizer):
+    service = _service(qwen3_tokenizer, ANSWER)
+    history = [*ASK, {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
+               {"role": "user", "content": "And 3 + 3?"}]
+    asyncio.run(openai_client(service).chat.completions.create(model="m", messages=history))
+    prompt = qwen3_tokenizer.decode(service.worker.requests[0].prompt_token_ids, skip_special_tokens=False)
+    assert "<|im_start|>assistant\n<think>Two and two.</think>4<|im_end|>" in prompt
