@@ -10,10 +10,10 @@ import re
 from typing import Any
 
 from raylm.router import tools
+from raylm.router.call_streams import PieceCallStream
 from raylm.router.tool_formats import (
     Calls,
     CallStream,
-    WholeCallStream,
     json_values,
     new_call,
     repeats,
@@ -72,7 +72,31 @@ class DeepSeekFormat:
         values = json_values(rest)
         if values is None or len(values) != 1 or not isinstance(values[0], dict) or name.strip() not in tool_use.names:
             return None
-        return new_call(name.strip(), values[0])
+        return new_call(name.strip(), rest.strip())  # as written: what a stream sends piece by piece
+
+    def growing_calls(self, text: str) -> list[tuple[str, str, bool]]:
+        """The calls written so far whose name is complete: (name, arguments so far, closed)."""
+        start = text.find(CALLS_BEGIN)
+        if start < 0:
+            return []
+        out = []
+        for block in text[start + len(CALLS_BEGIN):].split(CALL_BEGIN)[1:]:
+            inner, end, _ = block.partition(CALL_END)
+            inner = inner if end else inner[: tools._before_partial_tag(inner, CALL_END)]
+            head, sep, rest = inner.partition(SEP)
+            if not sep:
+                break
+            if head.strip() == "function":  # V3: name, newline, a fenced JSON block
+                name, newline, rest = rest.partition("\n")
+                fence = rest.lstrip()
+                if not newline or not fence.startswith("```json"):
+                    break
+                rest = fence[len("```json"):]
+                rest = rest.rstrip()[:-len("```")] if end and rest.rstrip().endswith("```") else rest
+            else:
+                name = head
+            out.append((name.strip(), rest, bool(end)))
+        return out
 
     def held_back(self, text: str) -> int:
         start = text.find(CALLS_BEGIN)
@@ -96,4 +120,4 @@ class DeepSeekFormat:
         return StructuredOutput("grammar", "\n".join(lines))
 
     def stream(self, tool_use: ToolUse) -> CallStream:
-        return WholeCallStream(self, tool_use)
+        return PieceCallStream(self, tool_use, lambda: new_call("", "")["id"])

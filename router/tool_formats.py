@@ -22,6 +22,7 @@ import uuid
 from typing import Any, Callable, Protocol
 
 from raylm.router import tools
+from raylm.router.call_streams import PieceCallStream
 from raylm.router.tools import ToolCallStream, ToolUse
 from raylm.workers.core.grammar import JSON_LAYOUT, StructuredOutput
 
@@ -224,9 +225,11 @@ class MistralFormat:
             for segment in body.split(TOOL_CALLS):
                 name, sep, arguments = segment.partition(ARGS)
                 values = json_values(arguments) if sep else None
-                ok = values is not None and len(values) == 1
-                calls.append(_call_of({"name": name.strip(), "arguments": values[0]}, tool_use, ("arguments",),
-                                      _mistral_id) if ok else None)
+                call = _call_of({"name": name.strip(), "arguments": values[0]}, tool_use, ("arguments",),
+                                _mistral_id) if values is not None and len(values) == 1 else None
+                if call is not None:  # the arguments as written (what a stream sends piece by piece)
+                    call["function"]["arguments"] = arguments.strip()
+                calls.append(call)
         if not calls or None in calls:
             return text, []
         return text[:start].strip() or None, calls
@@ -234,6 +237,23 @@ class MistralFormat:
     def held_back(self, text: str) -> int:
         start = text.find(TOOL_CALLS)
         return start if start >= 0 else before_partial_marker(text, TOOL_CALLS)
+
+    def growing_calls(self, text: str) -> list[tuple[str, str, bool]]:
+        """The ``name[ARGS]{...}`` calls written so far (the JSON-array form goes out whole)."""
+        start = text.find(TOOL_CALLS)
+        body = text[start + len(TOOL_CALLS):] if start >= 0 else ""
+        if not body or body.lstrip().startswith("["):
+            return []
+        segments = body.split(TOOL_CALLS)
+        out = []
+        for i, segment in enumerate(segments):
+            name, sep, arguments = segment.partition(ARGS)
+            if not sep:
+                break
+            closed = i < len(segments) - 1
+            out.append((name.strip(), arguments if closed else arguments[: before_partial_marker(arguments, TOOL_CALLS)],
+                        closed))
+        return out
 
     def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
         if tool_use.choice == "auto":
@@ -252,7 +272,7 @@ class MistralFormat:
         return StructuredOutput("grammar", "\n".join(lines))
 
     def stream(self, tool_use: ToolUse) -> CallStream:
-        return WholeCallStream(self, tool_use)
+        return PieceCallStream(self, tool_use, _mistral_id)
 
 
 def with_layout(parameters: dict[str, Any]) -> dict[str, Any]:

@@ -141,6 +141,28 @@ def _stream(builder: ResponseBuilder, tokenizer: Tokenizer, pieces: list[str]) -
     return content, entries, deltas[-1]["choices"][0]["finish_reason"]
 
 
+def _raw(entries: list[dict]) -> list[str]:
+    calls: dict[int, str] = {}
+    for t in entries:
+        calls[t["index"]] = calls.get(t["index"], "") + t["function"].get("arguments", "")
+    return [arguments for _, arguments in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("family, first_call_end", [("hermes", "</tool_call>"), ("mistral_args", "[TOOL_CALLS]add"),
+                                                    ("deepseek_v3", "<｜tool▁call▁end｜>"),
+                                                    ("deepseek_v31", "<｜tool▁call▁end｜>")])
+def test_name_first_formats_stream_a_call_before_it_ends(family, first_call_end, tokenizers):
+    """The name as soon as it is written, then the arguments as they grow (OpenAI's shape)."""
+    parser = RequestParser(tokenizers[family], ["m"], 4096)
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WEATHER, ADD]})
+    reply = REPLIES[family][0]
+    builder = ResponseBuilder(parsed, "id", 0, parser.tokenizer)
+    opened = reply[: reply.index("Paris") + 2]  # inside the first call's arguments
+    _, entries, _ = _stream(builder, parser.tokenizer, [opened, reply[len(opened): reply.index(first_call_end)], ""])
+    assert entries[0]["function"] == {"name": "get_weather", "arguments": ""} and entries[0]["id"]
+    assert entries[1] == {"index": 0, "function": {"arguments": '{"city": "Pa'}}
+
+
 def _joined(entries: list[dict]) -> list[tuple[str, dict]]:
     calls: dict[int, dict[str, str]] = {}
     for t in entries:
@@ -155,10 +177,12 @@ def test_streamed_at_every_split_the_calls_join_into_the_whole_reply_s(family, t
     parser = RequestParser(tokenizers[family], ["m"], 4096)
     parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WEATHER, ADD]})
     reply, content = REPLIES[family]
+    whole = [c["function"]["arguments"] for c in parsed.tool_format.parse(reply, parsed.tool_use)[1]]
     for cut in range(len(reply) + 1):
         sent, entries, finish = _stream(ResponseBuilder(parsed, "id", 0, parser.tokenizer), parser.tokenizer,
                                         [reply[:cut], reply[cut:]])
         assert finish == "tool_calls" and _joined(entries) == EXPECTED, cut
+        assert _raw(entries) == whole, cut  # the pieces join into the non-streamed reply's arguments text
         assert sent.strip() == (content or ""), cut
     plain = "Paris is sunny {not a call"
     sent, entries, finish = _stream(ResponseBuilder(parsed, "id", 0, parser.tokenizer), parser.tokenizer, [plain])
