@@ -121,7 +121,7 @@ class RequestParser:
             parsed.params = params_for_calls(self.tool_format, tool_use, parsed.params)
             parsed.tool_use, parsed.tool_format = tool_use, self.tool_format
         parsed.thoughts = thoughts_start(self.reasoning_parser, prompt_text)
-        parsed.params = params_after_thoughts(parsed.params, parsed.thoughts, bool(tool_use and tool_use.choice != "auto"))
+        parsed.params = params_after_thoughts(parsed.params, parsed.thoughts, tool_use, self.tokenizer)
         if parsed.beam is not None and tool_use is not None:
             raise invalid("use_beam_search cannot be combined with tools", "use_beam_search")
         return parsed

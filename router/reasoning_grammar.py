@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.errors import invalid
 from raylm.router.reasoning import CLOSE, OPEN, ThoughtsStart
+from raylm.router.tools import ToolUse
 from raylm.workers.core.grammar import JSON_LAYOUT, StructuredOutput
 from raylm.workers.core.sampling_params import SamplingParams
 
@@ -24,24 +26,41 @@ _ANSWER = "raylm_answer"
 _GAP = "raylm_gap"  # the blanks between the thoughts and the answer (bounded: small models loop on blanks)
 
 
-def params_after_thoughts(params: SamplingParams, thoughts: ThoughtsStart | None, own_grammar: bool
-                          ) -> SamplingParams:
+def params_after_thoughts(params: SamplingParams, thoughts: ThoughtsStart | None, tool_use: ToolUse | None,
+                          tokenizer: Tokenizer) -> SamplingParams:
     """A chat request's params with its constraint (if any) moved past the thoughts (if any)."""
     if thoughts is None or params.structured_output is None:
         return params
+    forced_calls = tool_use is not None and tool_use.choice != "auto"  # then the grammar is raylm's own
+    tags = (_single_token(tokenizer, OPEN), _single_token(tokenizer, CLOSE))
     return dataclasses.replace(params, structured_output=after_thoughts(params.structured_output, thoughts,
-                                                                        own_grammar))
+                                                                        forced_calls, tags))
 
 
-def after_thoughts(output: StructuredOutput, thoughts: ThoughtsStart, own_grammar: bool) -> StructuredOutput:
+def _single_token(tokenizer: Tokenizer, text: str) -> int | None:
+    token_id = tokenizer.token_to_id(text)
+    return token_id if token_id is not None and tokenizer.encode(text, add_special_tokens=False) == [token_id] \
+        else None
+
+
+def after_thoughts(output: StructuredOutput, thoughts: ThoughtsStart, own_grammar: bool,
+                   tag_ids: tuple[int | None, int | None] = (None, None)) -> StructuredOutput:
     """``output`` applied to the answer only. ``own_grammar``: ``output`` is a grammar raylm
     wrote (forced tool calls, whose ``start`` rule can be renamed); any other grammar, and
-    regexes, are refused (400)."""
+    regexes, are refused (400). ``tag_ids``: the ids of ``<think>`` and ``</think>`` where each is
+    one token of the vocabulary (Qwen3, DeepSeek-R1): llguidance gives an added token no text
+    to match, so the grammar names it; where the tag is text, the thoughts end at its text."""
     answer = _answer_rules(output, own_grammar)
-    opening = json.dumps(OPEN)
-    thoughts = f"{_THOUGHTS} {_GAP}?" if thoughts.in_thoughts else f"({opening} {_THOUGHTS} {_GAP}?)?"
-    rules = [f"start: {thoughts} {_ANSWER}", f"{_THOUGHTS}[lazy]: /(?s:.*){_regex_literal(CLOSE)}/",
-             f"{_GAP}: /[ \\t\\r\\n]{{1,8}}/"]
+    open_id, close_id = tag_ids
+    opening = json.dumps(OPEN) if open_id is None else f"<[{open_id}]>"
+    if close_id is None:
+        rules = [f"{_THOUGHTS}[lazy]: /(?s:.*){_regex_literal(CLOSE)}/"]
+        thoughts_then = f"{_THOUGHTS} {_GAP}?"
+    else:  # free text cannot hold the token, so the thoughts end where it comes
+        rules = [f"{_THOUGHTS}: /(?s:.*)/"]
+        thoughts_then = f"{_THOUGHTS} <[{close_id}]> {_GAP}?"
+    head = thoughts_then if thoughts.in_thoughts else f"({opening} {thoughts_then})?"
+    rules = [f"start: {head} {_ANSWER}", *rules, f"{_GAP}: /[ \\t\\r\\n]{{1,8}}/"]
     return StructuredOutput("grammar", "\n".join([*rules, *answer]))
 
 

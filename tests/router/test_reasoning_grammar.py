@@ -71,6 +71,12 @@ def test_forced_calls_and_choices_come_after_the_thoughts(compiler, tokenizer):
     assert _written(compiler, tokenizer, choice, THOUGHTS + "maybe") is None
 
 
+def test_single_token_tags_are_named_by_id(tokenizer):
+    """llguidance gives an added token (Qwen3's </think>) no text to match: the grammar names it."""
+    grammar = after_thoughts(SCHEMA, ThoughtsStart(False), own_grammar=False, tag_ids=(7, 8)).spec
+    assert grammar.startswith("start: (<[7]> raylm_thoughts <[8]> raylm_gap?)? raylm_answer")
+
+
 @pytest.mark.parametrize("output, param", [(StructuredOutput("regex", "[0-9]+"), "guided_regex"),
                                            (StructuredOutput("grammar", 'start: "x"'), "guided_grammar")])
 def test_client_regexes_and_grammars_are_refused_while_thinking(output, param):
