@@ -35,6 +35,8 @@ class DeepSeekFormat:
     vocabulary has it as one)."""
 
     name = "deepseek_v3"
+    markers = MARKERS
+    keep_special_tokens = False
 
     def __init__(self, fenced: bool, literals: dict[str, str] | None = None):
         self.fenced = fenced

@@ -41,6 +41,8 @@ class CallStream(Protocol):
 
 class ToolFormat(Protocol):
     name: str
+    markers: tuple[str, ...]  # the format's fixed tags (a vocabulary may have them as tokens)
+    keep_special_tokens: bool  # whether a marker is a special token (then decoded text must keep them)
 
     def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
         """The reply's content (None when empty) and its calls; a reply whose calls are not
@@ -117,9 +119,15 @@ def before_partial_marker(text: str, marker: str) -> int:
 
 
 class HermesFormat:
-    """Hermes' ``<tool_call>`` blocks (router/tools.py), streamed argument piece by piece."""
+    """Hermes' ``<tool_call>`` blocks (router/tools.py), streamed argument piece by piece.
+    ``literals``: each tag as a grammar literal (see ``DeepSeekFormat``)."""
 
     name = "hermes"
+    markers = (tools.OPEN_TAG, tools.CLOSE_TAG)
+    keep_special_tokens = False  # set where a marker is a special token (router/tool_parsers.py)
+
+    def __init__(self, literals: dict[str, str] | None = None):
+        self._literal = literals or {m: json.dumps(m) for m in self.markers}
 
     def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
         return tools.parse_tool_calls(text, tool_use)
@@ -128,7 +136,7 @@ class HermesFormat:
         return tools.held_back(text)
 
     def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
-        return tools.forced_calls_grammar(tool_use)
+        return tools.forced_calls_grammar(tool_use, self._literal[tools.OPEN_TAG], self._literal[tools.CLOSE_TAG])
 
     def stream(self, tool_use: ToolUse) -> CallStream:
         return ToolCallStream(tool_use)
@@ -160,6 +168,8 @@ class Llama3JsonFormat:
     ``{"name": ..., "parameters": {...}}``, parallel calls joined by ``;``."""
 
     name = "llama3_json"
+    markers = (PYTHON_TAG,)
+    keep_special_tokens = False
 
     def _start(self, text: str) -> int:
         tag = text.find(PYTHON_TAG)
@@ -204,6 +214,8 @@ class MistralFormat:
     the only ids Mistral's templates accept back."""
 
     name = "mistral"
+    markers = (TOOL_CALLS, ARGS)
+    keep_special_tokens = False
 
     def __init__(self, args_form: bool, tool_calls_literal: str = json.dumps(TOOL_CALLS),
                  args_literal: str = json.dumps(ARGS)):
@@ -294,6 +306,11 @@ class Glm45Format:
     strings as they are, other values as JSON). Parallel calls follow each other."""
 
     name = "glm45"
+    markers = (tools.OPEN_TAG, tools.CLOSE_TAG, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+    keep_special_tokens = False
+
+    def __init__(self, literals: dict[str, str] | None = None):
+        self._literal = literals or {m: json.dumps(m) for m in self.markers}
 
     def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
         start = text.find(tools.OPEN_TAG)
@@ -341,13 +358,15 @@ class Glm45Format:
             parts = []
             for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
                 value = _glm_value(schema)
-                rules.append(f"f{i}a{j}: {json.dumps(f'<arg_key>{key}</arg_key>' + chr(10) + '<arg_value>')} "
-                             f"{value} {json.dumps('</arg_value>' + chr(10))}")
+                key_part = f"{self._literal['<arg_key>']} {json.dumps(key)} {self._literal['</arg_key>']}"
+                rules.append(f'f{i}a{j}: {key_part} "\\n" {self._literal["<arg_value>"]} {value} '
+                             f'{self._literal["</arg_value>"]} "\\n"')
                 parts.append(f"f{i}a{j}" if key in required else f"f{i}a{j}?")
             rules.append(f"f{i}: {json.dumps(function['name'] + chr(10))} {' '.join(parts)}".rstrip())
         alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
         repeat = ' ("\\n" call)*' if repeats(tool_use) else ""
-        lines = [f"start: call{repeat}", f'call: "<tool_call>" ({alternatives}) "</tool_call>"', *rules]
+        lines = [f"start: call{repeat}",
+                 f"call: {self._literal[tools.OPEN_TAG]} ({alternatives}) {self._literal[tools.CLOSE_TAG]}", *rules]
         return StructuredOutput("grammar", "\n".join(lines))
 
     def stream(self, tool_use: ToolUse) -> CallStream:

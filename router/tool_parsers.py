@@ -44,18 +44,24 @@ def tool_format(name: str, tokenizer: Tokenizer) -> ToolFormat:
     """The format ``name`` (``auto``: the chat template's) for a model with ``tokenizer``."""
     if name == "auto":
         name = detect_tool_call_parser(tokenizer.chat_template)
+    template = tokenizer.chat_template or ""
+    fmt: ToolFormat
     if name == "hermes":
-        return HermesFormat()
-    if name == "llama3_json":
-        return Llama3JsonFormat()
-    if name == "deepseek_v3":
-        return DeepSeekFormat("```json" in (tokenizer.chat_template or ""), {m: _marker(tokenizer, m) for m in MARKERS})
-    if name == "glm45":
-        return Glm45Format()
-    if name == "mistral":
-        return MistralFormat(ARGS in (tokenizer.chat_template or ""), _marker(tokenizer, TOOL_CALLS),
-                             _marker(tokenizer, ARGS))
-    raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
+        fmt = HermesFormat({m: _marker(tokenizer, m) for m in HermesFormat.markers})
+    elif name == "llama3_json":
+        fmt = Llama3JsonFormat()
+    elif name == "deepseek_v3":
+        fmt = DeepSeekFormat("```json" in template, {m: _marker(tokenizer, m) for m in MARKERS})
+    elif name == "glm45":
+        fmt = Glm45Format({m: _marker(tokenizer, m) for m in Glm45Format.markers})
+    elif name == "mistral":
+        fmt = MistralFormat(ARGS in template, _marker(tokenizer, TOOL_CALLS), _marker(tokenizer, ARGS))
+    else:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
+    # A marker that is a special token vanishes from text decoded without them: keep them.
+    fmt.keep_special_tokens = any(_token_of(tokenizer, m) is not None and tokenizer.decode([_token_of(tokenizer, m)])
+                                  == "" for m in fmt.markers)
+    return fmt
 
 
 def params_for_calls(fmt: ToolFormat, tool_use: ToolUse, params: SamplingParams) -> SamplingParams:
@@ -67,7 +73,7 @@ def params_for_calls(fmt: ToolFormat, tool_use: ToolUse, params: SamplingParams)
             raise invalid("tool_choice required or a named function cannot be combined with structured output",
                           "tool_choice")
         params = dataclasses.replace(params, structured_output=forced)
-    if fmt.name in ("mistral", "deepseek_v3"):  # their markers may be special tokens of the vocabulary
+    if fmt.keep_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
     return params
 
@@ -79,10 +85,15 @@ def check_template_renders_tools(fmt: ToolFormat, tool_use: ToolUse | None, temp
         raise invalid(f"the {fmt.name} tool call format needs a chat template that renders tools", "tools")
 
 
-def _marker(tokenizer: Tokenizer, text: str) -> str:
-    """A grammar literal for ``text``: the special token itself when the vocabulary has it as
-    one (llguidance's ``<[id]>``; the model writes it as that one token), else the text."""
+def _token_of(tokenizer: Tokenizer, text: str) -> int | None:
+    """The id of ``text`` where the vocabulary has it as one added token (special or not)."""
     token_id = tokenizer.token_to_id(text)
-    if token_id is not None and tokenizer.decode([token_id]) == "":
-        return f"<[{token_id}]>"
-    return json.dumps(text)
+    return token_id if token_id is not None and token_id in tokenizer.backend.get_added_tokens_decoder() else None
+
+
+def _marker(tokenizer: Tokenizer, text: str) -> str:
+    """A grammar literal for ``text``: the token itself where the vocabulary has it as one added
+    token (llguidance's ``<[id]>``: it gives added tokens no text to match, and the model writes
+    the marker as that one token), else the text."""
+    token_id = _token_of(tokenizer, text)
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(text)

@@ -150,10 +150,12 @@ def _for_tool_template(message: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- enforcing required / a named function --------------------------------------------------------------
-def forced_calls_grammar(tool_use: ToolUse) -> StructuredOutput | None:
+def forced_calls_grammar(tool_use: ToolUse, open_literal: str = '"<tool_call>"',
+                         close_literal: str = '"</tool_call>"') -> StructuredOutput | None:
     """For ``required`` (any of the tools, several when parallel calls are allowed) or a named
     function (that one, once): a grammar of Hermes calls whose JSON follows each function's
-    schema. None for ``auto``."""
+    schema. None for ``auto``. The tags' grammar literals may name tokens (Qwen's vocabulary
+    has them as tokens, router/tool_parsers.py)."""
     if tool_use.choice == "auto":
         return None
     functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
@@ -165,7 +167,8 @@ def forced_calls_grammar(tool_use: ToolUse) -> StructuredOutput | None:
         rules.append(f"f{i}: %json {json.dumps(schema)}")
     alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
     repeat = ' ("\\n" call)*' if tool_use.parallel and tool_use.choice == "required" else ""
-    grammar = "\n".join([f"start: call{repeat}", f'call: "<tool_call>\\n" ({alternatives}) "\\n</tool_call>"', *rules])
+    call = f'call: {open_literal} "\\n" ({alternatives}) "\\n" {close_literal}'
+    grammar = "\n".join([f"start: call{repeat}", call, *rules])
     return StructuredOutput("grammar", grammar)
 
 

@@ -121,8 +121,8 @@ def test_replies_are_read_back_and_malformed_calls_stay_content(family, tokenize
         assert fmt.parse(bad, use) == (bad, [])
 
 
-def test_llama3_calls_after_the_python_tag():
-    fmt = tool_format("llama3_json", Tokenizer.__new__(Tokenizer))
+def test_llama3_calls_after_the_python_tag(tokenizer):
+    fmt = tool_format("llama3_json", tokenizer)
     use = parse_tool_use({"tools": [WEATHER, ADD]})
     content, calls = fmt.parse('Checking.<|python_tag|>{"name": "add", "arguments": {"a": 1, "b": 2}}', use)
     assert content == "Checking." and _calls(calls) == [("add", {"a": 1, "b": 2})]
@@ -260,10 +260,10 @@ def test_calls_forced_by_each_format_s_grammar_are_read_back(family, tokenizers)
     assert fmt.grammar(parse_tool_use({"tools": [WEATHER]})) is None  # auto: free
 
 
-def test_glm_values_are_text_for_strings_and_json_for_the_rest():
+def test_glm_values_are_text_for_strings_and_json_for_the_rest(tokenizer):
     use = parse_tool_use({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"}, "tags": {}}}}}]})
-    fmt = tool_format("glm45", Tokenizer.__new__(Tokenizer))
+    fmt = tool_format("glm45", tokenizer)
     text = ('<tool_call>f\n<arg_key>code</arg_key>\n<arg_value>007</arg_value>\n<arg_key>n</arg_key>\n'
             '<arg_value>7</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>["a", 1]</arg_value>\n</tool_call>')
     assert _calls(fmt.parse(text, use)[1]) == [("f", {"code": "007", "n": 7, "tags": ["a", 1]})]
