@@ -9,11 +9,11 @@ import json
 import re
 from typing import Any
 
-from raylm.router import tools
 from raylm.router.call_streams import PieceCallStream
 from raylm.router.tool_formats import (
     Calls,
     CallStream,
+    before_partial_marker,
     json_values,
     new_call,
     repeats,
@@ -84,7 +84,7 @@ class DeepSeekFormat:
         out = []
         for block in text[start + len(CALLS_BEGIN):].split(CALL_BEGIN)[1:]:
             inner, end, _ = block.partition(CALL_END)
-            inner = inner if end else inner[: tools._before_partial_tag(inner, CALL_END)]
+            inner = inner if end else inner[: before_partial_marker(inner, CALL_END)]
             head, sep, rest = inner.partition(SEP)
             if not sep:
                 break
@@ -102,7 +102,7 @@ class DeepSeekFormat:
 
     def held_back(self, text: str) -> int:
         start = text.find(CALLS_BEGIN)
-        return start if start >= 0 else tools._before_partial_tag(text, CALLS_BEGIN)
+        return start if start >= 0 else before_partial_marker(text, CALLS_BEGIN)
 
     def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
         if tool_use.choice == "auto":
