@@ -60,12 +60,13 @@ class ReasoningSplitter:
     """Splits one reply, fed in pieces, into reasoning and content.
 
     ``in_thoughts``: whether the reply starts inside the thoughts (the prompt opened them). A
-    piece that may be the start of a tag is held back until the next piece tells."""
+    ``<think>`` at the very start of the reply opens them (or, repeated, is dropped). A piece
+    that may be the start of a tag is held back until the next piece tells."""
 
-    def __init__(self, in_thoughts: bool, may_open: bool = True):
+    def __init__(self, in_thoughts: bool):
         self.in_thoughts = in_thoughts
         self.closed = False  # whether the thoughts ended (</think> seen)
-        self._at_start = may_open  # a <think> at the very start of the reply opens (or repeats) the thoughts
+        self._at_start = True  # no text told yet: a <think> may still open the reply
         self._pending = ""  # text not yet told: it may be the start of a tag
         self._strip_content = False  # the whitespace between </think> and the answer is neither
 
@@ -131,10 +132,9 @@ class ThoughtsStart:
     """How a request's reply begins, as its rendered prompt left it (see the module docstring)."""
 
     in_thoughts: bool
-    may_open: bool = True
 
     def splitter(self) -> ReasoningSplitter:
-        return ReasoningSplitter(self.in_thoughts, self.may_open)
+        return ReasoningSplitter(self.in_thoughts)
 
 
 def thoughts_start(parser: str, prompt_text: str) -> ThoughtsStart | None:

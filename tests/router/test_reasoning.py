@@ -14,8 +14,8 @@ from raylm.router.reasoning import (
 )
 
 
-def _split(pieces: list[str], in_thoughts: bool, may_open: bool = True) -> tuple[str, str]:
-    splitter = ReasoningSplitter(in_thoughts, may_open)
+def _split(pieces: list[str], in_thoughts: bool) -> tuple[str, str]:
+    splitter = ReasoningSplitter(in_thoughts)
     reasoning, content = "", ""
     for i, piece in enumerate(pieces):
         part = splitter.feed(piece, finished=i == len(pieces) - 1)
@@ -24,28 +24,26 @@ def _split(pieces: list[str], in_thoughts: bool, may_open: bool = True) -> tuple
     return reasoning, content
 
 
-CASES = [  # (reply, starts in the thoughts, may open them, reasoning, content)
-    ("<think>\nLet me add.\n</think>\n\n4", False, True, "\nLet me add.\n", "4"),  # Qwen3, model opens
-    ("  <think>a</think>b", False, True, "a", "b"),
-    ("The answer is 4.", False, True, "", "The answer is 4."),  # no thoughts at all
-    ("4 <think> is text here", False, True, "", "4 <think> is text here"),  # only a leading tag opens
-    ("<think>x</think>y", False, False, "", "<think>x</think>y"),  # thinking turned off in the prompt
-    ("Let me add.\n</think>\n\n4", True, True, "Let me add.\n", "4"),  # DeepSeek-R1: the prompt opened them
-    ("<think>\nhm</think>4", True, True, "\nhm", "4"),  # a repeated <think> is dropped
-    ("still thinking <", True, True, "still thinking <", ""),  # cut short inside the thoughts
-    ("a</thinkX>b", True, True, "a</thinkX>b", ""),
-    ("r</think>c</think>d", True, True, "r", "c</think>d"),  # the first close ends the thoughts
-    ("<thi", False, True, "", "<thi"),  # a partial tag at the end is text
+CASES = [  # (reply, starts in the thoughts, reasoning, content)
+    ("<think>\nLet me add.\n</think>\n\n4", False, "\nLet me add.\n", "4"),  # Qwen3, model opens
+    ("  <think>a</think>b", False, "a", "b"),
+    ("The answer is 4.", False, "", "The answer is 4."),  # no thoughts at all
+    ("4 <think> is text here", False, "", "4 <think> is text here"),  # only a leading tag opens
+    ("Let me add.\n</think>\n\n4", True, "Let me add.\n", "4"),  # DeepSeek-R1: the prompt opened them
+    ("<think>\nhm</think>4", True, "\nhm", "4"),  # a repeated <think> is dropped
+    ("still thinking <", True, "still thinking <", ""),  # cut short inside the thoughts
+    ("a</thinkX>b", True, "a</thinkX>b", ""),
+    ("r</think>c</think>d", True, "r", "c</think>d"),  # the first close ends the thoughts
+    ("<thi", False, "", "<thi"),  # a partial tag at the end is text
 ]
 
 
-@pytest.mark.parametrize("reply, in_thoughts, may_open, reasoning, content", CASES)
-def test_every_split_of_a_reply_gives_the_same_reasoning_and_content(reply, in_thoughts, may_open, reasoning,
-                                                                     content):
-    assert _split([reply], in_thoughts, may_open) == (reasoning, content)
+@pytest.mark.parametrize("reply, in_thoughts, reasoning, content", CASES)
+def test_every_split_of_a_reply_gives_the_same_reasoning_and_content(reply, in_thoughts, reasoning, content):
+    assert _split([reply], in_thoughts) == (reasoning, content)
     for cut in range(len(reply) + 1):
-        assert _split([reply[:cut], reply[cut:]], in_thoughts, may_open) == (reasoning, content), cut
-    assert _split(list(reply), in_thoughts, may_open) == (reasoning, content)  # one character at a time
+        assert _split([reply[:cut], reply[cut:]], in_thoughts) == (reasoning, content), cut
+    assert _split(list(reply), in_thoughts) == (reasoning, content)  # one character at a time
 
 
 def test_a_stream_tells_each_part_as_soon_as_it_is_sure():
