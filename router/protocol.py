@@ -14,7 +14,7 @@ from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.chat_messages import parse_messages
 from raylm.router.chat_options import template_variables
 from raylm.router.errors import OpenAIError, invalid
-from raylm.router.reasoning import REASONING_PARSERS, ThoughtsStart, detect_reasoning_parser, thoughts_start
+from raylm.router.reasoning import ThoughtsStart, reasoning_parser_for, thoughts_start
 from raylm.router.reasoning_grammar import params_after_thoughts
 from raylm.router.structured_request import structured_output
 from raylm.router.tool_parsers import ToolFormat, check_template_renders_tools, params_for_calls, tool_format
@@ -90,16 +90,12 @@ class RequestParser:
     def __init__(self, tokenizer: Tokenizer, served_model_names: Collection[str], max_model_len: int,
                  tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
         """``served_model_names`` may be a live view (adapters loaded at run time join it); ``auto``
-        parsers: the chat template's (router/tool_formats.py, router/reasoning.py)."""
-        reasoning_parser = detect_reasoning_parser(tokenizer.chat_template) if reasoning_parser == "auto" \
-            else reasoning_parser
-        if reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be auto or one of {REASONING_PARSERS}, got {reasoning_parser!r}")
+        parsers: the chat template's (router/tool_parsers.py, router/reasoning.py)."""
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
         self.tool_format = tool_format(tool_call_parser, tokenizer)
-        self.reasoning_parser = reasoning_parser
+        self.reasoning_parser = reasoning_parser_for(reasoning_parser, tokenizer.chat_template)
 
     def parse_chat(self, body: Any) -> ParsedRequest:
         body = _require_object(body)
@@ -132,7 +128,8 @@ class RequestParser:
         template variables) through the chat template."""
         takes_tools = self.tokenizer.chat_template_takes_tools
         check_template_renders_tools(self.tool_format, tool_use, takes_tools)
-        messages, extra = template_messages(parse_messages(body.get("messages")), tool_use, takes_tools)
+        history = self.tool_format.history(parse_messages(body.get("messages")))
+        messages, extra = template_messages(history, tool_use, takes_tools)
         variables = template_variables(body, self.tokenizer.chat_template)
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **variables, **extra)

@@ -36,6 +36,14 @@ def detect_reasoning_parser(chat_template: str | None) -> str:
     return "deepseek_r1" if OPEN in generation and "enable_thinking" not in generation else "qwen3"
 
 
+def reasoning_parser_for(name: str, chat_template: str | None) -> str:
+    """The deploy file's ``model.reasoning_parser``, ``auto`` resolved from the chat template."""
+    parser = detect_reasoning_parser(chat_template) if name == "auto" else name
+    if parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be auto or one of {REASONING_PARSERS}, got {name!r}")
+    return parser
+
+
 def prompt_opens_thoughts(prompt_text: str) -> bool:
     """Whether a rendered prompt ends inside an open ``<think>`` block (the reply continues it)."""
     return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)

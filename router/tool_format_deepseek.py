@@ -13,6 +13,7 @@ from raylm.router.call_streams import PieceCallStream
 from raylm.router.tool_formats import (
     Calls,
     CallStream,
+    FormatBase,
     before_partial_marker,
     json_values,
     new_call,
@@ -29,14 +30,13 @@ FENCE_OPEN, FENCE_CLOSE = "\n```json\n", "\n```"
 _CALL = re.compile(re.escape(CALL_BEGIN) + "(.*?)" + re.escape(CALL_END), re.DOTALL)
 
 
-class DeepSeekFormat:
+class DeepSeekFormat(FormatBase):
     """``fenced``: V3's form (``function`` and a fenced JSON block) rather than V3.1's.
     ``literals``: each marker as a grammar literal (the special token itself where the
     vocabulary has it as one)."""
 
     name = "deepseek_v3"
     markers = MARKERS
-    keep_special_tokens = False
 
     def __init__(self, fenced: bool, literals: dict[str, str] | None = None):
         self.fenced = fenced

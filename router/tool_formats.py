@@ -16,6 +16,7 @@ names one (router/tool_parsers.py). Every format answers the same questions
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -43,6 +44,9 @@ class ToolFormat(Protocol):
     name: str
     markers: tuple[str, ...]  # the format's fixed tags (a vocabulary may have them as tokens)
     keep_special_tokens: bool  # whether a marker is a special token (then decoded text must keep them)
+
+    def history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The validated messages as this family's template takes them."""
 
     def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
         """The reply's content (None when empty) and its calls; a reply whose calls are not
@@ -118,13 +122,23 @@ def before_partial_marker(text: str, marker: str) -> int:
     return tools._before_partial_tag(text, marker)
 
 
-class HermesFormat:
+class FormatBase:
+    """What most formats share: special tokens dropped from text unless a marker is one (set by
+    router/tool_parsers.py), the conversation's history as the template takes it."""
+
+    keep_special_tokens = False
+
+    def history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The validated messages as this family's template takes them."""
+        return messages
+
+
+class HermesFormat(FormatBase):
     """Hermes' ``<tool_call>`` blocks (router/tools.py), streamed argument piece by piece.
     ``literals``: each tag as a grammar literal (see ``DeepSeekFormat``)."""
 
     name = "hermes"
     markers = (tools.OPEN_TAG, tools.CLOSE_TAG)
-    keep_special_tokens = False  # set where a marker is a special token (router/tool_parsers.py)
 
     def __init__(self, literals: dict[str, str] | None = None):
         self._literal = literals or {m: json.dumps(m) for m in self.markers}
@@ -163,13 +177,12 @@ class WholeCallStream:
         return self._count > 0
 
 
-class Llama3JsonFormat:
+class Llama3JsonFormat(FormatBase):
     """Llama 3.x's JSON calls: the reply (after ``<|python_tag|>``, if written) is
     ``{"name": ..., "parameters": {...}}``, parallel calls joined by ``;``."""
 
     name = "llama3_json"
     markers = (PYTHON_TAG,)
-    keep_special_tokens = False
 
     def _start(self, text: str) -> int:
         tag = text.find(PYTHON_TAG)
@@ -208,14 +221,13 @@ class Llama3JsonFormat:
         return WholeCallStream(self, tool_use)
 
 
-class MistralFormat:
+class MistralFormat(FormatBase):
     """Mistral's ``[TOOL_CALLS]``: a JSON array of ``{"name", "arguments"}``, or (templates that
     know ``[ARGS]``) ``[TOOL_CALLS]name[ARGS]{...}`` for each call. Ids are 9 letters and digits,
     the only ids Mistral's templates accept back."""
 
     name = "mistral"
     markers = (TOOL_CALLS, ARGS)
-    keep_special_tokens = False
 
     def __init__(self, args_form: bool, tool_calls_literal: str = json.dumps(TOOL_CALLS),
                  args_literal: str = json.dumps(ARGS)):
@@ -245,6 +257,15 @@ class MistralFormat:
         if not calls or None in calls:
             return text, []
         return text[:start].strip() or None, calls
+
+    def history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Call ids of 9 letters and digits, the only ones Mistral's templates accept (an id of
+        another shape, as other servers give, is replaced by one derived from it, the same in
+        the call and in its result)."""
+        return [{**m, **({"tool_calls": [{**c, "id": _mistral_history_id(c["id"])} for c in m["tool_calls"]]}
+                         if m.get("tool_calls") else {}),
+                 **({"tool_call_id": _mistral_history_id(m["tool_call_id"])} if "tool_call_id" in m else {})}
+                for m in messages]
 
     def held_back(self, text: str) -> int:
         start = text.find(TOOL_CALLS)
@@ -291,6 +312,12 @@ def with_layout(parameters: dict[str, Any]) -> dict[str, Any]:
     return {**parameters, "x-guidance": JSON_LAYOUT}
 
 
+def _mistral_history_id(call_id: str) -> str:
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
 def _mistral_id() -> str:
     return uuid.uuid4().hex[:9]
 
@@ -300,14 +327,13 @@ _GLM_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_valu
 _GLM_VALUE_TEXT = "/[^<]*/"  # a string value as plain text: anything up to the closing tag
 
 
-class Glm45Format:
+class Glm45Format(FormatBase):
     """GLM-4.5's ``<tool_call>`` blocks: the function's name on the first line, then each
     argument as an ``<arg_key>`` / ``<arg_value>`` pair (as GLM's template writes them back:
     strings as they are, other values as JSON). Parallel calls follow each other."""
 
     name = "glm45"
     markers = (tools.OPEN_TAG, tools.CLOSE_TAG, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
-    keep_special_tokens = False
 
     def __init__(self, literals: dict[str, str] | None = None):
         self._literal = literals or {m: json.dumps(m) for m in self.markers}

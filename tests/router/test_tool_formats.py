@@ -269,3 +269,19 @@ def test_glm_values_are_text_for_strings_and_json_for_the_rest(tokenizer):
     assert _calls(fmt.parse(text, use)[1]) == [("f", {"code": "007", "n": 7, "tags": ["a", 1]})]
     assert fmt.parse("<tool_call>f<arg_key>n</arg_key><arg_value>1</arg_value></tool_call>", use)[1]  # no newlines
     assert fmt.parse(text + " trailing words", use)[1] == []  # text after the calls: not calls
+
+
+def test_mistral_templates_get_call_ids_they_accept(tokenizers):
+    """Mistral's templates refuse call ids other than 9 letters and digits: other servers' ids
+    are replaced by ones derived from them, the same in the call and in its result."""
+    fmt = tool_format("auto", tokenizers["mistral"])
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0123456789abcdef", "type": "function", "function": {"name": "add", "arguments": "{}"}},
+        {"id": "a1b2c3d4e", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "content": "3", "tool_call_id": "call_0123456789abcdef"},
+        {"role": "tool", "content": "4", "tool_call_id": "a1b2c3d4e"}]
+    out = fmt.history(history)
+    ids = [c["id"] for c in out[1]["tool_calls"]]
+    assert ids[1] == "a1b2c3d4e" and len(ids[0]) == 9 and ids[0].isalnum()
+    assert [m["tool_call_id"] for m in out[2:]] == ids and out[0] == ASK[0]
+    assert tool_format("auto", tokenizers["hermes"]).history(history) == history
