@@ -194,13 +194,42 @@ class Llama3JsonFormat(FormatBase):
         start = self._start(text)
         if start < 0:
             return text, []
-        body = text[start:].strip()
-        body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+        body = self._body(text, start)
         values = json_values(body)
         calls = [_call_of(v, tool_use, ("parameters", "arguments")) for v in values or []]
         if not calls or None in calls:
             return text, []
+        # The arguments as written where the call is written name first (what a stream sends).
+        for call, (_, arguments, _) in zip(calls, self.growing_calls(text)):
+            try:
+                if json.loads(arguments) == json.loads(call["function"]["arguments"]):
+                    call["function"]["arguments"] = arguments
+            except json.JSONDecodeError:
+                pass
         return text[:start].strip() or None, calls
+
+    @staticmethod
+    def _body(text: str, start: int) -> str:
+        body = text[start:].strip()
+        return body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+
+    def growing_calls(self, text: str) -> list[tuple[str, str, bool]]:
+        """The calls written name first so far: (name, arguments text so far, closed)."""
+        start = self._start(text)
+        body = self._body(text, start) if start >= 0 else ""
+        decoder, out, at = json.JSONDecoder(), [], 0
+        while True:
+            while at < len(body) and (body[at].isspace() or (out and body[at] == ";")):
+                at += 1
+            header = _LLAMA_HEADER.match(body, at)
+            if header is None:
+                return out
+            try:
+                _, end = decoder.raw_decode(body, at)
+            except json.JSONDecodeError:
+                return out + [(header.group(1), body[header.end():], False)]
+            out.append((header.group(1), body[header.end():end - 1].rstrip(), True))  # without the call's }
+            at = end
 
     def held_back(self, text: str) -> int:
         start = self._start(text)
@@ -218,7 +247,11 @@ class Llama3JsonFormat(FormatBase):
         return StructuredOutput("grammar", "\n".join([f"start: call{repeat}", f"call: {alternatives}", *rules]))
 
     def stream(self, tool_use: ToolUse) -> CallStream:
-        return WholeCallStream(self, tool_use)
+        return PieceCallStream(self, tool_use, lambda: new_call("", "")["id"])
+
+
+# A Llama call written name first, up to where its arguments' text begins.
+_LLAMA_HEADER = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*')
 
 
 class MistralFormat(FormatBase):

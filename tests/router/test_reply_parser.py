@@ -45,5 +45,5 @@ def test_without_thoughts_or_tools_everything_is_content():
     assert _fed(parser, ["<think>a</think>", CALL]) == ("", f"<think>a</think>{CALL}", [])
     assert parser.final() == (None, f"<think>a</think>{CALL}", []) and not parser.thinks
     llama = ReplyParser(None, Llama3JsonFormat(), USE)
-    assert _fed(llama, ['{"name": "add", ', '"parameters": {}}'])[2][0]["function"] == {"name": "add",
-                                                                                       "arguments": "{}"}
+    entries = _fed(llama, ['{"name": "add", ', '"parameters": {}}'])[2]
+    assert entries[0]["function"] == {"name": "add", "arguments": ""} and entries[1]["function"] == {"arguments": "{}"}

@@ -149,6 +149,7 @@ def _raw(entries: list[dict]) -> list[str]:
 
 
 @pytest.mark.parametrize("family, first_call_end", [("hermes", "</tool_call>"), ("mistral_args", "[TOOL_CALLS]add"),
+                                                    ("llama3_json", "}};"),
                                                     ("deepseek_v3", "<｜tool▁call▁end｜>"),
                                                     ("deepseek_v31", "<｜tool▁call▁end｜>")])
 def test_name_first_formats_stream_a_call_before_it_ends(family, first_call_end, tokenizers):
