@@ -10,11 +10,11 @@ import json
 from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.errors import invalid
 from raylm.router.tool_format_deepseek import MARKERS, DeepSeekFormat
+from raylm.router.tool_format_glm import Glm45Format
 from raylm.router.tool_formats import (
     ARGS,
     PYTHON_TAG,
     TOOL_CALLS,
-    Glm45Format,
     HermesFormat,
     Llama3JsonFormat,
     MistralFormat,
