@@ -97,6 +97,7 @@ def router_settings(config: DeployConfig) -> RouterSettings:
         tokens_per_minute=router.rate_limits.tokens_per_minute,
         block_size=engine_args.block_size,
         tool_call_parser=config.model.tool_call_parser,
+        reasoning_parser=config.model.reasoning_parser,
         cache_salt=engine_args.cache_salt(config.model.name),
         # the workers' LoRARequests, by name: the router resolves a name to the same request (id)
         lora_modules={r.lora_name: r.lora_path for r in config.model.lora_requests()},

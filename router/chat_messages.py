@@ -1,7 +1,8 @@
 """A chat request's ``messages``, validated into the plain dicts the chat template renders.
 
 Content is text (a string, or text parts joined); other part types are refused. Assistant
-turns may carry earlier ``tool_calls``; a ``tool`` turn must answer one of them, as OpenAI
+turns may carry earlier ``tool_calls`` and thoughts (``reasoning_content``, or vLLM's
+``reasoning``, for templates that render them); a ``tool`` turn must answer one of them, as OpenAI
 requires: it carries the ``tool_call_id`` of a call made by the assistant turn it follows
 (after that turn's other results), else the request is a 400 saying which message and why.
 """
@@ -35,6 +36,10 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
         if role == "assistant" and message.get("tool_calls") is not None:
             entry["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        if role == "assistant":  # earlier thoughts, as replies carry them: a thinking model's template shows them
+            thoughts = _text_field(message, "reasoning_content", where) or _text_field(message, "reasoning", where)
+            if thoughts:
+                entry["reasoning_content"] = thoughts
         if role == "tool":
             entry["tool_call_id"] = _tool_result_id(message, where, open_calls)
         else:

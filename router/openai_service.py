@@ -130,7 +130,7 @@ class OpenAIService:
         self.tokenizer = tokenizer
         self.catalog = ModelCatalog(settings, adapter_store or MemoryAdapterStore(), model_config)
         self.parser = RequestParser(tokenizer, self.catalog.models.keys(), settings.max_model_len,
-                                    settings.tool_call_parser)
+                                    settings.tool_call_parser, settings.reasoning_parser)
         self.metrics = RouterMetrics(settings.served_model_name)
         self.queue = FairQueue(len(settings.priority_classes), settings.max_queue_size, settings.tenant_weights)
         self.admission = AdmissionController(self.queue, settings.queue_timeout_s, on_tokens=self._count_tokens)

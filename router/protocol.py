@@ -12,9 +12,13 @@ from typing import Any, Collection, Literal, Mapping
 
 from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.chat_messages import parse_messages
+from raylm.router.chat_options import template_variables
 from raylm.router.errors import OpenAIError, invalid
+from raylm.router.reasoning import ThoughtsStart, reasoning_parser_for, thoughts_start
+from raylm.router.reasoning_grammar import params_after_thoughts
 from raylm.router.structured_request import structured_output
-from raylm.router.tools import TOOL_CALL_PARSERS, ToolUse, forced_calls_grammar, parse_tool_use, template_messages
+from raylm.router.tool_parsers import ToolFormat, check_template_renders_tools, params_for_calls, tool_format
+from raylm.router.tools import ToolUse, parse_tool_use, template_messages
 from raylm.workers.core.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -41,6 +45,7 @@ _COMMON_FIELDS = {
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "store", "metadata", "service_tier", "reasoning_effort", "modalities",
+    "chat_template_kwargs",  # vLLM's: more chat template variables (e.g. enable_thinking)
 }
 _COMPLETION_FIELDS = _COMMON_FIELDS | {
     "prompt", "logprobs", "echo", "suffix", "best_of",
@@ -54,7 +59,7 @@ _TOKENIZE_CHAT_FIELDS = {"model", "messages", "tools", "add_generation_prompt", 
                          "return_token_strs", "continue_final_message", "chat_template", "chat_template_kwargs"}
 _DETOKENIZE_FIELDS = {"model", "tokens"}
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit
-_UNSUPPORTED_IF_SET = {"suffix", "modalities", "reasoning_effort", "functions"}
+_UNSUPPORTED_IF_SET = {"suffix", "modalities", "functions"}
 
 
 @dataclasses.dataclass
@@ -73,6 +78,8 @@ class ParsedRequest:
     user: str | None
     priority: str | int | None  # a priority class name or index; the router maps it
     tool_use: ToolUse | None = None  # chat: the tools the model may call
+    tool_format: ToolFormat | None = None  # chat with tools: how the model writes calls (router/tool_formats.py)
+    thoughts: ThoughtsStart | None = None  # chat with a reasoning model: how its reply begins
     encoding_format: str = "float"  # embeddings: "float" or "base64"
     beam: BeamSearchParams | None = None  # use_beam_search: n beams instead of n samples
 
@@ -81,21 +88,21 @@ class RequestParser:
     """Turns JSON bodies into ``ParsedRequest`` for one served model."""
 
     def __init__(self, tokenizer: Tokenizer, served_model_names: Collection[str], max_model_len: int,
-                 tool_call_parser: str = "hermes"):
-        """``served_model_names`` may be a live view (adapters loaded at run time join it)."""
-        if tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
+                 tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
+        """``served_model_names`` may be a live view (adapters loaded at run time join it); ``auto``
+        parsers: the chat template's (router/tool_parsers.py, router/reasoning.py)."""
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
-        self.tool_call_parser = tool_call_parser
+        self.tool_format = tool_format(tool_call_parser, tokenizer)
+        self.reasoning_parser = reasoning_parser_for(reasoning_parser, tokenizer.chat_template)
 
     def parse_chat(self, body: Any) -> ParsedRequest:
         body = _require_object(body)
         _refuse_unknown(body, _CHAT_FIELDS)
         model = self._model(body)
         tool_use = parse_tool_use(body)
-        prompt_ids = self._chat_prompt_ids(body, tool_use)
+        prompt_text, prompt_ids = self._chat_prompt(body, tool_use)
         want_logprobs = _optional(body, "logprobs", bool)
         top = _optional(body, "top_logprobs", int)
         if top is not None and not want_logprobs:
@@ -104,29 +111,31 @@ class RequestParser:
             raise invalid(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
         logprobs = (top or 0) if want_logprobs else None
         max_tokens = _optional(body, "max_completion_tokens", int)
-        if max_tokens is None:
-            max_tokens = _optional(body, "max_tokens", int)
+        max_tokens = _optional(body, "max_tokens", int) if max_tokens is None else max_tokens
         parsed = self._finish(body, "chat", model, [prompt_ids], [None], max_tokens, logprobs, echo=False)
-        forced = forced_calls_grammar(tool_use) if tool_use else None
-        if forced is not None:
-            if parsed.params.structured_output is not None:
-                raise invalid("tool_choice required or a named function cannot be combined with structured output",
-                              "tool_choice")
-            parsed.params = dataclasses.replace(parsed.params, structured_output=forced)
-        parsed.tool_use = tool_use
+        if tool_use is not None:
+            parsed.params = params_for_calls(self.tool_format, tool_use, parsed.params)
+            parsed.tool_use, parsed.tool_format = tool_use, self.tool_format
+        parsed.thoughts = thoughts_start(self.reasoning_parser, prompt_text)
+        parsed.params = params_after_thoughts(parsed.params, parsed.thoughts, tool_use, self.tokenizer)
         if parsed.beam is not None and tool_use is not None:
             raise invalid("use_beam_search cannot be combined with tools", "use_beam_search")
         return parsed
 
-    def _chat_prompt_ids(self, body: Mapping[str, Any], tool_use: ToolUse | None, add_generation_prompt: bool = True,
-                         add_special_tokens: bool = False) -> list[int]:
-        """The conversation's prompt ids: its messages (and tools) through the chat template."""
-        messages, extra = template_messages(parse_messages(body.get("messages")), tool_use,
-                                            self.tokenizer.chat_template_takes_tools)
+    def _chat_prompt(self, body: Mapping[str, Any], tool_use: ToolUse | None, add_generation_prompt: bool = True,
+                     add_special_tokens: bool = False) -> tuple[str, list[int]]:
+        """The conversation's prompt text and ids: its messages (and tools, and the request's
+        template variables) through the chat template."""
+        takes_tools = self.tokenizer.chat_template_takes_tools
+        check_template_renders_tools(self.tool_format, tool_use, takes_tools)
+        history = self.tool_format.history(parse_messages(body.get("messages")))
+        messages, extra = template_messages(history, tool_use, takes_tools)
+        variables = template_variables(body, self.tokenizer.chat_template)
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt, add_special_tokens, **extra)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **variables, **extra)
         except Exception as err:  # a template may raise on odd role orders
             raise invalid(f"cannot render the chat template for these messages: {err}", "messages") from None
+        return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def parse_completion(self, body: Any) -> ParsedRequest:
         body = _require_object(body)
@@ -181,12 +190,12 @@ class RequestParser:
             self._model(body)
         add_special_tokens = _optional(body, "add_special_tokens", bool)
         if chat:
-            for field in ("continue_final_message", "chat_template", "chat_template_kwargs"):
+            for field in ("continue_final_message", "chat_template"):
                 if body.get(field) not in (None, False, {}):
                     raise invalid(f"{field} is not supported by this server", field)
             add_generation_prompt = _optional(body, "add_generation_prompt", bool)
-            ids = self._chat_prompt_ids(body, parse_tool_use(body), add_generation_prompt is not False,
-                                        bool(add_special_tokens))
+            _, ids = self._chat_prompt(body, parse_tool_use(body), add_generation_prompt is not False,
+                                       bool(add_special_tokens))
         else:
             prompt = body.get("prompt")
             if prompt is None:

@@ -2,7 +2,7 @@
 
 Choice index ``i * n + j`` is completion ``j`` of prompt ``i`` (the completions API's rule for
 a list of prompts); chat always has one prompt. When a chat request offers tools, the calls a
-reply makes are read back (``router/tools.py``) into ``tool_calls`` with ``finish_reason:
+reply makes are read back (``router/reply_parser.py``) into ``tool_calls`` with ``finish_reason:
 tool_calls``; streamed, the content before a call goes out as it comes, then each call's name
 and its arguments piece by piece, as OpenAI streams them.
 """
@@ -17,7 +17,8 @@ import numpy as np
 
 from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.protocol import ParsedRequest
-from raylm.router.tools import ToolCallStream, held_back, parse_tool_calls
+from raylm.router.reasoning import CLOSE, reasoning_token_count
+from raylm.router.reply_parser import ReplyDelta, ReplyParser
 from raylm.workers.wire.replica_protocol import ChoiceDelta, GenerateChunk
 
 
@@ -27,9 +28,9 @@ class _Choice:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
-    streamed: int = 0  # characters of content streamed (a reply that may call tools holds some back)
     hidden_states: np.ndarray | None = None  # return_hidden_states: [layers, positions, D]
-    tool_calls: ToolCallStream | None = None  # a streamed reply's calls, when the request offers tools
+    reply: ReplyParser = dataclasses.field(default_factory=ReplyParser)  # thoughts, content and tool calls
+    last: ReplyDelta = ReplyDelta()  # what the latest delta added to each
 
 
 class ResponseBuilder:
@@ -41,7 +42,8 @@ class ResponseBuilder:
         self.created = created
         self.tokenizer = tokenizer
         n = parsed.params.n
-        self.choices = [_Choice() for _ in range(n * len(parsed.prompts))]
+        self.choices = [_Choice(reply=ReplyParser(parsed.thoughts, parsed.tool_format, parsed.tool_use))
+                        for _ in range(n * len(parsed.prompts))]
         self.cached_tokens = [0] * len(parsed.prompts)
         self._token_text: dict[int, str] = {}
         if parsed.echo:
@@ -65,6 +67,7 @@ class ResponseBuilder:
                 choice.logprobs += delta.logprobs
             if delta.finish_reason is not None:
                 choice.finish_reason = _openai_finish_reason(delta.finish_reason)
+            choice.last = choice.reply.feed(delta.text, delta.finish_reason is not None)
             if delta.hidden_states is not None:
                 choice.hidden_states = delta.hidden_states
             out.append((index, delta))
@@ -78,16 +81,31 @@ class ResponseBuilder:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)},
+            **self._reasoning_usage(),
         }
+
+    def _reasoning_usage(self) -> dict[str, Any]:
+        """``completion_tokens_details.reasoning_tokens``: counted up to the token that closed the
+        thoughts; where ``</think>`` is not one token, the thoughts' text re-encoded (an estimate)."""
+        if self.parsed.thoughts is None:
+            return {}
+        close_id = self.tokenizer.token_to_id(CLOSE)
+        total = 0
+        for c in self.choices:
+            count = reasoning_token_count(c.token_ids, close_id, c.reply.splitter)
+            total += count if count is not None else len(self.tokenizer.encode(c.reply.reasoning + CLOSE, False))
+        return {"completion_tokens_details": {"reasoning_tokens": total}}
 
     # -- final responses -----------------------------------------------------------------------------
     def final(self) -> dict[str, Any]:
         if self.parsed.kind == "chat":
             choices = []
             for i, c in enumerate(self.choices):
-                message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+                reasoning, content, calls = c.reply.final()
+                message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+                if c.reply.thinks:  # OpenAI-compatible servers' name, and vLLM's newer one
+                    message["reasoning_content"] = message["reasoning"] = reasoning
                 finish = c.finish_reason
-                content, calls = self._calls(c.text)
                 if calls:
                     message.update(content=content, tool_calls=calls)
                     finish = _finish_with_calls(finish)
@@ -127,15 +145,18 @@ class ResponseBuilder:
     def stream_delta(self, index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
         """The chunk for one choice's delta (None when there is nothing to tell the client)."""
         finish = _openai_finish_reason(delta.finish_reason) if delta.finish_reason else None
-        text, calls, called = self._streamable(index, delta.text, finish is not None)
-        if finish is not None and called:
+        last = self.choices[index].last
+        text, calls, reasoning = last.content, last.tool_calls, last.reasoning
+        if finish is not None and self.choices[index].reply.called:
             finish = _finish_with_calls(finish)
         hidden = self._hidden_states(delta.hidden_states)
-        if (not text and not calls and finish is None and not hidden
+        if (not text and not calls and not reasoning and finish is None and not hidden
                 and not (self.parsed.logprobs is not None and delta.token_ids)):
             return None
         if self.parsed.kind == "chat":
             message: dict[str, Any] = {"content": text} if text else {}
+            if reasoning:
+                message["reasoning_content"] = message["reasoning"] = reasoning
             if calls:
                 message["tool_calls"] = calls
             choice = {
@@ -163,30 +184,6 @@ class ResponseBuilder:
         data = np.ascontiguousarray(hidden, dtype="<f4")
         return {"hidden_states": {"layers": list(self.parsed.params.return_hidden_states), "shape": list(data.shape),
                                   "dtype": "float32", "data": base64.b64encode(data.tobytes()).decode("ascii")}}
-
-    def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """A chat reply's content and tool calls (none when the request offered no tools)."""
-        if self.parsed.tool_use is None:
-            return text, []
-        return parse_tool_calls(text, self.parsed.tool_use)
-
-    def _streamable(self, index: int, text: str, finished: bool) -> tuple[str, list[dict[str, Any]], bool]:
-        """For a delta of ``text``: the content to stream now, the ``tool_calls`` entries to send
-        now (a call's name as soon as it is written, then its arguments as they grow; see
-        ``ToolCallStream``), and whether the reply has made a call. Without tools that is the
-        delta itself; with them, content stops before anything that may be a call, and a reply
-        that ends with no call sends the rest of its text as content."""
-        if self.parsed.tool_use is None:
-            return text, [], False
-        choice = self.choices[index]
-        if choice.tool_calls is None:
-            choice.tool_calls = ToolCallStream(self.parsed.tool_use)
-        calls = choice.tool_calls.deltas(choice.text, finished)
-        called = choice.tool_calls.called
-        visible = choice.text if finished and not called else choice.text[: held_back(choice.text)]
-        new = visible[choice.streamed:] if len(visible) > choice.streamed else ""
-        choice.streamed = max(choice.streamed, len(visible))
-        return new, calls, called
 
     def stream_usage(self) -> dict[str, Any]:
         return {**self._envelope(self._chunk_object()), "choices": [], "usage": self.usage()}

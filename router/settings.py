@@ -37,7 +37,8 @@ class RouterSettings:
     admin_api_keys_env: str | None = "RAYLM_ADMIN_API_KEYS"
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
-    tool_call_parser: str = "hermes"  # router/tools.py: how tool calls are written and read back
+    tool_call_parser: str = "auto"  # router/tool_formats.py: how tool calls are written and read back
+    reasoning_parser: str = "auto"  # router/reasoning.py: where a thinking model's thoughts are
     cache_salt: str = ""
     # LoRA adapters served beside the model (deploy file's model.lora_modules): name -> path.
     # A request whose ``model`` is one of them generates with it. With the workers' enable_lora,

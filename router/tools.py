@@ -22,7 +22,6 @@ from typing import Any, Mapping
 from raylm.router.errors import invalid
 from raylm.workers.core.grammar import JSON_LAYOUT, StructuredOutput
 
-TOOL_CALL_PARSERS = ("hermes",)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
@@ -134,10 +133,12 @@ def _arguments(function: Mapping[str, Any]) -> Any:
 def _as_text(message: dict[str, Any]) -> dict[str, Any]:
     if message["role"] == "tool":
         return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+    thoughts = {"reasoning_content": message["reasoning_content"]} if "reasoning_content" in message else {}
     if message.get("tool_calls"):
         calls = "\n".join(_call_text(c) for c in message["tool_calls"])
-        return {"role": "assistant", "content": f"{message['content']}\n{calls}" if message["content"] else calls}
-    return {"role": message["role"], "content": message["content"]}
+        return {"role": "assistant", "content": f"{message['content']}\n{calls}" if message["content"] else calls,
+                **thoughts}
+    return {"role": message["role"], "content": message["content"], **thoughts}
 
 
 def _for_tool_template(message: dict[str, Any]) -> dict[str, Any]:
@@ -149,10 +150,12 @@ def _for_tool_template(message: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- enforcing required / a named function --------------------------------------------------------------
-def forced_calls_grammar(tool_use: ToolUse) -> StructuredOutput | None:
+def forced_calls_grammar(tool_use: ToolUse, open_literal: str = '"<tool_call>"',
+                         close_literal: str = '"</tool_call>"') -> StructuredOutput | None:
     """For ``required`` (any of the tools, several when parallel calls are allowed) or a named
     function (that one, once): a grammar of Hermes calls whose JSON follows each function's
-    schema. None for ``auto``."""
+    schema. None for ``auto``. The tags' grammar literals may name tokens (Qwen's vocabulary
+    has them as tokens, router/tool_parsers.py)."""
     if tool_use.choice == "auto":
         return None
     functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
@@ -164,7 +167,8 @@ def forced_calls_grammar(tool_use: ToolUse) -> StructuredOutput | None:
         rules.append(f"f{i}: %json {json.dumps(schema)}")
     alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
     repeat = ' ("\\n" call)*' if tool_use.parallel and tool_use.choice == "required" else ""
-    grammar = "\n".join([f"start: call{repeat}", f'call: "<tool_call>\\n" ({alternatives}) "\\n</tool_call>"', *rules])
+    call = f'call: {open_literal} "\\n" ({alternatives}) "\\n" {close_literal}'
+    grammar = "\n".join([f"start: call{repeat}", call, *rules])
     return StructuredOutput("grammar", grammar)
 
 

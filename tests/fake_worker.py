@@ -149,3 +149,28 @@ def ledger_problems(service: OpenAIService) -> list[str]:
         if not (call.finished or call.cancels == 1):
             problems.append(f"worker call finished={call.finished} cancelled {call.cancels} times")
     return problems
+
+
+def token_chunks(tokenizer: Any, reply: str, finish: str = "stop") -> list[GenerateChunk]:
+    """A worker's stream of ``reply`` as a model writes it: one chunk per token of it, each with
+    that token's text (so a tag made of several tokens arrives in pieces)."""
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == reply
+    pieces, done = [], ""
+    for k in range(len(ids)):
+        text = tokenizer.decode(ids[: k + 1], skip_special_tokens=False)
+        pieces.append(text[len(done):])
+        done = text
+    return [GenerateChunk("r", [ChoiceDelta(0, piece, [token], None, finish if k == len(ids) - 1 else None)],
+                          prompt_tokens=3, num_cached_tokens=0, finished=k == len(ids) - 1)
+            for k, (piece, token) in enumerate(zip(pieces, ids))]
+
+
+def openai_client(service: OpenAIService) -> Any:
+    """The official async ``openai`` client, talking HTTP to ``service``'s app in-process."""
+    import httpx
+    import openai
+
+    transport = httpx.ASGITransport(app=service.asgi_app())
+    return openai.AsyncOpenAI(base_url="http://router/v1", api_key="unused", max_retries=0,
+                              http_client=httpx.AsyncClient(transport=transport, base_url="http://router"))

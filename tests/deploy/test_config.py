@@ -69,6 +69,8 @@ def test_every_engine_arg_is_settable_from_yaml():
         ({"htp": {}}, "htp: unknown key"),
         ({"model": {"lora_modules": [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]}}, "distinct"),
         ({"model": {"lora_modules": [{"name": "a"}]}}, "model.lora_modules.0.path"),
+        ({"model": {"reasoning_parser": "o1"}}, "model.reasoning_parser"),
+        ({"model": {"tool_call_parser": "xml"}}, "model.tool_call_parser"),
         ({"engine": {"max_loras": 4, "max_cpu_loras": 2}}, "max_cpu_loras must be an integer >= max_loras"),
         ({"engine": {"lora_dtype": "float16"}}, "lora_dtype must be one of"),
         ([1, 2], "must be a mapping"),
@@ -90,6 +92,16 @@ def test_lora_modules_turn_lora_on_and_are_the_router_s_models():
     assert config.model.lora_requests() == [LoRARequest("sql", 1, "/adapters/sql")]
     assert router_settings(config).lora_modules == {"sql": "/adapters/sql"}
     assert not parse_deploy_config({}).engine_args().enable_lora
+
+
+def test_the_model_s_parsers_reach_the_router():
+    from raylm.deploy.app_builder import router_settings
+
+    settings = router_settings(parse_deploy_config({"model": {"reasoning_parser": "deepseek_r1",
+                                                              "tool_call_parser": "mistral"}}))
+    assert (settings.reasoning_parser, settings.tool_call_parser) == ("deepseek_r1", "mistral")
+    default = router_settings(parse_deploy_config({}))
+    assert (default.reasoning_parser, default.tool_call_parser) == ("auto", "auto")  # the chat template's
 
 
 def test_unreadable_files_say_so(tmp_path):

@@ -240,7 +240,7 @@ def test_a_stream_cut_short_inside_a_call_finishes_with_length(parser):
     builder = ResponseBuilder(parsed, "id", 0, parser.tokenizer)
     text = '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>'
     entries, finish = _streamed_calls(builder, [text])
-    assert entries == [] and finish == "stop" and builder.choices[0].streamed == len(text)
+    assert entries == [] and finish == "stop" and builder.choices[0].reply.streamed == len(text)
 
 
 def test_forced_calls_cannot_be_combined_with_structured_output(parser):

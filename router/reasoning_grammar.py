@@ -1,0 +1,89 @@
+"""Reasoning-aware structured output: a thinking model's reply is free until its thoughts end
+(the first ``</think>``), and only the answer after them must match the request's JSON schema,
+choices or forced tool calls (as vLLM's reasoning-aware structured output does).
+
+The request's constraint becomes one Lark grammar for llguidance: the thoughts as a lazy
+lexeme (any text up to and including the first ``</think>``), then the answer's rules. Where
+the reply begins outside the thoughts (Qwen3: the model opens ``<think>`` itself) the thoughts
+are optional. Regexes and client grammars cannot be embedded safely (their syntax and rule
+names are the client's): those stay refused while the model thinks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from raylm.model.text.tokenizer import Tokenizer
+from raylm.router.errors import invalid
+from raylm.router.reasoning import CLOSE, OPEN, ThoughtsStart
+from raylm.router.tools import ToolUse
+from raylm.workers.core.grammar import JSON_LAYOUT, StructuredOutput
+from raylm.workers.core.sampling_params import SamplingParams
+
+_THOUGHTS = "raylm_thoughts"
+_ANSWER = "raylm_answer"
+_GAP = "raylm_gap"  # the blanks between the thoughts and the answer (bounded: small models loop on blanks)
+
+
+def params_after_thoughts(params: SamplingParams, thoughts: ThoughtsStart | None, tool_use: ToolUse | None,
+                          tokenizer: Tokenizer) -> SamplingParams:
+    """A chat request's params with its constraint (if any) moved past the thoughts (if any)."""
+    if thoughts is None or params.structured_output is None:
+        return params
+    forced_calls = tool_use is not None and tool_use.choice != "auto"  # then the grammar is raylm's own
+    tags = (_single_token(tokenizer, OPEN), _single_token(tokenizer, CLOSE))
+    return dataclasses.replace(params, structured_output=after_thoughts(params.structured_output, thoughts,
+                                                                        forced_calls, tags))
+
+
+def _single_token(tokenizer: Tokenizer, text: str) -> int | None:
+    token_id = tokenizer.token_to_id(text)
+    return token_id if token_id is not None and tokenizer.encode(text, add_special_tokens=False) == [token_id] \
+        else None
+
+
+def after_thoughts(output: StructuredOutput, thoughts: ThoughtsStart, own_grammar: bool,
+                   tag_ids: tuple[int | None, int | None] = (None, None)) -> StructuredOutput:
+    """``output`` applied to the answer only. ``own_grammar``: ``output`` is a grammar raylm
+    wrote (forced tool calls, whose ``start`` rule can be renamed); any other grammar, and
+    regexes, are refused (400). ``tag_ids``: the ids of ``<think>`` and ``</think>`` where each is
+    one token of the vocabulary (Qwen3, DeepSeek-R1): llguidance gives an added token no text
+    to match, so the grammar names it; where the tag is text, the thoughts end at its text."""
+    answer = _answer_rules(output, own_grammar)
+    open_id, close_id = tag_ids
+    opening = json.dumps(OPEN) if open_id is None else f"<[{open_id}]>"
+    if close_id is None:
+        rules = [f"{_THOUGHTS}[lazy]: /(?s:.*){_regex_literal(CLOSE)}/"]
+        thoughts_then = f"{_THOUGHTS} {_GAP}?"
+    else:  # free text cannot hold the token, so the thoughts end where it comes
+        rules = [f"{_THOUGHTS}: /(?s:.*)/"]
+        thoughts_then = f"{_THOUGHTS} <[{close_id}]> {_GAP}?"
+    head = thoughts_then if thoughts.in_thoughts else f"({opening} {thoughts_then})?"
+    rules = [f"start: {head} {_ANSWER}", *rules, f"{_GAP}: /[ \\t\\r\\n]{{1,8}}/"]
+    return StructuredOutput("grammar", "\n".join([*rules, *answer]))
+
+
+def _answer_rules(output: StructuredOutput, own_grammar: bool) -> list[str]:
+    if output.kind == "json_object":
+        return [f"{_ANSWER}: %json {json.dumps({'type': 'object', 'x-guidance': JSON_LAYOUT})}"]
+    if output.kind == "json_schema":
+        schema = json.loads(output.spec or "null")
+        if not isinstance(schema, dict):
+            raise invalid("a JSON schema for a thinking model's answer must be an object", "response_format")
+        return [f"{_ANSWER}: %json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"]
+    if output.kind == "choice":
+        return [f"{_ANSWER}: " + " | ".join(json.dumps(c) for c in json.loads(output.spec or "[]"))]
+    if output.kind == "grammar" and own_grammar:
+        lines = (output.spec or "").split("\n")
+        assert lines[0].startswith("start:"), lines[0]
+        return [f"{_ANSWER}:{lines[0][len('start:'):]}", *lines[1:]]
+    raise invalid("guided_regex and guided_grammar cannot be combined with this reasoning model's thinking (they "
+                  "would constrain the thoughts too): turn thinking off with chat_template_kwargs "
+                  '{"enable_thinking": false}, or use a JSON schema or guided_choice',
+                  "guided_regex" if output.kind == "regex" else "guided_grammar")
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` matched literally inside a Lark ``/.../`` regex."""
+    return "".join("\\" + ch if ch in r"\/.^$|?*+()[]{}" else ch for ch in text)

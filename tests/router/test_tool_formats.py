@@ -1,0 +1,288 @@
+"""router/tool_formats.py: each family's tool-call format read back whole and streamed (split
+at every position), over HTTP with the official ``openai`` client, and forced by its grammar:
+the text a model writes under ``required`` / a named function (here a random one, any token
+the grammar allows) is read back as calls of the offered functions."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+import numpy as np
+import pytest
+from tokenizers import AddedToken
+
+from raylm.model.text.tokenizer import Tokenizer
+from raylm.router.openai_service import OpenAIService
+from raylm.router.protocol import RequestParser
+from raylm.router.responses import ResponseBuilder
+from raylm.router.tool_format_deepseek import MARKERS as DEEPSEEK_MARKERS
+from raylm.router.tool_format_deepseek import DeepSeekFormat
+from raylm.router.tool_formats import MistralFormat
+from raylm.router.tool_parsers import detect_tool_call_parser, tool_format
+from raylm.router.tools import parse_tool_use
+from raylm.workers.core.grammar import GrammarCompiler
+from tests.fake_worker import FakeWorker, fake_settings, openai_client, token_chunks
+
+openai = pytest.importorskip("openai")
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Weather in Paris, and 1 + 2?"}]
+_MESSAGES = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATES = {  # what each family's template says of tools (enough to be told apart), then the turns
+    "hermes": "{% if tools %}<tools>{{ tools | tojson }}</tools> <tool_call></tool_call>{% endif %}" + _MESSAGES,
+    "llama3_json": ('{% if tools %}{{ tools | tojson }} Respond in the format {"name": function name, '
+                    '"parameters": dictionary of argument name and its value}.{% endif %}{# <|python_tag|> #}'
+                    + _MESSAGES),
+    "mistral": "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}{# [TOOL_CALLS] #}"
+               + _MESSAGES,
+    "mistral_args": "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                    "{# [TOOL_CALLS]name[ARGS]{...} #}" + _MESSAGES,
+    "glm45": "{% if tools %}{{ tools | tojson }} <tool_call>{name}\n<arg_key>{k}</arg_key>\n<arg_value>{v}"
+             "</arg_value></tool_call>{% endif %}" + _MESSAGES,
+    "deepseek_v3": "{% if tools %}{{ tools | tojson }}{% endif %}{# <｜tool▁calls▁begin｜> ```json #}" + _MESSAGES,
+    "deepseek_v31": "{% if tools %}{{ tools | tojson }}{% endif %}{# <｜tool▁calls▁begin｜> #}" + _MESSAGES,
+}
+# Replies with parallel calls in each format, and the content before the calls.
+REPLIES = {
+    "hermes": ('Let me see.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', "Let me see."),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "add", "parameters": {"a": 1, "b": 2}}', None),
+    "mistral": ('Let me see.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "add", "arguments": {"a": 1, "b": 2}}]', "Let me see."),
+    "mistral_args": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', None),
+    "glm45": ("Let me see.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+              "</tool_call>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n"
+              "<arg_value>2</arg_value>\n</tool_call>", "Let me see."),
+    "deepseek_v3": ('Let me see.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                    '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n'
+                    '{"a": 1, "b": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me see."),
+    "deepseek_v31": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+                     '<｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 1, "b": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None),
+}
+EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+
+
+def _family_tokenizer(tokenizer: Tokenizer, family: str) -> Tokenizer:
+    """The bundled tokenizer with the family's template and its markers as special tokens, as
+    in those families' vocabularies."""
+    out = copy.copy(tokenizer)
+    out.backend = copy.deepcopy(tokenizer.backend)
+    out.backend.add_special_tokens([AddedToken(t, special=True) for t in ("[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
+                                                                          *DEEPSEEK_MARKERS)])
+    out.chat_template = TEMPLATES[family]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tokenizer) -> dict[str, Tokenizer]:
+    return {family: _family_tokenizer(tokenizer, family) for family in TEMPLATES}
+
+
+def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_the_format_follows_the_chat_template(tokenizers):
+    assert [detect_tool_call_parser(TEMPLATES[f]) for f in TEMPLATES] == ["hermes", "llama3_json", "mistral",
+                                                                          "mistral", "glm45", "deepseek_v3",
+                                                                          "deepseek_v3"]
+    assert detect_tool_call_parser(None) == "hermes"
+    assert not tool_format("auto", tokenizers["mistral"]).args_form
+    assert tool_format("auto", tokenizers["mistral_args"]).args_form
+    assert tool_format("auto", tokenizers["deepseek_v3"]).fenced and not tool_format("auto",
+                                                                                     tokenizers["deepseek_v31"]).fenced
+
+
+@pytest.mark.parametrize("family", list(REPLIES))
+def test_replies_are_read_back_and_malformed_calls_stay_content(family, tokenizers):
+    fmt = tool_format("auto", tokenizers[family])
+    use = parse_tool_use({"tools": [WEATHER, ADD]})
+    reply, content = REPLIES[family]
+    got_content, calls = fmt.parse(reply, use)
+    assert got_content == content and _calls(calls) == EXPECTED
+    assert all(c["type"] == "function" and c["id"] for c in calls)
+    if fmt.name == "mistral":  # the only ids Mistral's templates take back: 9 letters and digits
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    cut = [] if family == "hermes" else [reply[:-3]]  # Hermes keeps the calls complete before a cut one
+    malformed = reply.replace("</arg_value>", "", 1) if family == "glm45" else reply.replace('"a": 1', '"a": 1,,')
+    if family.startswith("deepseek"):
+        malformed = reply.replace("<｜tool▁calls▁end｜>", "")
+    for bad in ("Just text.", reply.replace("get_weather", "launch"), malformed, *cut):
+        assert fmt.parse(bad, use) == (bad, [])
+
+
+def test_llama3_calls_after_the_python_tag(tokenizer):
+    fmt = tool_format("llama3_json", tokenizer)
+    use = parse_tool_use({"tools": [WEATHER, ADD]})
+    content, calls = fmt.parse('Checking.<|python_tag|>{"name": "add", "arguments": {"a": 1, "b": 2}}', use)
+    assert content == "Checking." and _calls(calls) == [("add", {"a": 1, "b": 2})]
+    assert [fmt.held_back(t) for t in ("Paris is", "Paris <|pyth", " {", "")] == [8, 6, 1, 0]
+
+
+def _stream(builder: ResponseBuilder, tokenizer: Tokenizer, pieces: list[str]) -> tuple[str, list[dict], str]:
+    """Content, tool_calls entries and the last finish_reason a stream sends for ``pieces``."""
+    from raylm.workers.wire.replica_protocol import ChoiceDelta, GenerateChunk
+
+    chunks = [GenerateChunk("r", [ChoiceDelta(0, p, [1], None, "stop" if i == len(pieces) - 1 else None)], 3, 0,
+                            i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    deltas = [d for c in chunks for i, delta in builder.add(0, c) if (d := builder.stream_delta(i, delta))]
+    content = "".join(d["choices"][0]["delta"].get("content", "") for d in deltas)
+    entries = [t for d in deltas for t in d["choices"][0]["delta"].get("tool_calls", [])]
+    return content, entries, deltas[-1]["choices"][0]["finish_reason"]
+
+
+def _raw(entries: list[dict]) -> list[str]:
+    calls: dict[int, str] = {}
+    for t in entries:
+        calls[t["index"]] = calls.get(t["index"], "") + t["function"].get("arguments", "")
+    return [arguments for _, arguments in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("family, first_call_end", [("hermes", "</tool_call>"), ("mistral_args", "[TOOL_CALLS]add"),
+                                                    ("llama3_json", "}};"),
+                                                    ("deepseek_v3", "<｜tool▁call▁end｜>"),
+                                                    ("deepseek_v31", "<｜tool▁call▁end｜>")])
+def test_name_first_formats_stream_a_call_before_it_ends(family, first_call_end, tokenizers):
+    """The name as soon as it is written, then the arguments as they grow (OpenAI's shape)."""
+    parser = RequestParser(tokenizers[family], ["m"], 4096)
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WEATHER, ADD]})
+    reply = REPLIES[family][0]
+    builder = ResponseBuilder(parsed, "id", 0, parser.tokenizer)
+    opened = reply[: reply.index("Paris") + 2]  # inside the first call's arguments
+    _, entries, _ = _stream(builder, parser.tokenizer, [opened, reply[len(opened): reply.index(first_call_end)], ""])
+    assert entries[0]["function"] == {"name": "get_weather", "arguments": ""} and entries[0]["id"]
+    assert entries[1] == {"index": 0, "function": {"arguments": '{"city": "Pa'}}
+
+
+def _joined(entries: list[dict]) -> list[tuple[str, dict]]:
+    calls: dict[int, dict[str, str]] = {}
+    for t in entries:
+        call = calls.setdefault(t["index"], {"name": "", "arguments": ""})
+        call["name"] += t.get("function", {}).get("name", "")
+        call["arguments"] += t["function"].get("arguments", "")
+    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("family", list(REPLIES))
+def test_streamed_at_every_split_the_calls_join_into_the_whole_reply_s(family, tokenizers):
+    parser = RequestParser(tokenizers[family], ["m"], 4096)
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WEATHER, ADD]})
+    reply, content = REPLIES[family]
+    whole = [c["function"]["arguments"] for c in parsed.tool_format.parse(reply, parsed.tool_use)[1]]
+    for cut in range(len(reply) + 1):
+        sent, entries, finish = _stream(ResponseBuilder(parsed, "id", 0, parser.tokenizer), parser.tokenizer,
+                                        [reply[:cut], reply[cut:]])
+        assert finish == "tool_calls" and _joined(entries) == EXPECTED, cut
+        assert _raw(entries) == whole, cut  # the pieces join into the non-streamed reply's arguments text
+        assert sent.strip() == (content or ""), cut
+    plain = "Paris is sunny {not a call"
+    sent, entries, finish = _stream(ResponseBuilder(parsed, "id", 0, parser.tokenizer), parser.tokenizer, [plain])
+    assert (sent, entries, finish) == (plain, [], "stop")
+
+
+def _service(tokenizer: Tokenizer, reply: str) -> OpenAIService:
+    service = OpenAIService(FakeWorker(token_chunks(tokenizer, reply)), fake_settings(), tokenizer)
+    service.admission.set_capacity(4)
+    return service
+
+
+@pytest.mark.parametrize("family", list(REPLIES))
+def test_the_openai_client_gets_parallel_calls_whole_and_streamed(family, tokenizers):
+    reply, content = REPLIES[family]
+    service = _service(tokenizers[family], reply)
+
+    async def both():
+        client = openai_client(service)
+        kwargs = dict(model="m", messages=ASK, tools=[WEATHER, ADD])
+        return await client.chat.completions.create(**kwargs), [c async for c in await client.chat.completions.create(
+            **kwargs, stream=True)]
+
+    whole, chunks = asyncio.run(both())
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and message.content == content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == EXPECTED
+    entries = [t.model_dump(exclude_none=True) for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert _joined(entries) == EXPECTED and all("id" in t and t["type"] == "function" for t in entries
+                                                if "name" in t.get("function", {}))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    if family.startswith(("mistral", "deepseek")):  # their markers are special tokens: the worker must keep them
+        assert service.worker.requests[0].params.skip_special_tokens is False
+
+
+def _forced_text(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar, seed: int) -> str:
+    """What a model writes under ``grammar``: here, at each step any token the grammar allows
+    (not EOS), stopping at random once the text is complete."""
+    rng = np.random.default_rng(seed)
+    matcher = compiler.matcher(grammar)
+    vocab, eos = tokenizer.vocab_size, sorted(tokenizer.eos_token_ids)
+    ids: list[int] = []
+    for _ in range(1000):
+        allowed = np.flatnonzero(np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8),
+                                               bitorder="little")[:vocab])
+        allowed = np.setdiff1d(allowed, eos)
+        if matcher.is_accepting() and (not len(allowed) or rng.random() < 0.4):
+            break
+        token = int(rng.choice(allowed))
+        assert matcher.consume_token(token)
+        ids.append(token)
+    assert matcher.is_accepting(), tokenizer.decode(ids, skip_special_tokens=False)
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("family", list(REPLIES))
+def test_calls_forced_by_each_format_s_grammar_are_read_back(family, tokenizers):
+    tokenizer = tokenizers[family]
+    fmt = tool_format("auto", tokenizer)
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    required = parse_tool_use({"tools": [WEATHER, ADD], "tool_choice": "required"})
+    named = parse_tool_use({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    counts = []
+    for seed in range(6):
+        text = _forced_text(compiler, tokenizer, fmt.grammar(required), seed)
+        content, calls = fmt.parse(text, required)
+        assert calls and content is None, text
+        assert all(name in ("get_weather", "add") and isinstance(args, dict) for name, args in _calls(calls))
+        counts.append(len(calls))
+        text = _forced_text(compiler, tokenizer, fmt.grammar(named), seed)
+        assert [name for name, _ in _calls(fmt.parse(text, named)[1])] == ["add"], text
+    assert max(counts) >= 2  # required with parallel calls allowed: several calls
+    if isinstance(fmt, (MistralFormat, DeepSeekFormat)):  # the markers are forced as the special tokens themselves
+        assert "<[" in fmt.grammar(required).spec
+    assert fmt.grammar(parse_tool_use({"tools": [WEATHER]})) is None  # auto: free
+
+
+def test_glm_values_are_text_for_strings_and_json_for_the_rest(tokenizer):
+    use = parse_tool_use({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"}, "tags": {}}}}}]})
+    fmt = tool_format("glm45", tokenizer)
+    text = ('<tool_call>f\n<arg_key>code</arg_key>\n<arg_value>007</arg_value>\n<arg_key>n</arg_key>\n'
+            '<arg_value>7</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>["a", 1]</arg_value>\n</tool_call>')
+    assert _calls(fmt.parse(text, use)[1]) == [("f", {"code": "007", "n": 7, "tags": ["a", 1]})]
+    assert fmt.parse("<tool_call>f<arg_key>n</arg_key><arg_value>1</arg_value></tool_call>", use)[1]  # no newlines
+    assert fmt.parse(text + " trailing words", use)[1] == []  # text after the calls: not calls
+
+
+def test_mistral_templates_get_call_ids_they_accept(tokenizers):
+    """Mistral's templates refuse call ids other than 9 letters and digits: other servers' ids
+    are replaced by ones derived from them, the same in the call and in its result."""
+    fmt = tool_format("auto", tokenizers["mistral"])
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0123456789abcdef", "type": "function", "function": {"name": "add", "arguments": "{}"}},
+        {"id": "a1b2c3d4e", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "content": "3", "tool_call_id": "call_0123456789abcdef"},
+        {"role": "tool", "content": "4", "tool_call_id": "a1b2c3d4e"}]
+    out = fmt.history(history)
+    ids = [c["id"] for c in out[1]["tool_calls"]]
+    assert ids[1] == "a1b2c3d4e" and len(ids[0]) == 9 and ids[0].isalnum()
+    assert [m["tool_call_id"] for m in out[2:]] == ids and out[0] == ASK[0]
+    assert tool_format("auto", tokenizers["hermes"]).history(history) == history
