@@ -155,28 +155,36 @@ def test_absorbed_decode_equals_expanded_prompt(deepseek_v3, cpu_kernels):
     np.testing.assert_allclose(np.stack(absorbed), expanded[20:], atol=1e-4, rtol=1e-4)
 
 
-def _without_q_lora(params):
+def _mla(**changes):
+    return lambda config, params: (dataclasses.replace(config, mla=dataclasses.replace(config.mla, **changes)), params)
+
+
+def _moe(**changes):
+    return lambda config, params: (dataclasses.replace(config, moe=dataclasses.replace(config.moe, **changes)), params)
+
+
+def _routing(**changes):
+    def flip(config, params):
+        routing = dataclasses.replace(config.moe.deepseek, **changes)
+        return dataclasses.replace(config, moe=dataclasses.replace(config.moe, deepseek=routing)), params
+    return flip
+
+
+def _without_q_lora(config, params):
     """Full-rank queries ``q_b_proj . q_a_proj`` (no q_a_layernorm between them)."""
     layers = tuple(dataclasses.replace(lp, wq=jnp.einsum("hkr,rd->hkd", lp.wq_b, lp.wq_a), wq_a=None, wq_b=None,
                                        q_a_norm=None) for lp in params.layers)
-    return dataclasses.replace(params, layers=layers)
+    return _mla(q_lora_rank=None)(config, params)[0], dataclasses.replace(params, layers=layers)
 
 
-def _unit_latent_norm(params):
-    return dataclasses.replace(params, layers=tuple(
+def _unit_latent_norm(config, params):
+    return config, dataclasses.replace(params, layers=tuple(
         dataclasses.replace(lp, kv_a_norm=jnp.ones_like(lp.kv_a_norm)) for lp in params.layers))
-
-
-def _routing(config, **changes):
-    moe = config.moe
-    return dataclasses.replace(config, moe=dataclasses.replace(moe, deepseek=dataclasses.replace(moe.deepseek,
-                                                                                                  **changes)))
 
 
 def _without_shared_experts(config, params):
     layers = tuple(dataclasses.replace(lp, w_shared_gate_up=None, w_shared_down=None) for lp in params.layers)
-    moe = dataclasses.replace(config.moe, shared_expert_size=0)
-    return dataclasses.replace(config, moe=moe), dataclasses.replace(params, layers=layers)
+    return _moe(shared_expert_size=0)(config, params)[0], dataclasses.replace(params, layers=layers)
 
 
 def _without_dense_first_layer(config, params):
@@ -186,33 +194,38 @@ def _without_dense_first_layer(config, params):
                "w_shared_down")
     first = dataclasses.replace(params.layers[0], w_gate_up=None, w_down=None,
                                 **{name: getattr(sparse, name) for name in experts})
-    moe = dataclasses.replace(config.moe, sparse_layers=(True,) * config.num_layers)
-    return dataclasses.replace(config, moe=moe), dataclasses.replace(params, layers=(first, *params.layers[1:]))
+    config = _moe(sparse_layers=(True,) * config.num_layers)(config, params)[0]
+    return config, dataclasses.replace(params, layers=(first, *params.layers[1:]))
 
 
-def test_each_declared_difference_moves_the_logits(deepseek_v3):
-    config, params = deepseek_v3
+# Each declared difference of the tiny V3 set back to Llama's (or the plain TopKRouter's).
+FLIPS = {
+    "rope_interleave": _mla(rope_interleave=False),
+    "mscale_all_dim softmax scale": lambda c, p: (dataclasses.replace(c, query_scale=c.mla.qk_head_dim**-0.5), p),
+    "yarn (mscale / mscale_all_dim cos/sin)": lambda c, p: (dataclasses.replace(c, rope_scaling=None), p),
+    "q_lora_rank": _without_q_lora,
+    "latent norm weight": _unit_latent_norm,
+    # The experts' routing (V3: sigmoid, noaux_tc), shared experts and dense first layer.
+    "TopKRouter routing": _moe(deepseek=None),
+    "softmax scores": _routing(scoring="softmax"),
+    "no correction bias": _routing(score_correction=False),
+    "no groups": _routing(num_groups=1, groups_used=1),
+    "groups by their best score": _routing(group_score="max"),
+    "routed_scaling_factor": _routing(scaling_factor=1.0),
+    "norm_topk_prob": _moe(norm_topk_prob=False),
+    "n_shared_experts": _without_shared_experts,
+    "first_k_dense_replace": _without_dense_first_layer,
+}
+
+
+@pytest.fixture(scope="module")
+def v3_logits(deepseek_v3):
     ids = np.random.RandomState(4).randint(3, 320, size=24).tolist()
-    base = SingleSequenceGenerator(config, params).prompt_logits(ids)
-    mla, moe = config.mla, config.moe
-    flips = {
-        "rope_interleave": (dataclasses.replace(config, mla=dataclasses.replace(mla, rope_interleave=False)), params),
-        "mscale_all_dim softmax scale": (dataclasses.replace(config, query_scale=mla.qk_head_dim**-0.5), params),
-        "yarn (mscale / mscale_all_dim cos/sin)": (dataclasses.replace(config, rope_scaling=None), params),
-        "q_lora_rank": (dataclasses.replace(config, mla=dataclasses.replace(mla, q_lora_rank=None)),
-                        _without_q_lora(params)),
-        "latent norm weight": (config, _unit_latent_norm(params)),
-        # The experts' routing (V3: sigmoid, noaux_tc), shared experts and dense first layer.
-        "TopKRouter routing": (dataclasses.replace(config, moe=dataclasses.replace(moe, deepseek=None)), params),
-        "softmax scores": (_routing(config, scoring="softmax"), params),
-        "no correction bias": (_routing(config, score_correction=False), params),
-        "no groups": (_routing(config, num_groups=1, groups_used=1), params),
-        "groups by their best score": (_routing(config, group_score="max"), params),
-        "routed_scaling_factor": (_routing(config, scaling_factor=1.0), params),
-        "norm_topk_prob": (dataclasses.replace(config, moe=dataclasses.replace(moe, norm_topk_prob=False)), params),
-        "n_shared_experts": _without_shared_experts(config, params),
-        "first_k_dense_replace": _without_dense_first_layer(config, params),
-    }
-    for name, (flipped_config, flipped_params) in flips.items():
-        moved = SingleSequenceGenerator(flipped_config, flipped_params).prompt_logits(ids)
-        assert np.abs(moved - base).max() > 1e-2, name
+    return ids, SingleSequenceGenerator(*deepseek_v3).prompt_logits(ids)
+
+
+@pytest.mark.parametrize("flip", list(FLIPS))
+def test_each_declared_difference_moves_the_logits(deepseek_v3, v3_logits, flip):
+    ids, base = v3_logits
+    moved = SingleSequenceGenerator(*FLIPS[flip](*deepseek_v3)).prompt_logits(ids)
+    assert np.abs(moved - base).max() > 1e-2
