@@ -126,8 +126,8 @@ def moe_from_hf(raw: Mapping[str, Any], family: Family, num_layers: int, source:
 
 
 def _deepseek_config(block: DeepseekMoe, experts: int, size: int, top_k: int, source: str) -> MoeConfig | None:
-    """The MoeConfig of a DeepSeek-style block (model/config/deepseek_routing.py); None when
-    ``first_k_dense_replace`` covers every layer (HF then builds a dense MLP on each)."""
+    """The MoeConfig of a DeepSeek-style block (model/config/deepseek_routing.py); None when the
+    leading dense layers (a GGUF's ``leading_dense_block_count``) are all of them."""
     if not any(block.sparse_layers):
         return None
     if experts < 1:
