@@ -4,8 +4,9 @@ The bundled SmolLM2-135M cut to its first ``--layers`` layers (its real weights,
 model: block counts depend on lengths, not weights) is served three times by ``workers.LLM``
 with prefix caching and chunked prefill on: with full attention, with a ``--window``-token
 sliding window on every layer (as a Mistral or Phi-3 config declares one), and with sliding
-and full-attention layers interleaved (even layers slide, as in Gemma 2; the sliding layers
-then keep a KV group of their own, reported apart: "full" / "sliding" blocks). ``--seqs`` random
+and full-attention layers interleaved (every ``--global-every``-th layer global, the others
+sliding: 2 as in Gemma 2, 6 as in Gemma 3, five sliding layers to one global; the sliding
+layers then keep a KV group of their own, reported apart: "full" / "sliding" blocks). ``--seqs`` random
 prompts of ``--prompt`` tokens generate ``--new-tokens`` tokens each (EOS ignored); the pool's
 blocks in use are read once every sequence has generated that many (before any finishes and
 frees its blocks), with the peak over the run and the bound the engine admits by
@@ -13,6 +14,7 @@ frees its blocks), with the peak over the run and the bound the engine admits by
 counts each group's blocks at its own layers' size.
 
     python -m raylm.benchmarks.sliding_window_kv [--new-tokens 4096] [--window 1024] [--seqs 1]
+    python -m raylm.benchmarks.sliding_window_kv --layers 6 --global-every 6   # Gemma 3's shape
 
 Output tokens/s is printed beside them as a sanity check only (one run each, no alternating
 rounds); the numbers this script is for are the block counts.
@@ -71,6 +73,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--seqs", type=int, default=1)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--global-every", type=int, default=2,
+                        help="interleaved run: every this-many-th layer global (Gemma 2: 2, Gemma 3: 6)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens (the longest chunk)")
     parser.add_argument("--steps", type=int, default=8, help="num_scheduler_steps")
@@ -86,9 +90,10 @@ def main() -> None:
           f"({block_bytes / 2**10:.0f} KiB float32 K+V), {args.seqs} x ({args.prompt} prompt + "
           f"{args.new_tokens} generated) tokens, chunk {args.budget}, {args.steps} decode steps per call")
     print(f"{'attention':<22}{'blocks in use':>20}{'peak':>7}{'pool':>7}{'KV MiB':>9}{'per-seq bound':>15}{'tok/s':>8}")
-    every, interleaved = (args.window,) * c.num_layers, tuple(args.window if i % 2 == 0 else None
-                                                              for i in range(c.num_layers))
-    runs = [("full", ()), (f"window {args.window}", every), (f"interleaved {args.window}", interleaved)]
+    every = (args.window,) * c.num_layers
+    interleaved = tuple(None if (i + 1) % args.global_every == 0 else args.window for i in range(c.num_layers))
+    runs = [("full", ()), (f"window {args.window}", every),
+            (f"{args.global_every - 1}:1 local {args.window}", interleaved)]
     for name, windows in runs:
         r = _run(model, args, windows)
         used = " full / ".join(map(str, r["used"])) + (" sliding" if len(r["used"]) > 1 else "")

@@ -154,22 +154,25 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
                                   beta_fast=32.0, beta_slow=1.0, truncate=False)),
     ),
-    # DeepSeek's multi-head latent attention, dense layers only (first_k_dense_replace = the layer
-    # count). V2-Lite's shape: a full-rank q_proj, complex-pair RoPE, value heads narrower than
-    # the query/key heads.
+    # DeepSeek's multi-head latent attention, with experts after a dense layer 0. V2-Lite's shape:
+    # a full-rank q_proj, complex-pair RoPE, value heads narrower than the query/key heads; softmax
+    # greedy top-2 of 4 experts, not renormalized, two shared experts' worth of an ungated MLP.
     "deepseek-v2-lite": (
         transformers.DeepseekV2Config,
         dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-             v_head_dim=12, first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2,
-             moe_intermediate_size=32),
+             v_head_dim=12, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2,
+             topk_method="greedy", moe_intermediate_size=32),
     ),
     # V3's shape: a low-rank query (q_a_proj, its norm, q_b_proj), interleaved rotary pairs, YaRN
-    # whose mscale_all_dim scales the softmax (and mscale != mscale_all_dim the cos/sin).
+    # whose mscale_all_dim scales the softmax (and mscale != mscale_all_dim the cos/sin); sigmoid
+    # scores with the correction bias (set by build_tiny_checkpoint), top-3 of the best 2 of 4
+    # groups of 2 experts, renormalized and scaled by 2.5, one shared expert.
     "deepseek-v3": (
         transformers.DeepseekV3Config,
         dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-             v_head_dim=16, first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-             topk_group=1, moe_intermediate_size=32, rope_interleave=True,
+             v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+             topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
+             moe_intermediate_size=32, rope_interleave=True,
              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=0.8,
                                   original_max_position_embeddings=128, beta_fast=32.0, beta_slow=1.0)),
     ),

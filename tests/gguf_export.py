@@ -4,9 +4,9 @@ Independent of raylm's loader: tensor names come from the gguf package's own HF 
 (``gguf.get_tensor_name_map``) and the metadata keys from its writer, per architecture as the
 converter writes them (its LlamaModel for Llama and Mistral, Qwen3Model, GemmaModel,
 Gemma2Model, Gemma3Model, Phi3MiniModel, GraniteModel (a LlamaModel plus its four multipliers
-as keys), and for experts its LlamaModel (Mixtral), Qwen3MoeModel, OlmoeModel and Glm4MoeModel,
-which stack each layer's experts into one tensor): Q/K rows permuted for llama and granite, ``1 + w`` in
-Gemma's norms, Phi-3's fused qkv / gate_up kept whole with its LongRoPE factors as tensors,
+as keys), and for experts its LlamaModel (Mixtral), Qwen3MoeModel, OlmoeModel, Glm4MoeModel and
+DeepseekV2Model (V3 too), which stack each layer's experts into one tensor): Q/K rows permuted for
+llama and granite, ``1 + w`` in Gemma's norms, Phi-3's fused qkv / gate_up kept whole with its LongRoPE factors as tensors,
 Llama 3's RoPE as a ``rope_freqs`` tensor. Two things the converter drops and these tests need are written
 in the keys llama.cpp defines for them: a Mistral window (``attention.sliding_window``) and
 a Gemma 3 layer pattern other than five-in-six (``attention.sliding_window_pattern``, one
@@ -270,6 +270,18 @@ def _write_deepseek2(w: gguf.GGUFWriter, hp: dict[str, Any], rope: dict[str, Any
     w.add_expert_shared_count(hp["n_shared_experts"])
     w.add_expert_weights_scale(hp["routed_scaling_factor"])
     w.add_expert_weights_norm(bool(hp.get("norm_topk_prob")))
+    # (DeepSeek's own configs state scoring_func; transformers' drop it: HF's V3 scores by sigmoid, V2 by softmax.)
+    v3 = hp["architectures"][0] == "DeepseekV3ForCausalLM"
+    scoring = hp.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if scoring == "sigmoid"
+                             else gguf.ExpertGatingFuncType.SOFTMAX)
+    if hp.get("topk_method") == "group_limited_greedy":
+        raise ValueError("topk_method=group_limited_greedy: llama.cpp scores a group by its two best experts, "
+                         "HF's DeepSeek-V2 by its best one")
+    if hp.get("n_group") is not None:  # (TextModel.set_gguf_parameters, for every architecture)
+        w.add_expert_group_count(hp["n_group"])
+    if hp.get("topk_group") is not None:
+        w.add_expert_group_used_count(hp["topk_group"])
     if rope.get("rope_type", "default") == "yarn":
         if rope.get("mscale") != rope.get("mscale_all_dim"):
             raise ValueError("mscale != mscale_all_dim: llama.cpp's deepseek2 YaRN implies them equal")

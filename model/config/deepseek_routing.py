@@ -96,6 +96,13 @@ class DeepseekMoe:
     shared_expert_size: int  # the ungated shared MLP's intermediate size (0: none)
 
 
+def sparse_layers_from_hf(raw: Mapping[str, Any], router: str, num_layers: int) -> tuple[bool, ...]:
+    """Per layer: experts (from ``first_k_dense_replace`` on, HF family ``router``'s default when
+    config.json omits it) or a dense MLP."""
+    dense = raw.get("first_k_dense_replace", HF_ROUTERS[router].defaults["first_k_dense_replace"])
+    return tuple(i >= int(dense or 0) for i in range(num_layers))
+
+
 def deepseek_moe_from_hf(
     raw: Mapping[str, Any], router: str, num_experts: int, expert_size: int, top_k: int, num_layers: int,
     source: str,
@@ -131,20 +138,22 @@ def deepseek_moe_from_hf(
     if freq not in (None, 1):
         raise UnsupportedModelError(f"moe_layer_freq={freq!r} in {source}: HF makes every layer past "
                                     "first_k_dense_replace sparse (moe_layer_freq 1)")
-    dense = int(values["first_k_dense_replace"] or 0)
     return DeepseekMoe(
         routing=routing,
         norm_topk_prob=norm,
-        sparse_layers=tuple(i >= dense for i in range(num_layers)),
+        sparse_layers=sparse_layers_from_hf(raw, router, num_layers),
         shared_expert_size=int(values["n_shared_experts"] or 0) * expert_size,
     )
 
 
-# llama.cpp's architectures with this routing, and what each fixes (src/models/<arch>.cpp):
-# glm4moe scores by sigmoid unless expert_gating_func says otherwise and always reads the
-# exp_probs_b bias; build_moe_ffn groups by the two best scores (expert_group_count, read for
-# every architecture), renormalizes with expert_weights_norm and scales by expert_weights_scale.
-GGUF_ARCHES: dict[str, str] = {"glm4moe": "sigmoid"}
+# llama.cpp's architectures with this routing, and the scoring each falls back to without
+# expert_gating_func (src/llama-model.cpp): glm4moe sigmoid, deepseek2 softmax (the V2 / V2.5
+# files that predate the key; V3's converter writes sigmoid). build_moe_ffn groups by the two
+# best scores (expert_group_count, read for every architecture), renormalizes with
+# expert_weights_norm and scales by expert_weights_scale. glm4moe always has the exp_probs_b
+# correction bias; deepseek2 only where the file holds it (V3's), ``OPTIONAL_SCORE_BIAS``.
+GGUF_ARCHES: dict[str, str] = {"glm4moe": "sigmoid", "deepseek2": "softmax"}
+OPTIONAL_SCORE_BIAS = ("deepseek2",)
 # Their keys that this reads (model/config/gguf_metadata.py refuses them for the others).
 GGUF_KEYS = ("expert_gating_func", "expert_weights_scale", "expert_group_count", "expert_group_used_count",
              "leading_dense_block_count", "nextn_predict_layers")

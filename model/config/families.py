@@ -116,9 +116,15 @@ HF_FAMILIES: dict[str, Family] = {
         attention_bias=True, o_proj_bias=True, attention_sinks=True, sliding_pattern=2,
         moe=MoeKeys("num_local_experts", "intermediate_size", always_norm_topk=True, gpt_oss_experts=True),
     ),
-    # Dense layers only for now (model/config/latent_attention.py refuses their MoE layers).
-    "DeepseekV2ForCausalLM": Family(latent_attention=True, interleaved_rope=True),
-    "DeepseekV3ForCausalLM": Family(latent_attention=True),
+    # Latent attention, and from first_k_dense_replace on DeepSeek-style experts: V2 softmax
+    # (greedy or group_limited_greedy), V3 sigmoid with the correction bias (noaux_tc).
+    "DeepseekV2ForCausalLM": Family(
+        latent_attention=True, interleaved_rope=True,
+        moe=MoeKeys("n_routed_experts", "moe_intermediate_size", deepseek="deepseek_v2"),
+    ),
+    "DeepseekV3ForCausalLM": Family(
+        latent_attention=True, moe=MoeKeys("n_routed_experts", "moe_intermediate_size", deepseek="deepseek_v3")
+    ),
 }
 # llama.cpp's architecture names -> the HF family they hold (Mistral and Mixtral convert to
 # "llama": its experts are in the metadata, model/config/moe.py).

@@ -4,10 +4,8 @@ Each token's keys and values are one compressed latent (``kv_lora_rank`` values,
 plus one rotary key shared by all heads (``qk_rope_head_dim``); ``kv_b_proj`` expands the latent
 into every head's non-rotary key (``qk_nope_head_dim``) and value (``v_head_dim``). The query is
 ``q_proj`` of the hidden state, or with ``q_lora_rank`` a low-rank ``q_b_proj(norm(q_a_proj(x)))``.
-The decoder's half is model/decoder/latent_attention.py.
-
-MoE layers of these families (``first_k_dense_replace`` below the layer count) are refused here
-until the DeepSeek routing is wired in: a load error naming the key, never a dense stand-in.
+The decoder's half is model/decoder/latent_attention.py. Their experts (from
+``first_k_dense_replace`` on) are the DeepSeek-style MoE block of model/config/deepseek_routing.py.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import math
 from typing import Any, Mapping
 
 from raylm.model.config.rope import RopeScaling
-from raylm.model.errors import ModelLoadError, UnsupportedModelError
+from raylm.model.errors import ModelLoadError
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm use RMSNorm's default epsilon, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -63,20 +61,6 @@ def latent_attention_from_hf(raw: Mapping[str, Any], always_interleaved: bool, s
         raise ModelLoadError(f"{source} lacks required key {missing} of multi-head latent attention") from None
 
 
-def refuse_routed_experts(raw: Mapping[str, Any], num_layers: int, source: str) -> None:
-    """A DeepSeek config whose layers from ``first_k_dense_replace`` on are MoE layers (HF builds
-    experts there whenever that index is below the layer count): refused, naming the key."""
-    first_dense = raw.get("first_k_dense_replace")
-    first_dense = 0 if first_dense is None else int(first_dense)
-    if first_dense < num_layers:
-        raise UnsupportedModelError(
-            f"first_k_dense_replace={first_dense} in {source}: layers {first_dense}..{num_layers - 1} are "
-            f"DeepSeek mixture-of-experts layers (n_routed_experts={raw.get('n_routed_experts')}), which raylm "
-            "does not implement yet; only all-dense DeepSeek configs (first_k_dense_replace >= "
-            f"num_hidden_layers={num_layers}) load"
-        )
-
-
 def softmax_scale(mla: LatentAttention, scaling: RopeScaling | None) -> float:
     """``qk_head_dim ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim)`` squared when the
     RoPE scaling names ``mscale_all_dim`` (DeepSeek's ``yarn_apply_mscale``; the cos/sin factor,
@@ -89,28 +73,20 @@ def softmax_scale(mla: LatentAttention, scaling: RopeScaling | None) -> float:
 
 
 # What a deepseek2 GGUF says about its attention (after "deepseek2."), read by
-# ``latent_attention_from_gguf`` rather than by gguf_metadata's generic checks; with its layers all
-# dense (checked there), the expert keys llama.cpp's converter writes describe no layer.
+# ``latent_attention_from_gguf`` rather than by gguf_metadata's generic checks (its experts' keys:
+# model/config/deepseek_routing.py).
 GGUF_KEYS = (
     "attention.key_length", "attention.value_length", "attention.key_length_mla", "attention.value_length_mla",
     "attention.q_lora_rank", "attention.kv_lora_rank", "rope.dimension_count", "rope.scaling.yarn_log_multiplier",
-    "leading_dense_block_count", "expert_count", "expert_used_count", "expert_shared_count",
-    "expert_feed_forward_length", "expert_weights_scale", "expert_weights_norm", "expert_gating_func",
-    "expert_group_count", "expert_group_used_count",
 )
 
 
-def latent_attention_from_gguf(meta: Any, num_layers: int) -> LatentAttention:
+def latent_attention_from_gguf(meta: Any) -> LatentAttention:
     """The MLA sizes of a llama.cpp ``deepseek2`` file (``meta``: a ``gguf_metadata.GgufMetadata``).
     Its converter writes ``key_length`` / ``value_length`` as the latent pool's (``kv_lora_rank +
     qk_rope_head_dim`` / ``kv_lora_rank``) and the heads' sizes as ``key_length_mla`` /
     ``value_length_mla``; files older than that split state the heads' sizes in the first two.
     Its RoPE rotates interleaved pairs (llama.cpp's NORM rope type), as HF's V2 does."""
-    experts = int(meta.get("expert_count", 0) or 0)
-    dense = int(meta.get("leading_dense_block_count", 0) or 0)
-    if experts and dense < num_layers:
-        raise meta.refuse("leading_dense_block_count", f"leaves layers {dense}..{num_layers - 1} to {experts} "
-                          "routed experts (DeepSeek MoE), which raylm does not implement yet")
     rope = int(meta.get("rope.dimension_count", required=True))
     split = meta.has("attention.key_length_mla")
     qk = int(meta.get("attention.key_length_mla" if split else "attention.key_length", required=True))

@@ -221,7 +221,6 @@ class ModelConfig:
             )
             mla = None
             if family.latent_attention:
-                latent_attention.refuse_routed_experts(raw, layers, source)
                 mla = latent_attention.latent_attention_from_hf(raw, family.interleaved_rope, source)
             head_dim = mla.qk_rope_head_dim if mla else int(raw.get("head_dim") or hidden // heads)
             config = cls(
@@ -315,7 +314,7 @@ class ModelConfig:
         heads = int(meta.get("attention.head_count", required=True))
         layers = gguf_metadata.decoder_layers(meta)
         head_dim = int(meta.get("attention.key_length") or hidden // heads)
-        mla = latent_attention.latent_attention_from_gguf(meta, layers) if family.latent_attention else None
+        mla = latent_attention.latent_attention_from_gguf(meta) if family.latent_attention else None
         if mla is not None:
             head_dim = mla.qk_rope_head_dim
         gguf_metadata.refuse_unimplemented(meta, family, head_dim, latent_attention.GGUF_KEYS if mla else ())
@@ -362,7 +361,7 @@ class ModelConfig:
             final_softcap=final_softcap,
             layer_windows=windows,
             local_rope_theta=local_theta if windows else None,
-            moe=None if mla else moe_from_gguf(meta, layers, dense_size),
+            moe=moe_from_gguf(meta, layers, dense_size),
             mla=mla,
         )
 

@@ -1,14 +1,14 @@
 """The mixture-of-experts block of a config: how many experts, how tokens are routed to them,
 which layers have them. Read from an HF ``config.json`` (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE, GLM-4.5) or from GGUF metadata (llama with experts, qwen2moe, qwen3moe, olmoe,
-glm4moe), as HF and llama.cpp read them.
+OLMoE, GLM-4.5, DeepSeek V2/V3) or from GGUF metadata (llama with experts, qwen2moe, qwen3moe,
+olmoe, glm4moe, deepseek2), as HF and llama.cpp read them.
 
 Most families route the same way (HF's TopKRouter): the router's logits go through a
 softmax over all experts, the ``top_k`` largest probabilities pick the experts, and with
 ``norm_topk_prob`` the picked probabilities are divided by their sum (Mixtral always: its
 softmax-over-the-top-k is the same numbers; gpt-oss too, whose router's logits carry a
-bias: model/config/expert_mlp.py). The DeepSeek-style families (GLM-4.5; DeepSeek
-V2/V3's reader is ready for their attention) route as model/config/deepseek_routing.py reads
+bias: model/config/expert_mlp.py). The DeepSeek-style families (GLM-4.5, DeepSeek
+V2/V3) route as model/config/deepseek_routing.py reads
 (sigmoid scores, grouped top-k, a score-correction bias, a scaling factor, ungated shared
 experts, leading dense layers). Any other routing (capacity limits,
 expert-choice) is a load error naming the key, except Llama 4's own
@@ -27,6 +27,7 @@ from raylm.model.config.deepseek_routing import (
     DeepseekRouting,
     deepseek_moe_from_gguf,
     deepseek_moe_from_hf,
+    sparse_layers_from_hf,
 )
 from raylm.model.config.expert_mlp import ClampedSwiglu, clamped_swiglu_from_hf
 from raylm.model.config.families import Family
@@ -92,6 +93,8 @@ def moe_from_hf(raw: Mapping[str, Any], family: Family, num_layers: int, source:
             continue  # read below
         if raw.get(key) is not None and (off is None or raw[key] != off):
             raise UnsupportedModelError(f"{key}={raw[key]!r} in {source}: raylm does not implement this MoE routing")
+    if keys.deepseek is not None and not any(sparse_layers_from_hf(raw, keys.deepseek, num_layers)):
+        return None  # (first_k_dense_replace covers every layer: HF builds a dense MLP on each)
     try:
         # (transformers 5 writes Qwen3-MoE's num_experts under its alias num_local_experts.)
         experts = int(raw[keys.count] if keys.count in raw else raw["num_local_experts"])
@@ -122,10 +125,13 @@ def moe_from_hf(raw: Mapping[str, Any], family: Family, num_layers: int, source:
     )
 
 
-def _deepseek_config(block: DeepseekMoe, experts: int, size: int, top_k: int, source: str) -> MoeConfig:
-    """The MoeConfig of a DeepSeek-style block (model/config/deepseek_routing.py)."""
-    if experts < 1 or not any(block.sparse_layers):
-        raise UnsupportedModelError(f"{source}: no layer has experts; serve this model as its dense family")
+def _deepseek_config(block: DeepseekMoe, experts: int, size: int, top_k: int, source: str) -> MoeConfig | None:
+    """The MoeConfig of a DeepSeek-style block (model/config/deepseek_routing.py); None when the
+    leading dense layers (a GGUF's ``leading_dense_block_count``) are all of them."""
+    if not any(block.sparse_layers):
+        return None
+    if experts < 1:
+        raise UnsupportedModelError(f"{source}: n_routed_experts={experts} leaves the sparse layers no experts")
     return MoeConfig(
         num_experts=experts,
         top_k=top_k,

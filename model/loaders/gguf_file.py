@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 from gguf.quants import dequantize
 
+from raylm.model.config.deepseek_routing import OPTIONAL_SCORE_BIAS
 from raylm.model.config.families import GGUF_FAMILIES, HF_FAMILIES
 from raylm.model.config.gguf_metadata import ROPE_TENSORS
 from raylm.model.config.model_config import ModelConfig
@@ -112,4 +113,10 @@ class GGUFFile:
             config = dataclasses.replace(config, attention_bias="blk.0.attn_q.bias" in self._tensors)
         if family.qk_norm_key is not None:
             config = dataclasses.replace(config, qk_norm="blk.0.attn_q_norm.weight" in self._tensors)
+        moe = config.moe
+        if moe is not None and moe.deepseek is not None and config.architecture in OPTIONAL_SCORE_BIAS:
+            # (DeepSeek V3's files hold the routers' correction bias, V2's do not: llama.cpp adds it if there.)
+            biased = f"blk.{config.moe_layers[0]}.exp_probs_b.bias" in self._tensors
+            routing = dataclasses.replace(moe.deepseek, score_correction=biased)
+            config = dataclasses.replace(config, moe=dataclasses.replace(moe, deepseek=routing))
         return config

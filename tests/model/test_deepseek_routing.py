@@ -70,6 +70,8 @@ def _hf_block(case: str):
                                                shared.up_proj.weight.detach().numpy()])),
         w_shared_down=jnp.asarray(shared.down_proj.weight.detach().numpy()),
         shared_gate=None,
+        b_experts_gate_up=None,  # (gpt-oss's expert biases: none here)
+        b_experts_down=None,
     )
     return module, moe, layer
 

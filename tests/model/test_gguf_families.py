@@ -154,6 +154,27 @@ def test_glm4moe_config_follows_llama_cpp_conventions(tmp_path):
     assert plain.moe.deepseek.num_groups == 1 and not plain.attention_bias and not plain.qk_norm
 
 
+def test_deepseek2_config_follows_llama_cpp_conventions(tmp_path):
+    """DeepSeek's files: the routing from the expert keys (V2's softmax, V3's sigmoid and groups),
+    the correction bias where the file holds exp_probs_b (V3's), the shared experts from
+    expert_shared_count; files without expert_gating_func (V2's before the key) score by softmax;
+    leading_dense_block_count covering every layer leaves no experts."""
+    from raylm.model.config.model_config import ModelConfig
+
+    for variant in ("deepseek-v2-lite", "deepseek-v3"):
+        path, _ = _export(variant, tmp_path)
+        file = GGUFFile(path)
+        hf = ModelConfig.from_hf_dir(path.parent / variant)
+        routing = hf.moe.deepseek  # (llama.cpp scores groups by their two best; with one group, moot)
+        if routing.num_groups == 1:
+            routing = dataclasses.replace(routing, group_score="top2_sum")
+        assert file.config().moe == dataclasses.replace(hf.moe, deepseek=routing), variant
+        assert ("blk.1.exp_probs_b.bias" in file.tensor_names) == hf.moe.deepseek.score_correction
+    old = ModelConfig.from_gguf_fields(_deepseek2(), "old.gguf").moe
+    assert old.deepseek.scoring == "softmax" and old.sparse_layers == (False, True, True)
+    assert ModelConfig.from_gguf_fields(_deepseek2(**{"deepseek2.leading_dense_block_count": 3}), "d.gguf").moe is None
+
+
 def _rewritten(path, out, extra: dict[str, np.ndarray]):
     """The GGUF at ``path`` written again to ``out`` with the tensors ``extra`` added."""
     reader = gguf.GGUFReader(str(path))
@@ -236,6 +257,15 @@ def _glm4moe(**extra):
     return {**base, **extra}
 
 
+def _deepseek2(**extra):
+    base = {"general.architecture": "deepseek2", "deepseek2.embedding_length": 64, "deepseek2.attention.head_count": 4,
+            "deepseek2.block_count": 3, "deepseek2.feed_forward_length": 128, "deepseek2.attention.kv_lora_rank": 32,
+            "deepseek2.rope.dimension_count": 8, "deepseek2.attention.key_length": 24,
+            "deepseek2.attention.value_length": 16, "deepseek2.expert_count": 4, "deepseek2.expert_used_count": 2,
+            "deepseek2.expert_feed_forward_length": 32, "deepseek2.leading_dense_block_count": 1}
+    return {**base, **extra}
+
+
 @pytest.mark.parametrize(
     "extra,match",
     [
@@ -262,11 +292,8 @@ def _glm4moe(**extra):
         ({"gemma2.attention.scale": 0.5}, "gemma2.attention.scale"),
         ({**{k.replace("gemma2", "gemma"): v for k, v in _fields().items()}, "general.architecture": "gemma",
           "gemma.final_logit_softcapping": 30.0}, "gemma.final_logit_softcapping"),
-        ({"general.architecture": "deepseek2", "deepseek2.embedding_length": 64, "deepseek2.attention.head_count": 4,
-          "deepseek2.block_count": 3, "deepseek2.feed_forward_length": 128, "deepseek2.attention.kv_lora_rank": 32,
-          "deepseek2.rope.dimension_count": 8, "deepseek2.attention.key_length": 24,
-          "deepseek2.attention.value_length": 16, "deepseek2.expert_count": 4,
-          "deepseek2.leading_dense_block_count": 1}, "deepseek2.leading_dense_block_count"),
+        (_deepseek2(**{"deepseek2.expert_gating_func": 3}), "deepseek2.expert_gating_func"),
+        (_deepseek2(**{"deepseek2.expert_group_count": 3}), "n_group=3"),
     ],
 )
 def test_metadata_raylm_does_not_implement_is_a_load_error(extra, match):

@@ -55,12 +55,13 @@ def test_ep2_equals_ep1(tmp_path):
     assert list(ep2.generate(ids, 24)) == list(ep1.generate(ids, 24))
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
-def test_glm_sharded_equals_one_device(tmp_path, tp, ep):
-    """GLM-4.5's arrays shard as declared: the ungated shared experts' hidden dim over ``tp`` (with
-    the dense first layer's MLP), the routed experts over ``ep``, the router and its correction
-    bias replicated (every device routes every token)."""
-    path, _ = build_tiny_checkpoint("glm4-moe", tmp_path / "m")
+@pytest.mark.parametrize("variant,tp,ep", [("glm4-moe", 2, 1), ("glm4-moe", 1, 2), ("deepseek-v3", 1, 2)])
+def test_deepseek_style_sharded_equals_one_device(tmp_path, variant, tp, ep):
+    """GLM-4.5's and DeepSeek-V3's arrays shard as declared: the ungated shared experts' hidden dim
+    over ``tp`` (with the dense first layer's MLP), the routed experts over ``ep``, the router and
+    its correction bias replicated (every device routes every token). (DeepSeek-V3's TP=2, latent
+    attention's heads split: tests/workers/test_model_families_engine.py.)"""
+    path, _ = build_tiny_checkpoint(variant, tmp_path / "m")
     config, params = load_checkpoint(path)
     ids = np.random.RandomState(3).randint(3, 320, size=24).tolist()
     one = SingleSequenceGenerator(config, params, mesh=make_mesh(1))

@@ -25,8 +25,9 @@ from tests.reference import hf_greedy
 
 # (phi3-longrope switches RoPE factors at 32 tokens in HF, mid-sequence; raylm picks them by the
 # served context: model/decoder/layers.py. Its prompt-level match is in tests/model/test_model_vs_hf.py.)
-# (DeepSeek: V3's latent attention, its low-rank query and YaRN; V2-Lite's differences are in the
-# projections, which tests/model/test_model_vs_hf.py checks.)
+# (DeepSeek: V3's latent attention, its low-rank query and YaRN, and its experts (sigmoid, grouped,
+# biased routing; a shared expert; a dense first layer); V2-Lite's differences are in the projections
+# and its softmax routing, which tests/model/test_model_vs_hf.py checks.)
 FAMILIES = ["qwen3", "mistral-sliding", "gemma", "gemma2", "gemma3", "phi3", "granite", "deepseek-v3"]
 NEW_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -53,7 +54,8 @@ CASES = [(f, "chunked-preempted-prefix-cached")
     ("mixtral", "ngram-chunked-preempted-prefix-cached"),
     ("gemma3", "tensor-parallel-2"), ("gemma2", "draft-speculation"), ("olmoe", "expert-parallel-2"),
     ("gpt-oss", "tensor-parallel-2"),
-    ("deepseek-v3", "tensor-parallel-2"),  # latent attention: query heads split, the latent pool replicated
+    # latent attention: query heads split, the latent pool replicated; the shared expert split too
+    ("deepseek-v3", "tensor-parallel-2"),
 ]  # (glm4-moe's TP=2 and EP=2: tests/model/test_tensor_parallel.py)
 
 
