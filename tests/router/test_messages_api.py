@@ -14,10 +14,12 @@ import pytest
 from tokenizers import AddedToken
 
 from raylm.model.text.tokenizer import Tokenizer
+from raylm.router.anthropic.request import chat_body
 from raylm.router.auth import Secret
+from raylm.router.errors import OpenAIError
 from raylm.router.openai_service import OpenAIService
 from raylm.workers.wire.replica_protocol import ChoiceDelta, GenerateChunk
-from tests.fake_worker import FakeWorker, fake_settings, token_chunks
+from tests.fake_worker import FakeWorker, fake_settings, ledger_problems, token_chunks
 from tests.router.test_reasoning_http import QWEN3_TEMPLATE
 
 anthropic = pytest.importorskip("anthropic")
@@ -204,3 +206,57 @@ def test_errors_in_anthropics_shape(tokenizer):
                                        (400, "error", "invalid_request_error")]
     reply = asyncio.run(_client(service, "good").messages.create(model="m", max_tokens=16, messages=ASK))
     assert reply.content[0].text == "x"
+
+
+def test_overload_body_limit_and_midstream_failure(tokenizer):
+    from ray.serve.exceptions import BackPressureError
+
+    service = _service(tokenizer, "x", max_request_bytes=4096)
+
+    async def run():
+        client = _client(service)
+        service.worker.script = [BackPressureError(num_queued_requests=1, max_queued_requests=1)]
+        with pytest.raises(anthropic.APIStatusError) as busy:
+            await client.messages.create(model="m", max_tokens=8, messages=ASK)
+        with pytest.raises(anthropic.APIStatusError) as big:
+            await client.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": "x" * 5000}])
+        service.worker.script = [*token_chunks(tokenizer, "Four and")[:1], RuntimeError("engine broke")]
+        stream = await client.messages.create(model="m", max_tokens=8, messages=ASK, stream=True)
+        with pytest.raises(anthropic.APIStatusError) as broke:
+            _ = [event async for event in stream]
+        return busy.value, big.value, broke.value
+
+    busy, big, broke = asyncio.run(run())
+    assert (busy.status_code, busy.body["error"]["type"]) == (503, "overloaded_error")
+    assert (big.status_code, big.body["error"]["type"]) == (413, "request_too_large")
+    assert broke.body["error"]["type"] == "api_error"
+    assert not ledger_problems(service)
+
+
+def test_history_blocks_become_chat_messages():
+    body = {"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "Sys.", "cache_control": {}}],
+            "metadata": {"user_id": "u1"}, "stop_sequences": ["END"], "top_k": 5,
+            "tools": [WEATHER], "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            "messages": [*ASK, {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "no such city",
+                                              "is_error": True}, {"type": "text", "text": "Try again."}]}]}
+    chat = chat_body(body, "none", None)
+    assert chat["messages"] == [
+        {"role": "system", "content": "Sys."}, *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "Error: no such city"},
+        {"role": "user", "content": "Try again."}]
+    assert (chat["tool_choice"], chat["parallel_tool_calls"], chat["user"], chat["stop"], chat["top_k"]) == (
+        "required", False, "u1", ["END"], 5)
+    assert chat["tools"] == [{"type": "function", "function": {"name": "get_weather", "description": WEATHER[
+        "description"], "parameters": WEATHER["input_schema"]}}]
+    named = chat_body({**body, "tool_choice": {"type": "tool", "name": "get_weather"}}, "none", None)["tool_choice"]
+    assert named == {"type": "function", "function": {"name": "get_weather"}}
+    for bad, field in [({"top_logprobs": 2}, "top_logprobs"), ({"temperature": 1.5}, "temperature"),
+                       ({"metadata": {"x": 1}}, "metadata"), ({"tools": [{"type": "bash_20250124", "name": "b"}]},
+                                                              "tools.0")]:
+        with pytest.raises(OpenAIError) as err:
+            chat_body({**body, **bad}, "none", None)
+        assert err.value.param == field
