@@ -114,7 +114,7 @@ class MessagesAPI:
                       chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[str]:
         """Anthropic's events; a failure after the first is an ``error`` event, never a clean end."""
         try:
-            for event in builder.stream_start():
+            for event in builder.stream_start(first[1] if first is not None else None):
                 yield sse_event(event)
             item = first
             while item is not None:

@@ -82,8 +82,11 @@ class MessageBuilder:
         return {"stop_reason": reason, "stop_sequence": self.stop_string if reason == "stop_sequence" else None}
 
     # -- the stream ---------------------------------------------------------------------------------
-    def stream_start(self) -> list[dict[str, Any]]:
-        usage = {"input_tokens": len(self.parsed.prompts[0]), "output_tokens": 0}
+    def stream_start(self, first: GenerateChunk | None) -> list[dict[str, Any]]:
+        """``message_start`` (its usage as the worker's first chunk tells the prompt's cache hits) and a ping."""
+        cached = first.num_cached_tokens if first is not None else 0
+        usage = {"input_tokens": len(self.parsed.prompts[0]) - cached, "cache_read_input_tokens": cached,
+                 "output_tokens": 0}
         message = {**self._envelope([]), "stop_reason": None, "stop_sequence": None, "usage": usage}
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 

@@ -104,10 +104,14 @@ def test_stop_reasons(tokenizer):
     assert cut[0].stop_reason == "max_tokens" and cut[1][-2].delta.stop_reason == "max_tokens"
     stopped = _service(tokenizer, "x")
     stopped.worker.script = [GenerateChunk("r", [ChoiceDelta(0, "Four", [1], None, "stop", stop_reason="END")],
-                                           prompt_tokens=3, num_cached_tokens=0, finished=True)]
-    reply = asyncio.run(_client(stopped).messages.create(model="m", max_tokens=8, messages=ASK,
-                                                         stop_sequences=["END", "STOP"]))
+                                           prompt_tokens=3, num_cached_tokens=2, finished=True)]
+    reply, events = asyncio.run(_whole_and_events(stopped, messages=ASK, stop_sequences=["END", "STOP"]))
     assert (reply.content[0].text, reply.stop_reason, reply.stop_sequence) == ("Four", "stop_sequence", "END")
+    assert (events[-2].delta.stop_reason, events[-2].delta.stop_sequence) == ("stop_sequence", "END")
+    # Prompt tokens served from the prefix cache are cache reads, not input tokens, from the first event on.
+    prompt = len(stopped.worker.requests[0].prompt_token_ids)
+    for usage in (reply.usage, events[0].message.usage, events[-2].usage):
+        assert (usage.input_tokens, usage.cache_read_input_tokens) == (prompt - 2, 2)
     assert stopped.worker.requests[0].params.stop == ["END", "STOP"]
 
 
