@@ -103,7 +103,8 @@ class MessageBuilder:
             events += self._piece("thinking", 0, {"type": "thinking", "thinking": "", "signature": ""},
                                   {"type": "thinking_delta", "thinking": delta.reasoning})
         if delta.content:
-            events += self._piece("text", 0, {"type": "text", "text": ""}, {"type": "text_delta", "text": delta.content})
+            events += self._piece("text", 0, {"type": "text", "text": ""},
+                                  {"type": "text_delta", "text": delta.content})
         for call in delta.tool_calls:
             function = call.get("function", {})
             block = {"type": "tool_use", "id": call.get("id", ""), "name": function.get("name", ""), "input": {}}

@@ -135,7 +135,8 @@ def _user_turn(blocks: list[Any], where: str) -> list[dict[str, Any]]:
         is_error = block.get("is_error", False)
         if not isinstance(is_error, bool):
             raise invalid(f"{at}.is_error: must be a boolean", f"{at}.is_error")
-        results.append({"role": "tool", "tool_call_id": call_id, "content": f"Error: {content}" if is_error else content})
+        results.append({"role": "tool", "tool_call_id": call_id,
+                        "content": f"Error: {content}" if is_error else content})
     return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
 
 
