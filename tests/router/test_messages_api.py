@@ -211,6 +211,17 @@ def test_errors_in_anthropics_shape(tokenizer):
     reply = asyncio.run(_client(service, "good").messages.create(model="m", max_tokens=16, messages=ASK))
     assert reply.content[0].text == "x"
 
+    async def bearer(key: str) -> int:  # the key as OpenAI clients send it works too
+        import httpx2
+
+        transport = httpx2.ASGITransport(app=service.asgi_app())
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router") as http:
+            answer = await http.post("/v1/messages/count_tokens", json={"model": "m", "messages": ASK},
+                                     headers={"Authorization": f"Bearer {key}"})
+        return answer.status_code
+
+    assert asyncio.run(bearer("good")) == 200 and asyncio.run(bearer("bad")) == 401
+
 
 def test_overload_body_limit_and_midstream_failure(tokenizer):
     from ray.serve.exceptions import BackPressureError
