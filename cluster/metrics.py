@@ -69,6 +69,7 @@ ROUTER_METRICS = {
     "raylm_router_requests_rejected_total": ("counter", "Requests refused by the router, by status and reason."),
     "raylm_router_routing_decisions_total": ("counter", "Worker replica choices, by reason."),
     "raylm_router_tenant_tokens_total": ("counter", "Tokens served per tenant (prompt + generated)."),
+    "raylm_router_requests_total": ("counter", "Generation requests answered, by endpoint and HTTP status."),
 }
 
 
@@ -122,6 +123,7 @@ class RouterMetrics:
         self._rejected = _make("raylm_router_requests_rejected_total", ROUTER_METRICS, keys + ("status", "reason"))
         self._routing = _make("raylm_router_routing_decisions_total", ROUTER_METRICS, keys + ("reason",))
         self._tenant_tokens = _make("raylm_router_tenant_tokens_total", ROUTER_METRICS, keys + ("tenant",))
+        self._requests = _make("raylm_router_requests_total", ROUTER_METRICS, keys + ("endpoint", "status"))
         self._tenant_tags: set[str] = set()
 
     def queue_depth(self, priority: str, depth: int) -> None:
@@ -132,6 +134,10 @@ class RouterMetrics:
 
     def rejected(self, status: int, reason: str) -> None:
         self._rejected.inc(1, tags={"model_name": self.model, "status": str(status), "reason": reason})
+
+    def request(self, endpoint: str, status: int) -> None:
+        """A generation request answered (``endpoint``: its route's path), streams at their start."""
+        self._requests.inc(1, tags={"model_name": self.model, "endpoint": endpoint, "status": str(status)})
 
     def routing_decision(self, reason: str) -> None:
         self._routing.inc(1, tags={"model_name": self.model, "reason": reason})

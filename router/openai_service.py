@@ -36,6 +36,7 @@ from raylm.model.config.model_config import ModelConfig
 from raylm.model.runtime.buckets import cdiv
 from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.admission import AdmissionController
+from raylm.router.anthropic.endpoint import MessagesAPI
 from raylm.router.auth import Authenticator, Secret, parse_api_keys
 from raylm.router.errors import OpenAIError, invalid, overloaded
 from raylm.router.fair_queue import FairQueue
@@ -168,6 +169,7 @@ class OpenAIService:
             logger.exception("unhandled error serving %r", request.url.path)
             return error_response(OpenAIError(500, "internal server error; see the server logs"))
 
+        messages = MessagesAPI(self)  # Anthropic's Messages API (router/anthropic/)
         return Starlette(
             routes=[
                 Route("/v1/chat/completions", self._endpoint(self.parser.parse_chat), methods=["POST"]),
@@ -180,6 +182,8 @@ class OpenAIService:
                 Route("/v1/models", self.list_models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/v1/messages", messages.create, methods=["POST"]),
+                Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
             ],
             exception_handlers={HTTPException: on_http_error, Exception: on_error},
         )
@@ -257,6 +261,7 @@ class OpenAIService:
                 lease = await self.admission.acquire(tenant, priority, parsed.params.n * len(parsed.prompts))
             except OpenAIError as err:
                 self.metrics.rejected(err.status, err.code or "invalid_request")
+                self.metrics.request(request.url.path, err.status)
                 return error_response(err)
             # From here on the lease is this function's until a streaming response takes it.
             try:
@@ -266,6 +271,7 @@ class OpenAIService:
                 raise
             if not isinstance(response, LeasedStreamingResponse):
                 await lease.close()
+            self.metrics.request(request.url.path, response.status_code)
             return response
 
         return endpoint
