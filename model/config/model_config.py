@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from raylm.model.config import gguf_metadata, latent_attention
-from raylm.model.config.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES, Family
+from raylm.model.config import gguf_metadata, hf_keys, latent_attention
+from raylm.model.config.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES
 from raylm.model.config.latent_attention import LatentAttention, softmax_scale
 from raylm.model.config.llama4 import AttnTemperature, Llama4Attention, llama4_attention, llama4_moe
 from raylm.model.config.moe import MoeConfig, moe_from_gguf, moe_from_hf
@@ -26,7 +26,6 @@ from raylm.model.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = tuple(HF_FAMILIES)
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_FAMILIES)
-_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,13 +203,13 @@ class ModelConfig:
                 f"raylm supports {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
             )
         family = HF_FAMILIES[arch]
-        _refuse_unimplemented(raw, family, source)
+        hf_keys.refuse_unimplemented(raw, family, source)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
             layers = int(raw["num_hidden_layers"])
             max_positions = int(raw.get("max_position_embeddings", 2048))
-            global_rope, local_rope = _rope_parameters(raw)
+            global_rope, local_rope = hf_keys.rope_parameters(raw)
             act = next((raw[key] for key in family.activation_keys if raw.get(key)), family.default_act)
             if act == "gelu" and family.gelu_is_tanh:
                 act = "gelu_pytorch_tanh"
@@ -247,16 +246,16 @@ class ModelConfig:
                 qk_norm=family.qk_norm or bool(family.qk_norm_key and raw.get(family.qk_norm_key)),
                 qk_norm_whole=family.qk_norm_whole,
                 sandwich_norms=family.sandwich_norms,
-                activation=_activation(act, source),
+                activation=hf_keys.activation(act, source),
                 embed_scale=math.sqrt(hidden) if family.sqrt_hidden_embed_scale else None,
                 embedding_multiplier=scales.embedding,
                 residual_multiplier=scales.residual,
-                query_scale=_query_scale(raw, family, mla, rope_scaling, scales),
+                query_scale=hf_keys.query_scale(raw, family, mla, rope_scaling, scales),
                 logits_divisor=scales.logits_divisor,
                 attn_softcap=optional_float(raw.get("attn_logit_softcapping")),
                 final_softcap=optional_float(raw.get("final_logit_softcapping")),
-                layer_windows=_layer_windows(raw, family, layers, source),
-                local_rope_theta=_local_rope_theta(local_rope, source),
+                layer_windows=hf_keys.layer_windows(raw, family, layers, source),
+                local_rope_theta=hf_keys.local_rope_theta(local_rope, source),
                 moe=llama4_moe(raw, layers, source) if family.llama4 else moe_from_hf(raw, family, layers, source),
                 nope_layers=llama4.nope_layers,
                 layer_chunks=llama4.layer_chunks,
@@ -364,103 +363,6 @@ class ModelConfig:
             moe=moe_from_gguf(meta, layers, dense_size),
             mla=mla,
         )
-
-
-def _refuse_unimplemented(raw: Mapping[str, Any], family: Family, source: str) -> None:
-    """Options HF implements for these architectures and raylm does not: load errors."""
-    if raw.get("attention_bias") and not (family.attention_bias or family.reads_attention_bias):
-        raise UnsupportedModelError(
-            f"attention_bias=true in {source}: raylm implements q/k/v biases (Qwen2, GLM-4.5) and o_proj's "
-            "(gpt-oss) only"
-        )
-    if raw.get("mlp_bias"):
-        raise UnsupportedModelError(f"mlp_bias=true in {source} is not supported")
-    if raw.get("clip_qkv") is not None:
-        raise UnsupportedModelError(f"clip_qkv={raw['clip_qkv']} in {source}: raylm does not clamp q/k/v")
-    if raw.get("use_bidirectional_attention"):
-        raise UnsupportedModelError(f"use_bidirectional_attention=true in {source}: raylm serves causal decoders")
-    if not family.logit_softcaps:
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if raw.get(key) is not None:
-                raise UnsupportedModelError(f"{key} in {source} is read only for Gemma 2 and 3")
-
-
-def _query_scale(
-    raw: Mapping[str, Any], family: Family, mla: LatentAttention | None, rope_scaling: RopeScaling | None,
-    scales: Multipliers,
-) -> float | None:
-    """Attention scores' scale where it is not ``head_dim ** -0.5``: Gemma 2/3's
-    query_pre_attn_scalar, MLA's (model/config/latent_attention.py), Granite's multiplier."""
-    if mla is not None:
-        return softmax_scale(mla, rope_scaling)
-    if family.query_pre_attn_scalar:
-        return float(raw.get("query_pre_attn_scalar", 256)) ** -0.5
-    return scales.attention
-
-
-def _rope_parameters(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(global RoPE dict, sliding layers' own or None), from ``rope_parameters`` (transformers
-    5, possibly per layer type) or the older ``rope_theta`` / ``rope_scaling`` /
-    ``rope_local_base_freq`` keys."""
-    params = raw.get("rope_parameters")
-    if isinstance(params, Mapping) and "full_attention" in params:
-        return dict(params["full_attention"]), dict(params.get("sliding_attention") or {}) or None
-    merged = dict(raw.get("rope_scaling") or params or {})
-    if "rope_theta" in raw:
-        merged.setdefault("rope_theta", raw["rope_theta"])
-    local = {"rope_theta": raw["rope_local_base_freq"]} if "rope_local_base_freq" in raw else None
-    return merged, local
-
-
-def _local_rope_theta(local: Mapping[str, Any] | None, source: str) -> float | None:
-    if local is None:
-        return None
-    if (local.get("rope_type") or "default") != "default":
-        raise UnsupportedModelError(
-            f"sliding layers' RoPE type {local.get('rope_type')!r} in {source}: raylm scales global layers' RoPE only"
-        )
-    return float(local.get("rope_theta", 10000.0))
-
-
-def _layer_windows(raw: Mapping[str, Any], family: Family, layers: int, source: str) -> tuple[int | None, ...]:
-    """Each layer's sliding window as HF applies it, or () when no layer slides."""
-    if family.llama4:  # its layer_types say chunked or full attention (model/config/llama4.py)
-        return ()
-    window = raw.get("sliding_window")
-    if family.window_on_all_layers:
-        kinds = [window is not None] * layers
-    elif raw.get("layer_types") is not None:
-        types = list(raw["layer_types"])
-        unknown = sorted(set(types) - set(_LAYER_TYPES))
-        if unknown:
-            raise UnsupportedModelError(
-                f"layer_types in {source}: {', '.join(unknown)} not supported (raylm implements "
-                f"{', '.join(_LAYER_TYPES)})"
-            )
-        if len(types) != layers:
-            raise ModelLoadError(f"layer_types in {source} lists {len(types)} layers, the model has {layers}")
-        kinds = [_LAYER_TYPES[t] for t in types]
-    elif raw.get("use_sliding_window") and window is not None:  # Qwen2/3 configs before layer_types
-        first = int(raw.get("max_window_layers", layers))
-        kinds = [i >= first for i in range(layers)]
-    elif family.sliding_pattern and window is not None:  # Gemma configs before layer_types
-        pattern = int(raw.get("sliding_window_pattern") or family.sliding_pattern)
-        kinds = [(i + 1) % pattern != 0 for i in range(layers)]
-    else:
-        kinds = [False] * layers
-    if window is None or not any(kinds):
-        return ()
-    if int(window) < 1:
-        raise UnsupportedModelError(f"sliding_window={window} in {source}: it must be at least 1")
-    return tuple(int(window) if sliding else None for sliding in kinds)
-
-
-def _activation(name: str, source: str) -> str:
-    if name not in ACTIVATIONS:
-        raise UnsupportedModelError(
-            f"MLP activation {name!r} in {source}: raylm supports {', '.join(ACTIVATIONS)}"
-        )
-    return ACTIVATIONS[name]
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
