@@ -32,6 +32,7 @@ from starlette.types import Receive, Scope, Send
 from raylm.cache.block_hash import adapter_salt, block_hashes
 from raylm.cluster.adapter_store import AdapterStore, MemoryAdapterStore
 from raylm.cluster.metrics import RouterMetrics
+from raylm.cluster.response_store import MemoryResponseStore, ResponseStore
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.runtime.buckets import cdiv
 from raylm.model.text.tokenizer import Tokenizer
@@ -124,8 +125,12 @@ class OpenAIService:
     adapters are recorded in ``adapter_store`` (a router alone: in this process)."""
 
     def __init__(self, worker: Any, settings: RouterSettings, tokenizer: Tokenizer,
-                 adapter_store: AdapterStore | None = None, model_config: ModelConfig | None = None):
+                 adapter_store: AdapterStore | None = None, model_config: ModelConfig | None = None,
+                 response_store: ResponseStore | None = None):
         self.worker = worker
+        # /v1/responses' stored responses (router/responses_api/; a router alone: in this process)
+        self.response_store = response_store or MemoryResponseStore(settings.responses_store_max_bytes,
+                                                                    settings.responses_store_max_age_s)
         self.settings = settings
         self.tokenizer = tokenizer
         self.catalog = ModelCatalog(settings, adapter_store or MemoryAdapterStore(), model_config)
@@ -168,6 +173,8 @@ class OpenAIService:
             logger.exception("unhandled error serving %r", request.url.path)
             return error_response(OpenAIError(500, "internal server error; see the server logs"))
 
+        from raylm.router.responses_api.service import ResponsesAPI  # it builds on this module
+
         return Starlette(
             routes=[
                 Route("/v1/chat/completions", self._endpoint(self.parser.parse_chat), methods=["POST"]),
@@ -180,6 +187,7 @@ class OpenAIService:
                 Route("/v1/models", self.list_models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                *ResponsesAPI(self, self.response_store).routes(),
             ],
             exception_handlers={HTTPException: on_http_error, Exception: on_error},
         )
@@ -250,11 +258,7 @@ class OpenAIService:
                 if isinstance(body, dict):
                     await self.catalog.find(body.get("model"))
                 parsed = parse(body)
-                priority = self._priority(parsed, request.headers.get("x-priority"))
-                tenant = key_tenant or parsed.user or "anonymous"
-                self._check_fits_pool(parsed)
-                self.rate_limiter.check(tenant)
-                lease = await self.admission.acquire(tenant, priority, parsed.params.n * len(parsed.prompts))
+                priority, lease = await self.admit(parsed, key_tenant, request.headers.get("x-priority"))
             except OpenAIError as err:
                 self.metrics.rejected(err.status, err.code or "invalid_request")
                 return error_response(err)
@@ -270,16 +274,30 @@ class OpenAIService:
 
         return endpoint
 
-    async def _serve(self, parsed: ParsedRequest, priority: int, lease: Lease) -> Response:
-        """Generate for an admitted request: a full JSON response, or a streaming one that owns the lease."""
+    async def admit(self, parsed: ParsedRequest, key_tenant: str | None, priority_header: str | None) -> tuple[int, Lease]:
+        """Admit a parsed request (its priority class, the pool's limit, the rate limit, the fair
+        queue): its priority index and the lease the caller must close."""
+        priority = self._priority(parsed, priority_header)
+        tenant = key_tenant or parsed.user or "anonymous"
+        self._check_fits_pool(parsed)
+        self.rate_limiter.check(tenant)
+        return priority, await self.admission.acquire(tenant, priority, parsed.params.n * len(parsed.prompts))
+
+    def generate_admitted(self, parsed: ParsedRequest, request_id: str, priority: int,
+                          lease: Lease) -> AsyncIterator[tuple[int, GenerateChunk]]:
+        """The worker chunks of an admitted request, counted against its lease and metrics."""
         self.metrics.queue_time(self.settings.priority_classes[priority], lease.waited_s)
         lease.count_tokens(sum(len(p) for p in parsed.prompts))
+        return lease.attach(self._generate(parsed, request_id, priority, lease))
+
+    async def _serve(self, parsed: ParsedRequest, priority: int, lease: Lease) -> Response:
+        """Generate for an admitted request: a full JSON response, or a streaming one that owns the lease."""
         prefix = {"chat": "chatcmpl", "completion": "cmpl", "embedding": "embd"}[parsed.kind]
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         if parsed.kind == "embedding":
             return await self._serve_embeddings(parsed, request_id, priority, lease)
         builder = ResponseBuilder(parsed, request_id, int(time.time()), self.tokenizer)
-        chunks = lease.attach(self._generate(parsed, request_id, priority, lease))
+        chunks = self.generate_admitted(parsed, request_id, priority, lease)
         try:
             first = await anext(chunks, None)
         except OpenAIError as err:
@@ -302,7 +320,7 @@ class OpenAIService:
         """Every input through the workers as a prompt-only request; one JSON list of vectors."""
         vectors: dict[int, list[float]] = {}
         try:
-            async for index, chunk in lease.attach(self._generate(parsed, request_id, priority, lease)):
+            async for index, chunk in self.generate_admitted(parsed, request_id, priority, lease):
                 if chunk.embedding is not None:
                     vectors[index] = chunk.embedding
         except OpenAIError as err:
