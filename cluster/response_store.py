@@ -30,6 +30,10 @@ class ResponseStore(Protocol):
 
     def get(self, owner: str, response_id: str) -> dict[str, Any] | None: ...
 
+    def replace(self, owner: str, response_id: str, record: dict[str, Any], status: str) -> bool:
+        """Replace a record only while its response's status is ``status`` (atomically: a background
+        response's end and its cancellation cannot both win); False, and nothing changed, otherwise."""
+
     def delete(self, owner: str, response_id: str) -> bool:
         """Forget a record; False when ``owner`` has no record of that id."""
 
@@ -68,6 +72,12 @@ class MemoryResponseStore:
             return None
         return json.loads(entry.text)
 
+    def replace(self, owner: str, response_id: str, record: dict[str, Any], status: str) -> bool:
+        current = self.get(owner, response_id)
+        if current is None or current["response"]["status"] != status:
+            return False
+        return self.put(owner, response_id, record)
+
     def delete(self, owner: str, response_id: str) -> bool:
         entry = self._entries.get(response_id)
         if entry is None or entry.owner != owner:
@@ -105,6 +115,9 @@ class _StoreActor:
     def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
         return self.store.get(owner, response_id)
 
+    def replace(self, owner: str, response_id: str, record: dict[str, Any], status: str) -> bool:
+        return self.store.replace(owner, response_id, record, status)
+
     def delete(self, owner: str, response_id: str) -> bool:
         return self.store.delete(owner, response_id)
 
@@ -129,6 +142,11 @@ class RayResponseStore:
         import ray
 
         return ray.get(self._actor.get.remote(owner, response_id))
+
+    def replace(self, owner: str, response_id: str, record: dict[str, Any], status: str) -> bool:
+        import ray
+
+        return ray.get(self._actor.replace.remote(owner, response_id, record, status))
 
     def delete(self, owner: str, response_id: str) -> bool:
         import ray

@@ -33,6 +33,7 @@ from raylm.workers.wire.replica_protocol import GenerateChunk
 
 logger = logging.getLogger("ray.serve")
 MAX_LIST_LIMIT = 100
+CANCEL_POLL_S = 1.0  # how often a background response checks the store for a cancellation
 
 
 def not_found(response_id: str, param: str | None = None) -> OpenAIError:
@@ -46,6 +47,7 @@ class ResponsesAPI:
     def __init__(self, service: OpenAIService, store: ResponseStore):
         self.service = service
         self.store = store
+        self._background: dict[str, asyncio.Task] = {}  # background responses this replica generates
 
     def routes(self) -> list[Route]:
         return [
@@ -90,12 +92,23 @@ class ResponsesAPI:
             return error_response(err)
 
     async def cancel(self, request: Request) -> Response:
-        """Only background responses can be cancelled, and this server runs none (it refuses
-        ``background: true``): a stored response is already complete."""
+        """Cancel a background response: it is ``cancelled`` in the store at once (atomically, so a
+        reply finishing meanwhile cannot undo it), and the replica generating it stops (at once
+        here, within ``CANCEL_POLL_S`` on another replica). A finished one is returned as it is."""
         try:
-            await self._record(request)
-            raise invalid("only background responses can be cancelled, and this response was not created with "
-                          "background: true (this server does not run background responses)", code="not_cancellable")
+            owner, response_id = self._owner(request), request.path_params["response_id"]
+            record = await self._record(request)
+            if not record["response"]["background"]:
+                raise invalid("only background responses can be cancelled", code="not_cancellable")
+            if record["response"]["status"] == "in_progress":
+                cancelled = {**record, "response": {**record["response"], "status": "cancelled"}}
+                if await asyncio.to_thread(self.store.replace, owner, response_id, cancelled, "in_progress"):
+                    task = self._background.get(response_id)
+                    if task is not None:
+                        task.cancel()
+                    return JSONResponse(cancelled["response"])
+                record = await self._record(request)
+            return JSONResponse(record["response"])
         except OpenAIError as err:
             return error_response(err)
 
@@ -136,13 +149,15 @@ class ResponsesAPI:
             previous = await self._previous(owner, body)
             parsed_request = parse_responses_request(body, previous)
             parsed = service.parser.parse_chat(parsed_request.chat_body)
+            reply = _Reply(self, parsed_request, owner, ResponseBuilder(parsed, f"resp_{uuid.uuid4().hex}",
+                                                                        int(time.time()), service.tokenizer))
+            if parsed_request.background:
+                return await self._start_background(reply, key_tenant, request.headers.get("x-priority"))
             priority, lease = await service.admit(parsed, key_tenant, request.headers.get("x-priority"))
         except OpenAIError as err:
             service.metrics.rejected(err.status, err.code or "invalid_request")
             return error_response(err)
-        reply = _Reply(self, parsed_request, owner, ResponseBuilder(parsed, f"resp_{uuid.uuid4().hex}",
-                                                                    int(time.time()), service.tokenizer))
-        chunks = service.generate_admitted(parsed, reply.id, priority, lease)
+        chunks = service.generate_admitted(reply.builder.parsed, reply.id, priority, lease)
         try:
             first = await anext(chunks, None)
             if parsed_request.stream:  # the streaming response owns the lease from here on
@@ -158,6 +173,46 @@ class ResponsesAPI:
         await lease.close()
         return JSONResponse(reply.response("completed"), headers={"X-Request-Id": reply.id})
 
+    async def _start_background(self, reply: "_Reply", key_tenant: str | None, priority_header: str | None) -> Response:
+        """Store the response ``in_progress``, answer with it, and generate it in a task of this
+        replica (admitted like any request); its end replaces the record unless it was cancelled."""
+        await asyncio.to_thread(self.store.put, reply.owner, reply.id, reply.record("in_progress"))
+        task = asyncio.get_running_loop().create_task(self._generate_background(reply, key_tenant, priority_header))
+        self._background[reply.id] = task
+        task.add_done_callback(lambda _: self._background.pop(reply.id, None))
+        return JSONResponse(reply.response("in_progress"), headers={"X-Request-Id": reply.id})
+
+    async def _generate_background(self, reply: "_Reply", key_tenant: str | None, priority_header: str | None) -> None:
+        service, parsed = self.service, reply.builder.parsed
+        watcher = asyncio.get_running_loop().create_task(self._watch_cancel(reply, asyncio.current_task()))
+        try:
+            priority, lease = await service.admit(parsed, key_tenant, priority_header)
+            try:
+                chunks = service.generate_admitted(parsed, reply.id, priority, lease)
+                await reply.run(await anext(chunks, None), chunks)
+            finally:
+                await lease.close()
+        except OpenAIError as err:
+            failed = reply.record("failed")
+            failed["response"]["error"] = {"code": err.code or "server_error", "message": err.message}
+            await asyncio.to_thread(self.store.replace, reply.owner, reply.id, failed, "in_progress")
+        except Exception:
+            logger.exception("background response %s failed", reply.id)
+            failed = reply.record("failed")
+            failed["response"]["error"] = {"code": "server_error", "message": "internal error while generating"}
+            await asyncio.to_thread(self.store.replace, reply.owner, reply.id, failed, "in_progress")
+        finally:
+            watcher.cancel()
+
+    async def _watch_cancel(self, reply: "_Reply", generating: asyncio.Task | None) -> None:
+        """Stop generating once another replica cancelled the response in the store."""
+        while generating is not None:
+            await asyncio.sleep(CANCEL_POLL_S)
+            record = await asyncio.to_thread(self.store.get, reply.owner, reply.id)
+            if record is None or record["response"]["status"] == "cancelled":  # or deleted
+                generating.cancel()
+                return
+
     async def _previous(self, owner: str, body: Any) -> dict[str, Any] | None:
         previous_id = body.get("previous_response_id") if isinstance(body, dict) else None
         if previous_id is None:
@@ -167,6 +222,9 @@ class ResponsesAPI:
         record = await asyncio.to_thread(self.store.get, owner, previous_id)
         if record is None:
             raise not_found(previous_id, "previous_response_id")
+        if record["response"]["status"] == "in_progress":
+            raise invalid(f"the previous response {previous_id!r} is still in progress: wait for it to finish"[:300],
+                          "previous_response_id")
         return record
 
 
@@ -193,6 +251,13 @@ class _Reply:
             item = await anext(chunks, None)
         self.output.finish()
         await self._store()
+
+    def record(self, status: str) -> dict[str, Any]:
+        """What the store keeps: the response, its input items and the conversation to continue
+        (with this reply once it is complete)."""
+        done = status == "completed"
+        return {"response": self.response(status), "input_items": self.request.input_items,
+                "conversation": self.request.conversation + ([self._assistant_turn()] if done else [])}
 
     async def events(self, first: tuple[int, GenerateChunk] | None,
                      chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[str]:
@@ -238,7 +303,7 @@ class _Reply:
         reasoning = body.get("reasoning") if isinstance(body.get("reasoning"), dict) else {}
         return {
             "id": self.id, "object": "response", "created_at": builder.created, "model": builder.parsed.model,
-            "status": "incomplete" if cut else status, "background": False, "error": None,
+            "status": "incomplete" if cut else status, "background": self.request.background, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "output": self.output.items if done else [],
@@ -280,7 +345,8 @@ class _Reply:
     async def _store(self) -> None:
         if not self.request.store:
             return
-        record = {"response": self.response("completed"), "input_items": self.request.input_items,
-                  "conversation": self.request.conversation + [self._assistant_turn()]}
-        if not await asyncio.to_thread(self.api.store.put, self.owner, self.id, record):
+        store, record = self.api.store, self.record("completed")
+        if self.request.background:  # unless it was cancelled meanwhile
+            await asyncio.to_thread(store.replace, self.owner, self.id, record, "in_progress")
+        elif not await asyncio.to_thread(store.put, self.owner, self.id, record):
             logger.warning("response %s is larger than the whole response store: not stored", self.id)

@@ -58,6 +58,15 @@ def test_an_owner_sees_and_deletes_only_its_own_records():
     assert store.get("alice", "r") == _record(1) and store.delete("alice", "r") and store.get("alice", "r") is None
 
 
+def test_replace_only_while_the_status_is_unchanged():
+    store = MemoryResponseStore(max_bytes=10_000, max_age_s=3600)
+    store.put("a", "r", {"response": {"status": "in_progress"}})
+    assert store.replace("a", "r", {"response": {"status": "cancelled"}}, "in_progress")
+    assert not store.replace("a", "r", {"response": {"status": "completed"}}, "in_progress")
+    assert not store.replace("b", "r", {"response": {"status": "completed"}}, "cancelled")
+    assert store.get("a", "r") == {"response": {"status": "cancelled"}}
+
+
 def test_the_cluster_store_is_shared_by_replicas_and_outlives_them(serve_cluster):
     """Two router replicas' handles on the application's store actor: what one stores, the other
     reads (its owner only), also after the replica that created the actor is gone."""

@@ -13,7 +13,7 @@ import pytest
 
 from raylm.router.auth import Secret
 from raylm.router.openai_service import OpenAIService
-from tests.fake_worker import FakeWorker, fake_settings, openai_client, token_chunks
+from tests.fake_worker import HANG, FakeWorker, fake_settings, ledger_problems, openai_client, token_chunks
 
 openai = pytest.importorskip("openai")
 
@@ -184,3 +184,34 @@ def test_store_false_keeps_nothing(tokenizer):
         return response
 
     assert asyncio.run(scenario()).store is False and len(service.response_store) == 0
+
+
+def test_background_response_completes_or_is_cancelled(tokenizer):
+    service = _service(tokenizer, "Done in the background.")
+
+    async def wait_until_done(client, response_id):
+        for _ in range(200):
+            response = await client.responses.retrieve(response_id)
+            if response.status != "in_progress":
+                return response
+            await asyncio.sleep(0.01)
+
+    async def scenario():
+        client = openai_client(service)
+        started = await client.responses.create(model="m", input="Work", background=True)
+        finished = await wait_until_done(client, started.id)
+        service.worker.script = token_chunks(tokenizer, "Never")[:1] + [HANG]
+        hanging = await client.responses.create(model="m", input="Work forever", background=True)
+        await asyncio.sleep(0.05)
+        cancelled = await client.responses.cancel(hanging.id)
+        await asyncio.sleep(0.05)
+        service.worker.script = token_chunks(tokenizer, "Done.")
+        with pytest.raises(openai.BadRequestError):  # only background responses can be cancelled
+            await client.responses.cancel((await client.responses.create(model="m", input="x")).id)
+        return started, finished, cancelled, await client.responses.retrieve(hanging.id)
+
+    started, finished, cancelled, stored = asyncio.run(scenario())
+    assert (started.status, started.background, started.output) == ("in_progress", True, [])
+    assert finished.status == "completed" and finished.output_text == "Done in the background."
+    assert cancelled.status == stored.status == "cancelled"
+    assert ledger_problems(service) == []  # the hanging worker call was cancelled, its slot given back
