@@ -14,6 +14,7 @@ import pytest
 from raylm.router.auth import Secret
 from raylm.router.openai_service import OpenAIService
 from tests.fake_worker import HANG, FakeWorker, fake_settings, ledger_problems, openai_client, token_chunks
+from tests.router.test_reasoning_http import ANSWER, THOUGHTS, qwen3_tokenizer  # noqa: F401 (a fixture)
 
 openai = pytest.importorskip("openai")
 
@@ -115,6 +116,22 @@ def test_stream_sends_the_semantic_events_in_order(tokenizer):
     assert [o.type for o in final.output] == ["message", "function_call"] and final.output_text == "Hi! "
     assert final.model_dump() == events[-1].response.model_dump()
     assert stored.model_dump() == _unparsed(final.model_dump())  # the stream helper adds its parsed fields
+
+
+def test_thoughts_stream_as_a_reasoning_item_before_the_message(qwen3_tokenizer):  # noqa: F811
+    service = _service(qwen3_tokenizer, f"<think>{THOUGHTS}</think>\n\n{ANSWER}")
+
+    async def scenario():
+        async with openai_client(service).responses.stream(model="m", input="2 + 2?") as stream:
+            return [event async for event in stream], await stream.get_final_response()
+
+    events, final = asyncio.run(scenario())
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THOUGHTS
+    reasoning, message = final.output
+    assert (reasoning.type, reasoning.content[0].text, final.output_text) == ("reasoning", THOUGHTS, ANSWER)
+    assert final.usage.output_tokens_details.reasoning_tokens > 0
 
 
 def test_a_reply_cut_short_is_incomplete(tokenizer):
