@@ -37,7 +37,7 @@ from raylm.model.config.model_config import ModelConfig
 from raylm.model.runtime.buckets import cdiv
 from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.admission import AdmissionController
-from raylm.router.auth import Authenticator, Secret, parse_api_keys
+from raylm.router.auth import Authenticator, with_env_keys
 from raylm.router.errors import OpenAIError, invalid, overloaded
 from raylm.router.fair_queue import FairQueue
 from raylm.router.json_body import parse_json_body
@@ -120,7 +120,8 @@ class LeasedStreamingResponse(StreamingResponse):
 
 class OpenAIService:
     """``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``, ``/tokenize``,
-    ``/detokenize`` and ``/health`` for one model and its LoRA adapters, and vLLM's
+    ``/detokenize``, ``/health`` and ``/v1/responses`` (router/responses_api/, its store shared by the
+    router replicas; a router alone: in this process) for one model and its LoRA adapters, and vLLM's
     ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (router/lora_catalog.py). Loaded
     adapters are recorded in ``adapter_store`` (a router alone: in this process)."""
 
@@ -128,7 +129,6 @@ class OpenAIService:
                  adapter_store: AdapterStore | None = None, model_config: ModelConfig | None = None,
                  response_store: ResponseStore | None = None):
         self.worker = worker
-        # /v1/responses' stored responses (router/responses_api/; a router alone: in this process)
         self.response_store = response_store or MemoryResponseStore(settings.responses_store_max_bytes,
                                                                     settings.responses_store_max_age_s)
         self.settings = settings
@@ -139,8 +139,8 @@ class OpenAIService:
         self.metrics = RouterMetrics(settings.served_model_name)
         self.queue = FairQueue(len(settings.priority_classes), settings.max_queue_size, settings.tenant_weights)
         self.admission = AdmissionController(self.queue, settings.queue_timeout_s, on_tokens=self._count_tokens)
-        self.auth = Authenticator(_with_env_keys(settings.api_keys, settings.api_keys_env),
-                                  _with_env_keys(settings.admin_api_keys, settings.admin_api_keys_env))
+        self.auth = Authenticator(with_env_keys(settings.api_keys, settings.api_keys_env),
+                                  with_env_keys(settings.admin_api_keys, settings.admin_api_keys_env))
         self.rate_limiter = RateLimiter(settings.requests_per_minute, settings.tokens_per_minute)
         # The longest prompt every replica's KV pools admit, once reported (None: no such limit).
         self.max_prompt_tokens: int | None = None
@@ -174,7 +174,6 @@ class OpenAIService:
             return error_response(OpenAIError(500, "internal server error; see the server logs"))
 
         from raylm.router.responses_api.service import ResponsesAPI  # it builds on this module
-
         return Starlette(
             routes=[
                 Route("/v1/chat/completions", self._endpoint(self.parser.parse_chat), methods=["POST"]),
@@ -275,8 +274,7 @@ class OpenAIService:
         return endpoint
 
     async def admit(self, parsed: ParsedRequest, key_tenant: str | None, priority_header: str | None) -> tuple[int, Lease]:
-        """Admit a parsed request (its priority class, the pool's limit, the rate limit, the fair
-        queue): its priority index and the lease the caller must close."""
+        """Admit a parsed request (priority, pool limit, rate limit, fair queue): its priority and lease."""
         priority = self._priority(parsed, priority_header)
         tenant = key_tenant or parsed.user or "anonymous"
         self._check_fits_pool(parsed)
@@ -449,9 +447,3 @@ class OpenAIService:
             logger.exception("streaming response %s failed", builder.id)
             yield _sse(OpenAIError(500, f"internal error while streaming (request {builder.id})").body())
         yield "data: [DONE]\n\n"
-
-
-def _with_env_keys(keys: Secret, env_var: str | None) -> Secret:
-    """The deploy file's ``keys`` and those of the environment variable ``env_var``, read in this
-    replica's process (where the secret was set)."""
-    return Secret({**keys.reveal(), **parse_api_keys(None, env_var).reveal()})
