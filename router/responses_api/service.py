@@ -151,7 +151,9 @@ class ResponsesAPI:
             parsed = service.parser.parse_chat(parsed_request.chat_body)
             reply = _Reply(self, parsed_request, owner, ResponseBuilder(parsed, f"resp_{uuid.uuid4().hex}",
                                                                         int(time.time()), service.tokenizer))
-            if parsed_request.background:
+            if parsed_request.background:  # what can be refused now is, before anything is stored
+                service._priority(parsed, request.headers.get("x-priority"))
+                service._check_fits_pool(parsed)
                 return await self._start_background(reply, key_tenant, request.headers.get("x-priority"))
             priority, lease = await service.admit(parsed, key_tenant, request.headers.get("x-priority"))
         except OpenAIError as err:

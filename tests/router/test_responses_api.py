@@ -232,3 +232,19 @@ def test_background_response_completes_or_is_cancelled(tokenizer):
     assert finished.status == "completed" and finished.output_text == "Done in the background."
     assert cancelled.status == stored.status == "cancelled"
     assert ledger_problems(service) == []  # the hanging worker call was cancelled, its slot given back
+
+
+def test_a_background_request_refused_up_front_stores_nothing(tokenizer):
+    service = _service(tokenizer, "never")
+
+    async def scenario():
+        client = openai_client(service)
+        params = []
+        for extra in ({"extra_headers": {"x-priority": "urgent"}}, {"store": False}):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.responses.create(model="m", input="hi", background=True, **extra)
+            params.append(caught.value.body["param"])
+        return params
+
+    assert asyncio.run(scenario()) == ["priority", "background"]
+    assert not service.worker.requests and len(service.response_store) == 0
