@@ -248,3 +248,18 @@ def test_a_background_request_refused_up_front_stores_nothing(tokenizer):
 
     assert asyncio.run(scenario()) == ["priority", "background"]
     assert not service.worker.requests and len(service.response_store) == 0
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event_and_stores_nothing(tokenizer):
+    service = _service(tokenizer, "never")
+    service.worker.script = token_chunks(tokenizer, "Half a")[:2] + [RuntimeError("the worker broke")]
+
+    async def scenario():
+        async with openai_client(service).responses.stream(model="m", input="hi") as stream:
+            return [event async for event in stream]
+
+    events = asyncio.run(scenario())
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "error"
+    assert "response.completed" not in kinds and "internal error" in events[-1].message
+    assert len(service.response_store) == 0 and ledger_problems(service) == []
