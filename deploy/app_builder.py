@@ -103,6 +103,8 @@ def router_settings(config: DeployConfig) -> RouterSettings:
         lora_modules={r.lora_name: r.lora_path for r in config.model.lora_requests()},
         enable_lora=engine_args.enable_lora,
         max_lora_rank=engine_args.max_lora_rank,
+        responses_store_max_bytes=router.responses_store.max_bytes,
+        responses_store_max_age_s=router.responses_store.max_age_s,
     )
 
 

@@ -199,6 +199,15 @@ class RateLimitSection(_Section):
     tokens_per_minute: PositiveInt | None = None
 
 
+class ResponsesStoreSection(_Section):
+    """The store of ``/v1/responses`` (one per application, shared by every router replica)."""
+
+    max_bytes: PositiveInt = Field(RouterSettings.responses_store_max_bytes,
+                                   description="stored responses' JSON bytes in all; beyond: the oldest are evicted")
+    max_age_s: PositiveFloat = Field(RouterSettings.responses_store_max_age_s,
+                                     description="a stored response older than this is gone (404)")
+
+
 class RouterSection(_Section):
     num_replicas: PositiveInt = 1
     num_cpus: NonNegativeFloat = 0.0
@@ -220,6 +229,7 @@ class RouterSection(_Section):
                                            description="env var with more admin keys (comma-separated)")
     rate_limits: RateLimitSection = RateLimitSection()
     prefix_routing: PrefixRoutingSection = PrefixRoutingSection()
+    responses_store: ResponsesStoreSection = ResponsesStoreSection()
 
     @pydantic.model_validator(mode="after")
     def _classes(self) -> "RouterSection":

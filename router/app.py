@@ -19,6 +19,7 @@ from starlette.applications import Starlette
 from raylm.cluster.adapter_store import RayAdapterStore
 from raylm.cluster.names import ROUTER_DEPLOYMENT, WORKER_DEPLOYMENT
 from raylm.cluster.replicas import ReplicaStatsPoller
+from raylm.cluster.response_store import RayResponseStore
 from raylm.model.config.model_info import load_model_info
 from raylm.router.openai_service import OpenAIService
 from raylm.router.settings import RouterSettings
@@ -29,14 +30,16 @@ logger = logging.getLogger("ray.serve")
 @serve.deployment(name=ROUTER_DEPLOYMENT, max_ongoing_requests=4096)
 @serve.ingress()
 class OpenAIRouter:
-    """The OpenAI HTTP API of ``OpenAIService`` (completions, chat, embeddings, models, vLLM's tokenize,
-    detokenize and LoRA adapter loading, health)."""
+    """The OpenAI HTTP API of ``OpenAIService`` (completions, chat, responses, embeddings, models, vLLM's
+    tokenize, detokenize and LoRA adapter loading, health)."""
 
     async def __init__(self, worker: DeploymentHandle, settings: RouterSettings):
         self.settings = settings
         info = load_model_info(settings.model)
+        responses = RayResponseStore(settings.app_name, settings.responses_store_max_bytes,
+                                     settings.responses_store_max_age_s)
         self.service = OpenAIService(worker, settings, info.tokenizer, RayAdapterStore(settings.app_name, settings.model),
-                                     info.config)
+                                     info.config, responses)
         self.replicas: dict[str, dict[str, Any]] = {}
         self._poller = asyncio.get_running_loop().create_task(self._poll_replicas())
 

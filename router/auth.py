@@ -42,6 +42,12 @@ def parse_api_keys(keys: list[str] | dict[str, str] | None, env_var: str | None)
     return Secret(table)
 
 
+def with_env_keys(keys: Secret, env_var: str | None) -> Secret:
+    """The deploy file's ``keys`` and those of the environment variable ``env_var``, read in this
+    replica's process (where the secret was set)."""
+    return Secret({**keys.reveal(), **parse_api_keys(None, env_var).reveal()})
+
+
 def _tenant_of(key: str) -> str:
     """A stable tenant name that does not reveal the key."""
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:10]

@@ -15,7 +15,6 @@ import dataclasses
 import itertools
 from typing import Any
 
-
 MAX_TRACKED_TENANTS = 10_000
 
 

@@ -25,21 +25,22 @@ from ray.serve.exceptions import BackPressureError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from raylm.cache.block_hash import adapter_salt, block_hashes
 from raylm.cluster.adapter_store import AdapterStore, MemoryAdapterStore
 from raylm.cluster.metrics import RouterMetrics
+from raylm.cluster.response_store import MemoryResponseStore, ResponseStore
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.runtime.buckets import cdiv
 from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.admission import AdmissionController
 from raylm.router.anthropic.endpoint import MessagesAPI
-from raylm.router.auth import Authenticator, Secret, parse_api_keys
+from raylm.router.auth import Authenticator, with_env_keys
 from raylm.router.errors import OpenAIError, invalid, overloaded
 from raylm.router.fair_queue import FairQueue
+from raylm.router.http_replies import LeasedStreamingResponse, error_response
 from raylm.router.json_body import parse_json_body
 from raylm.router.lease import Lease
 from raylm.router.lora_catalog import ModelCatalog
@@ -57,12 +58,6 @@ from raylm.workers.wire.replica_protocol import (
 )
 
 logger = logging.getLogger("ray.serve")
-
-
-def error_response(err: OpenAIError) -> Response:
-    """OpenAI's error JSON. ASCII-escaped: a message may quote client text of any kind."""
-    return Response(json.dumps(err.body()), status_code=err.status, headers=err.headers,
-                    media_type="application/json")
 
 
 def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -103,30 +98,19 @@ def _cancel_quietly(call: Any) -> None:
         pass
 
 
-class LeasedStreamingResponse(StreamingResponse):
-    """A streaming response that owns its request's lease: closed when the response ends, however
-    it ends (done, client gone, cancelled), since Starlette calls a returned response once."""
-
-    def __init__(self, content: AsyncIterator[str], lease: Lease, **kwargs: Any):
-        super().__init__(content, **kwargs)
-        self.lease = lease
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.lease.close()
-
-
 class OpenAIService:
     """``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``, ``/tokenize``,
-    ``/detokenize`` and ``/health`` for one model and its LoRA adapters, and vLLM's
+    ``/detokenize``, ``/health`` and ``/v1/responses`` (router/responses_api/, its store shared by the
+    router replicas; a router alone: in this process) for one model and its LoRA adapters, and vLLM's
     ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (router/lora_catalog.py). Loaded
     adapters are recorded in ``adapter_store`` (a router alone: in this process)."""
 
     def __init__(self, worker: Any, settings: RouterSettings, tokenizer: Tokenizer,
-                 adapter_store: AdapterStore | None = None, model_config: ModelConfig | None = None):
+                 adapter_store: AdapterStore | None = None, model_config: ModelConfig | None = None,
+                 response_store: ResponseStore | None = None):
         self.worker = worker
+        self.response_store = response_store or MemoryResponseStore(settings.responses_store_max_bytes,
+                                                                    settings.responses_store_max_age_s)
         self.settings = settings
         self.tokenizer = tokenizer
         self.catalog = ModelCatalog(settings, adapter_store or MemoryAdapterStore(), model_config)
@@ -135,8 +119,8 @@ class OpenAIService:
         self.metrics = RouterMetrics(settings.served_model_name)
         self.queue = FairQueue(len(settings.priority_classes), settings.max_queue_size, settings.tenant_weights)
         self.admission = AdmissionController(self.queue, settings.queue_timeout_s, on_tokens=self._count_tokens)
-        self.auth = Authenticator(_with_env_keys(settings.api_keys, settings.api_keys_env),
-                                  _with_env_keys(settings.admin_api_keys, settings.admin_api_keys_env))
+        self.auth = Authenticator(with_env_keys(settings.api_keys, settings.api_keys_env),
+                                  with_env_keys(settings.admin_api_keys, settings.admin_api_keys_env))
         self.rate_limiter = RateLimiter(settings.requests_per_minute, settings.tokens_per_minute)
         # The longest prompt every replica's KV pools admit, once reported (None: no such limit).
         self.max_prompt_tokens: int | None = None
@@ -169,6 +153,8 @@ class OpenAIService:
             logger.exception("unhandled error serving %r", request.url.path)
             return error_response(OpenAIError(500, "internal server error; see the server logs"))
 
+        from raylm.router.responses_api.service import ResponsesAPI  # it builds on this module
+
         messages = MessagesAPI(self)  # Anthropic's Messages API (router/anthropic/)
         return Starlette(
             routes=[
@@ -184,6 +170,7 @@ class OpenAIService:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/v1/messages", messages.create, methods=["POST"]),
                 Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+                *ResponsesAPI(self, self.response_store).routes(),
             ],
             exception_handlers={HTTPException: on_http_error, Exception: on_error},
         )
@@ -254,11 +241,7 @@ class OpenAIService:
                 if isinstance(body, dict):
                     await self.catalog.find(body.get("model"))
                 parsed = parse(body)
-                priority = self._priority(parsed, request.headers.get("x-priority"))
-                tenant = key_tenant or parsed.user or "anonymous"
-                self._check_fits_pool(parsed)
-                self.rate_limiter.check(tenant)
-                lease = await self.admission.acquire(tenant, priority, parsed.params.n * len(parsed.prompts))
+                priority, lease = await self.admit(parsed, key_tenant, request.headers.get("x-priority"))
             except OpenAIError as err:
                 self.metrics.rejected(err.status, err.code or "invalid_request")
                 self.metrics.request(request.url.path, err.status)
@@ -276,16 +259,29 @@ class OpenAIService:
 
         return endpoint
 
-    async def _serve(self, parsed: ParsedRequest, priority: int, lease: Lease) -> Response:
-        """Generate for an admitted request: a full JSON response, or a streaming one that owns the lease."""
+    async def admit(self, parsed: ParsedRequest, key_tenant: str | None, priority_header: str | None) -> tuple[int, Lease]:
+        """Admit a parsed request (priority, pool limit, rate limit, fair queue): its priority and lease."""
+        priority = self._priority(parsed, priority_header)
+        tenant = key_tenant or parsed.user or "anonymous"
+        self._check_fits_pool(parsed)
+        self.rate_limiter.check(tenant)
+        return priority, await self.admission.acquire(tenant, priority, parsed.params.n * len(parsed.prompts))
+
+    def generate_admitted(self, parsed: ParsedRequest, request_id: str, priority: int,
+                          lease: Lease) -> AsyncIterator[tuple[int, GenerateChunk]]:
+        """The worker chunks of an admitted request, counted against its lease and metrics."""
         self.metrics.queue_time(self.settings.priority_classes[priority], lease.waited_s)
         lease.count_tokens(sum(len(p) for p in parsed.prompts))
+        return lease.attach(self._generate(parsed, request_id, priority, lease))
+
+    async def _serve(self, parsed: ParsedRequest, priority: int, lease: Lease) -> Response:
+        """Generate for an admitted request: a full JSON response, or a streaming one that owns the lease."""
         prefix = {"chat": "chatcmpl", "completion": "cmpl", "embedding": "embd"}[parsed.kind]
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         if parsed.kind == "embedding":
             return await self._serve_embeddings(parsed, request_id, priority, lease)
         builder = ResponseBuilder(parsed, request_id, int(time.time()), self.tokenizer)
-        chunks = lease.attach(self._generate(parsed, request_id, priority, lease))
+        chunks = self.generate_admitted(parsed, request_id, priority, lease)
         try:
             first = await anext(chunks, None)
         except OpenAIError as err:
@@ -308,7 +304,7 @@ class OpenAIService:
         """Every input through the workers as a prompt-only request; one JSON list of vectors."""
         vectors: dict[int, list[float]] = {}
         try:
-            async for index, chunk in lease.attach(self._generate(parsed, request_id, priority, lease)):
+            async for index, chunk in self.generate_admitted(parsed, request_id, priority, lease):
                 if chunk.embedding is not None:
                     vectors[index] = chunk.embedding
         except OpenAIError as err:
@@ -437,9 +433,3 @@ class OpenAIService:
             logger.exception("streaming response %s failed", builder.id)
             yield _sse(OpenAIError(500, f"internal error while streaming (request {builder.id})").body())
         yield "data: [DONE]\n\n"
-
-
-def _with_env_keys(keys: Secret, env_var: str | None) -> Secret:
-    """The deploy file's ``keys`` and those of the environment variable ``env_var``, read in this
-    replica's process (where the secret was set)."""
-    return Secret({**keys.reveal(), **parse_api_keys(None, env_var).reveal()})

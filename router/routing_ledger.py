@@ -26,7 +26,6 @@ import dataclasses
 import time
 from typing import Callable, Hashable, Sequence
 
-
 PENDING_TTL_S = 5.0  # how long a choice no replica accepted stays charged at most
 
 

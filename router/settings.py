@@ -40,6 +40,9 @@ class RouterSettings:
     tool_call_parser: str = "auto"  # router/tool_formats.py: how tool calls are written and read back
     reasoning_parser: str = "auto"  # router/reasoning.py: where a thinking model's thoughts are
     cache_salt: str = ""
+    # /v1/responses: the cluster's store of responses (cluster/response_store.py), oldest evicted first
+    responses_store_max_bytes: int = 256 << 20
+    responses_store_max_age_s: float = 24 * 3600.0
     # LoRA adapters served beside the model (deploy file's model.lora_modules): name -> path.
     # A request whose ``model`` is one of them generates with it. With the workers' enable_lora,
     # more may be loaded over HTTP, each of rank up to their max_lora_rank.

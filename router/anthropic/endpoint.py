@@ -19,6 +19,7 @@ from raylm.router.anthropic.errors import anthropic_error_body, anthropic_error_
 from raylm.router.anthropic.reply import MessageBuilder, sse_event
 from raylm.router.anthropic.request import chat_body
 from raylm.router.errors import OpenAIError
+from raylm.router.http_replies import LeasedStreamingResponse
 from raylm.router.lease import Lease
 from raylm.router.protocol import ParsedRequest
 from raylm.workers.wire.replica_protocol import GenerateChunk
@@ -86,8 +87,6 @@ class MessagesAPI:
         return response
 
     async def _serve(self, parsed: ParsedRequest, priority: int, lease: Lease) -> Response:
-        from raylm.router.openai_service import LeasedStreamingResponse  # imported here: that module routes here
-
         service = self.service
         service.metrics.queue_time(service.settings.priority_classes[priority], lease.waited_s)
         lease.count_tokens(len(parsed.prompts[0]))

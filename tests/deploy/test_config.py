@@ -73,6 +73,8 @@ def test_every_engine_arg_is_settable_from_yaml():
         ({"model": {"tool_call_parser": "xml"}}, "model.tool_call_parser"),
         ({"engine": {"max_loras": 4, "max_cpu_loras": 2}}, "max_cpu_loras must be an integer >= max_loras"),
         ({"engine": {"lora_dtype": "float16"}}, "lora_dtype must be one of"),
+        ({"router": {"responses_store": {"max_bytes": 0}}}, "router.responses_store.max_bytes"),
+        ({"router": {"responses_store": {"max_age": 60}}}, "router.responses_store.max_age: unknown key"),
         ([1, 2], "must be a mapping"),
     ],
 )
@@ -102,6 +104,16 @@ def test_the_model_s_parsers_reach_the_router():
     assert (settings.reasoning_parser, settings.tool_call_parser) == ("deepseek_r1", "mistral")
     default = router_settings(parse_deploy_config({}))
     assert (default.reasoning_parser, default.tool_call_parser) == ("auto", "auto")  # the chat template's
+
+
+def test_the_responses_store_limits_reach_the_router():
+    from raylm.deploy.app_builder import router_settings
+
+    settings = router_settings(parse_deploy_config({"router": {"responses_store": {"max_bytes": 4096,
+                                                                                   "max_age_s": 60}}}))
+    assert (settings.responses_store_max_bytes, settings.responses_store_max_age_s) == (4096, 60)
+    default = load_deploy_config(DEPLOY_DIR / "default.yaml").router.responses_store
+    assert (default.max_bytes, default.max_age_s) == (256 << 20, 86400)
 
 
 def test_unreadable_files_say_so(tmp_path):

@@ -1,0 +1,154 @@
+"""Where ``/v1/responses`` keeps stored responses, so ``previous_response_id`` works whichever
+router replica takes the next turn.
+
+Every router replica of an application talks to one named, detached Ray actor: it outlives
+the replica that created it (and any replica's restart), and holds the records in memory,
+bounded by bytes and by age (the deploy file's ``router.responses_store``), oldest evicted
+first. The actor keeps a ``MemoryResponseStore``, the same class a router alone uses
+in-process, so both have one set of semantics.
+
+Records are JSON text, owned by the API key that stored them: a record is visible only to its
+owner (any other owner gets None, exactly as for an id that does not exist).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import time
+from typing import Any, Callable, Protocol
+
+from raylm.cluster.adapter_store import NAMESPACE
+
+
+class ResponseStore(Protocol):
+    """Stored responses by id, per owner; every call may block (run it off the event loop)."""
+
+    def put(self, owner: str, response_id: str, record: dict[str, Any]) -> bool:
+        """Store (or replace) a record; False when it alone exceeds the store's byte bound."""
+
+    def get(self, owner: str, response_id: str) -> dict[str, Any] | None: ...
+
+    def replace(self, owner: str, response_id: str, record: dict[str, Any], status: str) -> bool:
+        """Replace a record only while its response's status is ``status`` (atomically: a background
+        response's end and its cancellation cannot both win); False, and nothing changed, otherwise."""
+
+    def delete(self, owner: str, response_id: str) -> bool:
+        """Forget a record; False when ``owner`` has no record of that id."""
+
+
+@dataclasses.dataclass
+class _Entry:
+    owner: str
+    stored_at: float
+    text: str
+
+
+class MemoryResponseStore:
+    """Records in this process, at most ``max_bytes`` of JSON text and ``max_age_s`` old."""
+
+    def __init__(self, max_bytes: int, max_age_s: float, clock: Callable[[], float] = time.time):
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()  # oldest first
+        self.bytes = 0
+
+    def put(self, owner: str, response_id: str, record: dict[str, Any]) -> bool:
+        text = json.dumps(record, separators=(",", ":"))
+        if len(text) > self.max_bytes:
+            return False
+        self._drop(response_id)
+        self._entries[response_id] = _Entry(owner, self._clock(), text)
+        self.bytes += len(text)
+        self._evict()
+        return True
+
+    def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
+        self._evict()
+        entry = self._entries.get(response_id)
+        if entry is None or entry.owner != owner:
+            return None
+        return json.loads(entry.text)
+
+    def replace(self, owner: str, response_id: str, record: dict[str, Any], status: str) -> bool:
+        current = self.get(owner, response_id)
+        if current is None or current["response"]["status"] != status:
+            return False
+        return self.put(owner, response_id, record)
+
+    def delete(self, owner: str, response_id: str) -> bool:
+        entry = self._entries.get(response_id)
+        if entry is None or entry.owner != owner:
+            return False
+        self._drop(response_id)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _drop(self, response_id: str) -> None:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= len(entry.text)
+
+    def _evict(self) -> None:
+        """Drop records past their age, then the oldest until the rest fit the byte bound."""
+        oldest_kept = self._clock() - self.max_age_s
+        while self._entries:
+            response_id, entry = next(iter(self._entries.items()))
+            if entry.stored_at >= oldest_kept and self.bytes <= self.max_bytes:
+                break
+            self._drop(response_id)
+
+
+class _StoreActor:
+    """The cluster's store: a ``MemoryResponseStore`` in a detached actor."""
+
+    def __init__(self, max_bytes: int, max_age_s: float):
+        self.store = MemoryResponseStore(max_bytes, max_age_s)
+
+    def put(self, owner: str, response_id: str, record: dict[str, Any]) -> bool:
+        return self.store.put(owner, response_id, record)
+
+    def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
+        return self.store.get(owner, response_id)
+
+    def replace(self, owner: str, response_id: str, record: dict[str, Any], status: str) -> bool:
+        return self.store.replace(owner, response_id, record, status)
+
+    def delete(self, owner: str, response_id: str) -> bool:
+        return self.store.delete(owner, response_id)
+
+
+class RayResponseStore:
+    """The store of the application ``app_name``: its named detached actor, created by the first
+    router replica that asks for it (with that replica's limits) and found by every other."""
+
+    def __init__(self, app_name: str, max_bytes: int, max_age_s: float):
+        import ray
+
+        self._actor = ray.remote(_StoreActor).options(
+            name=f"responses/{app_name}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
+        ).remote(max_bytes, max_age_s)
+
+    def put(self, owner: str, response_id: str, record: dict[str, Any]) -> bool:
+        import ray
+
+        return ray.get(self._actor.put.remote(owner, response_id, record))
+
+    def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
+        import ray
+
+        return ray.get(self._actor.get.remote(owner, response_id))
+
+    def replace(self, owner: str, response_id: str, record: dict[str, Any], status: str) -> bool:
+        import ray
+
+        return ray.get(self._actor.replace.remote(owner, response_id, record, status))
+
+    def delete(self, owner: str, response_id: str) -> bool:
+        import ray
+
+        return ray.get(self._actor.delete.remote(owner, response_id))

@@ -1,0 +1,90 @@
+"""The response store's bounds and ownership (cluster/response_store.py), on the in-memory store
+that the cluster's actor also holds: records past their age are gone, the oldest go first when
+the bytes run out, a record bigger than the whole store is refused, and an owner sees only its own."""
+
+from __future__ import annotations
+
+import json
+
+from raylm.cluster.response_store import MemoryResponseStore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _record(size: int) -> dict:
+    return {"text": "x" * size}
+
+
+def test_records_expire_by_age():
+    clock = Clock()
+    store = MemoryResponseStore(max_bytes=10_000, max_age_s=60, clock=clock)
+    store.put("a", "old", _record(10))
+    clock.now += 30
+    store.put("a", "new", _record(10))
+    clock.now += 31
+    assert store.get("a", "old") is None and store.get("a", "new") == _record(10)
+    clock.now += 30
+    assert store.get("a", "new") is None and len(store) == 0 and store.bytes == 0
+
+
+def test_oldest_records_are_evicted_to_fit_the_bytes():
+    size = len(json.dumps(_record(100), separators=(",", ":")))
+    store = MemoryResponseStore(max_bytes=3 * size, max_age_s=3600)
+    for name in ("r1", "r2", "r3"):
+        assert store.put("a", name, _record(100))
+    assert store.put("a", "r4", _record(100))
+    assert store.get("a", "r1") is None and [store.get("a", n) is not None for n in ("r2", "r3", "r4")] == [True] * 3
+    assert store.bytes == 3 * size
+    assert not store.put("a", "huge", _record(4 * size)) and len(store) == 3  # bigger than the store: refused
+
+
+def test_replacing_a_record_counts_its_bytes_once():
+    store = MemoryResponseStore(max_bytes=10_000, max_age_s=3600)
+    store.put("a", "r", _record(100))
+    store.put("a", "r", _record(10))
+    assert len(store) == 1 and store.bytes == len(json.dumps(_record(10), separators=(",", ":")))
+
+
+def test_an_owner_sees_and_deletes_only_its_own_records():
+    store = MemoryResponseStore(max_bytes=10_000, max_age_s=3600)
+    store.put("alice", "r", _record(1))
+    assert store.get("bob", "r") is None and not store.delete("bob", "r")
+    assert store.get("alice", "r") == _record(1) and store.delete("alice", "r") and store.get("alice", "r") is None
+
+
+def test_replace_only_while_the_status_is_unchanged():
+    store = MemoryResponseStore(max_bytes=10_000, max_age_s=3600)
+    store.put("a", "r", {"response": {"status": "in_progress"}})
+    assert store.replace("a", "r", {"response": {"status": "cancelled"}}, "in_progress")
+    assert not store.replace("a", "r", {"response": {"status": "completed"}}, "in_progress")
+    assert not store.replace("b", "r", {"response": {"status": "completed"}}, "cancelled")
+    assert store.get("a", "r") == {"response": {"status": "cancelled"}}
+
+
+def test_the_cluster_store_is_shared_by_replicas_and_outlives_them(serve_cluster):
+    """Two router replicas' handles on the application's store actor: what one stores, the other
+    reads (its owner only), also after the replica that created the actor is gone."""
+    import ray
+
+    from raylm.cluster.response_store import RayResponseStore
+
+    @ray.remote(num_cpus=0)
+    class Replica:  # stands in for a router replica: the first to ask creates the store actor
+        def store(self, record: dict) -> bool:
+            return RayResponseStore("store-test", 10_000, 3600).put("alice", "resp_1", record)
+
+    replica = Replica.remote()
+    assert ray.get(replica.store.remote(_record(5)))
+    ray.kill(replica)
+    other = RayResponseStore("store-test", 10_000, 3600)
+    try:
+        assert other.get("alice", "resp_1") == _record(5) and other.get("bob", "resp_1") is None
+        assert other.delete("alice", "resp_1") and other.get("alice", "resp_1") is None
+    finally:
+        ray.kill(other._actor)
