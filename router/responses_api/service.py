@@ -140,6 +140,12 @@ class ResponsesAPI:
 
     # -- creating a response ----------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
+        """``POST /v1/responses``, counted by endpoint and status (``raylm_router_requests_total``)."""
+        response = await self._create(request)
+        self.service.metrics.request("/v1/responses", response.status_code)
+        return response
+
+    async def _create(self, request: Request) -> Response:
         service = self.service
         try:
             key_tenant = service.auth.tenant(request.headers.get("authorization"))
