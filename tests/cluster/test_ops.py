@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import httpx
-import pytest
 
 from raylm.cluster.replicas import replica_stats, running_replicas
 from raylm.deploy.cli import main

@@ -11,7 +11,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]
 GENERIC_NAMES = ("model", "cache", "workers", "router", "deploy", "cluster")
 RAYLM = Path(sys.executable).with_name("raylm")

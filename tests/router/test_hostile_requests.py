@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
