@@ -14,6 +14,7 @@ from raylm.router.tool_formats import (
     Calls,
     CallStream,
     FormatBase,
+    adjacent_calls,
     before_partial_marker,
     json_values,
     new_call,
@@ -48,14 +49,8 @@ class DeepSeekFormat(FormatBase):
         if start < 0 or not body.endswith(CALLS_END):
             return text, []
         body = body[: -len(CALLS_END)]
-        calls, at = [], 0
-        for match in _CALL.finditer(body):
-            call = self._call(match.group(1), tool_use)
-            if call is None or body[at:match.start()].strip():
-                return text, []
-            calls.append(call)
-            at = match.end()
-        if not calls or body[at:].strip():
+        calls = adjacent_calls(_CALL, body, 0, len(body), lambda inner: self._call(inner, tool_use))
+        if not calls:
             return text, []
         return text[:start].strip() or None, calls
 

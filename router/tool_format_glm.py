@@ -9,7 +9,16 @@ import re
 from typing import Any
 
 from raylm.router import tools
-from raylm.router.tool_formats import Calls, CallStream, FormatBase, WholeCallStream, new_call, repeats, with_layout
+from raylm.router.tool_formats import (
+    Calls,
+    CallStream,
+    FormatBase,
+    WholeCallStream,
+    adjacent_calls,
+    new_call,
+    repeats,
+    with_layout,
+)
 from raylm.router.tools import ToolUse
 from raylm.workers.core.grammar import StructuredOutput
 
@@ -33,14 +42,8 @@ class Glm45Format(FormatBase):
         start = text.find(tools.OPEN_TAG)
         if start < 0:
             return text, []
-        calls, at = [], start
-        for match in _GLM_CALL.finditer(text, start):
-            call = self._call(match.group(1), tool_use)
-            if call is None or text[at:match.start()].strip():
-                return text, []
-            calls.append(call)
-            at = match.end()
-        if not calls or text[at:].strip():
+        calls = adjacent_calls(_GLM_CALL, text, start, len(text), lambda body: self._call(body, tool_use))
+        if not calls:
             return text, []
         return text[:start].strip() or None, calls
 

@@ -81,6 +81,22 @@ def _function_rules(tool_use: ToolUse, arguments_key: str) -> tuple[str, list[st
     return " | ".join(f"f{i}" for i in range(len(functions))), rules
 
 
+def adjacent_calls(pattern: re.Pattern[str], text: str, start: int, end: int,
+                   read: Callable[[str], dict[str, Any] | None]) -> Calls:
+    """The calls ``read`` makes of each ``pattern`` match's first group in ``text[start:end]``
+    when the matches fill that span with nothing but blanks around them and every one reads as
+    a call; else [] (the reply is then plain content, not calls). Formats whose calls are
+    delimited blocks one after another (GLM-4.5's, DeepSeek's) parse with it."""
+    calls, at = [], start
+    for match in pattern.finditer(text, start, end):
+        call = read(match.group(1))
+        if call is None or text[at:match.start()].strip():
+            return []
+        calls.append(call)
+        at = match.end()
+    return calls if calls and not text[at:end].strip() else []
+
+
 def repeats(tool_use: ToolUse) -> bool:
     return tool_use.parallel and tool_use.choice == "required"
 
