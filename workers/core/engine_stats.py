@@ -11,6 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from raylm.cache.block_pool import PoolStats
+from raylm.cache.offload.tier import TierStats
 from raylm.workers.core.speculation import SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -96,6 +97,8 @@ class EngineStats:
     max_prompt_tokens: int | None = None
     warmup_programs_left: int = 0  # programs still compiling in the background after start-up
     compute: ComputeStats | None = None  # work and time of the model's steps, per step kind
+    loading: int = 0  # sequences waiting for KV blocks from an offload tier
+    kv_offload: tuple[TierStats, ...] | None = None  # each offload tier's counters; None when offload is off
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for a routing-stats report (Serve ships it between processes)."""
@@ -104,6 +107,7 @@ class EngineStats:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineStats:
         spec, lora, moe, compute = data.get("spec"), data.get("lora"), data.get("moe"), data.get("compute")
+        tiers = data.get("kv_offload")
         if moe:
             moe = MoeStats(**{**moe, "sparse_layers": tuple(moe["sparse_layers"]),
                               "routed_tokens": tuple(tuple(layer) for layer in moe["routed_tokens"])})
@@ -112,7 +116,8 @@ class EngineStats:
                       "moe": moe or None,
                       "compute": ComputeStats(compute["integer_matmuls"],
                                               {kind: StepWork(**work) for kind, work in compute["kinds"].items()})
-                      if compute else None})
+                      if compute else None,
+                      "kv_offload": tuple(TierStats(**tier) for tier in tiers) if tiers else None})
 
 
 def remaining_work(seq: Sequence) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from raylm.cache.block_hash import model_salt
+from raylm.cache.offload.config import KVOffloadConfig
 from raylm.model.decoder.kv_pool import DEFAULT_BLOCK_SIZE, kv_pool_dtype
 from raylm.model.loaders.load import keep_gguf_blocks
 from raylm.model.quantization.activations import parse_activation_quantization
@@ -68,6 +69,9 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str | None = None
+    # KV blocks beyond the pool (cache/offload/): host memory, local disk and the cluster's object
+    # store, each sized in bytes; a mapping is accepted and parsed. None: off.
+    kv_offload: KVOffloadConfig | None = None
 
     def keep_gguf_blocks(self) -> bool:
         """Whether this replica loads a GGUF's block matrices as stored."""
@@ -102,6 +106,10 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
+        object.__setattr__(self, "kv_offload", KVOffloadConfig.parse(self.kv_offload))
+        if self.kv_offload is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload stores and finds blocks by their prefix hashes: it needs "
+                             "enable_prefix_caching; turn it on or remove kv_offload")
         if self.speculative is not None and self.num_scheduler_steps > 1:
             raise ValueError("speculative decoding already emits several tokens per step: it cannot be combined "
                              f"with num_scheduler_steps={self.num_scheduler_steps}; set num_scheduler_steps to 1")

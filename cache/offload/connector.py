@@ -1,0 +1,192 @@
+"""The engine's one door to KV beyond its pool: publish computed blocks, load blocks by hash.
+
+The scheduler asks ``lookup`` at admission how many of a prompt's next blocks (after those its
+pool holds) some tier has, and if any, takes pool blocks for them and ``start_load``s them. The
+load runs on this connector's loader thread, trying the tiers nearest first (host, disk,
+cluster) block by block; the request waits in a loading state while the engine keeps stepping,
+and ``poll`` hands the scheduler the payloads that arrived, which the next step writes into the
+pool before it computes. A load returns the leading run of blocks it could read: a block that is
+lost, late or corrupt ends the run there, and the rest is computed. Nothing here raises into a
+request.
+
+After each step the engine ``publish``es the blocks that became full: the host tier takes them
+at once (a copy in memory); the disk and cluster tiers on the publisher thread, behind a bounded
+backlog that drops rather than slows the step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from raylm.cache.offload.identity import tier_keys
+from raylm.cache.offload.tier import KVTier, TierKey, TierStats
+
+logger = logging.getLogger(__name__)
+
+MAX_PUBLISH_BACKLOG_BYTES = 512 << 20  # payloads waiting for the disk and cluster tiers
+
+
+class KVConnector:
+    """Tiers in load order (nearest first) behind one interface, for one namespace of blocks of
+    ``block_nbytes`` bytes each."""
+
+    def __init__(self, tiers: Sequence[KVTier], space: bytes, block_nbytes: int):
+        if not tiers:
+            raise ValueError("a KV connector needs at least one tier")
+        self.tiers = list(tiers)
+        self.space = space
+        self.block_nbytes = block_nbytes
+        self._host = next((t for t in self.tiers if t.name == "host"), None)
+        self._remote = [t for t in self.tiers if t is not self._host]  # written on the publisher thread
+        self._tickets = itertools.count(1)
+        self._loads: dict[int, Future] = {}
+        self._done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-load")
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-publish")
+        self._backlog_bytes = 0
+        self._backlog_lock = threading.Lock()
+        self.dropped_publishes = 0  # blocks not written to the remote tiers: the backlog was full
+
+    # -- loading --------------------------------------------------------------------------------------
+    def lookup(self, block_hashes: Sequence[int]) -> int:
+        """How many of ``block_hashes``, from the first, some tier holds (from memory: no I/O)."""
+        keys = tier_keys(self.space, block_hashes)
+        held = 0
+        while held < len(keys):
+            run = max(tier.contains(keys[held:]) for tier in self.tiers)
+            if run == 0:
+                break
+            held += run
+        return held
+
+    def start_load(self, block_hashes: Sequence[int]) -> int:
+        """Begin reading the blocks of ``block_hashes``; returns the ticket ``poll`` reports it under."""
+        ticket = next(self._tickets)
+        keys = tier_keys(self.space, block_hashes)
+        future = self._loader.submit(self._load, keys)
+        self._loads[ticket] = future
+        future.add_done_callback(lambda _: self._done.put(ticket))
+        return ticket
+
+    def poll(self) -> dict[int, list[np.ndarray]]:
+        """Finished loads by ticket: the leading run of payloads read (possibly none)."""
+        finished: dict[int, list[np.ndarray]] = {}
+        while True:
+            try:
+                ticket = self._done.get_nowait()
+            except queue.Empty:
+                return finished
+            future = self._loads.pop(ticket, None)
+            if future is None:
+                continue  # cancelled
+            try:
+                finished[ticket] = future.result()
+            except Exception:  # a tier bug: the blocks are computed instead
+                logger.exception("a KV load failed; its blocks will be computed")
+                finished[ticket] = []
+
+    def wait(self, timeout: float) -> None:
+        """Block until some load finishes (or ``timeout`` seconds): for an engine with nothing
+        to compute but loads in flight."""
+        try:
+            ticket = self._done.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._done.put(ticket)
+
+    def cancel(self, ticket: int) -> None:
+        """Forget a load (its request ended); its payloads, if they still arrive, are dropped."""
+        future = self._loads.pop(ticket, None)
+        if future is not None:
+            future.cancel()
+
+    @property
+    def loads_in_flight(self) -> int:
+        return len(self._loads)
+
+    def _load(self, keys: list[TierKey]) -> list[np.ndarray]:
+        """The leading run of ``keys`` readable from the tiers, each block from the nearest tier
+        that has it; blocks read from farther tiers are copied into the host tier."""
+        loaded: list[np.ndarray] = []
+        while len(loaded) < len(keys):
+            rest = keys[len(loaded):]
+            got = self._read_run(rest)
+            if not got:
+                break
+            loaded += got
+        return loaded
+
+    def _read_run(self, keys: list[TierKey]) -> list[np.ndarray]:
+        """Blocks from the start of ``keys`` out of the first tier that holds a run there."""
+        for tier in self.tiers:
+            run = tier.contains(keys)
+            if run == 0:
+                continue
+            payloads = tier.get(keys[:run])
+            good = []
+            for payload in payloads:
+                if payload is None or payload.dtype != np.uint8 or payload.shape != (self.block_nbytes,):
+                    break
+                good.append(payload)
+            if good:
+                if self._host is not None and tier is not self._host:
+                    self._host.put(list(zip(keys, good)))
+                return good
+        return []
+
+    # -- publishing -----------------------------------------------------------------------------------
+    def wants(self, block_hashes: Sequence[int]) -> list[bool]:
+        """Which blocks some tier does not hold yet (those are worth reading off the device)."""
+        keys = tier_keys(self.space, block_hashes)
+        return [any(tier.contains([key]) == 0 for tier in self.tiers) for key in keys]
+
+    def publish(self, block_hashes: Sequence[int], payloads: np.ndarray) -> None:
+        """Offer full blocks (``payloads`` ``[n, block_nbytes]`` uint8, one row per hash) to every tier."""
+        if not block_hashes:
+            return
+        items = list(zip(tier_keys(self.space, block_hashes), payloads))
+        if self._host is not None:
+            self._host.put(items)
+        if not self._remote:
+            return
+        size = payloads.nbytes
+        with self._backlog_lock:
+            if self._backlog_bytes + size > MAX_PUBLISH_BACKLOG_BYTES:
+                self.dropped_publishes += len(items)
+                return
+            self._backlog_bytes += size
+        self._publisher.submit(self._write_remote, items, size)
+
+    def _write_remote(self, items: list[tuple[TierKey, np.ndarray]], size: int) -> None:
+        try:
+            for tier in self._remote:
+                try:
+                    tier.put(items)
+                except Exception:  # put counts its own failures; anything else is a bug, logged
+                    logger.exception("writing KV blocks to the %s tier failed", tier.name)
+        finally:
+            with self._backlog_lock:
+                self._backlog_bytes -= size
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every block published so far has been written to every tier."""
+        self._publisher.submit(lambda: None).result(timeout)
+
+    # -- introspection and shutdown --------------------------------------------------------------------
+    def stats(self) -> list[TierStats]:
+        return [tier.stats() for tier in self.tiers]
+
+    def close(self) -> None:
+        for ticket in list(self._loads):
+            self.cancel(ticket)
+        self._loader.shutdown(wait=True, cancel_futures=True)
+        self._publisher.shutdown(wait=True)
+        for tier in self.tiers:
+            tier.close()
