@@ -41,6 +41,9 @@ class ClusterTier:
                  directory_name: str = DIRECTORY_NAME):
         if capacity_bytes <= 0:
             raise ValueError(f"the cluster tier needs a capacity > 0 bytes, got {capacity_bytes}")
+        if not ray.is_initialized():
+            raise ValueError("kv_offload.cluster_bytes keeps blocks in a Ray cluster's object store, and this "
+                             "process is not connected to one: serve on Ray, or set cluster_bytes to 0")
         self.load_timeout_s = load_timeout_s
         self.directory_name = directory_name
         self._lock = threading.Lock()  # the mirror, the stats and the handle
@@ -150,7 +153,7 @@ class ClusterTier:
         if handle is None or not keys:
             return found
         try:
-            refs = ray.get(handle.lookup.remote(keys), timeout=max(deadline - time.perf_counter(), 0.001))
+            refs = ray.get(handle.lookup.remote(keys), timeout=max(deadline - time.perf_counter(), 0))
         except RayActorError as e:
             self._lost_directory(handle, e)
             return found
@@ -175,7 +178,7 @@ class ClusterTier:
                                         "(kv_offload.load_timeout_s); they will be computed")
                 continue
             try:
-                payload = ray.get(ref, timeout=max(deadline - time.perf_counter(), 0.001))
+                payload = ray.get(ref, timeout=max(deadline - time.perf_counter(), 0.1))
             except GetTimeoutError:
                 self._failed("timeout", f"fetching KV blocks from the object store took over {self.load_timeout_s} s")
                 continue

@@ -18,6 +18,7 @@ incarnation of the directory (the actor died and was created again, empty), gets
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections import OrderedDict, deque
 from typing import Any
@@ -122,9 +123,14 @@ class KVDirectory:
             self._log_floor = self._log.popleft()[0]
 
 
+@functools.cache
+def _directory_actor() -> ray.actor.ActorClass:
+    return ray.remote(KVDirectory)
+
+
 def directory_handle(capacity_bytes: int, name: str = DIRECTORY_NAME) -> ray.actor.ActorHandle:
     """The cluster's directory, started here if no replica started it yet: detached (it outlives
     every replica and Serve application), taking no CPU."""
-    return ray.remote(KVDirectory).options(
+    return _directory_actor().options(
         name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
     ).remote(capacity_bytes)

@@ -249,3 +249,15 @@ def test_connector_loads_from_the_cluster_into_the_host_tier(make_tier):
         assert host.contains(keys(2)) == 2
     finally:
         connector.close()
+
+
+def test_load_beyond_its_timeout_is_a_counted_miss(make_tier):
+    writer = make_tier()
+    writer.put([(keys(1)[0], payload(0))])
+    impatient = make_tier(load_timeout_s=1e-6)  # no directory call answers within a microsecond
+    assert impatient.contains(keys(1)) == 1
+    assert impatient.get(keys(1)) == [None]
+    stats = impatient.stats()
+    assert stats.errors == {"timeout": 1} and stats.misses == 1
+    assert impatient.contains(keys(1)) == 1  # a slow answer is no reason to forget the block
+
