@@ -88,6 +88,7 @@ class ClusterTier:
             self._directory = None
             self._keys.clear()
             self._incarnation = None
+            self._last_connect = -float("inf")  # look for (or start) a new one at the next call
         self._failed("directory", f"the KV directory {self.directory_name!r} is gone ({type(error).__name__}: "
                                   f"{error}); its blocks will be computed")
 

@@ -85,7 +85,11 @@ class DiskTier:
         for fan_out in os.scandir(self.path):
             if not (fan_out.is_dir(follow_symlinks=False) and _FAN_OUT.fullmatch(fan_out.name)):
                 continue
-            for entry in os.scandir(fan_out.path):
+            try:
+                entries = list(os.scandir(fan_out.path))
+            except OSError:  # not ours to read
+                continue
+            for entry in entries:
                 if not (_FILE_NAME.fullmatch(entry.name) and entry.name.startswith(fan_out.name)):
                     continue
                 try:
@@ -137,17 +141,22 @@ class DiskTier:
         try:
             with open(path, "rb") as f:
                 payload = self._read_block(f, key, os.fstat(f.fileno()).st_size)
-            os.utime(path)  # least recently used order survives a restart
-            return payload
         except FileNotFoundError:  # never written, evicted, or deleted by a replica sharing the directory
             self._forget_if_missing(key, path)
+            return None
         except CorruptBlock as e:
             self._failed("corrupt", f"the block file {path} is corrupt ({e}); it is deleted and recomputed")
             self._forget(key)
             self._delete([path])
+            return None
         except OSError as e:
             self._failed("read", f"reading the block file {path} failed ({e}); its block is recomputed")
-        return None
+            return None
+        try:
+            os.utime(path)  # least recently used order survives a restart
+        except OSError:  # a read-only directory still serves its blocks
+            pass
+        return payload
 
     @staticmethod
     def _read_block(f, key: TierKey, file_size: int) -> np.ndarray:

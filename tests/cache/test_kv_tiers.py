@@ -256,6 +256,19 @@ def test_disk_write_failures_are_counted_once_logged_and_never_raised(tmp_path, 
     assert tier.contains(k) == 2 and tier.get([k[1]])[0].tobytes() == payload(1).tobytes()
 
 
+def test_disk_read_only_directory_still_serves_its_blocks(tmp_path, monkeypatch):
+    k = keys(1)
+    DiskTier(tmp_path, 10 * (HEADER.size + BLOCK)).put([(k[0], payload(0))])
+    tier = DiskTier(tmp_path, 10 * (HEADER.size + BLOCK))
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(os, "utime", refuse)  # a read cannot mark its file recently used
+    assert tier.get(k)[0].tobytes() == payload(0).tobytes()
+    assert tier.stats().errors == {}
+
+
 def test_disk_shared_by_two_tiers(tmp_path):
     k = keys(3)
     a = DiskTier(tmp_path, 10 * (HEADER.size + BLOCK))
