@@ -73,7 +73,7 @@ class ClusterTier:
         try:
             handle = directory_handle(self._stats.capacity_bytes, self.directory_name)
             ray.get(handle.reserve.remote(self._stats.capacity_bytes), timeout=CALL_TIMEOUT_S)
-        except RayError as e:
+        except (RayError, ValueError) as e:  # ValueError: Ray's answer to a named actor it cannot find or make
             self._failed("directory", f"the KV directory {self.directory_name!r} cannot be reached ({e})")
             return None
         with self._lock:
