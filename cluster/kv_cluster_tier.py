@@ -145,7 +145,7 @@ class ClusterTier:
                 else:
                     self._stats.hits += 1
                     self._stats.load_bytes += payload.nbytes
-            self._stats.load_seconds.append(time.perf_counter() - start)
+            self._stats.record_load(time.perf_counter() - start)
         return found
 
     def _fetch(self, keys: list[TierKey], deadline: float) -> list[np.ndarray | None]:
@@ -248,9 +248,7 @@ class ClusterTier:
         """This replica's hits, misses, loads and errors; stored and evicted blocks are the
         directory's, shared by every replica (as of the mirror's last sync)."""
         with self._lock:
-            snapshot = TierStats(**{**vars(self._stats), "errors": dict(self._stats.errors)})
-            self._stats.load_seconds = []
-        return snapshot
+            return self._stats.snapshot()
 
     def close(self) -> None:
         """Stop following the directory; the blocks stay in the cluster for other replicas."""

@@ -132,7 +132,7 @@ class DiskTier:
                     self._stats.misses += 1
             found.append(payload)
         with self._lock:
-            self._stats.load_seconds.append(time.perf_counter() - start)
+            self._stats.record_load(time.perf_counter() - start)
         return found
 
     def _read(self, key: TierKey) -> np.ndarray | None:
@@ -272,9 +272,7 @@ class DiskTier:
 
     def stats(self) -> TierStats:
         with self._lock:
-            snapshot = TierStats(**{**vars(self._stats), "errors": dict(self._stats.errors)})
-            self._stats.load_seconds = []
-        return snapshot
+            return self._stats.snapshot()
 
     def close(self) -> None:
         """Nothing runs in the background; the files stay for the next start."""
