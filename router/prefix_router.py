@@ -46,8 +46,9 @@ class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
         self.block_size = block_size
         self.rng = random.Random(seed)
         self.ledger = RoutingLedger(max_tracked_blocks, report_grace_s=report_grace_s)
-        # Per replica: its latest routing-stats dict (by identity), parsed, and its hashes as a set.
-        self._reported: dict[ReplicaID, tuple[dict, RoutingReport, frozenset[int]]] = {}
+        # Per replica: its latest routing-stats dict (by identity), parsed, and its hashes (cached,
+        # and held by a shared KV tier) as sets.
+        self._reported: dict[ReplicaID, tuple[dict, RoutingReport, frozenset[int], frozenset[int]]] = {}
         # The routing attempts (by their future, new on a retry) offered their first choice alone.
         self._offered_first_alone: weakref.WeakSet = weakref.WeakSet()
         from raylm.cluster.metrics import RouterMetrics
@@ -65,7 +66,8 @@ class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
         hashes = request.block_hashes if request is not None else []
         by_id = {r.replica_id: r for r in candidate_replicas}
         adapter = request.lora.lora_name if request is not None and request.lora is not None else None
-        views = [ReplicaView(r.replica_id, self._load(r), self._matched(r, hashes), self._holds(r, adapter))
+        shared = self._shared(candidate_replicas, hashes)
+        views = [ReplicaView(r.replica_id, self._load(r), self._matched(r, hashes), self._holds(r, adapter), shared)
                  for r in candidate_replicas]
         ranked, reason = choose_replica(views, self.imbalance_threshold_tokens, self.rng)
         self.note_choice_for(pending_request)
@@ -113,23 +115,34 @@ class PrefixAwareRequestRouter(ChosenRequestMixin, RequestRouter):
         return max(self.ledger.matched_blocks(replica.replica_id, hashes),
                    matched_prefix(hashes, report[1]) if report else 0)
 
+    def _shared(self, replicas: List[RunningReplica], hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` that some replica reports a shared KV tier holds."""
+        if not hashes:
+            return 0
+        shared = 0
+        for replica in replicas:
+            report = self._report(replica)
+            if report is not None and report[0].shared_hashes:
+                shared = max(shared, matched_prefix(hashes, report[2]))
+        return shared
+
     def _holds(self, replica: RunningReplica, adapter: str | None) -> bool:
         """Whether the replica's latest report lists LoRA adapter ``adapter`` as resident."""
         report = self._report(replica) if adapter is not None else None
         return report is not None and report[0].engine.lora is not None and adapter in report[0].engine.lora.resident
 
-    def _report(self, replica: RunningReplica) -> tuple[RoutingReport, frozenset[int]] | None:
-        """The replica's latest report and its hashes as a set, parsed only when a new report
-        arrives; None before its first one."""
+    def _report(self, replica: RunningReplica) -> tuple[RoutingReport, frozenset[int], frozenset[int]] | None:
+        """The replica's latest report, its cached hashes and its shared-tier hashes as sets,
+        parsed only when a new report arrives; None before its first one."""
         stats = replica.routing_stats
         if not stats:
             return None
         cached = self._reported.get(replica.replica_id)
         if cached is None or cached[0] is not stats:
             report = RoutingReport.from_dict(stats)
-            cached = (stats, report, frozenset(report.block_hashes))
+            cached = (stats, report, frozenset(report.block_hashes), frozenset(report.shared_hashes))
             self._reported[replica.replica_id] = cached
-        return cached[1], cached[2]
+        return cached[1], cached[2], cached[3]
 
 
 def _work(request: GenerateRequest, cached_tokens: int) -> int:

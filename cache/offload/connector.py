@@ -20,6 +20,7 @@ import itertools
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -31,6 +32,8 @@ from raylm.cache.offload.tier import KVTier, TierKey, TierStats
 logger = logging.getLogger(__name__)
 
 MAX_PUBLISH_BACKLOG_BYTES = 512 << 20  # payloads waiting for the disk and cluster tiers
+MAX_SHARED_HASHES = 65536  # block hashes remembered as held by a tier every replica reads
+SHARED_TIERS = ("cluster",)  # tiers every replica of the deployment can load from
 
 
 class KVConnector:
@@ -47,12 +50,17 @@ class KVConnector:
         self._remote = [t for t in self.tiers if t is not self._host]  # written on the publisher thread
         self._tickets = itertools.count(1)
         self._loads: dict[int, Future] = {}
+        self._hashes: dict[int, list[int]] = {}  # the block hashes of each load in flight
         self._done: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-load")
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-publish")
         self._backlog_bytes = 0
         self._backlog_lock = threading.Lock()
         self.dropped_publishes = 0  # blocks not written to the remote tiers: the backlog was full
+        # Block hashes (not keys: the router knows hashes) this replica published to or loaded
+        # while a shared tier was on, most recent last: what it tells routers other replicas can load.
+        self._shared: OrderedDict[int, None] | None = \
+            OrderedDict() if any(t.name in SHARED_TIERS for t in self.tiers) else None
 
     # -- loading --------------------------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[int]) -> int:
@@ -72,6 +80,7 @@ class KVConnector:
         keys = tier_keys(self.space, block_hashes)
         future = self._loader.submit(self._load, keys)
         self._loads[ticket] = future
+        self._hashes[ticket] = list(block_hashes)
         future.add_done_callback(lambda _: self._done.put(ticket))
         return ticket
 
@@ -84,6 +93,7 @@ class KVConnector:
             except queue.Empty:
                 return finished
             future = self._loads.pop(ticket, None)
+            hashes = self._hashes.pop(ticket, [])
             if future is None:
                 continue  # cancelled
             try:
@@ -91,6 +101,7 @@ class KVConnector:
             except Exception:  # a tier bug: the blocks are computed instead
                 logger.exception("a KV load failed; its blocks will be computed")
                 finished[ticket] = []
+            self._remember_shared(hashes[:len(finished[ticket])])
 
     def wait(self, timeout: float) -> None:
         """Block until some load finishes (or ``timeout`` seconds): for an engine with nothing
@@ -104,6 +115,7 @@ class KVConnector:
     def cancel(self, ticket: int) -> None:
         """Forget a load (its request ended); its payloads, if they still arrive, are dropped."""
         future = self._loads.pop(ticket, None)
+        self._hashes.pop(ticket, None)
         if future is not None:
             future.cancel()
 
@@ -156,6 +168,7 @@ class KVConnector:
             self._host.put(items)
         if not self._remote:
             return
+        self._remember_shared(block_hashes)
         size = payloads.nbytes
         with self._backlog_lock:
             if self._backlog_bytes + size > MAX_PUBLISH_BACKLOG_BYTES:
@@ -163,6 +176,23 @@ class KVConnector:
                 return
             self._backlog_bytes += size
         self._publisher.submit(self._write_remote, items, size)
+
+    def _remember_shared(self, block_hashes: Sequence[int]) -> None:
+        if self._shared is None:
+            return
+        for block_hash in block_hashes:
+            self._shared[block_hash] = None
+            self._shared.move_to_end(block_hash)
+        while len(self._shared) > MAX_SHARED_HASHES:
+            self._shared.popitem(last=False)
+
+    def shared_hashes(self, limit: int) -> list[int]:
+        """Up to ``limit`` block hashes, most recent first, that a tier every replica reads holds
+        as far as this replica knows (it published or loaded them): a router need not send their
+        prompts to the replica whose pool holds them. Empty without such a tier."""
+        if self._shared is None:
+            return []
+        return list(itertools.islice(reversed(self._shared), limit))
 
     def _write_remote(self, items: list[tuple[TierKey, np.ndarray]], size: int) -> None:
         try:

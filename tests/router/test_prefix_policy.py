@@ -11,6 +11,7 @@ from raylm.router.prefix_policy import (
     LOAD_IMBALANCE,
     NO_PREFIX,
     PREFIX_HIT,
+    PREFIX_SHARED,
     ReplicaView,
     choose_replica,
     matched_prefix,
@@ -32,6 +33,20 @@ def test_replica_choice_prefers_prefix_until_the_load_gap_is_too_big():
     longest = [ReplicaView("a", 0, 2), ReplicaView("b", 10, 5), ReplicaView("c", 20, 5)]
     assert choose_replica(longest, 100, rng)[0][0] == "b"  # longest match, then least load
     assert choose_replica(longest, 15, rng)[0][0] == "b"  # "c" holds it too, but is too busy
+
+
+def test_a_prefix_a_shared_tier_holds_counts_only_beyond_what_any_replica_can_load():
+    rng = random.Random(0)
+    # "b" holds 8 blocks, the cluster tier 8 too: any replica loads them, so the idle one serves it.
+    held = [ReplicaView("a", 100, 0, shared_blocks=8), ReplicaView("b", 400, 8, shared_blocks=8)]
+    assert choose_replica(held, 1000, rng) == (["a", "b"], PREFIX_SHARED)
+    # What "b" holds beyond the tier's 5 blocks still draws the request to it, within the load gap.
+    beyond = [ReplicaView("a", 100, 0, shared_blocks=5), ReplicaView("b", 400, 8, shared_blocks=5)]
+    assert choose_replica(beyond, 1000, rng) == (["b", "a"], PREFIX_HIT)
+    assert choose_replica(beyond, 200, rng) == (["a", "b"], LOAD_IMBALANCE)
+    # Nothing held anywhere but in the tier: by load, and said so.
+    tier_only = [ReplicaView("a", 30, 0, shared_blocks=3), ReplicaView("b", 10, 0, shared_blocks=3)]
+    assert choose_replica(tier_only, 1000, rng) == (["b", "a"], PREFIX_SHARED)
 
 
 def test_lora_adapter_holders_win_after_the_prefix_until_too_busy():

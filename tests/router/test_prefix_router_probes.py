@@ -11,9 +11,11 @@ from ray.serve._private.common import DeploymentHandleSource, RequestMetadata
 from ray.serve._private.test_utils import FAKE_REPLICA_DEPLOYMENT_ID, FakeRunningReplica
 from ray.serve.request_router import PendingRequest
 
+from raylm.cache.block_pool import PoolStats
 from raylm.router.prefix_router import PrefixAwareRequestRouter
+from raylm.workers.core.engine_stats import EngineStats
 from raylm.workers.core.sampling_params import SamplingParams
-from raylm.workers.wire.replica_protocol import GenerateRequest
+from raylm.workers.wire.replica_protocol import GenerateRequest, RoutingReport
 
 
 class _Replica(FakeRunningReplica):
@@ -99,3 +101,36 @@ def test_a_request_asked_about_again_does_not_weigh_on_its_own_choice():
         return replica
 
     assert asyncio.run(scenario()) == "home"
+
+
+class _Reporting(FakeRunningReplica):
+    """Reports its load, the blocks its pool caches and those it knows a shared KV tier holds."""
+
+    def __init__(self, name: str, work_tokens: int, cached: list[int], shared: list[int]):
+        super().__init__(name)
+        pool = PoolStats(num_free_blocks=8, num_used_blocks=0, num_cached_blocks=0, num_usable_blocks=8, usage=0.0,
+                         prefix_queries=0, prefix_hits=0)
+        stats = EngineStats(running=0, waiting=0, waiting_tokens=0, work_tokens=work_tokens, tokens_stored=0,
+                            token_capacity=0, num_preemptions=0, requests=0, prompt_tokens=0, generation_tokens=0,
+                            pool=pool)
+        self._report = RoutingReport(stats, "node", cached, shared_hashes=shared).as_dict()
+
+    @property
+    def routing_stats(self) -> dict:
+        return self._report
+
+
+async def _choose_between_holder_and_idle(shared: list[int]) -> str:
+    prefix = [11, 12, 13]
+    router = _router(imbalance_threshold_tokens=2048)
+    holder, idle = _Reporting("holder", 1500, prefix, shared), _Reporting("idle", 0, [], [])
+    for replica in (holder, idle):
+        replica.set_queue_len_response(0)
+    router.update_replicas([holder, idle])
+    chosen, _ = await _timed_choice(router, _pending(max_tokens=8, block_hashes=prefix))
+    return chosen
+
+
+def test_a_prefix_the_cluster_tier_holds_goes_to_the_less_loaded_replica():
+    assert asyncio.run(_choose_between_holder_and_idle(shared=[])) == "holder"  # only its pool has it
+    assert asyncio.run(_choose_between_holder_and_idle(shared=[11, 12, 13])) == "idle"  # any replica loads it

@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from raylm.cache.block_hash import block_hashes
 from raylm.cache.offload.connector import KVConnector
 from raylm.cache.offload.host_tier import HostTier
 from raylm.model.decoder.generate import SingleSequenceGenerator
@@ -245,3 +246,7 @@ def test_a_replica_loads_what_another_computed_through_the_cluster_tier(tiny, wo
     tiers = {t.tier: t for t in b.engine.stats().kv_offload}
     assert tiers["cluster"].hits > 0 and tiers["host"].stored > 0
     _assert_no_leak(b)
+    # What each tells routers the cluster tier holds: every full block of every prompt.
+    full_blocks = {h for p in prompts for h in block_hashes(p[:len(p) - 1], 16, a.engine.blocks.salt)}
+    assert set(a.engine.kv_connector.shared_hashes(10**6)) >= full_blocks
+    assert set(b.engine.kv_connector.shared_hashes(10**6)) & full_blocks

@@ -181,7 +181,9 @@ class LLMWorker:
         """What request routers (and ``raylm status``) read: a ``RoutingReport`` as plain data."""
 
         def snapshot(engine) -> RoutingReport:
-            return RoutingReport(engine.stats(), self.node_id, engine.pool.cached_hashes(self.max_reported_hashes))
+            limit, connector = self.max_reported_hashes, engine.kv_connector
+            return RoutingReport(engine.stats(), self.node_id, engine.pool.cached_hashes(limit),
+                                 shared_hashes=connector.shared_hashes(limit) if connector is not None else [])
 
         report = await self.engine.read_in_engine("routing", snapshot, PERIODIC_READ_WAIT_S)
         started = self.engine.step_started

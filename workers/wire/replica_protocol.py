@@ -88,15 +88,18 @@ class RoutingReport:
     node_id: str
     block_hashes: list[int]
     busy_s: float = 0.0
+    # Hashes of blocks a KV tier every replica loads from holds (cache/offload/; bounded): a
+    # prompt starting with them costs a load, not a prefill, wherever it goes.
+    shared_hashes: list[int] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {"engine": self.engine.as_dict(), "node_id": self.node_id, "block_hashes": self.block_hashes,
-                "busy_s": self.busy_s}
+                "busy_s": self.busy_s, "shared_hashes": self.shared_hashes}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RoutingReport:
         return cls(EngineStats.from_dict(data["engine"]), data["node_id"], data["block_hashes"],
-                   data.get("busy_s", 0.0))
+                   data.get("busy_s", 0.0), data.get("shared_hashes", []))
 
 
 def replica_reports(app_name: str = DEFAULT_APP_NAME, timeout_s: float = 10.0) -> dict[str, RoutingReport]:
