@@ -109,8 +109,8 @@ class KVOffloadSection(_Section):
     @pydantic.field_validator("disk_path")
     @classmethod
     def _absolute_directory(cls, path: str | None) -> str | None:
-        """Expanded here, on the deploying machine, as every path of the deploy file is. A relative
-        path would land in the directory each replica happens to run in (Ray's copy of the working
+        """``~`` expanded when the file is read, as ``model.lora_modules`` paths are. A relative path
+        would land in the directory each replica happens to run in (Ray's copy of the working
         directory, gone with the replica): the warm restart the disk tier is for would not happen."""
         if path is None:
             return None
