@@ -68,7 +68,18 @@ ByteSize = Annotated[int, BeforeValidator(parse_byte_size)]
 
 def format_bytes(size: float) -> str:
     """``size`` for people, in binary units with one decimal: ``1.5 GiB``, ``512.0 MiB``, ``17 B``."""
+    unit, scale = _binary_unit(size)
+    return f"{size:.0f} B" if scale == 1 else f"{size / scale:.1f} {unit}"
+
+
+def format_bytes_of(part: float, whole: float) -> str:
+    """``part`` of ``whole`` in ``whole``'s binary unit, one decimal: ``1.2/4.0 GiB``, ``0/512 B``."""
+    unit, scale = _binary_unit(whole)
+    return f"{part:.0f}/{whole:.0f} B" if scale == 1 else f"{part / scale:.1f}/{whole / scale:.1f} {unit}"
+
+
+def _binary_unit(size: float) -> tuple[str, int]:
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if size >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size:.0f} B"
+            return unit, scale
+    return "B", 1

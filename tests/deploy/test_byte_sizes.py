@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raylm.deploy.byte_sizes import format_bytes, parse_byte_size
+from raylm.deploy.byte_sizes import format_bytes, format_bytes_of, parse_byte_size
 
 
 @pytest.mark.parametrize("written, size", [
@@ -55,3 +55,6 @@ def test_sizes_printed_for_people():
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(4 * 1024**3) == "4.0 GiB"
     assert format_bytes(3 * 1024**4) == "3.0 TiB"
+    assert format_bytes_of(1288490189, 4 * 1024**3) == "1.2/4.0 GiB"  # 1.2 GiB = 1288490188.8 bytes
+    assert format_bytes_of(0, 512) == "0/512 B"
+    assert format_bytes_of(3 << 20, 1 << 30) == "0.0/1.0 GiB"
