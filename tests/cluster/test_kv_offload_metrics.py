@@ -59,12 +59,12 @@ def _scrape(port: int) -> dict[str, float]:
 def test_tier_metrics_reach_prometheus_per_tier_and_kind(serve_cluster):
     replica = _Replica.remote()
     host = TierStats("host", 4 << 30, stored_bytes=3 << 20, stored_blocks=3, hits=4, misses=1, stored=5, evicted=2,
-                     load_bytes=4 << 20, load_seconds=[0.0002, 0.003])
+                     load_bytes=4 << 20, loads=2, recent_load_seconds=[0.0002, 0.003])
     ray.get(replica.report.remote(_stats((host,), loading=2)))
     host = TierStats("host", 4 << 30, stored_bytes=5 << 20, stored_blocks=5, hits=9, misses=1, stored=8, evicted=3,
-                     load_bytes=9 << 20, load_seconds=[0.02])
+                     load_bytes=9 << 20, loads=3, recent_load_seconds=[0.0002, 0.003, 0.02])
     disk = TierStats("disk", 64 << 30, stored_bytes=1 << 20, stored_blocks=1, hits=0, misses=2, stored=1,
-                     load_seconds=[0.5], errors={"corrupt": 2})
+                     loads=1, recent_load_seconds=[0.5], errors={"corrupt": 2})
     ray.get(replica.report.remote(_stats((host, disk), loading=1)))
 
     expected = {

@@ -4,10 +4,8 @@ status`` shows them. Figures are hand-computed from the TierStats built here."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from raylm.cache.block_pool import PoolStats
-from raylm.cache.offload.tier import TierStats
+from raylm.cache.offload.tier import RECENT_LOADS, TierStats
 from raylm.deploy.status_command import kv_offload_summary
 from raylm.workers.core.engine_stats import EngineStats
 from raylm.workers.serve.replica_metrics import EngineStatsReporter
@@ -46,7 +44,7 @@ class _Recorder:
 
 def test_tier_counters_cross_ray_as_plain_data():
     stats = _stats((TierStats("host", 4 * GiB, stored_bytes=GiB, stored_blocks=3, hits=5, misses=1, stored=9,
-                              evicted=6, load_bytes=5 * 1024, load_seconds=[0.25], errors={"too_large": 1}),),
+                              evicted=6, load_bytes=5 * 1024, loads=1, recent_load_seconds=[0.25], errors={"too_large": 1}),),
                    loading=2)
     assert EngineStats.from_dict(stats.as_dict()) == stats
     assert EngineStats.from_dict(_stats(None).as_dict()).kv_offload is None
@@ -56,16 +54,16 @@ def test_reporter_turns_snapshots_into_per_tier_increments_gauges_and_read_times
     recorder = _Recorder()
     reporter = EngineStatsReporter(recorder)
     host = TierStats("host", 4 * GiB, stored_bytes=GiB, stored_blocks=4, hits=10, misses=2, stored=7, evicted=3,
-                     load_bytes=10 * 4096, load_seconds=[0.001, 0.002])
+                     load_bytes=10 * 4096, loads=2, recent_load_seconds=[0.001, 0.002])
     reporter.report(_stats((host,), loading=3))
-    # Later: host moved on; a disk tier reports for the first time (counted from zero), with errors.
+    # Later: host moved on (one more read); a disk tier reports for the first time (counted from
+    # zero), with errors.
     host = TierStats("host", 4 * GiB, stored_bytes=2 * GiB, stored_blocks=8, hits=15, misses=2, stored=12, evicted=3,
-                     load_bytes=15 * 4096, load_seconds=[0.004])
+                     load_bytes=15 * 4096, loads=3, recent_load_seconds=[0.001, 0.002, 0.004])
     disk = TierStats("disk", 64 * GiB, stored_bytes=GiB // 2, stored_blocks=2, hits=1, misses=1, stored=2,
-                     load_bytes=4096, load_seconds=[0.05], errors={"corrupt": 2, "write": 0})
+                     load_bytes=4096, loads=1, recent_load_seconds=[0.05], errors={"corrupt": 2, "write": 0})
     reporter.report(_stats((host, disk), loading=0))
-    # Nothing new since: nothing counted twice (a snapshot hands over only the reads since the last).
-    reporter.report(_stats(tuple(dataclasses.replace(tier, load_seconds=[]) for tier in (host, disk))))
+    reporter.report(_stats((host, disk), loading=0))  # another reader's snapshot: nothing new, nothing twice
     host_tag, disk_tag = ("tier", "host"), ("tier", "disk")
     assert recorder.counters == {
         ("raylm_kv_offload_hits_total", host_tag): 15, ("raylm_kv_offload_misses_total", host_tag): 2,
@@ -82,6 +80,15 @@ def test_reporter_turns_snapshots_into_per_tier_increments_gauges_and_read_times
     assert recorder.gauges[("raylm_num_requests_loading",)] == 0
     assert recorder.samples[("raylm_kv_offload_load_seconds", host_tag)] == [0.001, 0.002, 0.004]
     assert recorder.samples[("raylm_kv_offload_load_seconds", disk_tag)] == [0.05]
+
+
+def test_more_reads_between_snapshots_than_a_snapshot_keeps_observe_those_kept():
+    recorder = _Recorder()
+    reporter = EngineStatsReporter(recorder)
+    reporter.report(_stats((TierStats("cluster", GiB, loads=1, recent_load_seconds=[9.0]),)))
+    kept = [i / 1000 for i in range(RECENT_LOADS)]  # the newest RECENT_LOADS of 1 + 300 reads
+    reporter.report(_stats((TierStats("cluster", GiB, loads=301, recent_load_seconds=kept),)))
+    assert recorder.samples[("raylm_kv_offload_load_seconds", ("tier", "cluster"))] == [9.0] + kept
 
 
 def test_without_offload_only_the_loading_gauge_is_set():

@@ -142,8 +142,9 @@ class EngineStatsReporter:
 
     def _report_kv_offload(self, tiers: tuple[TierStats, ...], before: tuple[TierStats, ...] | None) -> None:
         """Each tier's new blocks (hits, misses, stored, evicted), bytes read and errors by kind as
-        counter increments; its bytes held and capacity as gauges; its reads' durations (the samples
-        each snapshot hands over, taken since the one before) into the histogram."""
+        counter increments; its bytes held and capacity as gauges; the durations of its reads since
+        the snapshot before into the histogram (the newest ``loads - previous loads`` of those a
+        snapshot keeps: other readers take snapshots too, so none is handed over and cleared)."""
         previous = {tier.tier: tier for tier in before or ()}
         for tier in tiers:
             then = previous.get(tier.tier) or TierStats(tier.tier, tier.capacity_bytes)
@@ -158,7 +159,8 @@ class EngineStatsReporter:
                 self.metrics.inc("raylm_kv_offload_errors_total", count - then.errors.get(kind, 0), kind=kind, **tag)
             self.metrics.set("raylm_kv_offload_stored_bytes", tier.stored_bytes, **tag)
             self.metrics.set("raylm_kv_offload_capacity_bytes", tier.capacity_bytes, **tag)
-            for seconds in tier.load_seconds:
+            new_loads = tier.loads - then.loads  # beyond the RECENT_LOADS a snapshot keeps, the oldest are lost
+            for seconds in tier.recent_load_seconds[-new_loads:] if new_loads > 0 else ():
                 self.metrics.observe("raylm_kv_offload_load_seconds", seconds, **tag)
 
     def _report_speculation(self, spec: SpecDecodeStats, before: SpecDecodeStats) -> None:
