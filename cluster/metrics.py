@@ -24,11 +24,16 @@ LATENCY_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
 ITL_BUCKETS_S = [0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                  0.75, 1.0, 2.5, 5.0]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+# Seconds one read from a KV offload tier takes: from 0.1 ms (a host memory copy of a few blocks)
+# to the cluster tier's default load timeout (10 s) and beyond.
+KV_LOAD_BUCKETS_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0, 10.0, 30.0]
 
 # name -> (kind, description); the dashboard test checks its queries against these names.
 WORKER_METRICS = {
     "raylm_num_requests_running": ("gauge", "Requests in the engine's running batch."),
     "raylm_num_requests_waiting": ("gauge", "Requests waiting in the engine's queue."),
+    "raylm_num_requests_loading": ("gauge", "Requests waiting for KV blocks from an offload tier."),
     "raylm_kv_cache_usage_perc": ("gauge", "Fraction of KV cache blocks in use (0..1)."),
     "raylm_device_memory_used_bytes": ("gauge", "Accelerator memory in use (absent on CPU)."),
     "raylm_prompt_tokens_total": ("counter", "Prompt tokens of finished requests."),
@@ -55,6 +60,16 @@ WORKER_METRICS = {
     "raylm_lora_loads_total": ("counter", "LoRA adapters written into a device slot, per adapter."),
     "raylm_lora_evictions_total": ("counter", "LoRA adapters evicted from a device slot, per adapter."),
     "raylm_moe_routed_tokens_total": ("counter", "Tokens routed to each expert of each MoE layer (load balance)."),
+    # KV offload tiers (cache/offload/), per tier: host, disk, cluster. Counted in blocks unless named bytes.
+    "raylm_kv_offload_hits_total": ("counter", "KV blocks a load asked an offload tier for and got."),
+    "raylm_kv_offload_misses_total": ("counter", "KV blocks a load asked an offload tier for and did not get."),
+    "raylm_kv_offload_stored_total": ("counter", "KV blocks written into an offload tier."),
+    "raylm_kv_offload_evicted_total": ("counter", "KV blocks an offload tier dropped to make room."),
+    "raylm_kv_offload_load_bytes_total": ("counter", "Bytes read out of an offload tier."),
+    "raylm_kv_offload_errors_total": ("counter", "Offload tier failures by kind (each costs a recompute)."),
+    "raylm_kv_offload_stored_bytes": ("gauge", "Bytes an offload tier holds."),
+    "raylm_kv_offload_capacity_bytes": ("gauge", "Bytes an offload tier may hold."),
+    "raylm_kv_offload_load_seconds": ("histogram", "Time of one read from an offload tier."),
 }
 # Worker metrics with a tag beyond model_name and replica.
 _WORKER_TAGS = {
@@ -62,6 +77,8 @@ _WORKER_TAGS = {
     "raylm_spec_decode_num_accepted_tokens_per_pos": ("position",),
     **{name: ("lora_name",) for name in WORKER_METRICS if name.startswith("raylm_lora_")},
     "raylm_moe_routed_tokens_total": ("layer", "expert"),
+    **{name: ("tier",) for name in WORKER_METRICS if name.startswith("raylm_kv_offload_")},
+    "raylm_kv_offload_errors_total": ("tier", "kind"),
 }
 ROUTER_METRICS = {
     "raylm_router_queue_depth": ("gauge", "Requests waiting in the router queue, per priority class."),
@@ -91,24 +108,20 @@ class WorkerMetrics:
         latency = {"raylm_time_to_first_token_seconds", "raylm_e2e_request_latency_seconds",
                    "raylm_request_queue_time_seconds", "raylm_request_prefill_time_seconds",
                    "raylm_request_decode_time_seconds"}
-        self.m = {}
-        for name in WORKER_METRICS:
-            if name in _WORKER_TAGS:
-                self.m[name] = _make(name, WORKER_METRICS, keys + _WORKER_TAGS[name])
-                continue
-            buckets = (LATENCY_BUCKETS_S if name in latency else ITL_BUCKETS_S
-                       if name == "raylm_inter_token_latency_seconds" else TOKEN_BUCKETS)
-            self.m[name] = _make(name, WORKER_METRICS, keys, buckets)
+        buckets = {**{name: LATENCY_BUCKETS_S for name in latency}, "raylm_inter_token_latency_seconds": ITL_BUCKETS_S,
+                   "raylm_kv_offload_load_seconds": KV_LOAD_BUCKETS_S}
+        self.m = {name: _make(name, WORKER_METRICS, keys + _WORKER_TAGS.get(name, ()), buckets.get(name, TOKEN_BUCKETS))
+                  for name in WORKER_METRICS}
 
-    def set(self, name: str, value: float) -> None:
-        self.m[name].set(value, tags=self.tags)
+    def set(self, name: str, value: float, **tags: str) -> None:
+        self.m[name].set(value, tags={**self.tags, **tags})
 
     def inc(self, name: str, value: float, **tags: str) -> None:
         if value > 0:
             self.m[name].inc(value, tags={**self.tags, **tags})
 
-    def observe(self, name: str, value: float) -> None:
-        self.m[name].observe(value, tags=self.tags)
+    def observe(self, name: str, value: float, **tags: str) -> None:
+        self.m[name].observe(value, tags={**self.tags, **tags})
 
 
 class RouterMetrics:

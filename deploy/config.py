@@ -13,7 +13,9 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
+from raylm.cache.offload.config import KVOffloadConfig
 from raylm.cluster.names import DEFAULT_APP_NAME
+from raylm.deploy.byte_sizes import ByteSize, format_bytes
 from raylm.model.config.registry import DEFAULT_MODEL
 from raylm.router.settings import RouterSettings
 from raylm.workers.core.lora_adapters import LoRARequest
@@ -90,10 +92,54 @@ class SpeculativeSection(_Section):
     disable_by_batch_size: PositiveInt | None = None
 
 
+class KVOffloadSection(_Section):
+    """``engine.kv_offload``: the tiers a replica keeps KV blocks in beyond its pool
+    (cache/offload/config.py; docs/kv_offload.md). Sizes take units (deploy/byte_sizes.py: ``8GiB``,
+    ``512MB``); a tier of size 0 is off, and with every tier off so is offload."""
+
+    host_bytes: ByteSize = Field(0, description="this replica's memory for blocks beyond its pool")
+    cluster_bytes: ByteSize = Field(0, description="Ray's object store, shared by every replica: what "
+                                    "the cluster tier may hold in all")
+    disk_path: str | None = Field(None, description="an absolute directory (~ expands) for the disk tier: "
+                                  "it survives restarts")
+    disk_bytes: ByteSize = Field(0, validate_default=True, description="what the disk tier may hold")
+    load_timeout_s: float = Field(KVOffloadConfig.load_timeout_s, gt=0, allow_inf_nan=False,
+                                  description="a load from the cluster tier taking longer is computed instead")
+
+    @pydantic.field_validator("disk_path")
+    @classmethod
+    def _absolute_directory(cls, path: str | None) -> str | None:
+        """``~`` expanded when the file is read, as ``model.lora_modules`` paths are. A relative path
+        would land in the directory each replica happens to run in (Ray's copy of the working
+        directory, gone with the replica): the warm restart the disk tier is for would not happen."""
+        if path is None:
+            return None
+        expanded = Path(path).expanduser()
+        if not expanded.is_absolute():
+            raise ValueError("must be an absolute directory (or start with ~): replicas run in Ray's "
+                             "temporary working directories")
+        return str(expanded)
+
+    @pydantic.field_validator("disk_bytes")
+    @classmethod
+    def _disk_tier_whole(cls, size: int, info: pydantic.ValidationInfo) -> int:
+        """The disk tier needs both its directory and its size; one without the other is a mistake."""
+        if "disk_path" not in info.data:  # disk_path itself was wrong: that error says so
+            return size
+        path = info.data["disk_path"]
+        if size > 0 and path is None:
+            raise ValueError("the disk tier needs engine.kv_offload.disk_path, the directory to keep blocks in")
+        if size == 0 and path is not None:
+            raise ValueError(f"engine.kv_offload.disk_path is {path!r}, but the disk tier has no size: "
+                             "give disk_bytes (e.g. 64GiB), or remove disk_path")
+        return size
+
+
 # Engine settings come from EngineArgs itself so the YAML can never drift from the engine.
 _ENGINE_OWNED_ELSEWHERE = {"dtype", "quantization", "activation_quantization", "gguf_blocks", "tensor_parallel_size",
                            "expert_parallel_size"}
-_ENGINE_SECTIONS = {"speculative": (SpeculativeSection | None, None)}  # nested: its own schema
+_ENGINE_SECTIONS = {"speculative": (SpeculativeSection | None, None),  # nested: their own schemas
+                    "kv_offload": (KVOffloadSection | None, None)}
 _engine_hints = typing.get_type_hints(EngineArgs)
 EngineSection = pydantic.create_model(
     "EngineSection",
@@ -263,6 +309,17 @@ class DeployConfig(_Section):
     @pydantic.model_validator(mode="after")
     def _engine_args_valid(self) -> "DeployConfig":
         self.engine_args()  # EngineArgs' own checks (power-of-two block size, ...)
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _host_tier_fits_the_replica(self) -> "DeployConfig":
+        """The host tier lives in the replica's process: Ray reserving less memory for the whole
+        replica than the tier alone may fill is a mistake (the weights and pool need theirs too)."""
+        offload, memory = self.engine.kv_offload, self.workers.memory_bytes
+        if offload is not None and memory is not None and offload.host_bytes > memory:
+            raise ValueError(f"engine.kv_offload.host_bytes ({format_bytes(offload.host_bytes)}) exceeds "
+                             f"workers.memory_bytes ({format_bytes(memory)}), the memory Ray reserves for a "
+                             "whole replica: raise memory_bytes or lower host_bytes")
         return self
 
     def engine_args(self) -> EngineArgs:

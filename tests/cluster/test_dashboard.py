@@ -272,3 +272,16 @@ def test_a_typo_in_the_dashboard_is_caught():
     target = next(p for p in iter_panels(dashboard["panels"]) if p["type"] != "row")["targets"][0]
     target["expr"] = target["expr"].replace("ray_raylm_", "ray_raylm_typo_")
     assert unknown_metric_refs(dashboard, ALL_METRICS)
+
+
+def test_offload_tiers_are_never_summed_together():
+    """A host tier's hits and a cluster tier's are different things: every aggregation in a query
+    of a KV offload metric keeps ``tier``."""
+    queries = [(where, expr) for where, expr in dashboard_queries(load_dashboard()) if "ray_raylm_kv_offload_" in expr]
+    assert queries
+    aggregation = re.compile(r"\b(?:sum|avg|min|max|count|group|stddev|stdvar|topk|bottomk|quantile)\s*"
+                             r"(?:(by|without)\s*\(([^()]*)\))?\s*\(")
+    for where, expr in queries:
+        groups = aggregation.findall(expr)
+        assert groups and all(clause == "by" and re.search(r"\btier\b", labels) for clause, labels in groups), \
+            f"{where}: {expr}"

@@ -21,10 +21,13 @@ def metrics_app(serve_cluster):
     app = serve_cluster.deploy({
         "name": "metrics", "model": {"served_model_name": MODEL}, "workers": {"num_replicas": 1},
         # A pool of 11 blocks (176 tokens) for 4 concurrent ~90-token requests: preemptions happen.
-        # N-gram speculation (counting repeats itself) exports the spec_decode counters.
+        # N-gram speculation (counting repeats itself) exports the spec_decode counters. A host
+        # tier beyond the pool exports the KV offload metrics: blocks the small pool evicts come back
+        # from it.
         "engine": {**TEST_DEPLOY["engine"], "num_kv_blocks": 12, "max_num_seqs": 4, "max_model_len": 160,
                    "num_scheduler_steps": 1, "speculative": {"method": "ngram", "num_speculative_tokens": 3},
-                   "hidden_state_slots": 0},  # (hidden states do not combine with speculation)
+                   "hidden_state_slots": 0,  # (hidden states do not combine with speculation)
+                   "kv_offload": {"host_bytes": "64MiB"}},
         "router": {"prefix_routing": {"stats_period_s": 0.5}},
     }, route_prefix="/metrics-app")
     yield app
@@ -48,7 +51,7 @@ def _scrape(port: int) -> dict[str, float]:
     return values
 
 
-def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_cluster):
+def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_cluster, capsys):
     base = metrics_app.base_url
     def chat(i: int) -> dict:
         return {"model": MODEL, "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}],
@@ -91,6 +94,7 @@ def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_
         "ray_raylm_router_requests_rejected_total": 2,
         "ray_raylm_router_tenant_tokens_total": prompt_tokens + completion_tokens,
         **_speculation_expected(),
+        **_kv_offload_expected(),
     }
     deadline = time.monotonic() + 90
     while True:
@@ -105,8 +109,8 @@ def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_
 
     for name in histograms:
         assert values.get(f"ray_{name}_count", 0) >= 1, name
-    for name in ("raylm_num_requests_running", "raylm_num_requests_waiting", "raylm_kv_cache_usage_perc",
-                 "raylm_router_queue_depth"):
+    for name in ("raylm_num_requests_running", "raylm_num_requests_waiting", "raylm_num_requests_loading",
+                 "raylm_kv_cache_usage_perc", "raylm_router_queue_depth"):
         assert f"ray_{name}" in values, name
     assert values["ray_raylm_time_to_first_token_seconds_count"] == 6
     assert values["ray_raylm_e2e_request_latency_seconds_count"] == 6
@@ -118,6 +122,16 @@ def test_every_metric_is_exported_with_counts_matching_usage(metrics_app, serve_
     assert values["ray_raylm_router_requests_rejected_total"] == 2
     assert values["ray_raylm_router_tenant_tokens_total"] == prompt_tokens + completion_tokens
     _check_speculation(values, expected)
+    assert values["ray_raylm_kv_offload_hits_total"] > 0  # preempted requests' blocks came back from the host tier
+    for name in ("ray_raylm_kv_offload_hits_total", "ray_raylm_kv_offload_stored_total",
+                 "ray_raylm_kv_offload_load_bytes_total", "ray_raylm_kv_offload_capacity_bytes"):
+        assert values.get(name) == expected[name], (name, values.get(name), expected[name])
+
+    from raylm.deploy.cli import main
+
+    capsys.readouterr()
+    assert main(["status", "--app", "metrics"]) == 0
+    assert re.search(r"host \d+\.\d/64\.0 MiB \d+% hits", capsys.readouterr().out)  # the replica's tier use
 
 
 def _speculation_expected() -> dict[str, float]:
@@ -135,6 +149,21 @@ def _speculation_expected() -> dict[str, float]:
         "ray_raylm_spec_decode_num_draft_tokens_total": totals.num_draft_tokens,
         "ray_raylm_spec_decode_num_accepted_tokens_total": totals.num_accepted_tokens,
         "ray_raylm_spec_decode_num_accepted_tokens_per_pos_total": totals.num_accepted_tokens,
+    }
+
+
+def _kv_offload_expected() -> dict[str, float]:
+    """The replica's own host tier counters after the traffic, as the exported series must show them."""
+    from raylm.workers.wire.replica_protocol import replica_reports
+
+    (report,) = replica_reports("metrics").values()
+    (host,) = report.engine.kv_offload
+    assert host.tier == "host" and host.capacity_bytes == 64 << 20
+    return {
+        "ray_raylm_kv_offload_hits_total": host.hits,
+        "ray_raylm_kv_offload_stored_total": host.stored,
+        "ray_raylm_kv_offload_load_bytes_total": host.load_bytes,
+        "ray_raylm_kv_offload_capacity_bytes": host.capacity_bytes,
     }
 
 

@@ -1,9 +1,9 @@
 """Feed a worker replica's engine into the metrics of ``cluster.metrics``.
 
 Per request: token counts, latencies (TTFT, inter-token, queue, prefill, decode, end to end)
-and the finish reason. Periodically: queue gauges, KV usage, and the engine's cumulative
-counters (prefix cache, preemptions, speculation, tokens routed per expert) turned into counter
-increments.
+and the finish reason. Periodically: queue gauges, KV usage, the KV offload tiers' use and read
+times, and the engine's cumulative counters (prefix cache, preemptions, speculation, tokens routed
+per expert, offload tiers' blocks) turned into counter increments.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+from raylm.cache.offload.tier import TierStats
 from raylm.cluster.metrics import WorkerMetrics, adapter_tag
 from raylm.workers.core.engine_stats import EngineStats, LoraStats, MoeStats
 from raylm.workers.core.request_output import CompletionOutput, RequestOutput
@@ -103,6 +104,7 @@ class EngineStatsReporter:
         metrics, previous = self.metrics, self.previous
         metrics.set("raylm_num_requests_running", stats.running)
         metrics.set("raylm_num_requests_waiting", stats.waiting)
+        metrics.set("raylm_num_requests_loading", stats.loading)
         metrics.set("raylm_kv_cache_usage_perc", stats.pool.usage)
         # The pool counts prompt tokens, as vLLM's prefix-cache counters do.
         for name, now, before in (
@@ -118,6 +120,8 @@ class EngineStatsReporter:
             self._report_lora(stats.lora, previous.lora if previous else None)
         if stats.moe is not None:
             self._report_experts(stats.moe, previous.moe if previous else None)
+        if stats.kv_offload is not None:
+            self._report_kv_offload(stats.kv_offload, previous.kv_offload if previous else None)
         self.previous = stats
         memory = device_memory_in_use()
         if memory is not None:
@@ -135,6 +139,29 @@ class EngineStatsReporter:
             for expert, tokens in enumerate(routed):
                 then = before.routed_tokens[i][expert] if before else 0
                 self.metrics.inc("raylm_moe_routed_tokens_total", tokens - then, layer=str(layer), expert=str(expert))
+
+    def _report_kv_offload(self, tiers: tuple[TierStats, ...], before: tuple[TierStats, ...] | None) -> None:
+        """Each tier's new blocks (hits, misses, stored, evicted), bytes read and errors by kind as
+        counter increments; its bytes held and capacity as gauges; the durations of its reads since
+        the snapshot before into the histogram (the newest ``loads - previous loads`` of those a
+        snapshot keeps: other readers take snapshots too, so none is handed over and cleared)."""
+        previous = {tier.tier: tier for tier in before or ()}
+        for tier in tiers:
+            then = previous.get(tier.tier) or TierStats(tier.tier, tier.capacity_bytes)
+            tag = {"tier": tier.tier}
+            for name, now, was in (("raylm_kv_offload_hits_total", tier.hits, then.hits),
+                                   ("raylm_kv_offload_misses_total", tier.misses, then.misses),
+                                   ("raylm_kv_offload_stored_total", tier.stored, then.stored),
+                                   ("raylm_kv_offload_evicted_total", tier.evicted, then.evicted),
+                                   ("raylm_kv_offload_load_bytes_total", tier.load_bytes, then.load_bytes)):
+                self.metrics.inc(name, now - was, **tag)
+            for kind, count in tier.errors.items():
+                self.metrics.inc("raylm_kv_offload_errors_total", count - then.errors.get(kind, 0), kind=kind, **tag)
+            self.metrics.set("raylm_kv_offload_stored_bytes", tier.stored_bytes, **tag)
+            self.metrics.set("raylm_kv_offload_capacity_bytes", tier.capacity_bytes, **tag)
+            new_loads = tier.loads - then.loads  # beyond the RECENT_LOADS a snapshot keeps, the oldest are lost
+            for seconds in tier.recent_load_seconds[-new_loads:] if new_loads > 0 else ():
+                self.metrics.observe("raylm_kv_offload_load_seconds", seconds, **tag)
 
     def _report_speculation(self, spec: SpecDecodeStats, before: SpecDecodeStats) -> None:
         for name, now, then in (
