@@ -1,4 +1,4 @@
-"""``raylm status``: the cluster at a glance: nodes, worker replicas with their load, KV use and
+"""``raylm status``: the cluster at a glance: nodes, worker replicas with their role, load, KV use and
 (for a mixture of experts) expert-parallel layout and load balance, and the router's queue."""
 
 from __future__ import annotations
@@ -100,12 +100,12 @@ def run_status(args: argparse.Namespace) -> int:
     ]))
     reports = replica_reports(args.app)
     print("\nWorker replicas")
-    print(table(["replica", "node", "state", "running", "waiting", "queued tokens", "KV used", "requests", "generated",
-                 "spec accepted", "LoRA adapters", "experts"], [
-        [rid, r.node_id[:12], state_summary(r.engine, r.busy_s), r.engine.running, r.engine.waiting,
+    print(table(["replica", "role", "node", "state", "running", "waiting", "queued tokens", "KV used", "requests",
+                 "generated", "spec accepted", "LoRA adapters", "experts"], [
+        [rid, r.role, r.node_id[:12], state_summary(r.engine, r.busy_s), r.engine.running, r.engine.waiting,
          r.engine.waiting_tokens, f"{100 * r.engine.pool.usage:.1f}%", r.engine.requests, r.engine.generation_tokens,
          speculation_summary(r.engine.spec), lora_summary(r.engine.lora), experts_summary(r.engine.moe)]
-        for rid, r in sorted(reports.items())
+        for rid, r in sorted(reports.items(), key=lambda item: (item[1].role, item[0]))
     ]))
     try:
         router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=args.app)
