@@ -50,7 +50,7 @@ class HostTier:
                 else:
                     self._stats.misses += 1
                 found.append(payload)
-            self._stats.load_seconds.append(time.perf_counter() - start)
+            self._stats.record_load(time.perf_counter() - start)
         return found
 
     def put(self, items: Sequence[tuple[TierKey, np.ndarray]]) -> None:
@@ -75,9 +75,7 @@ class HostTier:
 
     def stats(self) -> TierStats:
         with self._lock:
-            snapshot = TierStats(**{**vars(self._stats), "errors": dict(self._stats.errors)})
-            self._stats.load_seconds = []
-        return snapshot
+            return self._stats.snapshot()
 
     def close(self) -> None:
         with self._lock:

@@ -22,6 +22,7 @@ import numpy as np
 TierKey = bytes  # 16 bytes: identity.tier_key(namespace, block_hash)
 
 TIER_NAMES = ("host", "disk", "cluster")  # the order a load tries them in: nearest first
+RECENT_LOADS = 256  # load durations a TierStats keeps
 
 
 @dataclasses.dataclass
@@ -41,11 +42,24 @@ class TierStats:
     stored: int = 0  # blocks written into the tier, lifetime
     evicted: int = 0  # blocks dropped to make room, lifetime
     load_bytes: int = 0  # bytes read out of the tier, lifetime
-    load_seconds: list[float] = dataclasses.field(default_factory=list)  # per get() call, since last taken
+    loads: int = 0  # get() calls, lifetime
+    # Seconds of the latest get() calls (at most RECENT_LOADS, newest last): a reader that saw
+    # ``loads`` == n before observes the last ``loads - n`` of them (histograms from snapshots).
+    recent_load_seconds: list[float] = dataclasses.field(default_factory=list)
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def count_error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def record_load(self, seconds: float) -> None:
+        self.loads += 1
+        self.recent_load_seconds.append(seconds)
+        if len(self.recent_load_seconds) > RECENT_LOADS:
+            del self.recent_load_seconds[0]
+
+    def snapshot(self) -> TierStats:
+        """A copy that later counting does not change."""
+        return dataclasses.replace(self, recent_load_seconds=list(self.recent_load_seconds), errors=dict(self.errors))
 
 
 class KVTier(Protocol):
@@ -65,7 +79,7 @@ class KVTier(Protocol):
         block; a failed write is counted in ``stats().errors``, never raised."""
 
     def stats(self) -> TierStats:
-        """A snapshot of the counters (``load_seconds`` is handed over and cleared)."""
+        """A snapshot of the counters (``TierStats.snapshot``)."""
 
     def close(self) -> None:
         """Stop background work; what the tier stored stays where it lives (disk, cluster)."""

@@ -1,0 +1,31 @@
+"""The KV cluster tier across nodes: ``tests/kv_cluster_scenario.py`` starts a two-node Ray cluster of
+its own, isolated from the session's, in a subprocess; it prints one JSON line of findings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_blocks_published_on_one_node_are_fetched_on_another():
+    """Published by an actor on node A, fetched by tiers on node B (a transfer) and on node A."""
+    proc = subprocess.run([sys.executable, "-m", "tests.kv_cluster_scenario"],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no result line; rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads(lines[-1])
+    assert result["ok"], f"{result.get('error')}\n{proc.stderr[-4000:]}"
+
+    nodes = result["nodes"]
+    assert nodes["publisher"] == nodes["reader_a"] != nodes["reader_b"]
+    assert result["stored"] == 16
+    for where in ("cross_node", "same_node"):
+        fetched = result[where]
+        assert fetched["contains"] == 16 and fetched["errors"] == {}, where
+        assert fetched["equal"] == [True] * 16, where
+    assert result["same_node"]["read_only"] == [True] * 16  # views of the node's shared memory
+    assert result["leftover_pids"] == []
