@@ -68,6 +68,10 @@ class BlockManager:
         self.block_size = pool.block_size
         self.salt = cache_salt
         self.window = window
+        # With KV offload on, the (block id, hash) of each block computed full since the engine
+        # last took them (``take_committed``): what it publishes to the tiers.
+        self.record_commits = False
+        self._committed: list[tuple[int, int]] = []
 
     @property
     def sliding(self) -> BlockPool | None:
@@ -137,7 +141,40 @@ class BlockManager:
         for group, table in zip(self.groups, self._tables(seq)):
             for i in range(seq.num_committed_blocks, full):
                 group.pool.cache_full_block(table[i], seq.block_hashes[i])
+        if self.record_commits:
+            self._committed += [(seq.block_ids[i], seq.block_hashes[i]) for i in range(seq.num_committed_blocks, full)]
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
+
+    def take_committed(self) -> list[tuple[int, int]]:
+        """The (block id, hash) of blocks computed full since the last call (``record_commits``),
+        each block once: the engine reads them off the device before the next step may reuse them."""
+        committed, self._committed = self._committed, []
+        return list(dict(committed).items())
+
+    # -- blocks from an offload tier ------------------------------------------------------------------
+    def reserve_for_load(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Append ``num_blocks`` fresh blocks to ``seq``'s table for blocks an offload tier will
+        fill (the ones right after those it holds); [] when the pool has too few free blocks
+        (then its prompt is computed instead). One KV group only (the engine refuses offload for
+        models with a sliding group)."""
+        if num_blocks > self.pool.num_free_blocks:
+            return []
+        blocks = self.pool.allocate(num_blocks)
+        seq.block_ids.extend(blocks)
+        return blocks
+
+    def adopt_loaded(self, seq: Sequence, first: int, num_loaded: int) -> None:
+        """Blocks ``first .. first + num_loaded - 1`` of ``seq`` now hold their tier's K/V (the
+        step about to run writes them before it computes): they count as computed and enter the
+        prefix cache. The blocks reserved after them, which the load could not fill, go back."""
+        unfilled = seq.block_ids[first + num_loaded:]
+        if unfilled:
+            self.pool.free(unfilled)
+            del seq.block_ids[first + num_loaded:]
+        for i in range(first, first + num_loaded):
+            self.pool.cache_full_block(seq.block_ids[i], seq.block_hashes[i])
+        seq.num_computed_tokens = (first + num_loaded) * self.block_size
+        seq.num_committed_blocks = first + num_loaded
 
     # -- growth -----------------------------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, group: int = 0) -> int:

@@ -136,8 +136,8 @@ class KVConnector:
                     break
                 good.append(payload)
             if good:
-                if self._host is not None and tier is not self._host:
-                    self._host.put(list(zip(keys, good)))
+                if self._host is not None and tier is not self._host:  # a copy: a cluster payload is a view
+                    self._host.put([(key, np.array(payload)) for key, payload in zip(keys, good)])  # of Ray's store
                 return good
         return []
 

@@ -10,6 +10,13 @@ out, the lowest-priority, latest-arrived running sequence is preempted: its bloc
 freed and it later recomputes everything it had (its full blocks are likely still in the
 prefix cache).
 
+With KV offload (cache/offload/), a sequence admitted with blocks of its prompt held by an
+offload tier but not by the pool first *loads* them: it takes pool blocks for them, waits in
+``loading`` while the tier reads them on the connector's thread and other sequences keep
+stepping, and comes back to the waiting queue once they arrived (the next step writes them into
+the pool before computing: ``SchedulerOutput.kv_writes``), with only the rest of its prompt to
+compute. A load that brings fewer blocks than hoped (lost, late, corrupt) leaves the rest to compute.
+
 The scheduler owns sequence state: ``schedule`` plans a step as plain data (a
 ``SchedulerOutput``: no sequence reaches the runner) and ``update_from_output`` applies the
 runner's ``RunnerOutput`` (computed tokens, sampled tokens, pooled embeddings, draft state,
@@ -25,7 +32,9 @@ import time
 from typing import Iterable
 
 from raylm.cache.block_tables import BlockManager, PrefixLookup
+from raylm.cache.offload.connector import KVConnector
 from raylm.workers.core.hidden_states import HiddenStateSlots
+from raylm.workers.core.kv_loads import KVLoads
 from raylm.workers.core.lora_adapters import LoraSlots
 from raylm.workers.core.sequence import Sequence, SequenceStatus
 from raylm.workers.core.speculation import SpecDecodeStats
@@ -80,6 +89,7 @@ class Scheduler:
         self.lora_slots = lora_slots  # None: LoRA is off (no sequence has an adapter)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.loads: KVLoads | None = None  # sequences loading blocks from KV offload tiers; None: offload is off
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompt (and recomputed) tokens computed, lifetime
         self.num_generated_tokens = 0  # tokens sampled, lifetime
@@ -111,6 +121,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.LOADING:
+            self.loads.cancel(seq)
         self.blocks.free(seq)
         self._release_lora(seq)
         if seq.hidden is not None:
@@ -184,6 +196,7 @@ class Scheduler:
         prefills: list[ScheduledChunk] = []
         decodes: list[ScheduledDecode] = []
         preempted: list[Sequence] = []
+        kv_writes = self._finish_loads()
         if self._by_priority:
             self._make_room_for_higher_priority(preempted)
         any_prefill = any(s.runs_as_chunk for s in self.running) or self._may_admit()
@@ -228,7 +241,7 @@ class Scheduler:
         self.waiting.sort(key=lambda s: s.order_key(self._by_priority))
         admitted: list[Sequence] = []
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_num_seqs:
+            if budget <= 0 or len(self.running) + len(admitted) + self.num_loading >= cfg.max_num_seqs:
                 break
             if seq in preempted:
                 break  # do not re-admit what this step just evicted
@@ -237,6 +250,9 @@ class Scheduler:
             if not self._acquire_lora(seq):
                 continue  # waits for a slot for its adapter; others go ahead
             lookup = self.blocks.reuse_cached_prefix(seq) if _reuses_cached_prefix(seq) else None
+            if lookup is not None and self.loads is not None and self.loads.start(seq, lookup):
+                self._count_load_start(seq, lookup)
+                continue  # waits for its blocks; others go ahead
             self._release_out_of_window(seq)  # cached blocks before its window: not needed
             want, capped = self._chunk_tokens(seq, budget)
             if not self._may_compute(seq, want) or not self.blocks.can_grow(seq, want):
@@ -257,12 +273,41 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+        for seq in self.waiting:  # loaded, not admitted: its blocks stay cached for its admission, but free,
+            if seq.block_ids:     # or waiting sequences could hold every block while none can start
+                self.blocks.free(seq)
 
         if prefills:
             steps = 1
         loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
         return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), loads,
-                               self.blocks.take_copies(1))
+                               self.blocks.take_copies(1), kv_writes)
+
+    def use_kv_offload(self, connector: KVConnector) -> None:
+        """Admit sequences with blocks an offload tier holds by loading those first."""
+        self.loads = KVLoads(connector, self.blocks)
+
+    @property
+    def num_loading(self) -> int:
+        """Sequences waiting for blocks from KV offload tiers (they hold sequence slots)."""
+        return len(self.loads) if self.loads is not None else 0
+
+    def _count_load_start(self, seq: Sequence, lookup: PrefixLookup) -> None:
+        """``seq`` went to load blocks instead of being admitted: its pool hits count as its first
+        admission's, and its adapter's slot is let go until it is admitted."""
+        self.waiting.remove(seq)
+        if seq.num_preemptions == 0:
+            self._count_first_admission(seq, lookup)
+        self._release_lora(seq)
+
+    def _finish_loads(self) -> list[tuple[int, object]]:
+        """Sequences whose loads ended rejoin the waiting queue; the block writes that the step
+        makes first (their payloads)."""
+        if self.loads is None:
+            return []
+        ready, writes = self.loads.finish()
+        self.waiting += ready
+        return writes
 
     def _acquire_lora(self, seq: Sequence) -> bool:
         """Give ``seq`` its adapter's device slot (loaded with this step if it is not resident);
@@ -284,7 +329,7 @@ class Scheduler:
     def _may_admit(self) -> bool:
         """Whether a waiting sequence may start this step: one is waiting and a slot is free
         (whether its blocks fit is left to the admission itself)."""
-        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        return bool(self.waiting) and len(self.running) + self.num_loading < self.config.max_num_seqs
 
     def _decode_steps(self) -> int:
         """Decode steps for a step without prompts: ``num_scheduler_steps``, or one while

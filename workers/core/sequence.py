@@ -38,6 +38,7 @@ _seq_ids = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to recompute
     RUNNING = "running"
+    LOADING = "loading"  # holds blocks an offload tier is filling (workers/core/scheduler.py)
     FINISHED = "finished"
 
 
@@ -64,6 +65,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_committed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
+    kv_load_fell_short: bool = False  # an offload tier failed to bring blocks it listed: compute, never reload
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None

@@ -80,6 +80,9 @@ class SchedulerOutput:
     # (slot, adapter) LoRA slots to fill before the step (workers/core/lora_adapters.py)
     lora_loads: list[tuple[int, LoraAdapter]] = dataclasses.field(default_factory=list)
     sliding_block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # the sliding group's
+    # (block id, payload) blocks loaded from KV offload tiers, which the engine writes into the
+    # pool before the step computes, even a step with nothing else to do (cache/offload/block_layout.py)
+    kv_writes: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:

@@ -108,6 +108,7 @@ class AsyncEngine:
             reason = f"the engine thread died: {err!r}"
         finally:
             self._close(reason)
+            self.llm_engine.close()  # on this thread: no step is using the offload tiers now
 
     def _run_commands(self) -> None:
         """Run the queued commands; with nothing to step, wait for one first."""

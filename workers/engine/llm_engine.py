@@ -41,11 +41,15 @@ from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.core.scheduler import Scheduler, SchedulerConfig
 from raylm.workers.core.sequence import Sequence
 from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.engine.kv_offload_setup import make_connector
 from raylm.workers.engine.progress import StderrProgress
 from raylm.workers.engine.step_work import StepCounters
 from raylm.workers.runner.draft_model import load_draft
 from raylm.workers.runner.model_runner import ModelRunner
+from raylm.workers.runner.pool_blocks import PoolBlocks
 from raylm.workers.runner.speculative_step import DraftModel
+
+LOAD_WAIT_S = 0.01  # an engine with only loads in flight waits this long for one per step
 
 
 def _fp8_settings(model: LoadedModel, args: EngineArgs) -> list[str]:
@@ -132,6 +136,9 @@ class LLMEngine:
             now = shapes[: self.runner.first_warmup_shapes(args.num_scheduler_steps)] if background_warmup else shapes
             self.runner.warmup(args.num_scheduler_steps, now, progress, lora_slots=True)
             self.warmup_pending = shapes[len(now):]
+        self.kv_connector, self.pool_blocks = None, None
+        if args.kv_offload is not None:
+            self._use_kv_offload(args, model, draft)
         self._limit_chunks_to_compiled()
         self.runner.take_expert_load()  # (the warm-up's tokens are not load)
         self.step_counters = StepCounters(
@@ -146,6 +153,17 @@ class LLMEngine:
         self._seeds = random.Random(args.seed)
         self.num_requests = 0
         self.last_step_tokens = 0  # tokens the latest step computed (prefill chunks + decode steps)
+
+    def _use_kv_offload(self, args: EngineArgs, model: LoadedModel, draft: LoadedModel | None) -> None:
+        """Keep blocks beyond the pool in the tiers ``args.kv_offload`` turns on (cache/offload/)."""
+        self.pool_blocks = PoolBlocks(self.runner)
+        if args.warmup:
+            self.pool_blocks.warm_up()
+        self.kv_connector = make_connector(
+            args.kv_offload, self.pool_blocks, self.blocks.salt, (model.params, draft.params if draft else None),
+            args.num_devices, self.runner.cpu_kernels)
+        self.blocks.record_commits = True
+        self.scheduler.use_kv_offload(self.kv_connector)
 
     def _kv_block_counts(self, kv_dtype, draft_config: ModelConfig | None) -> tuple[int, int | None]:
         """Blocks of the pool (of the full-attention group's, with a sliding group) and of the
@@ -305,13 +323,19 @@ class LLMEngine:
         """One scheduling round; returns the outputs of requests that made progress."""
         plan = self.scheduler.schedule()
         self.last_step_tokens = 0
+        if plan.kv_writes:
+            self.pool_blocks.write(plan.kv_writes)
         if plan.empty:
+            if self.scheduler.num_loading:  # nothing to compute until a load ends: wait for one, not spin
+                self.kv_connector.wait(LOAD_WAIT_S)
             return []
         self.last_step_tokens = plan.num_tokens
         scheduled_at = time.monotonic()
         output = self.runner.execute(plan)
         self.step_counters.add(plan, output, time.monotonic() - scheduled_at)
         progressed = self.scheduler.update_from_output(plan, output, scheduled_at)
+        if self.kv_connector is not None:
+            self._publish_blocks()
         for seq in progressed:  # finished captures: read before the next step reuses their slot
             if seq.finished and seq.hidden is not None:
                 self.requests[seq.request_id].hidden_states = self.runner.read_hidden_states(seq.hidden, seq.num_tokens)
@@ -323,6 +347,35 @@ class LLMEngine:
                 del self.requests[state.request_id]
         outputs += self._abort_failed_processors(output.processor_failures)
         return outputs
+
+    def _publish_blocks(self) -> None:
+        """Offer the blocks this step filled to the offload tiers, read before the next step can
+        reuse them (a finished sequence's blocks are free, but unchanged until reallocated)."""
+        committed = self.blocks.take_committed()
+        if not committed:
+            return
+        wanted = [pair for pair, new in zip(committed, self.kv_connector.wants([h for _, h in committed])) if new]
+        if wanted:
+            self.kv_connector.publish([h for _, h in wanted], self.pool_blocks.read([b for b, _ in wanted]))
+
+    def flush_kv_publish(self, timeout: float) -> None:
+        """Wait until every block published so far is in every offload tier (thread-safe: touches
+        only the connector); nothing to wait for without offload."""
+        if self.kv_connector is not None:
+            self.kv_connector.flush(timeout)
+
+    def refresh_kv_tiers(self, timeout: float) -> None:
+        """Let the tiers see what other replicas stored until now (the cluster tier's directory
+        mirror), e.g. before admitting a request whose prompt another replica just computed."""
+        for tier in self.kv_connector.tiers if self.kv_connector is not None else ():
+            refresh = getattr(tier, "refresh", None)
+            if refresh is not None:
+                refresh(timeout)
+
+    def close(self) -> None:
+        """Stop the offload tiers' threads (what they stored stays where it lives)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     def _abort_failed_processors(self, failed: dict[int, str]) -> list[RequestOutput]:
         """Requests whose logits processor failed this step end now ("abort"; it was logged)."""
@@ -356,6 +409,8 @@ class LLMEngine:
             max_prompt_tokens=self.max_prompt_tokens,
             warmup_programs_left=len(self.warmup_pending),
             compute=self.step_counters.stats(),
+            loading=scheduler.num_loading,
+            kv_offload=tuple(self.kv_connector.stats()) if self.kv_connector is not None else None,
         )
 
     def _moe_stats(self) -> MoeStats | None:

@@ -1,0 +1,247 @@
+"""KV offload through the engine: blocks loaded from a tier instead of computed give the tokens
+the single-sequence reference computes, whatever the tier brings (all, part, nothing), and a
+request that ends while loading leaks no block."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from raylm.cache.offload.connector import KVConnector
+from raylm.cache.offload.host_tier import HostTier
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.loaders.load import load_model
+from raylm.workers.core.kv_loads import KVLoads
+from raylm.workers.core.sampling_params import SamplingParams
+from raylm.workers.engine.kv_offload_setup import weights_fingerprint
+from raylm.workers.engine.llm import LLM
+from tests.checkpoints import build_tiny_checkpoint
+
+NEW_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+HOST = {"host_bytes": 256 << 20}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("offload") / "m")
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def workload(tiny):
+    """20 prompts of 1..200 tokens, half of them sharing a 70-token prefix, and their greedy
+    continuations from the single-sequence reference."""
+    rng = np.random.RandomState(1)
+    shared = rng.randint(3, 320, size=70).tolist()
+    lengths = [1, 15, 16, 17, 33, 200] + rng.randint(1, 201, size=14).tolist()
+    prompts = [(shared if i % 2 else []) + rng.randint(3, 320, size=n).tolist() for i, n in enumerate(lengths)]
+    reference = SingleSequenceGenerator(tiny.config, tiny.params)
+    return prompts, [list(reference.generate(p, NEW_TOKENS)) for p in prompts]
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+
+
+def _loadable_tokens(prompts: list[list[int]], block_size: int = 16) -> int:
+    """Prompt tokens in full blocks before each prompt's last token: what a load can bring."""
+    return sum((len(p) - 1) // block_size * block_size for p in prompts)
+
+
+def _assert_no_leak(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats.pool.num_used_blocks == 0 and stats.running == stats.waiting == stats.loading == 0
+
+
+def _swap_tier(llm: LLM, tier) -> None:
+    """Serve ``llm``'s loads and publishes from ``tier`` alone (a test double around a real tier)."""
+    engine = llm.engine
+    engine.kv_connector.close()
+    engine.kv_connector = KVConnector([tier], engine.kv_connector.space, engine.pool_blocks.layout.nbytes)
+    engine.scheduler.loads = KVLoads(engine.kv_connector, engine.blocks)
+
+
+@pytest.mark.parametrize("settings", [
+    pytest.param({}, id="default"),
+    pytest.param({"max_num_batched_tokens": 32, "max_num_seqs": 4}, id="small-steps"),
+    pytest.param({"kv_cache_dtype": "int8"}, id="int8-kv"),
+    pytest.param({"tensor_parallel_size": 2}, id="tensor-parallel-2"),
+])
+def test_prefixes_evicted_from_the_pool_load_from_the_host_tier(tiny, workload, settings):
+    prompts, expected = workload
+    llm = LLM(tiny, kv_offload=HOST, **settings)
+    plain = LLM(tiny, **settings) if settings.get("kv_cache_dtype") else None  # 8-bit K/V: its own reference
+    if plain is not None:
+        expected = _run(plain, prompts)
+    assert _run(llm, prompts) == expected
+    first = llm.engine.stats()
+    llm.engine.pool.reset_prefix_cache()  # nothing cached in the pool: every prefix comes from the tier
+    assert _run(llm, prompts) == expected
+    stats = llm.engine.stats()
+    # Each prompt's full blocks came from the tier, or from the pool where an earlier prompt of
+    # the run had loaded them (the shared prefix).
+    loaded = llm.engine.scheduler.loads.num_loaded_tokens
+    assert loaded + stats.pool.prefix_hits - first.pool.prefix_hits == _loadable_tokens(prompts)
+    assert loaded >= _loadable_tokens(prompts) - 4 * 16 * (len(prompts) - 1)
+    # (a prompt left with one token to compute runs it as a decode, outside the prompt count)
+    assert stats.prompt_tokens - first.prompt_tokens <= sum(map(len, prompts)) - _loadable_tokens(prompts)
+    (host,) = stats.kv_offload
+    assert host.tier == "host" and host.hits == loaded // 16 and host.misses == 0
+    _assert_no_leak(llm)
+
+
+def test_preempted_and_overflowing_conversations_reload(tiny, workload):
+    """A pool far smaller than the live context: sequences are preempted and re-admitted, their
+    prefixes evicted; with the host tier they come back by loading, with the same tokens."""
+    prompts, expected = workload
+    llm = LLM(tiny, kv_offload=HOST, num_kv_blocks=40, max_num_seqs=6, max_num_batched_tokens=64)
+    assert _run(llm, prompts * 2) == expected * 2
+    assert llm.engine.scheduler.loads.num_loaded_tokens > 0
+    _assert_no_leak(llm)
+
+
+class _Flaky:
+    """A host tier that has lost about a third of its blocks (lost objects, corrupt files): it
+    still lists them, but reading one gives nothing."""
+
+    name = "host"
+
+    def __init__(self, tier: HostTier):
+        self.tier, self.calls = tier, 0
+
+    def contains(self, keys):
+        return self.tier.contains(keys)
+
+    def get(self, keys):
+        found = self.tier.get(keys)
+        return [None if key[0] % 3 == 0 else payload for key, payload in zip(keys, found)]
+
+    def put(self, items):
+        self.tier.put(items)
+
+    def stats(self):
+        return self.tier.stats()
+
+    def close(self):
+        self.tier.close()
+
+
+def test_a_load_that_brings_part_of_the_blocks_computes_the_rest(tiny, workload):
+    prompts, expected = workload
+    llm = LLM(tiny, kv_offload=HOST)
+    _swap_tier(llm, _Flaky(HostTier(256 << 20)))
+    assert _run(llm, prompts) == expected
+    llm.engine.pool.reset_prefix_cache()
+    assert _run(llm, prompts) == expected
+    loaded = llm.engine.scheduler.loads.num_loaded_tokens
+    assert 0 < loaded < _loadable_tokens(prompts)
+    _assert_no_leak(llm)
+
+
+class _Held(_Flaky):
+    """A host tier whose reads wait until the test lets them go."""
+
+    def __init__(self, tier: HostTier):
+        super().__init__(tier)
+        self.release = threading.Event()
+
+    def get(self, keys):
+        self.release.wait(30)
+        return self.tier.get(keys)
+
+
+def test_a_request_aborted_while_loading_leaks_no_block(tiny, workload):
+    prompts, expected = workload
+    llm = LLM(tiny, kv_offload=HOST)
+    held = _Held(HostTier(256 << 20))
+    _swap_tier(llm, held)
+    long_prompt = max(prompts, key=len)
+    _run(llm, [long_prompt])
+    llm.engine.pool.reset_prefix_cache()
+    engine = llm.engine
+    engine.add_request("r", long_prompt, GREEDY)
+    engine.step()
+    assert engine.stats().loading == 1 and engine.pool.num_used_blocks > 0
+    engine.abort("r")
+    held.release.set()
+    engine.kv_connector.flush(10)
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_connector.loads_in_flight == 0
+    _assert_no_leak(llm)
+    held.release.set()
+    assert _run(llm, prompts[:4]) == expected[:4]
+
+
+def test_speculative_draft_pools_travel_with_the_blocks(tiny, workload):
+    prompts, expected = workload
+    llm = LLM(tiny, kv_offload=HOST,
+              speculative=dict(method="draft", num_layers=1, num_speculative_tokens=2))
+    assert _run(llm, prompts) == expected
+    llm.engine.pool.reset_prefix_cache()
+    assert _run(llm, prompts) == expected
+    assert llm.engine.scheduler.loads.num_loaded_tokens == _loadable_tokens(prompts)
+
+
+def test_the_weights_fingerprint_tells_checkpoints_apart(tiny, tmp_path):
+    same = load_model(build_tiny_checkpoint("llama-gqa", tmp_path / "same")[0])
+    other = load_model(build_tiny_checkpoint("llama-gqa", tmp_path / "other", seed=1)[0])
+    assert weights_fingerprint(tiny.params) == weights_fingerprint(same.params)
+    assert weights_fingerprint(tiny.params) != weights_fingerprint(other.params)
+
+
+def test_models_that_keep_two_kv_groups_are_refused(tmp_path):
+    model = load_model(build_tiny_checkpoint("gemma2", tmp_path / "g")[0])
+    with pytest.raises(ValueError, match="engine.kv_offload"):
+        LLM(model, kv_offload=HOST)
+
+
+def test_offload_settings_are_checked():
+    from raylm.workers.engine.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineArgs(kv_offload=HOST, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="unknown key"):
+        EngineArgs(kv_offload={"host": 5})
+    assert EngineArgs(kv_offload={"host_bytes": 0}).kv_offload is None
+
+
+def test_a_restarted_replica_loads_from_the_disk_tier(tiny, workload, tmp_path):
+    prompts, expected = workload
+    disk = {"disk_path": str(tmp_path / "kv"), "disk_bytes": 256 << 20}
+    first = LLM(tiny, kv_offload=disk)
+    assert _run(first, prompts) == expected
+    first.engine.flush_kv_publish(30)
+    first.engine.close()
+    restarted = LLM(tiny, kv_offload=disk)
+    assert _run(restarted, prompts) == expected
+    loaded = restarted.engine.scheduler.loads.num_loaded_tokens
+    assert loaded >= _loadable_tokens(prompts) - 4 * 16 * (len(prompts) - 1)
+    # Every block file corrupted: the next replica computes everything, with the same tokens.
+    restarted.engine.close()
+    for path in (tmp_path / "kv").rglob("*.kvb"):
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x10
+        path.write_bytes(bytes(data))
+    corrupted = LLM(tiny, kv_offload=disk)
+    assert _run(corrupted, prompts) == expected
+    (tier,) = corrupted.engine.stats().kv_offload
+    assert corrupted.engine.scheduler.loads.num_loaded_tokens == 0 and tier.errors.get("corrupt", 0) > 0
+    _assert_no_leak(corrupted)
+
+
+def test_a_replica_loads_what_another_computed_through_the_cluster_tier(tiny, workload, serve_cluster):
+    prompts, expected = workload
+    cluster = {"cluster_bytes": 128 << 20, "host_bytes": 64 << 20}
+    a, b = LLM(tiny, kv_offload=cluster), LLM(tiny, kv_offload=cluster)
+    assert _run(a, prompts) == expected
+    a.engine.flush_kv_publish(30)
+    b.engine.refresh_kv_tiers(30)
+    assert _run(b, prompts) == expected
+    assert b.engine.stats().prompt_tokens < a.engine.stats().prompt_tokens
+    tiers = {t.tier: t for t in b.engine.stats().kv_offload}
+    assert tiers["cluster"].hits > 0 and tiers["host"].stored > 0
+    _assert_no_leak(b)
