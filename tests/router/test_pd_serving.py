@@ -67,7 +67,7 @@ async def _stream(base_url: str, prompt: list[int], max_tokens: int = 12) -> tup
 
 
 @pytest.mark.parametrize("length", [2 * BLOCK + 5, 3 * BLOCK])
-def test_streams_equal_the_colocated_deployment(apps, length):
+def test_streams_equal_the_colocated_deployment_and_the_prompt_is_loaded_not_computed(apps, length):
     colocated, disaggregated = apps
     prompt = _prompt(length, length)
     expected, expected_usage = asyncio.run(_stream(colocated.base_url, prompt))
@@ -75,6 +75,9 @@ def test_streams_equal_the_colocated_deployment(apps, length):
     assert "".join(got) == "".join(expected) and len(expected) > 0
     assert usage["prompt_tokens"] == expected_usage["prompt_tokens"] == length  # counted once
     assert usage["completion_tokens"] == expected_usage["completion_tokens"]
+    # The decode replica never saw this prompt: its full blocks came from the prefill replica
+    # through the cluster tier (the last token is computed again when the prompt fills its blocks).
+    assert usage["prompt_tokens_details"]["cached_tokens"] == (length - 1) // BLOCK * BLOCK, usage
 
 
 def test_status_shows_each_replica_s_role(apps, capsys):
