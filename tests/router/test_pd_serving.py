@@ -5,7 +5,9 @@ Greedy streams equal the colocated deployment's token for token; usage counts th
 and, as cached, the full blocks the decode replica loaded from the cluster tier (it never saw
 the prompt: only a handoff put them there); ``raylm status`` shows each replica's role; clients
 that go away at any point of a request (during its prefill, its load, its decode) leave no
-request and no KV block held on either replica, nor anything in the router.
+request and no KV block held on either replica, nor anything in the router; the router times
+each prefill hop; a killed prefill replica costs a request at most a recompute on the decode
+replica (the same tokens), never an error.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import time
 import httpx
 import pytest
 
-from raylm.benchmarks.soak_bench import wait_back_to_baseline
+from raylm.benchmarks.soak_bench import kill_replica, wait_back_to_baseline
+from raylm.cluster.names import PREFILL_WORKER_DEPLOYMENT
 from tests.checkpoints import build_tiny_checkpoint
 
 MODEL = "pd-tiny"  # the metrics of this module's applications alone carry it
@@ -40,7 +43,7 @@ def apps(serve_cluster, tmp_path_factory):
     colocated = serve_cluster.deploy({"name": "pd-colocated", "model": model, "workers": WORKERS, "engine": ENGINE},
                                      route_prefix="/pd-colocated")
     disaggregated = serve_cluster.deploy({
-        "name": "pd", "model": model, "workers": WORKERS, "prefill_workers": WORKERS,
+        "name": "pd", "model": model, "workers": WORKERS, "prefill_workers": {**WORKERS, "timeout_s": 10},
         "engine": {**ENGINE, "kv_offload": {"cluster_bytes": 64 << 20}},
     }, route_prefix="/pd")
     yield colocated, disaggregated
@@ -141,3 +144,26 @@ def test_the_router_times_each_prefill_hop(apps, serve_cluster):
         time.sleep(0.5)
     assert _router_metric(serve_cluster.metrics_port, count) == before + 3
     assert _router_metric(serve_cluster.metrics_port, "ray_raylm_router_pd_fallbacks_total") == 0
+
+
+def test_a_killed_prefill_replica_costs_at_most_a_recompute_not_the_request(apps, serve_cluster):
+    """(Last: the prefill replica is replaced in the background.)"""
+    colocated, disaggregated = apps
+    fallbacks = "ray_raylm_router_pd_fallbacks_total"
+    time.sleep(2.5)  # earlier fallbacks (none expected) have been exported
+    before = _router_metric(serve_cluster.metrics_port, fallbacks)
+    prompt = _prompt(500, 2 * BLOCK + 8)
+    expected, _ = asyncio.run(_stream(colocated.base_url, prompt))
+    kill_replica("pd", PREFILL_WORKER_DEPLOYMENT)
+    # The router's prefill call fails (the replica is dead) or waits for its replacement: past
+    # prefill_workers.timeout_s the decode replica computes the prompt, within it the replacement
+    # prefills it. Either way the same tokens, and the accounting says which way it went.
+    got, usage = asyncio.run(_stream(disaggregated.base_url, prompt))
+    assert "".join(got) == "".join(expected)
+    deadline = time.monotonic() + 5  # the router exports every second
+    while _router_metric(serve_cluster.metrics_port, fallbacks) == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    fell_back = _router_metric(serve_cluster.metrics_port, fallbacks) - before
+    assert fell_back in (0, 1)
+    loaded = usage["prompt_tokens_details"]["cached_tokens"]
+    assert loaded == (0 if fell_back else 2 * BLOCK), (fell_back, usage)  # computed there, or loaded
