@@ -87,6 +87,9 @@ ROUTER_METRICS = {
     "raylm_router_routing_decisions_total": ("counter", "Worker replica choices, by reason."),
     "raylm_router_tenant_tokens_total": ("counter", "Tokens served per tenant (prompt + generated)."),
     "raylm_router_requests_total": ("counter", "Generation requests answered, by endpoint and HTTP status."),
+    "raylm_router_pd_prefill_seconds": ("histogram", "Disaggregation: a prompt's prefill hop, sent to published."),
+    "raylm_router_pd_fallbacks_total": ("counter", "Disaggregation: prefills that failed, by reason; their decode "
+                                                   "replica computed the prompt."),
 }
 
 
@@ -137,6 +140,8 @@ class RouterMetrics:
         self._routing = _make("raylm_router_routing_decisions_total", ROUTER_METRICS, keys + ("reason",))
         self._tenant_tokens = _make("raylm_router_tenant_tokens_total", ROUTER_METRICS, keys + ("tenant",))
         self._requests = _make("raylm_router_requests_total", ROUTER_METRICS, keys + ("endpoint", "status"))
+        self._prefill_seconds = _make("raylm_router_pd_prefill_seconds", ROUTER_METRICS, keys, LATENCY_BUCKETS_S)
+        self._pd_fallbacks = _make("raylm_router_pd_fallbacks_total", ROUTER_METRICS, keys + ("reason",))
         self._tenant_tags: set[str] = set()
 
     def queue_depth(self, priority: str, depth: int) -> None:
@@ -151,6 +156,14 @@ class RouterMetrics:
     def request(self, endpoint: str, status: int) -> None:
         """A generation request answered (``endpoint``: its route's path), streams at their start."""
         self._requests.inc(1, tags={"model_name": self.model, "endpoint": endpoint, "status": str(status)})
+
+    def prefill_seconds(self, seconds: float) -> None:
+        """A disaggregated request's prefill hop succeeded after ``seconds``."""
+        self._prefill_seconds.observe(seconds, tags={"model_name": self.model})
+
+    def pd_fallback(self, reason: str) -> None:
+        """A prefill hop failed (``timeout``, ``overloaded``, ``error``): the decode replica computes the prompt."""
+        self._pd_fallbacks.inc(1, tags={"model_name": self.model, "reason": reason})
 
     def routing_decision(self, reason: str) -> None:
         self._routing.inc(1, tags={"model_name": self.model, "reason": reason})

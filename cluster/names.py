@@ -2,5 +2,6 @@
 processes (``raylm status``, the ingress's replica poll, benchmarks), so each is declared once."""
 
 DEFAULT_APP_NAME = "raylm"  # a deploy file's ``name`` when it gives none
-WORKER_DEPLOYMENT = "LLMWorker"
+WORKER_DEPLOYMENT = "LLMWorker"  # the replicas that stream (role both, or decode beside prefill replicas)
+PREFILL_WORKER_DEPLOYMENT = "LLMPrefillWorker"  # a disaggregated app's prefill replicas (deploy file's prefill_workers)
 ROUTER_DEPLOYMENT = "OpenAIRouter"

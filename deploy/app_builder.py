@@ -1,4 +1,5 @@
-"""Deploy config -> Ray Serve application (router ingress bound to the worker deployment).
+"""Deploy config -> Ray Serve application (router ingress bound to the worker deployment, and to a
+prefill deployment beside it when the deploy file disaggregates prefill from decode).
 
 ``raylm serve`` calls ``build_application``; Serve config files point their ``import_path``
 at ``raylm.deploy.app_builder:build_app``, whose ``args`` are ``{"config": "path.yaml"}`` or the deploy
@@ -13,7 +14,8 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from raylm.deploy.config import DeployConfig, load_deploy_config, parse_deploy_config
+from raylm.cluster.names import PREFILL_WORKER_DEPLOYMENT
+from raylm.deploy.config import DeployConfig, WorkersSection, load_deploy_config, parse_deploy_config
 from raylm.router.app import OpenAIRouter
 from raylm.router.auth import parse_api_keys
 from raylm.router.prefix_router import PrefixAwareRequestRouter
@@ -21,9 +23,9 @@ from raylm.router.settings import RouterSettings
 from raylm.workers.serve.deployment import LLMWorker
 
 
-def worker_actor_options(config: DeployConfig) -> dict[str, Any]:
-    """Ray resources and environment of one worker replica."""
-    workers = config.workers
+def worker_actor_options(config: DeployConfig, workers: WorkersSection | None = None) -> dict[str, Any]:
+    """Ray resources and environment of one replica of ``workers`` (default: the ``workers`` section)."""
+    workers = workers or config.workers
     options: dict[str, Any] = {"num_cpus": workers.num_cpus, "num_gpus": workers.num_gpus}
     if workers.memory_bytes:
         options["memory"] = workers.memory_bytes
@@ -36,39 +38,58 @@ def worker_actor_options(config: DeployConfig) -> dict[str, Any]:
 
 
 def build_application(config: DeployConfig) -> Application:
-    workers = config.workers
+    """The router ingress bound to the worker deployment (role both, or decode) and, for a
+    disaggregated deploy file, the prefill deployment."""
+    prefill = None
+    if config.prefill_workers is not None:
+        # Prefix-aware among prefill replicas: a prompt whose prefix one of them holds computes less.
+        prefill = _worker_deployment(config, config.prefill_workers, "prefill", PREFILL_WORKER_DEPLOYMENT,
+                                     config.router.prefix_routing.imbalance_threshold_tokens)
+    # Decode replicas find every prompt's blocks in the cluster tier, so load decides among them
+    # (a held prefix only breaks ties).
+    threshold = 0 if prefill is not None else config.router.prefix_routing.imbalance_threshold_tokens
+    worker = _worker_deployment(config, config.workers, config.worker_role, None, threshold)
+    return OpenAIRouter.options(
+        num_replicas=config.router.num_replicas,
+        ray_actor_options={"num_cpus": config.router.num_cpus},
+    ).bind(worker, router_settings(config), prefill)
+
+
+def _worker_deployment(config: DeployConfig, workers: WorkersSection, role: str, name: str | None,
+                       imbalance_threshold_tokens: int) -> Application:
+    """One group of worker replicas (``name``: its deployment's, when not the default ``LLMWorker``)."""
     scaling: dict[str, Any]
     if workers.autoscaling_config is not None:
         scaling = {"autoscaling_config": workers.autoscaling_config.serve_config()}
     else:
         scaling = {"num_replicas": workers.num_replicas or 1}
-    engine_args = config.engine_args()
+    engine_args = config.engine_args(workers)
     routing = config.router.prefix_routing
     router_config: dict[str, Any] = {"request_routing_stats_period_s": routing.stats_period_s,
                                      "request_routing_stats_timeout_s": max(5.0, 5 * routing.stats_period_s)}
     if routing.enabled:
         router_config.update(
             request_router_class=PrefixAwareRequestRouter,
-            request_router_kwargs={"imbalance_threshold_tokens": routing.imbalance_threshold_tokens,
+            request_router_kwargs={"imbalance_threshold_tokens": imbalance_threshold_tokens,
                                    # a completed prompt shows in the replica's report within a period
                                    # or two; until then the router's own record says where it went
                                    "report_grace_s": 2 * routing.stats_period_s + 1.0,
                                    "block_size": engine_args.block_size,
                                    "model": config.served_model_name},
         )
-    worker = LLMWorker.options(
+    # A KV handoff waits for the tiers as long as a load from them may take.
+    handoff = {} if engine_args.kv_offload is None else {"kv_handoff_timeout_s": engine_args.kv_offload.load_timeout_s}
+    return LLMWorker.options(
+        **({"name": name} if name is not None else {}),
         **scaling,
         request_router_config=RequestRouterConfig(**router_config),
-        ray_actor_options=worker_actor_options(config),
+        ray_actor_options=worker_actor_options(config, workers),
         **workers.deployment_options().serve_options(),
     ).bind(
         config.model.name, dataclasses.asdict(engine_args), workers.stuck_after_s,
         served_model_name=config.served_model_name, lora_modules=config.model.lora_requests(),
+        role=role, **handoff,
     )
-    return OpenAIRouter.options(
-        num_replicas=config.router.num_replicas,
-        ray_actor_options={"num_cpus": config.router.num_cpus},
-    ).bind(worker, router_settings(config))
 
 
 # The router section's keys that are RouterSettings fields of the same name and meaning.
@@ -105,6 +126,7 @@ def router_settings(config: DeployConfig) -> RouterSettings:
         max_lora_rank=engine_args.max_lora_rank,
         responses_store_max_bytes=router.responses_store.max_bytes,
         responses_store_max_age_s=router.responses_store.max_age_s,
+        **({"prefill_timeout_s": config.prefill_workers.timeout_s} if config.prefill_workers is not None else {}),
     )
 
 

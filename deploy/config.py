@@ -196,6 +196,9 @@ _WORKER_OPTION_NAMES = [f.name for f in dataclasses.fields(WorkerDeploymentOptio
 
 
 class WorkersSection(_Section):
+    role: Literal["both", "decode", "prefill"] | None = Field(
+        None, description="both: each replica computes prompts and streams (the default alone); decode: beside "
+        "prefill_workers, the replicas that load the prompts' KV from the cluster tier and stream (the default there)")
     num_replicas: PositiveInt | None = Field(None, description="fixed replica count (default 1)")
     autoscaling_config: AutoscalingSection | None = None
     num_cpus: NonNegativeFloat = 1.0
@@ -231,6 +234,14 @@ class WorkersSection(_Section):
             raise ValueError(f"workers.num_gpus is {self.num_gpus:g} but tensor_parallel_size x expert_parallel_size "
                              f"is {devices}: a replica needs one GPU per device of its mesh")
         return self
+
+
+class PrefillWorkersSection(WorkersSection):
+    """``prefill_workers``: a disaggregated application's prefill replicas, beside ``workers`` (which
+    then decode). The schema of ``workers`` (role: prefill, if given), plus the router's wait."""
+
+    timeout_s: PositiveFloat = Field(RouterSettings.prefill_timeout_s, description="the router's wait for one "
+                                     "prompt's prefill (queue, compute, publish); past it a decode replica computes it")
 
 
 class PrefixRoutingSection(_Section):
@@ -302,6 +313,8 @@ class DeployConfig(_Section):
     route_prefix: str = "/"
     model: ModelSection = ModelSection()
     workers: WorkersSection = WorkersSection()
+    prefill_workers: PrefillWorkersSection | None = Field(
+        None, description="prefill/decode disaggregation: replicas that compute prompts for workers to decode")
     engine: EngineSection = EngineSection()  # type: ignore[valid-type]
     router: RouterSection = RouterSection()
     http: HTTPSection = HTTPSection()
@@ -309,28 +322,63 @@ class DeployConfig(_Section):
     @pydantic.model_validator(mode="after")
     def _engine_args_valid(self) -> "DeployConfig":
         self.engine_args()  # EngineArgs' own checks (power-of-two block size, ...)
+        if self.prefill_workers is not None:
+            self.engine_args(self.prefill_workers)  # its mesh may differ
         return self
 
     @pydantic.model_validator(mode="after")
     def _host_tier_fits_the_replica(self) -> "DeployConfig":
         """The host tier lives in the replica's process: Ray reserving less memory for the whole
         replica than the tier alone may fill is a mistake (the weights and pool need theirs too)."""
-        offload, memory = self.engine.kv_offload, self.workers.memory_bytes
-        if offload is not None and memory is not None and offload.host_bytes > memory:
-            raise ValueError(f"engine.kv_offload.host_bytes ({format_bytes(offload.host_bytes)}) exceeds "
-                             f"workers.memory_bytes ({format_bytes(memory)}), the memory Ray reserves for a "
-                             "whole replica: raise memory_bytes or lower host_bytes")
+        offload = self.engine.kv_offload
+        for name, workers in (("workers", self.workers), ("prefill_workers", self.prefill_workers)):
+            memory = workers.memory_bytes if workers is not None else None
+            if offload is not None and memory is not None and offload.host_bytes > memory:
+                raise ValueError(f"engine.kv_offload.host_bytes ({format_bytes(offload.host_bytes)}) exceeds "
+                                 f"{name}.memory_bytes ({format_bytes(memory)}), the memory Ray reserves for a "
+                                 "whole replica: raise memory_bytes or lower host_bytes")
         return self
 
-    def engine_args(self) -> EngineArgs:
+    @pydantic.model_validator(mode="after")
+    def _roles_fit(self) -> "DeployConfig":
+        """Roles as ``worker_role`` reads them; disaggregation hands KV over through the cluster tier."""
+        role, prefill = self.workers.role, self.prefill_workers
+        if role == "prefill":
+            raise ValueError("workers.role: prefill replicas go in a prefill_workers section beside workers "
+                             "(which then decode)")
+        if prefill is None:
+            if role == "decode":
+                raise ValueError("workers.role is decode but there is no prefill_workers section to compute "
+                                 "the prompts: add one, or set workers.role to both")
+            return self
+        if role == "both":
+            raise ValueError("workers.role is both but prefill_workers is set: beside prefill replicas, workers "
+                             "decode (set workers.role to decode, or leave it out)")
+        if prefill.role not in (None, "prefill"):
+            raise ValueError(f"prefill_workers.role can only be prefill, got {prefill.role}")
+        offload = self.engine_args().kv_offload
+        if offload is None or offload.cluster_bytes == 0:
+            raise ValueError("prefill_workers needs the cluster KV tier to hand prompts' KV to the decode replicas: "
+                             "set engine.kv_offload.cluster_bytes")
+        return self
+
+    @property
+    def worker_role(self) -> str:
+        """What the ``workers`` replicas do: decode beside prefill replicas, else both."""
+        return "decode" if self.prefill_workers is not None else "both"
+
+    def engine_args(self, workers: WorkersSection | None = None) -> EngineArgs:
+        """The engine of a replica of ``workers`` (default: the ``workers`` section; a prefill
+        replica's differs only in its mesh)."""
+        workers = workers or self.workers
         try:
             return EngineArgs(
                 dtype=self.model.dtype,
                 quantization=self.model.quantization,
                 activation_quantization=self.model.activation_quantization,
                 gguf_blocks=self.model.gguf_blocks,
-                tensor_parallel_size=self.workers.tensor_parallel_size,
-                expert_parallel_size=self.workers.expert_parallel_size,
+                tensor_parallel_size=workers.tensor_parallel_size,
+                expert_parallel_size=workers.expert_parallel_size,
                 **{**self.engine.model_dump(), "enable_lora": self.engine.enable_lora or bool(self.model.lora_modules)},
             )
         except (TypeError, ValueError) as err:

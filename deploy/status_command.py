@@ -1,6 +1,6 @@
-"""``raylm status``: the cluster at a glance: nodes, worker replicas with their load, KV use (in
-the pool and in the offload tiers beyond it) and (for a mixture of experts) expert-parallel layout
-and load balance, and the router's queue."""
+"""``raylm status``: the cluster at a glance: nodes, worker replicas with their role, load, KV use
+(in the pool and in the offload tiers beyond it) and (for a mixture of experts) expert-parallel
+layout and load balance, and the router's queue."""
 
 from __future__ import annotations
 
@@ -120,13 +120,13 @@ def run_status(args: argparse.Namespace) -> int:
     ]))
     reports = replica_reports(args.app)
     print("\nWorker replicas")
-    print(table(["replica", "node", "state", "running", "waiting", "loading", "queued tokens", "KV used",
+    print(table(["replica", "role", "node", "state", "running", "waiting", "loading", "queued tokens", "KV used",
                  "KV offload", "requests", "generated", "spec accepted", "LoRA adapters", "experts"], [
-        [rid, r.node_id[:12], state_summary(r.engine, r.busy_s), r.engine.running, r.engine.waiting, r.engine.loading,
-         r.engine.waiting_tokens, f"{100 * r.engine.pool.usage:.1f}%", kv_offload_summary(r.engine.kv_offload),
-         r.engine.requests, r.engine.generation_tokens, speculation_summary(r.engine.spec),
-         lora_summary(r.engine.lora), experts_summary(r.engine.moe)]
-        for rid, r in sorted(reports.items())
+        [rid, r.role, r.node_id[:12], state_summary(r.engine, r.busy_s), r.engine.running, r.engine.waiting,
+         r.engine.loading, r.engine.waiting_tokens, f"{100 * r.engine.pool.usage:.1f}%",
+         kv_offload_summary(r.engine.kv_offload), r.engine.requests, r.engine.generation_tokens,
+         speculation_summary(r.engine.spec), lora_summary(r.engine.lora), experts_summary(r.engine.moe)]
+        for rid, r in sorted(reports.items(), key=lambda item: (item[1].role, item[0]))
     ]))
     try:
         router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=args.app)

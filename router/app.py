@@ -1,9 +1,11 @@
 """The ingress deployment: one router replica of the OpenAI HTTP API in front of the workers.
 
 The API itself is ``OpenAIService`` (plain ASGI, testable without Serve); this deployment
-gives it a worker handle, the model's tokenizer, the cluster's record of LoRA adapters loaded
-over HTTP, and a poller that follows the worker replicas' routing stats for admission capacity
-(and the adapters other router replicas loaded or unloaded).
+gives it a worker handle (and the prefill deployment's, when prefill is disaggregated), the
+model's tokenizer, the cluster's record of LoRA adapters loaded over HTTP, and a poller that
+follows the worker replicas' routing stats for admission capacity (and the adapters other
+router replicas loaded or unloaded). Capacity follows the workers alone: beside prefill
+replicas they decode, and every request holds a slot on one of them.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ class OpenAIRouter:
     """The OpenAI HTTP API of ``OpenAIService`` (completions, chat, responses, embeddings, models, vLLM's
     tokenize, detokenize and LoRA adapter loading, health)."""
 
-    async def __init__(self, worker: DeploymentHandle, settings: RouterSettings):
+    async def __init__(self, worker: DeploymentHandle, settings: RouterSettings,
+                       prefill_worker: DeploymentHandle | None = None):
         self.settings = settings
         info = load_model_info(settings.model)
         responses = RayResponseStore(settings.app_name, settings.responses_store_max_bytes,
                                      settings.responses_store_max_age_s)
         self.service = OpenAIService(worker, settings, info.tokenizer, RayAdapterStore(settings.app_name, settings.model),
-                                     info.config, responses)
+                                     info.config, responses, prefill_worker)
         self.replicas: dict[str, dict[str, Any]] = {}
         self._poller = asyncio.get_running_loop().create_task(self._poll_replicas())
 

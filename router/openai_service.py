@@ -20,8 +20,6 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import numpy as np
-from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -38,6 +36,7 @@ from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.admission import AdmissionController
 from raylm.router.anthropic.endpoint import MessagesAPI
 from raylm.router.auth import Authenticator, with_env_keys
+from raylm.router.disaggregation import PrefillHop
 from raylm.router.errors import OpenAIError, invalid, overloaded
 from raylm.router.fair_queue import FairQueue
 from raylm.router.http_replies import LeasedStreamingResponse, error_response
@@ -49,13 +48,8 @@ from raylm.router.rate_limit import RateLimiter
 from raylm.router.responses import ResponseBuilder
 from raylm.router.settings import RouterSettings
 from raylm.router.streams import merge_indexed
-from raylm.workers.wire.replica_protocol import (
-    GenerateChunk,
-    GenerateRequest,
-    InvalidRequestError,
-    ReplicaDrainingError,
-    RoutingReport,
-)
+from raylm.router.worker_calls import worker_stream
+from raylm.workers.wire.replica_protocol import GenerateChunk, GenerateRequest, RoutingReport
 
 logger = logging.getLogger("ray.serve")
 
@@ -71,33 +65,6 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def translate_worker_error(err: BaseException, request_id: str) -> OpenAIError:
-    """Map what a worker call raised to what the client should see (never a traceback)."""
-    cause = err.cause if isinstance(err, RayTaskError) and err.cause is not None else err
-    if isinstance(cause, OpenAIError):
-        return cause
-    if isinstance(cause, BackPressureError):
-        return overloaded("the server is overloaded: every worker replica's queue is full; retry shortly")
-    if isinstance(cause, InvalidRequestError):
-        return invalid(str(cause).splitlines()[0])
-    if isinstance(cause, ReplicaDrainingError):
-        return overloaded("the worker replica is shutting down; retry")
-    if isinstance(cause, RayActorError):  # the replica died; Serve is replacing it
-        logger.warning("request %s lost its worker replica: %r", request_id, err)
-        return overloaded("the worker replica serving this request died; retry")
-    logger.error("request %s failed in a worker: %r", request_id, err)
-    return OpenAIError(500, f"internal error while generating (request {request_id}); see the server logs")
-
-
-def _cancel_quietly(call: Any) -> None:
-    """Cancel a worker call; a call that already failed re-raises its error on cancel, which
-    must not replace the error the client is being told about."""
-    try:
-        call.cancel()
-    except Exception:  # the call's own failure, already handled
-        pass
-
-
 class OpenAIService:
     """``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``, ``/tokenize``,
     ``/detokenize``, ``/health`` and ``/v1/responses`` (router/responses_api/, its store shared by the
@@ -107,7 +74,7 @@ class OpenAIService:
 
     def __init__(self, worker: Any, settings: RouterSettings, tokenizer: Tokenizer,
                  adapter_store: AdapterStore | None = None, model_config: ModelConfig | None = None,
-                 response_store: ResponseStore | None = None):
+                 response_store: ResponseStore | None = None, prefill_worker: Any = None):
         self.worker = worker
         self.response_store = response_store or MemoryResponseStore(settings.responses_store_max_bytes,
                                                                     settings.responses_store_max_age_s)
@@ -117,6 +84,10 @@ class OpenAIService:
         self.parser = RequestParser(tokenizer, self.catalog.models.keys(), settings.max_model_len,
                                     settings.tool_call_parser, settings.reasoning_parser)
         self.metrics = RouterMetrics(settings.served_model_name)
+        # Disaggregated (a prefill deployment beside the workers, which then decode): each prompt
+        # is computed on a prefill replica first (router/disaggregation.py).
+        self.prefill_hop = (None if prefill_worker is None
+                            else PrefillHop(prefill_worker, settings.prefill_timeout_s, self.metrics))
         self.queue = FairQueue(len(settings.priority_classes), settings.max_queue_size, settings.tenant_weights)
         self.admission = AdmissionController(self.queue, settings.queue_timeout_s, on_tokens=self._count_tokens)
         self.auth = Authenticator(with_env_keys(settings.api_keys, settings.api_keys_env),
@@ -390,23 +361,13 @@ class OpenAIService:
                 yield index, chunk
 
     async def _worker_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """One worker call; cancelling or closing this stream cancels the call (freeing its KV)."""
-        call = None
-        finished = False
-        try:
-            call = self.worker.options(stream=True).generate.remote(request)
-            async for chunk in call:
-                if any(c.finish_reason == "abort" for c in chunk.choices):
-                    raise overloaded("the worker replica shut down while generating; retry")
-                finished = chunk.finished
+        """One request's chunks from a worker replica (a decode replica after the prefill hop, in a
+        disaggregated application); closing this stream cancels whichever call is running."""
+        if self.prefill_hop is not None and self.prefill_hop.applies_to(request):
+            request = await self.prefill_hop.decode_request(request)
+        async with contextlib.aclosing(worker_stream(self.worker, request)) as chunks:
+            async for chunk in chunks:
                 yield chunk
-        except OpenAIError:
-            raise
-        except Exception as err:
-            raise translate_worker_error(err, request.request_id) from None
-        finally:
-            if call is not None and not finished:
-                _cancel_quietly(call)
 
     async def _stream(
         self,

@@ -49,3 +49,6 @@ class RouterSettings:
     lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
     enable_lora: bool = False
     max_lora_rank: int = 16
+    # Prefill/decode disaggregation (deploy file's prefill_workers): the longest the router waits for
+    # one prompt's prefill (queue, compute, publish) before a decode replica computes it instead.
+    prefill_timeout_s: float = 60.0

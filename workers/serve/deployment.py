@@ -27,13 +27,14 @@ from raylm.workers.core.request_output import RequestOutput
 from raylm.workers.engine.async_engine import AsyncEngine, EngineShutdownError
 from raylm.workers.engine.llm_engine import LLMEngine
 from raylm.workers.serve.deployment_options import DEFAULT_STUCK_AFTER_S, WorkerDeploymentOptions
+from raylm.workers.serve.kv_handoff import publish_computed_kv, refresh_kv_mirror
 from raylm.workers.serve.replica_metrics import EngineStatsReporter, RequestMetricsRecorder
 from raylm.workers.wire.replica_protocol import (
     PERIODIC_READ_WAIT_S,
+    WORKER_ROLES,
     ChoiceDelta,
     GenerateChunk,
     GenerateRequest,
-    InvalidRequestError,
     ReplicaDrainingError,
     RoutingReport,
 )
@@ -80,7 +81,8 @@ def chunk_from_output(output: RequestOutput, reported_finished: set[int]) -> Gen
 
 @serve.deployment(name=WORKER_DEPLOYMENT, **WorkerDeploymentOptions().serve_options())
 class LLMWorker:
-    """One model replica serving ``generate`` streams."""
+    """One model replica serving ``generate`` streams. Its ``role`` (``WORKER_ROLES``) is what
+    ``raylm status`` shows; the requests' own marks (``publish_kv``, ``refresh_kv``) say what to do."""
 
     async def __init__(
         self,
@@ -91,7 +93,13 @@ class LLMWorker:
         served_model_name: str | None = None,
         metrics_period_s: float = 1.0,
         lora_modules: Sequence[LoRARequest] = (),
+        role: str = "both",
+        kv_handoff_timeout_s: float = 10.0,
     ):
+        if role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {WORKER_ROLES}, got {role!r}")
+        self.role = role
+        self.kv_handoff_timeout_s = kv_handoff_timeout_s
         self.model = model
         self.max_reported_hashes = max_reported_hashes
         started = time.perf_counter()
@@ -129,9 +137,15 @@ class LLMWorker:
         A request the engine refuses raises InvalidRequestError (the router answers 400); an
         engine that stopped raises ReplicaDrainingError (503, retry: Serve replaces this replica);
         any other error, such as a failed step, is the server's (500).
+
+        Disaggregation: a ``refresh_kv`` request first syncs this replica's view of the cluster
+        tier (its prompt's blocks were just published there); a ``publish_kv`` request's last
+        chunk comes only once the blocks it computed are in the tiers.
         """
         if self.draining:
             raise ReplicaDrainingError("this replica is shutting down; retry")
+        if request.refresh_kv:
+            await refresh_kv_mirror(self.engine.llm_engine, self.kv_handoff_timeout_s, request.request_id)
         lora = request.lora
         if request.beam is not None:
             yield await self._beam_search(request, lora)
@@ -146,6 +160,8 @@ class LLMWorker:
             ):
                 started = True
                 recorder.on_output(output)
+                if output.finished and request.publish_kv:
+                    await publish_computed_kv(self.engine.llm_engine, self.kv_handoff_timeout_s, request.request_id)
                 yield chunk_from_output(output, reported)
         except EngineShutdownError as err:  # the health check fails next; another replica can serve
             raise ReplicaDrainingError(f"this replica's engine stopped ({err}); retry") from None
@@ -183,7 +199,8 @@ class LLMWorker:
         def snapshot(engine) -> RoutingReport:
             limit, connector = self.max_reported_hashes, engine.kv_connector
             return RoutingReport(engine.stats(), self.node_id, engine.pool.cached_hashes(limit),
-                                 shared_hashes=connector.shared_hashes(limit) if connector is not None else [])
+                                 shared_hashes=connector.shared_hashes(limit) if connector is not None else [],
+                                 role=self.role)
 
         report = await self.engine.read_in_engine("routing", snapshot, PERIODIC_READ_WAIT_S)
         started = self.engine.step_started

@@ -16,11 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from raylm.cluster.names import DEFAULT_APP_NAME, WORKER_DEPLOYMENT
+from raylm.cluster.names import DEFAULT_APP_NAME, PREFILL_WORKER_DEPLOYMENT, WORKER_DEPLOYMENT
 from raylm.workers.core.engine_stats import EngineStats
 from raylm.workers.core.lora_adapters import LoRARequest
 from raylm.workers.core.request_output import TokenLogprobs
 from raylm.workers.core.sampling_params import BeamSearchParams, SamplingParams
+
+# What a worker replica does (deploy file's ``workers.role``): ``both`` computes prompts and streams
+# outputs; beside ``prefill`` replicas, which compute prompts and publish their KV blocks to the
+# cluster tier, ``decode`` replicas load those blocks and stream.
+WORKER_ROLES = ("both", "prefill", "decode")
 
 
 class InvalidRequestError(ValueError):
@@ -45,6 +50,12 @@ class GenerateRequest:
     # The LoRA adapter to generate with, as the router resolved the request's ``model`` (from the
     # deploy file or loaded over HTTP): the replica reads it on first use.
     lora: LoRARequest | None = None
+    # Prefill/decode disaggregation (router/disaggregation.py). ``publish_kv``: a prefill hop; the
+    # replica answers its last chunk only once every block it computed is in the KV tiers.
+    # ``refresh_kv``: the decode that follows one; the replica syncs its view of the cluster tier
+    # first, so its scheduler finds the blocks just published there.
+    publish_kv: bool = False
+    refresh_kv: bool = False
 
 
 @dataclasses.dataclass
@@ -81,8 +92,9 @@ PERIODIC_READ_WAIT_S = 1.0
 class RoutingReport:
     """What a replica's ``record_routing_stats`` answers (Serve ships it as a plain dict): its
     engine's stats, its node, the hashes of the KV blocks it caches (bounded) for prefix-aware
-    routing, and how long its engine thread had been in one step (or warm-up compile) when it
-    answered: past ``PERIODIC_READ_WAIT_S`` the stats are those read before that step."""
+    routing, how long its engine thread had been in one step (or warm-up compile) when it
+    answered (past ``PERIODIC_READ_WAIT_S`` the stats are those read before that step), and its
+    role (one of ``WORKER_ROLES``)."""
 
     engine: EngineStats
     node_id: str
@@ -91,22 +103,23 @@ class RoutingReport:
     # Hashes of blocks a KV tier every replica loads from holds (cache/offload/; bounded): a
     # prompt starting with them costs a load, not a prefill, wherever it goes.
     shared_hashes: list[int] = dataclasses.field(default_factory=list)
+    role: str = "both"
 
     def as_dict(self) -> dict[str, Any]:
         return {"engine": self.engine.as_dict(), "node_id": self.node_id, "block_hashes": self.block_hashes,
-                "busy_s": self.busy_s, "shared_hashes": self.shared_hashes}
+                "busy_s": self.busy_s, "shared_hashes": self.shared_hashes, "role": self.role}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RoutingReport:
         return cls(EngineStats.from_dict(data["engine"]), data["node_id"], data["block_hashes"],
-                   data.get("busy_s", 0.0), data.get("shared_hashes", []))
+                   data.get("busy_s", 0.0), data.get("shared_hashes", []), data.get("role", "both"))
 
 
 def replica_reports(app_name: str = DEFAULT_APP_NAME, timeout_s: float = 10.0) -> dict[str, RoutingReport]:
-    """``{replica id: report}`` of every live worker replica of ``app_name`` (needs Ray; those
-    that do not answer within ``timeout_s`` are left out)."""
+    """``{replica id: report}`` of every live worker replica of ``app_name``, prefill replicas
+    included (needs Ray; those that do not answer within ``timeout_s`` are left out)."""
     from raylm.cluster.replicas import replica_stats
 
-    return {rid: RoutingReport.from_dict(data) for rid, data in
-            replica_stats(app_name, WORKER_DEPLOYMENT, timeout_s).items()}
+    return {rid: RoutingReport.from_dict(data) for deployment in (WORKER_DEPLOYMENT, PREFILL_WORKER_DEPLOYMENT)
+            for rid, data in replica_stats(app_name, deployment, timeout_s).items()}
 
