@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -44,23 +45,29 @@ class BlockLayout:
         """The layout in words, for the tier namespace: two layouts that differ never share blocks."""
         return ";".join(f"{dtype.name}{list(shape)}" for shape, dtype in self.slices)
 
-    def encode(self, gathered: list[np.ndarray]) -> np.ndarray:
-        """Payloads ``[n, nbytes]`` (uint8) of ``n`` blocks gathered from each pool array as
-        ``[layers, n, ...]`` (``array[:, block_ids]``)."""
-        self._check(gathered, "gathered")
-        n = gathered[0].shape[1]
-        parts = [np.ascontiguousarray(np.moveaxis(g, 1, 0)).reshape(n, -1).view(np.uint8) for g in gathered]
-        return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    def encode(self, arrays: list[np.ndarray], blocks: Sequence[int]) -> np.ndarray:
+        """Payloads ``[n, nbytes]`` (uint8) of blocks ``blocks`` of arrays shaped ``[layers,
+        blocks, ...]`` (a pool itself, or blocks gathered from one). Each block's slice is copied
+        once, straight into its payload row."""
+        self._check(arrays, "arrays")
+        out = np.empty((len(blocks), self.nbytes), np.uint8)
+        offset = 0
+        for array, (shape, dtype) in zip(arrays, self.slices):
+            size = math.prod(shape) * dtype.itemsize
+            for row, block in enumerate(blocks):
+                out[row, offset:offset + size].view(dtype).reshape(shape)[...] = array[:, block]
+            offset += size
+        return out
 
     def decode(self, payloads: np.ndarray) -> list[np.ndarray]:
-        """The inverse of ``encode``: ``[n, nbytes]`` payloads as each pool array's ``[layers, n, ...]``."""
+        """Each pool array's blocks ``[n, layers, ...]`` (block-major, contiguous) from ``[n,
+        nbytes]`` payloads: views of one copy per array, in the order the payload holds them."""
         if payloads.ndim != 2 or payloads.shape[1] != self.nbytes or payloads.dtype != np.uint8:
             raise ValueError(f"payloads must be uint8 [n, {self.nbytes}], got {payloads.dtype} {list(payloads.shape)}")
         n, arrays, offset = payloads.shape[0], [], 0
         for shape, dtype in self.slices:
             size = math.prod(shape) * dtype.itemsize
-            flat = np.ascontiguousarray(payloads[:, offset:offset + size]).view(dtype)
-            arrays.append(np.moveaxis(flat.reshape(n, *shape), 0, 1))
+            arrays.append(np.ascontiguousarray(payloads[:, offset:offset + size]).view(dtype).reshape(n, *shape))
             offset += size
         return arrays
 

@@ -125,7 +125,7 @@ class KVConnector:
 
     def _load(self, keys: list[TierKey]) -> list[np.ndarray]:
         """The leading run of ``keys`` readable from the tiers, each block from the nearest tier
-        that has it; blocks read from farther tiers are copied into the host tier."""
+        that has it; blocks read from farther tiers are kept in the nearer ones too."""
         loaded: list[np.ndarray] = []
         while len(loaded) < len(keys):
             rest = keys[len(loaded):]
@@ -148,10 +148,20 @@ class KVConnector:
                     break
                 good.append(payload)
             if good:
-                if self._host is not None and tier is not self._host:  # a copy: a cluster payload is a view
-                    self._host.put([(key, np.array(payload)) for key, payload in zip(keys, good)])  # of Ray's store
+                self._keep_nearer(tier, list(zip(keys, good)))
                 return good
         return []
+
+    def _keep_nearer(self, source: KVTier, items: list[tuple[TierKey, np.ndarray]]) -> None:
+        """Blocks read from ``source`` go into the tiers before it too: the host tier at once (a
+        copy: a cluster payload is a view of Ray's object store), the disk tier on the publisher's
+        thread, so the next load finds them nearer and a restart keeps what came from the cluster."""
+        nearer = self.tiers[:self.tiers.index(source)]
+        if self._host in nearer:
+            self._host.put([(key, np.array(payload)) for key, payload in items])
+        remote = [tier for tier in nearer if tier is not self._host]
+        if remote:
+            self._submit_remote(items, remote)
 
     # -- publishing -----------------------------------------------------------------------------------
     def wants(self, block_hashes: Sequence[int]) -> list[bool]:
@@ -169,13 +179,17 @@ class KVConnector:
         if not self._remote:
             return
         self._remember_shared(block_hashes)
-        size = payloads.nbytes
+        self._submit_remote(items, self._remote)
+
+    def _submit_remote(self, items: list[tuple[TierKey, np.ndarray]], tiers: list[KVTier]) -> None:
+        """Queue a write of ``items`` to ``tiers`` on the publisher's thread, unless the backlog is full."""
+        size = sum(payload.nbytes for _, payload in items)
         with self._backlog_lock:
             if self._backlog_bytes + size > MAX_PUBLISH_BACKLOG_BYTES:
                 self.dropped_publishes += len(items)
                 return
             self._backlog_bytes += size
-        self._publisher.submit(self._write_remote, items, size)
+        self._publisher.submit(self._write_remote, items, size, tiers)
 
     def _remember_shared(self, block_hashes: Sequence[int]) -> None:
         if self._shared is None:
@@ -194,9 +208,9 @@ class KVConnector:
             return []
         return list(itertools.islice(reversed(self._shared), limit))
 
-    def _write_remote(self, items: list[tuple[TierKey, np.ndarray]], size: int) -> None:
+    def _write_remote(self, items: list[tuple[TierKey, np.ndarray]], size: int, tiers: list[KVTier]) -> None:
         try:
-            for tier in self._remote:
+            for tier in tiers:
                 try:
                     tier.put(items)
                 except Exception:  # put counts its own failures; anything else is a bug, logged

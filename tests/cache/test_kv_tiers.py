@@ -51,7 +51,8 @@ def test_block_layout_round_trip_is_bit_exact_over_dtypes():
     block_ids = [4, 1, 5]
     gathered = [a[:, block_ids] for a in arrays]
 
-    payloads = layout.encode(gathered)
+    payloads = layout.encode(arrays, block_ids)
+    assert layout.encode(gathered, range(3)).tobytes() == payloads.tobytes()  # from blocks gathered first
 
     # Reference: block b's payload is each array's [:, b] slice, bytes in C order, one after another.
     expected_nbytes = sum(a[:, 0].nbytes for a in arrays)
@@ -60,7 +61,7 @@ def test_block_layout_round_trip_is_bit_exact_over_dtypes():
     for row, b in enumerate(block_ids):
         assert payloads[row].tobytes() == b"".join(np.ascontiguousarray(a[:, b]).tobytes() for a in arrays)
 
-    decoded = layout.decode(payloads)
+    decoded = [np.moveaxis(blocks, 0, 1) for blocks in layout.decode(payloads)]  # block-major back to [L, n, ...]
     for original, back in zip(gathered, decoded):
         assert back.dtype == original.dtype and back.shape == original.shape
         assert back.tobytes() == original.tobytes()  # bit for bit, NaNs and -0.0 included
@@ -70,7 +71,7 @@ def test_block_layout_refuses_mismatched_arrays():
     arrays = pool_arrays(np.random.default_rng(1), layers=1, num_blocks=3, block_size=2)
     layout = BlockLayout.of(arrays)
     with pytest.raises(ValueError, match="1 arrays for a layout of 5"):
-        layout.encode([arrays[0]])
+        layout.encode([arrays[0]], [0])
     with pytest.raises(ValueError, match="uint8"):
         layout.decode(np.zeros((1, layout.nbytes), np.int8))
 

@@ -221,7 +221,8 @@ def test_a_restarted_replica_loads_from_the_disk_tier(tiny, workload, tmp_path):
     assert _run(restarted, prompts) == expected
     loaded = restarted.engine.scheduler.loads.num_loaded_tokens
     assert loaded >= _loadable_tokens(prompts) - 4 * 16 * (len(prompts) - 1)
-    # Every block file corrupted: the next replica computes everything, with the same tokens.
+    # Every block file corrupted: the next replica computes those blocks (it may still load the
+    # ones it publishes itself during the run), with the same tokens.
     restarted.engine.close()
     for path in (tmp_path / "kv").rglob("*.kvb"):
         data = bytearray(path.read_bytes())
@@ -230,7 +231,7 @@ def test_a_restarted_replica_loads_from_the_disk_tier(tiny, workload, tmp_path):
     corrupted = LLM(tiny, kv_offload=disk)
     assert _run(corrupted, prompts) == expected
     (tier,) = corrupted.engine.stats().kv_offload
-    assert corrupted.engine.scheduler.loads.num_loaded_tokens == 0 and tier.errors.get("corrupt", 0) > 0
+    assert tier.errors.get("corrupt", 0) > 0 and tier.hits * 16 == corrupted.engine.scheduler.loads.num_loaded_tokens
     _assert_no_leak(corrupted)
 
 

@@ -2,18 +2,26 @@
 
 The engine publishes each block that became full to the offload tiers (``read``) and writes
 blocks loaded from them back before a step computes (``write``). A block is ``[:, b]`` of every
-pool array: K and V (or MLA's latents), an 8-bit pool's scales, a draft model's K and V under
-the same block tables; ``cache.offload.BlockLayout`` turns those slices into one flat payload.
-Both programs move at most ``MAX_BLOCKS_PER_CALL`` blocks a call, padded to a power of two
-(padding reads and writes the null block, which holds no token's K/V), so a replica compiles
-a handful of them, at start-up with its other programs.
+pool array: K and V (or MLA's latents), an 8-bit pool's scales, a draft model's K and V under the
+same block tables; ``cache.offload.BlockLayout`` lays those slices out as one flat payload.
+
+On one CPU device the pools are host memory already: reads copy each block's slices straight
+from NumPy views into the payloads (XLA's CPU gather is tens of times slower at this). Otherwise
+a program gathers the blocks and bit-casts them to bytes on the device. Writes view the payloads
+as each array's blocks on the host (``BlockLayout.decode``) and a program updates one block at a
+time in place (a scatter over the blocks axis is ~10x slower on the CPU, bit-casting bytes in XLA
+~30x). Programs move at most ``MAX_BLOCKS_PER_CALL`` blocks a
+call, padded to a power of two with the null block (it holds no token's K/V), so a replica
+compiles a handful of them, at start-up with its other programs.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from raylm.cache.offload.block_layout import BlockLayout
@@ -26,13 +34,29 @@ if TYPE_CHECKING:
 MAX_BLOCKS_PER_CALL = 64
 
 
-@jax.jit
-def _gather(arrays: list[jax.Array], block_ids: jax.Array) -> list[jax.Array]:
-    return [array[:, block_ids] for array in arrays]
+def _as_bytes(blocks: jax.Array) -> jax.Array:
+    """``[n, ...]`` of any type as ``[n, bytes]`` uint8, bit for bit."""
+    flat = blocks.reshape(blocks.shape[0], -1)
+    return jax.lax.bitcast_convert_type(flat, jnp.uint8).reshape(blocks.shape[0], -1)
 
 
-def _scatter(arrays: list[jax.Array], block_ids: jax.Array, values: list[jax.Array]) -> list[jax.Array]:
-    return [array.at[:, block_ids].set(value) for array, value in zip(arrays, values)]
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _gather(arrays: list[jax.Array], block_ids: jax.Array, *, layout: BlockLayout) -> jax.Array:
+    """The payloads ``[n, layout.nbytes]`` of ``block_ids``."""
+    return jnp.concatenate([_as_bytes(jnp.moveaxis(array[:, block_ids], 1, 0)) for array in arrays], axis=1)
+
+
+def _scatter(arrays: list[jax.Array], block_ids: jax.Array, blocks: list[jax.Array]) -> list[jax.Array]:
+    """``arrays`` with blocks ``block_ids`` set from ``blocks`` (each ``[n, layers, ...]``), one
+    block at a time in place."""
+    out = []
+    for array, values in zip(arrays, blocks):
+
+        def put(i: int, pool: jax.Array, values: jax.Array = values) -> jax.Array:
+            return jax.lax.dynamic_update_slice_in_dim(pool, values[i][:, None], block_ids[i], axis=1)
+
+        out.append(jax.lax.fori_loop(0, block_ids.shape[0], put, array))
+    return out
 
 
 class PoolBlocks:
@@ -46,8 +70,8 @@ class PoolBlocks:
         self.runner = runner
         arrays, self._treedef = jax.tree.flatten(self._pools())
         self.layout = BlockLayout.of(arrays)
-        shardings = [array.sharding for array in arrays]
-        self._scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=shardings)
+        self._host_views = all(len(a.devices()) == 1 and next(iter(a.devices())).platform == "cpu" for a in arrays)
+        self._scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=[array.sharding for array in arrays])
 
     def _pools(self) -> tuple[Any, Any]:
         draft = self.runner.draft
@@ -56,12 +80,12 @@ class PoolBlocks:
     def read(self, block_ids: Sequence[int]) -> np.ndarray:
         """The payloads ``[n, layout.nbytes]`` (uint8) of ``block_ids``, as the pools hold them now."""
         arrays = jax.tree.leaves(self._pools())
+        if self._host_views:  # the views are dropped before the next step donates the pools
+            return self.layout.encode([np.asarray(a) for a in arrays], block_ids)
         out = []
         for start in range(0, len(block_ids), MAX_BLOCKS_PER_CALL):
             part = block_ids[start:start + MAX_BLOCKS_PER_CALL]
-            ids = _padded_ids(part)
-            gathered = [np.asarray(g)[:, :len(part)] for g in _gather(arrays, ids)]
-            out.append(self.layout.encode(gathered))
+            out.append(np.asarray(_gather(arrays, _padded_ids(part), layout=self.layout))[:len(part)])
         return np.concatenate(out) if len(out) > 1 else out[0]
 
     def write(self, writes: Sequence[tuple[int, np.ndarray]]) -> None:
@@ -70,16 +94,15 @@ class PoolBlocks:
             part = writes[start:start + MAX_BLOCKS_PER_CALL]
             ids = _padded_ids([block_id for block_id, _ in part])
             payloads = np.zeros((len(ids), self.layout.nbytes), np.uint8)
-            payloads[:len(part)] = np.stack([payload for _, payload in part])
-            arrays = jax.tree.leaves(self._pools())
-            self._set(self._scatter(arrays, ids, self.layout.decode(payloads)))
+            for row, (_, payload) in enumerate(part):
+                payloads[row] = payload
+            self._set(self._scatter(jax.tree.leaves(self._pools()), ids, self.layout.decode(payloads)))
 
     def warm_up(self) -> None:
-        """Compile both programs for every block count (reading and rewriting the null block)."""
+        """Compile the programs for every block count (reading and rewriting the null block)."""
         n = 1
         while n <= MAX_BLOCKS_PER_CALL:
-            payloads = self.read([0] * n)
-            self.write(list(zip([0] * n, payloads)))
+            self.write([(0, payload) for payload in self.read([0] * n)])
             n *= 2
 
     def _set(self, arrays: list[jax.Array]) -> None:
