@@ -40,6 +40,9 @@ WORKER_METRICS = {
     "raylm_generation_tokens_total": ("counter", "Generated tokens."),
     "raylm_prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix cache."),
     "raylm_prefix_cache_hits_total": ("counter", "Prompt tokens found in the prefix cache."),
+    "raylm_external_prefix_cache_queries_total": (
+        "counter", "Prompt tokens looked up in the KV offload tiers (beyond the prefix cache's hits)."),
+    "raylm_external_prefix_cache_hits_total": ("counter", "Prompt tokens loaded from the KV offload tiers."),
     "raylm_num_preemptions_total": ("counter", "Sequences preempted (recomputed later)."),
     "raylm_request_success_total": ("counter", "Finished requests, by finished_reason (stop, length, abort)."),
     "raylm_time_to_first_token_seconds": ("histogram", "Arrival at the engine to first generated token."),

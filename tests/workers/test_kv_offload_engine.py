@@ -89,6 +89,7 @@ def test_prefixes_evicted_from_the_pool_load_from_the_host_tier(tiny, workload, 
     assert loaded >= _loadable_tokens(prompts) - 4 * 16 * (len(prompts) - 1)
     # (a prompt left with one token to compute runs it as a decode, outside the prompt count)
     assert stats.prompt_tokens - first.prompt_tokens <= sum(map(len, prompts)) - _loadable_tokens(prompts)
+    assert stats.kv_offload_loaded_tokens == loaded and stats.kv_offload_queried_tokens >= loaded
     (host,) = stats.kv_offload
     assert host.tier == "host" and host.hits == loaded // 16 and host.misses == 0
     _assert_no_leak(llm)

@@ -99,6 +99,10 @@ class EngineStats:
     compute: ComputeStats | None = None  # work and time of the model's steps, per step kind
     loading: int = 0  # sequences waiting for KV blocks from an offload tier
     kv_offload: tuple[TierStats, ...] | None = None  # each offload tier's counters; None when offload is off
+    # Prompt tokens looked up in the offload tiers beyond the pool's hits, and those loaded (lifetime;
+    # vLLM's external prefix cache queries and hits)
+    kv_offload_queried_tokens: int = 0
+    kv_offload_loaded_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for a routing-stats report (Serve ships it between processes)."""

@@ -25,6 +25,7 @@ class KVLoads:
         self.blocks = blocks
         self._loading: dict[int, tuple[Sequence, int]] = {}  # ticket -> (sequence, its first loaded block)
         self.num_loaded_tokens = 0  # prompt tokens loaded instead of computed, lifetime
+        self.num_queried_tokens = 0  # prompt tokens looked up in the tiers (beyond the pool's hits), lifetime
 
     def __len__(self) -> int:
         return len(self._loading)
@@ -41,6 +42,8 @@ class KVLoads:
         first = len(seq.block_ids)
         wanted = seq.block_hashes[first:lookup.queried_blocks]
         held = self.connector.lookup(wanted) if wanted else 0
+        if seq.num_preemptions == 0:  # counted once per request, as the pool's lookups are
+            self.num_queried_tokens += len(wanted) * self.blocks.block_size
         if not held or not self.blocks.reserve_for_load(seq, held):
             return False
         self._loading[self.connector.start_load(wanted[:held])] = (seq, first)

@@ -411,6 +411,8 @@ class LLMEngine:
             compute=self.step_counters.stats(),
             loading=scheduler.num_loading,
             kv_offload=tuple(self.kv_connector.stats()) if self.kv_connector is not None else None,
+            **({"kv_offload_queried_tokens": scheduler.loads.num_queried_tokens,
+                "kv_offload_loaded_tokens": scheduler.loads.num_loaded_tokens} if scheduler.loads is not None else {}),
         )
 
     def _moe_stats(self) -> MoeStats | None:

@@ -112,6 +112,10 @@ class EngineStatsReporter:
              previous.pool.prefix_queries if previous else 0),
             ("raylm_prefix_cache_hits_total", stats.pool.prefix_hits, previous.pool.prefix_hits if previous else 0),
             ("raylm_num_preemptions_total", stats.num_preemptions, previous.num_preemptions if previous else 0),
+            ("raylm_external_prefix_cache_queries_total", stats.kv_offload_queried_tokens,
+             previous.kv_offload_queried_tokens if previous else 0),
+            ("raylm_external_prefix_cache_hits_total", stats.kv_offload_loaded_tokens,
+             previous.kv_offload_loaded_tokens if previous else 0),
         ):
             metrics.inc(name, now - before)
         if stats.spec is not None:
