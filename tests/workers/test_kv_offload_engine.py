@@ -82,8 +82,8 @@ def test_prefixes_evicted_from_the_pool_load_from_the_host_tier(tiny, workload, 
     llm.engine.pool.reset_prefix_cache()  # nothing cached in the pool: every prefix comes from the tier
     assert _run(llm, prompts) == expected
     stats = llm.engine.stats()
-    # Each prompt's full blocks came from the tier, or from the pool where an earlier prompt of
-    # the run had loaded them (the shared prefix).
+    # Each prompt's full blocks came from the tier, or from the pool where another prompt of the
+    # run had loaded them (the shared prefix is loaded once).
     loaded = llm.engine.scheduler.loads.num_loaded_tokens
     assert loaded + stats.pool.prefix_hits - first.pool.prefix_hits == _loadable_tokens(prompts)
     assert loaded >= _loadable_tokens(prompts) - 4 * 16 * (len(prompts) - 1)
@@ -183,9 +183,11 @@ def test_speculative_draft_pools_travel_with_the_blocks(tiny, workload):
     llm = LLM(tiny, kv_offload=HOST,
               speculative=dict(method="draft", num_layers=1, num_speculative_tokens=2))
     assert _run(llm, prompts) == expected
+    hits = llm.engine.stats().pool.prefix_hits
     llm.engine.pool.reset_prefix_cache()
     assert _run(llm, prompts) == expected
-    assert llm.engine.scheduler.loads.num_loaded_tokens == _loadable_tokens(prompts)
+    loaded = llm.engine.scheduler.loads.num_loaded_tokens
+    assert loaded + llm.engine.stats().pool.prefix_hits - hits == _loadable_tokens(prompts)
 
 
 def test_the_weights_fingerprint_tells_checkpoints_apart(tiny, tmp_path):
@@ -285,4 +287,21 @@ def test_every_tier_on_and_each_in_turn_the_one_loads_come_from(tiny, workload, 
         if source == "cluster":
             assert gained["disk"] == 0
         llm.engine.flush_kv_publish(30)
+    _assert_no_leak(llm)
+
+
+def test_prompts_sharing_a_prefix_load_it_once(tiny):
+    """16 prompts on one 160-token prefix that only the tier holds: one of them loads its 10
+    blocks, the others wait for that load and find them in the pool."""
+    rng = np.random.RandomState(3)
+    prefix = rng.randint(3, 320, size=160).tolist()
+    prompts = [prefix + rng.randint(3, 320, size=5).tolist() for _ in range(16)]
+    reference = SingleSequenceGenerator(tiny.config, tiny.params)
+    llm = LLM(tiny, kv_offload=HOST)
+    assert _run(llm, prompts[:1]) == [list(reference.generate(prompts[0], NEW_TOKENS))]
+    llm.engine.pool.reset_prefix_cache()
+    hits_before = llm.engine.stats().kv_offload[0].hits
+    assert _run(llm, prompts) == [list(reference.generate(p, NEW_TOKENS)) for p in prompts]
+    assert llm.engine.stats().kv_offload[0].hits - hits_before == 10
+    assert llm.engine.scheduler.loads.num_loaded_tokens == 160
     _assert_no_leak(llm)

@@ -10,12 +10,8 @@ out, the lowest-priority, latest-arrived running sequence is preempted: its bloc
 freed and it later recomputes everything it had (its full blocks are likely still in the
 prefix cache).
 
-With KV offload (cache/offload/), a sequence admitted with blocks of its prompt held by an
-offload tier but not by the pool first *loads* them: it takes pool blocks for them, waits in
-``loading`` while the tier reads them on the connector's thread and other sequences keep
-stepping, and comes back to the waiting queue once they arrived (the next step writes them into
-the pool before computing: ``SchedulerOutput.kv_writes``), with only the rest of its prompt to
-compute. A load that brings fewer blocks than hoped (lost, late, corrupt) leaves the rest to compute.
+With KV offload, a sequence whose prompt blocks an offload tier holds beyond the pool first
+loads them while others step (workers/core/kv_loads.py; ``SchedulerOutput.kv_writes``).
 
 The scheduler owns sequence state: ``schedule`` plans a step as plain data (a
 ``SchedulerOutput``: no sequence reaches the runner) and ``update_from_output`` applies the
@@ -34,7 +30,7 @@ from typing import Iterable
 from raylm.cache.block_tables import BlockManager, PrefixLookup
 from raylm.cache.offload.connector import KVConnector
 from raylm.workers.core.hidden_states import HiddenStateSlots
-from raylm.workers.core.kv_loads import KVLoads
+from raylm.workers.core.kv_loads import COMPUTE, LOADING, KVLoads
 from raylm.workers.core.lora_adapters import LoraSlots
 from raylm.workers.core.sequence import Sequence, SequenceStatus
 from raylm.workers.core.speculation import SpecDecodeStats
@@ -185,7 +181,10 @@ class Scheduler:
         count) and as its ``num_cached_tokens``, which then counts prompt tokens only (the
         lookup covered the prompt minus its last token). The pool counts tokens, as vLLM's
         prefix-cache counters do: every prompt token is looked up, so a prompt shorter than a
-        block counts too."""
+        block counts too. (A sequence loading from an offload tier is counted as its load starts.)"""
+        if seq.prefix_counted:
+            return
+        seq.prefix_counted = True
         seq.num_cached_tokens = lookup.hit_blocks * self.blocks.block_size
         self.blocks.pool.record_prefix_lookup(seq.num_tokens, seq.num_cached_tokens)
 
@@ -250,9 +249,10 @@ class Scheduler:
             if not self._acquire_lora(seq):
                 continue  # waits for a slot for its adapter; others go ahead
             lookup = self.blocks.reuse_cached_prefix(seq) if _reuses_cached_prefix(seq) else None
-            if lookup is not None and self.loads is not None and self.loads.start(seq, lookup):
-                self._count_load_start(seq, lookup)
-                continue  # waits for its blocks; others go ahead
+            load = self.loads.start(seq, lookup) if lookup is not None and self.loads is not None else COMPUTE
+            if load != COMPUTE:  # waits for its blocks (or for another's load of them); others go ahead
+                self._wait_for_load(seq, lookup, started=load == LOADING)
+                continue
             self._release_out_of_window(seq)  # cached blocks before its window: not needed
             want, capped = self._chunk_tokens(seq, budget)
             if not self._may_compute(seq, want) or not self.blocks.can_grow(seq, want):
@@ -283,8 +283,7 @@ class Scheduler:
         return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), loads,
                                self.blocks.take_copies(1), kv_writes)
 
-    def use_kv_offload(self, connector: KVConnector) -> None:
-        """Admit sequences with blocks an offload tier holds by loading those first."""
+    def use_kv_offload(self, connector: KVConnector) -> None:  # sequences then load what the tiers hold
         self.loads = KVLoads(connector, self.blocks)
 
     @property
@@ -292,17 +291,19 @@ class Scheduler:
         """Sequences waiting for blocks from KV offload tiers (they hold sequence slots)."""
         return len(self.loads) if self.loads is not None else 0
 
-    def _count_load_start(self, seq: Sequence, lookup: PrefixLookup) -> None:
-        """``seq`` went to load blocks instead of being admitted: its pool hits count as its first
-        admission's, and its adapter's slot is let go until it is admitted."""
-        self.waiting.remove(seq)
-        if seq.num_preemptions == 0:
-            self._count_first_admission(seq, lookup)
+    def _wait_for_load(self, seq: Sequence, lookup: PrefixLookup, started: bool) -> None:
+        """``seq`` loads blocks (``started``: its pool hits count as its first admission's) or waits
+        for another's load of them (its blocks go back; it finds them cached); its adapter slot waits."""
+        if not started:
+            self.blocks.free(seq)
+        else:
+            self.waiting.remove(seq)
+            if seq.num_preemptions == 0:
+                self._count_first_admission(seq, lookup)
         self._release_lora(seq)
 
     def _finish_loads(self) -> list[tuple[int, object]]:
-        """Sequences whose loads ended rejoin the waiting queue; the block writes that the step
-        makes first (their payloads)."""
+        """Sequences whose loads ended rejoin the waiting queue; returns the step's block writes."""
         if self.loads is None:
             return []
         ready, writes = self.loads.finish()

@@ -66,6 +66,8 @@ class Sequence:
     num_committed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
     kv_load_fell_short: bool = False  # an offload tier failed to bring blocks it listed: compute, never reload
+    kv_queried: bool = False  # its prompt's lookup in the offload tiers was counted
+    prefix_counted: bool = False  # its first admission's prefix-cache lookup was counted
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
