@@ -115,7 +115,7 @@ def _close(*llms: LLM) -> None:
     gc.collect()
 
 
-def cross_replica_prefix(model: LoadedModel, prefix_tokens: int, requests: int, num_kv_blocks: int,
+def cross_replica_prefix(model: LoadedModel, prefix_tokens: int, requests: int, num_kv_blocks: int | None,
                          cluster_bytes: int) -> dict[str, Any]:
     """Part ``cluster`` (Ray must be initialized)."""
     prefix, warm = document(model, prefix_tokens, seed=0), document(model, prefix_tokens, seed=10)
@@ -140,6 +140,7 @@ def cross_replica_prefix(model: LoadedModel, prefix_tokens: int, requests: int, 
     load_seconds = sum(cluster.recent_load_seconds)
     result = {
         "part": "cluster", "prefix_tokens": len(prefix), "requests": requests,
+        "pool_blocks": b.engine.stats().pool.num_usable_blocks,
         "published_blocks": published, "cluster_hits": cluster.hits, "cluster_loads": cluster.loads,
         "loaded_tokens": b.engine.scheduler.loads.num_loaded_tokens - before[id(b)][1],
         "prompt_tokens": {"with": b.engine.stats().prompt_tokens - before[id(b)][0],
@@ -225,7 +226,7 @@ def overflowing_conversations(model: LoadedModel, conversations: int, turns: int
     }
 
 
-def restart(model: LoadedModel, prefix_tokens: int, num_kv_blocks: int, disk_bytes: int) -> dict[str, Any]:
+def restart(model: LoadedModel, prefix_tokens: int, num_kv_blocks: int | None, disk_bytes: int) -> dict[str, Any]:
     """Part ``restart``."""
     prefix, warm_up = document(model, prefix_tokens, seed=2), document(model, prefix_tokens, seed=12)
     directory = tempfile.mkdtemp(prefix="raylm-kv-bench-")
@@ -367,7 +368,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"any of {','.join(ALL_PARTS)}")
     parser.add_argument("--prefix-tokens", type=int, default=2800)
     parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=512, help="pool of the cluster and restart parts")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="pool of the cluster and restart parts (default: the engine's, from its memory budget)")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=192)
