@@ -116,19 +116,19 @@ def _close(*llms: LLM) -> None:
 
 
 def cross_replica_prefix(model: LoadedModel, prefix_tokens: int, requests: int, num_kv_blocks: int | None,
-                         cluster_bytes: int) -> dict[str, Any]:
+                         cluster_bytes: int, warmup: bool = True) -> dict[str, Any]:
     """Part ``cluster`` (Ray must be initialized)."""
     prefix, warm = document(model, prefix_tokens, seed=0), document(model, prefix_tokens, seed=10)
     prompts = [prefix + suffix(model, i) for i in range(requests)]
     offload = {"cluster_bytes": cluster_bytes}
-    a = LLM(model, num_kv_blocks=num_kv_blocks, kv_offload=offload)
+    a = LLM(model, num_kv_blocks=num_kv_blocks, kv_offload=offload, warmup=warmup)
     for doc in (warm, prefix):
         timed_burst(a, [doc + suffix(model, -1)], 1)
     a.engine.flush_kv_publish(120)
     published = _tier(a, "cluster").stored
-    b = LLM(model, num_kv_blocks=num_kv_blocks, kv_offload=offload)
+    b = LLM(model, num_kv_blocks=num_kv_blocks, kv_offload=offload, warmup=warmup)
     b.engine.refresh_kv_tiers(60)
-    plain = LLM(model, num_kv_blocks=num_kv_blocks)
+    plain = LLM(model, num_kv_blocks=num_kv_blocks, warmup=warmup)
     # The same burst on another prefix first (B loads it too): every program both engines need is compiled.
     for llm in (plain, b):
         timed_burst(llm, [warm + suffix(model, i) for i in range(requests)], 4)
@@ -179,8 +179,10 @@ def pool_for_overflow(firsts: list[list[int]], follow_ups: list[list[list[int]]]
 
 
 def run_conversations(model: LoadedModel, firsts: list[list[int]], follow_ups: list[list[list[int]]],
-                      warm_ups: list[list[int]], answer_tokens: int, num_kv_blocks: int, host_bytes: int | None) -> dict[str, Any]:
-    llm = LLM(model, num_kv_blocks=num_kv_blocks, kv_offload={"host_bytes": host_bytes} if host_bytes else None)
+                      warm_ups: list[list[int]], answer_tokens: int, num_kv_blocks: int, host_bytes: int | None,
+                      warmup: bool) -> dict[str, Any]:
+    offload = {"host_bytes": host_bytes} if host_bytes else None
+    llm = LLM(model, num_kv_blocks=num_kv_blocks, kv_offload=offload, warmup=warmup)
     params = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
     # A first turn of other chats compiles the prompt and decode programs; the counters start after it.
     llm.generate([{"prompt_token_ids": w} for w in warm_ups], params)
@@ -207,14 +209,15 @@ def run_conversations(model: LoadedModel, firsts: list[list[int]], follow_ups: l
 
 
 def overflowing_conversations(model: LoadedModel, conversations: int, turns: int, system_tokens: int,
-                              doc_tokens: int, answer_tokens: int, overflow: float, host_bytes: int) -> dict[str, Any]:
+                              doc_tokens: int, answer_tokens: int, overflow: float, host_bytes: int,
+                              warmup: bool = True) -> dict[str, Any]:
     """Part ``conversations``."""
     firsts, follow_ups = conversation_plan(model, conversations, turns, system_tokens, doc_tokens, answer_tokens)
     pool, live = pool_for_overflow(firsts, follow_ups, system_tokens, answer_tokens, overflow)
     system = firsts[0][:system_tokens]
     warm_ups = [system + document(model, doc_tokens, seed=200 + i, first=False) for i in range(conversations)]
-    without = run_conversations(model, firsts, follow_ups, warm_ups, answer_tokens, pool, None)
-    with_host = run_conversations(model, firsts, follow_ups, warm_ups, answer_tokens, pool, host_bytes)
+    without = run_conversations(model, firsts, follow_ups, warm_ups, answer_tokens, pool, None, warmup)
+    with_host = run_conversations(model, firsts, follow_ups, warm_ups, answer_tokens, pool, host_bytes, warmup)
     return {
         "part": "conversations", "conversations": conversations, "turns": turns, "pool_blocks": pool - 1,
         "live_blocks": live, "live_over_pool": live / (pool - 1),
@@ -226,13 +229,14 @@ def overflowing_conversations(model: LoadedModel, conversations: int, turns: int
     }
 
 
-def restart(model: LoadedModel, prefix_tokens: int, num_kv_blocks: int | None, disk_bytes: int) -> dict[str, Any]:
+def restart(model: LoadedModel, prefix_tokens: int, num_kv_blocks: int | None, disk_bytes: int,
+            warmup: bool = True) -> dict[str, Any]:
     """Part ``restart``."""
     prefix, warm_up = document(model, prefix_tokens, seed=2), document(model, prefix_tokens, seed=12)
     directory = tempfile.mkdtemp(prefix="raylm-kv-bench-")
     try:
         disk = {"disk_path": directory, "disk_bytes": disk_bytes}
-        first = LLM(model, num_kv_blocks=num_kv_blocks, kv_offload=disk)
+        first = LLM(model, num_kv_blocks=num_kv_blocks, kv_offload=disk, warmup=warmup)
         for doc in (warm_up, prefix):
             timed_burst(first, [doc + suffix(model, -1)], 1)
         first.engine.flush_kv_publish(120)
@@ -243,7 +247,7 @@ def restart(model: LoadedModel, prefix_tokens: int, num_kv_blocks: int | None, d
         # Each restarted engine serves another prompt of the same length first (the disk engine
         # loads it), so the timed request runs compiled programs, as after a served warm-up.
         start = time.perf_counter()
-        warm = LLM(model, num_kv_blocks=num_kv_blocks, kv_offload=disk)
+        warm = LLM(model, num_kv_blocks=num_kv_blocks, kv_offload=disk, warmup=warmup)
         warm_build = time.perf_counter() - start
         timed_burst(warm, [warm_up + suffix(model, 0)], 4)
         (warm_ttft,), tokens = timed_burst(warm, prompt, 4)
@@ -251,7 +255,7 @@ def restart(model: LoadedModel, prefix_tokens: int, num_kv_blocks: int | None, d
         errors = _tier(warm, "disk").errors
         _close(warm)
         start = time.perf_counter()
-        cold = LLM(model, num_kv_blocks=num_kv_blocks)
+        cold = LLM(model, num_kv_blocks=num_kv_blocks, warmup=warmup)
         cold_build = time.perf_counter() - start
         timed_burst(cold, [warm_up + suffix(model, 0)], 4)
         (cold_ttft,), expected = timed_burst(cold, prompt, 4)
@@ -378,7 +382,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--overflow", type=float, default=4.0, help="the chats' distinct context over the pool")
     parser.add_argument("--transfer-blocks", type=int, default=64)
     parser.add_argument("--tier-bytes", type=int, default=1 << 30, help="each tier's size")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="engines compile shapes as they meet them, not all at start-up (a smoke run)")
     args = parser.parse_args(argv)
+    warmup = not args.no_warmup  # every engine compiles all its shape buckets at start-up
     parts = args.parts.split(",")
     unknown = sorted(set(parts) - set(ALL_PARTS))
     if unknown:
@@ -398,12 +405,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for part in parts:
             if part == "cluster":
                 result = cross_replica_prefix(model, args.prefix_tokens, args.requests, args.num_kv_blocks,
-                                              args.tier_bytes)
+                                              args.tier_bytes, warmup)
             elif part == "conversations":
                 result = overflowing_conversations(model, args.conversations, args.turns, args.system_tokens,
-                                                   args.doc_tokens, args.answer_tokens, args.overflow, args.tier_bytes)
+                                                   args.doc_tokens, args.answer_tokens, args.overflow, args.tier_bytes,
+                                                   warmup)
             elif part == "restart":
-                result = restart(model, args.prefix_tokens, args.num_kv_blocks, args.tier_bytes)
+                result = restart(model, args.prefix_tokens, args.num_kv_blocks, args.tier_bytes, warmup)
             elif part == "transfer":
                 result = transfer(block_nbytes(model), args.transfer_blocks)
             else:

@@ -22,6 +22,7 @@ def test_every_part_runs_on_a_tiny_checkpoint(tmp_path, serve_cluster, capsys):
         "--model", str(path), "--prefix-tokens", str(PREFIX), "--requests", str(REQUESTS), "--num-kv-blocks", "64",
         "--conversations", str(CONVERSATIONS), "--turns", str(TURNS), "--system-tokens", "32", "--doc-tokens", "48",
         "--answer-tokens", str(ANSWER), "--transfer-blocks", str(TRANSFER_BLOCKS), "--tier-bytes", str(64 << 20),
+        "--no-warmup",
     ])
     cluster, chats, restart, transfer = results
     printed = capsys.readouterr().out.splitlines()
