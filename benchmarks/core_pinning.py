@@ -33,6 +33,7 @@ class PinnedReplica:
     deployment: str
     core: int
     threads: int
+    xla_pool_threads: int  # threads of XLA's intra-op pool ("tf_XLAEigen"): 1 under NPROC=1
 
 
 def replica_processes(app: str) -> list[tuple[int, str]]:
@@ -63,11 +64,14 @@ def pin_replicas(app: str, expected: int) -> list[PinnedReplica]:
         raise RuntimeError(f"{expected} replicas need as many cores; this process may use {cores}")
     pinned = []
     for (pid, deployment), core in zip(processes, cores):
-        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-        for tid in threads:
+        threads, pool = 0, 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
             try:
-                os.sched_setaffinity(tid, {core})
-            except ProcessLookupError:  # a thread that ended meanwhile
+                os.sched_setaffinity(int(tid), {core})
+                with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+                    pool += "XLAEigen" in comm.read()
+                threads += 1
+            except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
                 pass
-        pinned.append(PinnedReplica(pid, deployment, core, len(threads)))
+        pinned.append(PinnedReplica(pid, deployment, core, threads, pool))
     return pinned

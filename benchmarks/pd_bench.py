@@ -41,6 +41,8 @@ from raylm.benchmarks.pd_traffic import PDWorkload, run_traffic
 from raylm.benchmarks.replica_counters import wait_until_warm
 
 DEPLOYMENTS = ("colocated", "disaggregated")
+# The full run's KV pool: 16 streams of up to 2,080 tokens and the long prompts fit one replica's.
+FULL_ENGINE = {"kv_cache_memory_bytes": 2 << 30}
 # A smoke run's workload and engine: a tiny model (vocabulary 320, 1024 positions or more) and
 # seconds of traffic.
 SMOKE = PDWorkload(streams=4, stream_prompt_tokens=8, stream_max_tokens=1000, long_prompt_tokens=48,
@@ -118,12 +120,18 @@ def measure(serve_url: str, raw_config: dict[str, Any], workload: PDWorkload, *,
         _wait_serving(base, config.served_model_name, workload.token_range[0], warmup_timeout_s)
         pinned = pin_replicas(config.name, replicas) if pin else []
         before = _requests_per_replica(config.name)
-        result = asyncio.run(run_traffic(base, config.served_model_name, workload))
+        streaming: dict[str, int] = {}
+        result = asyncio.run(run_traffic(base, config.served_model_name, workload,
+                                         lambda: streaming.update(_requests_per_replica(config.name))))
         after = _requests_per_replica(config.name)
     finally:
         serve.delete(config.name)
+    # Streams per replica: what each had been sent when every stream had its first token (in the
+    # disaggregated deployment the prefill replica counts each stream's prefill hop too).
+    result["streams_per_replica"] = sorted(streaming[r] - before.get(r, 0) for r in streaming)
     result["requests_per_replica"] = sorted(after[r] - before.get(r, 0) for r in after)
-    result["pinned"] = [f"{p.deployment} pid {p.pid} -> core {p.core}" for p in pinned]
+    result["pinned"] = [f"{p.deployment} pid {p.pid} -> core {p.core} ({p.threads} threads, "
+                        f"{p.xla_pool_threads} XLA pool)" for p in pinned]
     return result
 
 
@@ -135,6 +143,8 @@ def ratios(colocated: dict[str, Any], disaggregated: dict[str, Any]) -> dict[str
 
 
 def _cell(value: Any, fmt: str = "{:.1f}") -> str:
+    if isinstance(value, int) and fmt == "{:.1f}":
+        fmt = "{:d}"
     return "-" if value is None else fmt.format(value)
 
 
@@ -154,8 +164,8 @@ def format_report(rows: dict[str, dict[str, Any]], workload: PDWorkload) -> str:
         cells = [_cell(rows.get(name, {}).get(key)) for name in DEPLOYMENTS]
         lines.append(f"  {label:<28}{cells[0]:>14}{cells[1]:>17}{_cell(ratio.get(key), '{:.2f}x'):>8}")
     for name, row in rows.items():
-        lines.append(f"  {name}: requests per replica {row['requests_per_replica']}, "
-                     f"pinned: {', '.join(row['pinned']) or 'no'}")
+        lines.append(f"  {name}: streams per replica {row['streams_per_replica']}, requests per replica "
+                     f"{row['requests_per_replica']}, pinned: {', '.join(row['pinned']) or 'no'}")
         lines += [f"  {name} error: {e}" for e in row["stream_errors"] + row["long_prompt_errors"]]
     return "\n".join(lines)
 
@@ -169,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--long-prompt", type=int, help="tokens of each long prompt (default 2000)")
     parser.add_argument("--interval", type=float, help="seconds between long prompts (default 2)")
     parser.add_argument("--duration", type=float, help="seconds of the measured window (default 40)")
-    parser.add_argument("--stream-tokens", type=int, help="max_tokens of each stream (default 1024)")
+    parser.add_argument("--stream-tokens", type=int, help="max_tokens of each stream (default 2048)")
     parser.add_argument("--cluster-bytes", type=int, default=2 << 30, help="the disaggregated cluster tier")
     parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=DEPLOYMENTS)
     parser.add_argument("--no-pin", action="store_true", help="leave the replicas' threads where the OS puts them")
@@ -185,7 +195,7 @@ def run(serve_url: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         ("streams", args.streams), ("long_prompt_tokens", args.long_prompt), ("interval_s", args.interval),
         ("duration_s", args.duration), ("stream_max_tokens", args.stream_tokens)) if value is not None}
     workload = dataclasses.replace(SMOKE if args.smoke else PDWorkload(), **overrides)
-    configs = deploy_configs(args.model, SMOKE_ENGINE if args.smoke else {}, args.cluster_bytes)
+    configs = deploy_configs(args.model, SMOKE_ENGINE if args.smoke else FULL_ENGINE, args.cluster_bytes)
     rows = {}
     for name in args.deployments:
         rows[name] = measure(serve_url, configs[name], workload, pin=not args.no_pin)

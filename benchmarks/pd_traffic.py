@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import numpy as np
@@ -36,7 +36,7 @@ class PDWorkload:
 
     streams: int = 16
     stream_prompt_tokens: int = 32
-    stream_max_tokens: int = 1024  # above what a stream decodes in the window: each runs to its end
+    stream_max_tokens: int = 2048  # above what a stream decodes in the window: none ends before it
     long_prompt_tokens: int = 2000
     long_output_tokens: int = 16
     interval_s: float = 2.0
@@ -135,8 +135,10 @@ async def _long_prompt(client: httpx.AsyncClient, url: str, body: dict[str, Any]
         record.error = f"{type(exc).__name__}: {exc}"
 
 
-async def run_traffic(base_url: str, model: str, workload: PDWorkload) -> dict[str, Any]:
-    """Run the workload once against ``base_url``; the window's figures (``summarize``)."""
+async def run_traffic(base_url: str, model: str, workload: PDWorkload,
+                      on_window_start: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Run the workload once against ``base_url``; the window's figures (``summarize``).
+    ``on_window_start`` runs once every stream has its first token, before the window opens."""
     url = f"{base_url.rstrip('/')}/v1/completions"
     stream_prompts, long_prompts = prompts(workload)
     limits = httpx.Limits(max_connections=workload.streams + len(long_prompts) + 4)
@@ -146,6 +148,7 @@ async def run_traffic(base_url: str, model: str, workload: PDWorkload) -> dict[s
         streams = [asyncio.create_task(_decode_stream(client, url, _body(model, p, workload.stream_max_tokens), r, f))
                    for p, r, f in zip(stream_prompts, records, firsts)]
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), REQUEST_TIMEOUT_S)
+        on_window_start()
         await asyncio.sleep(workload.settle_s)
         window_start = time.perf_counter()
         longs: list[LongPromptRecord] = []

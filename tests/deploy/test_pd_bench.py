@@ -56,7 +56,10 @@ def test_smoke_run_on_a_tiny_model(serve_cluster, tmp_path, capsys):
         assert row["decode_tokens"] > 0 and 0 < row["tpot_ms_p50"] <= row["tpot_ms_p99"] <= row["tpot_ms_max"], row
         assert 0 < row["long_ttft_ms_p50"] <= row["long_ttft_ms_p99"], row
         assert sum(row["requests_per_replica"]) >= smoke.streams + 4, row  # the prefill hop counts there too
-        assert len(row["pinned"]) == 2 and {p.split("-> core ")[1] for p in row["pinned"]} == {"0", "1"}, row
+        assert len(row["pinned"]) == 2 and {p.split("-> core ")[1].split()[0] for p in row["pinned"]} == {"0", "1"}, row
+    # every stream went to one replica; in the disaggregated deployment through both (prefill, then decode)
+    assert sum(rows["colocated"]["streams_per_replica"]) == smoke.streams
+    assert rows["disaggregated"]["streams_per_replica"] == [smoke.streams, smoke.streams]
     # the decode replica never computed a long prompt's full blocks: the prefill replica handed them over
     assert rows["disaggregated"]["long_cached_tokens_mean"] == (smoke.long_prompt_tokens - 1) // 16 * 16
     assert rows["colocated"]["long_cached_tokens_mean"] == 0
