@@ -38,7 +38,9 @@ import yaml
 from raylm.benchmarks.core_pinning import XLA_POOL_ENV, pin_replicas
 from raylm.benchmarks.local_serve import local_serve
 from raylm.benchmarks.pd_traffic import PDWorkload, run_traffic
-from raylm.benchmarks.replica_counters import wait_until_warm
+from raylm.benchmarks.replica_counters import sum_replicas, wait_until_warm
+from raylm.benchmarks.step_rates import format_step_rates, step_rates
+from raylm.workers.core.engine_stats import ComputeStats
 
 DEPLOYMENTS = ("colocated", "disaggregated")
 # The full run's KV pool: 16 streams of up to 2,080 tokens and the long prompts fit one replica's.
@@ -101,6 +103,13 @@ def _requests_per_replica(app: str) -> dict[str, int]:
     return {rid: report.engine.requests for rid, report in replica_reports(app).items()}
 
 
+def _compute(app: str) -> ComputeStats | None:
+    """The replicas' step counters, summed per step kind (``step_rates.py``)."""
+    from raylm.workers.wire.replica_protocol import replica_reports
+
+    return sum_replicas([report.engine for report in replica_reports(app).values()]).compute
+
+
 def measure(serve_url: str, raw_config: dict[str, Any], workload: PDWorkload, *, pin: bool,
             warmup_timeout_s: float = 900.0) -> dict[str, Any]:
     """Deploy ``raw_config`` on the Serve instance at ``serve_url``, wait for its warm-up, pin its
@@ -119,17 +128,20 @@ def measure(serve_url: str, raw_config: dict[str, Any], workload: PDWorkload, *,
         wait_until_warm(_programs_left(config.name, replicas), warmup_timeout_s)
         _wait_serving(base, config.served_model_name, workload.token_range[0], warmup_timeout_s)
         pinned = pin_replicas(config.name, replicas) if pin else []
-        before = _requests_per_replica(config.name)
+        before, compute_before = _requests_per_replica(config.name), _compute(config.name)
         streaming: dict[str, int] = {}
         result = asyncio.run(run_traffic(base, config.served_model_name, workload,
                                          lambda: streaming.update(_requests_per_replica(config.name))))
-        after = _requests_per_replica(config.name)
+        after, compute_after = _requests_per_replica(config.name), _compute(config.name)
     finally:
         serve.delete(config.name)
     # Streams per replica: what each had been sent when every stream had its first token (in the
     # disaggregated deployment the prefill replica counts each stream's prefill hop too).
     result["streams_per_replica"] = sorted(streaming[r] - before.get(r, 0) for r in streaming)
     result["requests_per_replica"] = sorted(after[r] - before.get(r, 0) for r in after)
+    # Per step kind over the whole run (streams' start to the last long prompt's end): how many
+    # prompt tokens per second the replicas computed, against the 1,000 a second the workload sends.
+    result["step_rates"] = step_rates(compute_before, compute_after, None)
     result["pinned"] = [f"{p.deployment} pid {p.pid} -> core {p.core} ({p.threads} threads, "
                         f"{p.xla_pool_threads} XLA pool)" for p in pinned]
     return result
@@ -167,6 +179,8 @@ def format_report(rows: dict[str, dict[str, Any]], workload: PDWorkload) -> str:
         lines.append(f"  {name}: streams per replica {row['streams_per_replica']}, requests per replica "
                      f"{row['requests_per_replica']}, pinned: {', '.join(row['pinned']) or 'no'}")
         lines += [f"  {name} error: {e}" for e in row["stream_errors"] + row["long_prompt_errors"]]
+        if row["step_rates"] is not None:
+            lines += format_step_rates(name, row["step_rates"], None)
     return "\n".join(lines)
 
 

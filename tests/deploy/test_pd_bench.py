@@ -56,6 +56,8 @@ def test_smoke_run_on_a_tiny_model(serve_cluster, tmp_path, capsys):
         assert row["decode_tokens"] > 0 and 0 < row["tpot_ms_p50"] <= row["tpot_ms_p99"] <= row["tpot_ms_max"], row
         assert 0 < row["long_ttft_ms_p50"] <= row["long_ttft_ms_p99"], row
         assert sum(row["requests_per_replica"]) >= smoke.streams + 4, row  # the prefill hop counts there too
+        computed = row["step_rates"]["kinds"]
+        assert sum(k["tokens"] for k in computed.values()) >= 4 * smoke.long_prompt_tokens // 2, row
         assert len(row["pinned"]) == 2 and {p.split("-> core ")[1].split()[0] for p in row["pinned"]} == {"0", "1"}, row
     # every stream went to one replica; in the disaggregated deployment through both (prefill, then decode)
     assert sum(rows["colocated"]["streams_per_replica"]) == smoke.streams
