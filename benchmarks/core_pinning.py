@@ -38,17 +38,23 @@ class PinnedReplica:
 
 def replica_processes(app: str) -> list[tuple[int, str]]:
     """``(pid, deployment)`` of every Serve replica process of ``app`` whose deployment name ends
-    in ``Worker`` (``LLMWorker``, ``LLMPrefillWorker``), sorted by deployment then pid; found by the
-    process title Ray gives an actor (``ray::ServeReplica:APP:DEPLOYMENT...``)."""
+    in ``Worker`` (``LLMWorker``, ``LLMPrefillWorker``) among this process's descendants (the Ray
+    cluster it started), sorted by deployment then pid; found by the process title Ray gives an
+    actor (``ray::ServeReplica:APP:DEPLOYMENT...``)."""
     found = []
     marker = f"ServeReplica:{app}:"
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        title = " ".join(process.info["cmdline"] or [])
+    # Only this process's own cluster (its raylet's workers): other Ray clusters on the machine
+    # may serve an application of the same name.
+    for process in psutil.Process().children(recursive=True):
+        try:
+            title = " ".join(process.cmdline())
+        except psutil.NoSuchProcess:
+            continue
         if marker not in title:
             continue
         deployment = title.split(marker, 1)[1].split()[0].split(".")[0]
         if deployment.endswith("Worker"):
-            found.append((process.info["pid"], deployment))
+            found.append((process.pid, deployment))
     return sorted(found, key=lambda item: (item[1], item[0]))
 
 
