@@ -156,11 +156,15 @@ def run() -> dict[str, Any]:
         ray.get(a.flush.remote())
         result["a_after_second"] = ray.get(a.counters.remote())
         ray.kill(a)
-        try:
-            ray.get(a.node.remote(), timeout=30)
-            result["a_killed"] = False
-        except ray.exceptions.RayActorError:
-            result["a_killed"] = True
+        result["a_killed"] = False
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # ray.kill is asynchronous: a call may still be answered
+            try:
+                ray.get(a.node.remote(), timeout=5)
+            except ray.exceptions.RayActorError:
+                result["a_killed"] = True
+                break
+            time.sleep(0.2)
         ray.get(b.empty_prefix_cache.remote())
         ray.get(b.refresh.remote())
         result["b_second_tokens"] = ray.get(b.generate.remote(second))

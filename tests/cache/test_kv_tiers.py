@@ -313,7 +313,9 @@ def test_disk_concurrent_puts_and_gets(tmp_path):
     stats = tier.stats()
     assert failures == [] and stats.errors == {}
     assert stats.stored_blocks == 8 and len(list(tmp_path.rglob("*.kvb"))) == 8
-    assert tier.contains(k[24:]) == 8
+    # Which 8 stay depends on the readers' touches (a read block is recently used); the last one
+    # written always does (nothing was put after it).
+    assert sum(tier.contains([key]) for key in k) == 8 and tier.contains(k[31:]) == 1
 
 
 # -- KVConnector over real tiers ----------------------------------------------------------------------------

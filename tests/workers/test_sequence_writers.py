@@ -25,7 +25,8 @@ from raylm.workers.core.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("model", "cache", "workers", "deploy")
-OWNERS = {"workers/core/scheduler.py", "cache/block_tables.py", "workers/core/sequence.py"}
+# (workers/core/kv_loads.py: the scheduler's loads from KV offload tiers, called by it alone)
+OWNERS = {"workers/core/scheduler.py", "cache/block_tables.py", "workers/core/sequence.py", "workers/core/kv_loads.py"}
 FIELDS = frozenset(f.name for f in dataclasses.fields(Sequence))
 MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__"})
 
