@@ -23,7 +23,7 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-from raylm.cache.offload.tier import TierKey, TierStats
+from raylm.cache.offload.tier import TierKey, TierStats, leading_run
 from raylm.cluster.kv_directory import DIRECTORY_NAME, directory_handle
 
 logger = logging.getLogger(__name__)
@@ -129,10 +129,7 @@ class ClusterTier:
 
     def contains(self, keys: Sequence[TierKey]) -> int:
         with self._lock:
-            for i, key in enumerate(keys):
-                if key not in self._keys:
-                    return i
-            return len(keys)
+            return leading_run(keys, self._keys)
 
     # -- reading -----------------------------------------------------------------------------------------
     def get(self, keys: Sequence[TierKey]) -> list[np.ndarray | None]:

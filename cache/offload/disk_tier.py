@@ -30,7 +30,7 @@ from hashlib import blake2b
 
 import numpy as np
 
-from raylm.cache.offload.tier import TierKey, TierStats
+from raylm.cache.offload.tier import TierKey, TierStats, leading_run
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +111,7 @@ class DiskTier:
 
     def contains(self, keys: Sequence[TierKey]) -> int:
         with self._lock:
-            for i, key in enumerate(keys):
-                if key not in self._files:
-                    return i
-            return len(keys)
+            return leading_run(keys, self._files)
 
     # -- reading -----------------------------------------------------------------------------------------
     def get(self, keys: Sequence[TierKey]) -> list[np.ndarray | None]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from raylm.cache.offload.tier import TierKey, TierStats
+from raylm.cache.offload.tier import TierKey, TierStats, leading_run
 
 
 class HostTier:
@@ -32,10 +32,7 @@ class HostTier:
 
     def contains(self, keys: Sequence[TierKey]) -> int:
         with self._lock:
-            for i, key in enumerate(keys):
-                if key not in self._blocks:
-                    return i
-            return len(keys)
+            return leading_run(keys, self._blocks)
 
     def get(self, keys: Sequence[TierKey]) -> list[np.ndarray | None]:
         start = time.perf_counter()

@@ -14,7 +14,7 @@ so by returning None for that key or by counting the error, never by raising int
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -60,6 +60,14 @@ class TierStats:
     def snapshot(self) -> TierStats:
         """A copy that later counting does not change."""
         return dataclasses.replace(self, recent_load_seconds=list(self.recent_load_seconds), errors=dict(self.errors))
+
+
+def leading_run(keys: Sequence[TierKey], held: Container[TierKey]) -> int:
+    """How many of ``keys``, from the first, ``held`` contains: every tier's ``contains``."""
+    for i, key in enumerate(keys):
+        if key not in held:
+            return i
+    return len(keys)
 
 
 class KVTier(Protocol):
