@@ -37,6 +37,19 @@ def worker_actor_options(config: DeployConfig, workers: WorkersSection | None = 
     return options
 
 
+def pipeline_placement_options(config: DeployConfig, workers: WorkersSection) -> dict[str, Any]:
+    """A replica split into pipeline stages is one placement group: a bundle for the replica (the
+    last stage) and one per other stage, each what a replica reserves, so Serve places, starts and
+    removes the stages with their replica (workers/pipeline/ray_stages.py takes the bundles)."""
+    if workers.pipeline_parallel_size == 1:
+        return {}
+    options = worker_actor_options(config, workers)
+    bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}),
+              **({"memory": options["memory"]} if "memory" in options else {})}
+    return {"placement_group_bundles": [dict(bundle) for _ in range(workers.pipeline_parallel_size)],
+            "placement_group_strategy": "SPREAD" if workers.pipeline_placement == "spread" else "PACK"}
+
+
 def build_application(config: DeployConfig) -> Application:
     """The router ingress bound to the worker deployment (role both, or decode) and, for a
     disaggregated deploy file, the prefill deployment."""
@@ -82,6 +95,7 @@ def _worker_deployment(config: DeployConfig, workers: WorkersSection, role: str,
     return LLMWorker.options(
         **({"name": name} if name is not None else {}),
         **scaling,
+        **pipeline_placement_options(config, workers),
         request_router_config=RequestRouterConfig(**router_config),
         ray_actor_options=worker_actor_options(config, workers),
         **workers.deployment_options().serve_options(),

@@ -137,7 +137,7 @@ class KVOffloadSection(_Section):
 
 # Engine settings come from EngineArgs itself so the YAML can never drift from the engine.
 _ENGINE_OWNED_ELSEWHERE = {"dtype", "quantization", "activation_quantization", "gguf_blocks", "tensor_parallel_size",
-                           "expert_parallel_size"}
+                           "expert_parallel_size", "pipeline_parallel_size", "pipeline_placement"}
 _ENGINE_SECTIONS = {"speculative": (SpeculativeSection | None, None),  # nested: their own schemas
                     "kv_offload": (KVOffloadSection | None, None)}
 _engine_hints = typing.get_type_hints(EngineArgs)
@@ -206,6 +206,12 @@ class WorkersSection(_Section):
     memory_bytes: int | None = Field(None, gt=0, description="Ray memory resource reserved per replica")
     tensor_parallel_size: PositiveInt = 1
     expert_parallel_size: PositiveInt = Field(1, description="devices a mixture of experts' experts are split over")
+    pipeline_parallel_size: PositiveInt = Field(
+        1, description="stages a replica's layers are split into, each a Ray actor with its layers' weights and KV "
+        "(the replica itself is the last), reserving this section's num_cpus / num_gpus / memory_bytes each")
+    pipeline_placement: Literal["spread", "pack"] = Field(
+        "spread", description="a replica's stages on different nodes where the cluster allows (spread), or on as "
+        "few as they fit (pack)")
     max_ongoing_requests: PositiveInt = _WORKER_DEFAULTS.max_ongoing_requests
     max_queued_requests: int = Field(_WORKER_DEFAULTS.max_queued_requests,
                                      description="per router replica; beyond it requests get 503 (-1: no limit)")
@@ -379,6 +385,8 @@ class DeployConfig(_Section):
                 gguf_blocks=self.model.gguf_blocks,
                 tensor_parallel_size=workers.tensor_parallel_size,
                 expert_parallel_size=workers.expert_parallel_size,
+                pipeline_parallel_size=workers.pipeline_parallel_size,
+                pipeline_placement=workers.pipeline_placement,
                 **{**self.engine.model_dump(), "enable_lora": self.engine.enable_lora or bool(self.model.lora_modules)},
             )
         except (TypeError, ValueError) as err:

@@ -122,12 +122,19 @@ class ModelConfig:
 
     def first_layers(self, num_layers: int) -> "ModelConfig":
         """This config cut after its first ``num_layers`` decoder layers (a layer-skipping draft)."""
+        return self.layer_slice(0, num_layers)
+
+    def layer_slice(self, start: int, stop: int) -> "ModelConfig":
+        """The config of decoder layers ``[start, stop)`` alone (a pipeline stage's, or a draft's):
+        every per-layer declaration is sliced, so the stage indexes its layers from 0."""
+        if not 0 <= start < stop <= self.num_layers:
+            raise ValueError(f"layers [{start}, {stop}) of a {self.num_layers}-layer model")
         moe = self.moe
         if moe is not None:
-            moe = dataclasses.replace(moe, sparse_layers=moe.sparse_layers[:num_layers])
+            moe = dataclasses.replace(moe, sparse_layers=moe.sparse_layers[start:stop])
         return dataclasses.replace(
-            self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers], moe=moe,
-            nope_layers=self.nope_layers[:num_layers], layer_chunks=self.layer_chunks[:num_layers],
+            self, num_layers=stop - start, layer_windows=self.layer_windows[start:stop], moe=moe,
+            nope_layers=self.nope_layers[start:stop], layer_chunks=self.layer_chunks[start:stop],
         )
 
     def served_at(self, context_len: int) -> "ModelConfig":

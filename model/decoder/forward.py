@@ -87,6 +87,8 @@ def forward(
     hidden_sink: HiddenSink | None = None,
     lora: LoraBatch | None = None,
     expert_load: jax.Array | None = None,
+    hidden_in: jax.Array | None = None,
+    hidden_out: bool = False,
 ) -> tuple:
     """Run ``tokens [B, S]`` through the model, writing their K/V into ``kv``.
 
@@ -119,7 +121,14 @@ def forward(
     With ``expert_load [sparse layers, E]`` (int32: tokens routed per expert of each MoE
     layer, in layer order) it adds this step's real tokens to it and returns the sum last:
     the load-balance metric accumulates on the device and the host reads it now and then.
+
+    A pipeline stage (``params`` and ``config`` of its layers alone: ``ModelConfig.layer_slice``)
+    that is not the first takes the previous stage's residual stream ``hidden_in [B, S, D]`` in
+    place of ``tokens``' embeddings; one that is not the last returns with ``hidden_out`` its own
+    residual stream ``[B, S, D]`` in place of logits (then the pool, then ``expert_load``'s sum).
     """
+    if hidden_out and (pool_segments is not None or hidden_sink is not None):
+        raise ValueError("a stage that hands its hidden states on neither pools nor captures them")
     valid = (positions >= 0) & (positions < context_lens[:, None])
     grouped = isinstance(kv, GroupedKV)
     if block_tables.ndim != (3 if grouped else 2):
@@ -137,13 +146,15 @@ def forward(
         kernel_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
     batch = _Batch(positions, tables, context_lens, valid, slots, rotations, kernel_lens)
     embed = params.embed
-    if isinstance(embed, (QuantArray, GgufBlocks, Int8Panels)):
+    if hidden_in is not None:
+        x = hidden_in.astype(params.final_norm.dtype)
+    elif isinstance(embed, (QuantArray, GgufBlocks, Int8Panels)):
         x = embed.rows(tokens, params.final_norm.dtype)
     else:  # a float32 model's 16-bit embedding (model/loaders/hf_tensors.py): the looked-up rows widened
         x = embed[tokens].astype(params.final_norm.dtype)
-    if config.embed_scale is not None:  # in the model dtype, as HF Gemma rounds it
+    if config.embed_scale is not None and hidden_in is None:  # in the model dtype, as HF Gemma rounds it
         x = x * jnp.asarray(config.embed_scale, x.dtype)
-    if config.embedding_multiplier is not None:  # in float32, as HF Granite multiplies by a Python float
+    if config.embedding_multiplier is not None and hidden_in is None:  # float32, as HF Granite's Python float
         x = scaled(x, config.embedding_multiplier)
     eps = config.rms_norm_eps
 
@@ -162,6 +173,9 @@ def forward(
             routed.append(counts)
         if sink is not None and i + 1 < len(params.layers):
             sink = sink.write(i + 1, x, valid)
+    if hidden_out:
+        out = (x, KVCache(*pools[0]) if not grouped else GroupedKV(*(KVCache(k, v) for k, v in pools)))
+        return out + ((expert_load + jnp.stack(routed),) if expert_load is not None else ())
     if sink is not None:
         with jax.named_scope("hidden_states"):
             sink = sink.write(len(params.layers), rms_norm(x, params.final_norm, eps), valid)

@@ -149,11 +149,13 @@ class LayerParams:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class ModelParams:
-    """A whole Llama-family model. ``lm_head`` is None when tied to ``embed``."""
+    """A whole Llama-family model. ``lm_head`` is None when tied to ``embed``. A pipeline
+    stage's holds its layers alone (``model.loaders.hf_tensors.build_params``' ``layers``):
+    ``embed`` only on the first stage and a tied model's last, ``lm_head`` only on the last."""
 
-    embed: jax.Array = _param(_vocab_matrix())
+    embed: Optional[jax.Array] = _param(_vocab_matrix(), optional=True)
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array = _param(_norm())
     lm_head: Optional[jax.Array] = _param(_vocab_matrix(), optional=True)  # as the tied embedding

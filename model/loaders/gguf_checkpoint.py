@@ -134,12 +134,15 @@ def _joined_kv_b(file: GGUFFile, kv_b_name: str) -> np.ndarray | None:
 
 
 def load_gguf_checkpoint(
-    path: str | Path | GGUFFile, dtype: jnp.dtype = jnp.float32, keep_blocks: bool = False
+    path: str | Path | GGUFFile, dtype: jnp.dtype = jnp.float32, keep_blocks: bool = False,
+    layers: range | None = None,
 ) -> tuple[ModelConfig, ModelParams]:
     """Read config and weights of a GGUF file (a path or an open one) of an architecture in
     ``SUPPORTED_GGUF_ARCHITECTURES``: dequantized, or with ``keep_blocks`` (float32 models
     only) its block-quantized matrices as stored. A tensor the file holds and the model
-    does not read is a load error (it belongs to a variant raylm does not implement)."""
+    does not read is a load error (it belongs to a variant raylm does not implement).
+    ``layers``: a pipeline stage's alone (``build_params``; only their tensors are read, so the
+    unread-tensor check is the whole model's loader's)."""
     file = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = file.config()
     permuted = config.architecture in PERMUTED_QK_ARCHES
@@ -156,7 +159,9 @@ def load_gguf_checkpoint(
                 array = map_rows(lambda a: unpermute_qk(a, config.num_kv_heads), array)
         return array
 
-    params = build_params(config, get, str(file.path), dtype)
+    params = build_params(config, get, str(file.path), dtype, layers=layers)
+    if layers is not None:
+        return config, params
     blocks = int(file.fields[f"{config.architecture}.block_count"])
     unread = sorted(name for name in set(file.tensor_names) - file.read
                     if not _prediction_layer(name, config.num_layers, blocks))

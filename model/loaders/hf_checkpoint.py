@@ -109,14 +109,15 @@ class _Tensors:
 
 
 def load_safetensors_checkpoint(
-    path: str | Path, dtype: jnp.dtype = jnp.float32, keep_blocks: bool = False
+    path: str | Path, dtype: jnp.dtype = jnp.float32, keep_blocks: bool = False, layers: range | None = None,
 ) -> tuple[ModelConfig, ModelParams]:
     """Read config and weights of an HF checkpoint directory of a supported architecture.
 
     A quantized checkpoint's layers come back as stored where that is exact (4-bit groups as
     GGUF-style blocks, 8-bit values with row scales as QuantArrays) with ``keep_blocks`` (a
     float32 model on one CPU device: load.py's ``keep_gguf_blocks``), else as the float32
-    matrices the format defines, cast to ``dtype``."""
+    matrices the format defines, cast to ``dtype``. ``layers``: a pipeline stage's alone
+    (``build_params``; the tensors of other layers are never read)."""
     path = Path(path)
     config = ModelConfig.from_hf_dir(path)
     quantization = read_quantization(path)
@@ -155,7 +156,8 @@ def load_safetensors_checkpoint(
 
         family = HF_FAMILIES[config.architecture]
         source = llama4_tensors(get, config) if family.llama4 else get
-        params = build_params(config, source, str(path), dtype, norm_offset=1.0 if family.norm_plus_one else 0.0)
+        params = build_params(config, source, str(path), dtype, norm_offset=1.0 if family.norm_plus_one else 0.0,
+                              layers=layers)
     return config, params
 
 

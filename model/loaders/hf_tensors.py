@@ -259,14 +259,20 @@ def stacked_experts(get: TensorSource, config: ModelConfig, layer: int, projs: t
 
 
 def build_params(
-    config: ModelConfig, get: TensorSource, source: str, dtype: jnp.dtype, norm_offset: float = 0.0
+    config: ModelConfig, get: TensorSource, source: str, dtype: jnp.dtype, norm_offset: float = 0.0,
+    layers: range | None = None,
 ) -> ModelParams:
     """Assemble and validate ``ModelParams`` from HF-named tensors, cast to ``dtype``; for a
     float32 model, bfloat16 and float16 projections, embedding and LM head stay 16-bit (the
     loaders return them so only with ``keep_blocks``; the dense kernels widen them exactly).
 
     ``norm_offset`` is added to every RMSNorm weight: HF's Gemma checkpoints store ``w`` for
-    a norm that multiplies by ``1 + w`` (llama.cpp's GGUF files store ``1 + w`` already)."""
+    a norm that multiplies by ``1 + w`` (llama.cpp's GGUF files store ``1 + w`` already).
+
+    ``layers`` (a pipeline stage's; default all) reads only those decoder layers' tensors, the
+    embedding only for the first stage (and a tied head's last), the head only for the last: a
+    stage's memory is its share of the weights (``layer_span_params``). The final norm (one
+    vector) is always read: it carries the model dtype."""
     get = deepseek_shared_experts(mixtral_router(unfused(get, config)))
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray | GgufBlocks | QuantArray:
@@ -352,18 +358,23 @@ def build_params(
                               for f, a in fields.items()})
 
     V = config.vocab_size
-    embed = fetch("model.embed_tokens.weight", (V, D))
+    layers = range(config.num_layers) if layers is None else layers
+    first, last = layers.start == 0, layers.stop == config.num_layers
+    embed = None
+    if first or (last and config.tie_word_embeddings):
+        embed = on_device(fetch("model.embed_tokens.weight", (V, D)))
     lm_head = None
-    if not config.tie_word_embeddings:
+    if last and not config.tie_word_embeddings:
         lm_head = on_device(fetch("lm_head.weight", (V, D)))
     params = ModelParams(
-        embed=on_device(embed),
-        layers=tuple(layer(i) for i in range(config.num_layers)),
+        embed=embed,
+        layers=tuple(layer(i) for i in layers),
         final_norm=jnp.asarray(fetch("model.norm.weight", (D,)).astype(np.float32) + np.float32(norm_offset),
                                dtype=dtype),
         lm_head=lm_head,
     )
-    wrong = shape_mismatches(params, config)  # the fused layout against model/decoder/params.py's declarations
+    # The fused layout against model/decoder/params.py's declarations.
+    wrong = shape_mismatches(params, config.layer_slice(layers.start, layers.stop))
     if wrong:
         raise ModelLoadError(f"{source}: built parameters have unexpected shapes: " + "; ".join(wrong))
     return params

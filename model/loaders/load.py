@@ -59,6 +59,8 @@ class LoadedModel:
     # The quant_method of an HF checkpoint stored quantized (awq, gptq, compressed-tensors, fp8):
     # its matrices are served as the checkpoint defines them, never quantized again.
     checkpoint_quantization: str | None = None
+    # A pipeline stage's decoder layers, which ``params`` alone holds (None: the whole model).
+    layers: range | None = None
 
     def quantized(self, quantization: str | None) -> "LoadedModel":
         """This model with its matrices quantized by ``quantization`` (``None``/``"none"``: as is).
@@ -107,16 +109,16 @@ def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
 
 
 def load_checkpoint(
-    path: str | Path, dtype: str | jnp.dtype = "float32", keep_blocks: bool = False
+    path: str | Path, dtype: str | jnp.dtype = "float32", keep_blocks: bool = False, layers: range | None = None,
 ) -> tuple[ModelConfig, ModelParams]:
     """Weights and config of a ``.gguf`` file (``keep_blocks``: see load_gguf_checkpoint) or an
     HF safetensors directory (``keep_blocks``: a quantized checkpoint's matrices as stored, see
-    load_safetensors_checkpoint)."""
+    load_safetensors_checkpoint); ``layers``: a pipeline stage's decoder layers alone."""
     path = Path(path)
     if path.is_dir():
-        return load_safetensors_checkpoint(path, parse_dtype(dtype), keep_blocks)
+        return load_safetensors_checkpoint(path, parse_dtype(dtype), keep_blocks, layers)
     if path.suffix == ".gguf":
-        return load_gguf_checkpoint(path, parse_dtype(dtype), keep_blocks)
+        return load_gguf_checkpoint(path, parse_dtype(dtype), keep_blocks, layers)
     raise ModelLoadError(f"{path} is neither an HF checkpoint directory nor a .gguf file")
 
 
@@ -125,11 +127,13 @@ def load_model(
     dtype: str | jnp.dtype = "float32",
     quantization: str | None = None,
     keep_blocks: bool = False,
+    layers: range | None = None,
 ) -> LoadedModel:
     """Resolve a registry name or path and load everything a replica needs, its matrices
     quantized by ``quantization`` (int8 / fp8; see model/quantization/quant_array.py) if given, a GGUF's
     block matrices (and a quantized HF checkpoint's) kept as stored with ``keep_blocks`` (see
-    ``keep_gguf_blocks``)."""
+    ``keep_gguf_blocks``). With ``layers`` the params are a pipeline stage's (its decoder layers
+    alone; ``config`` stays the whole model's)."""
     scheme = parse_quantization(quantization)  # a bad name fails before the weights load
     path = resolve_model_path(name_or_path)
     stored = method_of(path) if path.is_dir() else None
@@ -139,10 +143,10 @@ def load_model(
     if path.suffix == ".gguf" and path.is_file():
         # Parsed once for weights and tokenizer: the reader is slow on large vocabularies.
         source = GGUFFile(path)
-        config, params = load_gguf_checkpoint(source, parse_dtype(dtype), keep_blocks)
+        config, params = load_gguf_checkpoint(source, parse_dtype(dtype), keep_blocks, layers)
     else:
-        config, params = load_checkpoint(path, dtype, keep_blocks)
+        config, params = load_checkpoint(path, dtype, keep_blocks, layers)
     tokenizer = load_tokenizer(source, config)
     loaded = LoadedModel(str(name_or_path), path, with_tokenizer_eos(config, tokenizer), params, tokenizer,
-                         checkpoint_quantization=stored)
+                         checkpoint_quantization=stored, layers=layers)
     return loaded.quantized(scheme)

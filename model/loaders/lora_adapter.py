@@ -94,6 +94,13 @@ class LoraAdapter:
     def targets(self) -> list[str]:
         return sorted({target for _, target in self.weights})
 
+    def layer_slice(self, start: int, stop: int) -> "LoraAdapter":
+        """The adapter of decoder layers ``[start, stop)`` alone, numbered from 0 (a pipeline
+        stage's part, for ``ModelConfig.layer_slice``)."""
+        weights = {(layer - start, target): pair for (layer, target), pair in self.weights.items()
+                   if start <= layer < stop}
+        return dataclasses.replace(self, weights=weights)
+
 
 def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
     """Read the PEFT adapter in directory ``path`` for a base model of ``config``; raises

@@ -72,6 +72,12 @@ class EngineArgs:
     # KV blocks beyond the pool (cache/offload/): host memory, local disk and the cluster's object
     # store, each sized in bytes; a mapping is accepted and parsed. None: off.
     kv_offload: KVOffloadConfig | None = None
+    # Pipeline parallelism (workers/pipeline/): the decoder's layers split into this many stages,
+    # each with its layers' weights and KV pool; the last runs in the engine's process, the others
+    # as Ray actors placed one a node where the cluster allows ("spread"), packed onto as few
+    # nodes as they fit ("pack"), or all in this process ("local": one machine, no Ray).
+    pipeline_parallel_size: int = 1
+    pipeline_placement: str = "spread"
 
     def keep_gguf_blocks(self) -> bool:
         """Whether this replica loads a GGUF's block matrices as stored."""
@@ -142,6 +148,10 @@ class EngineArgs:
                 isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras):
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
                              f"got {self.max_cpu_loras!r}")
+        if not (isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size >= 1):
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
+        if self.pipeline_placement not in ("spread", "pack", "local"):  # (workers/pipeline/support.py)
+            raise ValueError(f"pipeline_placement must be spread, pack or local, got {self.pipeline_placement!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

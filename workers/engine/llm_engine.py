@@ -20,14 +20,13 @@ from raylm.cache.block_tables import BlockManager
 from raylm.cache.kv_budget import blocks_for_budget, group_blocks_for_budget
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.flop_count import ModelFlops
-from raylm.model.decoder.kv_pool import GroupedKV, KVCache, kv_pool_dtype
+from raylm.model.decoder.kv_pool import kv_pool_dtype
 from raylm.model.errors import PromptTooLongError
 from raylm.model.loaders.load import LoadedModel, parse_dtype
 from raylm.model.quantization.activations import with_int8_activations
 from raylm.model.runtime.backend_support import check_fp8
 from raylm.model.runtime.buckets import cdiv
 from raylm.model.runtime.compilation_cache import enable_compilation_cache
-from raylm.model.runtime.sharding import make_mesh
 from raylm.model.text.prompt_checks import check_prompt
 from raylm.workers.core.embedding import EmbeddingState
 from raylm.workers.core.engine_stats import EngineStats, LoraStats, MoeStats, remaining_work
@@ -43,11 +42,12 @@ from raylm.workers.core.sequence import Sequence
 from raylm.workers.engine.engine_args import EngineArgs
 from raylm.workers.engine.kv_offload_setup import make_connector
 from raylm.workers.engine.progress import StderrProgress
+from raylm.workers.engine.runner_setup import build_runner
 from raylm.workers.engine.step_work import StepCounters
+from raylm.workers.pipeline.pipeline_runner import PipelineRunner
+from raylm.workers.pipeline.support import check_pipeline, largest_stage, last_stage_layers
 from raylm.workers.runner.draft_model import load_draft
-from raylm.workers.runner.model_runner import ModelRunner
 from raylm.workers.runner.pool_blocks import PoolBlocks
-from raylm.workers.runner.speculative_step import DraftModel
 
 LOAD_WAIT_S = 0.01  # an engine with only loads in flight waits this long for one per step
 
@@ -89,7 +89,7 @@ class LLMEngine:
         self.eos_ids = frozenset(self.config.eos_token_ids)
         if args.compilation_cache_dir:
             enable_compilation_cache(args.compilation_cache_dir)
-        mesh = make_mesh(args.tensor_parallel_size, ep=args.expert_parallel_size)
+        check_pipeline(args, self.config)
         kv_dtype = kv_pool_dtype(args.kv_cache_dtype, parse_dtype(args.dtype))
         num_blocks, sliding_blocks = self._kv_block_counts(kv_dtype, draft.config if draft else None)
         self.pool = BlockPool(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
@@ -115,18 +115,8 @@ class LLMEngine:
             LoraSlots(args.max_loras, self.loras) if self.loras is not None else None,
         )
         self.draft_model = draft
-        self.runner = ModelRunner(
-            self.config, model.params,
-            KVCache.create(self.config, num_blocks, args.block_size, kv_dtype, mesh) if sliding is None else
-            GroupedKV.create(self.config, (num_blocks, sliding_blocks), args.block_size, kv_dtype, mesh),
-            mesh, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=self.max_model_len, eos_ids=self.eos_ids, speculative=spec,
-            draft=DraftModel(
-                draft.config, draft.params, KVCache.create(draft.config, num_blocks, args.block_size, kv_dtype, mesh)
-            ) if draft else None,
-            hidden_state_buffers=(args.hidden_state_slots, args.hidden_state_max_tokens),
-            lora_buffers=(args.max_loras, args.max_lora_rank, args.lora_dtype) if args.enable_lora else None,
-        )
+        self.runner = build_runner(model, self.config, args, self.max_model_len, self.eos_ids,
+                                   (num_blocks, sliding_blocks), kv_dtype, draft)
         # Warm-up: every bucket now, or with ``background_warmup`` the ones a request alone takes
         # now and the rest by ``warm_up_next`` while the engine idles (a server that starts
         # serving sooner; AsyncEngine does this).
@@ -142,7 +132,7 @@ class LLMEngine:
         self._limit_chunks_to_compiled()
         self.runner.take_expert_load()  # (the warm-up's tokens are not load)
         self.step_counters = StepCounters(
-            args.block_size, ModelFlops.of(self.config, model.params),
+            args.block_size, self.runner.model_flops(self.config),
             ModelFlops.of(draft.config, draft.params) if draft else None,
             integer_matmuls=args.activation_quantization == "int8")
         # An MoE model's tokens routed per (sparse layer, expert), read from the device by ``stats``.
@@ -171,7 +161,7 @@ class LLMEngine:
         a memory budget gives the sliding group what its sequences can hold at once (each
         running sequence its window and a decode step, a step's prompt chunks on top, a block
         of misalignment each), as far as an even split allows, and the full group the rest."""
-        args, config = self.args, self.config
+        args, config = self.args, largest_stage(self.config, self.args.pipeline_parallel_size)
         window = config.sliding_window
         if args.num_kv_blocks:
             return args.num_kv_blocks, None if window is None else args.num_kv_blocks
@@ -373,9 +363,12 @@ class LLMEngine:
                 refresh(timeout)
 
     def close(self) -> None:
-        """Stop the offload tiers' threads (what they stored stays where it lives)."""
+        """Stop the offload tiers' threads (what they stored stays where it lives) and the
+        pipeline's stage actors."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+        if isinstance(self.runner, PipelineRunner):
+            self.runner.close()
 
     def _abort_failed_processors(self, failed: dict[int, str]) -> list[RequestOutput]:
         """Requests whose logits processor failed this step end now ("abort"; it was logged)."""
@@ -444,6 +437,8 @@ def make_engine(model: str | LoadedModel, background_warmup: bool = False, **eng
 
     args = EngineArgs.from_kwargs(**engine_args)
     if not isinstance(model, LoadedModel):
-        model = load_model(model, args.dtype, args.quantization, args.keep_gguf_blocks())
+        # With pipeline stages this process is the last and reads that stage's layers alone.
+        layers = None if args.pipeline_parallel_size == 1 else last_stage_layers(model, args.pipeline_parallel_size)
+        model = load_model(model, args.dtype, args.quantization, args.keep_gguf_blocks(), layers=layers)
     return LLMEngine(model, args, background_warmup=background_warmup)
 

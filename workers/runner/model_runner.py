@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from raylm.model.config.model_config import ModelConfig
+from raylm.model.decoder.flop_count import ModelFlops
 from raylm.model.decoder.forward import PooledHidden
 from raylm.model.decoder.kv_pool import GroupedKV, KVCache
 from raylm.model.decoder.params import ModelParams
@@ -65,9 +66,10 @@ from raylm.workers.runner.programs import (
     prefill_program,
     read_hidden,
 )
-from raylm.workers.runner.sampler import SampleResult, SamplingBatch
+from raylm.workers.runner.sampler import SampleResult
 from raylm.workers.runner.speculative_step import (
     DraftModel,
+    assert_room_for_guesses,
     check_draft_guesses,
     draft_program,
     ngram_proposals,
@@ -240,7 +242,7 @@ class ModelRunner:
             self._tables(seqs, rows, self.buckets.max_width), last_tokens, sbatch, config=self.config,
             draft_config=self._draft_config, **flags, **pooling_args(chunks, rows, token_rows),
             **self._hidden_sink(token_seqs, positions[:, None]), **logits_flag(seqs),
-            **self._lora(lora_slots(seqs, rows)[token_rows]), **self._expert_load(),
+            **self._lora(lora_slots(seqs, rows)[token_rows]), **self._expert_load(), **self._stage_input((num_tokens, 1)),
         )
         self._keep(draft_kv, hidden, load)
         return self._collect_chunks(chunks, result, pooled, processing(
@@ -255,7 +257,7 @@ class ModelRunner:
             sbatch, config=self.config, draft_config=self._draft_config, **flags,
             **pooling_args(chunks, rows, np.arange(rows)[:, None].repeat(length, 1)),
             **self._hidden_sink(seqs, positions), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
-            **self._expert_load(),
+            **self._expert_load(), **self._stage_input((rows, length)),
         )
         self._keep(draft_kv, hidden, load)
         return self._collect_chunks(chunks, result, pooled, processing(
@@ -290,7 +292,7 @@ class ModelRunner:
         if self.speculative is None:
             return self._launch_decode(decodes, rows, width, num_steps)
         for decode in decodes:
-            self._assert_room_for_guesses(decode)
+            assert_room_for_guesses(decode, self.block_size)
         num_guesses, proposals = [d.guesses for d in decodes], None
         if self.draft is None:
             proposals = ngram_proposals(decodes, self.speculative)
@@ -299,14 +301,6 @@ class ModelRunner:
             num_guesses = [min(k, len(p)) for k, p in zip(num_guesses, proposals)]
         K = self.speculative.num_speculative_tokens if any(num_guesses) else 0
         return self._launch_spec(decodes, rows, width, K, num_guesses, proposals)
-
-    def _assert_room_for_guesses(self, decode: ScheduledDecode) -> None:
-        """The scheduler grew the row's blocks for its guesses (leaving out what max_tokens
-        could not emit): a guess past them would write another sequence's block."""
-        room = len(decode.row.block_ids) * self.block_size - decode.position - 1
-        if decode.guesses > room:
-            raise AssertionError(f"sequence {decode.row.seq_id} was allowed {decode.guesses} guesses "
-                                 f"but holds room for {room}")
 
     def _launch_decode(self, decodes: list[ScheduledDecode], rows: int, width: int, num_steps: int) -> Collect:
         """``num_steps`` tokens for each row (fewer where its blocks end)."""
@@ -317,7 +311,7 @@ class ModelRunner:
             self.params, self.kv, tokens, positions, self._tables(seqs, rows, width), limits, sbatch,
             config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels, **flags,
             **self._hidden_sink(seqs, positions[:, None]), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
-            **self._expert_load(),
+            **self._expert_load(), **self._stage_input((rows, 1)),
         )
         self._keep(None, hidden, load)
         process = processing(seqs, logits, sbatch, flags)
@@ -387,13 +381,19 @@ class ModelRunner:
         """The rows' block tables, one per KV group (``block_table``)."""
         return block_table(seqs, rows, width, self.num_kv_groups)
 
-    def _sampling(self, seqs: list[ScheduledRow], rows: int,
-                  bitmask: np.ndarray | None = None) -> tuple[SamplingBatch, dict]:
+    def _sampling(self, seqs: list[ScheduledRow], rows: int, bitmask: np.ndarray | None = None) -> tuple:
         return sampling_inputs(seqs, rows, self.config.vocab_size, self.eos_ids, bitmask)
 
     def _expert_load(self) -> dict[str, Any]:
         """A program's ``expert_load`` argument (donated); none for a model without experts."""
         return {} if self.expert_load is None else self.expert_load.argument()
+
+    def _stage_input(self, shape: tuple[int, int]) -> dict[str, Any]:
+        """A program's ``hidden_in``: none here (a pipeline's last stage: workers/pipeline/)."""
+        return {}
+
+    def model_flops(self, config: ModelConfig) -> ModelFlops:  # (of the weights this runner holds)
+        return ModelFlops.of(config, self.params)
 
     def take_expert_load(self) -> np.ndarray | None:
         """Tokens routed per (sparse layer, expert) since the last call; None without experts."""

@@ -28,7 +28,8 @@ from raylm.workers.runner.sampler import SampleResult, SamplingBatch, advance, s
     donate_argnames=("kv", "draft_kv", "hidden_buffers", "expert_load"),
 )
 def prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block_tables, context_lens, sbatch,
-                     pool_segments=None, hidden_buffers=None, hidden_where=None, lora=None, expert_load=None, *,
+                     pool_segments=None, hidden_buffers=None, hidden_where=None, lora=None, expert_load=None,
+                     hidden_in=None, *,
                      config, draft_config, num_logprobs, with_penalties, num_pool_segments=0, return_logits=False):
     """Prompt chunks a row each (``tokens [B, S]``), attention by the jnp path (see
     ``packed_prefill_program`` for the kernel's). A draft model (``draft_config``) computes
@@ -73,7 +74,7 @@ def _forward_extras(out: tuple, pool_segments, hidden, expert_load) -> tuple:
 )
 def packed_prefill_program(params, kv, draft_params, draft_kv, tokens, positions, token_rows, block_tables,
                             last_tokens, sbatch, pool_segments=None, hidden_buffers=None, hidden_where=None,
-                            lora=None, expert_load=None, *,
+                            lora=None, expert_load=None, hidden_in=None, *,
                             config, draft_config, num_logprobs, with_penalties, num_pool_segments=0,
                             return_logits=False):
     """Prompt chunks packed one token per row (``tokens [T]``, padding at position -1), attention
@@ -81,15 +82,15 @@ def packed_prefill_program(params, kv, draft_params, draft_kv, tokens, positions
     and ``last_tokens [R]`` each chunk's last token, whose logits are sampled. A draft model
     computes the same tokens into its own pool. ``hidden_*``, ``return_logits``, ``lora`` and
     ``expert_load`` as in ``prefill_program``, one slot and index per token (``[T, 1]``), one
-    LoRA slot per token."""
+    LoRA slot per token; ``hidden_in`` (``[T, 1, D]``) as in ``prefill_program``."""
     hidden = _sink(hidden_buffers, hidden_where)
     context_lens = jnp.where(positions >= 0, positions + 1, 0)
     tables = block_tables[..., token_rows, :]  # ([G,] T, P): per KV group
     logits, kv, pooled, hidden, expert_load = _forward_extras(forward(
         params, config, tokens[:, None], positions[:, None], kv, tables, context_lens, cpu_kernels=True,
         logits_rows=last_tokens, pool_segments=None if pool_segments is None else pool_segments[:, None],
-        num_pool_segments=num_pool_segments, hidden_sink=hidden, lora=lora, expert_load=expert_load),
-        pool_segments, hidden, expert_load)
+        num_pool_segments=num_pool_segments, hidden_sink=hidden, lora=lora, expert_load=expert_load,
+        hidden_in=hidden_in), pool_segments, hidden, expert_load)
     if draft_config is not None:
         _, draft_kv = forward(draft_params, draft_config, tokens[:, None], positions[:, None], draft_kv,
                               full_table(tables), context_lens, cpu_kernels=True, logits_rows=last_tokens[:1])
@@ -103,14 +104,16 @@ def packed_prefill_program(params, kv, draft_params, draft_kv, tokens, positions
     donate_argnames=("kv", "hidden_buffers", "expert_load"),
 )
 def decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, hidden_buffers=None,
-                    hidden_where=None, lora=None, expert_load=None, *, config, num_steps, num_logprobs,
+                    hidden_where=None, lora=None, expert_load=None, hidden_in=None, *, config, num_steps, num_logprobs,
                     with_penalties, cpu_kernels, return_logits=False):
     """``num_steps`` decode steps with sampling in one call; rows stop writing at ``limits``.
     With ``hidden_*`` as in ``prefill_program`` (``[B, 1]``: each row's slot and its index
     at the first step) every step writes its rows' hidden states there, without leaving the
     device; the buffers are returned next (else None), then with ``return_logits`` every
     step's logits ``[num_steps, B, V]`` (else None), then the ``expert_load`` (as in
-    ``prefill_program``, every step's tokens added). ``lora`` as in ``prefill_program``."""
+    ``prefill_program``, every step's tokens added). ``lora`` as in ``prefill_program``; a
+    pipeline's last stage takes ``hidden_in`` (``[B, 1, D]``) and decodes one step."""
+    assert hidden_in is None or num_steps == 1, "a pipeline's stages decode one step at a time"
     hidden = _sink(hidden_buffers, hidden_where)
 
     def step(carry, _):
@@ -118,8 +121,8 @@ def decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, 
         context_lens = jnp.where(positions < limits, positions + 1, 0)
         logits, kv, _, buffers, expert_load = _forward_extras(forward(
             params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens,
-            cpu_kernels=cpu_kernels, hidden_sink=hidden, lora=lora, expert_load=expert_load), None, hidden,
-            expert_load)
+            cpu_kernels=cpu_kernels, hidden_sink=hidden, lora=lora, expert_load=expert_load, hidden_in=hidden_in),
+            None, hidden, expert_load)
         if hidden is not None:
             hidden = hidden._replace(buffers=buffers, index=hidden.index + 1)
         result = sample(logits, sbatch, num_logprobs=num_logprobs, with_penalties=with_penalties)
@@ -129,6 +132,20 @@ def decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, 
     (kv, *_, hidden, expert_load), (results, logits) = jax.lax.scan(
         step, (kv, tokens, positions, sbatch, hidden, expert_load), None, length=num_steps)
     return results, kv, None if hidden is None else hidden.buffers, logits, expert_load
+
+
+@functools.partial(jax.jit, static_argnames=("config", "cpu_kernels"), donate_argnames=("kv", "expert_load"))
+def stage_program(params, kv, tokens, positions, block_tables, context_lens, hidden_in=None, lora=None,
+                  expert_load=None, *, config, cpu_kernels):
+    """A pipeline stage before the last: its layers over ``tokens [B, S]`` (the first stage) or
+    the previous stage's ``hidden_in [B, S, D]``, in whichever layout the last stage's program
+    takes (packed prompt tokens ``[T, 1]``, prompt rows, decode rows ``[B, 1]``). Returns its
+    residual stream ``[B, S, D]`` for the next stage, the pool, and ``expert_load`` (as in
+    ``prefill_program``) or None."""
+    x, kv, *load = forward(params, config, tokens, positions, kv, block_tables, context_lens,
+                           cpu_kernels=cpu_kernels, lora=lora, expert_load=expert_load, hidden_in=hidden_in,
+                           hidden_out=True)
+    return x, kv, (load or [None])[0]
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "with_penalties"))

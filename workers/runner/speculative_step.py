@@ -46,6 +46,15 @@ class DraftModel:
     kv: KVCache
 
 
+def assert_room_for_guesses(decode: ScheduledDecode, block_size: int) -> None:
+    """The scheduler grew the row's blocks for its guesses (leaving out what max_tokens could
+    not emit): a guess past them would write another sequence's block."""
+    room = len(decode.row.block_ids) * block_size - decode.position - 1
+    if decode.guesses > room:
+        raise AssertionError(f"sequence {decode.row.seq_id} was allowed {decode.guesses} guesses "
+                             f"but holds room for {room}")
+
+
 def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_kernels, last_only, lora=None,
                   expert_load=None):
     """``tokens [B, S]`` at ``positions [B, S]`` (-1: padding, real tokens first in a row) of

@@ -26,6 +26,7 @@ from raylm.workers.core.lora_adapters import LoRARequest
 from raylm.workers.core.request_output import RequestOutput
 from raylm.workers.engine.async_engine import AsyncEngine, EngineShutdownError
 from raylm.workers.engine.llm_engine import LLMEngine
+from raylm.workers.pipeline.pipeline_runner import PipelineRunner, stage_locations
 from raylm.workers.serve.deployment_options import DEFAULT_STUCK_AFTER_S, WorkerDeploymentOptions
 from raylm.workers.serve.kv_handoff import publish_computed_kv, refresh_kv_mirror
 from raylm.workers.serve.replica_metrics import EngineStatsReporter, RequestMetricsRecorder
@@ -38,6 +39,8 @@ from raylm.workers.wire.replica_protocol import (
     ReplicaDrainingError,
     RoutingReport,
 )
+
+STAGE_PING_TIMEOUT_S = 10.0  # a pipeline stage that does not answer a ping in this long fails the health check
 
 logger = logging.getLogger("ray.serve")
 
@@ -114,6 +117,7 @@ class LLMWorker:
         self.draining = False
         replica = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.stages = stage_locations(self.engine.llm_engine.runner, self.node_id)
         self.metrics = WorkerMetrics(served_model_name or model, replica)
         self.engine.step_observer = lambda tokens, seconds: self.metrics.observe("raylm_iteration_tokens_total", tokens)
         self._reporter = EngineStatsReporter(self.metrics)
@@ -188,6 +192,9 @@ class LLMWorker:
 
     async def check_health(self) -> None:
         self.engine.check_health(self.stuck_after_s)
+        runner = self.engine.llm_engine.runner
+        if isinstance(runner, PipelineRunner):  # a dead stage fails the replica, even an idle one
+            await asyncio.to_thread(runner.check_stages, STAGE_PING_TIMEOUT_S)
 
     async def stats(self) -> EngineStats:
         """Engine counters (queue, KV pool, tokens, prefix cache, speculation)."""
@@ -200,7 +207,7 @@ class LLMWorker:
             limit, connector = self.max_reported_hashes, engine.kv_connector
             return RoutingReport(engine.stats(), self.node_id, engine.pool.cached_hashes(limit),
                                  shared_hashes=connector.shared_hashes(limit) if connector is not None else [],
-                                 role=self.role)
+                                 role=self.role, stages=self.stages)
 
         report = await self.engine.read_in_engine("routing", snapshot, PERIODIC_READ_WAIT_S)
         started = self.engine.step_started

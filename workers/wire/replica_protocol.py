@@ -104,15 +104,19 @@ class RoutingReport:
     # prompt starting with them costs a load, not a prefill, wherever it goes.
     shared_hashes: list[int] = dataclasses.field(default_factory=list)
     role: str = "both"
+    # A replica split into pipeline stages: each stage's index, layers ``[start, stop)`` and node
+    # (workers/pipeline/); empty for one that holds every layer.
+    stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {"engine": self.engine.as_dict(), "node_id": self.node_id, "block_hashes": self.block_hashes,
-                "busy_s": self.busy_s, "shared_hashes": self.shared_hashes, "role": self.role}
+                "busy_s": self.busy_s, "shared_hashes": self.shared_hashes, "role": self.role, "stages": self.stages}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RoutingReport:
         return cls(EngineStats.from_dict(data["engine"]), data["node_id"], data["block_hashes"],
-                   data.get("busy_s", 0.0), data.get("shared_hashes", []), data.get("role", "both"))
+                   data.get("busy_s", 0.0), data.get("shared_hashes", []), data.get("role", "both"),
+                   data.get("stages", []))
 
 
 def replica_reports(app_name: str = DEFAULT_APP_NAME, timeout_s: float = 10.0) -> dict[str, RoutingReport]:

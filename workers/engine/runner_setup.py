@@ -1,0 +1,72 @@
+"""The runner an engine steps: one ``ModelRunner`` over the replica's mesh, or with
+``pipeline_parallel_size > 1`` a ``PipelineRunner`` over stages (workers/pipeline/)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.decoder.kv_pool import GroupedKV, KVCache
+from raylm.model.loaders.load import LoadedModel
+from raylm.model.runtime.sharding import make_mesh
+from raylm.workers.engine.engine_args import EngineArgs
+from raylm.workers.pipeline.pipeline_runner import LocalStage, PipelineRunner
+from raylm.workers.pipeline.stage_runners import split_layers
+from raylm.workers.pipeline.stage_spec import StageSpec, build_stage
+from raylm.workers.runner.model_runner import ModelRunner
+from raylm.workers.runner.speculative_step import DraftModel
+
+
+def build_runner(model: LoadedModel, config: ModelConfig, args: EngineArgs, max_model_len: int,
+                 eos_ids: frozenset[int], blocks: tuple[int, int | None], kv_dtype: jnp.dtype,
+                 draft: LoadedModel | None) -> ModelRunner | PipelineRunner:
+    """The replica's runner over ``blocks`` pool blocks (and the sliding group's, or None)."""
+    if args.pipeline_parallel_size > 1:
+        return build_pipeline(model, args, max_model_len, eos_ids, blocks[0], kv_dtype)
+    mesh = make_mesh(args.tensor_parallel_size, ep=args.expert_parallel_size)
+    num_blocks, sliding_blocks = blocks
+    return ModelRunner(
+        config, model.params,
+        KVCache.create(config, num_blocks, args.block_size, kv_dtype, mesh) if sliding_blocks is None else
+        GroupedKV.create(config, (num_blocks, sliding_blocks), args.block_size, kv_dtype, mesh),
+        mesh, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len, eos_ids=eos_ids, speculative=args.speculative,
+        draft=DraftModel(
+            draft.config, draft.params, KVCache.create(draft.config, num_blocks, args.block_size, kv_dtype, mesh)
+        ) if draft else None,
+        hidden_state_buffers=(args.hidden_state_slots, args.hidden_state_max_tokens),
+        lora_buffers=(args.max_loras, args.max_lora_rank, args.lora_dtype) if args.enable_lora else None,
+    )
+
+
+def stage_specs(model: LoadedModel, args: EngineArgs, max_model_len: int, eos_ids: frozenset[int],
+                num_blocks: int, kv_dtype: jnp.dtype) -> list[StageSpec]:
+    """Every stage's spec: its layers and the replica's shared shapes."""
+    return [
+        StageSpec(
+            span=span, model_path=str(model.path), dtype=args.dtype, quantization=args.quantization,
+            keep_blocks=args.keep_gguf_blocks(), activation_quantization=args.activation_quantization,
+            num_blocks=num_blocks, block_size=args.block_size, kv_dtype=jnp.dtype(kv_dtype).name,
+            tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len, eos_ids=eos_ids,
+            lora_buffers=(args.max_loras, args.max_lora_rank, args.lora_dtype) if args.enable_lora else None,
+            compilation_cache_dir=args.compilation_cache_dir,
+        )
+        for span in split_layers(model.config.num_layers, args.pipeline_parallel_size)
+    ]
+
+
+def build_pipeline(model: LoadedModel, args: EngineArgs, max_model_len: int, eos_ids: frozenset[int],
+                   num_blocks: int, kv_dtype: jnp.dtype) -> PipelineRunner:
+    """The stages: the last in this process from ``model`` (the engine's, whole or its slice),
+    the others started where ``args.pipeline_placement`` says, each reading its own layers."""
+    specs = stage_specs(model, args, max_model_len, eos_ids, num_blocks, kv_dtype)
+    if args.pipeline_placement == "local":
+        stages = [LocalStage(build_stage(spec, model if model.layers is None else None), spec.span)
+                  for spec in specs[:-1]]
+    else:
+        from raylm.workers.pipeline.ray_stages import start_ray_stages
+
+        stages = start_ray_stages(specs[:-1], args.pipeline_placement)
+    return PipelineRunner(stages, build_stage(specs[-1], model), specs[-1].span)
