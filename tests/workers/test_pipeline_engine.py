@@ -19,6 +19,7 @@ from raylm.model.quantization.quant_array import weight_bytes
 from raylm.workers.core.lora_adapters import LoRARequest
 from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.llm import LLM
+from raylm.workers.pipeline.micro_batches import plan_sequences
 from raylm.workers.pipeline.stage_runners import split_layers
 from tests.checkpoints import build_tiny_checkpoint
 from tests.lora_adapters import MODULES, write_adapter
@@ -57,6 +58,24 @@ def test_stages_greedy_equal_hf(families, name, stages):
     assert llm.engine.stats().pool.prefix_hits > 0
     assert [(s.start, s.stop) for s in llm.engine.runner.spans] == \
         [(s.start, s.stop) for s in split_layers(llm.engine.config.num_layers, stages)]
+
+
+def test_micro_batches_are_in_flight_together_with_disjoint_sequences(families):
+    """The engine keeps one plan per stage in flight, each of different sequences."""
+    path, prompts, expected = families("qwen3")
+    llm = LLM(str(path), pipeline_parallel_size=2, pipeline_placement="local", num_kv_blocks=64)
+    submitted, submit = [], llm.engine.runner.submit
+
+    def spy(plan):
+        held = [plan_sequences(p) for p, *_ in llm.engine.in_flight]
+        submitted.append((held, plan_sequences(plan)))
+        return submit(plan)
+
+    llm.engine.runner.submit = spy
+    assert [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), GREEDY)] == expected
+    together = [(held, new) for held, new in submitted if held]
+    assert len(together) > NEW_TOKENS // 2  # most rounds start a plan while one is in flight
+    assert all(new.isdisjoint(ids) for held, new in together for ids in held)
 
 
 def test_expert_load_counts_every_stage_layer(families):

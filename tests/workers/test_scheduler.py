@@ -375,3 +375,39 @@ def test_update_from_output_stops_at_eos_within_a_multi_step_run():
     scheduler.update_from_output(plan, RunnerOutput({seq.seq_id: [SAMPLE, eos, SAMPLE, SAMPLE]}), scheduled_at=0.0)
     assert seq.output_ids == [TOKEN, TOKEN, 2] and seq.finish_reason == "stop"
     assert scheduler.running == [] and scheduler.blocks.pool.num_free_blocks == 8
+
+
+# -- a pipeline's micro-batches -----------------------------------------------------------------------
+def test_plans_in_flight_hold_their_sequences_out_of_the_next_plan():
+    """A pipeline plans its next micro-batch while others are in flight: their sequences keep
+    their slots and blocks but are neither scheduled nor preempted, and a row cap splits the
+    active sequences evenly between plans."""
+    scheduler = _scheduler(usable_blocks=12, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = [_seq(6) for _ in range(4)]
+    _add(scheduler, *seqs)
+    first = scheduler.schedule(max_rows=2)
+    assert [s for s, _ in _chunks(first)] == seqs[:2]
+    in_flight = {s.seq_id for s in seqs[:2]}
+    second = scheduler.schedule(in_flight, max_rows=2)
+    assert [s for s, _ in _chunks(second)] == seqs[2:]
+    assert len(scheduler.running) == 4  # held sequences are back in ``running``
+    _apply(scheduler, first)
+    # The first plan's sequences decode next; the second's are in flight and must not be planned,
+    # nor preempted when blocks run short (4 sequences x 2 blocks + growth in a 12-block pool).
+    third = scheduler.schedule({s.seq_id for s in seqs[2:]}, max_rows=2)
+    assert _decoded(third) == seqs[:2] and not third.prefills
+    assert all(s.status == SequenceStatus.RUNNING for s in seqs)
+    # Slots held by plans in flight count: with 4 slots all taken, nothing new is admitted.
+    late = _seq(3)
+    _add(scheduler, late)
+    assert late not in [s for s, _ in _chunks(scheduler.schedule(in_flight | {s.seq_id for s in seqs[2:]}))]
+
+
+def test_a_sequence_aborted_while_its_plan_is_in_flight_is_skipped_by_its_update():
+    scheduler = _scheduler()
+    a, b = _seq(5), _seq(5)
+    _add(scheduler, a, b)
+    plan = scheduler.schedule()
+    scheduler.abort(a)
+    _apply(scheduler, plan)
+    assert a.status == SequenceStatus.FINISHED and b.output_ids == [TOKEN]

@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable
+from typing import Collection, Iterable
 
 from raylm.cache.block_tables import BlockManager, PrefixLookup
 from raylm.cache.offload.connector import KVConnector
 from raylm.workers.core.hidden_states import HiddenStateSlots
 from raylm.workers.core.kv_loads import COMPUTE, LOADING, KVLoads
 from raylm.workers.core.lora_adapters import LoraSlots
+from raylm.workers.core.plan_rows import reuses_cached_prefix, scheduled_chunk, scheduled_decode
 from raylm.workers.core.sequence import Sequence, SequenceStatus
 from raylm.workers.core.speculation import SpecDecodeStats
-from raylm.workers.core.step_plan import ScheduledChunk, ScheduledDecode, ScheduledRow, SchedulerOutput
+from raylm.workers.core.step_plan import ScheduledChunk, ScheduledDecode, SchedulerOutput
 from raylm.workers.core.step_result import RunnerOutput
 from raylm.workers.engine.engine_args import EngineArgs
 from raylm.workers.runner.sampler import SampleResult
@@ -85,6 +86,7 @@ class Scheduler:
         self.lora_slots = lora_slots  # None: LoRA is off (no sequence has an adapter)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self._held_slots, self._row_cap = 0, None  # during a ``schedule`` with sequences held out
         self.loads: KVLoads | None = None  # sequences loading blocks from KV offload tiers; None: offload is off
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompt (and recomputed) tokens computed, lifetime
@@ -153,7 +155,7 @@ class Scheduler:
             victim = self._victim()
             if victim.priority <= best.priority:
                 return
-            short_of_slots = len(self.running) >= self.config.max_num_seqs
+            short_of_slots = len(self.running) >= self._slots()
             if not short_of_slots and self.blocks.can_grow(best, chunk):
                 return
             self._preempt(victim, preempted)
@@ -188,7 +190,30 @@ class Scheduler:
         seq.num_cached_tokens = lookup.hit_blocks * self.blocks.block_size
         self.blocks.pool.record_prefix_lookup(seq.num_tokens, seq.num_cached_tokens)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: Collection[int] = (), max_rows: int | None = None) -> SchedulerOutput:
+        """Plan a step. A pipeline keeps several plans in flight (workers/pipeline/micro_batches.py):
+        their sequences (``in_flight``, by id) keep their slots and blocks but are neither
+        scheduled nor preempted by this plan, and ``max_rows`` caps the sequences it takes (running
+        ones first, in policy order; the rest wait for the next plan), so plans come out even."""
+        if not in_flight and max_rows is None:
+            return self._schedule()
+        self.running.sort(key=lambda s: s.order_key(self._by_priority))
+        free = [s for s in self.running if s.seq_id not in in_flight]
+        visible = free[:max_rows] if max_rows is not None else free
+        held = [s for s in self.running if s not in visible]
+        self.running, self._held_slots, self._row_cap = visible, len(held), max_rows
+        try:
+            return self._schedule()
+        finally:
+            self.running, self._held_slots, self._row_cap = self.running + held, 0, None
+
+    def _slots(self) -> int:
+        """Sequence slots this plan may fill: ``max_num_seqs`` less those of sequences held out
+        of it (``schedule``), at most its row cap."""
+        slots = self.config.max_num_seqs - self._held_slots
+        return slots if self._row_cap is None else min(slots, self._row_cap)
+
+    def _schedule(self) -> SchedulerOutput:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         self.chunk_capped = False
@@ -229,18 +254,18 @@ class Scheduler:
                 continue
             self.blocks.grow(seq, want)
             if seq.runs_as_chunk:
-                prefills.append(_chunk(seq, want))
+                prefills.append(scheduled_chunk(seq, want))
                 self.chunk_capped |= capped
                 budget -= want
             else:
-                decodes.append(_decode(seq, want - 1 if lookahead and want > 1 else 0))
+                decodes.append(scheduled_decode(seq, want - 1 if lookahead and want > 1 else 0))
                 budget -= 1
 
         # 2. Admit waiting sequences in policy order while slots, budget and blocks allow.
         self.waiting.sort(key=lambda s: s.order_key(self._by_priority))
         admitted: list[Sequence] = []
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) + len(admitted) + self.num_loading >= cfg.max_num_seqs:
+            if budget <= 0 or len(self.running) + len(admitted) + self.num_loading >= self._slots():
                 break
             if seq in preempted:
                 break  # do not re-admit what this step just evicted
@@ -248,7 +273,7 @@ class Scheduler:
                 continue  # waits for a hidden-state buffer; others go ahead
             if not self._acquire_lora(seq):
                 continue  # waits for a slot for its adapter; others go ahead
-            lookup = self.blocks.reuse_cached_prefix(seq) if _reuses_cached_prefix(seq) else None
+            lookup = self.blocks.reuse_cached_prefix(seq) if reuses_cached_prefix(seq) else None
             load = self.loads.start(seq, lookup) if lookup is not None and self.loads is not None else COMPUTE
             if load != COMPUTE:  # waits for its blocks (or for another's load of them); others go ahead
                 self._wait_for_load(seq, lookup, started=load == LOADING)
@@ -266,9 +291,9 @@ class Scheduler:
             self.chunk_capped |= capped
             budget -= want
             if want > 1 or seq.runs_as_chunk:
-                prefills.append(_chunk(seq, want))
+                prefills.append(scheduled_chunk(seq, want))
             else:
-                decodes.append(_decode(seq, 0))
+                decodes.append(scheduled_decode(seq, 0))
         for seq in admitted:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
@@ -330,7 +355,7 @@ class Scheduler:
     def _may_admit(self) -> bool:
         """Whether a waiting sequence may start this step: one is waiting and a slot is free
         (whether its blocks fit is left to the admission itself)."""
-        return bool(self.waiting) and len(self.running) + self.num_loading < self.config.max_num_seqs
+        return bool(self.waiting) and len(self.running) + self.num_loading < self._slots()
 
     def _decode_steps(self) -> int:
         """Decode steps for a step without prompts: ``num_scheduler_steps``, or one while
@@ -361,7 +386,8 @@ class Scheduler:
         by_id = {seq.seq_id: seq for seq in self.running}
         progressed = []
         for chunk in plan.prefills:
-            seq = by_id[chunk.row.seq_id]
+            if (seq := by_id.get(chunk.row.seq_id)) is None:
+                continue  # aborted while its pipeline micro-batch was in flight
             seq.num_computed_tokens += chunk.num_tokens
             self.num_prompt_tokens += chunk.num_tokens
             seq.first_scheduled_time = seq.first_scheduled_time or scheduled_at
@@ -373,7 +399,8 @@ class Scheduler:
             self._advance(seq, output)
             progressed.append(seq)
         for decode in plan.decodes:
-            seq = by_id[decode.row.seq_id]
+            if (seq := by_id.get(decode.row.seq_id)) is None:
+                continue
             seq.num_computed_tokens += 1  # the fed-back last token; further steps count below
             seq.first_scheduled_time = seq.first_scheduled_time or scheduled_at
             self._advance(seq, output)  # no samples: its logits processor failed
@@ -416,35 +443,3 @@ class Scheduler:
         ``draft_lag`` tokens recomputes those first)."""
         self.blocks.release_out_of_window(seq, seq.num_computed_tokens - seq.draft_lag)
 
-
-def _row(seq: Sequence) -> ScheduledRow:
-    """What the runner needs of ``seq`` this step (its blocks as grown for the step)."""
-    hidden = seq.hidden
-    return ScheduledRow(
-        seq.seq_id, seq.request_id, tuple(seq.block_ids), seq.params, seq.seed, seq.prompt_ids, seq.output_ids,
-        seq.matcher, hidden.slot if hidden is not None else None, hidden.start if hidden is not None else 0,
-        seq.lora_slot,
-        tuple(seq.sliding_block_ids),
-    )
-
-
-def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
-    """``seq``'s next ``num_tokens`` uncomputed tokens as a prompt chunk."""
-    start = seq.num_computed_tokens
-    return ScheduledChunk(_row(seq), start, tuple(seq.all_ids[start : start + num_tokens]),
-                          start + num_tokens == seq.num_tokens, seq.embedding is not None)
-
-
-def _decode(seq: Sequence, guesses: int) -> ScheduledDecode:
-    """``seq``'s last known token fed back (with the tokens its draft model is behind by)."""
-    last = seq.num_tokens - 1
-    window = tuple(seq.token_at(i) for i in range(last - seq.draft_lag, last + 1))
-    return ScheduledDecode(_row(seq), last, window, guesses)
-
-
-def _reuses_cached_prefix(seq: Sequence) -> bool:
-    """Whether ``seq`` may skip cached prompt blocks: not when it needs the hidden states of
-    every prompt token (mean-pooled embeddings, hidden states with the prompt)."""
-    if seq.embedding is not None and not seq.embedding.reuses_cached_prefix:
-        return False
-    return seq.hidden is None or not seq.hidden.includes_prompt

@@ -6,6 +6,7 @@ thread and ``LLM`` from a plain loop.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import random
@@ -17,15 +18,12 @@ import numpy as np
 
 from raylm.cache.block_pool import NULL_BLOCK, BlockPool
 from raylm.cache.block_tables import BlockManager
-from raylm.cache.kv_budget import blocks_for_budget, group_blocks_for_budget
-from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.flop_count import ModelFlops
 from raylm.model.decoder.kv_pool import kv_pool_dtype
 from raylm.model.errors import PromptTooLongError
 from raylm.model.loaders.load import LoadedModel, parse_dtype
 from raylm.model.quantization.activations import with_int8_activations
 from raylm.model.runtime.backend_support import check_fp8
-from raylm.model.runtime.buckets import cdiv
 from raylm.model.runtime.compilation_cache import enable_compilation_cache
 from raylm.model.text.prompt_checks import check_prompt
 from raylm.workers.core.embedding import EmbeddingState
@@ -42,8 +40,9 @@ from raylm.workers.core.sequence import Sequence
 from raylm.workers.engine.engine_args import EngineArgs
 from raylm.workers.engine.kv_offload_setup import make_connector
 from raylm.workers.engine.progress import StderrProgress
-from raylm.workers.engine.runner_setup import build_runner
+from raylm.workers.engine.runner_setup import build_runner, kv_block_counts
 from raylm.workers.engine.step_work import StepCounters
+from raylm.workers.pipeline.micro_batches import micro_batch_bounds
 from raylm.workers.pipeline.pipeline_runner import PipelineRunner
 from raylm.workers.pipeline.support import check_pipeline, largest_stage, last_stage_layers
 from raylm.workers.runner.draft_model import load_draft
@@ -91,7 +90,9 @@ class LLMEngine:
             enable_compilation_cache(args.compilation_cache_dir)
         check_pipeline(args, self.config)
         kv_dtype = kv_pool_dtype(args.kv_cache_dtype, parse_dtype(args.dtype))
-        num_blocks, sliding_blocks = self._kv_block_counts(kv_dtype, draft.config if draft else None)
+        num_blocks, sliding_blocks = kv_block_counts(
+            largest_stage(self.config, args.pipeline_parallel_size), args, kv_dtype, draft.config if draft else None,
+            self._max_step_tokens(prompts=False))
         self.pool = BlockPool(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
         # Interleaved sliding and full-attention layers: the sliding layers keep a KV group (block
         # tables, pool, device arrays) of their own, whose blocks go back behind the window.
@@ -143,6 +144,7 @@ class LLMEngine:
         self._seeds = random.Random(args.seed)
         self.num_requests = 0
         self.last_step_tokens = 0  # tokens the latest step computed (prefill chunks + decode steps)
+        self.in_flight: collections.deque = collections.deque()  # (plan, runner's pending step, planned at)
 
     def _use_kv_offload(self, args: EngineArgs, model: LoadedModel, draft: LoadedModel | None) -> None:
         """Keep blocks beyond the pool in the tiers ``args.kv_offload`` turns on (cache/offload/)."""
@@ -154,24 +156,6 @@ class LLMEngine:
             args.num_devices, self.runner.cpu_kernels)
         self.blocks.record_commits = True
         self.scheduler.use_kv_offload(self.kv_connector)
-
-    def _kv_block_counts(self, kv_dtype, draft_config: ModelConfig | None) -> tuple[int, int | None]:
-        """Blocks of the pool (of the full-attention group's, with a sliding group) and of the
-        sliding group's (None without one). ``num_kv_blocks`` gives each group that many;
-        a memory budget gives the sliding group what its sequences can hold at once (each
-        running sequence its window and a decode step, a step's prompt chunks on top, a block
-        of misalignment each), as far as an even split allows, and the full group the rest."""
-        args, config = self.args, largest_stage(self.config, self.args.pipeline_parallel_size)
-        window = config.sliding_window
-        if args.num_kv_blocks:
-            return args.num_kv_blocks, None if window is None else args.num_kv_blocks
-        budget = (args.kv_cache_memory_bytes, args.kv_cache_memory_fraction)
-        if window is None:
-            return blocks_for_budget(config, args.block_size, kv_dtype, *budget, draft_config=draft_config), None
-        decode = self._max_step_tokens(prompts=False)
-        wanted = (args.max_num_seqs * (cdiv(window + decode, args.block_size) + 2)
-                  + cdiv(args.max_num_batched_tokens, args.block_size) + 1)
-        return group_blocks_for_budget(config, args.block_size, kv_dtype, *budget, wanted, draft_config=draft_config)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -306,22 +290,28 @@ class LLMEngine:
         return stream_request_output(state, final=True)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.in_flight)
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling round; returns the outputs of requests that made progress."""
-        plan = self.scheduler.schedule()
+        """One round: plan and start steps while the runner takes more (one; a pipeline one per
+        stage: micro-batches, each stage computing one while the next computes the one before),
+        then finish the oldest; returns the outputs of requests that made progress."""
         self.last_step_tokens = 0
-        if plan.kv_writes:
-            self.pool_blocks.write(plan.kv_writes)
-        if plan.empty:
+        while len(self.in_flight) < self.runner.max_in_flight:
+            plan = self.scheduler.schedule(*micro_batch_bounds(self.scheduler, self.in_flight, self.runner.max_in_flight))
+            if plan.kv_writes:
+                self.pool_blocks.write(plan.kv_writes)
+            if plan.empty:
+                break
+            self.in_flight.append((plan, self.runner.submit(plan), time.monotonic()))
+        if not self.in_flight:
             if self.scheduler.num_loading:  # nothing to compute until a load ends: wait for one, not spin
                 self.kv_connector.wait(LOAD_WAIT_S)
             return []
+        plan, pending, scheduled_at = self.in_flight.popleft()
         self.last_step_tokens = plan.num_tokens
-        scheduled_at = time.monotonic()
-        output = self.runner.execute(plan)
+        output = self.runner.finish(pending)
         self.step_counters.add(plan, output, time.monotonic() - scheduled_at)
         progressed = self.scheduler.update_from_output(plan, output, scheduled_at)
         if self.kv_connector is not None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from raylm.cache.kv_budget import blocks_for_budget, group_blocks_for_budget
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.kv_pool import GroupedKV, KVCache
 from raylm.model.loaders.load import LoadedModel
+from raylm.model.runtime.buckets import cdiv
 from raylm.model.runtime.sharding import make_mesh
 from raylm.workers.engine.engine_args import EngineArgs
 from raylm.workers.pipeline.pipeline_runner import LocalStage, PipelineRunner
@@ -70,3 +72,22 @@ def build_pipeline(model: LoadedModel, args: EngineArgs, max_model_len: int, eos
 
         stages = start_ray_stages(specs[:-1], args.pipeline_placement)
     return PipelineRunner(stages, build_stage(specs[-1], model), specs[-1].span)
+
+
+def kv_block_counts(config: ModelConfig, args: EngineArgs, kv_dtype: jnp.dtype, draft_config: ModelConfig | None,
+                    decode_tokens: int) -> tuple[int, int | None]:
+    """Blocks of the pool (of the full-attention group's, with a sliding group) and of the
+    sliding group's (None without one), for a replica (or its largest pipeline stage) of
+    ``config``. ``num_kv_blocks`` gives each group that many; a memory budget gives the sliding
+    group what its sequences can hold at once (each running sequence its window and a decode step
+    of ``decode_tokens``, a step's prompt chunks on top, a block of misalignment each), as far as
+    an even split allows, and the full group the rest."""
+    window = config.sliding_window
+    if args.num_kv_blocks:
+        return args.num_kv_blocks, None if window is None else args.num_kv_blocks
+    budget = (args.kv_cache_memory_bytes, args.kv_cache_memory_fraction)
+    if window is None:
+        return blocks_for_budget(config, args.block_size, kv_dtype, *budget, draft_config=draft_config), None
+    wanted = (args.max_num_seqs * (cdiv(window + decode_tokens, args.block_size) + 2)
+              + cdiv(args.max_num_batched_tokens, args.block_size) + 1)
+    return group_blocks_for_budget(config, args.block_size, kv_dtype, *budget, wanted, draft_config=draft_config)

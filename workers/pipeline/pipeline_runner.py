@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Any, Callable, Iterable, Protocol
 
 import numpy as np
@@ -92,6 +91,16 @@ class LocalStage:
         pass
 
 
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A plan started on the stages before the last: their output so far (a stage's ``run``
+    result), and the packed prompt buckets the launches were grouped without."""
+
+    plan: SchedulerOutput
+    output: Any
+    packed_unavailable: frozenset[int]
+
+
 class PipelineRunner:
     """Stages before the last (``stages``) and the last (``last``, this process's)."""
 
@@ -99,22 +108,34 @@ class PipelineRunner:
         self.stages, self.last, self.last_span = stages, last, last_span
         self.buckets, self.cpu_kernels, self.block_size = last.buckets, last.cpu_kernels, last.block_size
         self.packed_unavailable: frozenset[int] = frozenset()
-        self.last_step_seconds = 0.0  # the latest step's wall time through every stage
 
     @property
     def spans(self) -> list[StageSpan]:
         return [s.span for s in self.stages] + [self.last_span]
 
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        """Run ``plan`` through every stage, the last in this process."""
-        started = time.monotonic()
+    @property
+    def max_in_flight(self) -> int:
+        """Plans the engine keeps in the stages at once: one per stage (micro-batches; the engine
+        plans them apart: ``Scheduler.schedule``'s ``in_flight``)."""
+        return len(self.stages) + 1
+
+    def submit(self, plan: SchedulerOutput) -> InFlight:
+        """Start ``plan`` on the stages before the last (a Ray stage's call returns at once, its
+        output going on to the next stage node to node); ``finish`` completes it."""
         output: Any = ()
         for stage in self.stages:
             output = stage.run(plan, output, self.packed_unavailable)
-        self.last.packed_unavailable = self.packed_unavailable
-        result = self.last.execute_after(plan, self.stages[-1].resolve(output), self.last_span)
-        self.last_step_seconds = time.monotonic() - started
-        return result
+        return InFlight(plan, output, self.packed_unavailable)
+
+    def finish(self, pending: InFlight) -> RunnerOutput:
+        """Wait for the stages before the last and run the last on ``pending``'s plan: its output."""
+        hidden = self.stages[-1].resolve(pending.output)
+        self.last.packed_unavailable = pending.packed_unavailable  # (the launches of the other stages)
+        return self.last.execute_after(pending.plan, hidden, self.last_span)
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run ``plan`` through every stage, the last in this process."""
+        return self.finish(self.submit(plan))
 
     # -- what the engine asks of a runner ---------------------------------------------------------
     def warmup_shapes(self, num_scheduler_steps: int) -> list[tuple[str, tuple[int, ...]]]:

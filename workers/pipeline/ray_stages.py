@@ -59,7 +59,9 @@ class PipelineStageActor:
     def matrix_params(self, config: ModelConfig) -> int:
         return self.runner.model_flops(config).matrix_params
 
+    @ray.method(concurrency_group="health")
     def ping(self) -> bool:
+        """Answers while a step runs (its own thread): the replica's health check asks it."""
         return True
 
     def describe(self) -> dict[str, Any]:
@@ -130,14 +132,15 @@ def start_ray_stages(specs: list[StageSpec], placement: str, bundle: dict[str, f
     first_bundle = 1
     if group is None or group.bundle_count < len(specs) + 1:
         group, first_bundle = _own_group(len(specs), placement, bundle or {"CPU": 1.0}), 0
-    remote = ray.remote(PipelineStageActor)
+    # Steps run one at a time in their order (the default group: one thread); pings beside them.
+    remote = ray.remote(concurrency_groups={"health": 1})(PipelineStageActor)
     actors = []
     for i, spec in enumerate(specs):
         strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=first_bundle + i)
         resources = group.bundle_specs[first_bundle + i]
         actors.append(remote.options(
             num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0), memory=resources.get("memory"),
-            scheduling_strategy=strategy, max_restarts=0, max_concurrency=2,  # (a ping answers during a step)
+            scheduling_strategy=strategy, max_restarts=0,
             runtime_env={"env_vars": env_vars} if env_vars else None,
         ).remote(spec))
     stages = [RayStage(actor, spec.span) for actor, spec in zip(actors, specs)]

@@ -66,7 +66,7 @@ from raylm.workers.runner.programs import (
     prefill_program,
     read_hidden,
 )
-from raylm.workers.runner.sampler import SampleResult
+from raylm.workers.runner.sampler import SampleResult, result_row
 from raylm.workers.runner.speculative_step import (
     DraftModel,
     assert_room_for_guesses,
@@ -167,8 +167,7 @@ class ModelRunner:
         smallest, first_packed = self.buckets.row_buckets()[0], self.first_packed_bucket()
         return sum(compiled_first(shape, smallest, first_packed) for shape in self.warmup_shapes(num_scheduler_steps))
 
-    def first_packed_bucket(self) -> int:
-        """The one packed prompt bucket a served engine compiles before it serves."""
+    def first_packed_bucket(self) -> int:  # the one packed prompt bucket a served engine compiles before it serves
         return first_packed_bucket(self.buckets.token_buckets())
 
     def warmup(self, num_scheduler_steps: int, shapes: list[tuple[str, tuple[int, ...]]],
@@ -183,6 +182,14 @@ class ModelRunner:
             self.lora.load(1, None)
 
     # -- a step -----------------------------------------------------------------------------------
+    max_in_flight = 1  # plans the engine may start before it finishes one (a pipeline's: one per stage)
+
+    def submit(self, plan: SchedulerOutput) -> RunnerOutput:
+        return self.execute(plan)  # (one replica's step runs at once: its output is what ``finish`` returns)
+
+    def finish(self, output: RunnerOutput) -> RunnerOutput:
+        return output
+
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one engine step: the plan's block copies, its prompt chunks, and
         ``num_decode_steps`` tokens for its decodes, or, with speculative decoding, each
@@ -227,8 +234,7 @@ class ModelRunner:
             self.draft.kv = copy_blocks_program(self.draft.kv, src, dst, cpu_kernels=self.cpu_kernels)
 
     def _lora(self, slots: np.ndarray) -> dict[str, Any]:
-        """A program's ``lora`` argument: the slots and each forward row's slot; none when LoRA
-        is off (the program without it: an argument given as None is another jit signature)."""
+        """A program's ``lora`` argument (slots, each row's slot); none when LoRA is off (None: another signature)."""
         return {} if self.lora is None else self.lora.batch(slots)
 
     def _launch_packed_prefill(self, chunks: list[ScheduledChunk], num_tokens: int) -> Collect:
@@ -279,7 +285,7 @@ class ModelRunner:
             if process is not None:
                 fetched = process(fetched, out)
             out.draft_lags.update((c.row.seq_id, 0) for c in chunks)
-            out.samples.update((seq_id, [_row(fetched, r)]) for seq_id, r in sampled
+            out.samples.update((seq_id, [result_row(fetched, r)]) for seq_id, r in sampled
                                if seq_id not in out.processor_failures)
 
         return collect
@@ -319,10 +325,10 @@ class ModelRunner:
         def collect(out: RunnerOutput) -> None:
             fetched = jax.device_get(results)
             if process is not None:  # one step (rows with processors decode one at a time)
-                fetched = SampleResult(*(a[None] for a in process(_row(fetched, 0), out, 0)))
+                fetched = SampleResult(*(a[None] for a in process(result_row(fetched, 0), out, 0)))
             for r, seq in enumerate(seqs):
                 if seq.seq_id not in out.processor_failures:
-                    out.samples[seq.seq_id] = [_row(fetched, (i, r)) for i in range(int(limits[r] - positions[r]))]
+                    out.samples[seq.seq_id] = [result_row(fetched, (i, r)) for i in range(int(limits[r] - positions[r]))]
 
         return collect
 
@@ -372,7 +378,7 @@ class ModelRunner:
                 # The draft computed the window and its guesses but the last: after a fully
                 # accepted run it is one token behind the target.
                 out.draft_lags[seq.seq_id] = int(self.draft is not None and 0 < drafted[r] == a)
-                out.samples[seq.seq_id] = [_row(fetched, (j, r)) for j in range(a + 1)]
+                out.samples[seq.seq_id] = [result_row(fetched, (j, r)) for j in range(a + 1)]
 
         return collect
 
@@ -395,8 +401,7 @@ class ModelRunner:
     def model_flops(self, config: ModelConfig) -> ModelFlops:  # (of the weights this runner holds)
         return ModelFlops.of(config, self.params)
 
-    def take_expert_load(self) -> np.ndarray | None:
-        """Tokens routed per (sparse layer, expert) since the last call; None without experts."""
+    def take_expert_load(self) -> np.ndarray | None:  # tokens routed per (sparse layer, expert) since the last call
         return None if self.expert_load is None else self.expert_load.take()
 
     def _hidden_sink(self, seqs: list[ScheduledRow | None], positions: np.ndarray) -> dict[str, Any]:
@@ -412,8 +417,7 @@ class ModelRunner:
         return np.asarray(jax.device_get(layers))[:, :count].copy()
 
     @property
-    def _draft_args(self) -> tuple:
-        """(params, kv) of the draft model, (None, None) without one."""
+    def _draft_args(self) -> tuple:  # (params, kv) of the draft model, (None, None) without one
         return (self.draft.params, self.draft.kv) if self.draft else (None, None)
 
     @property
@@ -444,7 +448,3 @@ def _cpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV) -> bool:
         and kv.dtype in paged_decode.SUPPORTED_POOL_DTYPES
     )
 
-
-def _row(result: SampleResult, index: int | tuple[int, int]) -> SampleResult:
-    """Row ``index`` of a fetched sample batch: ``r``, or ``(step, r)`` of a multi-token one."""
-    return SampleResult(*(np.asarray(a)[index] for a in result))

@@ -224,3 +224,8 @@ def advance(s: SamplingBatch, tokens: jax.Array) -> SamplingBatch:
         s, output_index=s.output_index + 1, min_tokens_left=jnp.maximum(s.min_tokens_left - 1, 0),
         output_counts=counts,
     )
+
+
+def result_row(result: SampleResult, index: int | tuple[int, int]) -> SampleResult:
+    """Row ``index`` of a fetched sample batch: ``r``, or ``(step, r)`` of a multi-token one."""
+    return SampleResult(*(np.asarray(a)[index] for a in result))
