@@ -46,6 +46,9 @@ class StageHandle(Protocol):
     def matrix_params(self, config: ModelConfig) -> int:
         """Weights a token multiplies in the stage's layers (``ModelFlops.matrix_params``)."""
 
+    def busy_seconds(self) -> float:
+        """Seconds the stage has spent in steps so far."""
+
     def alive(self, timeout: float) -> bool:
         """Whether the stage answers a ping within ``timeout`` seconds (even while it steps)."""
 
@@ -79,6 +82,9 @@ class LocalStage:
 
     def matrix_params(self, config: ModelConfig) -> int:
         return self.runner.model_flops(config).matrix_params
+
+    def busy_seconds(self) -> float:
+        return self.runner.busy_seconds
 
     def alive(self, timeout: float) -> bool:
         return True
@@ -169,6 +175,11 @@ class PipelineRunner:
 
     def read_hidden_states(self, *args: Any) -> np.ndarray:
         raise RuntimeError("hidden-state extraction is refused with pipeline parallelism (engine arguments)")
+
+    def stage_busy_seconds(self) -> list[float]:
+        """Seconds each stage has spent in steps so far, in stage order: over a stretch of wall
+        time, one minus a stage's share of it is that stage's bubble fraction."""
+        return [stage.busy_seconds() for stage in self.stages] + [self.last.busy_seconds]
 
     def check_stages(self, timeout: float) -> None:
         """Raise, naming it, if a stage does not answer within ``timeout`` seconds (dead, or its

@@ -59,6 +59,9 @@ class PipelineStageActor:
     def matrix_params(self, config: ModelConfig) -> int:
         return self.runner.model_flops(config).matrix_params
 
+    def busy_seconds(self) -> float:
+        return self.runner.busy_seconds
+
     @ray.method(concurrency_group="health")
     def ping(self) -> bool:
         """Answers while a step runs (its own thread): the replica's health check asks it."""
@@ -96,6 +99,9 @@ class RayStage:
 
     def matrix_params(self, config: ModelConfig) -> int:
         return ray.get(self.actor.matrix_params.remote(config), timeout=STAGE_RESULT_TIMEOUT_S)
+
+    def busy_seconds(self) -> float:
+        return ray.get(self.actor.busy_seconds.remote(), timeout=STAGE_RESULT_TIMEOUT_S)
 
     def describe(self) -> dict[str, Any]:
         return ray.get(self.actor.describe.remote(), timeout=30)

@@ -21,6 +21,7 @@ cannot be pickled to another process).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
 import jax
@@ -105,11 +106,13 @@ class HiddenStageRunner(ModelRunner):
         self.first = first
         self._hidden_in: list[Any] | None = None  # the previous stage's, during ``run`` (None: warm-up)
         self._handoff: list[jax.Array] = []
+        self.busy_seconds = 0.0  # spent in steps (a pipeline's bubbles are the rest of the wall time)
 
     def run(self, plan: SchedulerOutput, hidden: Sequence[np.ndarray] = ()) -> list[np.ndarray]:
         """Run the stage's layers over ``plan`` (a ``stage_plan``), the first stage from its
         tokens, the others from ``hidden`` (the previous stage's ``run``); return each launch's
         residual stream."""
+        started = time.perf_counter()
         self._hidden_in, self._handoff = list(hidden), []
         try:
             self.execute(plan)
@@ -118,6 +121,7 @@ class HiddenStageRunner(ModelRunner):
             return [np.asarray(h) for h in jax.device_get(self._handoff)]
         finally:
             self._hidden_in, self._handoff = None, []
+            self.busy_seconds += time.perf_counter() - started
 
     def _forward(self, seqs: list[ScheduledRow], tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray,
                  context: np.ndarray, slots: np.ndarray) -> Collect:
@@ -168,9 +172,11 @@ class LastStageRunner(ModelRunner):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._hidden_in: list[Any] | None = None  # the previous stage's, during ``execute_after`` (None: warm-up)
+        self.busy_seconds = 0.0  # spent in steps
 
     def execute_after(self, plan: SchedulerOutput, hidden: Sequence[np.ndarray], span: StageSpan) -> RunnerOutput:
         """``execute`` of ``plan`` from the previous stage's residual streams ``hidden``."""
+        started = time.perf_counter()
         self._hidden_in = list(hidden)
         try:
             out = self.execute(dataclasses.replace(plan, lora_loads=stage_lora_loads(plan, span)))
@@ -179,6 +185,7 @@ class LastStageRunner(ModelRunner):
             return out
         finally:
             self._hidden_in = None
+            self.busy_seconds += time.perf_counter() - started
 
     def _stage_input(self, shape: tuple[int, int]) -> dict[str, Any]:
         if self._hidden_in is None:  # warm-up: the programs' shapes
