@@ -1,6 +1,6 @@
 """``raylm status``: the cluster at a glance: nodes, worker replicas with their role, load, KV use
 (in the pool and in the offload tiers beyond it) and (for a mixture of experts) expert-parallel
-layout and load balance, and the router's queue."""
+layout and load balance, each pipeline stage's layers, node and process, and the router's queue."""
 
 from __future__ import annotations
 
@@ -128,6 +128,14 @@ def run_status(args: argparse.Namespace) -> int:
          speculation_summary(r.engine.spec), lora_summary(r.engine.lora), experts_summary(r.engine.moe)]
         for rid, r in sorted(reports.items(), key=lambda item: (item[1].role, item[0]))
     ]))
+    staged = sorted(((rid, stage) for rid, r in reports.items() for stage in r.stages),
+                    key=lambda item: (item[0], item[1]["stage"]))
+    if staged:
+        print("\nPipeline stages")
+        print(table(["replica", "stage", "layers", "node", "pid"], [
+            [rid, stage["stage"], f"{stage['layers'][0]}-{stage['layers'][1] - 1}", (stage["node_id"] or "-")[:12],
+             stage["pid"]] for rid, stage in staged
+        ]))
     try:
         router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=args.app)
         queue = router.queue_status.remote().result(timeout_s=10)

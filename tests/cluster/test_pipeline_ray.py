@@ -65,13 +65,19 @@ def _stages(app_name: str) -> list[dict]:
     return report.stages
 
 
-def test_a_replica_of_two_stages_serves_and_a_dead_stage_replaces_it(pipeline_app):
+def test_a_replica_of_two_stages_serves_and_a_dead_stage_replaces_it(pipeline_app, capsys):
+    from raylm.deploy.cli import main
+
     app = pipeline_app
     before = greedy_answer(app.base_url, app.model)
     assert before.strip()
     stages = _stages(app.config.name)
     assert [(s["stage"], s["layers"]) for s in stages] == [(0, [0, 15]), (1, [15, 30])]
     assert stages[0]["pid"] != stages[1]["pid"]
+    assert main(["status", "--app", app.config.name]) == 0
+    rows = capsys.readouterr().out.split("Pipeline stages\n")[1].split("\n\n")[0].splitlines()[2:]
+    assert [row.split()[1:3] for row in rows] == [["0", "0-14"], ["1", "15-29"]]
+    assert [int(row.split()[-1]) for row in rows] == [s["pid"] for s in stages]
 
     async def kill_stage_under_streams() -> tuple[list[str], float, float]:
         first_chunk = asyncio.Event()

@@ -8,6 +8,7 @@ is refused at load. (Stages as Ray actors: tests/cluster/test_pipeline_ray.py.)"
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from raylm.model.loaders.gguf_checkpoint import load_gguf_checkpoint
 from raylm.model.loaders.gguf_file import GGUFFile
 from raylm.model.loaders.load import load_model
 from raylm.model.quantization.quant_array import weight_bytes
+from raylm.workers.core.grammar import StructuredOutput
 from raylm.workers.core.lora_adapters import LoRARequest
 from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.llm import LLM
@@ -76,6 +78,26 @@ def test_micro_batches_are_in_flight_together_with_disjoint_sequences(families):
     together = [(held, new) for held, new in submitted if held]
     assert len(together) > NEW_TOKENS // 2  # most rounds start a plan while one is in flight
     assert all(new.isdisjoint(ids) for held, new in together for ids in held)
+
+
+def test_grammars_logprobs_and_embeddings_run_on_the_last_stage(families):
+    """What runs on the host beside sampling (grammar masks, logprobs) and the pooled hidden
+    states of embeddings are the last stage's: the same as one replica holding every layer."""
+    path, prompts, expected = families("qwen3")
+    choice = SamplingParams(max_tokens=8, temperature=0, structured_output=StructuredOutput.choice(["yes", "no"]))
+    digits = SamplingParams(max_tokens=12, temperature=0, structured_output=StructuredOutput("regex", r"[0-9]{3}"))
+    logprobs = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+    results = []
+    for stages in (1, 2):
+        llm = LLM(str(path), pipeline_parallel_size=stages, pipeline_placement="local", num_kv_blocks=64)
+        outs = llm.generate(_ids(prompts[:4]), [GREEDY, choice, digits, logprobs])
+        results.append(([o.outputs[0].text for o in outs[1:3]], outs[3].outputs[0].logprobs,
+                        llm.embed(_ids(prompts[1:3]))))
+        assert outs[0].outputs[0].token_ids == expected[0] and outs[3].outputs[0].token_ids == expected[3]
+    (texts, top, vectors), (texts2, top2, vectors2) = results
+    assert texts == texts2 and texts[0] in ("yes", "no") and re.fullmatch(r"[0-9]{3}", texts[1])
+    assert [sorted(step) for step in top] == [sorted(step) for step in top2]
+    np.testing.assert_allclose(np.asarray(vectors2), np.asarray(vectors), rtol=1e-4, atol=1e-5)
 
 
 def test_expert_load_counts_every_stage_layer(families):
