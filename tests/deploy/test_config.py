@@ -132,3 +132,22 @@ def test_serve_cli_reports_a_bad_config_without_starting_ray(tmp_path, capsys):
     bad.write_text("workers:\n  num_replica: 2\n")
     assert main(["serve", str(bad)]) == 2
     assert "workers.num_replica: unknown key" in capsys.readouterr().err
+
+
+def test_pipeline_stages_are_one_placement_group_of_the_replica():
+    """``workers.pipeline_parallel_size``: the engine splits the layers, and each replica is a
+    placement group of one bundle per stage (the replica's own resources each), spread or packed."""
+    from raylm.deploy.app_builder import pipeline_placement_options
+
+    raw = {"workers": {"pipeline_parallel_size": 3, "num_cpus": 2, "memory_bytes": 1 << 30}}
+    config = parse_deploy_config(raw)
+    args = config.engine_args()
+    assert (args.pipeline_parallel_size, args.pipeline_placement) == (3, "spread")
+    options = pipeline_placement_options(config, config.workers)
+    assert options == {"placement_group_bundles": [{"CPU": 2.0, "memory": 1 << 30}] * 3,
+                       "placement_group_strategy": "SPREAD"}
+    packed = parse_deploy_config({"workers": {"pipeline_parallel_size": 2, "pipeline_placement": "pack"}})
+    assert pipeline_placement_options(packed, packed.workers)["placement_group_strategy"] == "PACK"
+    assert pipeline_placement_options(parse_deploy_config({}), parse_deploy_config({}).workers) == {}
+    with pytest.raises(DeployConfigError, match="pipeline_placement"):
+        parse_deploy_config({"workers": {"pipeline_placement": "local"}})
