@@ -48,7 +48,7 @@ def _family(name, tmp_path_factory):
     return path, prompts, [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
 
 
-@pytest.mark.parametrize("name, stages", [("qwen3", 2), ("qwen3", 3), ("qwen3-moe", 2), ("deepseek-v3", 3)])
+@pytest.mark.parametrize("name, stages", [("qwen3", 2), ("qwen3", 3), ("gemma", 2), ("qwen3-moe", 2), ("deepseek-v3", 3)])
 def test_stages_greedy_equal_hf(families, name, stages):
     path, prompts, expected = families(name)
     llm = LLM(str(path), pipeline_parallel_size=stages, max_model_len=256, **SMALL)
@@ -60,6 +60,14 @@ def test_stages_greedy_equal_hf(families, name, stages):
     assert llm.engine.stats().pool.prefix_hits > 0
     assert [(s.start, s.stop) for s in llm.engine.runner.spans] == \
         [(s.start, s.stop) for s in split_layers(llm.engine.config.num_layers, stages)]
+
+
+def test_tensor_parallel_stages_greedy_equal_hf(families):
+    """Each stage's mesh: two devices (tensor parallel) per stage, the jnp path."""
+    path, prompts, expected = families("qwen3")
+    llm = LLM(str(path), pipeline_parallel_size=2, tensor_parallel_size=2, max_model_len=256, **SMALL)
+    assert not llm.engine.runner.cpu_kernels and llm.engine.runner.last.mesh.devices.size == 2
+    assert [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), GREEDY)] == expected
 
 
 def test_micro_batches_are_in_flight_together_with_disjoint_sequences(families):

@@ -41,12 +41,14 @@ def prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block
     processors run on them on the host; ``workers/core/logits_processors.py``). With ``lora`` (a
     ``model.decoder.lora_slots.LoraBatch``, a slot per row) the target model runs each row's adapter;
     a draft model never does. With ``expert_load`` (donated; an MoE model's tokens routed per
-    expert, ``model.decoder.forward.forward``) the chunks' tokens are added to it and it comes last."""
+    expert, ``model.decoder.forward.forward``) the chunks' tokens are added to it and it comes last.
+    A pipeline's last stage takes the previous stage's residual stream ``hidden_in`` (``[B, S, D]``,
+    as ``forward``) in place of the tokens' embeddings."""
     hidden = _sink(hidden_buffers, hidden_where)
     logits, kv, pooled, hidden, expert_load = _forward_extras(forward(
         params, config, tokens, positions, kv, block_tables, context_lens, pool_segments=pool_segments,
-        num_pool_segments=num_pool_segments, hidden_sink=hidden, lora=lora, expert_load=expert_load),
-        pool_segments, hidden, expert_load)
+        num_pool_segments=num_pool_segments, hidden_sink=hidden, lora=lora, expert_load=expert_load,
+        hidden_in=hidden_in), pool_segments, hidden, expert_load)
     if draft_config is not None:
         _, draft_kv = forward(draft_params, draft_config, tokens, positions, draft_kv, full_table(block_tables),
                               context_lens)
