@@ -44,8 +44,11 @@ def test_offline_llm_with_a_stage_actor_matches_hf(serve_cluster, bundled_model,
             while time.monotonic() < deadline:  # (ray.kill is asynchronous)
                 llm.engine.runner.check_stages(2.0)
                 time.sleep(0.2)
+        group = stage.own_group.id.hex()
     finally:
         llm.engine.close()
+    # The stages' own placement group goes with them: its reservation is free again.
+    assert ray.util.placement_group_table()[group]["state"] == "REMOVED"
 
 
 @pytest.fixture(scope="module")

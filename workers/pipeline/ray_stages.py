@@ -23,7 +23,12 @@ from typing import Any
 import jax
 import numpy as np
 import ray
-from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylm.cluster.local_ray import apply_local_ray_env
@@ -77,8 +82,9 @@ class PipelineStageActor:
 class RayStage:
     """The engine's handle on a stage actor (``workers.pipeline.pipeline_runner.StageHandle``)."""
 
-    def __init__(self, actor: Any, span: StageSpan):
+    def __init__(self, actor: Any, span: StageSpan, own_group: PlacementGroup | None = None):
         self.actor, self.span = actor, span
+        self.own_group = own_group  # a group made for these stages (not Serve's): removed with them
 
     def run(self, plan: SchedulerOutput, hidden: Any, packed_unavailable: frozenset[int]) -> ray.ObjectRef:
         # The plan is stripped here: what only sampling reads (grammar matchers) cannot be pickled.
@@ -115,6 +121,9 @@ class RayStage:
 
     def close(self) -> None:
         ray.kill(self.actor, no_restart=True)
+        if self.own_group is not None:
+            remove_placement_group(self.own_group)
+            self.own_group = None
 
 
 def stage_bundle(num_cpus: float, num_gpus: float, memory_bytes: int | None) -> dict[str, float]:
@@ -134,10 +143,9 @@ def start_ray_stages(specs: list[StageSpec], placement: str, bundle: dict[str, f
     one CPU each) is made, spread over nodes or packed (``placement``)."""
     if not ray.is_initialized():
         _join_or_start_ray()
-    group = get_current_placement_group()
-    first_bundle = 1
+    group, first_bundle, owned = get_current_placement_group(), 1, False
     if group is None or group.bundle_count < len(specs) + 1:
-        group, first_bundle = _own_group(len(specs), placement, bundle or {"CPU": 1.0}), 0
+        group, first_bundle, owned = _own_group(len(specs), placement, bundle or {"CPU": 1.0}), 0, True
     # Steps run one at a time in their order (the default group: one thread); pings beside them.
     remote = ray.remote(concurrency_groups={"health": 1})(PipelineStageActor)
     actors = []
@@ -149,7 +157,8 @@ def start_ray_stages(specs: list[StageSpec], placement: str, bundle: dict[str, f
             scheduling_strategy=strategy, max_restarts=0,
             runtime_env={"env_vars": env_vars} if env_vars else None,
         ).remote(spec))
-    stages = [RayStage(actor, spec.span) for actor, spec in zip(actors, specs)]
+    stages = [RayStage(actor, spec.span, group if owned and i == len(specs) - 1 else None)
+              for i, (actor, spec) in enumerate(zip(actors, specs))]
     for stage in stages:  # (a stage that cannot load fails here, naming its error)
         logger.info("pipeline stage %s", stage.describe())
     return stages
