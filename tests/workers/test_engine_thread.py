@@ -298,7 +298,7 @@ def test_worker_stats_answer_while_the_engine_is_busy_and_say_for_how_long(engin
     """Serve's autoscaling and routing callbacks (and ``raylm status``) get the last figures, and
     the routing report says how long the engine thread has been in its current step."""
     worker = _worker(engine)
-    worker.node_id, worker.max_reported_hashes, worker.role = "node", 16, "both"
+    worker.node_id, worker.max_reported_hashes, worker.role, worker.stages = "node", 16, "both", []
 
     async def main():
         autoscaling, routing = await worker.record_autoscaling_stats(), await worker.record_routing_stats()
