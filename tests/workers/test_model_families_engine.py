@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import re
 
-import numpy as np
 import pytest
 
 from raylm.model.kernels import paged_decode
@@ -20,8 +19,7 @@ from raylm.model.loaders.load import load_model
 from raylm.workers.core.grammar import StructuredOutput
 from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.llm import LLM
-from tests.checkpoints import build_tiny_checkpoint
-from tests.reference import hf_greedy
+from tests.reference import family_cases
 
 # (phi3-longrope switches RoPE factors at 32 tokens in HF, mid-sequence; raylm picks them by the
 # served context: model/decoder/layers.py. Its prompt-level match is in tests/model/test_model_vs_hf.py.)
@@ -66,11 +64,8 @@ def families(tmp_path_factory):
 
 
 def _family(name, tmp_path_factory):
-    path, hf_model = build_tiny_checkpoint(name, tmp_path_factory.mktemp(name) / "m")
-    rng = np.random.RandomState(1)
-    lengths = [1, 15, 17, 40, 90] + rng.randint(2, 120, size=3).tolist()
-    prompts = [rng.randint(3, 320, size=n).tolist() for n in lengths]
-    return load_model(path), prompts, [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    path, prompts, expected = family_cases(name, tmp_path_factory.mktemp(name) / "m", NEW_TOKENS)
+    return load_model(path), prompts, expected
 
 
 @pytest.mark.parametrize("name, setting", CASES)

@@ -25,7 +25,7 @@ from raylm.workers.pipeline.micro_batches import plan_sequences
 from raylm.workers.pipeline.stage_runners import split_layers
 from tests.checkpoints import build_tiny_checkpoint
 from tests.lora_adapters import MODULES, write_adapter
-from tests.reference import hf_greedy
+from tests.reference import family_cases, hf_greedy
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -41,11 +41,8 @@ def families(tmp_path_factory):
 
 
 def _family(name, tmp_path_factory):
-    path, hf_model = build_tiny_checkpoint(name, tmp_path_factory.mktemp(name) / "m")
-    rng = np.random.RandomState(1)
-    lengths = [1, 15, 17, 40, 90] + rng.randint(2, 120, size=3).tolist()
-    prompts = [rng.randint(3, 320, size=n).tolist() for n in lengths]
-    return path, prompts, [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    path, prompts, expected = family_cases(name, tmp_path_factory.mktemp(name) / "m", NEW_TOKENS)
+    return path, prompts, expected
 
 
 @pytest.mark.parametrize("name, stages", [("qwen3", 2), ("qwen3", 3), ("gemma", 2), ("qwen3-moe", 2), ("deepseek-v3", 3)])

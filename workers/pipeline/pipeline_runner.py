@@ -30,8 +30,9 @@ class StageHandle(Protocol):
     span: StageSpan
 
     def run(self, plan: SchedulerOutput, hidden: Any, packed_unavailable: frozenset[int]) -> Any:
-        """Start the stage on ``plan`` from the previous stage's output ``hidden`` (what that
-        stage's ``run`` returned: host arrays, or a reference to them); return its own."""
+        """Start the stage on ``plan`` (its ``stage_plan``) from the previous stage's output
+        ``hidden`` (what that stage's ``run`` returned: host arrays, or a reference to them);
+        return its own."""
 
     def resolve(self, output: Any) -> list[np.ndarray]:
         """``run``'s output as host arrays (waits for it)."""
@@ -59,14 +60,15 @@ class StageHandle(Protocol):
 
 
 class LocalStage:
-    """A stage in this process (``pipeline_placement: local``): one machine, no Ray."""
+    """A stage in this process (``pipeline_placement: local``: one machine, no Ray); a Ray stage's
+    actor is one in its own process (``workers/pipeline/ray_stages.py``)."""
 
     def __init__(self, runner: HiddenStageRunner, span: StageSpan):
         self.runner, self.span = runner, span
 
     def run(self, plan: SchedulerOutput, hidden: Any, packed_unavailable: frozenset[int]) -> list[np.ndarray]:
         self.runner.packed_unavailable = packed_unavailable
-        return self.runner.run(stage_plan(plan, self.span), hidden)
+        return self.runner.run(plan, hidden)
 
     def resolve(self, output: list[np.ndarray]) -> list[np.ndarray]:
         return output
@@ -130,7 +132,7 @@ class PipelineRunner:
         output going on to the next stage node to node); ``finish`` completes it."""
         output: Any = ()
         for stage in self.stages:
-            output = stage.run(plan, output, self.packed_unavailable)
+            output = stage.run(stage_plan(plan, stage.span), output, self.packed_unavailable)
         return InFlight(plan, output, self.packed_unavailable)
 
     def finish(self, pending: InFlight) -> RunnerOutput:

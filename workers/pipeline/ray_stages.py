@@ -35,7 +35,8 @@ from raylm.cluster.local_ray import apply_local_ray_env
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.quantization.quant_array import weight_bytes
 from raylm.workers.core.step_plan import SchedulerOutput
-from raylm.workers.pipeline.stage_runners import StageSpan, stage_plan
+from raylm.workers.pipeline.pipeline_runner import LocalStage
+from raylm.workers.pipeline.stage_runners import StageSpan
 from raylm.workers.pipeline.stage_spec import StageSpec, build_stage
 
 logger = logging.getLogger(__name__)
@@ -44,28 +45,11 @@ STAGE_RESULT_TIMEOUT_S = 600.0  # a step's first use of an uncompiled program va
 STAGE_START_TIMEOUT_S = 900.0  # reading a large stage's weights and compiling every bucket
 
 
-class PipelineStageActor:
+class PipelineStageActor(LocalStage):
     """One stage's runner in its own process (``ray.remote``'d by ``start_ray_stages``)."""
 
     def __init__(self, spec: StageSpec):
-        self.span = spec.span
-        self.runner = build_stage(spec)
-
-    def run(self, plan: SchedulerOutput, hidden: list[np.ndarray], packed_unavailable: frozenset[int]) -> list:
-        self.runner.packed_unavailable = packed_unavailable
-        return self.runner.run(plan, hidden)
-
-    def warmup(self, num_scheduler_steps: int, shapes: list[tuple[str, tuple[int, ...]]], lora_slots: bool) -> None:
-        self.runner.warmup(num_scheduler_steps, shapes, lora_slots=lora_slots)
-
-    def take_expert_load(self) -> np.ndarray | None:
-        return self.runner.take_expert_load()
-
-    def matrix_params(self, config: ModelConfig) -> int:
-        return self.runner.model_flops(config).matrix_params
-
-    def busy_seconds(self) -> float:
-        return self.runner.busy_seconds
+        super().__init__(build_stage(spec), spec.span)
 
     @ray.method(concurrency_group="health")
     def ping(self) -> bool:
@@ -74,9 +58,9 @@ class PipelineStageActor:
 
     def describe(self) -> dict[str, Any]:
         """Where the stage runs and what it holds (``raylm status``, tests)."""
-        return {"stage": self.span.index, "layers": [self.span.start, self.span.stop],
-                "node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(), "pid": os.getpid(),
-                "weight_bytes": weight_bytes(self.runner.params), "kv_bytes": _pool_bytes(self.runner.kv)}
+        return {**super().describe(), "node_id": ray.get_runtime_context().get_node_id(),
+                "host": socket.gethostname(), "weight_bytes": weight_bytes(self.runner.params),
+                "kv_bytes": _pool_bytes(self.runner.kv)}
 
 
 class RayStage:
@@ -87,8 +71,7 @@ class RayStage:
         self.own_group = own_group  # a group made for these stages (not Serve's): removed with them
 
     def run(self, plan: SchedulerOutput, hidden: Any, packed_unavailable: frozenset[int]) -> ray.ObjectRef:
-        # The plan is stripped here: what only sampling reads (grammar matchers) cannot be pickled.
-        return self.actor.run.remote(stage_plan(plan, self.span), hidden, packed_unavailable)
+        return self.actor.run.remote(plan, hidden, packed_unavailable)
 
     def resolve(self, output: ray.ObjectRef) -> list[np.ndarray]:
         return ray.get(output, timeout=STAGE_RESULT_TIMEOUT_S)
