@@ -52,27 +52,18 @@ from raylm.workers.runner.speculative_step import DraftModel
 LOAD_WAIT_S = 0.01  # an engine with only loads in flight waits this long for one per step
 
 
-def _fp8_settings(model: LoadedModel, args: EngineArgs) -> list[str]:
-    """The settings of ``args`` (and the model as loaded) that store 8-bit floats."""
-    settings = []
-    if args.quantization == "fp8" or (args.quantization is None and model.quantization == "fp8"):
-        settings.append("model.quantization: fp8")
-    if args.kv_cache_dtype == "fp8":
-        settings.append("engine.kv_cache_dtype: fp8")
-    if args.speculative is not None and args.speculative.quantization == "fp8":
-        settings.append("engine.speculative.quantization: fp8")
-    return settings
-
-
 class LLMEngine:
     """Continuous-batching engine over one model replica (possibly tensor-parallel)."""
+
+    # What builds the runner: a multi-host leader's relays each launch to its followers first.
+    runner_type: Callable[..., ModelRunner] = ModelRunner
 
     def __init__(
         self, model: LoadedModel, args: EngineArgs = EngineArgs(),
         progress: Callable[[Iterable], Iterable] = StderrProgress("compiling shape buckets"),
         background_warmup: bool = False,
     ):
-        check_fp8(_fp8_settings(model, args))
+        check_fp8(args.fp8_settings(model.quantization))
         float_model = model
         if args.quantization is not None:
             model = model.quantized(args.quantization)
@@ -115,7 +106,7 @@ class LLMEngine:
             LoraSlots(args.max_loras, self.loras) if self.loras is not None else None,
         )
         self.draft_model = draft
-        self.runner = ModelRunner(
+        self.runner = self.runner_type(
             self.config, model.params,
             KVCache.create(self.config, num_blocks, args.block_size, kv_dtype, mesh) if sliding is None else
             GroupedKV.create(self.config, (num_blocks, sliding_blocks), args.block_size, kv_dtype, mesh),
@@ -443,6 +434,9 @@ def make_engine(model: str | LoadedModel, background_warmup: bool = False, **eng
     from raylm.model.loaders.load import load_model
 
     args = EngineArgs.from_kwargs(**engine_args)
+    if args.num_hosts > 1:
+        raise ValueError(f"num_hosts={args.num_hosts}: every host's process builds a MultiHostEngine "
+                         "(workers/engine/multihost_engine.py), or serve it with raylm serve")
     if not isinstance(model, LoadedModel):
         model = load_model(model, args.dtype, args.quantization, args.keep_gguf_blocks())
     return LLMEngine(model, args, background_warmup=background_warmup)
