@@ -178,5 +178,5 @@ class EngineArgs:
                    "enable_lora": self.enable_lora, "hidden_state_slots": self.hidden_state_slots > 0}
         named = [name for name, on in refused.items() if on]
         if named:
-            raise ValueError(f"num_hosts={self.num_hosts} (a mesh over several hosts) does not support {named} yet; "
-                             "turn them off or serve on one host")
+            raise ValueError(f"num_hosts={self.num_hosts}: a mesh over several hosts does not support "
+                             f"{', '.join(named)} yet; turn them off or serve on one host")

@@ -59,10 +59,11 @@ class LLMEngine:
     runner_type: Callable[..., ModelRunner] = ModelRunner
 
     def __init__(
-        self, model: LoadedModel, args: EngineArgs = EngineArgs(),
+        self, model: LoadedModel, args: EngineArgs | None = None,
         progress: Callable[[Iterable], Iterable] = StderrProgress("compiling shape buckets"),
         background_warmup: bool = False,
     ):
+        args = args if args is not None else EngineArgs()  # (not a default: building one starts JAX's backend)
         check_fp8(args.fp8_settings(model.quantization))
         float_model = model
         if args.quantization is not None:
