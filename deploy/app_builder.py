@@ -30,8 +30,9 @@ def worker_actor_options(config: DeployConfig, workers: WorkersSection | None = 
     if workers.memory_bytes:
         options["memory"] = workers.memory_bytes
     devices = workers.tensor_parallel_size * workers.expert_parallel_size // workers.num_hosts  # on each host
-    if devices > 1 and workers.num_gpus == 0:
-        # Tensor / expert parallelism on CPU needs one XLA host device per shard.
+    if (devices > 1 or workers.num_hosts > 1) and workers.num_gpus == 0:
+        # Tensor / expert parallelism on CPU needs one XLA host device per shard (exactly: a mesh
+        # over hosts takes every device of every host).
         flags = f"--xla_force_host_platform_device_count={devices}"
         options["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags}}
     return options
@@ -39,14 +40,14 @@ def worker_actor_options(config: DeployConfig, workers: WorkersSection | None = 
 
 def multihost_placement(config: DeployConfig, workers: WorkersSection) -> dict[str, Any]:
     """A replica whose mesh spans hosts: a placement group with one bundle per host, each on its
-    own node (the replica's actor takes the first, its followers the others:
-    workers/serve/multihost_actors.py); none for a replica of one host."""
+    own node unless ``host_placement`` says otherwise (the replica's actor takes the first, its
+    followers the others: workers/serve/multihost_actors.py); none for a replica of one host."""
     if workers.num_hosts == 1:
         return {}
     options = worker_actor_options(config, workers)
     bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}),
               **({"memory": options["memory"]} if "memory" in options else {})}
-    return {"placement_group_bundles": [bundle] * workers.num_hosts, "placement_group_strategy": "STRICT_SPREAD"}
+    return {"placement_group_bundles": [bundle] * workers.num_hosts, "placement_group_strategy": workers.host_placement}
 
 
 def build_application(config: DeployConfig) -> Application:

@@ -208,6 +208,9 @@ class WorkersSection(_Section):
     expert_parallel_size: PositiveInt = Field(1, description="devices a mixture of experts' experts are split over")
     num_hosts: PositiveInt = Field(1, description="nodes a replica's tensor x expert mesh spans (jax.distributed): "
                                    "one process per node, each with mesh / num_hosts devices")
+    host_placement: Literal["STRICT_SPREAD", "SPREAD", "PACK"] = Field(
+        "STRICT_SPREAD", description="num_hosts > 1: where the hosts' processes go (Ray's placement group "
+        "strategy): one per node, or PACK them on as few nodes as hold them (e.g. a one-node test)")
     max_ongoing_requests: PositiveInt = _WORKER_DEFAULTS.max_ongoing_requests
     max_queued_requests: int = Field(_WORKER_DEFAULTS.max_queued_requests,
                                      description="per router replica; beyond it requests get 503 (-1: no limit)")

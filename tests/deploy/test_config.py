@@ -93,7 +93,7 @@ def test_mistakes_are_named(raw, message):
 
 def test_num_hosts_reaches_the_engine_and_places_one_bundle_per_host():
     """Each host's actor gets the workers' resources and a device count of mesh / num_hosts, on
-    nodes of its own (STRICT_SPREAD); one host needs no placement group."""
+    nodes of its own (STRICT_SPREAD) unless host_placement packs them; one host needs no placement group."""
     config = parse_deploy_config({"workers": {"num_hosts": 2, "tensor_parallel_size": 4, "num_cpus": 2}})
     assert config.engine_args().num_hosts == 2 and config.engine_args().num_devices == 4
     options = worker_actor_options(config)
@@ -101,6 +101,10 @@ def test_num_hosts_reaches_the_engine_and_places_one_bundle_per_host():
     assert multihost_placement(config, config.workers) == {
         "placement_group_bundles": [{"CPU": 2.0}, {"CPU": 2.0}], "placement_group_strategy": "STRICT_SPREAD"}
     assert multihost_placement(parse_deploy_config({}), parse_deploy_config({}).workers) == {}
+    packed = parse_deploy_config({"workers": {"num_hosts": 2, "tensor_parallel_size": 2, "host_placement": "PACK"}})
+    assert multihost_placement(packed, packed.workers)["placement_group_strategy"] == "PACK"
+    # One device per host: still set, so a node's forced device count cannot leak into the mesh.
+    assert worker_actor_options(packed)["runtime_env"]["env_vars"]["XLA_FLAGS"].endswith("count=1")
 
 
 def test_lora_modules_turn_lora_on_and_are_the_router_s_models():
