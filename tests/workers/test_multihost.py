@@ -1,7 +1,8 @@
 """A mesh over two processes (``jax.distributed``, gloo collectives on CPU): TP=2 with one CPU
 device per process serves the greedy tokens of HF's model, of one process at TP=1 and of one
 process at TP=2 over two forced host devices, on a mixed batch with chunked prefill and a
-prefix cache hit; and what it does not support is refused, saying so."""
+prefix cache hit; experts split over the processes, and a model with sliding-window layers, give one
+process's tokens; and what it does not support is refused, saying so."""
 
 from __future__ import annotations
 
@@ -55,11 +56,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_processes(checkpoint, **extra) -> dict:
+def _two_processes(checkpoint, layout: dict) -> dict:
     """The leader (tests/multihost_leader.py) and its follower, each a fresh process with one device."""
     context = multiprocessing.get_context("spawn")
     mine, theirs = context.Pipe()
-    args = dict(ENGINE, tensor_parallel_size=2, num_hosts=2, **extra)
+    args = dict(ENGINE, num_hosts=2, **layout)
     leader = context.Process(target=lead, args=(theirs, str(checkpoint), args, f"127.0.0.1:{_free_port()}",
                                                 _prompts(), NEW_TOKENS))
     leader.start()
@@ -80,11 +81,24 @@ def test_tp2_over_two_processes_equals_one_process(checkpoint):
     assert _greedy(make_engine(model, **ENGINE)) == expected  # one process, TP=1
     assert _greedy(make_engine(model, tensor_parallel_size=2, **ENGINE)) == expected  # one process, 2 devices
     # Two processes, each program compiled at first use (tests/cluster/test_multihost_ray.py warms up).
-    result = _two_processes(checkpoint)
+    result = _two_processes(checkpoint, dict(tensor_parallel_size=2))
     assert result["tokens"] == expected
     assert "logits processors" in result["refusal"] and "num_hosts=2" in result["refusal"]
     relay_s = sorted(result["relay_s"])
     print(f"pipe relay per launch: median {relay_s[len(relay_s) // 2] * 1e3:.3f} ms, max {relay_s[-1] * 1e3:.3f} ms")
+
+
+@pytest.mark.parametrize("variant,layout", [
+    # Experts split over the two processes, four decode steps per call.
+    ("qwen3-moe", dict(expert_parallel_size=2, num_scheduler_steps=4)),
+    # Sliding and full-attention layers with pools of their own (two block counts relayed).
+    ("gemma3", dict(tensor_parallel_size=2)),
+])
+def test_more_layouts_over_two_processes_equal_one_process(tmp_path, variant, layout):
+    path, _ = build_tiny_checkpoint(variant, tmp_path / variant)
+    one_device = {k: v for k, v in layout.items() if not k.endswith("parallel_size")}
+    expected = _greedy(make_engine(load_model(path), **ENGINE, **one_device))
+    assert _two_processes(path, layout)["tokens"] == expected
 
 
 def test_what_a_mesh_over_hosts_refuses(checkpoint):
