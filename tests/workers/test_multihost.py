@@ -6,10 +6,12 @@ process's tokens; and what it does not support is refused, saying so."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import socket
 
 import jax
+import numpy as np
 import pytest
 import transformers
 
@@ -18,6 +20,7 @@ from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.engine_args import EngineArgs
 from raylm.workers.engine.llm_engine import make_engine
 from raylm.workers.engine.multihost_engine import MultiHostEngine
+from raylm.workers.runner.batch_inputs import sampling_inputs
 from raylm.workers.runner.multihost import follower_plan
 from tests.checkpoints import build_tiny_checkpoint
 from tests.multihost_leader import lead
@@ -116,6 +119,35 @@ def test_what_a_mesh_over_hosts_refuses(checkpoint):
         MultiHostEngine(model, EngineArgs(tensor_parallel_size=2, num_hosts=2, **ENGINE), relay=None)
     with pytest.raises(ValueError, match="MultiHostEngine"):
         make_engine(model, tensor_parallel_size=2, num_hosts=2, **ENGINE)
+
+
+def test_follower_plans_build_the_leaders_sampling_inputs_without_the_contexts(checkpoint):
+    """Each step's plan as relayed drops the rows' token lists unless penalties read them, and
+    the sampling batch built from it is the leader's, array for array."""
+    engine = make_engine(load_model(checkpoint), **ENGINE)
+    prompt = [(5 * i) % 300 + 3 for i in range(60)]
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=1, min_tokens=3))
+    engine.add_request("penalized", prompt[:50], SamplingParams(max_tokens=6, repetition_penalty=1.3,
+                                                                frequency_penalty=0.5))
+    steps = 0
+    while engine.scheduler.running or engine.scheduler.waiting:
+        plan = engine.scheduler.schedule()
+        relayed = follower_plan(plan)
+        leader_rows = [c.row for c in plan.prefills] + [d.row for d in plan.decodes]
+        relayed_rows = [c.row for c in relayed.prefills] + [d.row for d in relayed.decodes]
+        for leader, follower in zip(leader_rows, relayed_rows, strict=True):
+            kept = leader.request_id == "penalized"
+            assert (list(follower.prompt_ids) == list(leader.prompt_ids)) if kept else follower.prompt_ids == ()
+            assert len(follower.output_ids) == len(leader.output_ids)
+        built = [sampling_inputs(rows, 4, 320, engine.eos_ids) for rows in (leader_rows, relayed_rows)]
+        assert built[0][1] == built[1][1]  # the program's flags
+        for field in dataclasses.fields(built[0][0]):
+            a, b = (getattr(batch, field.name) for batch, _ in built)
+            assert (a is None and b is None) or np.array_equal(a, b), field.name
+        output = engine.runner.execute(plan)
+        engine.scheduler.update_from_output(plan, output, 0.0)
+        steps += 1
+    assert steps >= 6  # prompt chunks, then decodes with outputs to count
 
 
 def test_follower_plan_refuses_rows_that_need_the_host(checkpoint):

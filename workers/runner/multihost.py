@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable, Protocol
 
-from raylm.workers.core.step_plan import SchedulerOutput
+from raylm.workers.core.step_plan import ScheduledRow, SchedulerOutput
 from raylm.workers.core.step_result import RunnerOutput
 from raylm.workers.runner.model_runner import ModelRunner
 
@@ -62,17 +62,29 @@ class Relay(Protocol):
 
 
 def follower_plan(plan: SchedulerOutput) -> SchedulerOutput:
-    """The part of ``plan`` the followers need: everything but the KV blocks loaded from offload
-    tiers (written by the leader's engine, outside the programs). A row whose next token needs
-    the host (a grammar's mask, logits processors) would launch programs with inputs only the
-    leader can compute: the engine refuses those requests, and this checks it."""
-    for row in [c.row for c in plan.prefills] + [d.row for d in plan.decodes]:
+    """The part of ``plan`` the followers need to build the same programs' inputs: a row's token
+    lists go only where penalties read them (else an empty prompt and, of the outputs, their
+    count: a step would otherwise carry every running sequence's whole context). A row whose
+    next token needs the host (a grammar's mask, logits processors) would launch programs with
+    inputs only the leader can compute, and LoRA slots and KV offload fill device memory from
+    host state: the engine refuses them (EngineArgs, MultiHostEngine.add_request); this checks."""
+    rows = [c.row for c in plan.prefills] + [d.row for d in plan.decodes]
+    for row in rows:
         if row.host_before_each_token:
             raise ValueError(f"request {row.request_id!r}: structured output and logits processors are not "
                              "supported on a mesh over several hosts")
     if plan.lora_loads or plan.kv_writes:
         raise ValueError("LoRA adapters and KV offload are not supported on a mesh over several hosts")
-    return plan
+    return dataclasses.replace(plan, prefills=[dataclasses.replace(c, row=_lean(c.row)) for c in plan.prefills],
+                               decodes=[dataclasses.replace(d, row=_lean(d.row)) for d in plan.decodes])
+
+
+def _lean(row: ScheduledRow) -> ScheduledRow:
+    """``row`` without the token lists that no program input of it reads (only the outputs'
+    count is: the sampler's output index)."""
+    if row.params.uses_penalties:
+        return row
+    return dataclasses.replace(row, prompt_ids=(), output_ids=range(len(row.output_ids)))
 
 
 class LeaderRunner(ModelRunner):
