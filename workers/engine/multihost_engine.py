@@ -1,11 +1,14 @@
 """One replica over several hosts: a leader engine that schedules, follower engines that do not.
 
-Every host runs one process under ``jax.distributed`` (workers/engine/distributed_init.py), and the mesh of
-``tensor_parallel_size x expert_parallel_size`` devices takes every process's devices. Each
-process builds the same engine from the same model and arguments, so the same runner: the
-leader (``MultiHostEngine``) schedules and relays each launch (workers/runner/multihost.py);
-a follower (``FollowerHost``) builds its engine with the leader's pool sizes and then
-launches what the leader relays, reading nothing back.
+Every host runs one process under ``jax.distributed`` (workers/engine/distributed_init.py),
+and the mesh of ``tensor_parallel_size x expert_parallel_size`` devices takes every process's
+devices. Each process builds the same engine from the same model and arguments, so the same
+runner: the leader (``MultiHostEngine``) schedules and relays each launch
+(workers/runner/multihost.py); a follower (``FollowerHost``) builds its engine with the
+leader's pool sizes and then launches what the leader relays, reading nothing back. The
+transport is the caller's: pipes (workers/engine/multihost_pipe.py) or Ray actor calls
+(workers/serve/multihost_actors.py). Closing the leader's engine stops the followers' loops;
+then every process calls ``leave_distributed``.
 
 Weights: every process loads the whole checkpoint and ``jax.device_put`` keeps only its
 addressable shards on its devices (loading by slice is issue 68's item 3).

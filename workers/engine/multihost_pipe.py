@@ -43,7 +43,9 @@ def follower_process(connection: Connection, model: str, engine_args: dict[str, 
 def start_pipe_followers(model: str, engine_args: dict[str, Any], coordinator_address: str,
                          env: dict[str, str] | None = None) -> tuple[PipeRelay, list[multiprocessing.Process]]:
     """Start processes 1 .. num_hosts - 1 of the group (fresh interpreters: JAX must not have
-    started in them) and return the leader's relay to them; the caller is process 0."""
+    started in them) and return the leader's relay to them; the caller is process 0, joins the
+    group (``init_distributed``), builds its ``MultiHostEngine`` with the relay, and once that
+    is closed, leaves the group and joins the processes (tests/multihost_leader.py does)."""
     context = multiprocessing.get_context("spawn")
     num_hosts = engine_args.get("num_hosts", 1)
     ends, processes = [], []
