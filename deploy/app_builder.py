@@ -29,25 +29,31 @@ def worker_actor_options(config: DeployConfig, workers: WorkersSection | None = 
     options: dict[str, Any] = {"num_cpus": workers.num_cpus, "num_gpus": workers.num_gpus}
     if workers.memory_bytes:
         options["memory"] = workers.memory_bytes
-    devices = workers.tensor_parallel_size * workers.expert_parallel_size
-    if devices > 1 and workers.num_gpus == 0:
-        # Tensor / expert parallelism on CPU needs one XLA host device per shard.
+    devices = workers.tensor_parallel_size * workers.expert_parallel_size // workers.num_hosts  # on each host
+    if (devices > 1 or workers.num_hosts > 1) and workers.num_gpus == 0:
+        # Tensor / expert parallelism on CPU needs one XLA host device per shard (exactly: a mesh
+        # over hosts takes every device of every host).
         flags = f"--xla_force_host_platform_device_count={devices}"
         options["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags}}
     return options
 
 
-def pipeline_placement_options(config: DeployConfig, workers: WorkersSection) -> dict[str, Any]:
-    """A replica split into pipeline stages is one placement group: a bundle for the replica (the
-    last stage) and one per other stage, each what a replica reserves, so Serve places, starts and
-    removes the stages with their replica (workers/pipeline/ray_stages.py takes the bundles)."""
-    if workers.pipeline_parallel_size == 1:
+def replica_placement(config: DeployConfig, workers: WorkersSection) -> dict[str, Any]:
+    """A replica of several processes is one placement group of one bundle each (what the section
+    reserves for a replica), so Serve places, starts and removes them as one unit: its pipeline
+    stages (the replica is the last; workers/pipeline/ray_stages.py takes the other bundles), or the
+    hosts its mesh spans (the replica leads; workers/serve/multihost_actors.py); none for a replica
+    of one process."""
+    if workers.pipeline_parallel_size > 1:
+        count, strategy = workers.pipeline_parallel_size, "SPREAD" if workers.pipeline_placement == "spread" else "PACK"
+    elif workers.num_hosts > 1:
+        count, strategy = workers.num_hosts, workers.host_placement
+    else:
         return {}
     options = worker_actor_options(config, workers)
     bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}),
               **({"memory": options["memory"]} if "memory" in options else {})}
-    return {"placement_group_bundles": [dict(bundle) for _ in range(workers.pipeline_parallel_size)],
-            "placement_group_strategy": "SPREAD" if workers.pipeline_placement == "spread" else "PACK"}
+    return {"placement_group_bundles": [dict(bundle) for _ in range(count)], "placement_group_strategy": strategy}
 
 
 def build_application(config: DeployConfig) -> Application:
@@ -95,7 +101,7 @@ def _worker_deployment(config: DeployConfig, workers: WorkersSection, role: str,
     return LLMWorker.options(
         **({"name": name} if name is not None else {}),
         **scaling,
-        **pipeline_placement_options(config, workers),
+        **replica_placement(config, workers),
         request_router_config=RequestRouterConfig(**router_config),
         ray_actor_options=worker_actor_options(config, workers),
         **workers.deployment_options().serve_options(),

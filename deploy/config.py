@@ -137,7 +137,7 @@ class KVOffloadSection(_Section):
 
 # Engine settings come from EngineArgs itself so the YAML can never drift from the engine.
 _ENGINE_OWNED_ELSEWHERE = {"dtype", "quantization", "activation_quantization", "gguf_blocks", "tensor_parallel_size",
-                           "expert_parallel_size", "pipeline_parallel_size", "pipeline_placement"}
+                           "expert_parallel_size", "pipeline_parallel_size", "pipeline_placement", "num_hosts"}
 _ENGINE_SECTIONS = {"speculative": (SpeculativeSection | None, None),  # nested: their own schemas
                     "kv_offload": (KVOffloadSection | None, None)}
 _engine_hints = typing.get_type_hints(EngineArgs)
@@ -212,6 +212,11 @@ class WorkersSection(_Section):
     pipeline_placement: Literal["spread", "pack"] = Field(
         "spread", description="a replica's stages on different nodes where the cluster allows (spread), or on as "
         "few as they fit (pack)")
+    num_hosts: PositiveInt = Field(1, description="nodes a replica's tensor x expert mesh spans (jax.distributed): "
+                                   "one process per node, each with mesh / num_hosts devices")
+    host_placement: Literal["STRICT_SPREAD", "SPREAD", "PACK"] = Field(
+        "STRICT_SPREAD", description="num_hosts > 1: where the hosts' processes go (Ray's placement group "
+        "strategy): one per node, or PACK them on as few nodes as hold them (e.g. a one-node test)")
     max_ongoing_requests: PositiveInt = _WORKER_DEFAULTS.max_ongoing_requests
     max_queued_requests: int = Field(_WORKER_DEFAULTS.max_queued_requests,
                                      description="per router replica; beyond it requests get 503 (-1: no limit)")
@@ -232,13 +237,18 @@ class WorkersSection(_Section):
 
     @pydantic.model_validator(mode="after")
     def _gpus_cover_the_mesh(self) -> "WorkersSection":
-        """A replica's mesh is tensor_parallel_size x expert_parallel_size devices of one node: on
-        GPUs Ray must reserve exactly that many for the replica's actor (it places an actor's
-        resources on one node), or JAX would see fewer devices than the mesh needs, or hold idle ones."""
+        """A replica's mesh is tensor_parallel_size x expert_parallel_size devices over num_hosts
+        nodes, the same number on each: on GPUs Ray must reserve exactly that many for each
+        host's actor (it places an actor's resources on one node), or JAX would see fewer devices
+        than the mesh needs, or hold idle ones. ``num_gpus`` is per host."""
         devices = self.tensor_parallel_size * self.expert_parallel_size
-        if self.num_gpus > 0 and self.num_gpus != devices:
+        if devices % self.num_hosts:
+            raise ValueError(f"workers.num_hosts is {self.num_hosts} but tensor_parallel_size x expert_parallel_size "
+                             f"is {devices}: each host gives the mesh the same number of devices")
+        if self.num_gpus > 0 and self.num_gpus != devices // self.num_hosts:
             raise ValueError(f"workers.num_gpus is {self.num_gpus:g} but tensor_parallel_size x expert_parallel_size "
-                             f"is {devices}: a replica needs one GPU per device of its mesh")
+                             f"is {devices} over num_hosts={self.num_hosts}: a replica needs one GPU per device of "
+                             f"its mesh, {devices // self.num_hosts} on each host")
         return self
 
 
@@ -387,6 +397,7 @@ class DeployConfig(_Section):
                 expert_parallel_size=workers.expert_parallel_size,
                 pipeline_parallel_size=workers.pipeline_parallel_size,
                 pipeline_placement=workers.pipeline_placement,
+                num_hosts=workers.num_hosts,
                 **{**self.engine.model_dump(), "enable_lora": self.engine.enable_lora or bool(self.model.lora_modules)},
             )
         except (TypeError, ValueError) as err:

@@ -67,8 +67,9 @@ DEFAULT_RULES: Mapping[str, str | None] = {
 
 
 def make_mesh(tp: int = 1, devices: Sequence[jax.Device] | None = None, ep: int = 1) -> Mesh:
-    """An ``ep x tp`` mesh (axes ``ep``, ``tp``) over the first ``ep * tp`` local devices."""
-    devices = list(devices if devices is not None else jax.local_devices())
+    """An ``ep x tp`` mesh (axes ``ep``, ``tp``) over the first ``ep * tp`` devices: this process's,
+    or under ``jax.distributed`` (a mesh over several hosts) every process's, in process order."""
+    devices = list(devices if devices is not None else jax.devices())
     if tp < 1 or ep < 1 or tp * ep > len(devices):
         raise ValueError(
             f"tensor parallel size {tp} x expert parallel size {ep} needs {tp * ep} devices but {len(devices)} "

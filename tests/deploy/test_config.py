@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from raylm.deploy.app_builder import replica_placement, worker_actor_options
 from raylm.deploy.config import DeployConfigError, load_deploy_config, parse_deploy_config
 from raylm.workers.engine.engine_args import EngineArgs
 
@@ -65,6 +66,13 @@ def test_every_engine_arg_is_settable_from_yaml():
         ({"workers": {"num_gpus": -1}}, "workers.num_gpus"),
         ({"workers": {"num_gpus": 2, "tensor_parallel_size": 2, "expert_parallel_size": 2}},
          "num_gpus is 2 but tensor_parallel_size x expert_parallel_size is 4"),
+        ({"workers": {"num_hosts": 2, "tensor_parallel_size": 3}},
+         "num_hosts is 2 but tensor_parallel_size x expert_parallel_size is 3: each host gives the mesh the same"),
+        ({"workers": {"num_hosts": 2, "tensor_parallel_size": 4, "num_gpus": 4}},
+         "num_gpus is 4 but tensor_parallel_size x expert_parallel_size is 4 over num_hosts=2"),
+        ({"workers": {"num_hosts": 2, "tensor_parallel_size": 2}, "engine": {"enable_lora": True}},
+         "engine: num_hosts=2: a mesh over several hosts does not support enable_lora yet"),
+        ({"engine": {"num_hosts": 2}}, "engine.num_hosts: unknown key"),
         ({"http": {"port": 70000}}, "http.port"),
         ({"htp": {}}, "htp: unknown key"),
         ({"model": {"lora_modules": [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]}}, "distinct"),
@@ -81,6 +89,22 @@ def test_every_engine_arg_is_settable_from_yaml():
 def test_mistakes_are_named(raw, message):
     with pytest.raises(DeployConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
         parse_deploy_config(raw)
+
+
+def test_num_hosts_reaches_the_engine_and_places_one_bundle_per_host():
+    """Each host's actor gets the workers' resources and a device count of mesh / num_hosts, on
+    nodes of its own (STRICT_SPREAD) unless host_placement packs them; one host needs no placement group."""
+    config = parse_deploy_config({"workers": {"num_hosts": 2, "tensor_parallel_size": 4, "num_cpus": 2}})
+    assert config.engine_args().num_hosts == 2 and config.engine_args().num_devices == 4
+    options = worker_actor_options(config)
+    assert options["runtime_env"]["env_vars"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    assert replica_placement(config, config.workers) == {
+        "placement_group_bundles": [{"CPU": 2.0}, {"CPU": 2.0}], "placement_group_strategy": "STRICT_SPREAD"}
+    assert replica_placement(parse_deploy_config({}), parse_deploy_config({}).workers) == {}
+    packed = parse_deploy_config({"workers": {"num_hosts": 2, "tensor_parallel_size": 2, "host_placement": "PACK"}})
+    assert replica_placement(packed, packed.workers)["placement_group_strategy"] == "PACK"
+    # One device per host: still set, so a node's forced device count cannot leak into the mesh.
+    assert worker_actor_options(packed)["runtime_env"]["env_vars"]["XLA_FLAGS"].endswith("count=1")
 
 
 def test_lora_modules_turn_lora_on_and_are_the_router_s_models():
@@ -137,17 +161,17 @@ def test_serve_cli_reports_a_bad_config_without_starting_ray(tmp_path, capsys):
 def test_pipeline_stages_are_one_placement_group_of_the_replica():
     """``workers.pipeline_parallel_size``: the engine splits the layers, and each replica is a
     placement group of one bundle per stage (the replica's own resources each), spread or packed."""
-    from raylm.deploy.app_builder import pipeline_placement_options
-
     raw = {"workers": {"pipeline_parallel_size": 3, "num_cpus": 2, "memory_bytes": 1 << 30}}
     config = parse_deploy_config(raw)
     args = config.engine_args()
     assert (args.pipeline_parallel_size, args.pipeline_placement) == (3, "spread")
-    options = pipeline_placement_options(config, config.workers)
+    options = replica_placement(config, config.workers)
     assert options == {"placement_group_bundles": [{"CPU": 2.0, "memory": 1 << 30}] * 3,
                        "placement_group_strategy": "SPREAD"}
     packed = parse_deploy_config({"workers": {"pipeline_parallel_size": 2, "pipeline_placement": "pack"}})
-    assert pipeline_placement_options(packed, packed.workers)["placement_group_strategy"] == "PACK"
-    assert pipeline_placement_options(parse_deploy_config({}), parse_deploy_config({}).workers) == {}
+    assert replica_placement(packed, packed.workers)["placement_group_strategy"] == "PACK"
+    assert replica_placement(parse_deploy_config({}), parse_deploy_config({}).workers) == {}
     with pytest.raises(DeployConfigError, match="pipeline_placement"):
         parse_deploy_config({"workers": {"pipeline_placement": "local"}})
+    with pytest.raises(DeployConfigError, match="num_hosts=2: pipeline stages over a mesh"):
+        parse_deploy_config({"workers": {"pipeline_parallel_size": 2, "num_hosts": 2, "tensor_parallel_size": 2}})

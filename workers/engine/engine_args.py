@@ -48,6 +48,9 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1  # devices a mixture-of-experts model's experts are split over
+    # Processes (one per host) the tensor x expert mesh spans, under jax.distributed: the first
+    # schedules and every other follows its plans (workers/engine/multihost_engine.py).
+    num_hosts: int = 1
     seed: int = 0  # seeds the per-request seeds of requests that give none
     warmup: bool = False  # compile every shape bucket at start-up
     compilation_cache_dir: str | None = None  # persistent XLA cache (the CLI uses ~/.cache/raylm/jax)
@@ -87,6 +90,17 @@ class EngineArgs:
     def num_devices(self) -> int:
         """Devices one replica spans: tensor x expert parallel."""
         return self.tensor_parallel_size * self.expert_parallel_size
+
+    def fp8_settings(self, loaded_quantization: str | None) -> list[str]:
+        """The settings (with the model's own quantization, as loaded) that store 8-bit floats."""
+        settings = []
+        if self.quantization == "fp8" or (self.quantization is None and loaded_quantization == "fp8"):
+            settings.append("model.quantization: fp8")
+        if self.kv_cache_dtype == "fp8":
+            settings.append("engine.kv_cache_dtype: fp8")
+        if self.speculative is not None and self.speculative.quantization == "fp8":
+            settings.append("engine.speculative.quantization: fp8")
+        return settings
 
     def cache_salt(self, model_name: str, loaded_quantization: str | None = None) -> str:
         """The salt of the served model's block hashes, derived here only: the replica's
@@ -152,9 +166,30 @@ class EngineArgs:
             raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
         if self.pipeline_placement not in ("spread", "pack", "local"):  # (workers/pipeline/support.py)
             raise ValueError(f"pipeline_placement must be spread, pack or local, got {self.pipeline_placement!r}")
+        if self.pipeline_parallel_size > 1 and self.num_hosts > 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} with num_hosts={self.num_hosts}: "
+                             "pipeline stages over a mesh that spans hosts are not supported; use one of them")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        self._check_multihost()
+
+    def _check_multihost(self) -> None:
+        """A mesh over several hosts runs the plain steps only: the features whose programs read
+        host state the followers do not have (or that were not tested across hosts) are refused."""
+        if not (isinstance(self.num_hosts, int) and self.num_hosts >= 1):
+            raise ValueError(f"num_hosts must be an integer >= 1, got {self.num_hosts!r}")
+        if self.num_hosts == 1:
+            return
+        if self.num_devices % self.num_hosts:
+            raise ValueError(f"num_hosts={self.num_hosts} must divide tensor x expert parallel = {self.num_devices} "
+                             "(each host gives the mesh the same number of devices)")
+        refused = {"speculative": self.speculative is not None, "kv_offload": self.kv_offload is not None,
+                   "enable_lora": self.enable_lora, "hidden_state_slots": self.hidden_state_slots > 0}
+        named = [name for name, on in refused.items() if on]
+        if named:
+            raise ValueError(f"num_hosts={self.num_hosts}: a mesh over several hosts does not support "
+                             f"{', '.join(named)} yet; turn them off or serve on one host")

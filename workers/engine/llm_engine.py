@@ -18,6 +18,7 @@ import numpy as np
 
 from raylm.cache.block_pool import NULL_BLOCK, BlockPool
 from raylm.cache.block_tables import BlockManager
+from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.flop_count import ModelFlops
 from raylm.model.decoder.kv_pool import kv_pool_dtype
 from raylm.model.errors import PromptTooLongError
@@ -46,32 +47,25 @@ from raylm.workers.pipeline.micro_batches import micro_batch_bounds
 from raylm.workers.pipeline.pipeline_runner import PipelineRunner
 from raylm.workers.pipeline.support import check_pipeline, largest_stage, last_stage_layers
 from raylm.workers.runner.draft_model import load_draft
+from raylm.workers.runner.model_runner import ModelRunner
 from raylm.workers.runner.pool_blocks import PoolBlocks
 
 LOAD_WAIT_S = 0.01  # an engine with only loads in flight waits this long for one per step
 
 
-def _fp8_settings(model: LoadedModel, args: EngineArgs) -> list[str]:
-    """The settings of ``args`` (and the model as loaded) that store 8-bit floats."""
-    settings = []
-    if args.quantization == "fp8" or (args.quantization is None and model.quantization == "fp8"):
-        settings.append("model.quantization: fp8")
-    if args.kv_cache_dtype == "fp8":
-        settings.append("engine.kv_cache_dtype: fp8")
-    if args.speculative is not None and args.speculative.quantization == "fp8":
-        settings.append("engine.speculative.quantization: fp8")
-    return settings
-
-
 class LLMEngine:
     """Continuous-batching engine over one model replica (possibly tensor-parallel)."""
 
+    # What builds the runner: a multi-host leader's relays each launch to its followers first.
+    runner_type: Callable[..., ModelRunner] = ModelRunner
+
     def __init__(
-        self, model: LoadedModel, args: EngineArgs = EngineArgs(),
+        self, model: LoadedModel, args: EngineArgs | None = None,
         progress: Callable[[Iterable], Iterable] = StderrProgress("compiling shape buckets"),
         background_warmup: bool = False,
     ):
-        check_fp8(_fp8_settings(model, args))
+        args = args if args is not None else EngineArgs()  # (not a default: building one starts JAX's backend)
+        check_fp8(args.fp8_settings(model.quantization))
         float_model = model
         if args.quantization is not None:
             model = model.quantized(args.quantization)
@@ -90,9 +84,7 @@ class LLMEngine:
             enable_compilation_cache(args.compilation_cache_dir)
         check_pipeline(args, self.config)
         kv_dtype = kv_pool_dtype(args.kv_cache_dtype, parse_dtype(args.dtype))
-        num_blocks, sliding_blocks = kv_block_counts(
-            largest_stage(self.config, args.pipeline_parallel_size), args, kv_dtype, draft.config if draft else None,
-            self._max_step_tokens(prompts=False))
+        num_blocks, sliding_blocks = self._kv_block_counts(kv_dtype, draft.config if draft else None)
         self.pool = BlockPool(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
         # Interleaved sliding and full-attention layers: the sliding layers keep a KV group (block
         # tables, pool, device arrays) of their own, whose blocks go back behind the window.
@@ -117,7 +109,7 @@ class LLMEngine:
         )
         self.draft_model = draft
         self.runner = build_runner(model, self.config, args, self.max_model_len, self.eos_ids,
-                                   (num_blocks, sliding_blocks), kv_dtype, draft)
+                                   (num_blocks, sliding_blocks), kv_dtype, draft, self.runner_type)
         # Warm-up: every bucket now, or with ``background_warmup`` the ones a request alone takes
         # now and the rest by ``warm_up_next`` while the engine idles (a server that starts
         # serving sooner; AsyncEngine does this).
@@ -156,6 +148,11 @@ class LLMEngine:
             args.num_devices, self.runner.cpu_kernels)
         self.blocks.record_commits = True
         self.scheduler.use_kv_offload(self.kv_connector)
+
+    def _kv_block_counts(self, kv_dtype, draft_config: ModelConfig | None) -> tuple[int, int | None]:
+        """The pool's blocks and the sliding group's (``kv_block_counts``), for the largest stage."""
+        config = largest_stage(self.config, self.args.pipeline_parallel_size)
+        return kv_block_counts(config, self.args, kv_dtype, draft_config, self._max_step_tokens(prompts=False))
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -426,6 +423,9 @@ def make_engine(model: str | LoadedModel, background_warmup: bool = False, **eng
     from raylm.model.loaders.load import load_model
 
     args = EngineArgs.from_kwargs(**engine_args)
+    if args.num_hosts > 1:
+        raise ValueError(f"num_hosts={args.num_hosts}: every host's process builds a MultiHostEngine "
+                         "(workers/engine/multihost_engine.py), or serve it with raylm serve")
     if not isinstance(model, LoadedModel):
         # With pipeline stages this process is the last and reads that stage's layers alone.
         layers = None if args.pipeline_parallel_size == 1 else last_stage_layers(model, args.pipeline_parallel_size)

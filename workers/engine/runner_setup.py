@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax.numpy as jnp
 
 from raylm.cache.kv_budget import blocks_for_budget, group_blocks_for_budget
@@ -21,13 +23,15 @@ from raylm.workers.runner.speculative_step import DraftModel
 
 def build_runner(model: LoadedModel, config: ModelConfig, args: EngineArgs, max_model_len: int,
                  eos_ids: frozenset[int], blocks: tuple[int, int | None], kv_dtype: jnp.dtype,
-                 draft: LoadedModel | None) -> ModelRunner | PipelineRunner:
-    """The replica's runner over ``blocks`` pool blocks (and the sliding group's, or None)."""
+                 draft: LoadedModel | None, runner_type: Callable[..., ModelRunner] = ModelRunner,
+                 ) -> ModelRunner | PipelineRunner:
+    """The replica's runner over ``blocks`` pool blocks (and the sliding group's, or None): a
+    ``runner_type`` (a multi-host leader's relays its launches), or a pipeline's."""
     if args.pipeline_parallel_size > 1:
         return build_pipeline(model, args, max_model_len, eos_ids, blocks[0], kv_dtype)
     mesh = make_mesh(args.tensor_parallel_size, ep=args.expert_parallel_size)
     num_blocks, sliding_blocks = blocks
-    return ModelRunner(
+    return runner_type(
         config, model.params,
         KVCache.create(config, num_blocks, args.block_size, kv_dtype, mesh) if sliding_blocks is None else
         GroupedKV.create(config, (num_blocks, sliding_blocks), args.block_size, kv_dtype, mesh),

@@ -29,6 +29,7 @@ from raylm.workers.engine.llm_engine import LLMEngine
 from raylm.workers.pipeline.pipeline_runner import PipelineRunner, stage_locations
 from raylm.workers.serve.deployment_options import DEFAULT_STUCK_AFTER_S, WorkerDeploymentOptions
 from raylm.workers.serve.kv_handoff import publish_computed_kv, refresh_kv_mirror
+from raylm.workers.serve.multihost_actors import start_mesh_engine
 from raylm.workers.serve.replica_metrics import EngineStatsReporter, RequestMetricsRecorder
 from raylm.workers.wire.replica_protocol import (
     PERIODIC_READ_WAIT_S,
@@ -106,7 +107,10 @@ class LLMWorker:
         self.model = model
         self.max_reported_hashes = max_reported_hashes
         started = time.perf_counter()
-        self.engine = await asyncio.to_thread(AsyncEngine.from_model, model, **engine_args)
+        if engine_args.get("num_hosts", 1) > 1:  # this replica leads a mesh over several hosts
+            self.engine = AsyncEngine(await asyncio.to_thread(start_mesh_engine, model, engine_args, True))
+        else:
+            self.engine = await asyncio.to_thread(AsyncEngine.from_model, model, **engine_args)
         built_s = time.perf_counter() - started
         # The deploy file's adapters, read now: one that cannot be served fails the replica's start,
         # naming it. Requests carry their adapter (router/lora_catalog.py), so those loaded over
