@@ -4,7 +4,8 @@ The step's (token, k) pairs are sorted by expert, so each expert's rows are one 
 group; one grouped matmul over the stacked expert weights (model/kernels/grouped_matmul.py) runs
 every group against its own expert (gate/up, then down), and the rows go back to their
 tokens, weighted by the router and summed. Shapes are static: ``tokens * top_k`` rows
-whatever the routing; how many rows each expert gets travels as data (``group_sizes``).
+whatever the routing; how many rows each expert gets travels as data (``group_sizes``). Experts
+split over devices run this per device on its own experts (model/decoder/expert_parallel.py).
 
 Routing is HF's TopKRouter (model/config/moe.py): softmax over the router's logits in
 float32, the top-k probabilities, divided by their sum with ``norm_topk_prob``; or DeepSeek's
@@ -28,6 +29,7 @@ from raylm.model.config.expert_mlp import ClampedSwiglu
 from raylm.model.config.moe import MoeConfig
 from raylm.model.decoder.deepseek_routing import deepseek_route
 from raylm.model.decoder.expert_mlp import clamped_swiglu, expert_rows
+from raylm.model.decoder.expert_parallel import experts_mesh, over_expert_shards
 from raylm.model.decoder.layers import ACTIVATIONS, gated_mlp
 from raylm.model.decoder.params import LayerParams
 from raylm.model.kernels.dense import dense
@@ -84,7 +86,33 @@ def expert_mlps(
     [T]`` is False get zeros, computed by no expert. With ``weights_scale_input`` (Llama 4)
     it is ``sum_k expert[t, k](weight[t, k] * h[t])``. gpt-oss (model/decoder/expert_mlp.py):
     biases ``b_gate_up [E, 2, I]`` and ``b_down [E, D]``, and ``swiglu`` in place of
-    ``activation``."""
+    ``activation``.
+
+    Experts split over a mesh's ``ep`` axis run per device (model/decoder/expert_parallel.py),
+    each device's by the grouped kernel whatever ``kernel`` says: ``kernel`` is False for a
+    sharded program only because XLA cannot partition the kernel, and inside the ``shard_map``
+    there is nothing to partition (on another platform ``grouped_matmul`` still takes ragged_dot)."""
+
+    def local(h: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Array | None,
+              stacks: tuple, kernel: bool = True) -> jax.Array:
+        return _grouped_expert_mlps(h, Routing(experts, weights), *stacks, activation, kernel=kernel, valid=valid,
+                                    weights_scale_input=weights_scale_input, swiglu=swiglu)
+
+    stacks = (w_gate_up, w_down, b_gate_up, b_down)
+    mesh = experts_mesh(w_gate_up)
+    if mesh is not None:
+        return over_expert_shards(mesh, local, h, routing.experts, routing.weights, valid, stacks,
+                                  w_gate_up.shape[0])
+    return local(h, routing.experts, routing.weights, valid, stacks, kernel)
+
+
+def _grouped_expert_mlps(
+    h: jax.Array, routing: Routing, w_gate_up: jax.Array, w_down: jax.Array, b_gate_up: jax.Array | None,
+    b_down: jax.Array | None, activation: str, *, kernel: bool, valid: jax.Array | None, weights_scale_input: bool,
+    swiglu: ClampedSwiglu | None,
+) -> jax.Array:
+    """``expert_mlps`` over the experts of ``w_gate_up`` (all of them, or one device's: a pair
+    routed to expert ``E`` or beyond, another device's, is computed by none, as a padding token)."""
     T, D = h.shape
     E = w_gate_up.shape[0]
     k = routing.experts.shape[1]

@@ -15,8 +15,9 @@ the C++ kernels run (model/kernels/grouped_matmul.cc): the dense kernel once per
 got rows, over just those rows, reading 8-bit and block experts as stored (no float32 copy of
 the stack per step); and since that kernel sums each output in the same order whatever the
 batch, a token's result does not depend on what else was routed with it, and 8-bit and block
-experts give the float32 kernel's results on their widened values bit for bit. Sharded
-programs (expert parallelism) keep ragged_dot: XLA cannot partition a custom call.
+experts give the float32 kernel's results on their widened values bit for bit. XLA cannot
+partition a custom call, so experts split over devices (expert parallelism) call it per device
+inside a ``shard_map`` on each device's own experts (model/decoder/expert_parallel.py).
 """
 
 from __future__ import annotations

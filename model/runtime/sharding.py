@@ -17,10 +17,10 @@ replicates KV heads; ``wo`` and the MLP are still split.
 
 Expert parallelism splits a mixture-of-experts layer's stacked experts over ``ep`` (the mesh
 is ``ep x tp``; everything else is replicated over ``ep``, split over ``tp`` as above). Each
-device then holds ``num_experts / ep`` experts; every device sees the step's tokens, its
-share of the grouped matmul computes the rows routed to its own experts, and summing the
-shares (an all-reduce jit inserts) combines them: dispatch by gather and combine by
-all-reduce rather than all-to-all, which at a decode step's few rows moves less.
+device then holds ``num_experts / ep`` experts; every device sees the step's tokens, runs
+its own experts on the rows routed to them, and one all-reduce over ``ep`` sums the shares
+(model/decoder/expert_parallel.py, a ``shard_map`` around the expert block): dispatch by gather
+and combine by all-reduce rather than all-to-all, which at a decode step's few rows moves less.
 """
 
 from __future__ import annotations
