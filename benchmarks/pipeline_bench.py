@@ -184,8 +184,11 @@ def run_layout(model: str, dtype: str, work: Workload, pp: int, node_memory: int
         stages = ray.get(host.processes.remote(), timeout=1800)["stages"]
         out: dict[str, Any] = {"load_s": time.perf_counter() - started, "stages": stages}
         pins = [set(cores)] if pp == 1 else [{core} for core in cores]
-        out["pinned"] = [f"pid {s['pid']} ({pin_process(s['pid'], cores_)} threads) -> cores {sorted(cores_)}"
-                         for s, cores_ in zip(stages, pins)]
+        out["pinned"] = []
+        for stage, stage_cores in zip(stages, pins):
+            threads, pool = pin_process(stage["pid"], stage_cores)
+            out["pinned"].append(f"pid {stage['pid']} ({threads} threads, XLA pool {pool}) -> "
+                                 f"cores {sorted(stage_cores)}")
         started = time.perf_counter()
         out.update(measure(host, work))
         out["measure_s"] = time.perf_counter() - started
@@ -265,7 +268,8 @@ def print_report(report: dict[str, Any]) -> None:
         bubbles = "; ".join(f"{n}: " + ", ".join(f"{b:.2f}" for b in v) for n, v in r["bubble"].items() if v)
         print(f"{name}: RSS per process (MiB) {[round(b / MIB) for b in r['rss_bytes']]}, weights+KV "
               f"{[round(b / MIB) for b in r['held_bytes']]}; tok/s at {'/'.join(r['tok_s'])} streams {tok_s}; "
-              f"TPOT {r['tpot_s'] * 1e3:.1f} ms; bubble per stage {bubbles or '-'}")
+              f"TPOT {r['tpot_s'] * 1e3:.1f} ms; bubble per stage {bubbles or '-'}; loaded in {r['load_s']:.0f} s, "
+              f"measured in {r['measure_s']:.0f} s; pinned {', '.join(r['pinned'])}")
     reservation = report["pp1_whole_model_reservation"]
     print(f"pp1 reserving the whole weights: placed {reservation['placed']}, Ray's state "
           f"{reservation['scheduling_state']} after {reservation['seconds']} s")

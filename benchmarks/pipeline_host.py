@@ -75,17 +75,20 @@ def resident_bytes(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
-def pin_process(pid: int, cores: set[int]) -> int:
+def pin_process(pid: int, cores: set[int]) -> tuple[int, int]:
     """Set the CPU affinity of every thread of ``pid`` to ``cores`` (threads started later
-    inherit it from the thread that starts them); returns how many threads were pinned."""
-    pinned = 0
+    inherit it from the thread that starts them); returns how many threads were pinned and how
+    many of them are XLA's intra-op pool ("tf_XLAEigen": ``NPROC`` of them)."""
+    pinned, pool = 0, 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             os.sched_setaffinity(int(tid), cores)
+            with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+                pool += "XLAEigen" in comm.read()
             pinned += 1
         except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
             pass
-    return pinned
+    return pinned, pool
 
 
 def _tree_bytes(tree: Any) -> int:

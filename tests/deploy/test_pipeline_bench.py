@@ -5,6 +5,7 @@ fields, not its timings."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,16 +41,18 @@ def test_served_weight_bytes_scale_the_stored_dtype(tmp_path):
 def test_smoke_run_on_a_tiny_model(tmp_path):
     path, _ = build_tiny_checkpoint("llama-gqa", tmp_path / "m")  # 3 layers, hidden 64, float32
     out = tmp_path / "pp.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one host device a process, as run by hand
     proc = subprocess.run([sys.executable, "-m", "raylm.benchmarks.pipeline_bench", "--smoke", "--model", str(path),
-                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=400)
+                           "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0 and out.exists(), f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     report = json.loads(out.read_text())
     pp1, pp2 = report["pp1"], report["pp2"]
 
-    # One process on both cores against two stages, on two nodes, a core each.
-    assert len(pp1["stages"]) == 1 and pp1["pinned"][0].endswith("cores [0, 1]")
+    # One process on both cores (XLA's pool of two threads) against two stages, on two nodes, a
+    # core (and a pool thread) each.
+    assert len(pp1["stages"]) == 1 and pp1["pinned"][0].endswith("XLA pool 2) -> cores [0, 1]")
     assert len({s["node_id"] for s in pp2["stages"]}) == 2 and len({s["pid"] for s in pp2["stages"]}) == 2
-    assert [p.split("-> ")[1] for p in pp2["pinned"]] == ["cores [0]", "cores [1]"]
+    assert [p.split("XLA pool ")[1] for p in pp2["pinned"]] == ["1) -> cores [0]", "1) -> cores [1]"]
     assert report["same_tokens"]
 
     # The stages hold the layers' weights and KV of the whole between them (each stage its own
