@@ -46,6 +46,7 @@ import numpy as np
 
 MIB = 1 << 20
 NODE_SHARE = 0.75  # each node's memory resource, of the whole model's weights
+ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TARGETS = {"memory_per_node": ("<=", 0.6), "tok_s_16": (">=", 0.8), "tpot": ("<=", 1.3)}
 
 
@@ -98,7 +99,7 @@ def served_weight_bytes(model: Path, dtype: str) -> int:
     config = json.loads((model / "config.json").read_text())
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"
     stored_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-    return stored_bytes * np.dtype(dtype).itemsize // (2 if stored in ("bfloat16", "float16") else 4)
+    return stored_bytes * ITEM_BYTES[dtype] // ITEM_BYTES[stored]
 
 
 def prompts_of(count: int, tokens: int, seed: int) -> list[list[int]]:
@@ -210,7 +211,10 @@ def transfer_ms(hidden_size: int, dtype: str, repeats: int) -> dict[str, float]:
 
     @ray.remote(num_cpus=0, resources={"node_b": 0.01})
     def make(rows: int) -> list[np.ndarray]:
-        return [np.random.default_rng(rows).standard_normal((rows, 1, hidden_size)).astype(dtype)]
+        import ml_dtypes  # (numpy's own dtypes lack bfloat16)
+
+        served = np.dtype(getattr(ml_dtypes, dtype, dtype))
+        return [np.random.default_rng(rows).standard_normal((rows, 1, hidden_size)).astype(served)]
 
     @ray.remote(num_cpus=0, resources={"node_a": 0.01})
     def fetch(wrapped: list) -> float:
