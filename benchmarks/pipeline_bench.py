@@ -95,11 +95,12 @@ def meets(name: str, value: float) -> bool:
 
 def served_weight_bytes(model: Path, dtype: str) -> int:
     """The checkpoint's tensor bytes as served in ``dtype`` (safetensors stored in config.json's
-    ``dtype``, ``torch_dtype`` before transformers 5)."""
+    ``dtype``, ``torch_dtype`` before transformers 5): weights stored narrower than ``dtype`` stay
+    as stored (a bfloat16 file served float32 holds its bfloat16 matrices, computing in float32)."""
     config = json.loads((model / "config.json").read_text())
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"
     stored_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-    return stored_bytes * ITEM_BYTES[dtype] // ITEM_BYTES[stored]
+    return stored_bytes * min(ITEM_BYTES[dtype], ITEM_BYTES[stored]) // ITEM_BYTES[stored]
 
 
 def prompts_of(count: int, tokens: int, seed: int) -> list[list[int]]:

@@ -34,8 +34,10 @@ def test_served_weight_bytes_scale_the_stored_dtype(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
     (tmp_path / "model-1.safetensors").write_bytes(b"x" * 100)
     (tmp_path / "model-2.safetensors").write_bytes(b"x" * 50)
-    assert pipeline_bench.served_weight_bytes(tmp_path, "float32") == 300
+    assert pipeline_bench.served_weight_bytes(tmp_path, "float32") == 150  # kept as stored
     assert pipeline_bench.served_weight_bytes(tmp_path, "bfloat16") == 150
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    assert pipeline_bench.served_weight_bytes(tmp_path, "bfloat16") == 75
 
 
 def test_smoke_run_on_a_tiny_model(tmp_path):
