@@ -35,7 +35,7 @@ from raylm.model.loaders.load import LoadedModel, load_model
 # Tests that start or use a Ray cluster: under pytest-xdist they all run on one worker (one
 # session cluster, and two clusters never compete for the two cores' processes).
 RAY_FIXTURES = frozenset({"serve_cluster", "raylm_app"})
-RAY_PATHS = ("tests/cluster/", "tests/deploy/test_serve_command.py")
+RAY_PATHS = ("tests/cluster/", "tests/deploy/test_serve_command.py", "tests/deploy/test_pipeline_bench.py")
 
 
 # The longest groups (minutes each on 2 cores) start first, so no worker is left running one
