@@ -28,8 +28,6 @@ from raylm.cluster.local_ray import apply_local_ray_env  # noqa: E402
 apply_local_ray_env()  # before ray is imported
 
 import json  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any  # noqa: E402
@@ -42,7 +40,7 @@ from raylm.cache.offload import namespace, tier_keys  # noqa: E402
 from raylm.cluster.adapter_store import NAMESPACE  # noqa: E402
 from raylm.cluster.kv_cluster_tier import ClusterTier  # noqa: E402
 from raylm.cluster.kv_directory import DIRECTORY_NAME, KVDirectory  # noqa: E402
-from tests.multinode_scenario import processes_using  # noqa: E402
+from tests.multinode_scenario import tear_down_private_cluster  # noqa: E402
 
 MIB = 1 << 20
 BLOCK = 1 * MIB
@@ -108,18 +106,7 @@ def run() -> dict[str, Any]:
     except Exception:
         result["error"] = traceback.format_exc()
     finally:
-        try:
-            ray.shutdown()
-            cluster.shutdown()
-        finally:
-            leftovers = processes_using(_TEMP_DIR)
-            for pid in leftovers:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            result["leftover_pids"] = leftovers
-            shutil.rmtree(_TEMP_DIR, ignore_errors=True)
+        result["leftover_pids"] = tear_down_private_cluster(cluster, _TEMP_DIR)
     return result
 
 

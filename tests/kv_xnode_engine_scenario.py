@@ -34,8 +34,6 @@ apply_local_ray_env()  # before ray is imported
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -48,7 +46,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from raylm.cluster.adapter_store import NAMESPACE  # noqa: E402
 from raylm.cluster.kv_directory import DIRECTORY_NAME, KVDirectory  # noqa: E402
 from tests.checkpoints import build_tiny_checkpoint  # noqa: E402
-from tests.multinode_scenario import processes_using  # noqa: E402
+from tests.multinode_scenario import tear_down_private_cluster  # noqa: E402
 
 MIB = 1 << 20
 BLOCK_SIZE = 16
@@ -174,18 +172,7 @@ def run() -> dict[str, Any]:
     except Exception:
         result["error"] = traceback.format_exc()
     finally:
-        try:
-            ray.shutdown()
-            cluster.shutdown()
-        finally:
-            leftovers = processes_using(_TEMP_DIR)
-            for pid in leftovers:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            result["leftover_pids"] = leftovers
-            shutil.rmtree(_TEMP_DIR, ignore_errors=True)
+        result["leftover_pids"] = tear_down_private_cluster(cluster, _TEMP_DIR)
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
 

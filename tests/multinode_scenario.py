@@ -158,6 +158,23 @@ def processes_using(temp_dir: str) -> list[int]:
     return pids
 
 
+def tear_down_private_cluster(cluster: Any, temp_dir: str) -> list[int]:
+    """End a scenario's own ``ray.cluster_utils.Cluster`` (disconnect, shut it down, SIGKILL any of
+    its processes still alive, remove its temp dir); returns the ids of those that had to be killed."""
+    try:
+        ray.shutdown()
+        cluster.shutdown()
+    finally:
+        leftovers = processes_using(temp_dir)
+        for pid in leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    return leftovers
+
+
 class FakeAutoscalingCluster:
     """``ray.cluster_utils.AutoscalingCluster``, isolated from other Ray clusters on the machine.
 

@@ -37,7 +37,6 @@ import concurrent.futures  # noqa: E402
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import shutil  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -49,7 +48,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from raylm.benchmarks.soak_bench import long_stream, seconds_until_serving  # noqa: E402
-from tests.multinode_scenario import processes_using  # noqa: E402
+from tests.multinode_scenario import tear_down_private_cluster  # noqa: E402
 from tests.serving import TEST_DEPLOY, free_port  # noqa: E402
 
 MIB = 1 << 20
@@ -177,18 +176,7 @@ def run() -> dict[str, Any]:
     except Exception:
         result["error"] = traceback.format_exc()
     finally:
-        try:
-            ray.shutdown()
-            cluster.shutdown()
-        finally:
-            leftovers = processes_using(_TEMP_DIR)
-            for pid in leftovers:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            result["leftover_pids"] = leftovers
-            shutil.rmtree(_TEMP_DIR, ignore_errors=True)
+        result["leftover_pids"] = tear_down_private_cluster(cluster, _TEMP_DIR)
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
 
