@@ -161,6 +161,12 @@ class ModelParams:
     lm_head: Optional[jax.Array] = _param(_vocab_matrix(), optional=True)  # as the tied embedding
 
 
+def stage_ends(is_first: bool, is_last: bool, tied: bool) -> tuple[bool, bool]:
+    """Whether a pipeline stage (of ``ModelParams``' docstring) holds the embedding and the LM head:
+    the first stage looks tokens up, the last computes logits (from the embedding when tied)."""
+    return is_first or (is_last and tied), is_last and not tied
+
+
 def _infos(cls: type) -> dict[str, ArrayInfo]:
     return {f.name: f.metadata["info"] for f in dataclasses.fields(cls) if "info" in f.metadata}
 

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from raylm.model.config.model_config import ModelConfig
-from raylm.model.decoder.params import LayerParams, ModelParams, shape_mismatches
+from raylm.model.decoder.params import LayerParams, ModelParams, shape_mismatches, stage_ends
 from raylm.model.errors import ModelLoadError
 from raylm.model.loaders.hf_gpt_oss import gpt_oss_moe_fields
 from raylm.model.loaders.hf_latent_attention import latent_attention_tensors
@@ -359,13 +359,9 @@ def build_params(
 
     V = config.vocab_size
     layers = range(config.num_layers) if layers is None else layers
-    first, last = layers.start == 0, layers.stop == config.num_layers
-    embed = None
-    if first or (last and config.tie_word_embeddings):
-        embed = on_device(fetch("model.embed_tokens.weight", (V, D)))
-    lm_head = None
-    if last and not config.tie_word_embeddings:
-        lm_head = on_device(fetch("lm_head.weight", (V, D)))
+    with_embed, with_head = stage_ends(layers.start == 0, layers.stop == config.num_layers, config.tie_word_embeddings)
+    embed = on_device(fetch("model.embed_tokens.weight", (V, D))) if with_embed else None
+    lm_head = on_device(fetch("lm_head.weight", (V, D))) if with_head else None
     params = ModelParams(
         embed=embed,
         layers=tuple(layer(i) for i in layers),

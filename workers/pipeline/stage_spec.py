@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.kv_pool import KVCache
-from raylm.model.decoder.params import ModelParams
+from raylm.model.decoder.params import ModelParams, stage_ends
 from raylm.model.loaders.load import LoadedModel, load_model
 from raylm.model.quantization.activations import with_int8_activations
 from raylm.model.runtime.compilation_cache import enable_compilation_cache
@@ -43,12 +43,9 @@ class StageSpec:
 def stage_params(params: ModelParams, config: ModelConfig, span: StageSpan) -> ModelParams:
     """A whole model's ``params`` cut to ``span`` as the loader reads a stage's alone
     (``model.loaders.hf_tensors.build_params``): no copy of any array."""
-    last, tied = span.is_last, config.tie_word_embeddings
-    return dataclasses.replace(
-        params, layers=params.layers[span.start:span.stop],
-        embed=params.embed if span.is_first or (last and tied) else None,
-        lm_head=params.lm_head if last else None,
-    )
+    with_embed, with_head = stage_ends(span.is_first, span.is_last, config.tie_word_embeddings)
+    return dataclasses.replace(params, layers=params.layers[span.start:span.stop],
+                               embed=params.embed if with_embed else None, lm_head=params.lm_head if with_head else None)
 
 
 def stage_model(spec: StageSpec, model: LoadedModel | None = None) -> LoadedModel:
