@@ -112,3 +112,36 @@ def on_cpu(*args: Any, cpu: Callable[..., Any], default: Callable[..., Any]) -> 
     if cpu_only_process() and not _every_platform:
         return cpu(*args)
     return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
+_interpreting_gpu_kernels = False  # set by ``interpreting_gpu_kernels``
+
+
+@contextlib.contextmanager
+def interpreting_gpu_kernels() -> Iterator[None]:
+    """Inside, ``on_gpu`` traces its GPU branch alone, and the Pallas kernels it calls run in
+    interpret mode: a CPU process (the test suite) runs the GPU kernels through whole programs.
+    Programs jitted inside keep the choice in their compilation cache entries."""
+    global _interpreting_gpu_kernels
+    before, _interpreting_gpu_kernels = _interpreting_gpu_kernels, True
+    try:
+        yield
+    finally:
+        _interpreting_gpu_kernels = before
+
+
+def gpu_kernels_interpreted() -> bool:
+    """Whether Pallas GPU kernels traced now run in interpret mode (``interpreting_gpu_kernels``)."""
+    return _interpreting_gpu_kernels
+
+
+def on_gpu(*args: Any, gpu: Callable[..., Any], default: Callable[..., Any]) -> Any:
+    """``jax.lax.platform_dependent(*args, cuda=gpu, default=default)``: ``gpu`` (a Pallas
+    Triton kernel) where the program is lowered for an NVIDIA GPU, ``default`` elsewhere. A
+    CPU-only process traces ``default`` alone (as ``on_cpu`` does), unless inside
+    ``lowering_for_every_platform``; inside ``interpreting_gpu_kernels``, ``gpu`` alone."""
+    if _interpreting_gpu_kernels:
+        return gpu(*args)
+    if cpu_only_process() and not _every_platform:
+        return default(*args)
+    return jax.lax.platform_dependent(*args, cuda=gpu, default=default)

@@ -49,6 +49,7 @@ def test_every_engine_arg_is_settable_from_yaml():
         ({"workers": {"num_replica": 2}}, "workers.num_replica: unknown key"),
         ({"engine": {"block_sise": 16}}, "engine.block_sise: unknown key"),
         ({"engine": {"block_size": 12}}, "block_size must be a power of two"),
+        ({"engine": {"gpu_attention": "triton"}}, "gpu_attention must be pallas or jnp, got 'triton'"),
         ({"engine": {"max_num_seqs": "many"}}, "engine.max_num_seqs"),
         ({"model": {"dtype": "int3"}}, "model.dtype"),
         ({"model": {"quantization": "int4"}}, "model.quantization"),

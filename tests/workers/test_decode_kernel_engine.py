@@ -42,7 +42,7 @@ ENGINES = {
 
 
 def _run(tiny, kernel: bool, monkeypatch, engine: dict) -> tuple[list, list, LLM]:
-    monkeypatch.setattr(runner_module, "_cpu_kernels_run", lambda mesh, kv: kernel)
+    monkeypatch.setattr(runner_module, "cpu_kernels_run", lambda mesh, kv: kernel)
     rng = np.random.RandomState(11)
     block_size = engine.get("block_size", 16)
     shared = rng.randint(3, 320, size=2 * block_size + 5).tolist()  # 2 full blocks + 5: later prompts reuse them

@@ -81,6 +81,10 @@ class EngineArgs:
     # nodes as they fit ("pack"), or all in this process ("local": one machine, no Ray).
     pipeline_parallel_size: int = 1
     pipeline_placement: str = "spread"
+    # Decode attention on a GPU: JAX Pallas's Triton paged kernel reading the pool in place
+    # (model/kernels/pallas/paged_decode.py), or "jnp", the portable gather path (a way back
+    # should a GPU's Triton build fail). Ignored elsewhere.
+    gpu_attention: str = "pallas"
 
     def keep_gguf_blocks(self) -> bool:
         """Whether this replica loads a GGUF's block matrices as stored."""
@@ -164,6 +168,8 @@ class EngineArgs:
                              f"got {self.max_cpu_loras!r}")
         if not (isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size >= 1):
             raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
+        if self.gpu_attention not in ("pallas", "jnp"):  # (workers/runner/platform_kernels.py)
+            raise ValueError(f"gpu_attention must be pallas or jnp, got {self.gpu_attention!r}")
         if self.pipeline_placement not in ("spread", "pack", "local"):  # (workers/pipeline/support.py)
             raise ValueError(f"pipeline_placement must be spread, pack or local, got {self.pipeline_placement!r}")
         if self.pipeline_parallel_size > 1 and self.num_hosts > 1:

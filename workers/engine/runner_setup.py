@@ -42,6 +42,7 @@ def build_runner(model: LoadedModel, config: ModelConfig, args: EngineArgs, max_
         ) if draft else None,
         hidden_state_buffers=(args.hidden_state_slots, args.hidden_state_max_tokens),
         lora_buffers=(args.max_loras, args.max_lora_rank, args.lora_dtype) if args.enable_lora else None,
+        gpu_attention=args.gpu_attention,
     )
 
 

@@ -36,7 +36,6 @@ from raylm.model.decoder.flop_count import ModelFlops
 from raylm.model.decoder.forward import PooledHidden
 from raylm.model.decoder.kv_pool import GroupedKV, KVCache
 from raylm.model.decoder.params import ModelParams
-from raylm.model.kernels import paged_decode
 from raylm.model.runtime.buckets import bucket
 from raylm.model.runtime.sharding import shard_params
 from raylm.workers.core.hidden_states import HiddenStateCapture
@@ -59,6 +58,7 @@ from raylm.workers.runner.expert_load import ExpertLoad
 from raylm.workers.runner.grammar_masks import position_bitmasks
 from raylm.workers.runner.logits_processing import Processing, processing
 from raylm.workers.runner.lora_slots import LoraSlots
+from raylm.workers.runner.platform_kernels import cpu_kernels_run, gpu_kernels_run
 from raylm.workers.runner.programs import (
     copy_blocks_program,
     decode_program,
@@ -101,6 +101,7 @@ class ModelRunner:
         draft: DraftModel | None = None,
         hidden_state_buffers: tuple[int, int] = (0, 0),
         lora_buffers: tuple[int, int, str | None] | None = None,
+        gpu_attention: str = "pallas",
     ):
         self.config = config
         self.mesh = mesh
@@ -108,7 +109,8 @@ class ModelRunner:
         self.kv = kv
         self.block_size = kv.block_size
         self.eos_ids = eos_ids
-        self.cpu_kernels = _cpu_kernels_run(mesh, kv)
+        self.cpu_kernels = cpu_kernels_run(mesh, kv)
+        self.gpu_kernels = gpu_kernels_run(mesh, kv, config, gpu_attention)
         # KV groups: one pool for every layer, or the full-attention and the sliding layers' own.
         self.num_kv_groups = 2 if isinstance(kv, GroupedKV) else 1
         self.buckets = ShapeBuckets.create(max_num_seqs, max_num_batched_tokens, max_model_len, self.block_size,
@@ -315,7 +317,7 @@ class ModelRunner:
         sbatch, flags = self._sampling(seqs, rows)
         results, self.kv, hidden, logits, load = decode_program(
             self.params, self.kv, tokens, positions, self._tables(seqs, rows, width), limits, sbatch,
-            config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels, **flags,
+            config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels, gpu_kernels=self.gpu_kernels, **flags,
             **self._hidden_sink(seqs, positions[:, None]), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
             **self._expert_load(), **self._stage_input((rows, 1)),
         )
@@ -434,17 +436,3 @@ class ModelRunner:
             self.hidden_buffers = hidden_buffers
         if expert_load is not None:
             self.expert_load.counts = expert_load
-
-
-def _cpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV) -> bool:
-    """Whether the programs run the C++ CPU kernels (``forward``'s ``cpu_kernels``): the paged
-    attention kernel built, a CPU backend, an unsharded replica (XLA cannot partition a custom
-    call) and a pool dtype it reads. Projections then take the small-batch matmul kernel
-    where it applies (``model.kernels.dense`` falls back to XLA's dot by itself)."""
-    return (
-        paged_decode.available()
-        and jax.default_backend() == "cpu"
-        and mesh.devices.size == 1
-        and kv.dtype in paged_decode.SUPPORTED_POOL_DTYPES
-    )
-

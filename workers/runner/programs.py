@@ -102,19 +102,21 @@ def packed_prefill_program(params, kv, draft_params, draft_kv, tokens, positions
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "num_steps", "num_logprobs", "with_penalties", "cpu_kernels", "return_logits"),
+    static_argnames=("config", "num_steps", "num_logprobs", "with_penalties", "cpu_kernels", "gpu_kernels",
+                     "return_logits"),
     donate_argnames=("kv", "hidden_buffers", "expert_load"),
 )
 def decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, hidden_buffers=None,
                     hidden_where=None, lora=None, expert_load=None, hidden_in=None, *, config, num_steps, num_logprobs,
-                    with_penalties, cpu_kernels, return_logits=False):
+                    with_penalties, cpu_kernels, gpu_kernels=False, return_logits=False):
     """``num_steps`` decode steps with sampling in one call; rows stop writing at ``limits``.
     With ``hidden_*`` as in ``prefill_program`` (``[B, 1]``: each row's slot and its index
     at the first step) every step writes its rows' hidden states there, without leaving the
     device; the buffers are returned next (else None), then with ``return_logits`` every
     step's logits ``[num_steps, B, V]`` (else None), then the ``expert_load`` (as in
     ``prefill_program``, every step's tokens added). ``lora`` as in ``prefill_program``; a
-    pipeline's last stage takes ``hidden_in`` (``[B, 1, D]``) and decodes one step."""
+    pipeline's last stage takes ``hidden_in`` (``[B, 1, D]``) and decodes one step. ``gpu_kernels``:
+    attention by the Pallas kernel on a GPU (``forward``)."""
     assert hidden_in is None or num_steps == 1, "a pipeline's stages decode one step at a time"
     hidden = _sink(hidden_buffers, hidden_where)
 
@@ -123,7 +125,8 @@ def decode_program(params, kv, tokens, positions, block_tables, limits, sbatch, 
         context_lens = jnp.where(positions < limits, positions + 1, 0)
         logits, kv, _, buffers, expert_load = _forward_extras(forward(
             params, config, tokens[:, None], positions[:, None], kv, block_tables, context_lens,
-            cpu_kernels=cpu_kernels, hidden_sink=hidden, lora=lora, expert_load=expert_load, hidden_in=hidden_in),
+            cpu_kernels=cpu_kernels, hidden_sink=hidden, lora=lora, expert_load=expert_load, hidden_in=hidden_in,
+            gpu_kernels=gpu_kernels),
             None, hidden, expert_load)
         if hidden is not None:
             hidden = hidden._replace(buffers=buffers, index=hidden.index + 1)

@@ -1,0 +1,50 @@
+"""Which kernels a replica's programs run: the C++ CPU kernels, the Pallas attention kernel on a
+GPU, or neither (the portable jnp path). Chosen once per runner from its platform, mesh and
+pools; the programs take the answer as a static flag, so each choice compiles its own code."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+from jax.sharding import Mesh
+
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.decoder.kv_pool import GroupedKV, KVCache
+from raylm.model.kernels import paged_decode
+from raylm.model.kernels.pallas import paged_decode as pallas_paged_decode
+
+logger = logging.getLogger(__name__)
+
+GPU_ATTENTION_CHOICES = ("pallas", "jnp")
+
+
+def cpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV) -> bool:
+    """Whether the programs run the C++ CPU kernels (``forward``'s ``cpu_kernels``): the paged
+    attention kernel built, a CPU backend, an unsharded replica (XLA cannot partition a custom
+    call) and a pool dtype it reads. Projections then take the small-batch matmul kernel
+    where it applies (``model.kernels.dense`` falls back to XLA's dot by itself)."""
+    return (
+        paged_decode.available()
+        and jax.default_backend() == "cpu"
+        and mesh.devices.size == 1
+        and kv.dtype in paged_decode.SUPPORTED_POOL_DTYPES
+    )
+
+
+def gpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV, config: ModelConfig, gpu_attention: str) -> bool:
+    """Whether decode rows take the Pallas paged attention kernel (``forward``'s ``gpu_kernels``):
+    asked for (``gpu_attention``, "pallas" by default), a GPU backend, an unsharded replica (the
+    custom call is not partitioned) and pools and a head size the kernel reads. Where it is asked
+    for on a GPU but cannot run, one log line says why and the jnp path serves."""
+    if gpu_attention not in GPU_ATTENTION_CHOICES:
+        raise ValueError(f"gpu_attention must be one of {GPU_ATTENTION_CHOICES}, got {gpu_attention!r}")
+    if gpu_attention != "pallas" or jax.default_backend() != "gpu" or config.mla is not None:
+        return False
+    pools = (kv.full, kv.sliding) if isinstance(kv, GroupedKV) else (kv,)
+    reasons = ["tensor or expert parallelism (the kernel runs unsharded only)"] if mesh.devices.size > 1 else []
+    reasons += [r for pool in pools if (r := pallas_paged_decode.unsupported_reason(
+        config.head_dim, kv.block_size, pool.k, pool.v, None))]
+    if reasons:
+        logger.info("decode attention takes the jnp path on this GPU: %s", "; ".join(reasons))
+    return not reasons
