@@ -47,7 +47,7 @@ from raylm.model.decoder.moe import moe_block
 from raylm.model.decoder.params import LayerParams, ModelParams
 from raylm.model.kernels.dense import dense
 from raylm.model.kernels.paged_decode import decode_attention
-from raylm.model.kernels.pallas.paged_decode import gpu_decode_attention
+from raylm.model.kernels.pallas.paged_attention import gpu_paged_attention
 from raylm.model.quantization.gguf_blocks import GgufBlocks
 from raylm.model.quantization.int8_panels import Int8Panels
 from raylm.model.quantization.quant_array import QuantArray
@@ -129,9 +129,9 @@ def forward(
     place of ``tokens``' embeddings; one that is not the last returns with ``hidden_out`` its own
     residual stream ``[B, S, D]`` in place of logits (then the pool, then ``expert_load``'s sum).
 
-    With ``gpu_kernels`` (an unsharded replica whose pools the kernel reads) decode rows (``S == 1``)
-    take their attention from the Pallas paged kernel where the program is lowered for a GPU
-    (``model.kernels.pallas.paged_decode``); prompt chunks keep the jnp path.
+    With ``gpu_kernels`` (an unsharded replica whose pools the kernel reads) attention runs the
+    Pallas paged kernel where the program is lowered for a GPU (``model.kernels.pallas.paged_attention``:
+    decode rows and prompt chunks alike), the jnp path elsewhere.
     """
     if hidden_out and (pool_segments is not None or hidden_sink is not None):
         raise ValueError("a stage that hands its hidden states on neither pools nor captures them")
@@ -147,10 +147,10 @@ def forward(
     if cpu_kernels and tokens.shape[1] != 1:
         raise ValueError(f"the paged kernel takes one query per row (pack prompt chunks), got {tokens.shape}")
     kernel_lens = None
-    if cpu_kernels or (gpu_kernels and tokens.shape[1] == 1):
-        # Keys each query sees (its position + 1; 0 for a padding row): the kernels' contract.
+    if cpu_kernels:
+        # Keys each query sees (its position + 1; 0 for a padding row): the kernel's contract.
         kernel_lens = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
-    batch = _Batch(positions, tables, context_lens, valid, slots, rotations, kernel_lens, cpu_kernels)
+    batch = _Batch(positions, tables, context_lens, valid, slots, rotations, kernel_lens, gpu_kernels)
     embed = params.embed
     if hidden_in is not None:
         x = hidden_in.astype(params.final_norm.dtype)
@@ -264,8 +264,13 @@ class _Batch(NamedTuple):
     valid: jax.Array  # [B, S]
     slots: tuple[tuple[jax.Array, jax.Array], ...]  # per KV group: each token's K/V block, offset [B, S]
     rotations: dict[bool, tuple[jax.Array, jax.Array]]  # local RoPE? -> cos/sin [B, S, rope_dim] each
-    kernel_lens: jax.Array | None  # [B] keys each query sees when a paged kernel runs (CPU, GPU), else None
-    cpu_kernels: bool  # the CPU kernels run (projections too, through ``model.kernels.dense``)
+    kernel_lens: jax.Array | None  # [B] keys each query sees when the CPU kernels run, else None
+    gpu_kernels: bool  # attention by the Pallas kernel where lowered for a GPU
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether this step runs the CPU kernels (projections too, through ``model.kernels.dense``)."""
+        return self.kernel_lens is not None
 
 
 def _layer(
@@ -340,9 +345,9 @@ def _attention(
     with jax.named_scope("attention"):
         if batch.cpu_kernels and spec.chunk is None:  # (the kernel has no chunked mask)
             attn = decode_attention(q[:, 0], k_pool, v_pool, slot, table, batch.kernel_lens, spec, lp.sinks)[:, None]
-        elif batch.kernel_lens is not None and spec.chunk is None:
-            attn = gpu_decode_attention(q[:, 0], k_pool, v_pool, slot, table, batch.kernel_lens, spec,
-                                        lp.sinks)[:, None]
+        elif batch.gpu_kernels and spec.chunk is None:
+            attn = gpu_paged_attention(q, k_pool, v_pool, slot, table, batch.positions, batch.context_lens,
+                                       batch.valid, spec, lp.sinks)
         else:
             attn = paged_attention(q, k_pool, v_pool, slot, table, batch.positions, batch.context_lens, batch.valid,
                                    spec, lp.sinks)

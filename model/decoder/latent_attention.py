@@ -95,7 +95,7 @@ def _absorbed(
     w_uk, w_uv = w_kv_b[:, : mla.qk_nope_head_dim], w_kv_b[:, mla.qk_nope_head_dim:]
     q_latent = jnp.einsum("bshn,hnr->bshr", q_nope, w_uk)
     q = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)  # [B, S, H, R + rope]
-    if batch.cpu_kernels:  # the pool is both keys and values (module docstring)
+    if batch.kernel_lens is not None:  # the pool is both keys and values (module docstring)
         out = decode_attention(q[:, 0], pool, pool, layer, table, batch.kernel_lens, spec)[:, None]
     else:
         out = paged_attention(q, pool, pool, layer, table, batch.positions, batch.context_lens, batch.valid, spec)

@@ -1,7 +1,9 @@
-"""C++ CPU kernels called from JAX through ``jax.ffi``; setup.py builds them at install time.
+"""Kernels per platform: C++ CPU kernels called from JAX through ``jax.ffi`` (setup.py builds
+them at install time), Pallas kernels for GPUs (``model.kernels.pallas``), and how a traced
+program picks between them and the portable jnp path (``on_cpu``, ``on_gpu``).
 
 The built libraries are plain shared objects (loaded with ctypes, not imported); their
-Python wrappers and jnp fallbacks live in ``model`` (``model.kernels.paged_decode``, ``model.kernels.dense``).
+Python wrappers and jnp fallbacks live beside them (``model.kernels.paged_decode``, ``model.kernels.dense``).
 """
 
 from __future__ import annotations

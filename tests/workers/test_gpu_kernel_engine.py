@@ -1,10 +1,11 @@
-"""The engine with decode attention through the Pallas GPU kernel (run in interpret mode on the
+"""The engine with its attention through the Pallas GPU kernel (run in interpret mode on the
 CPU) gives the jnp path's greedy tokens and logprobs.
 
-The kernel itself is checked in tests/model/test_pallas_paged_decode.py; here it is wired into
-whole decode programs as a GPU replica runs them (``gpu_kernels``; prompt chunks on the jnp
-path), for the attention kinds models bring: GQA, sliding windows beside full layers (their own
-KV groups) with soft-caps, sink logits, an 8-bit pool, multi-step decode.
+The kernel itself is checked in tests/model/test_pallas_paged_attention.py; here it is wired into
+whole prompt and decode programs as a GPU replica runs them (``gpu_kernels``), for the attention
+kinds models bring: GQA, sliding windows beside full layers (their own KV groups) with
+soft-caps, sink logits, an 8-bit pool, multi-step decode, prompts split into chunks and chunks
+after a cached prefix.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 import raylm.workers.runner.model_runner as runner_module
 from raylm.model.decoder.kv_pool import KVCache
 from raylm.model.kernels import interpreting_gpu_kernels
-from raylm.model.kernels.pallas import paged_decode as pallas
+from raylm.model.kernels.pallas import paged_attention as pallas
 from raylm.model.loaders.load import load_model
 from raylm.model.runtime.sharding import make_mesh
 from raylm.workers.core.sampling_params import SamplingParams
@@ -28,7 +29,7 @@ from raylm.workers.runner import platform_kernels
 from tests.checkpoints import build_tiny_checkpoint
 
 CASES = {
-    "llama-gqa": ("llama-gqa", dict(num_scheduler_steps=4)),
+    "llama-gqa": ("llama-gqa", dict(num_scheduler_steps=4, max_num_batched_tokens=32)),
     "llama-gqa-int8-kv": ("llama-gqa", dict(kv_cache_dtype="int8")),
     "gemma2-sliding-softcap": ("gemma2", {}),
     "gpt-oss-sinks": ("gpt-oss", {}),
@@ -45,32 +46,36 @@ def _generate(model, gpu: bool, monkeypatch, engine: dict) -> tuple[list, list, 
     monkeypatch.setattr(runner_module, "cpu_kernels_run", lambda mesh, kv: False)
     monkeypatch.setattr(runner_module, "gpu_kernels_run", lambda mesh, kv, config, choice: gpu)
     rng = np.random.RandomState(5)
-    prompts = [rng.randint(3, 120, size=n).tolist() for n in (3, 17, 40, 9)]
-    max_tokens = [30, 12, 26, 20]  # contexts past the 16-token windows and across block ends
-    llm = LLM(model, max_model_len=128, num_kv_blocks=48, max_num_seqs=4, **engine)
+    shared = rng.randint(3, 120, size=37).tolist()  # the last prompt's first two blocks come cached
+    prompts = [shared + [4, 5]] + [rng.randint(3, 120, size=n).tolist() for n in (3, 17, 40)] + [shared + [9] * 6]
+    max_tokens = [30, 12, 26, 20, 10]  # contexts past the 16-token windows and across block ends
+    llm = LLM(model, max_model_len=128, num_kv_blocks=48, max_num_seqs=4, **engine)  # the last prompt waits
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1) for n in max_tokens]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     tokens = [o.outputs[0].token_ids for o in outputs]
-    logprobs = [[float(getattr(entry[t], "logprob", entry[t])) for entry, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+    logprobs = [[float(getattr(entry[t], "logprob", entry[t]))
+                 for entry, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                 for o in outputs]
     return tokens, logprobs, llm
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_decode_through_the_pallas_kernel_matches_the_jnp_path(models, monkeypatch, case):
+def test_attention_through_the_pallas_kernel_matches_the_jnp_path(models, monkeypatch, case):
     name, engine = case
     want_tokens, want_logprobs, reference = _generate(models[name], False, monkeypatch, engine)
     calls = []
-    traced = pallas.pallas_paged_decode_attention
-    monkeypatch.setattr(pallas, "pallas_paged_decode_attention", lambda *a, **k: calls.append(1) or traced(*a, **k))
+    traced = pallas.pallas_paged_attention
+    monkeypatch.setattr(pallas, "pallas_paged_attention",
+                        lambda q, *a, **k: calls.append(q.shape[1]) or traced(q, *a, **k))
     with interpreting_gpu_kernels():
         tokens, logprobs, llm = _generate(models[name], True, monkeypatch, engine)
     assert llm.engine.runner.gpu_kernels and not reference.engine.runner.gpu_kernels
-    assert calls, "the decode programs never traced the Pallas kernel"
+    assert 1 in calls and max(calls) > 1, "prompt and decode programs both trace the Pallas kernel"
     assert tokens == want_tokens
     for got, want in zip(logprobs, want_logprobs):
         np.testing.assert_allclose(got, want, atol=2e-4)
     assert llm.engine.pool.num_used_blocks == 0
+    assert llm.engine.pool.prefix_hits >= 2
 
 
 def test_a_gpu_replica_takes_the_kernel_where_it_can(models, monkeypatch, caplog):

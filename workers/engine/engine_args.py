@@ -81,8 +81,8 @@ class EngineArgs:
     # nodes as they fit ("pack"), or all in this process ("local": one machine, no Ray).
     pipeline_parallel_size: int = 1
     pipeline_placement: str = "spread"
-    # Decode attention on a GPU: JAX Pallas's Triton paged kernel reading the pool in place
-    # (model/kernels/pallas/paged_decode.py), or "jnp", the portable gather path (a way back
+    # Attention on a GPU: a Pallas (Triton) paged kernel reading the pool in place
+    # (model/kernels/pallas/paged_attention.py), or "jnp", the portable gather path (a way back
     # should a GPU's Triton build fail). Ignored elsewhere.
     gpu_attention: str = "pallas"
 

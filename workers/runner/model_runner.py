@@ -262,7 +262,7 @@ class ModelRunner:
         sbatch, flags = self._sampling(seqs, rows)
         result, self.kv, draft_kv, pooled, hidden, logits, load = prefill_program(
             self.params, self.kv, *self._draft_args, tokens, positions, self._tables(seqs, rows, width), context,
-            sbatch, config=self.config, draft_config=self._draft_config, **flags,
+            sbatch, config=self.config, draft_config=self._draft_config, gpu_kernels=self.gpu_kernels, **flags,
             **pooling_args(chunks, rows, np.arange(rows)[:, None].repeat(length, 1)),
             **self._hidden_sink(seqs, positions), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
             **self._expert_load(), **self._stage_input((rows, length)),

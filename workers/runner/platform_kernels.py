@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.kv_pool import GroupedKV, KVCache
 from raylm.model.kernels import paged_decode
-from raylm.model.kernels.pallas import paged_decode as pallas_paged_decode
+from raylm.model.kernels.pallas import paged_attention as pallas_attention
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def cpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV) -> bool:
 
 
 def gpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV, config: ModelConfig, gpu_attention: str) -> bool:
-    """Whether decode rows take the Pallas paged attention kernel (``forward``'s ``gpu_kernels``):
+    """Whether attention (decode rows, prompt chunks) takes the Pallas paged kernel (``forward``'s ``gpu_kernels``):
     asked for (``gpu_attention``, "pallas" by default), a GPU backend, an unsharded replica (the
     custom call is not partitioned) and pools and a head size the kernel reads. Where it is asked
     for on a GPU but cannot run, one log line says why and the jnp path serves."""
@@ -43,7 +43,7 @@ def gpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV, config: ModelConfig, gp
         return False
     pools = (kv.full, kv.sliding) if isinstance(kv, GroupedKV) else (kv,)
     reasons = ["tensor or expert parallelism (the kernel runs unsharded only)"] if mesh.devices.size > 1 else []
-    reasons += [r for pool in pools if (r := pallas_paged_decode.unsupported_reason(
+    reasons += [r for pool in pools if (r := pallas_attention.unsupported_reason(
         config.head_dim, kv.block_size, pool.k, pool.v, None))]
     if reasons:
         logger.info("decode attention takes the jnp path on this GPU: %s", "; ".join(reasons))

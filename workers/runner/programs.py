@@ -24,20 +24,22 @@ from raylm.workers.runner.sampler import SampleResult, SamplingBatch, advance, s
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties", "num_pool_segments", "return_logits"),
+    static_argnames=("config", "draft_config", "num_logprobs", "with_penalties", "num_pool_segments", "return_logits",
+                     "gpu_kernels"),
     donate_argnames=("kv", "draft_kv", "hidden_buffers", "expert_load"),
 )
 def prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block_tables, context_lens, sbatch,
                      pool_segments=None, hidden_buffers=None, hidden_where=None, lora=None, expert_load=None,
                      hidden_in=None, *,
-                     config, draft_config, num_logprobs, with_penalties, num_pool_segments=0, return_logits=False):
-    """Prompt chunks a row each (``tokens [B, S]``), attention by the jnp path (see
-    ``packed_prefill_program`` for the kernel's). A draft model (``draft_config``) computes
-    the same chunks into its own pool, so it can propose from the prompt on. With
-    ``pool_segments`` it also returns the chunks' pooled hidden states (embeddings); with
-    ``hidden_buffers`` (donated) and ``hidden_where`` (each token's slot and index, see
-    ``model.decoder.forward.HiddenSink``) it writes their hidden states there and returns the buffers
-    last (else None). With ``return_logits`` the sampled logits come last too (logits
+                     config, draft_config, num_logprobs, with_penalties, num_pool_segments=0, return_logits=False,
+                     gpu_kernels=False):
+    """Prompt chunks a row each (``tokens [B, S]``), attention by the jnp path, or on a GPU by the
+    Pallas kernel with ``gpu_kernels`` (the target model's; see ``packed_prefill_program`` for the
+    CPU kernel's). A draft model (``draft_config``) computes the same chunks into its own pool, so
+    it can propose from the prompt on. With ``pool_segments`` it also returns the chunks' pooled
+    hidden states (embeddings); with ``hidden_buffers`` (donated) and ``hidden_where`` (each
+    token's slot and index, see ``model.decoder.forward.HiddenSink``) it writes their hidden
+    states there and returns the buffers last (else None). With ``return_logits`` the sampled logits come last too (logits
     processors run on them on the host; ``workers/core/logits_processors.py``). With ``lora`` (a
     ``model.decoder.lora_slots.LoraBatch``, a slot per row) the target model runs each row's adapter;
     a draft model never does. With ``expert_load`` (donated; an MoE model's tokens routed per
@@ -48,7 +50,7 @@ def prefill_program(params, kv, draft_params, draft_kv, tokens, positions, block
     logits, kv, pooled, hidden, expert_load = _forward_extras(forward(
         params, config, tokens, positions, kv, block_tables, context_lens, pool_segments=pool_segments,
         num_pool_segments=num_pool_segments, hidden_sink=hidden, lora=lora, expert_load=expert_load,
-        hidden_in=hidden_in), pool_segments, hidden, expert_load)
+        hidden_in=hidden_in, gpu_kernels=gpu_kernels), pool_segments, hidden, expert_load)
     if draft_config is not None:
         _, draft_kv = forward(draft_params, draft_config, tokens, positions, draft_kv, full_table(block_tables),
                               context_lens)
