@@ -47,7 +47,7 @@ from raylm.model.decoder.moe import moe_block
 from raylm.model.decoder.params import LayerParams, ModelParams
 from raylm.model.kernels.dense import dense
 from raylm.model.kernels.paged_decode import decode_attention
-from raylm.model.kernels.pallas.paged_attention import gpu_paged_attention
+from raylm.model.kernels.pallas.paged_attention import gpu_paged_attention, unsupported_reason
 from raylm.model.quantization.gguf_blocks import GgufBlocks
 from raylm.model.quantization.int8_panels import Int8Panels
 from raylm.model.quantization.quant_array import QuantArray
@@ -129,9 +129,10 @@ def forward(
     place of ``tokens``' embeddings; one that is not the last returns with ``hidden_out`` its own
     residual stream ``[B, S, D]`` in place of logits (then the pool, then ``expert_load``'s sum).
 
-    With ``gpu_kernels`` (an unsharded replica whose pools the kernel reads) attention runs the
-    Pallas paged kernel where the program is lowered for a GPU (``model.kernels.pallas.paged_attention``:
-    decode rows and prompt chunks alike), the jnp path elsewhere.
+    With ``gpu_kernels`` (an unsharded replica) the Pallas kernels run where the program is lowered
+    for a GPU, the jnp path elsewhere: attention where the kernel reads the layer's pools and
+    head size (``model.kernels.pallas.paged_attention``: decode rows and prompt chunks alike), and
+    the experts' grouped matmuls (``model.kernels.pallas.grouped_matmul``).
     """
     if hidden_out and (pool_segments is not None or hidden_sink is not None):
         raise ValueError("a stage that hands its hidden states on neither pools nor captures them")
@@ -265,7 +266,7 @@ class _Batch(NamedTuple):
     slots: tuple[tuple[jax.Array, jax.Array], ...]  # per KV group: each token's K/V block, offset [B, S]
     rotations: dict[bool, tuple[jax.Array, jax.Array]]  # local RoPE? -> cos/sin [B, S, rope_dim] each
     kernel_lens: jax.Array | None  # [B] keys each query sees when the CPU kernels run, else None
-    gpu_kernels: bool  # attention by the Pallas kernel where lowered for a GPU
+    gpu_kernels: bool  # the Pallas kernels where lowered for a GPU (attention, experts)
 
     @property
     def cpu_kernels(self) -> bool:
@@ -302,7 +303,8 @@ def _layer(
         h = rms_norm(x, lp.mlp_norm, eps)
         counts = None
         if config.is_sparse(i):
-            out, counts = moe_block(h, lp, config.moe, config.activation, kernel=batch.cpu_kernels, valid=batch.valid)
+            out, counts = moe_block(h, lp, config.moe, config.activation, kernel=batch.cpu_kernels, valid=batch.valid,
+                                    gpu_kernel=batch.gpu_kernels)
         else:
             out = gated_mlp(h, lp.w_gate_up, lp.w_down, config.activation, kernel=batch.cpu_kernels, lora=lora)
         x = _residual_add(x, out, lp.post_mlp_norm, config)
@@ -345,7 +347,7 @@ def _attention(
     with jax.named_scope("attention"):
         if batch.cpu_kernels and spec.chunk is None:  # (the kernel has no chunked mask)
             attn = decode_attention(q[:, 0], k_pool, v_pool, slot, table, batch.kernel_lens, spec, lp.sinks)[:, None]
-        elif batch.gpu_kernels and spec.chunk is None:
+        elif batch.gpu_kernels and unsupported_reason(q.shape[-1], k_pool.shape[2], k_pool, v_pool, spec) is None:
             attn = gpu_paged_attention(q, k_pool, v_pool, slot, table, batch.positions, batch.context_lens,
                                        batch.valid, spec, lp.sinks)
         else:

@@ -78,7 +78,7 @@ def _routed(routing: Routing, num_experts: int, valid: jax.Array | None) -> tupl
 def expert_mlps(
     h: jax.Array, routing: Routing, w_gate_up: jax.Array, w_down: jax.Array, activation: str, *, kernel: bool = False,
     valid: jax.Array | None = None, weights_scale_input: bool = False, b_gate_up: jax.Array | None = None,
-    b_down: jax.Array | None = None, swiglu: ClampedSwiglu | None = None,
+    b_down: jax.Array | None = None, swiglu: ClampedSwiglu | None = None, gpu_kernel: bool = False,
 ) -> jax.Array:
     """``sum_k weight[t, k] * expert[t, k](h[t])`` for tokens ``h [T, D]``, computing each
     token only through its own experts: gated MLPs with stacked weights ``w_gate_up [E, 2, I,
@@ -86,7 +86,8 @@ def expert_mlps(
     [T]`` is False get zeros, computed by no expert. With ``weights_scale_input`` (Llama 4)
     it is ``sum_k expert[t, k](weight[t, k] * h[t])``. gpt-oss (model/decoder/expert_mlp.py):
     biases ``b_gate_up [E, 2, I]`` and ``b_down [E, D]``, and ``swiglu`` in place of
-    ``activation``.
+    ``activation``. ``gpu_kernel``: the grouped matmuls by the Pallas kernel where lowered for a
+    GPU (``grouped_matmul``).
 
     Experts split over a mesh's ``ep`` axis run per device (model/decoder/expert_parallel.py),
     each device's by the grouped kernel whatever ``kernel`` says: ``kernel`` is False for a
@@ -96,7 +97,7 @@ def expert_mlps(
     def local(h: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Array | None,
               stacks: tuple, kernel: bool = True) -> jax.Array:
         return _grouped_expert_mlps(h, Routing(experts, weights), *stacks, activation, kernel=kernel, valid=valid,
-                                    weights_scale_input=weights_scale_input, swiglu=swiglu)
+                                    weights_scale_input=weights_scale_input, swiglu=swiglu, gpu_kernel=gpu_kernel)
 
     stacks = (w_gate_up, w_down, b_gate_up, b_down)
     mesh = experts_mesh(w_gate_up)
@@ -109,7 +110,7 @@ def expert_mlps(
 def _grouped_expert_mlps(
     h: jax.Array, routing: Routing, w_gate_up: jax.Array, w_down: jax.Array, b_gate_up: jax.Array | None,
     b_down: jax.Array | None, activation: str, *, kernel: bool, valid: jax.Array | None, weights_scale_input: bool,
-    swiglu: ClampedSwiglu | None,
+    swiglu: ClampedSwiglu | None, gpu_kernel: bool,
 ) -> jax.Array:
     """``expert_mlps`` over the experts of ``w_gate_up`` (all of them, or one device's: a pair
     routed to expert ``E`` or beyond, another device's, is computed by none, as a padding token)."""
@@ -122,14 +123,14 @@ def _grouped_expert_mlps(
     pair_weights = routing.weights.reshape(T * k)[order][:, None]
     if weights_scale_input:
         rows = rows * pair_weights.astype(rows.dtype)
-    gate_up = grouped_matmul(rows, w_gate_up, group_sizes, kernel=kernel)  # [T*k, 2, I]
+    gate_up = grouped_matmul(rows, w_gate_up, group_sizes, kernel=kernel, gpu_kernel=gpu_kernel)  # [T*k, 2, I]
     if b_gate_up is not None:
         gate_up = gate_up + expert_rows(b_gate_up, flat[order])
     if swiglu is not None:
         hidden = clamped_swiglu(gate_up[:, 0], gate_up[:, 1], swiglu)
     else:
         hidden = ACTIVATIONS[activation](gate_up[:, 0]) * gate_up[:, 1]
-    y = grouped_matmul(hidden, w_down, group_sizes, kernel=kernel)
+    y = grouped_matmul(hidden, w_down, group_sizes, kernel=kernel, gpu_kernel=gpu_kernel)
     if b_down is not None:
         y = y + expert_rows(b_down, flat[order])
     if not weights_scale_input:
@@ -140,12 +141,12 @@ def _grouped_expert_mlps(
 
 def moe_block(
     x: jax.Array, lp: LayerParams, moe: MoeConfig, activation: str, *, kernel: bool = False,
-    valid: jax.Array | None = None,
+    valid: jax.Array | None = None, gpu_kernel: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """A sparse layer's feed-forward for ``x [B, S, D]`` (already normed): the routed experts,
     plus the shared expert (Qwen2-MoE's scaled by ``sigmoid(x . shared_gate)``, DeepSeek's and Llama 4's
     as is); and the tokens routed to each expert ``[E]`` (int32), counting only those where
-    ``valid [B, S]``."""
+    ``valid [B, S]``. ``gpu_kernel``: see ``expert_mlps``."""
     B, S, D = x.shape
     h = x.reshape(B * S, D)
     if moe.deepseek is not None:
@@ -157,7 +158,7 @@ def moe_block(
     flat_valid = None if valid is None else valid.reshape(B * S)
     out = expert_mlps(h, routing, lp.w_experts_gate_up, lp.w_experts_down, activation, kernel=kernel,
                       valid=flat_valid, weights_scale_input=moe.sigmoid_scales_input, b_gate_up=lp.b_experts_gate_up,
-                      b_down=lp.b_experts_down, swiglu=moe.clamped_swiglu)
+                      b_down=lp.b_experts_down, swiglu=moe.clamped_swiglu, gpu_kernel=gpu_kernel)
     if lp.w_shared_gate_up is not None:
         shared = gated_mlp(x, lp.w_shared_gate_up, lp.w_shared_down, activation, kernel=kernel).reshape(B * S, D)
         if lp.shared_gate is not None:

@@ -27,7 +27,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from raylm.model.kernels import CpuKernel, on_cpu
+from raylm.model.kernels import CpuKernel, on_cpu, on_gpu
+from raylm.model.kernels.pallas.grouped_matmul import pallas_grouped_matmul
 from raylm.model.quantization.gguf_blocks import GgufBlocks
 from raylm.model.quantization.quant_array import QuantArray
 
@@ -46,11 +47,13 @@ def available() -> bool:
 
 
 def grouped_matmul(
-    x: jax.Array, w: jax.Array | QuantArray | GgufBlocks, group_sizes: jax.Array, *, kernel: bool = False
+    x: jax.Array, w: jax.Array | QuantArray | GgufBlocks, group_sizes: jax.Array, *, kernel: bool = False,
+    gpu_kernel: bool = False,
 ) -> jax.Array:
     """``x [M, K]`` by groups: rows of group ``g`` times ``w[g] [N..., K]``; returns ``[M, N...]``.
-    ``kernel``: the C++ kernel on CPU where it is built (float32 activations), else ragged_dot
-    (8-bit experts converted for it and scaled after, blocks dequantized exactly)."""
+    ``kernel``: the C++ kernel on CPU where it is built (float32 activations); ``gpu_kernel``: the
+    Pallas kernel where lowered for a GPU (float or 8-bit experts: model/kernels/pallas/grouped_matmul.py);
+    else ragged_dot (8-bit experts converted for it and scaled after, blocks dequantized exactly)."""
     G, K = w.shape[0], w.shape[-1]
     out = tuple(w.shape[1:-1])
     N = math.prod(out)
@@ -87,8 +90,13 @@ def grouped_matmul(
                   else _KERNEL).target
         return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))(x, *arrays, sizes)
 
+    def by_gpu_kernel(x: jax.Array, sizes: jax.Array, *arrays: jax.Array) -> jax.Array:
+        return pallas_grouped_matmul(x, QuantArray(*arrays) if isinstance(w, QuantArray) else arrays[0], sizes)
+
     if kernel and available() and x.dtype == jnp.float32 and x.shape[0] > 0:
         y = on_cpu(x, sizes, *arrays, cpu=by_kernel, default=by_ragged_dot)
+    elif gpu_kernel and not isinstance(w, GgufBlocks) and x.shape[0] > 0:
+        y = on_gpu(x, sizes, *arrays, gpu=by_gpu_kernel, default=by_ragged_dot)
     else:
         y = by_ragged_dot(x, sizes, *arrays)
     return y.reshape(x.shape[0], *out)

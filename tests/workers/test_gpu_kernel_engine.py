@@ -5,7 +5,7 @@ The kernel itself is checked in tests/model/test_pallas_paged_attention.py; here
 whole prompt and decode programs as a GPU replica runs them (``gpu_kernels``), for the attention
 kinds models bring: GQA, sliding windows beside full layers (their own KV groups) with
 soft-caps, sink logits, an 8-bit pool, multi-step decode, prompts split into chunks and chunks
-after a cached prefix.
+after a cached prefix; and the experts of MoE layers through the grouped kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 
 import raylm.workers.runner.model_runner as runner_module
 from raylm.model.decoder.kv_pool import KVCache
+from raylm.model.kernels import grouped_matmul as grouped
 from raylm.model.kernels import interpreting_gpu_kernels
 from raylm.model.kernels.pallas import paged_attention as pallas
 from raylm.model.loaders.load import load_model
@@ -32,7 +33,8 @@ CASES = {
     "llama-gqa": ("llama-gqa", dict(num_scheduler_steps=4, max_num_batched_tokens=32)),
     "llama-gqa-int8-kv": ("llama-gqa", dict(kv_cache_dtype="int8")),
     "gemma2-sliding-softcap": ("gemma2", {}),
-    "gpt-oss-sinks": ("gpt-oss", {}),
+    "gpt-oss-sinks-experts": ("gpt-oss", {}),
+    "qwen3-moe-experts": ("qwen3-moe", dict(num_scheduler_steps=2)),
 }
 
 
@@ -67,10 +69,14 @@ def test_attention_through_the_pallas_kernel_matches_the_jnp_path(models, monkey
     traced = pallas.pallas_paged_attention
     monkeypatch.setattr(pallas, "pallas_paged_attention",
                         lambda q, *a, **k: calls.append(q.shape[1]) or traced(q, *a, **k))
+    expert_calls = []
+    experts = grouped.pallas_grouped_matmul
+    monkeypatch.setattr(grouped, "pallas_grouped_matmul", lambda *a, **k: expert_calls.append(1) or experts(*a, **k))
     with interpreting_gpu_kernels():
         tokens, logprobs, llm = _generate(models[name], True, monkeypatch, engine)
     assert llm.engine.runner.gpu_kernels and not reference.engine.runner.gpu_kernels
     assert 1 in calls and max(calls) > 1, "prompt and decode programs both trace the Pallas kernel"
+    assert bool(expert_calls) == bool(models[name].config.moe_layers), "MoE layers trace the grouped kernel"
     assert tokens == want_tokens
     for got, want in zip(logprobs, want_logprobs):
         np.testing.assert_allclose(got, want, atol=2e-4)
@@ -78,19 +84,22 @@ def test_attention_through_the_pallas_kernel_matches_the_jnp_path(models, monkey
     assert llm.engine.pool.prefix_hits >= 2
 
 
-def test_a_gpu_replica_takes_the_kernel_where_it_can(models, monkeypatch, caplog):
-    """The choice (workers/runner/platform_kernels.py): on a GPU, unsharded, readable pools and
-    head size, unless ``gpu_attention: jnp``; never on a CPU; refusals logged with the reason."""
+def test_a_gpu_replica_takes_the_kernels_where_it_can(models, monkeypatch, caplog):
+    """The choice (workers/runner/platform_kernels.py): on a GPU and unsharded, unless
+    ``gpu_attention: jnp``; never on a CPU. Attention the kernel cannot read is logged with the
+    reason (its layers take the jnp path; the experts still take their kernel)."""
     config = models["llama-gqa"].config
     kv, one, two = KVCache.create(config, 8, 16, jnp.bfloat16, make_mesh(1)), make_mesh(1), SimpleNamespace(
         devices=np.zeros(2))
     assert not platform_kernels.gpu_kernels_run(one, kv, config, "pallas")  # this CPU
     monkeypatch.setattr(platform_kernels.jax, "default_backend", lambda: "gpu")
-    assert platform_kernels.gpu_kernels_run(one, kv, config, "pallas")
-    assert not platform_kernels.gpu_kernels_run(one, kv, config, "jnp")
     with caplog.at_level("INFO", logger=platform_kernels.__name__):
+        assert platform_kernels.gpu_kernels_run(one, kv, config, "pallas")
+        assert not caplog.text
+        assert not platform_kernels.gpu_kernels_run(one, kv, config, "jnp")
         assert not platform_kernels.gpu_kernels_run(two, kv, config, "pallas")
-        assert not platform_kernels.gpu_kernels_run(one, kv, dataclasses.replace(config, head_dim=24), "pallas")
-    assert "tensor or expert parallelism" in caplog.text and "head size 24" in caplog.text
+        assert "unsharded only" in caplog.text
+        assert platform_kernels.gpu_kernels_run(one, kv, dataclasses.replace(config, head_dim=24), "pallas")
+    assert "head size 24 is not a power of two" in caplog.text
     with pytest.raises(ValueError, match="gpu_attention must be one of"):
         platform_kernels.gpu_kernels_run(one, kv, config, "triton")

@@ -33,18 +33,23 @@ def cpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV) -> bool:
 
 
 def gpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV, config: ModelConfig, gpu_attention: str) -> bool:
-    """Whether attention (decode rows, prompt chunks) takes the Pallas paged kernel (``forward``'s ``gpu_kernels``):
-    asked for (``gpu_attention``, "pallas" by default), a GPU backend, an unsharded replica (the
-    custom call is not partitioned) and pools and a head size the kernel reads. Where it is asked
-    for on a GPU but cannot run, one log line says why and the jnp path serves."""
+    """Whether the programs run the Pallas kernels (``forward``'s ``gpu_kernels``): asked for
+    (``gpu_attention``, "pallas" by default), a GPU backend and an unsharded replica (a custom
+    call is not partitioned). Layers whose attention the kernel cannot read (latent attention,
+    head sizes and pools of ``unsupported_reason``, chunked layers) take the jnp path; one log
+    line says which and why."""
     if gpu_attention not in GPU_ATTENTION_CHOICES:
         raise ValueError(f"gpu_attention must be one of {GPU_ATTENTION_CHOICES}, got {gpu_attention!r}")
-    if gpu_attention != "pallas" or jax.default_backend() != "gpu" or config.mla is not None:
+    if gpu_attention != "pallas" or jax.default_backend() != "gpu":
+        return False
+    if mesh.devices.size > 1:
+        logger.info("the Pallas kernels run unsharded only: this replica's %d devices take the jnp path",
+                    mesh.devices.size)
         return False
     pools = (kv.full, kv.sliding) if isinstance(kv, GroupedKV) else (kv,)
-    reasons = ["tensor or expert parallelism (the kernel runs unsharded only)"] if mesh.devices.size > 1 else []
-    reasons += [r for pool in pools if (r := pallas_attention.unsupported_reason(
-        config.head_dim, kv.block_size, pool.k, pool.v, None))]
+    reasons = ["latent attention"] if config.mla is not None else [
+        r for pool in pools if (r := pallas_attention.unsupported_reason(config.head_dim, kv.block_size, pool.k,
+                                                                          pool.v, None))]
     if reasons:
-        logger.info("decode attention takes the jnp path on this GPU: %s", "; ".join(reasons))
-    return not reasons
+        logger.info("attention takes the jnp path on this GPU: %s", "; ".join(reasons))
+    return True
