@@ -4,8 +4,8 @@ CPU) gives the jnp path's greedy tokens and logprobs.
 The kernel itself is checked in tests/model/test_pallas_paged_attention.py; here it is wired into
 whole prompt and decode programs as a GPU replica runs them (``gpu_kernels``), for the attention
 kinds models bring: GQA, sliding windows beside full layers (their own KV groups) with
-soft-caps, sink logits, an 8-bit pool, multi-step decode, prompts split into chunks and chunks
-after a cached prefix; and the experts of MoE layers through the grouped kernel.
+soft-caps, sink logits, an 8-bit pool, multi-step decode, n-gram speculation (the target verifies
+through the kernel), prompts split into chunks and chunks after a cached prefix; and the experts of MoE layers through the grouped kernel.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from tests.checkpoints import build_tiny_checkpoint
 
 CASES = {
     "llama-gqa": ("llama-gqa", dict(num_scheduler_steps=4, max_num_batched_tokens=32)),
-    "llama-gqa-int8-kv": ("llama-gqa", dict(kv_cache_dtype="int8")),
+    "llama-gqa-int8-kv-speculation": ("llama-gqa", dict(
+        kv_cache_dtype="int8", speculative={"method": "ngram", "num_speculative_tokens": 3, "ngram_min": 1})),
     "gemma2-sliding-softcap": ("gemma2", {}),
     "gpt-oss-sinks-experts": ("gpt-oss", {}),
     "qwen3-moe-experts": ("qwen3-moe", dict(num_scheduler_steps=2)),
@@ -82,6 +83,8 @@ def test_attention_through_the_pallas_kernel_matches_the_jnp_path(models, monkey
         np.testing.assert_allclose(got, want, atol=2e-4)
     assert llm.engine.pool.num_used_blocks == 0
     assert llm.engine.pool.prefix_hits >= 2
+    if "speculative" in engine:  # guesses were verified, and some accepted
+        assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 
 def test_a_gpu_replica_takes_the_kernels_where_it_can(models, monkeypatch, caplog):

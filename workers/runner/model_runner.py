@@ -368,7 +368,8 @@ class ModelRunner:
         samples, accepted, self.kv, draft_kv, load = spec_decode_program(
             self.params, self.kv, *draft_args, window_tokens, window_positions, guesses, num_drafts, table, sbatch,
             config=self.config, draft_config=draft_config, num_speculative=K, cpu_kernels=self.cpu_kernels,
-            **masks, **flags, **self._lora(lora_slots(seqs, rows)), **self._expert_load(),
+            gpu_kernels=self.gpu_kernels, **masks, **flags, **self._lora(lora_slots(seqs, rows)),
+            **self._expert_load(),
         )
         self._keep(draft_kv, None, load)  # (no draft pool back when the draft proposed alone)
 

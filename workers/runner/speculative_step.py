@@ -56,19 +56,21 @@ def assert_room_for_guesses(decode: ScheduledDecode, block_size: int) -> None:
 
 
 def _forward_rows(params, config, kv, tokens, positions, block_tables, *, cpu_kernels, last_only, lora=None,
-                  expert_load=None):
+                  expert_load=None, gpu_kernels=False):
     """``tokens [B, S]`` at ``positions [B, S]`` (-1: padding, real tokens first in a row) of
     rows with ``block_tables [B, P]`` (``[2, B, P]``: per KV group, see ``model.decoder.forward``):
     logits of every token ``[B, S, V]``, or of each row's last real token ``[B, V]``. With the
     CPU kernels the tokens are packed one per row (each sees the keys up to its own position),
-    else one row of S tokens each (the jnp path). ``lora``: a LoRA slot per row
+    else one row of S tokens each (the jnp path, or the Pallas kernels on a GPU with ``gpu_kernels``).
+    ``lora``: a LoRA slot per row
     (``model.decoder.lora_slots.LoraBatch``), or None. Returns the logits, the pool and, with
     ``expert_load`` (``model.decoder.forward.forward``), that plus these tokens' routing (else None)."""
     B, S = tokens.shape
     if not cpu_kernels:
         context = jnp.max(positions, axis=1) + 1
         logits, kv, *load = forward(params, config, tokens, positions, kv, block_tables, context,
-                                    all_logits=not last_only, lora=lora, expert_load=expert_load)
+                                    all_logits=not last_only, lora=lora, expert_load=expert_load,
+                                    gpu_kernels=gpu_kernels)
         return logits, kv, (load or [None])[0]
     flat = positions.reshape(B * S)
     last = None
@@ -123,12 +125,14 @@ def draft_program(draft_params, draft_kv, window_tokens, window_positions, num_d
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "draft_config", "num_speculative", "num_logprobs", "with_penalties", "cpu_kernels"),
+    static_argnames=("config", "draft_config", "num_speculative", "num_logprobs", "with_penalties", "cpu_kernels",
+                     "gpu_kernels"),
     donate_argnames=("kv", "draft_kv", "expert_load"),
 )
 def spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, window_positions, proposals,
                          num_drafts, block_tables, sbatch, position_bitmasks=None, lora=None, expert_load=None, *,
-                         config, draft_config, num_speculative, num_logprobs, with_penalties, cpu_kernels):
+                         config, draft_config, num_speculative, num_logprobs, with_penalties, cpu_kernels,
+                         gpu_kernels=False):
     """One speculative decode step: propose, then verify every row's ``1 + num_drafts`` tokens.
 
     ``window_tokens/positions [B, 2]`` hold each row's known tokens the draft has not computed
@@ -143,7 +147,8 @@ def spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, windo
     tokens. Returns the samples ``[K + 1, B]``, ``accepted [B]``, both pools and the
     ``expert_load`` (as in ``workers.runner.programs.prefill_program``: the target's scored tokens
     added; None without one). With ``lora`` (a slot per row) the target scores with each row's
-    adapter.
+    adapter. ``gpu_kernels``: the target's verification through the Pallas kernels on a GPU (as its
+    plain decode steps, so both score alike).
     """
     K = num_speculative
     last_tokens, last_positions = _window_last(window_tokens, window_positions)
@@ -162,7 +167,7 @@ def spec_decode_program(params, kv, draft_params, draft_kv, window_tokens, windo
     )
     logits, kv, expert_load = _forward_rows(params, config, kv, verify_tokens, verify_positions, block_tables,
                                             cpu_kernels=cpu_kernels, last_only=False, lora=lora,
-                                            expert_load=expert_load)
+                                            expert_load=expert_load, gpu_kernels=gpu_kernels)
     results = []
     for j in range(K + 1):
         if position_bitmasks is not None:
