@@ -93,7 +93,9 @@ def model_config(shape: str) -> ModelConfig:
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "input_dims"))
 def _random_array(key: jax.Array, *, shape: tuple[int, ...], dtype: Any, input_dims: int | None) -> jax.Array:
-    if input_dims is None:  # norms: ones
+    """Ones for a vector (``input_dims`` None: norms), else normal values scaled by ``1 / sqrt``
+    of the product of the last ``input_dims`` dims (0: unscaled)."""
+    if input_dims is None:
         return jnp.ones(shape, dtype)
     fan_in = math.prod(shape[len(shape) - input_dims:])
     return (jax.random.normal(key, shape, dtype) * (fan_in ** -0.5)).astype(dtype)
@@ -126,17 +128,15 @@ def maybe_abstract(abstract: bool, fn: Any, *args: Any, **kwargs: Any) -> Any:
     return jax.eval_shape(functools.partial(fn, *args, **kwargs)) if abstract else fn(*args, **kwargs)
 
 
-@jax.jit
-def _random_pool(key: jax.Array, pool: jax.Array) -> jax.Array:
-    return jax.random.normal(key, pool.shape, pool.dtype)
-
-
 def random_pool(config: ModelConfig, num_blocks: int, dtype: Any, num_layers: int | None = None,
                 seed: int = 1) -> KVCache:
-    """A pool of ``num_blocks`` blocks (``KVCache.create``) holding random keys and values."""
-    kv = KVCache.create(config, num_blocks, BLOCK_SIZE, jnp.dtype(dtype), num_layers=num_layers)
+    """A pool of ``num_blocks`` blocks (``KVCache.abstract``'s shape) holding random keys and
+    values, drawn in place (no zeroed pool beside it: the 8B's 64-row pool is 17 GB)."""
+    info = KVCache.abstract(config, num_blocks, BLOCK_SIZE, jnp.dtype(dtype), num_layers)
+    if info.quantized or info.latent:
+        raise ValueError(f"the benchmark's pools hold {info.dtype} keys and values of their own, not {info}")
     k_key, v_key = jax.random.split(jax.random.key(seed))
-    return KVCache(_random_pool(k_key, kv.k), _random_pool(v_key, kv.v))
+    return KVCache(*(_random_array(key, shape=info.shape, dtype=info.dtype, input_dims=0) for key in (k_key, v_key)))
 
 
 def block_tables(rows: int, tokens: int, width: int | None = None) -> tuple[np.ndarray, int]:
