@@ -22,7 +22,8 @@ On a CPU the kernel runs in Pallas interpret mode (``--shape tiny``: the smoke r
 anything (no GPU, no weights in memory): the check before spending device time.
 
 It imports jax, numpy and raylm's model and workers.runner code only. raylm's quantization
-imports the pure-Python ``gguf`` package, which the GPU image lacks: the run carries the venv's
+imports the pure-Python ``gguf`` package (``quant_array`` -> ``gguf_blocks`` -> ``gguf_transcode``,
+whose tables are built from it at import), which the GPU image lacks: the run carries the venv's
 copy. On the ``run`` device tool, with ``carry=[".venv/lib/python3.11/site-packages/gguf"]``:
 
     mkdir -p /tmp/shim && ln -sfn $PWD /tmp/shim/raylm && PYTHONPATH=/tmp/shim:$PWD/.venv/lib/python3.11/site-packages python3 -m raylm.benchmarks.gpu_bench --shape 1b --json $OUT/gpu.json
@@ -270,6 +271,9 @@ def part_check(b: Bench) -> None:
     b.report("check.tokens_agreeing", agree, f"of {kernel_tokens.size}",
              f" ({CHECK_ROWS} rows, {CHECK_STEPS} greedy steps after a {CHECK_PROMPT}-token prompt)")
     b.report("check.first_step_max_logit_diff", float(np.max(np.abs(kernel_logits - jnp_logits))))
+    top2 = np.sort(jnp_logits, axis=-1)[:, -2:]
+    b.report("check.first_step_min_top2_gap", float(np.min(top2[:, 1] - top2[:, 0])), "",
+             " (a gap below the logit difference is a near tie the two paths may break apart)")
     b.report("check.logits_finite", float(np.isfinite(kernel_logits).all() and np.isfinite(jnp_logits).all()))
     if agree != kernel_tokens.size:
         print(f"MISMATCH: the kernel's greedy tokens differ from the jnp path's:\n{kernel_tokens.T}\n{jnp_tokens.T}",
