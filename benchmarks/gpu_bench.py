@@ -6,10 +6,12 @@ Parts (``--parts``, all by default; each catches and prints its own failure):
 
 - ``check``: greedy agreement: a prompt prefilled by the jnp path, then a few decode steps with
   attention by the Pallas kernel and by the jnp path from the same pool; tokens must agree
-  (else MISMATCH), the first step's logits' largest difference is printed.
+  (else MISMATCH), the first step's largest logit difference is printed beside the jnp logits'
+  smallest top-2 gap (in bfloat16 a gap below the difference is a near tie either path may take).
 - ``attention``: ``gpu_paged_attention`` (the Pallas kernel on a GPU) against the jnp
-  ``paged_attention`` at 64 (and 1) sequences x 4096 keys, 1B's heads, bf16 pool, one layer of
-  a 4-layer pool at a traced layer index; block tables exactly the context wide. Target: >= 5x.
+  ``paged_attention`` at 64 (and 1) sequences x 4096 keys, the model's heads (1B: 32 of 64, 8 KV
+  heads), bf16 pool, one layer of a 4-layer pool at a traced layer index; block tables exactly
+  the context wide. Target: >= 5x.
 - ``decode``: ``decode_program`` (greedy sampling inside, attention by the kernel) at 1 and 64
   rows of 2048-token contexts, 1 and 8 steps a call: output tok/s; single stream against the HBM
   roofline (weight bytes / bandwidth; target >= 50%), 64 streams against 1 (target >= 8x).
@@ -17,7 +19,8 @@ Parts (``--parts``, all by default; each catches and prints its own failure):
   (``model.decoder.flop_count``) against peak bf16 (target >= 40%).
 - ``fp8``: single-stream decode with fp8 weights (``quantize_params``) against bf16 (target >= 1.6x).
 
-On a CPU the kernel runs in Pallas interpret mode (``--shape tiny``: the smoke run, seconds).
+On a CPU the kernel runs in Pallas interpret mode (``--shape tiny``: the smoke run, ~20 s of CPU
+time, mostly compiles).
 ``--lower-only`` traces each part's programs and lowers them for ``cuda`` without running
 anything (no GPU, no weights in memory): the check before spending device time.
 
@@ -29,9 +32,11 @@ copy. On the ``run`` device tool, with ``carry=[".venv/lib/python3.11/site-packa
     mkdir -p /tmp/shim && ln -sfn $PWD /tmp/shim/raylm && PYTHONPATH=/tmp/shim:$PWD/.venv/lib/python3.11/site-packages python3 -m raylm.benchmarks.gpu_bench --shape 1b --json $OUT/gpu.json
 
 (``.venv/lib/python3.11/site-packages`` holds only the carried ``gguf`` there; the repository is
-importable as ``raylm`` through the symlink.) The 1B run is the issue's; ``--shape 8b`` (its
-programs twice the layers, so about twice the compile time) is a second call, time permitting.
-Before either: ``--lower-only`` here, on the CPU, for the same shape.
+importable as ``raylm`` through the symlink.) Give it ``timeout_s=480``: nothing here has timed it
+on a GPU yet (about 14 programs to compile); the JSON is rewritten after every part, so a run cut
+short keeps what it measured, and ``--parts`` splits the work over calls. The 1B run is the
+issue's; ``--shape 8b`` (twice the layers, so about twice the compile time) is a second call,
+time permitting. Before either: ``--lower-only`` here, on the CPU, for the same shape.
 
 Here: ``python -m raylm.benchmarks.gpu_bench --shape tiny`` (the smoke run, float32 so the
 kernel computes exactly), ``--shape 1b --lower-only``.
@@ -321,9 +326,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hbm = args.hbm_tbps or bm.nominal(bm.HBM_TBPS, kind)
     peak = args.peak_tflops or bm.nominal(bm.PEAK_BF16_TFLOPS, kind)
     bench = Bench(args.shape, dtype, args.rounds, hbm, peak, abstract=args.lower_only)
-    result = dict(device=kind, platform=device.platform, jax=jax.__version__, shape=args.shape, dtype=dtype, parts=parts,
-                  interpret=interpret, hbm_tbps=hbm, peak_tflops=peak, figures=bench.figures, errors=bench.errors,
-                  lowered=bench.lowered, targets=TARGETS)
+    result = dict(device=kind, platform=device.platform, jax=jax.__version__, shape=args.shape, dtype=dtype,
+                  parts=parts, interpret=interpret, hbm_tbps=hbm, peak_tflops=peak, figures=bench.figures,
+                  errors=bench.errors, lowered=bench.lowered, targets=TARGETS)
 
     def write_json() -> None:  # after every part: a run cut short by its time limit keeps what it measured
         if args.json:

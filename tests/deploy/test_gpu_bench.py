@@ -134,7 +134,8 @@ def test_smoke_run_prints_every_part_and_the_kernel_agrees(tmp_path):
     # The ratios divide the rates they name.
     per_token = 1 / figures["decode.tok_s_1x4"]
     assert figures["decode.roofline_fraction_1"] == pytest.approx(figures["decode.weight_bytes"] / 0.01e12 / per_token)
-    assert figures["decode.streams_4_over_1"] == pytest.approx(figures["decode.tok_s_4x4"] / figures["decode.tok_s_1x4"])
+    rates = figures["decode.tok_s_4x4"], figures["decode.tok_s_1x4"]
+    assert figures["decode.streams_4_over_1"] == pytest.approx(rates[0] / rates[1])
     seconds = 64 / figures["prefill.tok_s"]
     assert figures["prefill.tflop_s"] * 1e12 * seconds == pytest.approx(_tiny_prefill_flops())
     assert figures["prefill.peak_fraction"] == pytest.approx(figures["prefill.tflop_s"] / 0.1)
