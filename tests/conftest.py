@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -32,30 +33,51 @@ if os.environ.get("CI"):
 from raylm.model.config.registry import DEFAULT_MODEL, resolve_model_path
 from raylm.model.loaders.load import LoadedModel, load_model
 
-# Tests that start or use a Ray cluster: under pytest-xdist they all run on one worker (one
-# session cluster, and two clusters never compete for the two cores' processes).
+# Tests that start or use the session's Ray cluster: under pytest-xdist they all run on one worker
+# (one session cluster, and two of its tests never compete for the two cores' processes).
 RAY_FIXTURES = frozenset({"serve_cluster", "raylm_app"})
-RAY_PATHS = ("tests/cluster/", "tests/deploy/test_serve_command.py", "tests/deploy/test_pipeline_bench.py")
+RAY_PATHS = ("tests/cluster/", "tests/deploy/test_serve_command.py")
 
+# Scenarios that start a Ray cluster of their own in a subprocess, isolated from the session's (a
+# private RAY_TMPDIR / --temp-dir, so neither cluster finds the other; GCS and Serve ports of their
+# own). They run one after another in a group of their own, on the other worker, beside the session
+# cluster's group: in one group with it they made it the suite's critical path (~6 of its 34 min).
+PRIVATE_CLUSTER_PATHS = (
+    "tests/cluster/test_multinode.py",
+    "tests/cluster/test_pipeline_multinode.py",
+    "tests/cluster/test_kv_xnode_engine.py",
+    "tests/cluster/test_kv_cluster_multinode.py",
+    "tests/deploy/test_pipeline_bench.py",
+)
+PRIVATE_CLUSTER_GROUP = "private-ray-clusters"
 
 # The longest groups (minutes each on 2 cores) start first, so no worker is left running one
-# alone at the end of ``make test``.
-LONGEST_GROUPS = ("ray", "tests/workers/test_speculative.py")
+# alone at the end of ``make test``; the other groups follow, those with more tests first (xdist's
+# own order, which ``make test``'s --no-loadscope-reorder hands over to this one).
+LONGEST_GROUPS = ("ray", PRIVATE_CLUSTER_GROUP, "tests/workers/test_speculative.py")
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """The one worker's queue a test joins: the session cluster's, the private clusters', or its module's."""
+    if item.nodeid.startswith(PRIVATE_CLUSTER_PATHS):
+        return PRIVATE_CLUSTER_GROUP
+    if RAY_FIXTURES.intersection(item.fixturenames) or item.nodeid.startswith(RAY_PATHS):
+        return "ray"
+    return item.nodeid.split("::")[0]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Group tests for ``pytest -n N --dist loadgroup`` (``make test``): every module stays on one
-    worker, so its module-scoped models and HF references are built once, and every Ray test
-    joins one group; the longest groups go first. Without xdist the marks do nothing.
-    ``tryfirst``: xdist's own hook reads the marks, so they must be set before it runs."""
-    groups = {}
-    for item in items:
-        uses_ray = RAY_FIXTURES.intersection(item.fixturenames) or item.nodeid.startswith(RAY_PATHS)
-        groups[item] = "ray" if uses_ray else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
-    items.sort(key=lambda item: LONGEST_GROUPS.index(groups[item]) if groups[item] in LONGEST_GROUPS
-               else len(LONGEST_GROUPS))
+    worker, so its module-scoped models and HF references are built once, and every test of the
+    session's Ray cluster joins one group; the longest groups go first. Without xdist the marks do
+    nothing. ``tryfirst``: xdist's own hook reads the marks, so they must be set before it runs."""
+    groups = {item: xdist_group_of(item) for item in items}
+    for item, group in groups.items():
+        item.add_marker(pytest.mark.xdist_group(group))
+    sizes = Counter(groups.values())
+    items.sort(key=lambda item: (LONGEST_GROUPS.index(groups[item]) if groups[item] in LONGEST_GROUPS
+                                 else len(LONGEST_GROUPS), -sizes[groups[item]], groups[item]))
 
 
 @pytest.fixture
