@@ -38,16 +38,20 @@ from raylm.model.loaders.load import LoadedModel, load_model
 RAY_FIXTURES = frozenset({"serve_cluster", "raylm_app"})
 RAY_PATHS = ("tests/cluster/", "tests/deploy/test_serve_command.py")
 
-# Scenarios that start a Ray cluster of their own in a subprocess, isolated from the session's (a
-# private RAY_TMPDIR / --temp-dir, so neither cluster finds the other; GCS and Serve ports of their
-# own). They run one after another in a group of their own, on the other worker, beside the session
-# cluster's group: in one group with it they made it the suite's critical path (~6 of its 34 min).
+# Tests that start a Ray cluster of their own in a subprocess, which neither finds nor is found by
+# the session's: the scenarios (a private RAY_TMPDIR / --temp-dir; GCS and Serve ports of their own)
+# and ``raylm serve`` on a local cluster of its own (a fresh ``ray.init``: new session dir and ports;
+# only ``ray start`` leaves an address for a later ``ray.init`` to join). They run one after another
+# in a group of their own, on the other worker, beside the session cluster's group: in one group
+# with it they made it the suite's critical path (~7 of its 34 min). Tests of these modules that use
+# the session's cluster stay in its group.
 PRIVATE_CLUSTER_PATHS = (
     "tests/cluster/test_multinode.py",
     "tests/cluster/test_pipeline_multinode.py",
     "tests/cluster/test_kv_xnode_engine.py",
     "tests/cluster/test_kv_cluster_multinode.py",
     "tests/deploy/test_pipeline_bench.py",
+    "tests/deploy/test_serve_command.py",
 )
 PRIVATE_CLUSTER_GROUP = "private-ray-clusters"
 
@@ -59,9 +63,11 @@ LONGEST_GROUPS = ("ray", PRIVATE_CLUSTER_GROUP, "tests/workers/test_speculative.
 
 def xdist_group_of(item: pytest.Item) -> str:
     """The one worker's queue a test joins: the session cluster's, the private clusters', or its module's."""
+    if RAY_FIXTURES.intersection(item.fixturenames):
+        return "ray"
     if item.nodeid.startswith(PRIVATE_CLUSTER_PATHS):
         return PRIVATE_CLUSTER_GROUP
-    if RAY_FIXTURES.intersection(item.fixturenames) or item.nodeid.startswith(RAY_PATHS):
+    if item.nodeid.startswith(RAY_PATHS):
         return "ray"
     return item.nodeid.split("::")[0]
 
