@@ -39,37 +39,48 @@ RAY_FIXTURES = frozenset({"serve_cluster", "raylm_app"})
 RAY_PATHS = ("tests/cluster/", "tests/deploy/test_serve_command.py")
 
 # Tests that start a Ray cluster of their own in a subprocess, which neither finds nor is found by
-# the session's: the scenarios (a private RAY_TMPDIR / --temp-dir; GCS and Serve ports of their own)
-# and ``raylm serve`` on a local cluster of its own (a fresh ``ray.init``: new session dir and ports;
-# only ``ray start`` leaves an address for a later ``ray.init`` to join). They run one after another
-# in a group of their own, on the other worker, beside the session cluster's group: in one group
-# with it they made it the suite's critical path (~7 of its 34 min). Tests of these modules that use
-# the session's cluster stay in its group.
+# the session's: the scenarios (a private RAY_TMPDIR / --temp-dir; GCS, agent and Serve ports of
+# their own) and ``raylm serve`` on a local cluster of its own (a fresh ``ray.init``: a new session
+# dir and ports; only ``ray start`` leaves an address for a later ``ray.init`` to join). In the
+# session cluster's group they made it the suite's critical path (~6 of its 34 min): they are
+# groups of their own (their module's tests that use the session's cluster excepted), queued last,
+# so whichever worker is free first at the end takes them, the session cluster's included; the
+# longest first (their seconds in a fresh-clone ``make test``: 80, 38 + 45, 64, 53, 37, 14).
 PRIVATE_CLUSTER_PATHS = (
-    "tests/cluster/test_multinode.py",
     "tests/cluster/test_pipeline_multinode.py",
+    "tests/deploy/test_serve_command.py",
+    "tests/cluster/test_multinode.py",
+    "tests/deploy/test_pipeline_bench.py",
     "tests/cluster/test_kv_xnode_engine.py",
     "tests/cluster/test_kv_cluster_multinode.py",
-    "tests/deploy/test_pipeline_bench.py",
-    "tests/deploy/test_serve_command.py",
 )
-PRIVATE_CLUSTER_GROUP = "private-ray-clusters"
 
 # The longest groups (minutes each on 2 cores) start first, so no worker is left running one
 # alone at the end of ``make test``; the other groups follow, those with more tests first (xdist's
-# own order, which ``make test``'s --no-loadscope-reorder hands over to this one).
-LONGEST_GROUPS = ("ray", PRIVATE_CLUSTER_GROUP, "tests/workers/test_speculative.py")
+# own order, which ``make test``'s --no-loadscope-reorder hands over to this one), and the private
+# clusters' last.
+LONGEST_GROUPS = ("ray", "tests/workers/test_speculative.py")
 
 
 def xdist_group_of(item: pytest.Item) -> str:
-    """The one worker's queue a test joins: the session cluster's, the private clusters', or its module's."""
+    """The one worker's queue a test joins: the session cluster's, or its module's."""
+    module = item.nodeid.split("::")[0]
     if RAY_FIXTURES.intersection(item.fixturenames):
         return "ray"
-    if item.nodeid.startswith(PRIVATE_CLUSTER_PATHS):
-        return PRIVATE_CLUSTER_GROUP
-    if item.nodeid.startswith(RAY_PATHS):
+    if module.startswith(PRIVATE_CLUSTER_PATHS):
+        return module
+    if module.startswith(RAY_PATHS):
         return "ray"
-    return item.nodeid.split("::")[0]
+    return module
+
+
+def queue_position(group: str, size: int) -> tuple[int, int, str]:
+    """Where a group's tests go in ``make test``'s queue (the sort key of its tests)."""
+    if group in LONGEST_GROUPS:
+        return LONGEST_GROUPS.index(group), 0, group
+    if group in PRIVATE_CLUSTER_PATHS:
+        return len(LONGEST_GROUPS) + 1, PRIVATE_CLUSTER_PATHS.index(group), group
+    return len(LONGEST_GROUPS), -size, group
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -82,8 +93,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item, group in groups.items():
         item.add_marker(pytest.mark.xdist_group(group))
     sizes = Counter(groups.values())
-    items.sort(key=lambda item: (LONGEST_GROUPS.index(groups[item]) if groups[item] in LONGEST_GROUPS
-                                 else len(LONGEST_GROUPS), -sizes[groups[item]], groups[item]))
+    items.sort(key=lambda item: queue_position(groups[item], sizes[groups[item]]))
 
 
 @pytest.fixture
