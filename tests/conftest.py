@@ -32,6 +32,7 @@ if os.environ.get("CI"):
 
 from raylm.model.config.registry import DEFAULT_MODEL, resolve_model_path
 from raylm.model.loaders.load import LoadedModel, load_model
+from tests import worker_time
 
 # Tests that start or use the session's Ray cluster: under pytest-xdist they all run on one worker
 # (one session cluster, and two of its tests never compete for the two cores' processes).
@@ -81,6 +82,11 @@ def queue_position(group: str, size: int) -> tuple[int, int, str]:
     if group in PRIVATE_CLUSTER_PATHS:
         return len(LONGEST_GROUPS) + 1, PRIVATE_CLUSTER_PATHS.index(group), group
     return len(LONGEST_GROUPS), -size, group
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``make test`` ends with each worker's and the longest groups' busy seconds."""
+    worker_time.register(config)
 
 
 @pytest.hookimpl(tryfirst=True)
