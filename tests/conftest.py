@@ -37,13 +37,13 @@ from tests import worker_time
 # Tests that start or use the session's Ray cluster: under pytest-xdist they all run on one worker
 # (one session cluster, and two of its tests never compete for the two cores' processes).
 RAY_FIXTURES = frozenset({"serve_cluster", "raylm_app"})
-RAY_PATHS = ("tests/cluster/", "tests/deploy/test_serve_command.py")
+RAY_PATHS = ("tests/cluster/",)
 
 # Tests that start a Ray cluster of their own in a subprocess, which neither finds nor is found by
 # the session's: the scenarios (a private RAY_TMPDIR / --temp-dir; GCS, agent and Serve ports of
 # their own) and ``raylm serve`` on a local cluster of its own (a fresh ``ray.init``: a new session
 # dir and ports; only ``ray start`` leaves an address for a later ``ray.init`` to join). In the
-# session cluster's group they made it the suite's critical path (~6 of its 34 min): they are
+# session cluster's group, the suite's longest, they added ~6 min to it one after another: they are
 # groups of their own (their module's tests that use the session's cluster excepted), queued last,
 # so whichever worker is free first at the end takes them, the session cluster's included; the
 # longest first (their seconds in a fresh-clone ``make test``: 80, 38 + 45, 64, 53, 37, 14).
