@@ -50,7 +50,7 @@ run: setup
 	$(BIN)/raylm generate --model smollm2-135m-instruct --chat --prompt "$(PROMPT)" --max-tokens 64 --temperature 0
 
 test: setup-test
-	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadgroup --durations=30
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadgroup --no-loadscope-reorder --durations=30
 
 bench: setup
 	$(BIN)/python -m raylm.benchmarks.model_bench

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -31,31 +32,74 @@ if os.environ.get("CI"):
 
 from raylm.model.config.registry import DEFAULT_MODEL, resolve_model_path
 from raylm.model.loaders.load import LoadedModel, load_model
+from tests import worker_time
 
-# Tests that start or use a Ray cluster: under pytest-xdist they all run on one worker (one
-# session cluster, and two clusters never compete for the two cores' processes).
+# Tests that start or use the session's Ray cluster: under pytest-xdist they all run on one worker
+# (one session cluster, and two of its tests never compete for the two cores' processes).
 RAY_FIXTURES = frozenset({"serve_cluster", "raylm_app"})
-RAY_PATHS = ("tests/cluster/", "tests/deploy/test_serve_command.py", "tests/deploy/test_pipeline_bench.py")
+RAY_PATHS = ("tests/cluster/",)
 
+# Tests that start a Ray cluster of their own in a subprocess, which neither finds nor is found by
+# the session's: the scenarios (a private RAY_TMPDIR / --temp-dir; GCS, agent and Serve ports of
+# their own) and ``raylm serve`` on a local cluster of its own (a fresh ``ray.init``: a new session
+# dir and ports; only ``ray start`` leaves an address for a later ``ray.init`` to join). In the
+# session cluster's group, the suite's longest, they added ~6 min to it one after another: they are
+# groups of their own (their module's tests that use the session's cluster excepted), queued last,
+# so whichever worker is free first at the end takes them, the session cluster's included; the
+# longest first (their seconds in a fresh-clone ``make test``: 80, 38 + 45, 64, 53, 37, 14).
+PRIVATE_CLUSTER_PATHS = (
+    "tests/cluster/test_pipeline_multinode.py",
+    "tests/deploy/test_serve_command.py",
+    "tests/cluster/test_multinode.py",
+    "tests/deploy/test_pipeline_bench.py",
+    "tests/cluster/test_kv_xnode_engine.py",
+    "tests/cluster/test_kv_cluster_multinode.py",
+)
 
 # The longest groups (minutes each on 2 cores) start first, so no worker is left running one
-# alone at the end of ``make test``.
+# alone at the end of ``make test``; the other groups follow, those with more tests first (xdist's
+# own order, which ``make test``'s --no-loadscope-reorder hands over to this one), and the private
+# clusters' last.
 LONGEST_GROUPS = ("ray", "tests/workers/test_speculative.py")
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """The one worker's queue a test joins: the session cluster's, or its module's."""
+    module = item.nodeid.split("::")[0]
+    if RAY_FIXTURES.intersection(item.fixturenames):
+        return "ray"
+    if module.startswith(PRIVATE_CLUSTER_PATHS):
+        return module
+    if module.startswith(RAY_PATHS):
+        return "ray"
+    return module
+
+
+def queue_position(group: str, size: int) -> tuple[int, int, str]:
+    """Where a group's tests go in ``make test``'s queue (the sort key of its tests)."""
+    if group in LONGEST_GROUPS:
+        return LONGEST_GROUPS.index(group), 0, group
+    if group in PRIVATE_CLUSTER_PATHS:
+        return len(LONGEST_GROUPS) + 1, PRIVATE_CLUSTER_PATHS.index(group), group
+    return len(LONGEST_GROUPS), -size, group
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``make test`` ends with each worker's and the longest groups' busy seconds."""
+    worker_time.register(config)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Group tests for ``pytest -n N --dist loadgroup`` (``make test``): every module stays on one
-    worker, so its module-scoped models and HF references are built once, and every Ray test
-    joins one group; the longest groups go first. Without xdist the marks do nothing.
-    ``tryfirst``: xdist's own hook reads the marks, so they must be set before it runs."""
-    groups = {}
-    for item in items:
-        uses_ray = RAY_FIXTURES.intersection(item.fixturenames) or item.nodeid.startswith(RAY_PATHS)
-        groups[item] = "ray" if uses_ray else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
-    items.sort(key=lambda item: LONGEST_GROUPS.index(groups[item]) if groups[item] in LONGEST_GROUPS
-               else len(LONGEST_GROUPS))
+    worker, so its module-scoped models and HF references are built once, and every test of the
+    session's Ray cluster joins one group; the longest groups go first. Without xdist the marks do
+    nothing. ``tryfirst``: xdist's own hook reads the marks, so they must be set before it runs."""
+    groups = {item: xdist_group_of(item) for item in items}
+    for item, group in groups.items():
+        item.add_marker(pytest.mark.xdist_group(group))
+    sizes = Counter(groups.values())
+    items.sort(key=lambda item: queue_position(groups[item], sizes[groups[item]]))
 
 
 @pytest.fixture
