@@ -4,7 +4,7 @@ CPU) gives the jnp path's greedy tokens and logprobs.
 The kernel itself is checked in tests/model/test_pallas_paged_attention.py; here it is wired into
 whole prompt and decode programs as a GPU replica runs them (``gpu_kernels``), for the attention
 kinds models bring: GQA, sliding windows beside full layers (their own KV groups) with
-soft-caps, sink logits, an 8-bit pool, multi-step decode, n-gram speculation (the target verifies
+soft-caps, sink logits, an 8-bit pool, multi-step decode, speculation (the target verifies
 through the kernel), prompts split into chunks and chunks after a cached prefix; and the experts of MoE layers through the grouped kernel.
 """
 
@@ -31,8 +31,8 @@ from tests.checkpoints import build_tiny_checkpoint
 
 CASES = {
     "llama-gqa": ("llama-gqa", dict(num_scheduler_steps=4, max_num_batched_tokens=32)),
-    "llama-gqa-int8-kv-speculation": ("llama-gqa", dict(
-        kv_cache_dtype="int8", speculative={"method": "ngram", "num_speculative_tokens": 3, "ngram_min": 1})),
+    # The target as its own draft: its guesses are accepted, so verification accepts and rejects.
+    "llama-gqa-int8-kv-speculation": ("llama-gqa", dict(kv_cache_dtype="int8", speculative="self-draft")),
     "gemma2-sliding-softcap": ("gemma2", {}),
     "gpt-oss-sinks-experts": ("gpt-oss", {}),
     "qwen3-moe-experts": ("qwen3-moe", dict(num_scheduler_steps=2)),
@@ -52,6 +52,8 @@ def _generate(model, gpu: bool, monkeypatch, engine: dict) -> tuple[list, list, 
     shared = rng.randint(3, 120, size=37).tolist()  # the last prompt's first two blocks come cached
     prompts = [shared + [4, 5]] + [rng.randint(3, 120, size=n).tolist() for n in (3, 17, 40)] + [shared + [9] * 6]
     max_tokens = [30, 12, 26, 20, 10]  # contexts past the 16-token windows and across block ends
+    if engine.get("speculative") == "self-draft":
+        engine = dict(engine, speculative={"method": "draft", "model": model, "num_speculative_tokens": 3})
     llm = LLM(model, max_model_len=128, num_kv_blocks=48, max_num_seqs=4, **engine)  # the last prompt waits
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1) for n in max_tokens]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
