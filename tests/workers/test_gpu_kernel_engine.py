@@ -5,13 +5,12 @@ The kernel itself is checked in tests/model/test_pallas_paged_attention.py; here
 whole prompt and decode programs as a GPU replica runs them (``gpu_kernels``), for the attention
 kinds models bring: GQA, sliding windows beside full layers (their own KV groups) with
 soft-caps, sink logits, an 8-bit pool, multi-step decode, speculation (the target verifies
-through the kernel), prompts split into chunks and chunks after a cached prefix; and the experts of MoE layers through the grouped kernel.
+through the kernel), prompts split into chunks and chunks after a cached prefix, tensor parallelism; and the experts of MoE layers through the grouped kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +35,8 @@ CASES = {
     "gemma2-sliding-softcap": ("gemma2", {}),
     "gpt-oss-sinks-experts": ("gpt-oss", {}),
     "qwen3-moe-experts": ("qwen3-moe", dict(num_scheduler_steps=2)),
+    # Each device's KV heads and their query heads (and sinks) through a shard_map over tp.
+    "gpt-oss-tensor-parallel-2": ("gpt-oss", dict(tensor_parallel_size=2)),
 }
 
 
@@ -90,20 +91,22 @@ def test_attention_through_the_pallas_kernel_matches_the_jnp_path(models, monkey
 
 
 def test_a_gpu_replica_takes_the_kernels_where_it_can(models, monkeypatch, caplog):
-    """The choice (workers/runner/platform_kernels.py): on a GPU and unsharded, unless
+    """The choice (workers/runner/platform_kernels.py): on a GPU, sharded or not, unless
     ``gpu_attention: jnp``; never on a CPU. Attention the kernel cannot read is logged with the
     reason (its layers take the jnp path; the experts still take their kernel)."""
     config = models["llama-gqa"].config
-    kv, one, two = KVCache.create(config, 8, 16, jnp.bfloat16, make_mesh(1)), make_mesh(1), SimpleNamespace(
-        devices=np.zeros(2))
+    kv, one = KVCache.create(config, 8, 16, jnp.bfloat16, make_mesh(1)), make_mesh(1)
     assert not platform_kernels.gpu_kernels_run(one, kv, config, "pallas")  # this CPU
     monkeypatch.setattr(platform_kernels.jax, "default_backend", lambda: "gpu")
     with caplog.at_level("INFO", logger=platform_kernels.__name__):
         assert platform_kernels.gpu_kernels_run(one, kv, config, "pallas")
         assert not caplog.text
         assert not platform_kernels.gpu_kernels_run(one, kv, config, "jnp")
-        assert not platform_kernels.gpu_kernels_run(two, kv, config, "pallas")
-        assert "unsharded only" in caplog.text
+        assert platform_kernels.gpu_kernels_run(make_mesh(2), kv, config, "pallas")  # 2 KV heads over tp=2
+        assert not caplog.text
+        assert platform_kernels.gpu_kernels_run(make_mesh(2), kv, dataclasses.replace(config, num_kv_heads=1),
+                                                "pallas")
+        assert "does not divide the 1 KV heads" in caplog.text
         assert platform_kernels.gpu_kernels_run(one, kv, dataclasses.replace(config, head_dim=24), "pallas")
     assert "head size 24 is not a power of two" in caplog.text
     with pytest.raises(ValueError, match="gpu_attention must be one of"):

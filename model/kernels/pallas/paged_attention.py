@@ -33,12 +33,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
 
 from raylm.model.config.model_config import AttentionSpec
 from raylm.model.decoder.attention import paged_attention
 from raylm.model.decoder.kv_pool import Pool, pool_dtype
 from raylm.model.kernels import gpu_kernels_interpreted, on_gpu
 from raylm.model.quantization.quant_array import QUANTIZED_DTYPES, QuantArray
+from raylm.model.runtime.sharding import TP_AXIS
 
 FLOAT_POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MIN_DOT = 16  # Triton's smallest dot dimension: a program's query rows are padded up to it
@@ -275,11 +278,40 @@ def gpu_paged_attention(
 ) -> jax.Array:
     """Paged attention by this kernel where the program is lowered for an NVIDIA GPU and by the
     jnp ``paged_attention`` elsewhere (``model.kernels.on_gpu``); the caller checked
-    ``unsupported_reason``. Invalid queries get zeros on both."""
-    kernel = functools.partial(pallas_paged_attention, spec=spec, sinks=sinks)
+    ``unsupported_reason``. Invalid queries get zeros on both.
+
+    Under tensor parallelism (the pools' mesh, read from their type, has a ``tp`` axis over
+    several devices) each device runs the kernel on its own KV heads and their query heads, a
+    ``shard_map`` over ``tp`` (XLA cannot partition the kernel); where ``tp`` does not divide the
+    KV heads (they are replicated) attention takes the jnp path."""
+    args = (q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), block_tables, positions, context_lens, valid)
+    extra = () if sinks is None else (sinks,)
 
     def reference(*args):
+        *args, sinks = args if len(args) > 8 else (*args, None)
         return jnp.where(args[-1][:, :, None, None], paged_attention(*args, spec=spec, sinks=sinks), 0)
 
-    return on_gpu(q, k_pool, v_pool, layer, block_tables, positions, context_lens, valid, gpu=kernel,
-                  default=reference)
+    def kernel(*args):
+        *args, sinks = args if len(args) > 8 else (*args, None)
+        return pallas_paged_attention(*args, spec=spec, sinks=sinks)
+
+    mesh = _tensor_parallel_mesh(k_pool)
+    if mesh is not None:
+        if k_pool.shape[3] % mesh.shape[TP_AXIS]:
+            return reference(*args, *extra)
+        split = lambda leaf, axis: P(*(TP_AXIS if i == axis else None for i in range(leaf.ndim)))  # noqa: E731
+        pool = jax.tree.map(lambda leaf: split(leaf, 3), k_pool)
+        in_specs = (split(q, 2), pool, pool, P(), P(), P(), P(), P()) + ((P(TP_AXIS),) if extra else ())
+        # (check_vma off: a pallas_call's outputs carry no varying-axes types to check)
+        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=split(q, 2), check_vma=False)
+    return on_gpu(*args, *extra, gpu=kernel, default=reference)
+
+
+def _tensor_parallel_mesh(pool: Pool) -> Mesh | AbstractMesh | None:
+    """The mesh ``pool`` is laid out on when it has a ``tp`` axis of several devices, else None.
+    Read from the array's type, which carries its mesh inside ``jit`` as outside."""
+    leaf = pool.q if isinstance(pool, QuantArray) else pool
+    mesh = getattr(jax.typeof(leaf).sharding, "mesh", None) if isinstance(leaf, jax.Array) else None
+    if mesh is None or TP_AXIS not in mesh.axis_names or mesh.shape[TP_AXIS] == 1:
+        return None
+    return mesh
