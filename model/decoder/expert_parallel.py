@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from raylm.model.quantization.quant_array import QuantArray
-from raylm.model.runtime.sharding import EP_AXIS
+from raylm.model.runtime.sharding import EP_AXIS, array_mesh
 
 # (h [T, D], experts [T, k] with E_local for another device's, weights [T, k], valid [T] | None,
 # stacks: this device's expert arrays) -> sum over k of its experts' weighted outputs [T, D].
@@ -36,16 +36,8 @@ LocalExperts = Callable[[jax.Array, jax.Array, jax.Array, "jax.Array | None", tu
 
 def experts_mesh(w_gate_up: jax.Array | QuantArray | Any) -> Mesh | AbstractMesh | None:
     """The mesh a stacked expert matrix is split over when its ``ep`` axis has more than one
-    device, else None (one device; GGUF blocks, which are never sharded). Read from the array's
-    type, which carries its mesh inside ``jit`` as outside, so the forward pass needs no mesh
-    argument."""
-    leaf = w_gate_up.q if isinstance(w_gate_up, QuantArray) else w_gate_up
-    if not isinstance(leaf, jax.Array):
-        return None
-    mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
-    if mesh is None or EP_AXIS not in mesh.axis_names or mesh.shape[EP_AXIS] == 1:
-        return None
-    return mesh
+    device, else None (``model.runtime.sharding.array_mesh``)."""
+    return array_mesh(w_gate_up, EP_AXIS)
 
 
 def over_expert_shards(

@@ -129,8 +129,8 @@ def forward(
     place of ``tokens``' embeddings; one that is not the last returns with ``hidden_out`` its own
     residual stream ``[B, S, D]`` in place of logits (then the pool, then ``expert_load``'s sum).
 
-    With ``gpu_kernels`` (an unsharded replica) the Pallas kernels run where the program is lowered
-    for a GPU, the jnp path elsewhere: attention where the kernel reads the layer's pools and
+    With ``gpu_kernels`` (a GPU replica's, sharded or not) the Pallas kernels run where the program
+    is lowered for a GPU, the jnp path elsewhere: attention where the kernel reads the layer's pools and
     head size (``model.kernels.pallas.paged_attention``: decode rows and prompt chunks alike), and
     the experts' grouped matmuls (``model.kernels.pallas.grouped_matmul``).
     """

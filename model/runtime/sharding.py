@@ -26,11 +26,11 @@ and combine by all-reduce rather than all-to-all, which at a decode step's few r
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.lora_slots import LayerSlots, LoraWeights, lora_axes
@@ -64,6 +64,20 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "q_lora": None,  # MLA's low-rank query and its latent: replicated, the heads they expand to split
     "latent": None,
 }
+
+
+def array_mesh(array: Any, axis: str) -> Mesh | AbstractMesh | None:
+    """The mesh ``array`` (a QuantArray: its values) is laid out on when that mesh's ``axis`` has
+    more than one device, else None (one device; GGUF blocks and other non-arrays, never sharded).
+    Read from the array's type, which carries its mesh inside ``jit`` as outside, so the forward
+    pass needs no mesh argument."""
+    leaf = array.q if isinstance(array, QuantArray) else array
+    if not isinstance(leaf, jax.Array):
+        return None
+    mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
+    if mesh is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
+        return None
+    return mesh
 
 
 def make_mesh(tp: int = 1, devices: Sequence[jax.Device] | None = None, ep: int = 1) -> Mesh:

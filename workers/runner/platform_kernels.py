@@ -48,7 +48,7 @@ def gpu_kernels_run(mesh: Mesh, kv: KVCache | GroupedKV, config: ModelConfig, gp
     reasons = ["latent attention"] if config.mla is not None else [
         r for pool in pools if (r := pallas_attention.unsupported_reason(config.head_dim, kv.block_size, pool.k,
                                                                           pool.v, None))]
-    tp = dict(zip(mesh.axis_names, mesh.devices.shape)).get(TP_AXIS, 1)
+    tp = mesh.shape.get(TP_AXIS, 1)
     if config.num_kv_heads % tp:
         reasons.append(f"tensor_parallel_size {tp} does not divide the {config.num_kv_heads} KV heads (replicated)")
     if reasons:

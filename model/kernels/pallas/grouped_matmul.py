@@ -26,22 +26,26 @@ from jax.experimental.pallas import triton as plgpu
 
 from raylm.model.kernels import gpu_kernels_interpreted
 from raylm.model.quantization.quant_array import QuantArray
+from raylm.model.runtime.buckets import bucket, cdiv
 
 ROW_TILE = 64  # rows of x per program (a tile may be shared by two groups: two programs)
 COL_TILE = 128  # output columns per program
 DEPTH_TILE = 64  # contraction per dot
 
 
-def _pow2_at_most(n: int, cap: int) -> int:
-    return min(cap, 1 << max(n - 1, 0).bit_length())
+def group_bounds(group_sizes: jax.Array) -> jax.Array:
+    """Each group's rows ``[start, end)`` of the sorted rows, ``[G, 2]``."""
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    return jnp.stack([ends - sizes, ends], axis=1)
 
 
 def pair_plan(group_sizes: jax.Array, num_tiles: int, row_tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per program row ``p`` of ``num_tiles + G - 1``: its group, its tile, and whether it is real
     (each group's tiles in order, groups in order; the rest are empty)."""
     sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
+    bounds = group_bounds(sizes)
+    starts, ends = bounds[:, 0], bounds[:, 1]
     first = starts // row_tile
     count = jnp.where(sizes > 0, (ends - 1) // row_tile - first + 1, 0)
     offsets = jnp.cumsum(count)
@@ -94,21 +98,18 @@ def pallas_grouped_matmul(x: jax.Array, w: jax.Array | QuantArray, group_sizes: 
     the groups. ``interpret`` (or ``model.kernels.interpreting_gpu_kernels``) runs it on the CPU."""
     M, K = x.shape
     N = w.shape[1]
-    row_tile = max(16, _pow2_at_most(M, ROW_TILE))
-    col_tile = max(16, _pow2_at_most(N, COL_TILE))
-    depth_tile = max(16, _pow2_at_most(K, DEPTH_TILE))
-    tiles = -(-M // row_tile)
+    row_tile, col_tile, depth_tile = bucket(M, 16, ROW_TILE), bucket(N, 16, COL_TILE), bucket(K, 16, DEPTH_TILE)
+    tiles = cdiv(M, row_tile)
     padded = jnp.pad(x, ((0, tiles * row_tile - M), (0, 0)))
     group, tile, real = pair_plan(group_sizes, tiles, row_tile)
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    bounds = jnp.stack([ends - group_sizes.astype(jnp.int32), ends], axis=1)  # [G, 2]: each group's rows
+    bounds = group_bounds(group_sizes)
     values, scale = (w.q, w.scale.astype(jnp.float32)) if isinstance(w, QuantArray) else (w, None)
     operands = (padded, values, scale, bounds, group, tile, real)
     kernel = functools.partial(_kernel, row_tile=row_tile, col_tile=col_tile, depth_tile=depth_tile,
                                exact=x.dtype == jnp.float32)
     out = pl.pallas_call(
         kernel,
-        grid=(group.shape[0], -(-N // col_tile)),
+        grid=(group.shape[0], cdiv(N, col_tile)),
         in_specs=[_whole(a) for a in operands],
         out_specs=pl.BlockSpec((tiles * row_tile, N), lambda p, j: (0, 0)),
         out_shape=jax.ShapeDtypeStruct((tiles * row_tile, N), x.dtype),
@@ -117,4 +118,4 @@ def pallas_grouped_matmul(x: jax.Array, w: jax.Array | QuantArray, group_sizes: 
         name="raylm_grouped_matmul",
     )(*operands)
     # Rows no group claims were never stored (their memory is whatever it was): zeros.
-    return jnp.where((jnp.arange(M) < ends[-1])[:, None], out[:M], 0)
+    return jnp.where((jnp.arange(M) < bounds[-1, 1])[:, None], out[:M], 0)

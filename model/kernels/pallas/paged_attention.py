@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from raylm.model.config.model_config import AttentionSpec
@@ -41,7 +40,8 @@ from raylm.model.decoder.attention import paged_attention
 from raylm.model.decoder.kv_pool import Pool, pool_dtype
 from raylm.model.kernels import gpu_kernels_interpreted, on_gpu
 from raylm.model.quantization.quant_array import QUANTIZED_DTYPES, QuantArray
-from raylm.model.runtime.sharding import TP_AXIS
+from raylm.model.runtime.buckets import bucket, cdiv, next_power_of_two
+from raylm.model.runtime.sharding import TP_AXIS, array_mesh
 
 FLOAT_POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MIN_DOT = 16  # Triton's smallest dot dimension: a program's query rows are padded up to it
@@ -70,15 +70,11 @@ def unsupported_reason(head_dim: int, block_size: int, k_pool: Pool, v_pool: Poo
     return None
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _split_plan(width: int, splittable: bool) -> tuple[int, int, int]:
     """(pages per dot, partitions, padded width) for a block table ``width`` pages wide."""
-    per_dot = min(PAGES_PER_DOT, _pow2(width))
+    per_dot = bucket(width, 1, PAGES_PER_DOT)
     splits = max(1, min(MAX_SPLITS, width // per_dot)) if splittable else 1
-    padded = -(-width // (splits * per_dot)) * splits * per_dot
+    padded = cdiv(width, splits * per_dot) * splits * per_dot
     return per_dot, splits, padded
 
 
@@ -164,9 +160,9 @@ def pallas_paged_attention(
         raise ValueError(f"the Pallas paged attention kernel cannot run this attention: {reason}")
     group = H // KVH
     # A program's query rows: ``tokens`` of the chunk times the group's heads (padded to ``heads``).
-    heads = max(MIN_DOT, _pow2(group)) if S == 1 else _pow2(group)
+    heads = max(MIN_DOT, next_power_of_two(group)) if S == 1 else next_power_of_two(group)
     tokens = 1 if S == 1 else max(1, CHUNK_ROWS // heads)
-    blocks = -(-S // tokens)
+    blocks = cdiv(S, tokens)
     rows = tokens * heads
     per_dot, splits, width = _split_plan(block_tables.shape[1], splittable=S == 1)
     # Layer ``layer``'s page ``p`` is row ``layer * N + p`` of the pool without its layer axis.
@@ -284,34 +280,24 @@ def gpu_paged_attention(
     several devices) each device runs the kernel on its own KV heads and their query heads, a
     ``shard_map`` over ``tp`` (XLA cannot partition the kernel); where ``tp`` does not divide the
     KV heads (they are replicated) attention takes the jnp path."""
-    args = (q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), block_tables, positions, context_lens, valid)
-    extra = () if sinks is None else (sinks,)
+    # ``sinks`` last and only when given: a shard_map takes arrays, and splits them over heads.
+    args = (q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), block_tables, positions, context_lens, valid,
+            *(() if sinks is None else (sinks,)))
 
-    def reference(*args):
-        *args, sinks = args if len(args) > 8 else (*args, None)
-        return jnp.where(args[-1][:, :, None, None], paged_attention(*args, spec=spec, sinks=sinks), 0)
+    def reference(q, k_pool, v_pool, layer, block_tables, positions, context_lens, valid, sinks=None):
+        out = paged_attention(q, k_pool, v_pool, layer, block_tables, positions, context_lens, valid, spec, sinks)
+        return jnp.where(valid[:, :, None, None], out, 0)
 
-    def kernel(*args):
-        *args, sinks = args if len(args) > 8 else (*args, None)
-        return pallas_paged_attention(*args, spec=spec, sinks=sinks)
-
-    mesh = _tensor_parallel_mesh(k_pool)
+    def kernel(q, k_pool, v_pool, layer, block_tables, positions, context_lens, valid, sinks=None):
+        return pallas_paged_attention(q, k_pool, v_pool, layer, block_tables, positions, context_lens, valid, spec,
+                                      sinks)
+    mesh = array_mesh(k_pool, TP_AXIS)
     if mesh is not None:
         if k_pool.shape[3] % mesh.shape[TP_AXIS]:
-            return reference(*args, *extra)
+            return reference(*args)
         split = lambda leaf, axis: P(*(TP_AXIS if i == axis else None for i in range(leaf.ndim)))  # noqa: E731
         pool = jax.tree.map(lambda leaf: split(leaf, 3), k_pool)
-        in_specs = (split(q, 2), pool, pool, P(), P(), P(), P(), P()) + ((P(TP_AXIS),) if extra else ())
+        in_specs = (split(q, 2), pool, pool, P(), P(), P(), P(), P(), *(() if sinks is None else (P(TP_AXIS),)))
         # (check_vma off: a pallas_call's outputs carry no varying-axes types to check)
         kernel = jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=split(q, 2), check_vma=False)
-    return on_gpu(*args, *extra, gpu=kernel, default=reference)
-
-
-def _tensor_parallel_mesh(pool: Pool) -> Mesh | AbstractMesh | None:
-    """The mesh ``pool`` is laid out on when it has a ``tp`` axis of several devices, else None.
-    Read from the array's type, which carries its mesh inside ``jit`` as outside."""
-    leaf = pool.q if isinstance(pool, QuantArray) else pool
-    mesh = getattr(jax.typeof(leaf).sharding, "mesh", None) if isinstance(leaf, jax.Array) else None
-    if mesh is None or TP_AXIS not in mesh.axis_names or mesh.shape[TP_AXIS] == 1:
-        return None
-    return mesh
+    return on_gpu(*args, gpu=kernel, default=reference)
