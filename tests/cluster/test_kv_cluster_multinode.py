@@ -3,22 +3,12 @@ its own, isolated from the session's, in a subprocess; it prints one JSON line o
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.scenario_process import run_scenario
 
 
 def test_blocks_published_on_one_node_are_fetched_on_another():
     """Published by an actor on node A, fetched by tiers on node B (a transfer) and on node A."""
-    proc = subprocess.run([sys.executable, "-m", "tests.kv_cluster_scenario"],
-                          cwd=REPO, capture_output=True, text=True, timeout=240)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"no result line; rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    result = json.loads(lines[-1])
-    assert result["ok"], f"{result.get('error')}\n{proc.stderr[-4000:]}"
+    result = run_scenario("tests.kv_cluster_scenario", timeout=240)
 
     nodes = result["nodes"]
     assert nodes["publisher"] == nodes["reader_a"] != nodes["reader_b"]

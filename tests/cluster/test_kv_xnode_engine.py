@@ -4,12 +4,8 @@ JSON line of findings."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from tests.scenario_process import run_scenario
 
-REPO = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16
 BLOCK_BYTES = 3 * 2 * BLOCK_SIZE * 2 * 16 * 4  # layers x (K, V) x tokens x KV heads x head dim x float32
 
@@ -29,12 +25,7 @@ def test_a_replica_on_another_node_loads_the_prefixes_one_node_computed():
     """Replica A (node A, with the directory) computes and publishes; replica B (node B) loads the
     prefixes through Ray's object transfer, also after A was killed; its tokens equal A's and an
     engine's with offload off."""
-    proc = subprocess.run([sys.executable, "-m", "tests.kv_xnode_engine_scenario"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"no result line; rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    result = json.loads(lines[-1])
-    assert result["ok"], f"{result.get('error')}\n{proc.stderr[-4000:]}"
+    result = run_scenario("tests.kv_xnode_engine_scenario", timeout=300)
     assert result["leftover_pids"] == []
 
     nodes = result["nodes"]

@@ -6,21 +6,11 @@ runs in a subprocess, isolated from the session's cluster; it prints one JSON li
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.scenario_process import run_scenario
 
 
 def test_replicas_spread_over_nodes_and_autoscaler_adds_a_node():
-    proc = subprocess.run([sys.executable, "-m", "tests.multinode_scenario"],
-                          cwd=REPO, capture_output=True, text=True, timeout=540)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"no result line; rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    result = json.loads(lines[-1])
-    assert result["ok"], f"{result.get('error')}\n{proc.stderr[-4000:]}"
+    result = run_scenario("tests.multinode_scenario", timeout=540)
 
     # One worker node to start with (min_workers); the second replica could not be placed, so the
     # autoscaler launched a second node for it.

@@ -4,23 +4,14 @@ subprocess; it prints one JSON line of findings."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from tests.scenario_process import run_scenario
 
-REPO = Path(__file__).resolve().parents[2]
 END_WITHIN_S = 30.0
 
 
 def test_stages_on_two_nodes_serve_the_unsplit_greedy_text_and_a_dead_stage_replaces_the_group():
-    proc = subprocess.run([sys.executable, "-m", "tests.pipeline_multinode_scenario"],
-                          cwd=REPO, capture_output=True, text=True, timeout=400)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"no result line; rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    result = json.loads(lines[-1])
+    result = run_scenario("tests.pipeline_multinode_scenario", timeout=400)
     print(f"\n{ {k: v for k, v in result.items() if k.endswith('_s') or k == 'seconds'} }")
-    assert result["ok"], f"{result.get('error')}\n{proc.stderr[-4000:]}"
     assert result["leftover_pids"] == []
 
     # Stage 0 holds layers 0-14, the replica (stage 1) 15-29; each on its own node of the two.
