@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from raylm.model.config import gguf_metadata, hf_keys, latent_attention
+from raylm.model.config import gguf_metadata, hf_keys, latent_attention, text_decoder
 from raylm.model.config.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES
 from raylm.model.config.latent_attention import LatentAttention, softmax_scale
 from raylm.model.config.llama4 import AttnTemperature, Llama4Attention, llama4_attention, llama4_moe
@@ -201,13 +201,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
-        """Build from the parsed contents of an HF ``config.json``."""
+        """Build from the parsed contents of an HF ``config.json`` (of a multimodal checkpoint:
+        its text decoder's, model/config/text_decoder.py)."""
+        if text_decoder.wrapped_architecture(raw) is not None:
+            raw = text_decoder.text_decoder_config(raw, source)
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in HF_FAMILIES), None)
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or raw.get('model_type')!r} in {source}; "
-                f"raylm supports {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+                f"raylm supports {', '.join(SUPPORTED_HF_ARCHITECTURES)} (and the text decoder of "
+                f"{', '.join(text_decoder.TEXT_DECODERS)})"
             )
         family = HF_FAMILIES[arch]
         hf_keys.refuse_unimplemented(raw, family, source)

@@ -27,12 +27,15 @@ from raylm.model.loaders.hf_quantized import QUANTIZED_SUFFIXES, read_quantizati
 from raylm.model.loaders.hf_quantized_matrix import Matrix
 from raylm.model.loaders.hf_tensors import HALF_DTYPES, build_params
 from raylm.model.loaders.llama4_tensors import llama4_tensors
+from raylm.model.loaders.text_decoder_names import text_decoder_names
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # safetensors' numpy reader knows no 8-bit floats: these are read from the file's bytes.
 _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+# Names only a multimodal checkpoint's text decoder has (model/loaders/text_decoder_names.py).
+_WRAPPED_PREFIXES = ("language_model.", "model.language_model.")
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -64,18 +67,23 @@ def _open(file: Path):
 
 
 class _Tensors:
-    """A checkpoint's tensors by name, as stored (model/loaders/hf_quantized.py's ``Tensors``)."""
+    """A checkpoint's tensors by name, as stored (model/loaders/hf_quantized.py's ``Tensors``);
+    a multimodal checkpoint's decoder tensors by their text-layout names (``stored``: text
+    name -> stored name, model/loaders/text_decoder_names.py)."""
 
-    def __init__(self, names: dict[str, Path], handles: dict[Path, object]):
-        self.names, self.handles = names, handles
+    def __init__(self, names: dict[str, Path], handles: dict[Path, object], stored: dict[str, str] | None = None):
+        self.names, self.handles, self.stored = names, handles, stored
         self.headers: dict[Path, tuple[int, dict]] = {}
+
+    def _stored(self, name: str) -> str:
+        return name if self.stored is None else self.stored[name]
 
     def dtype(self, name: str) -> str | None:
         file = self.names.get(name)
         if file is None:
             return None
         try:
-            return self.handles[file].get_slice(name).get_dtype()
+            return self.handles[file].get_slice(self._stored(name)).get_dtype()
         except (SafetensorError, OSError, ValueError) as err:
             raise ModelLoadError(f"cannot read tensor {name!r} from {file}: {err}") from None
 
@@ -86,8 +94,8 @@ class _Tensors:
         file = self.names[name]
         try:
             if kind in _RAW_DTYPES:
-                return self._raw(file, name, _RAW_DTYPES[kind])
-            return self.handles[file].get_tensor(name)
+                return self._raw(file, self._stored(name), _RAW_DTYPES[kind])
+            return self.handles[file].get_tensor(self._stored(name))
         except (SafetensorError, OSError, ValueError, KeyError) as err:
             raise ModelLoadError(f"cannot read tensor {name!r} from {file}: {err}") from None
 
@@ -122,6 +130,9 @@ def load_safetensors_checkpoint(
     config = ModelConfig.from_hf_dir(path)
     quantization = read_quantization(path)
     names = _tensor_files(path)
+    decoder_names = text_decoder_names(names) if any(n.startswith(_WRAPPED_PREFIXES) for n in names) else None
+    if decoder_names is not None:
+        names = {text: names[name] for text, name in decoder_names.items()}
     if quantization is None:
         stored = next((n for n in names if n.endswith(QUANTIZED_SUFFIXES)), None)
         if stored is not None:
@@ -131,7 +142,8 @@ def load_safetensors_checkpoint(
         # Some exports omit lm_head without saying the embeddings are tied.
         config = dataclasses.replace(config, tie_word_embeddings=True)
     with contextlib.ExitStack() as stack:
-        tensors = _Tensors(names, {file: stack.enter_context(_open(file)) for file in set(names.values())})
+        tensors = _Tensors(names, {file: stack.enter_context(_open(file)) for file in set(names.values())},
+                           decoder_names)
 
         def get(name: str) -> Matrix | None:
             if quantization is not None and name.endswith(".weight"):

@@ -55,6 +55,17 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
+def _processor_chat_template(file: Path) -> str:
+    """The template of a processor's ``chat_template.json`` (``{"chat_template": "..."}``)."""
+    try:
+        template = json.loads(file.read_text()).get("chat_template")
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise ModelLoadError(f"{file} is not a JSON object with a chat_template: {err}") from None
+    if not isinstance(template, str):
+        raise ModelLoadError(f"{file}: chat_template must be a string")
+    return template
+
+
 def _token_content(value: Any) -> str | None:
     """tokenizer_config.json stores special tokens as strings or as AddedToken dicts."""
     if isinstance(value, Mapping):
@@ -144,7 +155,8 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path, extra_eos_ids: Iterable[int] = ()) -> "Tokenizer":
-        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``)."""
+        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja`` or a
+        multimodal repo's ``chat_template.json``)."""
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
@@ -160,9 +172,11 @@ class Tokenizer:
         template = settings.get("chat_template")
         if isinstance(template, list):  # named templates: HF picks "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        jinja_file = path / "chat_template.jinja"
+        jinja_file, processor_file = path / "chat_template.jinja", path / "chat_template.json"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
+        if template is None and processor_file.is_file():  # multimodal repos: the processor's template
+            template = _processor_chat_template(processor_file)
         return cls(
             backend,
             bos_token=_token_content(settings.get("bos_token")),

@@ -1,0 +1,100 @@
+"""The text decoder of a multimodal checkpoint (Llama 4, Gemma 3, Mistral 3, LLaVA) served
+alone: logits and greedy tokens equal HF's wrapper on text input, in either layout of tensor
+names transformers has written, and unsupported decoders are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from raylm.model.config.model_config import ModelConfig
+from raylm.model.decoder.generate import SingleSequenceGenerator
+from raylm.model.errors import UnsupportedModelError
+from raylm.model.loaders.load import load_checkpoint
+from raylm.model.loaders.text_decoder_names import text_decoder_names
+from tests.multimodal_checkpoints import (
+    MULTIMODAL_VARIANTS,
+    build_tiny_multimodal_checkpoint,
+    resave_with_transformers_4_names,
+)
+from tests.reference import hf_greedy
+
+FAMILY = {"llama4": "Llama4ForCausalLM", "gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM",
+          "llava-qwen2": "Qwen2ForCausalLM"}
+
+
+def _prompt() -> list[int]:
+    return np.random.RandomState(0).randint(3, 320, size=40).tolist()
+
+
+@pytest.mark.parametrize("variant", MULTIMODAL_VARIANTS)
+def test_text_decoder_matches_hf_wrapper(variant, tmp_path):
+    path, hf_model = build_tiny_multimodal_checkpoint(variant, tmp_path / variant)
+    config, params = load_checkpoint(path)
+    assert config.architecture == FAMILY[variant]
+    generator = SingleSequenceGenerator(config, params)
+    ids = _prompt()
+    with torch.no_grad():
+        reference = hf_model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(generator.prompt_logits(ids), reference, atol=1e-4, rtol=1e-4)
+    assert list(generator.generate(ids, 16)) == hf_greedy(hf_model, ids, 16)
+
+
+@pytest.mark.parametrize("variant", ["llama4", "gemma3"])  # an untied LM head, and a tied one
+def test_transformers_4_layout_loads_the_same_weights(variant, tmp_path):
+    path, _ = build_tiny_multimodal_checkpoint(variant, tmp_path / variant)
+    config, hub_layout = load_checkpoint(path)
+    resave_with_transformers_4_names(path)
+    assert config == load_checkpoint(path)[0]
+    older = load_checkpoint(path)[1]
+    for a, b in zip(jax_leaves(hub_layout), jax_leaves(older), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def jax_leaves(params) -> list[np.ndarray]:
+    import jax
+
+    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(params)]
+
+
+def test_vision_tensors_are_not_decoder_tensors():
+    stored = ["language_model.model.layers.0.mlp.up_proj.weight", "language_model.lm_head.weight",
+              "vision_model.model.layers.0.mlp.fc1.weight", "vision_tower.encoder.layers.0.mlp.fc1.weight",
+              "multi_modal_projector.linear_1.weight", "model.vision_tower.patch_conv.weight"]
+    assert text_decoder_names(stored) == {
+        "model.layers.0.mlp.up_proj.weight": "language_model.model.layers.0.mlp.up_proj.weight",
+        "lm_head.weight": "language_model.lm_head.weight",
+    }
+
+
+def test_unsupported_text_decoder_is_refused_by_name(tmp_path):
+    path, _ = build_tiny_multimodal_checkpoint("llava-qwen2", tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    raw["text_config"]["model_type"] = "phi"
+    with pytest.raises(UnsupportedModelError, match="LlavaForConditionalGeneration's text decoder is 'phi'"):
+        ModelConfig.from_hf_dict(raw)
+    del raw["text_config"]
+    with pytest.raises(Exception, match="without a text_config"):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_processor_chat_template_is_read_when_the_tokenizer_has_none(tmp_path):
+    from raylm.model.errors import ModelLoadError
+    from raylm.model.text.tokenizer import Tokenizer
+
+    path, _ = build_tiny_multimodal_checkpoint("gemma3", tmp_path / "m")
+    processor = "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": processor}))
+    tokenizer = Tokenizer.from_hf_dir(path)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False) == (
+        "<start_of_turn>user\nhi<end_of_turn>\n"
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": "own"}))
+    assert Tokenizer.from_hf_dir(path).chat_template == "own"  # the tokenizer's own wins, as in HF
+    (path / "tokenizer_config.json").write_text("{}")
+    (path / "chat_template.json").write_text("[1]")
+    with pytest.raises(ModelLoadError, match="chat_template.json"):
+        Tokenizer.from_hf_dir(path)
