@@ -46,9 +46,13 @@ _ARCHES = {
     "GraniteForCausalLM": "granite",
     "DeepseekV2ForCausalLM": "deepseek2",
     "DeepseekV3ForCausalLM": "deepseek2",
+    "Llama4ForCausalLM": "llama4",
+    "GptOssForCausalLM": "gpt-oss",
 }
-# The converter's LlamaModel and its subclasses permute Q/K rows; Gemma's models store norms as 1 + w.
+# The converter's LlamaModel and its subclasses permute Q/K rows (Llama4Model, whose rows are
+# interleaved already, does not: undo_permute = False); Gemma's models store norms as 1 + w.
 _PERMUTED = ("llama", "granite")
+_LLAMA_MODELS = (*_PERMUTED, "llama4")
 _GEMMAS = ("gemma", "gemma2", "gemma3")
 # Granite's multipliers and the keys GraniteModel writes them as (only when non-zero).
 _GRANITE_SCALES = {"attention_multiplier": "add_attention_scale", "embedding_multiplier": "add_embedding_scale",
@@ -168,7 +172,7 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], split_kv_
     w.add_block_count(hp["num_hidden_layers"] + nextn)
     w.add_context_length(hp["max_position_embeddings"])
     w.add_embedding_length(hp["hidden_size"])
-    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_feed_forward_length(hp["intermediate_size_mlp" if arch == "llama4" else "intermediate_size"])
     w.add_head_count(hp["num_attention_heads"])
     w.add_head_count_kv(1 if arch == "deepseek2" else hp["num_key_value_heads"])  # (its one latent)
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
@@ -205,7 +209,7 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], split_kv_
     if hp.get("head_dim") is not None:
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
-    if arch in _PERMUTED:  # LlamaModel's own keys (GraniteModel's too)
+    if arch in _LLAMA_MODELS:  # LlamaModel's own keys (GraniteModel's, Llama4Model's too)
         w.add_vocab_size(hp["vocab_size"])
         w.add_rope_dimension_count(_head_dim(hp))
         if hp.get("sliding_window"):
@@ -218,6 +222,9 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], split_kv_
                 getattr(w, add)(hp[key])
     if arch == "glm4moe":
         _write_glm4moe(w, hp)
+        return
+    if arch in ("llama4", "gpt-oss"):
+        _write_llama4_or_gpt_oss(w, arch, hp)
         return
     experts = hp.get("num_local_experts") or hp.get("num_experts")
     if experts:
@@ -293,6 +300,42 @@ def _write_deepseek2(w: gguf.GGUFWriter, hp: dict[str, Any], rope: dict[str, Any
         assert rope.get("rope_type", "default") == "default", rope
 
 
+def _write_llama4_or_gpt_oss(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
+    """Llama4Model's and GptOssModel's keys: the experts (TextModel's counts, their size), Llama
+    4's interleave step, gpt-oss's window. llama.cpp fixes the rest (chunks, NoPE layers and
+    temperature tuning; the SwiGLU clamp): the tests build checkpoints with those values."""
+    w.add_expert_count(hp["num_local_experts"])
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(hp["intermediate_size"])
+    if arch == "llama4":
+        w.add_interleave_moe_layer_step(hp["interleave_moe_layer_step"])
+    else:
+        w.add_sliding_window(hp["sliding_window"])
+
+
+def _split_experts(arch: str, hf_name: str, array: np.ndarray):
+    """Llama4Model's / GptOssModel's modify_tensors for the stacked experts (inputs first in HF):
+    transposed to outputs first, gate_up split into gate and up (halves for Llama 4, even and odd
+    rows for gpt-oss, biases too); gpt-oss's sinks named as a weight. (name, array) pairs."""
+    if hf_name.endswith("sinks"):
+        yield hf_name + ".weight", array
+    elif hf_name.endswith("gate_up_proj_bias"):
+        yield hf_name.replace("gate_up_proj_bias", "gate_proj.bias"), array[..., ::2]
+        yield hf_name.replace("gate_up_proj_bias", "up_proj.bias"), array[..., 1::2]
+    elif hf_name.endswith("down_proj_bias"):
+        yield hf_name.replace("down_proj_bias", "down_proj.bias"), array
+    elif hf_name.endswith("experts.gate_up_proj"):
+        rows = np.swapaxes(array, -1, -2)
+        half = rows.shape[1] // 2
+        gate, up = (rows[:, :half], rows[:, half:]) if arch == "llama4" else (rows[:, ::2], rows[:, 1::2])
+        yield hf_name.replace("gate_up_proj", "gate_proj.weight"), gate
+        yield hf_name.replace("gate_up_proj", "up_proj.weight"), up
+    elif hf_name.endswith("experts.down_proj"):
+        yield hf_name + ".weight", np.swapaxes(array, -1, -2)
+    else:
+        yield hf_name, array
+
+
 def _write_experts(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], experts: int) -> None:
     # llama.cpp makes every layer sparse and fixes the renormalization per architecture.
     if hp.get("mlp_only_layers") or (hp.get("decoder_sparse_step") or 1) != 1:
@@ -333,7 +376,10 @@ def _tensors(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], tensors: dict[st
     """(GGUF name, array) pairs, as the converter's modify_tensors / generate_extra_tensors give."""
     names = gguf.get_tensor_name_map(_model_arch(arch), hp["num_hidden_layers"])
     heads, kv_heads = hp["num_attention_heads"], hp["num_key_value_heads"]
-    for hf_name, array in _merged_experts(tensors).items():
+    pairs = _merged_experts(tensors).items()
+    if arch in ("llama4", "gpt-oss"):
+        pairs = [pair for hf_name, array in pairs for pair in _split_experts(arch, hf_name, array)]
+    for hf_name, array in pairs:
         if hf_name == "lm_head.weight" and hp.get("tie_word_embeddings"):
             continue
         # (Glm4MoeModel.modify_tensors renames the correction bias for the name map.)

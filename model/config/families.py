@@ -143,6 +143,8 @@ GGUF_FAMILIES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
     # DeepSeek V2 and V3 alike (both rotate interleaved pairs in llama.cpp).
     "deepseek2": "DeepseekV2ForCausalLM",
+    "llama4": "Llama4ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # HF's names for the same activations.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}

@@ -5,7 +5,8 @@ A GGUF states less than a config.json: llama.cpp fixes per architecture what HF 
 what llama.cpp reads. So the rules below are llama.cpp's: Gemma 2 slides every other layer
 (window 4096 unless stated) and caps logits at 50 / 30 unless stated; Gemma 3 slides five
 layers in six with RoPE base 10000 on them and scales only its global layers' RoPE; Gemma
-scales queries by 1/sqrt(head_dim), except the 27B models by 1/sqrt(hidden/heads); Phi-3's
+scales queries by 1/sqrt(head_dim), except the 27B models by 1/sqrt(hidden/heads); gpt-oss
+slides every other layer; Llama 4 chunks and tunes attention as model/config/llama4.py says; Phi-3's
 LongRoPE is two factor tensors beside ``rope.scaling.attn_factor`` and
 ``rope.scaling.original_context_length`` (no scaling type); Llama 3's RoPE is one
 ``rope_freqs`` tensor of per-frequency divisors.
@@ -142,6 +143,8 @@ def layer_windows(meta: GgufMetadata, num_layers: int) -> tuple[int | None, ...]
         window, period = int(meta.get("attention.sliding_window", default)), _GEMMA[arch][0]
     elif arch in ("llama", "phi3"):
         window, period = int(meta.get("attention.sliding_window", 0)), 0  # every layer
+    elif arch == "gpt-oss":  # llama.cpp: every other layer, the first sliding
+        window, period = int(meta.get("attention.sliding_window", required=True)), 2
     else:
         if meta.get("attention.sliding_window", 0):
             raise meta.refuse("attention.sliding_window", f"has no layer pattern raylm knows for {arch}")

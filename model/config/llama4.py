@@ -81,11 +81,15 @@ def llama4_moe(raw: Mapping[str, Any], num_layers: int, source: str) -> MoeConfi
     step = int(raw.get("interleave_moe_layer_step", 1))
     layers = raw.get("moe_layers")
     layers = set(range(step - 1, num_layers, step) if layers is None else layers)
+    return _experts(experts, int(raw.get("num_experts_per_tok", 1)), size, layers, num_layers)
+
+
+def _experts(experts: int, top_k: int, size: int, layers: set[int], num_layers: int) -> MoeConfig | None:
     if not layers & set(range(num_layers)):
         return None
     return MoeConfig(
         num_experts=experts,
-        top_k=int(raw.get("num_experts_per_tok", 1)),
+        top_k=top_k,
         expert_size=size,
         norm_topk_prob=False,
         sparse_layers=tuple(i in layers for i in range(num_layers)),
@@ -93,3 +97,30 @@ def llama4_moe(raw: Mapping[str, Any], num_layers: int, source: str) -> MoeConfi
         sigmoid_scales_input=True,
         shared_expert_gated=False,
     )
+
+
+# What llama.cpp's llama4 architecture fixes rather than reads (src/llama-model.cpp): 8192-token
+# chunks on three layers in four, the fourth without RoPE and with temperature tuning (floor
+# 8192, scale 0.1); q/k L2 norms except on the 128-expert model (Maverick).
+_GGUF_CHUNK, _GGUF_NOPE_EVERY, _GGUF_TEMPERATURE, _GGUF_NO_QK_NORM_EXPERTS = 8192, 4, AttnTemperature(8192.0, 0.1), 128
+
+
+def llama4_from_gguf(meta: Any, num_layers: int) -> tuple[Llama4Attention, MoeConfig | None]:
+    """The attention differences and experts of a llama.cpp ``llama4`` file (``meta``: a
+    ``gguf_metadata.GgufMetadata``), as llama.cpp runs that architecture: the converter writes
+    only ``interleave_moe_layer_step`` and the experts' counts and size."""
+    if meta.has("attention.sliding_window"):
+        raise meta.refuse("attention.sliding_window", "(a llama4 file without chunked attention) is not implemented")
+    nope = tuple((i + 1) % _GGUF_NOPE_EVERY == 0 for i in range(num_layers))
+    experts = int(meta.get("expert_count", required=True))
+    attention = Llama4Attention(
+        nope_layers=nope,
+        layer_chunks=tuple(None if n else _GGUF_CHUNK for n in nope),
+        l2_qk_norm=experts != _GGUF_NO_QK_NORM_EXPERTS,
+        temperature=_GGUF_TEMPERATURE,
+    )
+    step = int(meta.get("interleave_moe_layer_step", required=True))
+    top_k = int(meta.get("expert_used_count", required=True))
+    size = int(meta.get("expert_feed_forward_length", required=True))
+    sparse = set(range(step - 1, num_layers, step)) if step > 0 else set()  # (llama.cpp: 0 is no experts)
+    return attention, _experts(experts, top_k, size, sparse, num_layers)

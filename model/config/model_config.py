@@ -18,7 +18,13 @@ from typing import Any, Mapping, Sequence
 from raylm.model.config import gguf_metadata, hf_keys, latent_attention, text_decoder
 from raylm.model.config.families import ACTIVATIONS, GGUF_FAMILIES, HF_FAMILIES
 from raylm.model.config.latent_attention import LatentAttention, softmax_scale
-from raylm.model.config.llama4 import AttnTemperature, Llama4Attention, llama4_attention, llama4_moe
+from raylm.model.config.llama4 import (
+    AttnTemperature,
+    Llama4Attention,
+    llama4_attention,
+    llama4_from_gguf,
+    llama4_moe,
+)
 from raylm.model.config.moe import MoeConfig, moe_from_gguf, moe_from_hf
 from raylm.model.config.multipliers import Multipliers, multipliers_from_gguf, multipliers_from_hf
 from raylm.model.config.rope import RopeScaling, optional_float, parse_rope_scaling, rotary_dim
@@ -337,6 +343,9 @@ class ModelConfig:
         attn_softcap, final_softcap = gguf_metadata.softcaps(meta)
         windows = gguf_metadata.layer_windows(meta, layers)
         dense_size = int(meta.get("feed_forward_length", required=True))
+        llama4, moe = llama4_from_gguf(meta, layers) if family.llama4 else (Llama4Attention(), None)
+        if not family.llama4:
+            moe = moe_from_gguf(meta, layers, dense_size)
         scales = multipliers_from_gguf(meta) if family.granite_multipliers else Multipliers()
         query_scale = gguf_metadata.query_scale(meta, hidden, heads, head_dim, layers)
         return cls(
@@ -371,7 +380,13 @@ class ModelConfig:
             final_softcap=final_softcap,
             layer_windows=windows,
             local_rope_theta=local_theta if windows else None,
-            moe=moe_from_gguf(meta, layers, dense_size),
+            moe=moe,
+            nope_layers=llama4.nope_layers,
+            layer_chunks=llama4.layer_chunks,
+            l2_qk_norm=llama4.l2_qk_norm,
+            attn_temperature=llama4.temperature,
+            o_proj_bias=family.o_proj_bias,
+            attention_sinks=family.attention_sinks,
             mla=mla,
         )
 

@@ -1,7 +1,7 @@
 """The mixture-of-experts block of a config: how many experts, how tokens are routed to them,
 which layers have them. Read from an HF ``config.json`` (Mixtral, Qwen2-MoE, Qwen3-MoE,
 OLMoE, GLM-4.5, DeepSeek V2/V3) or from GGUF metadata (llama with experts, qwen2moe, qwen3moe,
-olmoe, glm4moe, deepseek2), as HF and llama.cpp read them.
+olmoe, glm4moe, deepseek2, gpt-oss; llama4's: model/config/llama4.py), as HF and llama.cpp read them.
 
 Most families route the same way (HF's TopKRouter): the router's logits go through a
 softmax over all experts, the ``top_k`` largest probabilities pick the experts, and with
@@ -163,6 +163,12 @@ def moe_from_gguf(meta: Any, num_layers: int, dense_size: int) -> MoeConfig | No
         top_k = int(meta.get("expert_used_count", required=True))
         block = deepseek_moe_from_gguf(meta, experts, size, top_k, num_layers)
         return _deepseek_config(block, experts, size, top_k, meta.source)
+    if meta.arch == "gpt-oss":  # llama.cpp: softmax over the top-k biased logits, its fixed clamped SwiGLU
+        return MoeConfig(
+            num_experts=experts, top_k=int(meta.get("expert_used_count", required=True)),
+            expert_size=int(meta.get("expert_feed_forward_length", required=True)), norm_topk_prob=True,
+            sparse_layers=(True,) * num_layers, router_bias=True, expert_bias=True, clamped_swiglu=ClampedSwiglu(),
+        )
     if meta.arch not in _GGUF_NORM_TOPK:
         raise meta.refuse("expert_count", "(experts) is not implemented by raylm for this architecture")
     if meta.has("expert_shared_count"):

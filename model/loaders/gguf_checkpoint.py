@@ -21,6 +21,7 @@ from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.params import ModelParams
 from raylm.model.errors import UnsupportedModelError
 from raylm.model.loaders.gguf_file import GGUFFile
+from raylm.model.loaders.gguf_gpt_oss import gpt_oss_experts
 from raylm.model.loaders.hf_tensors import build_params
 from raylm.model.quantization.gguf_blocks import GgufBlocks, map_rows
 
@@ -80,14 +81,23 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str | None]] = {
         "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
     },
 }
+_ARCH_LAYER_NAMES["gpt-oss"] = {  # (its experts: model/loaders/gguf_gpt_oss.py)
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.sinks": "attn_sinks.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias",
+}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# Architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses).
-PERMUTED_QK_ARCHES = ("llama", "granite")
+# Architectures whose Q/K rows rotate as interleaved pairs in the file: permuted by llama.cpp's
+# converter (its LlamaModel and subclasses), or so in the checkpoint already (Llama 4's, which
+# that converter leaves as they are).
+PERMUTED_QK_ARCHES = ("llama", "granite", "llama4")
 
 
 def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str | None:
@@ -148,6 +158,10 @@ def load_gguf_checkpoint(
     permuted = config.architecture in PERMUTED_QK_ARCHES
 
     def get(hf_name: str) -> np.ndarray | GgufBlocks | None:
+        if config.architecture == "gpt-oss":
+            experts = gpt_oss_experts(hf_name, lambda name: file.tensor(name, keep_blocks))
+            if experts is not False:
+                return experts
         name = gguf_tensor_name(hf_name, config.architecture)
         array = None if name is None else file.tensor(name, keep_blocks)
         if array is None and config.mla is not None and hf_name.endswith("self_attn.kv_b_proj.weight"):

@@ -33,6 +33,17 @@ _QWEN2_SPLIT = (
 )
 
 
+# o200k's split (gpt-oss's and Llama 4's tokenizer.json; llama.cpp's GPT4O pre-tokenizer).
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# llama.cpp's pre-tokenizer names -> the split regex each stands for (byte-level BPE after it).
+_GGUF_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+                "qwen2": _QWEN2_SPLIT, "gpt-4o": _O200K_SPLIT, "llama4": _O200K_SPLIT}
+
+
 def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The pre-tokenizer llama.cpp uses for a GGUF ``tokenizer.ggml.pre`` name."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -41,16 +52,13 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return byte_level
     if pre == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "llama-v3"):
+    if pre in _GGUF_SPLITS:
         return pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"), raw_byte_level]
-        )
-    if pre == "qwen2":
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"), raw_byte_level]
+            [pre_tokenizers.Split(Regex(_GGUF_SPLITS[pre]), behavior="isolated"), raw_byte_level]
         )
     raise UnsupportedModelError(
-        f"GGUF pre-tokenizer {pre!r} is not supported (supported: default, gpt2, smollm, llama-bpe, qwen2); "
+        f"GGUF pre-tokenizer {pre!r} is not supported (supported: default, gpt2, smollm, "
+        f"{', '.join(_GGUF_SPLITS)}); "
         "use the model's HF directory with tokenizer.json instead"
     )
 

@@ -35,10 +35,17 @@ _OVERRIDES = {
     # llama.cpp's deepseek2 YaRN has one mscale (rope.scaling.yarn_log_multiplier): HF's two equal.
     "deepseek-v3": dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.8,
                                              mscale_all_dim=0.8, original_max_position_embeddings=128)),
+    # What llama.cpp fixes for these architectures: Llama 4's 8192-token chunks and temperature
+    # tuning (floor 8192, scale 0.1; NoPE on the fourth layer, as the tiny one has it), gpt-oss's
+    # SwiGLU clamp at 7 and YaRN's truncated correction range.
+    "llama4": dict(attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1),
+    "gpt-oss": dict(swiglu_limit=7.0, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                           original_max_position_embeddings=128, beta_fast=32.0,
+                                                           beta_slow=1.0, truncate=True)),
 }
 FAMILIES = ["qwen3", "gemma", "gemma2", "gemma3", "granite", "phi3-longrope", "mistral-sliding", "llama3-rope",
             "llama-yarn", "qwen2", "mixtral", "olmoe", "glm4-moe",  # (qwen3moe's keys: the refusal test below)
-            "deepseek-v2-lite", "deepseek-v3"]
+            "deepseek-v2-lite", "deepseek-v3", "llama4", "gpt-oss"]
 
 
 def _prompt(length: int = PROMPT_LEN) -> list[int]:
