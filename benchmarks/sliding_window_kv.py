@@ -6,7 +6,9 @@ with prefix caching and chunked prefill on: with full attention, with a ``--wind
 sliding window on every layer (as a Mistral or Phi-3 config declares one), and with sliding
 and full-attention layers interleaved (every ``--global-every``-th layer global, the others
 sliding: 2 as in Gemma 2, 6 as in Gemma 3, five sliding layers to one global; the sliding
-layers then keep a KV group of their own, reported apart: "full" / "sliding" blocks). ``--seqs`` random
+layers then keep a KV group of their own, reported apart: "full" / "sliding" blocks), and with
+Llama 4's chunked attention on those same local layers (``--window``-token chunks: a query sees
+its own chunk's keys; blocks go back behind the span as the sliding ones do). ``--seqs`` random
 prompts of ``--prompt`` tokens generate ``--new-tokens`` tokens each (EOS ignored); the pool's
 blocks in use are read once every sequence has generated that many (before any finishes and
 frees its blocks), with the peak over the run and the bound the engine admits by
@@ -29,13 +31,13 @@ import time
 import numpy as np
 
 
-def _run(model, args: argparse.Namespace, windows: tuple[int | None, ...]) -> dict[str, float]:
+def _run(model, args: argparse.Namespace, local: dict[str, tuple[int | None, ...]]) -> dict[str, float]:
     """Blocks in use per KV group once every sequence has ``args.new_tokens`` outputs, the peak
     (all groups), the KV bytes in use, the bound, and output tokens/s."""
     from raylm.workers.core.sampling_params import SamplingParams
     from raylm.workers.engine.llm import LLM
 
-    served = dataclasses.replace(model, config=dataclasses.replace(model.config, layer_windows=windows))
+    served = dataclasses.replace(model, config=dataclasses.replace(model.config, **local))
     context = args.prompt + args.new_tokens + 64
     blocks = args.seqs * (-(-context // args.block_size)) + 1
     llm = LLM(served, block_size=args.block_size, num_kv_blocks=blocks, max_model_len=context,
@@ -92,10 +94,11 @@ def main() -> None:
     print(f"{'attention':<22}{'blocks in use':>20}{'peak':>7}{'pool':>7}{'KV MiB':>9}{'per-seq bound':>15}{'tok/s':>8}")
     every = (args.window,) * c.num_layers
     interleaved = tuple(None if (i + 1) % args.global_every == 0 else args.window for i in range(c.num_layers))
-    runs = [("full", ()), (f"window {args.window}", every),
-            (f"{args.global_every - 1}:1 local {args.window}", interleaved)]
-    for name, windows in runs:
-        r = _run(model, args, windows)
+    runs = [("full", {}), (f"window {args.window}", dict(layer_windows=every)),
+            (f"{args.global_every - 1}:1 local {args.window}", dict(layer_windows=interleaved)),
+            (f"{args.global_every - 1}:1 chunked {args.window}", dict(layer_chunks=interleaved))]
+    for name, local in runs:
+        r = _run(model, args, local)
         used = " full / ".join(map(str, r["used"])) + (" sliding" if len(r["used"]) > 1 else "")
         bound = "-" if r["bound"] is None else str(r["bound"])
         print(f"{name:<22}{used:>20}{r['peak']:>7}{r['usable']:>7}{r['mib']:>9.1f}{bound:>15}{r['tok_s']:>8.1f}",

@@ -159,22 +159,30 @@ class ModelConfig:
             return None
         return max(self.layer_windows)  # type: ignore[type-var]
 
+    def local_span(self, layer: int) -> int | None:
+        """The most keys back (its own included) a query of ``layer`` can see: its sliding window,
+        or its attention chunk (Llama 4: a query sees its own chunk's keys up to itself, all
+        within the last ``chunk`` positions); None for full attention."""
+        window, chunk = self.layer_window(layer), self.layer_chunks[layer] if self.layer_chunks else None
+        return window if chunk is None else chunk if window is None else min(window, chunk)
+
     @functools.cached_property
     def sliding_window(self) -> int | None:
-        """The widest window of the sliding layers of a model that also has full-attention
-        layers (Gemma 2 and 3 interleave them), else None: those keep their KV in a block table
-        of their own (``kv_group``), so that what their window left behind can be released.
-        Computed once (``kv_group`` asks it for every layer)."""
-        windows = [w for w in self.layer_windows if w is not None]
-        if not windows or len(windows) == self.num_layers:
+        """The widest span (``local_span``) of the local layers of a model that also has
+        full-attention layers (Gemma 2 and 3, gpt-oss interleave sliding ones, Llama 4 chunked
+        ones), else None: those keep their KV in a block table of their own (``kv_group``), so
+        that what lies behind their span can be released (behind a chunk's start is behind the
+        span too). Computed once (``kv_group`` asks it for every layer)."""
+        spans = [s for s in map(self.local_span, range(self.num_layers)) if s is not None]
+        if not spans or len(spans) == self.num_layers:
             return None
-        return max(windows)
+        return max(spans)
 
     def kv_group(self, layer: int) -> int:
-        """Which KV group (block table and pool) ``layer`` reads when sliding and full-attention
+        """Which KV group (block table and pool) ``layer`` reads when local and full-attention
         layers keep separate ones (``sliding_window``): 0 (the full-attention layers', or every
-        layer's), 1 (the sliding layers')."""
-        return int(self.sliding_window is not None and self.layer_window(layer) is not None)
+        layer's), 1 (the local layers')."""
+        return int(self.sliding_window is not None and self.local_span(layer) is not None)
 
     @property
     def kv_group_layers(self) -> tuple[tuple[int, ...], ...]:

@@ -1,5 +1,6 @@
 """Models that interleave sliding and full-attention layers (the tiny "gemma2" and "gemma3",
-sliding layers 0 and 2 with a 16-token window, layer 1 full) through the engine: the sliding
+sliding layers 0 and 2 with a 16-token window, layer 1 full; the tiny "llama4", layers 0-2
+attending within 16-token chunks, layer 3 full) through the engine: the sliding (chunked)
 layers keep a KV group of their own, whose blocks go back to its pool behind the window while
 the full-attention group keeps every block. Generations past the window equal HF's greedy
 tokens; the sliding group's used blocks stay bounded while the full group's grow. A pool smaller
@@ -20,13 +21,15 @@ from raylm.workers.engine.llm_engine import LLMEngine
 from tests.checkpoints import build_tiny_checkpoint
 from tests.workers.test_sliding_window_engine import _assert_hf_greedy, _run
 
-WINDOW = 16  # the variants' sliding window
+WINDOW = 16  # the variants' sliding window (llama4: its attention chunk)
 BLOCK = 8
 BUDGET = 32  # max_num_batched_tokens: the longest prompt chunk
 NEW_TOKENS = 100
 HELD_IN_PREFILL = math.ceil((WINDOW + BUDGET) / BLOCK) + 1  # as in test_sliding_window_engine.py
 HELD_IN_DECODE = math.ceil((WINDOW + 1) / BLOCK) + 1
-VARIANTS = ("gemma2", "gemma3")
+# Each variant's KV group per layer: 1 for the layers whose blocks go back behind their span.
+GROUPS = {"gemma2": [1, 0, 1], "gemma3": [1, 0, 1], "llama4": [1, 1, 1, 0]}
+VARIANTS = tuple(GROUPS)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def _used(engine: LLMEngine) -> tuple[int, int]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_generation_past_the_window_equals_hf_and_only_the_sliding_group_stays_bounded(checkpoints, variant):
     model, hf_model, prompts = _checkpoint(checkpoints, variant)
-    assert [model.config.kv_group(i) for i in range(3)] == [1, 0, 1]
+    assert [model.config.kv_group(i) for i in range(model.config.num_layers)] == GROUPS[variant]
     llm = LLM(model, block_size=BLOCK, num_kv_blocks=61, max_num_batched_tokens=BUDGET, max_model_len=512)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs, used = _run(llm, prompts, params, _used)

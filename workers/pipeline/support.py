@@ -25,7 +25,7 @@ def check_pipeline(args: EngineArgs, config: ModelConfig) -> None:
         if on:
             raise ValueError(f"pipeline_parallel_size={pp} does not combine with {setting}; remove one of them")
     if config.sliding_window is not None:
-        raise ValueError(f"{config.architecture} keeps its sliding and full-attention layers' KV apart "
+        raise ValueError(f"{config.architecture} keeps its sliding (or chunked) and full-attention layers' KV apart "
                          f"(two block tables), which pipeline stages do not: serve it with pipeline_parallel_size 1")
 
 

@@ -65,8 +65,8 @@ class PoolBlocks:
     def __init__(self, runner: ModelRunner):
         if isinstance(runner.kv, GroupedKV):
             raise ValueError("KV offload keeps one block table per sequence; a model that interleaves sliding-window "
-                             "and full-attention layers keeps two (Gemma 2/3, gpt-oss, ...): serve it without "
-                             "engine.kv_offload")
+                             "(or chunked) and full-attention layers keeps two (Gemma 2/3, gpt-oss, Llama 4): serve "
+                             "it without engine.kv_offload")
         self.runner = runner
         arrays, self._treedef = jax.tree.flatten(self._pools())
         self.layout = BlockLayout.of(arrays)
