@@ -6,7 +6,9 @@ clear error (an error status, or an SSE error event: never a stream that just st
 a clean success); the router must give back what those requests held (worker death is an exit
 path of the lease too); Serve must start a replacement, which answers a greedy request exactly
 as the killed one did. With two router replicas, killing one under concurrent load must leave
-the other serving: every request started after the kill succeeds and none hangs. The soak
+the other serving: every request started after the kill succeeds and none hangs. A Responses
+API conversation outlives every router process that served it: its turns continue through
+``previous_response_id`` on the replicas that replace them (the store is the cluster's). The soak
 benchmark runs the worker kill on the deploy file.
 """
 
@@ -132,3 +134,53 @@ def test_the_other_router_replica_keeps_serving(fault_app):
     assert not failed_after, "\n".join(failed_after[:10])
     seconds_until_serving(fault_app.base_url, fault_app.model, killed_at, RECOVER_WITHIN_S)
     _assert_nothing_held(fault_app)
+
+
+def _kill_every_router_replica(app_name: str) -> list[int]:
+    """SIGKILL every router replica's process; their PIDs."""
+    import os
+    import signal
+
+    import ray
+
+    from raylm.cluster.replicas import SERVE_NAMESPACE, replica_actor_names
+
+    pids = []
+    for name in replica_actor_names(app_name, "OpenAIRouter"):
+        actor = ray.get_actor(name, namespace=SERVE_NAMESPACE)
+        pids.append(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30))
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def test_a_responses_conversation_outlives_the_router_replicas_that_served_it(fault_app):
+    from openai import OpenAI
+
+    from raylm.cluster.replicas import running_replicas
+
+    seconds_until_serving(fault_app.base_url, fault_app.model, time.monotonic(), RECOVER_WITHIN_S)
+    client = OpenAI(base_url=f"{fault_app.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    first = client.responses.create(model=fault_app.model, input="Name a colour.", max_output_tokens=8,
+                                    temperature=0)
+    killed = _kill_every_router_replica(fault_app.config.name)
+    assert len(killed) == 2
+    killed_at = time.monotonic()
+    while running_replicas(fault_app.config.name, "OpenAIRouter") < 2:  # both replaced
+        assert time.monotonic() - killed_at < RECOVER_WITHIN_S, "the router replicas were not replaced"
+        time.sleep(0.5)
+    seconds_until_serving(fault_app.base_url, fault_app.model, killed_at, RECOVER_WITHIN_S)
+    # Every turn from here is served by a process that did not exist when the first was stored;
+    # each answers as a chat completion given the whole conversation does (greedy, so the same text).
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": first.output_text}]
+    previous = first.id
+    for question in ("And another?", "Which of the two is darker?"):
+        turn = client.responses.create(model=fault_app.model, input=question, previous_response_id=previous,
+                                       max_output_tokens=8, temperature=0)
+        messages.append({"role": "user", "content": question})
+        chat = client.chat.completions.create(model=fault_app.model, messages=messages, max_tokens=8, temperature=0)
+        assert turn.output_text == chat.choices[0].message.content, messages
+        messages.append({"role": "assistant", "content": turn.output_text})
+        previous = turn.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+
