@@ -35,6 +35,7 @@ from raylm.model.runtime.buckets import cdiv
 from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.admission import AdmissionController
 from raylm.router.anthropic.endpoint import MessagesAPI
+from raylm.router.anthropic.errors import anthropic_error_response
 from raylm.router.auth import Authenticator, with_env_keys
 from raylm.router.disaggregation import PrefillHop
 from raylm.router.errors import OpenAIError, invalid, overloaded
@@ -117,12 +118,18 @@ class OpenAIService:
         }
 
     def asgi_app(self) -> Starlette:
+        def in_its_api_shape(request: Request, err: OpenAIError) -> Response:
+            """Anthropic's error shape under its API's paths (unknown ones and wrong methods too)."""
+            messages_api = request.url.path == "/v1/messages" or request.url.path.startswith("/v1/messages/")
+            return anthropic_error_response(err) if messages_api else error_response(err)
+
         async def on_http_error(request: Request, exc: HTTPException) -> Response:
-            return error_response(OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+            return in_its_api_shape(request, OpenAIError(exc.status_code,
+                                                         f"{request.method} {request.url.path}: {exc.detail}"))
 
         async def on_error(request: Request, exc: Exception) -> Response:
             logger.exception("unhandled error serving %r", request.url.path)
-            return error_response(OpenAIError(500, "internal server error; see the server logs"))
+            return in_its_api_shape(request, OpenAIError(500, "internal server error; see the server logs"))
 
         from raylm.router.responses_api.service import ResponsesAPI  # it builds on this module
 

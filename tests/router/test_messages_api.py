@@ -223,6 +223,35 @@ def test_errors_in_anthropics_shape(tokenizer):
     assert asyncio.run(bearer("good")) == 200 and asyncio.run(bearer("bad")) == 401
 
 
+def test_rate_limit_unknown_paths_and_methods_in_anthropics_shape(tokenizer):
+    """A tenant past its rate limit gets Anthropic's 429 (the client's RateLimitError, with
+    Retry-After); a path under /v1/messages the router lacks, or a wrong method, is Anthropic's
+    not_found_error / a 405 in its shape, while the OpenAI paths keep OpenAI's."""
+    import httpx2
+
+    service = _service(tokenizer, "x", requests_per_minute=1)
+
+    async def run():
+        client = _client(service)
+        await client.messages.create(model="m", max_tokens=8, messages=ASK)
+        with pytest.raises(anthropic.RateLimitError) as limited:
+            await client.messages.create(model="m", max_tokens=8, messages=ASK)
+        transport = httpx2.ASGITransport(app=service.asgi_app())
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router") as http:
+            missing = await http.post("/v1/messages/batches", json={})
+            wrong_method = await http.get("/v1/messages")
+            openai_missing = await http.post("/v1/nothing", json={})
+        return limited.value, missing, wrong_method, openai_missing
+
+    limited, missing, wrong_method, openai_missing = asyncio.run(run())
+    assert limited.body == {"type": "error", "error": {"type": "rate_limit_error", "message": limited.body["error"]["message"]}}
+    assert int(limited.response.headers["retry-after"]) >= 1
+    assert (missing.status_code, missing.json()["type"], missing.json()["error"]["type"]) == (404, "error",
+                                                                                               "not_found_error")
+    assert (wrong_method.status_code, wrong_method.json()["type"]) == (405, "error")
+    assert openai_missing.status_code == 404 and "type" not in openai_missing.json()  # OpenAI's {"error": {...}}
+
+
 def test_overload_body_limit_and_midstream_failure(tokenizer):
     from ray.serve.exceptions import BackPressureError
 
