@@ -121,6 +121,9 @@ class _StoreActor:
     def delete(self, owner: str, response_id: str) -> bool:
         return self.store.delete(owner, response_id)
 
+    def held(self) -> tuple[int, int]:
+        return self.store.bytes, len(self.store)
+
 
 class RayResponseStore:
     """The store of the application ``app_name``: its named detached actor, created by the first
@@ -152,3 +155,9 @@ class RayResponseStore:
         import ray
 
         return ray.get(self._actor.delete.remote(owner, response_id))
+
+    def held(self) -> tuple[int, int]:
+        """(bytes of JSON, records) the store holds now."""
+        import ray
+
+        return ray.get(self._actor.held.remote())
