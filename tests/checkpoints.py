@@ -135,6 +135,8 @@ TINY_VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
              attention_bias=True, use_qk_norm=True,
              rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
     ),
+    # SmolLM3: a Llama whose second layer rotates nothing (NoPE every 2nd layer; 4th in the release).
+    "smollm3": (transformers.SmolLM3Config, dict(no_rope_layer_interval=2, no_rope_layers=None, pad_token_id=0)),
     # Llama 4 text: three chunked RoPE layers (16-token chunks) with q/k L2 norms, a NoPE
     # full-attention layer with temperature tuning that bites within the prompts (floor_scale 8),
     # sigmoid top-1 experts with a shared expert on layers 1 and 3, wider dense MLPs on 0 and 2.
@@ -221,6 +223,7 @@ def build_tiny_checkpoint(variant: str, directory: Path, seed: int = 0, **overri
         transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
         transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
         transformers.Llama4TextConfig: transformers.Llama4ForCausalLM,
+        transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
         transformers.GptOssConfig: transformers.GptOssForCausalLM,
         transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
         transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,

@@ -47,11 +47,12 @@ _ARCHES = {
     "DeepseekV2ForCausalLM": "deepseek2",
     "DeepseekV3ForCausalLM": "deepseek2",
     "Llama4ForCausalLM": "llama4",
+    "SmolLM3ForCausalLM": "smollm3",
     "GptOssForCausalLM": "gpt-oss",
 }
 # The converter's LlamaModel and its subclasses permute Q/K rows (Llama4Model, whose rows are
 # interleaved already, does not: undo_permute = False); Gemma's models store norms as 1 + w.
-_PERMUTED = ("llama", "granite")
+_PERMUTED = ("llama", "granite", "smollm3")
 _LLAMA_MODELS = (*_PERMUTED, "llama4")
 _GEMMAS = ("gemma", "gemma2", "gemma3")
 # Granite's multipliers and the keys GraniteModel writes them as (only when non-zero).

@@ -56,6 +56,9 @@ class Family:
     # Llama 4 text: NoPE and chunked-attention layers, q/k L2 norm, attention temperature and its
     # experts (model/config/llama4.py); dense MLPs ``intermediate_size_mlp`` wide.
     llama4: bool = False
+    # NoPE layers from ``no_rope_layers`` / ``no_rope_layer_interval`` (SmolLM3;
+    # model/config/nope_layers.py), otherwise a Llama.
+    nope_layers: bool = False
     # DeepSeek's multi-head latent attention (model/config/latent_attention.py) in place of GQA;
     # ``interleaved_rope``: its rotary dims are always interleaved pairs (V2), else config.json's
     # ``rope_interleave`` says (V3).
@@ -98,6 +101,7 @@ HF_FAMILIES: dict[str, Family] = {
     "Gemma3ForCausalLM": Family(qk_norm=True, **_GEMMA_2_AND_3, sliding_pattern=6),
     "GraniteForCausalLM": Family(granite_multipliers=True),
     "Llama4ForCausalLM": Family(llama4=True),
+    "SmolLM3ForCausalLM": Family(nope_layers=True, tied_by_default=True),
     "Phi3ForCausalLM": Family(window_on_all_layers=True),
     "MixtralForCausalLM": Family(
         window_on_all_layers=True, moe=MoeKeys("num_local_experts", "intermediate_size", always_norm_topk=True)
@@ -144,6 +148,7 @@ GGUF_FAMILIES: dict[str, str] = {
     # DeepSeek V2 and V3 alike (both rotate interleaved pairs in llama.cpp).
     "deepseek2": "DeepseekV2ForCausalLM",
     "llama4": "Llama4ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
 }
 # HF's names for the same activations.

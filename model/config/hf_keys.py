@@ -78,6 +78,8 @@ def layer_windows(raw: Mapping[str, Any], family: Family, layers: int, source: s
     if family.llama4:  # its layer_types say chunked or full attention (model/config/llama4.py)
         return ()
     window = raw.get("sliding_window")
+    if raw.get("use_sliding_window") is False:  # (Qwen2/3, SmolLM3: HF then ignores sliding_window)
+        return ()
     if family.window_on_all_layers:
         kinds = [window is not None] * layers
     elif raw.get("layer_types") is not None:

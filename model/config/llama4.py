@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Mapping, NamedTuple
 
 from raylm.model.config.moe import MoeConfig
+from raylm.model.config.nope_layers import GGUF_NOPE_INTERVAL, every_nth_nope, nope_layers_from_hf
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
 
 _LAYER_TYPES = ("full_attention", "chunked_attention")
@@ -48,11 +49,7 @@ class Llama4Attention(NamedTuple):
 
 def llama4_attention(raw: Mapping[str, Any], num_layers: int, source: str) -> Llama4Attention:
     """The attention differences as HF's Llama4TextConfig derives them."""
-    interval = int(raw.get("no_rope_layer_interval", 4))
-    uses_rope = list(raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)])
-    if len(uses_rope) < num_layers:
-        raise ModelLoadError(f"no_rope_layers in {source} lists {len(uses_rope)} layers, the model has {num_layers}")
-    uses_rope = [bool(flag) for flag in uses_rope[:num_layers]]
+    uses_rope = [not nope for nope in nope_layers_from_hf(raw, num_layers, source)]
     types = list(raw.get("layer_types") or ["chunked_attention" if r else "full_attention" for r in uses_rope])
     unknown = sorted(set(types) - set(_LAYER_TYPES))
     if unknown or len(types) != num_layers:
@@ -102,7 +99,7 @@ def _experts(experts: int, top_k: int, size: int, layers: set[int], num_layers: 
 # What llama.cpp's llama4 architecture fixes rather than reads (src/llama-model.cpp): 8192-token
 # chunks on three layers in four, the fourth without RoPE and with temperature tuning (floor
 # 8192, scale 0.1); q/k L2 norms except on the 128-expert model (Maverick).
-_GGUF_CHUNK, _GGUF_NOPE_EVERY, _GGUF_TEMPERATURE, _GGUF_NO_QK_NORM_EXPERTS = 8192, 4, AttnTemperature(8192.0, 0.1), 128
+_GGUF_CHUNK, _GGUF_TEMPERATURE, _GGUF_NO_QK_NORM_EXPERTS = 8192, AttnTemperature(8192.0, 0.1), 128
 
 
 def llama4_from_gguf(meta: Any, num_layers: int) -> tuple[Llama4Attention, MoeConfig | None]:
@@ -111,7 +108,7 @@ def llama4_from_gguf(meta: Any, num_layers: int) -> tuple[Llama4Attention, MoeCo
     only ``interleave_moe_layer_step`` and the experts' counts and size."""
     if meta.has("attention.sliding_window"):
         raise meta.refuse("attention.sliding_window", "(a llama4 file without chunked attention) is not implemented")
-    nope = tuple((i + 1) % _GGUF_NOPE_EVERY == 0 for i in range(num_layers))
+    nope = every_nth_nope(num_layers, GGUF_NOPE_INTERVAL)
     experts = int(meta.get("expert_count", required=True))
     attention = Llama4Attention(
         nope_layers=nope,

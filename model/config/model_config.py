@@ -27,6 +27,7 @@ from raylm.model.config.llama4 import (
 )
 from raylm.model.config.moe import MoeConfig, moe_from_gguf, moe_from_hf
 from raylm.model.config.multipliers import Multipliers, multipliers_from_gguf, multipliers_from_hf
+from raylm.model.config.nope_layers import GGUF_NOPE_INTERVAL, every_nth_nope, nope_layers_from_hf
 from raylm.model.config.rope import RopeScaling, optional_float, parse_rope_scaling, rotary_dim
 from raylm.model.errors import ModelLoadError, UnsupportedModelError
 
@@ -282,7 +283,7 @@ class ModelConfig:
                 layer_windows=hf_keys.layer_windows(raw, family, layers, source),
                 local_rope_theta=hf_keys.local_rope_theta(local_rope, source),
                 moe=llama4_moe(raw, layers, source) if family.llama4 else moe_from_hf(raw, family, layers, source),
-                nope_layers=llama4.nope_layers,
+                nope_layers=nope_layers_from_hf(raw, layers, source) if family.nope_layers else llama4.nope_layers,
                 layer_chunks=llama4.layer_chunks,
                 l2_qk_norm=llama4.l2_qk_norm,
                 attn_temperature=llama4.temperature,
@@ -389,7 +390,7 @@ class ModelConfig:
             layer_windows=windows,
             local_rope_theta=local_theta if windows else None,
             moe=moe,
-            nope_layers=llama4.nope_layers,
+            nope_layers=every_nth_nope(layers, GGUF_NOPE_INTERVAL) if family.nope_layers else llama4.nope_layers,
             layer_chunks=llama4.layer_chunks,
             l2_qk_norm=llama4.l2_qk_norm,
             attn_temperature=llama4.temperature,

@@ -97,7 +97,7 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Architectures whose Q/K rows rotate as interleaved pairs in the file: permuted by llama.cpp's
 # converter (its LlamaModel and subclasses), or so in the checkpoint already (Llama 4's, which
 # that converter leaves as they are).
-PERMUTED_QK_ARCHES = ("llama", "granite", "llama4")
+PERMUTED_QK_ARCHES = ("llama", "granite", "smollm3", "llama4")
 
 
 def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str | None:

@@ -1,4 +1,4 @@
-"""Every declared difference of Gemma 1, Granite and Llama 4 from Llama is exercised: with it set back to
+"""Every declared difference of Gemma 1, Granite, SmolLM3 and Llama 4 from Llama is exercised: with it set back to
 Llama's, the tiny checkpoint's logits leave HF's (which they match with it, 1e-4); and their
 configs are read as HF reads them (defaults, legacy names, options raylm refuses by name)."""
 
@@ -45,6 +45,7 @@ DIFFERENCES = {
         "attention_multiplier": _config_field(query_scale=None),
         "logits_scaling": _config_field(logits_divisor=None),
     },
+    "smollm3": {"nope_layers": _config_field(nope_layers=())},
     "llama4": {
         "nope_layers": _config_field(nope_layers=()),
         "chunked_attention": _config_field(layer_chunks=()),

@@ -39,13 +39,14 @@ _OVERRIDES = {
     # tuning (floor 8192, scale 0.1; NoPE on the fourth layer, as the tiny one has it), gpt-oss's
     # SwiGLU clamp at 7 and YaRN's truncated correction range.
     "llama4": dict(attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1),
+    "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=4),  # (llama.cpp: NoPE every 4th layer)
     "gpt-oss": dict(swiglu_limit=7.0, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                                            original_max_position_embeddings=128, beta_fast=32.0,
                                                            beta_slow=1.0, truncate=True)),
 }
 FAMILIES = ["qwen3", "gemma", "gemma2", "gemma3", "granite", "phi3-longrope", "mistral-sliding", "llama3-rope",
             "llama-yarn", "qwen2", "mixtral", "olmoe", "glm4-moe",  # (qwen3moe's keys: the refusal test below)
-            "deepseek-v2-lite", "deepseek-v3", "llama4", "gpt-oss"]
+            "deepseek-v2-lite", "deepseek-v3", "llama4", "gpt-oss", "smollm3"]
 
 
 def _prompt(length: int = PROMPT_LEN) -> list[int]:
