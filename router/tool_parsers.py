@@ -11,6 +11,7 @@ from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.errors import invalid
 from raylm.router.tool_format_deepseek import MARKERS, DeepSeekFormat
 from raylm.router.tool_format_glm import Glm45Format
+from raylm.router.tool_format_qwen3_coder import Qwen3CoderFormat
 from raylm.router.tool_formats import (
     ARGS,
     PYTHON_TAG,
@@ -23,7 +24,7 @@ from raylm.router.tool_formats import (
 from raylm.router.tools import ToolUse
 from raylm.workers.core.sampling_params import SamplingParams
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "glm45", "deepseek_v3")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "glm45", "deepseek_v3", "qwen3_coder")
 
 
 def detect_tool_call_parser(chat_template: str | None) -> str:
@@ -33,6 +34,8 @@ def detect_tool_call_parser(chat_template: str | None) -> str:
         return "mistral"
     if "tool▁calls▁begin" in template:
         return "deepseek_v3"
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"
     if "<arg_key>" in template:
         return "glm45"
     if PYTHON_TAG in template or ('"parameters"' in template and "ipython" in template):
@@ -52,6 +55,8 @@ def tool_format(name: str, tokenizer: Tokenizer) -> ToolFormat:
         fmt = Llama3JsonFormat()
     elif name == "deepseek_v3":
         fmt = DeepSeekFormat("```json" in template, {m: _marker(tokenizer, m) for m in MARKERS})
+    elif name == "qwen3_coder":
+        fmt = Qwen3CoderFormat({m: _marker(tokenizer, m) for m in Qwen3CoderFormat.markers})
     elif name == "glm45":
         fmt = Glm45Format({m: _marker(tokenizer, m) for m in Glm45Format.markers})
     elif name == "mistral":

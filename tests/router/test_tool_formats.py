@@ -50,6 +50,8 @@ TEMPLATES = {  # what each family's template says of tools (enough to be told ap
              "</arg_value></tool_call>{% endif %}" + _MESSAGES,
     "deepseek_v3": "{% if tools %}{{ tools | tojson }}{% endif %}{# <｜tool▁calls▁begin｜> ```json #}" + _MESSAGES,
     "deepseek_v31": "{% if tools %}{{ tools | tojson }}{% endif %}{# <｜tool▁calls▁begin｜> #}" + _MESSAGES,
+    "qwen3_coder": "{% if tools %}{{ tools | tojson }} <tool_call>\n<function=f>\n<parameter=p>\nv\n</parameter>"
+                   "\n</function>\n</tool_call>{% endif %}" + _MESSAGES,
 }
 # Replies with parallel calls in each format, and the content before the calls.
 REPLIES = {
@@ -68,7 +70,13 @@ REPLIES = {
                     '{"a": 1, "b": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me see."),
     "deepseek_v31": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
                      '<｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 1, "b": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None),
+    "qwen3_coder": ("Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+                    "<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>", "Let me see."),
 }
+# Each reply made malformed (where the generic damage below does not touch it).
+MALFORMED = {"glm45": ("</arg_value>", "", 1), "deepseek_v3": ("<｜tool▁calls▁end｜>", ""),
+             "deepseek_v31": ("<｜tool▁calls▁end｜>", ""), "qwen3_coder": ("</parameter>", "", 1)}
 EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
 
 
@@ -95,7 +103,7 @@ def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
 def test_the_format_follows_the_chat_template(tokenizers):
     assert [detect_tool_call_parser(TEMPLATES[f]) for f in TEMPLATES] == ["hermes", "llama3_json", "mistral",
                                                                           "mistral", "glm45", "deepseek_v3",
-                                                                          "deepseek_v3"]
+                                                                          "deepseek_v3", "qwen3_coder"]
     assert detect_tool_call_parser(None) == "hermes"
     assert not tool_format("auto", tokenizers["mistral"]).args_form
     assert tool_format("auto", tokenizers["mistral_args"]).args_form
@@ -114,9 +122,8 @@ def test_replies_are_read_back_and_malformed_calls_stay_content(family, tokenize
     if fmt.name == "mistral":  # the only ids Mistral's templates take back: 9 letters and digits
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
     cut = [] if family == "hermes" else [reply[:-3]]  # Hermes keeps the calls complete before a cut one
-    malformed = reply.replace("</arg_value>", "", 1) if family == "glm45" else reply.replace('"a": 1', '"a": 1,,')
-    if family.startswith("deepseek"):
-        malformed = reply.replace("<｜tool▁calls▁end｜>", "")
+    malformed = reply.replace(*MALFORMED.get(family, ('"a": 1', '"a": 1,,')))
+    assert malformed != reply
     for bad in ("Just text.", reply.replace("get_weather", "launch"), malformed, *cut):
         assert fmt.parse(bad, use) == (bad, [])
 
@@ -286,3 +293,46 @@ def test_mistral_templates_get_call_ids_they_accept(tokenizers):
     assert ids[1] == "a1b2c3d4e" and len(ids[0]) == 9 and ids[0].isalnum()
     assert [m["tool_call_id"] for m in out[2:]] == ids and out[0] == ASK[0]
     assert tool_format("auto", tokenizers["hermes"]).history(history) == history
+
+
+CODE = {"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+    "code": {"type": "string"}, "n": {"type": "integer"}, "tags": {"type": "array"}, "dry": {"type": "boolean"},
+    "note": {}}, "required": ["code"]}}}
+
+
+def _accepts(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar, text: str) -> bool:
+    matcher = compiler.matcher(grammar)
+    return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) \
+        and matcher.is_accepting()
+
+
+def test_qwen3_coder_values_are_typed_by_the_schema_and_its_grammar_writes_them(tokenizer):
+    """Strings (and untyped parameters, as vLLM reads them) as written, whatever they hold;
+    other types as JSON, the text where it is not JSON."""
+    fmt = tool_format("qwen3_coder", tokenizer)
+    use = parse_tool_use({"tools": [CODE], "tool_choice": "required"})
+    text = ("<tool_call>\n<function=edit>\n<parameter=code>\nif a < b:\n    return '007'\n</parameter>\n"
+            "<parameter=n>\n7\n</parameter>\n<parameter=tags>\n[\"x\", 1]\n</parameter>\n"
+            "<parameter=dry>\ntrue\n</parameter>\n<parameter=note>\n12\n</parameter>\n</function>\n</tool_call>")
+    (call,) = fmt.parse(text, use)[1]
+    assert json.loads(call["function"]["arguments"]) == {"code": "if a < b:\n    return '007'", "n": 7,
+                                                         "tags": ["x", 1], "dry": True, "note": "12"}
+    assert _calls(fmt.parse(text.replace("\n7\n", "\nseven\n"), use)[1])[0][1]["n"] == "seven"
+    assert fmt.parse(text.replace("<parameter=dry>", "<parameter=n>"), use)[1] == []  # a repeated parameter
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    assert _accepts(compiler, tokenizer, fmt.grammar(use), text)
+    assert not _accepts(compiler, tokenizer, fmt.grammar(use), text.replace("\n7\n", "\nseven\n"))
+    assert not _accepts(compiler, tokenizer, fmt.grammar(use), text.replace("<parameter=code>\nif", "<parameter=n>\nif"))
+
+
+def test_qwen3_coder_streams_each_parameter_as_it_closes(tokenizers):
+    parser = RequestParser(tokenizers["qwen3_coder"], ["m"], 4096)
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WEATHER, ADD]})
+    reply = REPLIES["qwen3_coder"][0]
+    first_closed = reply.index("</parameter>") + len("</parameter>")
+    pieces = [reply[: reply.index("Paris")], reply[reply.index("Paris"): first_closed], reply[first_closed:]]
+    builder = ResponseBuilder(parsed, "id", 0, parser.tokenizer)
+    _, entries, _ = _stream(builder, parser.tokenizer, pieces[:2] + [""])
+    # The name, then the parameters' JSON, each parameter once it closes.
+    assert entries[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert [e["function"]["arguments"] for e in entries[1:]] == ["{", '"city": "Paris"']
