@@ -11,6 +11,7 @@ from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.errors import invalid
 from raylm.router.tool_format_deepseek import MARKERS, DeepSeekFormat
 from raylm.router.tool_format_glm import Glm45Format
+from raylm.router.tool_format_pythonic import PYTHON_START, PythonicFormat
 from raylm.router.tool_format_qwen3_coder import Qwen3CoderFormat
 from raylm.router.tool_formats import (
     ARGS,
@@ -24,7 +25,11 @@ from raylm.router.tool_formats import (
 from raylm.router.tools import ToolUse
 from raylm.workers.core.sampling_params import SamplingParams
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "glm45", "deepseek_v3", "qwen3_coder")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "glm45", "deepseek_v3", "qwen3_coder",
+                     "pythonic")
+
+# What pythonic tool prompts show the model (Meta's Llama 4 prompt, vLLM's pythonic templates, Gemma 3's).
+_PYTHONIC_INSTRUCTION = "[func_name1(param"
 
 
 def detect_tool_call_parser(chat_template: str | None) -> str:
@@ -38,6 +43,8 @@ def detect_tool_call_parser(chat_template: str | None) -> str:
         return "qwen3_coder"
     if "<arg_key>" in template:
         return "glm45"
+    if PYTHON_START in template or _PYTHONIC_INSTRUCTION in template:
+        return "pythonic"
     if PYTHON_TAG in template or ('"parameters"' in template and "ipython" in template):
         return "llama3_json"
     return "hermes"
@@ -57,6 +64,8 @@ def tool_format(name: str, tokenizer: Tokenizer) -> ToolFormat:
         fmt = DeepSeekFormat("```json" in template, {m: _marker(tokenizer, m) for m in MARKERS})
     elif name == "qwen3_coder":
         fmt = Qwen3CoderFormat({m: _marker(tokenizer, m) for m in Qwen3CoderFormat.markers})
+    elif name == "pythonic":
+        fmt = PythonicFormat()
     elif name == "glm45":
         fmt = Glm45Format({m: _marker(tokenizer, m) for m in Glm45Format.markers})
     elif name == "mistral":

@@ -55,7 +55,7 @@ def _reply(llm: LLM, template: str, body: dict) -> tuple[dict, SamplingParams]:
     return builder.final(), parsed.params
 
 
-@pytest.mark.parametrize("family", list(TEMPLATES))
+@pytest.mark.parametrize("family", [f for f in TEMPLATES if f != "pythonic_bare"])  # its grammar is pythonic's
 def test_calls_forced_in_each_format_are_read_back(tiny, family):
     named = {"type": "function", "function": {"name": "get_weather"}}
     template = TEMPLATES[family].replace("{{ tools | tojson }}", "")  # short prompts: the tiny model's context is 512
@@ -68,7 +68,7 @@ def test_calls_forced_in_each_format_are_read_back(tiny, family):
     assert call["function"]["name"] == "get_weather" and arguments["city"] in ("Paris", "Oslo")
     # The markers that are special tokens here must survive decoding (and those that are plain
     # tokens were written as those tokens: the grammar names them).
-    assert params.skip_special_tokens == (family in ("hermes", "llama3_json", "qwen3_coder"))
+    assert params.skip_special_tokens == (not family.startswith(("mistral", "deepseek", "glm45")))
     if family in ("hermes", "glm45", "qwen3_coder"):
         assert f"<[{tiny.get_tokenizer().token_to_id('<tool_call>')}]>" in params.structured_output.spec
 
