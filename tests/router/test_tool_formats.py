@@ -235,9 +235,10 @@ def test_the_openai_client_gets_parallel_calls_whole_and_streamed(family, tokeni
         assert service.worker.requests[0].params.skip_special_tokens is False
 
 
-def _forced_text(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar, seed: int) -> str:
+def _forced_text(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar, seed: int, prefer: int | None = None) -> str:
     """What a model writes under ``grammar``: here, at each step any token the grammar allows
-    (not EOS), stopping at random once the text is complete."""
+    (not EOS; ``prefer`` often where allowed, as a model ends its thoughts), stopping at random
+    once the text is complete."""
     rng = np.random.default_rng(seed)
     matcher = compiler.matcher(grammar)
     vocab, eos = tokenizer.vocab_size, sorted(tokenizer.eos_token_ids)
@@ -248,7 +249,7 @@ def _forced_text(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar, seed:
         allowed = np.setdiff1d(allowed, eos)
         if matcher.is_accepting() and (not len(allowed) or rng.random() < 0.4):
             break
-        token = int(rng.choice(allowed))
+        token = prefer if prefer in allowed and rng.random() < 0.3 else int(rng.choice(allowed))
         assert matcher.consume_token(token)
         ids.append(token)
     assert matcher.is_accepting(), tokenizer.decode(ids, skip_special_tokens=False)
