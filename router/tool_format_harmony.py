@@ -26,8 +26,8 @@ class HarmonyFormat(FormatBase):
         self._literal = literals or {m: json.dumps(m) for m in MARKERS}
 
     def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
-        """The calls of a whole reply, and its text before them when it has any (what other
-        formats give; ``HarmonyReplyParser.final`` tells the content by channel)."""
+        """The calls of a whole reply (``PieceCallStream`` completes its calls from them; the
+        content is told by channel: ``HarmonyReplyParser.final``)."""
         calls = calls_of(read_messages(text), tool_use)
         return (None, calls) if calls else (text, [])
 

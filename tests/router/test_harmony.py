@@ -16,11 +16,12 @@ from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.harmony import MARKERS
 from raylm.router.protocol import RequestParser
 from raylm.router.responses import ResponseBuilder
+from raylm.router.tool_format_harmony import HarmonyFormat
 from raylm.router.tool_parsers import detect_tool_call_parser, tool_format
 from raylm.router.tools import parse_tool_use
 from raylm.workers.core.grammar import GrammarCompiler
 from tests.fake_worker import openai_client
-from tests.router.test_tool_formats import ADD, ASK, WEATHER, _forced_text, _joined, _service, _stream
+from tests.router.test_tool_formats import ADD, ASK, WEATHER, _accepts, _forced_text, _joined, _service, _stream
 
 openai = pytest.importorskip("openai")
 
@@ -142,3 +143,13 @@ def test_calls_forced_by_the_harmony_grammar_are_read_back(harmony):
             thought += text.startswith("<|channel|>analysis")
         assert 0 < thought < 6  # with and without thoughts first
     assert fmt.grammar(parse_tool_use({"tools": [WEATHER]})) is None  # auto: free
+
+
+def test_where_the_markers_are_text_the_grammar_writes_them_as_text(tokenizer):
+    """A vocabulary without harmony's tokens: the thoughts end at the first ``<|end|>`` text."""
+    grammar = HarmonyFormat().grammar(parse_tool_use({"tools": [WEATHER], "tool_choice": "required"}))
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+    for text in (call, f"<|channel|>analysis<|message|>Oslo? <|end|><|start|>assistant{call}"):
+        assert _accepts(compiler, tokenizer, grammar, text), text
+    assert not _accepts(compiler, tokenizer, grammar, f"<|channel|>analysis<|message|>a<|end|>b<|end|>{call}")
