@@ -23,11 +23,14 @@ Calls = list[dict[str, Any]]
 
 
 def value_text(value: Any) -> str:
-    """An argument's JSON text (ValueError where JSON has no such value: NaN, a set, bytes)."""
+    """An argument's JSON text (ValueError where JSON has no such value: NaN, a set, bytes, a
+    string with a lone surrogate, which UTF-8 cannot carry to the client)."""
     try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False)
-    except TypeError as error:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (TypeError, UnicodeEncodeError) as error:
         raise ValueError(str(error)) from error
+    return text
 
 
 def object_text(arguments: list[tuple[str, Any]], closed: bool) -> str:

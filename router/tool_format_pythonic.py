@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import ast
 import json
+import keyword
 import re
 from typing import Any
 
 from raylm.router.call_streams import PieceCallStream, object_text, value_text
+from raylm.router.errors import invalid
 from raylm.router.tool_formats import (
     Calls,
     CallStream,
@@ -89,6 +91,10 @@ class PythonicFormat(FormatBase):
         rules = []
         for i, function in enumerate(functions):
             keywords = list(function["parameters"].get("properties", {}).items())
+            for name in (function["name"], *(key for key, _ in keywords)):
+                if not name.isidentifier() or keyword.iskeyword(name):
+                    raise invalid(f"the pythonic tool call format cannot write {name!r} of function "
+                                  f"{function['name']!r}: not a Python identifier, or a keyword"[:300], "tools")
             required = set(function["parameters"].get("required", []))
             for j, (key, schema) in enumerate(keywords):
                 rules.append(f"f{i}k{j}: {json.dumps(key + '=')} {_value_grammar(schema)}")
@@ -140,10 +146,25 @@ def _literal(node: ast.expr) -> Any:
     """A keyword's value: a Python literal (JSON's true / false / null read as Python's), which
     JSON can write (ValueError otherwise)."""
     try:
-        value = ast.literal_eval(_JsonNames().visit(node))
+        value = _paired(ast.literal_eval(_JsonNames().visit(node)))
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError) as error:
         raise ValueError(f"not a literal: {error}") from error
     value_text(value)  # raises ValueError where JSON has no such value
+    return value
+
+
+def _paired(value: Any) -> Any:
+    """``value`` with its strings' surrogate pairs as the characters they stand for (a JSON
+    string, which the forcing grammar writes, escapes a character beyond the BMP as a pair;
+    Python reads the pair as two surrogates); a lone surrogate, which UTF-8 cannot carry,
+    becomes U+FFFD."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace") if any(
+            "\ud800" <= ch <= "\udfff" for ch in value) else value
+    if isinstance(value, (list, tuple)):
+        return [_paired(v) for v in value]
+    if isinstance(value, dict):
+        return {_paired(k) if isinstance(k, str) else k: _paired(v) for k, v in value.items()}
     return value
 
 

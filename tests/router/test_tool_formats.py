@@ -14,6 +14,7 @@ import pytest
 from tokenizers import AddedToken
 
 from raylm.model.text.tokenizer import Tokenizer
+from raylm.router.errors import OpenAIError
 from raylm.router.openai_service import OpenAIService
 from raylm.router.protocol import RequestParser
 from raylm.router.responses import ResponseBuilder
@@ -361,6 +362,11 @@ def test_pythonic_values_are_python_literals_never_evaluated(tokenizer):
                 "[edit(code={1, 2})]", "[edit(n=float('nan'))]", "[launch(a=1)]", "[]", "Sure: [add(a=1, b=2)]",
                 "[add(a=1, b=2)] and more", "[" * 500 + "]" * 500):
         assert fmt.parse(bad, use) == (bad, []), bad
+    content, calls = fmt.parse('[edit(code="\\ud83d\\ude00 \\ud83d")]', use)  # JSON's escapes of an emoji
+    assert _calls(calls) == [("edit", {"code": "\U0001f600 \ufffd"})]
+    hyphen = {"type": "function", "function": {"name": "get-weather", "parameters": {"type": "object"}}}
+    with pytest.raises(OpenAIError, match="not a Python identifier"):  # a name no pythonic call can have
+        fmt.grammar(parse_tool_use({"tools": [hyphen], "tool_choice": "required"}))
     assert [fmt.held_back(t) for t in ("Paris is", "Paris <|python_st", " [add(", "a<|python_start|>[", " ")] == \
         [8, 6, 1, 1, 0]
 
