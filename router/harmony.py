@@ -55,9 +55,10 @@ def read_messages(text: str, finished: bool = True) -> list[Message]:
     """The messages of a reply so far (``finished``: the reply has ended, so nothing written is
     the start of a marker still to come)."""
     stripped = text.lstrip()
-    if not stripped.startswith(_HEADER_STARTS):
-        if not finished and any(s.startswith(stripped) for s in _HEADER_STARTS):
-            return []  # a header may still be coming
+    headed = _headed(stripped, finished)
+    if headed is None:
+        return []  # a header may still be coming
+    if not headed:
         return [Message("final", None, text if finished else text[: _before_endings(text)], None)] if text else []
     messages, at = [], len(text) - len(stripped)
     while True:
@@ -78,6 +79,17 @@ def read_messages(text: str, finished: bool = True) -> list[Message]:
         at = end + len(marker)
         if marker != START and text.startswith(START, at):
             at += len(START)
+
+
+def _headed(stripped: str, finished: bool) -> bool | None:
+    """Whether a reply (without its leading blanks) begins with a header; None while it cannot
+    tell yet. A recipient may come first (``to=functions.NAME<|channel|>...``): a reply that
+    begins ``to=`` is a header once its channel comes, text if it ends without one."""
+    if stripped.startswith((CHANNEL, START)) or stripped.startswith("to=") and CHANNEL in stripped:
+        return True
+    if not finished and any(s.startswith(stripped) or stripped.startswith(s) for s in _HEADER_STARTS):
+        return None
+    return False
 
 
 def _before_endings(text: str) -> int:

@@ -42,6 +42,9 @@ CASES = {
     "answer": (ANSWER, True, THOUGHTS, "Sunny; 3.", []),
     "cut in its thoughts": ("<|channel|>analysis<|message|>Hmm, <|en", False, "Hmm, <|en", "", []),
     "no channels": ('{"answer": "yes"}', False, None, '{"answer": "yes"}', []),
+    "a recipient first": ('to=functions.add<|channel|>commentary json<|message|>{"a": 1, "b": 2}', True, None, "",
+                          [("add", {"a": 1, "b": 2})]),
+    "text that starts like one": ("to=be or not", True, None, "to=be or not", []),
     "a call not offered": (CALLS.replace("functions.add", "functions.launch"), True, THOUGHTS,
                            'Checking both.\n\n{"a": 1, "b": 2}', [("get_weather", {"city": "Paris"})]),
 }
