@@ -17,6 +17,8 @@ from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.errors import OpenAIError
 from raylm.router.openai_service import OpenAIService
 from raylm.router.protocol import RequestParser
+from raylm.router.reasoning import ThoughtsStart
+from raylm.router.reasoning_grammar import after_thoughts
 from raylm.router.responses import ResponseBuilder
 from raylm.router.tool_format_deepseek import MARKERS as DEEPSEEK_MARKERS
 from raylm.router.tool_format_deepseek import DeepSeekFormat
@@ -335,6 +337,8 @@ def test_qwen3_coder_values_are_typed_by_the_schema_and_its_grammar_writes_them(
     assert not _accepts(compiler, tokenizer, fmt.grammar(use), text.replace("\n7\n", "\nseven\n"))
     grammar = fmt.grammar(use)
     assert not _accepts(compiler, tokenizer, grammar, text.replace("<parameter=code>\nif", "<parameter=n>\nif"))
+    # After a thinking model's thoughts (their lazy text and the strings' own, one grammar).
+    assert _accepts(compiler, tokenizer, after_thoughts(grammar, ThoughtsStart(False), True), f"<think>a<b</think>{text}")
 
 
 @pytest.mark.parametrize("family, cut_after", [("qwen3_coder", "<parameter=a>\n1\n</parameter>"),
