@@ -43,6 +43,9 @@ _OPENING, _CLOSING = "([{", ")]}"
 
 
 class PythonicFormat(FormatBase):
+    """Calls as a Python list (see the module docstring); the calls are the whole reply, or
+    what follows ``<|python_start|>``."""
+
     name = "pythonic"
     markers = (PYTHON_START, PYTHON_END)
 
