@@ -53,10 +53,11 @@ class ModelSection(_Section):
         "auto", description="a GGUF's block-quantized matrices (Q4_0..Q8_0, K-quants, IQ4), 4-bit HF groups and "
         "16-bit matrices: kept as stored (exact float32 results from a fifth to a half of the bytes; auto: on one "
         "CPU device in float32) or expanded to float32 at load")
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "glm45", "deepseek_v3"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "glm45", "deepseek_v3", "qwen3_coder",
+                              "pythonic", "harmony"] = Field(
         RouterSettings.tool_call_parser, description="the format tool calls are written and read in "
         "(router/tool_formats.py); auto: the chat template's")
-    reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "none"] = Field(
+    reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "harmony", "none"] = Field(
         RouterSettings.reasoning_parser, description="where a thinking model's thoughts are, to return them as "
         "reasoning_content (router/reasoning.py); auto: the chat template's")
     lora_modules: list[LoraModuleSection] = Field(

@@ -1,7 +1,9 @@
 """Streaming tool calls as OpenAI streams them for the formats that write a call's name before
 its arguments' JSON (Mistral's ``name[ARGS]{...}``, DeepSeek's ``name<｜tool▁sep｜>{...}``):
 each call's index, id, type and name as soon as the name is complete, then its ``arguments``
-text piece by piece as the model writes it. (Hermes has its own: router/tools.py.)
+text piece by piece as the model writes it. (Hermes has its own: router/tools.py.) Formats
+whose arguments are not JSON (Qwen3-Coder's XML parameters, Llama 4's Python keywords) grow
+their arguments' JSON one argument at a time (``object_text``).
 
 A format tells the calls written so far (``growing_calls``: name, arguments text so far, and
 whether the call is closed). Of a call still open, trailing blanks and backticks are held back
@@ -12,11 +14,31 @@ stream; the non-streamed reply of a malformed call is all content)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Protocol
 
 from raylm.router.tools import ToolUse
 
 Calls = list[dict[str, Any]]
+
+
+def value_text(value: Any) -> str:
+    """An argument's JSON text (ValueError where JSON has no such value: NaN, a set, bytes, a
+    string with a lone surrogate, which UTF-8 cannot carry to the client)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (TypeError, UnicodeEncodeError) as error:
+        raise ValueError(str(error)) from error
+    return text
+
+
+def object_text(arguments: list[tuple[str, Any]], closed: bool) -> str:
+    """The arguments' JSON object as text, without its closing brace while the call is still
+    being written: each argument added grows the text, and the closed text is exactly
+    ``json.dumps`` of the whole object, so a stream's pieces join into the whole reply's."""
+    return "{" + ", ".join(f"{value_text(key)}: {value_text(value)}" for key, value in arguments) + \
+        ("}" if closed else "")
 
 
 class GrowingFormat(Protocol):

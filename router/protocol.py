@@ -95,7 +95,7 @@ class RequestParser:
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
         self.tool_format = tool_format(tool_call_parser, tokenizer)
-        self.reasoning_parser = reasoning_parser_for(reasoning_parser, tokenizer.chat_template)
+        self.reasoning_parser = reasoning_parser_for(reasoning_parser, tokenizer.chat_template, self.tool_format.name)
 
     def parse_chat(self, body: Any) -> ParsedRequest:
         body = _require_object(body)

@@ -16,6 +16,9 @@ The families differ in where the thoughts begin:
 
 A reply that ends inside its thoughts (cut short by ``max_tokens``) is all reasoning: what was
 streamed as reasoning stays reasoning.
+
+``harmony`` (gpt-oss, whose template writes ``<|channel|>``): the thoughts are the analysis
+channel of a reply made of messages; router/harmony.py reads such replies whole.
 """
 
 from __future__ import annotations
@@ -23,24 +26,33 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "harmony", "none")
+HARMONY_CHANNEL = "<|channel|>"
 OPEN, CLOSE = "<think>", "</think>"
 
 
 def detect_reasoning_parser(chat_template: str | None) -> str:
     """The parser a chat template implies: a template whose generation prompt opens ``<think>``
-    is DeepSeek-R1's, one that knows ``<think>`` otherwise is Qwen3's; without it, none."""
+    is DeepSeek-R1's, one that knows ``<think>`` otherwise is Qwen3's; one that writes harmony
+    channels is gpt-oss's; else none."""
+    if chat_template and HARMONY_CHANNEL in chat_template:
+        return "harmony"
     if not chat_template or OPEN not in chat_template:
         return "none"
     generation = chat_template[chat_template.rfind("add_generation_prompt"):]
     return "deepseek_r1" if OPEN in generation and "enable_thinking" not in generation else "qwen3"
 
 
-def reasoning_parser_for(name: str, chat_template: str | None) -> str:
-    """The deploy file's ``model.reasoning_parser``, ``auto`` resolved from the chat template."""
+def reasoning_parser_for(name: str, chat_template: str | None, tool_format: str) -> str:
+    """The deploy file's ``model.reasoning_parser``, ``auto`` resolved from the chat template.
+    A harmony reply's channels hold both its thoughts and its calls: both parsers are harmony
+    or neither (``tool_format``: the tool-call format's name)."""
     parser = detect_reasoning_parser(chat_template) if name == "auto" else name
     if parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be auto or one of {REASONING_PARSERS}, got {name!r}")
+    if (parser == "harmony") != (tool_format == "harmony"):
+        raise ValueError(f"harmony replies need both parsers harmony: reasoning_parser {parser}, tool_call_parser "
+                         f"{tool_format}")
     return parser
 
 
@@ -140,6 +152,7 @@ class ThoughtsStart:
     """How a request's reply begins, as its rendered prompt left it (see the module docstring)."""
 
     in_thoughts: bool
+    channels: bool = False  # a harmony reply: its thoughts are a channel (router/harmony.py)
 
     def splitter(self) -> ReasoningSplitter:
         return ReasoningSplitter(self.in_thoughts)
@@ -148,6 +161,8 @@ class ThoughtsStart:
 def thoughts_start(parser: str, prompt_text: str) -> ThoughtsStart | None:
     """For a reasoning ``parser`` and a rendered prompt: how the reply begins; None when it
     holds no thoughts (no parser, or the template turned thinking off)."""
+    if parser == "harmony":
+        return ThoughtsStart(in_thoughts=False, channels=True)
     if parser == "none" or prompt_closes_thoughts(prompt_text):
         return None
     if parser == "deepseek_r1" or prompt_opens_thoughts(prompt_text):

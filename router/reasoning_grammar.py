@@ -28,7 +28,11 @@ _GAP = "raylm_gap"  # the blanks between the thoughts and the answer (bounded: s
 
 def params_after_thoughts(params: SamplingParams, thoughts: ThoughtsStart | None, tool_use: ToolUse | None,
                           tokenizer: Tokenizer) -> SamplingParams:
-    """A chat request's params with its constraint (if any) moved past the thoughts (if any)."""
+    """A chat request's params with its constraint (if any) moved past the thoughts (if any).
+    A harmony reply keeps its special tokens (its channels' markers); its forced calls' grammar
+    has the thoughts in it, and other constraints apply from its first token (no thoughts)."""
+    if thoughts is not None and thoughts.channels:
+        return dataclasses.replace(params, skip_special_tokens=False)
     if thoughts is None or params.structured_output is None:
         return params
     forced_calls = tool_use is not None and tool_use.choice != "auto"  # then the grammar is raylm's own

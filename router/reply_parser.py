@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from raylm.router.reasoning import ReasoningSplitter, ThoughtsStart
+from raylm.model.text.tokenizer import Tokenizer
+from raylm.router.reasoning import CLOSE, ReasoningSplitter, ThoughtsStart, reasoning_token_count
 from raylm.router.tool_formats import CallStream, ToolFormat
 from raylm.router.tools import ToolUse
 
@@ -47,10 +48,6 @@ class ReplyParser:
         """Whether the reply may hold thoughts (a reasoning model that was not told not to think)."""
         return self._splitter is not None
 
-    @property
-    def splitter(self) -> ReasoningSplitter | None:
-        return self._splitter
-
     def feed(self, text: str, finished: bool = False) -> ReplyDelta:
         """The deltas of the next piece ``text``; ``finished`` on the reply's last piece (which
         then also tells what was held back)."""
@@ -74,6 +71,14 @@ class ReplyParser:
     def called(self) -> bool:
         """Whether a streamed call has been told (the reply then finishes with tool_calls)."""
         return self._calls is not None and self._calls.called
+
+    def reasoning_tokens(self, token_ids: list[int], tokenizer: Tokenizer) -> int:
+        """``completion_tokens_details.reasoning_tokens``: counted up to the token that closed the
+        thoughts; where ``</think>`` is not one token, the thoughts' text re-encoded (an estimate)."""
+        if self._splitter is None:
+            return 0
+        count = reasoning_token_count(token_ids, tokenizer.token_to_id(CLOSE), self._splitter)
+        return count if count is not None else len(tokenizer.encode(self.reasoning + CLOSE, False))
 
     def final(self) -> tuple[str | None, str | None, list[dict[str, Any]]]:
         """The whole reply: its thoughts (None without a reasoning parser or thoughts), its

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from raylm.model.text.tokenizer import Tokenizer
+from raylm.router.harmony import HarmonyReplyParser, reply_parser
 from raylm.router.protocol import ParsedRequest
-from raylm.router.reasoning import CLOSE, reasoning_token_count
 from raylm.router.reply_parser import ReplyDelta, ReplyParser
 from raylm.workers.wire.replica_protocol import ChoiceDelta, GenerateChunk
 
@@ -29,7 +29,7 @@ class _Choice:
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     hidden_states: np.ndarray | None = None  # return_hidden_states: [layers, positions, D]
-    reply: ReplyParser = dataclasses.field(default_factory=ReplyParser)  # thoughts, content and tool calls
+    reply: ReplyParser | HarmonyReplyParser = dataclasses.field(default_factory=ReplyParser)  # thoughts, content, calls
     last: ReplyDelta = ReplyDelta()  # what the latest delta added to each
 
 
@@ -42,7 +42,7 @@ class ResponseBuilder:
         self.created = created
         self.tokenizer = tokenizer
         n = parsed.params.n
-        self.choices = [_Choice(reply=ReplyParser(parsed.thoughts, parsed.tool_format, parsed.tool_use))
+        self.choices = [_Choice(reply=reply_parser(parsed.thoughts, parsed.tool_format, parsed.tool_use))
                         for _ in range(n * len(parsed.prompts))]
         self.cached_tokens = [0] * len(parsed.prompts)
         self._token_text: dict[int, str] = {}
@@ -85,15 +85,10 @@ class ResponseBuilder:
         }
 
     def _reasoning_usage(self) -> dict[str, Any]:
-        """``completion_tokens_details.reasoning_tokens``: counted up to the token that closed the
-        thoughts; where ``</think>`` is not one token, the thoughts' text re-encoded (an estimate)."""
+        """``completion_tokens_details.reasoning_tokens`` (each reply parser counts its own)."""
         if self.parsed.thoughts is None:
             return {}
-        close_id = self.tokenizer.token_to_id(CLOSE)
-        total = 0
-        for c in self.choices:
-            count = reasoning_token_count(c.token_ids, close_id, c.reply.splitter)
-            total += count if count is not None else len(self.tokenizer.encode(c.reply.reasoning + CLOSE, False))
+        total = sum(c.reply.reasoning_tokens(c.token_ids, self.tokenizer) for c in self.choices)
         return {"completion_tokens_details": {"reasoning_tokens": total}}
 
     # -- final responses -----------------------------------------------------------------------------

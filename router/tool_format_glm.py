@@ -15,6 +15,7 @@ from raylm.router.tool_formats import (
     FormatBase,
     WholeCallStream,
     adjacent_calls,
+    json_or_text,
     new_call,
     repeats,
     with_layout,
@@ -60,7 +61,7 @@ class Glm45Format(FormatBase):
             if match.start() != at:
                 return None
             key, value = match.group(1).strip(), match.group(2)
-            arguments[key] = value if _is_text(properties.get(key)) else _json_or_text(value)
+            arguments[key] = value if _is_text(properties.get(key)) else json_or_text(value)
             at = match.end()
         return new_call(function["name"], arguments) if not rest[at:].strip() else None
 
@@ -110,10 +111,3 @@ def _is_text(schema: Any) -> bool:
     if schema.get("type") == "string":
         return True
     return bool(schema.get("enum")) and all(isinstance(v, str) for v in schema["enum"])
-
-
-def _json_or_text(value: str) -> Any:
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        return value

@@ -117,6 +117,15 @@ def json_values(text: str) -> list[Any] | None:
         values.append(value)
 
 
+def json_or_text(value: str) -> Any:
+    """A value written as text by formats that write strings bare (GLM's, Qwen3-Coder's): its
+    JSON where it reads as JSON, else the text."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
 def _call_of(value: Any, tool_use: ToolUse, keys: tuple[str, ...], make_id: Callable[[], str] | None = None
              ) -> dict[str, Any] | None:
     """A call from ``{"name": ..., <one of keys>: {...}}`` naming an offered function, else None."""

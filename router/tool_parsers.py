@@ -9,8 +9,13 @@ import json
 
 from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.errors import invalid
+from raylm.router.harmony import MARKERS as HARMONY_MARKERS
+from raylm.router.reasoning import HARMONY_CHANNEL
 from raylm.router.tool_format_deepseek import MARKERS, DeepSeekFormat
 from raylm.router.tool_format_glm import Glm45Format
+from raylm.router.tool_format_harmony import HarmonyFormat
+from raylm.router.tool_format_pythonic import PYTHON_START, PythonicFormat
+from raylm.router.tool_format_qwen3_coder import Qwen3CoderFormat
 from raylm.router.tool_formats import (
     ARGS,
     PYTHON_TAG,
@@ -23,18 +28,28 @@ from raylm.router.tool_formats import (
 from raylm.router.tools import ToolUse
 from raylm.workers.core.sampling_params import SamplingParams
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "glm45", "deepseek_v3")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "glm45", "deepseek_v3", "qwen3_coder",
+                     "pythonic", "harmony")
+
+# What pythonic tool prompts show the model (Meta's Llama 4 prompt, vLLM's pythonic templates, Gemma 3's).
+_PYTHONIC_INSTRUCTION = "[func_name1(param"
 
 
 def detect_tool_call_parser(chat_template: str | None) -> str:
     """The format a chat template writes calls in (Hermes when it says nothing of its own)."""
     template = chat_template or ""
+    if HARMONY_CHANNEL in template:
+        return "harmony"
     if TOOL_CALLS in template:
         return "mistral"
     if "tool▁calls▁begin" in template:
         return "deepseek_v3"
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"
     if "<arg_key>" in template:
         return "glm45"
+    if PYTHON_START in template or _PYTHONIC_INSTRUCTION in template:
+        return "pythonic"
     if PYTHON_TAG in template or ('"parameters"' in template and "ipython" in template):
         return "llama3_json"
     return "hermes"
@@ -52,6 +67,12 @@ def tool_format(name: str, tokenizer: Tokenizer) -> ToolFormat:
         fmt = Llama3JsonFormat()
     elif name == "deepseek_v3":
         fmt = DeepSeekFormat("```json" in template, {m: _marker(tokenizer, m) for m in MARKERS})
+    elif name == "qwen3_coder":
+        fmt = Qwen3CoderFormat({m: _marker(tokenizer, m) for m in Qwen3CoderFormat.markers})
+    elif name == "harmony":
+        fmt = HarmonyFormat({m: _marker(tokenizer, m) for m in HARMONY_MARKERS})
+    elif name == "pythonic":
+        fmt = PythonicFormat()
     elif name == "glm45":
         fmt = Glm45Format({m: _marker(tokenizer, m) for m in Glm45Format.markers})
     elif name == "mistral":

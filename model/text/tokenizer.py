@@ -22,6 +22,9 @@ from raylm.model.text.gguf_sentencepiece import sentencepiece_backend
 END_OF_GENERATION_TOKENS = (
     "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>", "</s>",
 )
+# gpt-oss's harmony format ends each message of a reply with <|end|> (the thoughts, then the
+# answer): in a vocabulary with its <|channel|>, <|end|> does not end generation.
+_HARMONY_CHANNEL, _MESSAGE_END = "<|channel|>", "<|end|>"
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -99,7 +102,8 @@ class Tokenizer:
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
         eos = [self.eos_token_id, *extra_eos_ids]
-        eos += [backend.token_to_id(t) for t in END_OF_GENERATION_TOKENS]
+        harmony = backend.token_to_id(_HARMONY_CHANNEL) is not None
+        eos += [backend.token_to_id(t) for t in END_OF_GENERATION_TOKENS if not (harmony and t == _MESSAGE_END)]
         self.eos_token_ids: frozenset[int] = frozenset(i for i in eos if i is not None)
         self.chat_template = chat_template
 

@@ -129,6 +129,13 @@ def test_the_model_s_parsers_reach_the_router():
     assert (settings.reasoning_parser, settings.tool_call_parser) == ("deepseek_r1", "mistral")
     default = router_settings(parse_deploy_config({}))
     assert (default.reasoning_parser, default.tool_call_parser) == ("auto", "auto")  # the chat template's
+    from raylm.router.reasoning import REASONING_PARSERS
+    from raylm.router.tool_parsers import TOOL_CALL_PARSERS
+
+    for name in TOOL_CALL_PARSERS:  # every format the router reads can be named in the deploy file
+        assert router_settings(parse_deploy_config({"model": {"tool_call_parser": name}})).tool_call_parser == name
+    for name in REASONING_PARSERS:
+        assert router_settings(parse_deploy_config({"model": {"reasoning_parser": name}})).reasoning_parser == name
 
 
 def test_the_responses_store_limits_reach_the_router():

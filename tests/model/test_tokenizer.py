@@ -92,3 +92,19 @@ def test_chat_template_raise_exception():
         render_chat_template(template, [{"role": "assistant", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="invalid chat template"):
         render_chat_template("{% if %}", [])
+
+
+def test_end_ends_generation_except_in_harmony_vocabularies():
+    """Phi-3's <|end|> ends a reply; gpt-oss's ends each message of one (the thoughts, then the
+    answer), so a vocabulary with harmony's <|channel|> keeps generating past it."""
+    from tokenizers import AddedToken
+
+    from raylm.model.text.tokenizer import Tokenizer
+    from tests.checkpoints import tiny_tokenizer
+
+    phi, harmony = tiny_tokenizer(), tiny_tokenizer()
+    phi.add_special_tokens([AddedToken("<|end|>", special=True)])
+    harmony.add_special_tokens([AddedToken(t, special=True) for t in ("<|end|>", "<|channel|>", "<|return|>")])
+    assert phi.token_to_id("<|end|>") in Tokenizer(phi, bos_token="<s>", eos_token="</s>").eos_token_ids
+    ids = Tokenizer(harmony, bos_token="<s>", eos_token="<|return|>").eos_token_ids
+    assert harmony.token_to_id("<|end|>") not in ids and harmony.token_to_id("<|return|>") in ids

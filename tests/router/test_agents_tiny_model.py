@@ -12,6 +12,7 @@ import pytest
 from tokenizers import AddedToken
 
 from raylm.model.loaders.load import load_model
+from raylm.router.harmony import MARKERS as HARMONY_MARKERS
 from raylm.router.protocol import RequestParser
 from raylm.router.responses import ResponseBuilder
 from raylm.router.tool_format_deepseek import MARKERS as DEEPSEEK_MARKERS
@@ -19,6 +20,7 @@ from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.llm import LLM
 from raylm.workers.wire.replica_protocol import ChoiceDelta, GenerateChunk
 from tests.checkpoints import TINY_VOCAB, build_tiny_checkpoint, tiny_tokenizer
+from tests.router.test_harmony import TEMPLATE as HARMONY_TEMPLATE
 from tests.router.test_tool_formats import ADD, TEMPLATES, WEATHER
 
 R1_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
@@ -30,13 +32,14 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> LLM:
-    path, _ = build_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("agents") / "m", vocab_size=TINY_VOCAB + 16)
+    path, _ = build_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("agents") / "m", vocab_size=TINY_VOCAB + 24)
     tokenizer = tiny_tokenizer(TINY_VOCAB)
-    # As in Qwen's vocabulary: the tags are tokens, not special ones; as in Mistral's, DeepSeek's and
-    # GLM's: their markers are special tokens.
+    # As in Qwen's vocabulary: the tags are tokens, not special ones; as in Mistral's, DeepSeek's,
+    # GLM's and gpt-oss's: their markers are special tokens.
     tokenizer.add_tokens([AddedToken(t, special=False) for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
     tokenizer.add_special_tokens([AddedToken(t, special=True) for t in (
-        "[TOOL_CALLS]", "[ARGS]", *DEEPSEEK_MARKERS, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")])
+        "[TOOL_CALLS]", "[ARGS]", *DEEPSEEK_MARKERS, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+        *HARMONY_MARKERS)])
     tokenizer.save(str(path / "tokenizer.json"))
     return LLM(load_model(path), max_model_len=512, num_kv_blocks=64)
 
@@ -55,7 +58,7 @@ def _reply(llm: LLM, template: str, body: dict) -> tuple[dict, SamplingParams]:
     return builder.final(), parsed.params
 
 
-@pytest.mark.parametrize("family", list(TEMPLATES))
+@pytest.mark.parametrize("family", [f for f in TEMPLATES if f != "pythonic_bare"])  # its grammar is pythonic's
 def test_calls_forced_in_each_format_are_read_back(tiny, family):
     named = {"type": "function", "function": {"name": "get_weather"}}
     template = TEMPLATES[family].replace("{{ tools | tojson }}", "")  # short prompts: the tiny model's context is 512
@@ -68,8 +71,8 @@ def test_calls_forced_in_each_format_are_read_back(tiny, family):
     assert call["function"]["name"] == "get_weather" and arguments["city"] in ("Paris", "Oslo")
     # The markers that are special tokens here must survive decoding (and those that are plain
     # tokens were written as those tokens: the grammar names them).
-    assert params.skip_special_tokens == (family in ("hermes", "llama3_json"))
-    if family in ("hermes", "glm45"):
+    assert params.skip_special_tokens == (not family.startswith(("mistral", "deepseek", "glm45")))
+    if family in ("hermes", "glm45", "qwen3_coder"):
         assert f"<[{tiny.get_tokenizer().token_to_id('<tool_call>')}]>" in params.structured_output.spec
 
 
@@ -83,3 +86,19 @@ def test_a_thinking_reply_is_free_until_its_thoughts_end_then_follows_the_schema
     assert message["reasoning_content"]  # free text the grammar let through (random tokens)
     usage = reply["usage"]
     assert 1 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"]
+
+
+def test_a_harmony_call_forced_after_the_thoughts_is_read_back(tiny):
+    """gpt-oss's format: the thoughts (free text, nudged to end) in the analysis channel, then
+    the call in the commentary channel, both from the one grammar."""
+    end = tiny.get_tokenizer().token_to_id("<|end|>")
+    reply, params = _reply(tiny, HARMONY_TEMPLATE.replace("{{ tools | tojson }}", ""), {
+        "tools": [WEATHER, ADD], "tool_choice": "required", "max_tokens": 150, "temperature": 1.0, "seed": 1,
+        "logit_bias": {str(end): 4}})
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and params.skip_special_tokens is False, choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] in ("get_weather", "add") and isinstance(json.loads(call["function"]["arguments"]),
+                                                                             dict)
+    assert choice["message"]["reasoning_content"], choice  # the thoughts came first (random text)
+    assert 0 < reply["usage"]["completion_tokens_details"]["reasoning_tokens"] < reply["usage"]["completion_tokens"]

@@ -14,11 +14,15 @@ import pytest
 from tokenizers import AddedToken
 
 from raylm.model.text.tokenizer import Tokenizer
+from raylm.router.errors import OpenAIError
 from raylm.router.openai_service import OpenAIService
 from raylm.router.protocol import RequestParser
+from raylm.router.reasoning import ThoughtsStart
+from raylm.router.reasoning_grammar import after_thoughts
 from raylm.router.responses import ResponseBuilder
 from raylm.router.tool_format_deepseek import MARKERS as DEEPSEEK_MARKERS
 from raylm.router.tool_format_deepseek import DeepSeekFormat
+from raylm.router.tool_format_pythonic import PythonicFormat
 from raylm.router.tool_formats import MistralFormat
 from raylm.router.tool_parsers import detect_tool_call_parser, tool_format
 from raylm.router.tools import parse_tool_use
@@ -50,6 +54,12 @@ TEMPLATES = {  # what each family's template says of tools (enough to be told ap
              "</arg_value></tool_call>{% endif %}" + _MESSAGES,
     "deepseek_v3": "{% if tools %}{{ tools | tojson }}{% endif %}{# <｜tool▁calls▁begin｜> ```json #}" + _MESSAGES,
     "deepseek_v31": "{% if tools %}{{ tools | tojson }}{% endif %}{# <｜tool▁calls▁begin｜> #}" + _MESSAGES,
+    "pythonic": "{% if tools %}{{ tools | tojson }} [func_name1(param1=value1, param2=value2), func_name2(...)]"
+                "{% endif %}{# <|python_start|> #}" + _MESSAGES,
+    "pythonic_bare": "{% if tools %}{{ tools | tojson }} Use exact format: [func_name1(params_name1=params_value1, "
+                     "params_name2=params_value2...), func_name2(params)]{% endif %}" + _MESSAGES,
+    "qwen3_coder": "{% if tools %}{{ tools | tojson }} <tool_call>\n<function=f>\n<parameter=p>\nv\n</parameter>"
+                   "\n</function>\n</tool_call>{% endif %}" + _MESSAGES,
 }
 # Replies with parallel calls in each format, and the content before the calls.
 REPLIES = {
@@ -68,7 +78,16 @@ REPLIES = {
                     '{"a": 1, "b": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me see."),
     "deepseek_v31": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
                      '<｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 1, "b": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None),
+    "pythonic": ('Let me see.<|python_start|>[get_weather(city="Paris"), add(a=1, b=2)]<|python_end|>', "Let me see."),
+    "pythonic_bare": ("[get_weather(city='Paris'),\n add(a=1, b=2)]", None),
+    "qwen3_coder": ("Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+                    "<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>", "Let me see."),
 }
+# Each reply made malformed (where the generic damage below does not touch it).
+MALFORMED = {"glm45": ("</arg_value>", "", 1), "deepseek_v3": ("<｜tool▁calls▁end｜>", ""),
+             "deepseek_v31": ("<｜tool▁calls▁end｜>", ""), "qwen3_coder": ("</parameter>", "", 1),
+             "pythonic": ("a=1", "a=1,,"), "pythonic_bare": ("a=1", "1")}
 EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
 
 
@@ -78,7 +97,7 @@ def _family_tokenizer(tokenizer: Tokenizer, family: str) -> Tokenizer:
     out = copy.copy(tokenizer)
     out.backend = copy.deepcopy(tokenizer.backend)
     out.backend.add_special_tokens([AddedToken(t, special=True) for t in ("[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
-                                                                          *DEEPSEEK_MARKERS)])
+                                                                          *DEEPSEEK_MARKERS, *PythonicFormat.markers)])
     out.chat_template = TEMPLATES[family]
     return out
 
@@ -95,7 +114,8 @@ def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
 def test_the_format_follows_the_chat_template(tokenizers):
     assert [detect_tool_call_parser(TEMPLATES[f]) for f in TEMPLATES] == ["hermes", "llama3_json", "mistral",
                                                                           "mistral", "glm45", "deepseek_v3",
-                                                                          "deepseek_v3"]
+                                                                          "deepseek_v3", "pythonic", "pythonic",
+                                                                          "qwen3_coder"]
     assert detect_tool_call_parser(None) == "hermes"
     assert not tool_format("auto", tokenizers["mistral"]).args_form
     assert tool_format("auto", tokenizers["mistral_args"]).args_form
@@ -114,9 +134,8 @@ def test_replies_are_read_back_and_malformed_calls_stay_content(family, tokenize
     if fmt.name == "mistral":  # the only ids Mistral's templates take back: 9 letters and digits
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
     cut = [] if family == "hermes" else [reply[:-3]]  # Hermes keeps the calls complete before a cut one
-    malformed = reply.replace("</arg_value>", "", 1) if family == "glm45" else reply.replace('"a": 1', '"a": 1,,')
-    if family.startswith("deepseek"):
-        malformed = reply.replace("<｜tool▁calls▁end｜>", "")
+    malformed = reply.replace(*MALFORMED.get(family, ('"a": 1', '"a": 1,,')))
+    assert malformed != reply
     for bad in ("Just text.", reply.replace("get_weather", "launch"), malformed, *cut):
         assert fmt.parse(bad, use) == (bad, [])
 
@@ -215,13 +234,14 @@ def test_the_openai_client_gets_parallel_calls_whole_and_streamed(family, tokeni
     assert _joined(entries) == EXPECTED and all("id" in t and t["type"] == "function" for t in entries
                                                 if "name" in t.get("function", {}))
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
-    if family.startswith(("mistral", "deepseek")):  # their markers are special tokens: the worker must keep them
+    if family.startswith(("mistral", "deepseek", "pythonic")):  # markers that are special tokens: the worker keeps them
         assert service.worker.requests[0].params.skip_special_tokens is False
 
 
-def _forced_text(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar, seed: int) -> str:
+def _forced_text(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar, seed: int, prefer: int | None = None) -> str:
     """What a model writes under ``grammar``: here, at each step any token the grammar allows
-    (not EOS), stopping at random once the text is complete."""
+    (not EOS; ``prefer`` often where allowed, as a model ends its thoughts), stopping at random
+    once the text is complete."""
     rng = np.random.default_rng(seed)
     matcher = compiler.matcher(grammar)
     vocab, eos = tokenizer.vocab_size, sorted(tokenizer.eos_token_ids)
@@ -232,7 +252,7 @@ def _forced_text(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar, seed:
         allowed = np.setdiff1d(allowed, eos)
         if matcher.is_accepting() and (not len(allowed) or rng.random() < 0.4):
             break
-        token = int(rng.choice(allowed))
+        token = prefer if prefer in allowed and rng.random() < 0.3 else int(rng.choice(allowed))
         assert matcher.consume_token(token)
         ids.append(token)
     assert matcher.is_accepting(), tokenizer.decode(ids, skip_special_tokens=False)
@@ -286,3 +306,85 @@ def test_mistral_templates_get_call_ids_they_accept(tokenizers):
     assert ids[1] == "a1b2c3d4e" and len(ids[0]) == 9 and ids[0].isalnum()
     assert [m["tool_call_id"] for m in out[2:]] == ids and out[0] == ASK[0]
     assert tool_format("auto", tokenizers["hermes"]).history(history) == history
+
+
+CODE = {"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+    "code": {"type": "string"}, "n": {"type": "integer"}, "tags": {"type": "array"}, "dry": {"type": "boolean"},
+    "note": {}}, "required": ["code"]}}}
+
+
+def _accepts(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar, text: str) -> bool:
+    matcher = compiler.matcher(grammar)
+    return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) \
+        and matcher.is_accepting()
+
+
+def test_qwen3_coder_values_are_typed_by_the_schema_and_its_grammar_writes_them(tokenizer):
+    """Strings (and untyped parameters, as vLLM reads them) as written, whatever they hold;
+    other types as JSON, the text where it is not JSON."""
+    fmt = tool_format("qwen3_coder", tokenizer)
+    use = parse_tool_use({"tools": [CODE], "tool_choice": "required"})
+    text = ("<tool_call>\n<function=edit>\n<parameter=code>\nif a < b:\n    return '007'\n</parameter>\n"
+            "<parameter=n>\n7\n</parameter>\n<parameter=tags>\n[\"x\", 1]\n</parameter>\n"
+            "<parameter=dry>\ntrue\n</parameter>\n<parameter=note>\n12\n</parameter>\n</function>\n</tool_call>")
+    (call,) = fmt.parse(text, use)[1]
+    assert json.loads(call["function"]["arguments"]) == {"code": "if a < b:\n    return '007'", "n": 7,
+                                                         "tags": ["x", 1], "dry": True, "note": "12"}
+    assert _calls(fmt.parse(text.replace("\n7\n", "\nseven\n"), use)[1])[0][1]["n"] == "seven"
+    assert fmt.parse(text.replace("<parameter=dry>", "<parameter=n>"), use)[1] == []  # a repeated parameter
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    assert _accepts(compiler, tokenizer, fmt.grammar(use), text)
+    assert not _accepts(compiler, tokenizer, fmt.grammar(use), text.replace("\n7\n", "\nseven\n"))
+    grammar = fmt.grammar(use)
+    assert not _accepts(compiler, tokenizer, grammar, text.replace("<parameter=code>\nif", "<parameter=n>\nif"))
+    # After a thinking model's thoughts (their lazy text and the strings' own, one grammar).
+    assert _accepts(compiler, tokenizer, after_thoughts(grammar, ThoughtsStart(False), True), f"<think>a<b</think>{text}")
+
+
+@pytest.mark.parametrize("family, cut_after", [("qwen3_coder", "<parameter=a>\n1\n</parameter>"),
+                                               ("pythonic", "a=1,"), ("pythonic_bare", "a=1,")])
+def test_xml_and_pythonic_calls_stream_each_argument_once_its_value_ends(family, cut_after, tokenizers):
+    """The name as soon as it is written, then the arguments' JSON growing an argument at a time."""
+    parser = RequestParser(tokenizers[family], ["m"], 4096)
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WEATHER, ADD]})
+    reply = REPLIES[family][0]
+    cut = reply.index(cut_after) + len(cut_after)
+    _, entries, _ = _stream(ResponseBuilder(parsed, "id", 0, parser.tokenizer), parser.tokenizer,
+                            [reply[: reply.index("add") + 1], reply[reply.index("add") + 1: cut], ""])
+    assert [e["function"].get("name") for e in entries if "id" in e] == ["get_weather", "add"]
+    assert _raw(entries) == ['{"city": "Paris"}', '{"a": 1']  # add's b not written yet: its object still open
+
+
+def test_pythonic_values_are_python_literals_never_evaluated(tokenizer):
+    fmt = tool_format("pythonic", tokenizer)
+    use = parse_tool_use({"tools": [CODE, ADD]})
+    content, calls = fmt.parse("[edit(code='x = \\'a\\'\\n', n=-7, tags=('a', [1.5, None]), dry=True, note=null), "
+                               "add(a=1, b=2,)]", use)
+    assert content is None and _calls(calls) == [("edit", {"code": "x = 'a'\n", "n": -7, "tags": ["a", [1.5, None]],
+                                                           "dry": True, "note": None}), ("add", {"a": 1, "b": 2})]
+    for bad in ("[add(a=__import__('os').getcwd(), b=2)]", "[add(1, 2)]", "[add(**{'a': 1})]", "[add(a=1, a=2)]",
+                "[edit(code={1, 2})]", "[edit(n=float('nan'))]", "[launch(a=1)]", "[]", "Sure: [add(a=1, b=2)]",
+                "[add(a=1, b=2)] and more", "[" * 500 + "]" * 500):
+        assert fmt.parse(bad, use) == (bad, []), bad
+    content, calls = fmt.parse('[edit(code="\\ud83d\\ude00 \\ud83d")]', use)  # JSON's escapes of an emoji
+    assert _calls(calls) == [("edit", {"code": "\U0001f600 \ufffd"})]
+    hyphen = {"type": "function", "function": {"name": "get-weather", "parameters": {"type": "object"}}}
+    with pytest.raises(OpenAIError, match="not a Python identifier"):  # a name no pythonic call can have
+        fmt.grammar(parse_tool_use({"tools": [hyphen], "tool_choice": "required"}))
+    assert [fmt.held_back(t) for t in ("Paris is", "Paris <|python_st", " [add(", "a<|python_start|>[", " ")] == \
+        [8, 6, 1, 1, 0]
+
+
+def test_the_pythonic_grammar_writes_keywords_in_order_the_optional_ones_or_not(tokenizer):
+    fmt = tool_format("pythonic", tokenizer)
+    optional = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}, "y": {"type": "boolean"}, "z": {"type": "string"}}, "required": ["y"]}}}
+    use = parse_tool_use({"tools": [optional, WEATHER], "tool_choice": "required"})
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    written = ["[f(y=True)]", "[f(x=1, y=False)]", '[f(y=True, z="a b")]', '[f(x=1, y=True, z="")]',
+               '[f(y=True), get_weather(city="Oslo", unit="C")]', '[get_weather(city="Paris")]']
+    for text in written:
+        assert _accepts(compiler, tokenizer, fmt.grammar(use), text), text
+        assert fmt.parse(text, use)[1], text
+    for text in ["[f()]", "[f(x=1)]", "[f(y=true)]", "[f(y=True, x=1)]", "[f(, y=True)]", '[get_weather(city="Rome")]']:
+        assert not _accepts(compiler, tokenizer, fmt.grammar(use), text), text

@@ -1,0 +1,60 @@
+"""gpt-oss's tool calls: a commentary-channel message to ``functions.NAME`` whose body is the
+arguments' JSON (router/harmony.py reads the whole reply: thoughts, content and calls). A
+harmony reply is told apart by ``HarmonyReplyParser``, not by ``ReplyParser``: content comes
+from its channels, so this format has no ``held_back``; what it gives is the forcing grammar,
+the markers (special tokens: replies keep them) and the calls as they grow."""
+
+from __future__ import annotations
+
+import json
+
+from raylm.router.call_streams import PieceCallStream
+from raylm.router.harmony import CHANNEL, CONSTRAIN, END, FUNCTIONS, MARKERS, MESSAGE, START, calls_of, read_messages
+from raylm.router.tool_formats import Calls, CallStream, FormatBase, new_call, with_layout
+from raylm.router.tools import ToolUse
+from raylm.workers.core.grammar import StructuredOutput
+
+
+class HarmonyFormat(FormatBase):
+    """``literals``: each marker as a grammar literal (the special token itself, as in gpt-oss's
+    vocabulary; llguidance gives special tokens no text to match)."""
+
+    name = "harmony"
+    markers = MARKERS
+
+    def __init__(self, literals: dict[str, str] | None = None):
+        self._literal = literals or {m: json.dumps(m) for m in MARKERS}
+
+    def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
+        """The calls of a whole reply (``PieceCallStream`` completes its calls from them; the
+        content is told by channel: ``HarmonyReplyParser.final``)."""
+        calls = calls_of(read_messages(text), tool_use)
+        return (None, calls) if calls else (text, [])
+
+    def growing_calls(self, text: str) -> list[tuple[str, str, bool]]:
+        """The messages to functions so far: (name, body so far, whether its end marker came)."""
+        return [(str(m.function), m.body, m.ending is not None) for m in read_messages(text, finished=False)
+                if m.function is not None]
+
+    def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
+        """One call (``<|call|>`` ends generation), after the thoughts if the model writes them
+        first (free text up to ``<|end|>``, as gpt-oss always does)."""
+        if tool_use.choice == "auto":
+            return None
+        literal = self._literal
+        functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+        rules = [f"f{i}: {json.dumps(f['name'] + ' ')} {literal[CONSTRAIN]} \"json\" {literal[MESSAGE]} "
+                 f"%json {json.dumps(with_layout(f['parameters']))}" for i, f in enumerate(functions)]
+        alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
+        text_end = not literal[END].startswith("<[")  # <|end|> is text here: the thoughts end at its first one
+        thoughts = ("harmony_thoughts[lazy]: /(?s:.*)<\\|end\\|>/" if text_end
+                    else f"harmony_thoughts: /(?s:.*)/ {literal[END]}")
+        return StructuredOutput("grammar", "\n".join([
+            "start: analysis? call",
+            f'analysis: {literal[CHANNEL]} "analysis" {literal[MESSAGE]} harmony_thoughts {literal[START]} "assistant"',
+            thoughts,
+            f'call: {literal[CHANNEL]} "commentary to={FUNCTIONS}" ({alternatives})',
+            *rules]))
+
+    def stream(self, tool_use: ToolUse) -> CallStream:
+        return PieceCallStream(self, tool_use, lambda: new_call("", "")["id"])

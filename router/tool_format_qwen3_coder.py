@@ -1,0 +1,191 @@
+"""Qwen3-Coder's XML tool calls (vLLM's ``qwen3_coder`` parser): each call a block
+
+    <tool_call>
+    <function=NAME>
+    <parameter=ARG>
+    VALUE
+    </parameter>
+    ...
+    </function>
+    </tool_call>
+
+A value is text, typed by the function's JSON schema as vLLM types it: a parameter the schema
+gives a non-string type (integer, number, boolean, object, array, null) is read as JSON (the
+text itself where it is not JSON); any other, strings and untyped ones, is the text as written
+(one newline after the opening tag and one before the closing tag are layout). Calls follow
+each other; a stream announces a call when its function's name is written and grows its
+arguments' JSON one parameter at a time (router/call_streams.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Mapping
+
+from raylm.router import tools
+from raylm.router.call_streams import PieceCallStream, object_text, value_text
+from raylm.router.tool_formats import (
+    Calls,
+    CallStream,
+    FormatBase,
+    adjacent_calls,
+    json_or_text,
+    new_call,
+    repeats,
+    with_layout,
+)
+from raylm.router.tools import ToolUse
+from raylm.workers.core.grammar import StructuredOutput
+
+_CALL = re.compile(re.escape(tools.OPEN_TAG) + "(.*?)" + re.escape(tools.CLOSE_TAG), re.DOTALL)
+_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>")
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+FUNCTION_END = "</function>"
+_JSON_TYPES = {"integer", "number", "boolean", "object", "array", "null"}
+# A string value in the grammar: any text up to the first closing tag (lazy: the first one ends it).
+_TEXT_RULE = "qwen_text"
+_TEXT_VALUE = f"{_TEXT_RULE}[lazy]: /(?s:.*)\\n<\\/parameter>/"
+
+
+class Qwen3CoderFormat(FormatBase):
+    """``literals``: ``<tool_call>`` / ``</tool_call>`` as grammar literals (the tokens
+    themselves where the vocabulary has them, as Qwen's does)."""
+
+    name = "qwen3_coder"
+    markers = (tools.OPEN_TAG, tools.CLOSE_TAG)
+
+    def __init__(self, literals: dict[str, str] | None = None):
+        self._literal = literals or {m: json.dumps(m) for m in self.markers}
+
+    def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
+        start = text.find(tools.OPEN_TAG)
+        if start < 0:
+            return text, []
+        calls = adjacent_calls(_CALL, text, start, len(text), lambda body: self._call(body, tool_use))
+        if not calls:
+            return text, []
+        return text[:start].strip() or None, calls
+
+    def _call(self, body: str, tool_use: ToolUse) -> dict[str, Any] | None:
+        read = _read(body, tool_use)
+        if read is None or read[0] not in tool_use.names or read[2].strip() != FUNCTION_END:
+            return None
+        name, arguments, _ = read
+        return new_call(name, object_text(arguments, closed=True))
+
+    def growing_calls(self, text: str, tool_use: ToolUse) -> list[tuple[str, str, bool]]:
+        """The calls whose function's name is written so far: (name, the JSON of the parameters
+        closed so far, whether the function is closed)."""
+        start = text.find(tools.OPEN_TAG)
+        out: list[tuple[str, str, bool]] = []
+        for block in text[start:].split(tools.OPEN_TAG)[1:] if start >= 0 else []:
+            read = _read(block.partition(tools.CLOSE_TAG)[0], tool_use)
+            if read is None:
+                break
+            name, arguments, rest = read
+            closed = rest.lstrip().startswith(FUNCTION_END)
+            out.append((name, object_text(arguments, closed), closed))
+            if not closed:
+                break
+        return out
+
+    def held_back(self, text: str) -> int:
+        return tools.held_back(text)
+
+    def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
+        if tool_use.choice == "auto":
+            return None
+        functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+        rules = []
+        for i, function in enumerate(functions):
+            parameters = function["parameters"]
+            required = set(parameters.get("required", []))
+            parts = []
+            for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
+                rules.append(f"f{i}a{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {_value_grammar(schema)}")
+                parts.append(f"f{i}a{j}" if key in required else f"f{i}a{j}?")
+            head = json.dumps(f"<function={function['name']}>\n")
+            rules.append(f"f{i}: {head} {' '.join(parts)} {json.dumps(FUNCTION_END)}")
+        alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
+        repeat = ' ("\\n" call)*' if repeats(tool_use) else ""
+        lines = [f"start: call{repeat}",
+                 f'call: {self._literal[tools.OPEN_TAG]} "\\n" ({alternatives}) "\\n" {self._literal[tools.CLOSE_TAG]}',
+                 *rules]
+        if any(_TEXT_RULE in rule for rule in rules):
+            lines.append(_TEXT_VALUE)
+        return StructuredOutput("grammar", "\n".join(lines))
+
+    def stream(self, tool_use: ToolUse) -> CallStream:
+        return PieceCallStream(_WithTools(self, tool_use), tool_use, lambda: new_call("", "")["id"])
+
+
+class _WithTools:
+    """The format reading one request's calls (its tools' schemas type the values), as
+    ``PieceCallStream`` asks for them."""
+
+    def __init__(self, fmt: Qwen3CoderFormat, tool_use: ToolUse):
+        self.fmt, self.tool_use = fmt, tool_use
+
+    def growing_calls(self, text: str) -> list[tuple[str, str, bool]]:
+        return self.fmt.growing_calls(text, self.tool_use)
+
+    def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
+        return self.fmt.parse(text, tool_use)
+
+
+def _read(body: str, tool_use: ToolUse) -> tuple[str, list[tuple[str, Any]], str] | None:
+    """A call block's function name, its parameters (in order, up to the first that is not
+    closed or repeats one) and the text after them; None before the name is complete."""
+    head = _FUNCTION.match(body)
+    if head is None:
+        return None
+    name = head.group(1).strip()
+    function = next((f for f in tool_use.functions if f["name"] == name), None)
+    properties = function["parameters"].get("properties", {}) if function else {}
+    arguments: list[tuple[str, Any]] = []
+    at = head.end()
+    for match in _PARAMETER.finditer(body, at):
+        key = match.group(1).strip()
+        if match.start() != at or key in (k for k, _ in arguments):
+            break
+        arguments.append((key, _value(match.group(2), properties.get(key))))
+        at = match.end()
+    return name, arguments, body[at:]
+
+
+def _value(raw: str, schema: Any) -> Any:
+    """A parameter's value: its text without the layout newlines, read as JSON where the
+    schema types it so (and it is JSON that JSON can write back)."""
+    text = raw[1:] if raw.startswith("\n") else raw
+    text = text[:-1] if text.endswith("\n") else text
+    if not _typed_as_json(schema):
+        return text
+    value = json_or_text(text)
+    try:
+        value_text(value)
+    except ValueError:  # NaN, Infinity
+        return text
+    return value
+
+
+def _typed_as_json(schema: Any) -> bool:
+    if not isinstance(schema, dict):
+        return False
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return "string" not in kind and any(k in _JSON_TYPES for k in kind)
+    if kind is not None:
+        return kind in _JSON_TYPES
+    return any(not isinstance(v, str) for v in schema.get("enum", []))
+
+
+def _value_grammar(schema: Mapping[str, Any] | Any) -> str:
+    """One parameter's value and closing tag: a string enum's values, a string as free text
+    (up to the closing tag), anything else as JSON following its schema."""
+    close = json.dumps("\n</parameter>\n")
+    if _typed_as_json(schema):
+        return f"%json {json.dumps(with_layout(dict(schema)))} {close}"
+    enum = schema.get("enum") if isinstance(schema, dict) else None
+    if enum:
+        return "(" + " | ".join(json.dumps(v) for v in enum) + f") {close}"
+    return f'{_TEXT_RULE} "\\n"'
