@@ -46,6 +46,7 @@ _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "store", "metadata", "service_tier", "reasoning_effort", "modalities",
     "chat_template_kwargs",  # vLLM's: more chat template variables (e.g. enable_thinking)
+    "thinking_token_budget",  # vLLM's: the most tokens the thoughts may take (router/reasoning_grammar.py)
 }
 _COMPLETION_FIELDS = _COMMON_FIELDS | {
     "prompt", "logprobs", "echo", "suffix", "best_of",
@@ -117,7 +118,8 @@ class RequestParser:
             parsed.params = params_for_calls(self.tool_format, tool_use, parsed.params)
             parsed.tool_use, parsed.tool_format = tool_use, self.tool_format
         parsed.thoughts = thoughts_start(self.reasoning_parser, prompt_text)
-        parsed.params = params_after_thoughts(parsed.params, parsed.thoughts, tool_use, self.tokenizer)
+        parsed.params = params_after_thoughts(parsed.params, parsed.thoughts, tool_use, self.tokenizer,
+                                              _optional(body, "thinking_token_budget", int))
         if parsed.beam is not None and tool_use is not None:
             raise invalid("use_beam_search cannot be combined with tools", "use_beam_search")
         return parsed

@@ -7,6 +7,11 @@ lexeme (any text up to and including the first ``</think>``), then the answer's 
 the reply begins outside the thoughts (Qwen3: the model opens ``<think>`` itself) the thoughts
 are optional. Regexes and client grammars cannot be embedded safely (their syntax and rule
 names are the client's): those stay refused while the model thinks.
+
+A thinking budget (vLLM's ``thinking_token_budget``, Anthropic's ``budget_tokens``) is the
+same grammar with the thoughts' rule limited to that many tokens (llguidance's ``max_tokens``):
+at the limit the grammar forces ``</think>`` and the answer follows, free or constrained. It
+needs ``</think>`` to be one token of the vocabulary (as in Qwen3's and DeepSeek-R1's).
 """
 
 from __future__ import annotations
@@ -27,18 +32,39 @@ _GAP = "raylm_gap"  # the blanks between the thoughts and the answer (bounded: s
 
 
 def params_after_thoughts(params: SamplingParams, thoughts: ThoughtsStart | None, tool_use: ToolUse | None,
-                          tokenizer: Tokenizer) -> SamplingParams:
-    """A chat request's params with its constraint (if any) moved past the thoughts (if any).
-    A harmony reply keeps its special tokens (its channels' markers); its forced calls' grammar
-    has the thoughts in it, and other constraints apply from its first token (no thoughts)."""
+                          tokenizer: Tokenizer, budget: int | None = None) -> SamplingParams:
+    """A chat request's params with its constraint (if any) moved past the thoughts (if any),
+    and the thoughts held to ``budget`` tokens (if given). A harmony reply keeps its special
+    tokens (its channels' markers); its forced calls' grammar has the thoughts in it, and other
+    constraints apply from its first token (no thoughts)."""
+    if budget is not None:
+        _check_budget(budget, thoughts, tokenizer)
     if thoughts is not None and thoughts.channels:
         return dataclasses.replace(params, skip_special_tokens=False)
-    if thoughts is None or params.structured_output is None:
+    if thoughts is None or (params.structured_output is None and budget is None):
         return params
     forced_calls = tool_use is not None and tool_use.choice != "auto"  # then the grammar is raylm's own
     tags = (_single_token(tokenizer, OPEN), _single_token(tokenizer, CLOSE))
     return dataclasses.replace(params, structured_output=after_thoughts(params.structured_output, thoughts,
-                                                                        forced_calls, tags))
+                                                                        forced_calls, tags, budget))
+
+
+def budget_enforceable(reasoning_parser: str, tokenizer: Tokenizer) -> bool:
+    """Whether a thinking budget can hold this model's thoughts: they end with ``</think>`` as one
+    token (not in harmony's channels)."""
+    return reasoning_parser not in ("none", "harmony") and _single_token(tokenizer, CLOSE) is not None
+
+
+def _check_budget(budget: int, thoughts: ThoughtsStart | None, tokenizer: Tokenizer) -> None:
+    if budget < 1:
+        raise invalid(f"thinking_token_budget must be a positive number of tokens, got {budget}",
+                      "thinking_token_budget")
+    if thoughts is None:
+        raise invalid("thinking_token_budget: this request's reply has no thoughts (a model without a reasoning "
+                      "parser, or thinking turned off)", "thinking_token_budget")
+    if thoughts.channels or _single_token(tokenizer, CLOSE) is None:
+        raise invalid(f"thinking_token_budget is not supported for this model: its thoughts do not end with "
+                      f"{CLOSE} as one token of its vocabulary", "thinking_token_budget")
 
 
 def _single_token(tokenizer: Tokenizer, text: str) -> int | None:
@@ -47,21 +73,25 @@ def _single_token(tokenizer: Tokenizer, text: str) -> int | None:
         else None
 
 
-def after_thoughts(output: StructuredOutput, thoughts: ThoughtsStart, own_grammar: bool,
-                   tag_ids: tuple[int | None, int | None] = (None, None)) -> StructuredOutput:
-    """``output`` applied to the answer only. ``own_grammar``: ``output`` is a grammar raylm
-    wrote (forced tool calls, whose ``start`` rule can be renamed); any other grammar, and
-    regexes, are refused (400). ``tag_ids``: the ids of ``<think>`` and ``</think>`` where each is
-    one token of the vocabulary (Qwen3, DeepSeek-R1): llguidance gives an added token no text
-    to match, so the grammar names it; where the tag is text, the thoughts end at its text."""
-    answer = _answer_rules(output, own_grammar)
+def after_thoughts(output: StructuredOutput | None, thoughts: ThoughtsStart, own_grammar: bool,
+                   tag_ids: tuple[int | None, int | None] = (None, None), budget: int | None = None
+                   ) -> StructuredOutput:
+    """``output`` applied to the answer only (None: a free answer). ``own_grammar``: ``output``
+    is a grammar raylm wrote (forced tool calls, whose ``start`` rule can be renamed); any other
+    grammar, and regexes, are refused (400). ``tag_ids``: the ids of ``<think>`` and ``</think>``
+    where each is one token of the vocabulary (Qwen3, DeepSeek-R1): llguidance gives an added
+    token no text to match, so the grammar names it; where the tag is text, the thoughts end at
+    its text. ``budget``: the most tokens the thoughts may take (needs ``</think>``'s id)."""
+    answer = [f"{_ANSWER}: /(?s:.*)/"] if output is None else _answer_rules(output, own_grammar)
     open_id, close_id = tag_ids
     opening = json.dumps(OPEN) if open_id is None else f"<[{open_id}]>"
     if close_id is None:
+        assert budget is None, "a thinking budget needs </think> as a token"
         rules = [f"{_THOUGHTS}[lazy]: /(?s:.*){_regex_literal(CLOSE)}/"]
         thoughts_then = f"{_THOUGHTS} {_GAP}?"
-    else:  # free text cannot hold the token, so the thoughts end where it comes
-        rules = [f"{_THOUGHTS}: /(?s:.*)/"]
+    else:  # free text cannot hold the token, so the thoughts end where it comes (or at the budget)
+        limit = "" if budget is None else f"[max_tokens={budget}]"
+        rules = [f"{_THOUGHTS}{limit}: /(?s:.*)/"]
         thoughts_then = f"{_THOUGHTS} <[{close_id}]> {_GAP}?"
     head = thoughts_then if thoughts.in_thoughts else f"({opening} {thoughts_then})?"
     rules = [f"start: {head} {_ANSWER}", *rules, f"{_GAP}: /[ \\t\\r\\n]{{1,8}}/"]

@@ -22,6 +22,7 @@ from raylm.router.errors import OpenAIError
 from raylm.router.http_replies import LeasedStreamingResponse
 from raylm.router.lease import Lease
 from raylm.router.protocol import ParsedRequest
+from raylm.router.reasoning_grammar import budget_enforceable
 from raylm.workers.wire.replica_protocol import GenerateChunk
 
 if TYPE_CHECKING:
@@ -45,7 +46,9 @@ class MessagesAPI:
 
     def _parse(self, body: object, count_only: bool = False) -> ParsedRequest:
         parser = self.service.parser
-        chat = chat_body(body, parser.reasoning_parser, self.service.tokenizer.chat_template, count_only)
+        tokenizer = self.service.tokenizer
+        chat = chat_body(body, parser.reasoning_parser, tokenizer.chat_template, count_only,
+                         budget_enforceable(parser.reasoning_parser, tokenizer))
         return parser.parse_chat(chat)
 
     async def count_tokens(self, request: Request) -> Response:

@@ -14,8 +14,10 @@ sampling checks are the same for both APIs. What differs is the request's shape:
   become function tools; ``stop_sequences`` is ``stop``; ``metadata.user_id`` is ``user``;
 - ``thinking`` sets the template's ``enable_thinking`` where the template reads it. A model that
   always thinks may not be told not to, one with no reasoning parser may not be told to think:
-  both are 400s. ``budget_tokens`` is checked (a positive integer below ``max_tokens``) but the
-  thoughts are bounded by ``max_tokens`` only, as vLLM and llama.cpp serve it.
+  both are 400s. ``budget_tokens`` (a positive integer below ``max_tokens``) bounds the thoughts
+  (the chat request's ``thinking_token_budget``: router/reasoning_grammar.py) where the model
+  ends them with ``</think>`` as one token; elsewhere (gpt-oss's channels, a ``</think>`` spelled
+  in several tokens) only ``max_tokens`` bounds them, as vLLM and llama.cpp serve it.
 
 ``cache_control`` marks on blocks are accepted and need nothing: the prefix cache is automatic.
 """
@@ -33,9 +35,11 @@ _COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinkin
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
-def chat_body(body: Any, reasoning_parser: str, chat_template: str | None, count_only: bool = False) -> dict[str, Any]:
+def chat_body(body: Any, reasoning_parser: str, chat_template: str | None, count_only: bool = False,
+              budget_enforceable: bool = False) -> dict[str, Any]:
     """The chat completions body of a ``/v1/messages`` body (``count_only``: of a
-    ``/v1/messages/count_tokens`` body, which has no ``max_tokens`` and no sampling fields)."""
+    ``/v1/messages/count_tokens`` body, which has no ``max_tokens`` and no sampling fields).
+    ``budget_enforceable``: the model's thoughts can be held to ``budget_tokens``."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     unknown = sorted(set(body) - (_COUNT_FIELDS if count_only else _FIELDS))
@@ -58,9 +62,11 @@ def chat_body(body: Any, reasoning_parser: str, chat_template: str | None, count
             out["stop"] = stops
         out.update(_metadata(body.get("metadata")))
     out.update(_tools(body.get("tools"), body.get("tool_choice")))
-    thinking = _thinking(body.get("thinking"), out.get("max_tokens"), reasoning_parser, chat_template)
+    thinking, budget = _thinking(body.get("thinking"), out.get("max_tokens"), reasoning_parser, chat_template)
     if thinking is not None:
         out["chat_template_kwargs"] = {"enable_thinking": thinking}
+    if budget is not None and budget_enforceable and not count_only:
+        out["thinking_token_budget"] = budget
     return out
 
 
@@ -219,10 +225,12 @@ def _metadata(metadata: Any) -> dict[str, Any]:
     return {"user": user} if user else {}
 
 
-def _thinking(thinking: Any, max_tokens: int | None, reasoning_parser: str, chat_template: str | None) -> bool | None:
-    """The template's ``enable_thinking`` for ``thinking`` (None: leave the template's default)."""
+def _thinking(thinking: Any, max_tokens: int | None, reasoning_parser: str, chat_template: str | None
+              ) -> tuple[bool | None, int | None]:
+    """The template's ``enable_thinking`` for ``thinking`` (None: leave the template's default),
+    and its ``budget_tokens`` (None: thinking not enabled)."""
     if thinking is None:
-        return None
+        return None, None
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind not in ("enabled", "disabled"):
         raise invalid("thinking: must be {'type': 'enabled', 'budget_tokens': N} or {'type': 'disabled'}", "thinking")
@@ -231,7 +239,7 @@ def _thinking(thinking: Any, max_tokens: int | None, reasoning_parser: str, chat
         if reasoning_parser != "none" and not switchable:
             raise invalid("thinking: this model always thinks (its chat template cannot turn thinking off)",
                           "thinking")
-        return False if switchable else None
+        return (False if switchable else None), None
     budget = thinking.get("budget_tokens")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise invalid("thinking.budget_tokens: a positive integer is required", "thinking.budget_tokens")
@@ -240,4 +248,4 @@ def _thinking(thinking: Any, max_tokens: int | None, reasoning_parser: str, chat
     if reasoning_parser == "none":
         raise OpenAIError(400, "thinking: this model does not think (no reasoning parser: set the deploy file's "
                           "model.reasoning_parser for a reasoning model)", param="thinking")
-    return True if switchable else None
+    return (True if switchable else None), budget

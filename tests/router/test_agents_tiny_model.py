@@ -88,6 +88,33 @@ def test_a_thinking_reply_is_free_until_its_thoughts_end_then_follows_the_schema
     assert 1 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"]
 
 
+@pytest.mark.parametrize("schema", [False, True], ids=["free-answer", "json-answer"])
+def test_a_thinking_budget_ends_the_thoughts_at_that_many_tokens(tiny, schema):
+    """Random thoughts, never ended by the model (no nudge), end at the budget: the grammar
+    forces </think>; the answer follows, free or under the JSON schema."""
+    body = {"max_tokens": 60, "temperature": 1.0, "seed": 2, "thinking_token_budget": 7}
+    if schema:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    reply, params = _reply(tiny, R1_TEMPLATE, body)
+    message, usage = reply["choices"][0]["message"], reply["usage"]
+    assert "[max_tokens=7]" in params.structured_output.spec
+    # (reasoning_tokens counts the thoughts and their closing tag)
+    assert message["reasoning_content"] and usage["completion_tokens_details"]["reasoning_tokens"] == 7 + 1
+    assert usage["completion_tokens"] > 8  # the thoughts, </think>, then an answer
+    if schema:
+        assert json.loads(message["content"])["answer"] in ("yes", "no"), message
+
+
+def test_a_thinking_budget_is_refused_where_it_cannot_hold(tiny):
+    from raylm.router.errors import OpenAIError
+
+    for template, body in [(R1_TEMPLATE, {"thinking_token_budget": 0}),
+                           ("{% for m in messages %}{{ m.content }}{% endfor %}", {"thinking_token_budget": 5})]:
+        with pytest.raises(OpenAIError) as err:
+            _reply(tiny, template, {"max_tokens": 8, **body})
+        assert err.value.status == 400 and err.value.param == "thinking_token_budget"
+
+
 def test_a_harmony_call_forced_after_the_thoughts_is_read_back(tiny):
     """gpt-oss's format: the thoughts (free text, nudged to end) in the analysis channel, then
     the call in the commentary channel, both from the one grammar."""

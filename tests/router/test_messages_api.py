@@ -158,6 +158,8 @@ def test_thinking_blocks_whole_and_streamed(qwen3_tokenizer):
     whole, events = asyncio.run(_whole_and_events(service, messages=ASK, thinking=thinking))
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in whole.content] == [
         ("thinking", "\nTwo and two.\n"), ("text", "Four.")]
+    # budget_tokens holds the thoughts (</think> is one token here): the grammar's thoughts rule.
+    assert "[max_tokens=32]" in service.worker.requests[0].params.structured_output.spec
     kinds = [k for k in _event_kinds(events) if not k.startswith("content_block_delta")]
     assert kinds == ["message_start", "content_block_start:thinking", "content_block_stop",
                      "content_block_start:text", "content_block_stop", "message_delta", "message_stop"]
@@ -173,6 +175,14 @@ def test_thinking_blocks_whole_and_streamed(qwen3_tokenizer):
     assert [b.type for b in reply.content] == ["text"]
     prompt = qwen3_tokenizer.decode(off.worker.requests[0].prompt_token_ids, skip_special_tokens=False)
     assert prompt.endswith("<think>\n\n</think>\n\n") and "<think>Sum.</think>Four." in prompt
+
+
+def test_budget_tokens_bound_the_thoughts_only_where_they_end_with_one_token():
+    thinking = {"model": "m", "max_tokens": 64, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 40}}
+    assert chat_body(thinking, "qwen3", QWEN3_TEMPLATE, budget_enforceable=True)["thinking_token_budget"] == 40
+    assert "thinking_token_budget" not in chat_body(thinking, "qwen3", QWEN3_TEMPLATE, budget_enforceable=False)
+    off = {**thinking, "thinking": {"type": "disabled"}}
+    assert "thinking_token_budget" not in chat_body(off, "qwen3", QWEN3_TEMPLATE, budget_enforceable=True)
 
 
 def test_thinking_refused_where_the_model_cannot(tokenizer):
