@@ -271,7 +271,8 @@ class _Reply:
     async def events(self, first: tuple[int, GenerateChunk] | None,
                      chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[str]:
         """The stream: created, in_progress, each item's events, then completed (or incomplete); an
-        error on the way is an ``error`` event, and nothing is stored."""
+        error on the way is an ``error`` event then ``response.failed`` (the response, status
+        ``failed`` with its error, as OpenAI ends a failed stream), and nothing is stored."""
         try:
             yield self._event({"type": "response.created", "response": self.response("in_progress")})
             yield self._event({"type": "response.in_progress", "response": self.response("in_progress")})
@@ -288,11 +289,18 @@ class _Reply:
             await self._store()
             yield self._event({"type": f"response.{final['status']}", "response": final})
         except OpenAIError as err:
-            yield self._event({"type": "error", "code": err.code, "message": err.message, "param": err.param})
+            for event in self._failed(err.code, err.message, err.param):
+                yield event
         except Exception:
             logger.exception("streaming response %s failed", self.id)
-            yield self._event({"type": "error", "code": "server_error", "param": None,
-                               "message": f"internal error while streaming (response {self.id})"})
+            for event in self._failed("server_error", f"internal error while streaming (response {self.id})"):
+                yield event
+
+    def _failed(self, code: str | None, message: str, param: str | None = None) -> list[str]:
+        failed = self.response("failed")
+        failed["error"] = {"code": code or "server_error", "message": message}
+        return [self._event({"type": "error", "code": code, "message": message, "param": param}),
+                self._event({"type": "response.failed", "response": failed})]
 
     def _drain(self) -> list[str]:
         events = [self._event(e) for e in self.output.events]

@@ -250,7 +250,7 @@ def test_a_background_request_refused_up_front_stores_nothing(tokenizer):
     assert not service.worker.requests and len(service.response_store) == 0
 
 
-def test_a_stream_that_fails_midway_ends_with_an_error_event_and_stores_nothing(tokenizer):
+def test_a_stream_that_fails_midway_ends_with_error_and_failed_events_and_stores_nothing(tokenizer):
     service = _service(tokenizer, "never")
     service.worker.script = token_chunks(tokenizer, "Half a")[:2] + [RuntimeError("the worker broke")]
 
@@ -260,6 +260,8 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event_and_stores_nothing(
 
     events = asyncio.run(scenario())
     kinds = [e.type for e in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "error"
-    assert "response.completed" not in kinds and "internal error" in events[-1].message
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-2:] == ["error", "response.failed"]
+    assert "response.completed" not in kinds and "internal error" in events[-2].message
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "server_error" and "internal error" in failed.error.message
     assert len(service.response_store) == 0 and ledger_problems(service) == []
