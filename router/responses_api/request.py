@@ -61,9 +61,9 @@ def parse_responses_request(body: Any, previous: dict[str, Any] | None) -> Respo
     for flag in ("store", "stream", "background", "parallel_tool_calls"):
         if body.get(flag) is not None and not isinstance(body[flag], bool):
             raise invalid(f"{flag} must be a boolean", flag)
-    if body.get("background") and (body.get("store") is False or body.get("stream")):
-        raise invalid("a background response must be stored (store: true) and is not streamed: fetch it with "
-                      "GET /v1/responses/{id} (or stream without background)", "background")
+    if body.get("background") and body.get("store") is False:
+        raise invalid("a background response must be stored (store: true): it is fetched with "
+                      "GET /v1/responses/{id}", "background")
     if body.get("truncation", "disabled") not in ("disabled", None):
         raise invalid("truncation must be 'disabled': this server does not drop earlier turns", "truncation")
     if body.get("include"):

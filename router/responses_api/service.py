@@ -20,7 +20,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from raylm.cluster.response_store import ResponseStore
@@ -35,6 +35,12 @@ from raylm.workers.wire.replica_protocol import GenerateChunk
 logger = logging.getLogger("ray.serve")
 MAX_LIST_LIMIT = 100
 CANCEL_POLL_S = 1.0  # how often a background response checks the store for a cancellation
+
+
+async def _until_done(events: "asyncio.Queue[str | None]") -> AsyncIterator[str]:
+    """A background response's stream: the events its task puts, until its None."""
+    while (event := await events.get()) is not None:
+        yield event
 
 
 def not_found(response_id: str, param: str | None = None) -> OpenAIError:
@@ -161,7 +167,8 @@ class ResponsesAPI:
             if parsed_request.background:  # what can be refused now is, before anything is stored
                 service._priority(parsed, request.headers.get("x-priority"))
                 service._check_fits_pool(parsed)
-                return await self._start_background(reply, key_tenant, request.headers.get("x-priority"))
+                return await self._start_background(reply, key_tenant, request.headers.get("x-priority"),
+                                                    parsed_request.stream)
             priority, lease = await service.admit(parsed, key_tenant, request.headers.get("x-priority"))
         except OpenAIError as err:
             service.metrics.rejected(err.status, err.code or "invalid_request")
@@ -182,36 +189,49 @@ class ResponsesAPI:
         await lease.close()
         return JSONResponse(reply.response("completed"), headers={"X-Request-Id": reply.id})
 
-    async def _start_background(self, reply: "_Reply", key_tenant: str | None, priority_header: str | None) -> Response:
-        """Store the response ``in_progress``, answer with it, and generate it in a task of this
-        replica (admitted like any request); its end replaces the record unless it was cancelled."""
+    async def _start_background(self, reply: "_Reply", key_tenant: str | None, priority_header: str | None,
+                                stream: bool) -> Response:
+        """Store the response ``in_progress`` and generate it in a task of this replica (admitted
+        like any request); its end replaces the record unless it was cancelled. Answered with the
+        response at once, or (``stream``) with its events as the task makes them: a client that
+        goes away stops reading, not generating, and fetches the result with ``GET``."""
         await asyncio.to_thread(self.store.put, reply.owner, reply.id, reply.record("in_progress"))
-        task = asyncio.get_running_loop().create_task(self._generate_background(reply, key_tenant, priority_header))
+        events: asyncio.Queue[str | None] | None = asyncio.Queue() if stream else None
+        task = asyncio.get_running_loop().create_task(
+            self._generate_background(reply, key_tenant, priority_header, events))
         self._background[reply.id] = task
         task.add_done_callback(lambda _: self._background.pop(reply.id, None))
-        return JSONResponse(reply.response("in_progress"), headers={"X-Request-Id": reply.id})
+        if events is None:
+            return JSONResponse(reply.response("in_progress"), headers={"X-Request-Id": reply.id})
+        return StreamingResponse(_until_done(events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": reply.id})
 
-    async def _generate_background(self, reply: "_Reply", key_tenant: str | None, priority_header: str | None) -> None:
+    async def _generate_background(self, reply: "_Reply", key_tenant: str | None, priority_header: str | None,
+                                   events: "asyncio.Queue[str | None] | None" = None) -> None:
+        """Generate a background response to its stored end; ``events``: also its stream's events
+        (the failure ones included), then None."""
         service, parsed = self.service, reply.builder.parsed
         watcher = asyncio.get_running_loop().create_task(self._watch_cancel(reply, asyncio.current_task()))
         try:
             priority, lease = await service.admit(parsed, key_tenant, priority_header)
             try:
                 chunks = service.generate_admitted(parsed, reply.id, priority, lease)
-                await reply.run(await anext(chunks, None), chunks)
+                if events is None:
+                    await reply.run(await anext(chunks, None), chunks)
+                else:
+                    async for event in reply.events(await anext(chunks, None), chunks):
+                        events.put_nowait(event)
             finally:
                 await lease.close()
         except OpenAIError as err:
-            failed = reply.record("failed")
-            failed["response"]["error"] = {"code": err.code or "server_error", "message": err.message}
-            await asyncio.to_thread(self.store.replace, reply.owner, reply.id, failed, "in_progress")
+            await reply.fail(err.code or "server_error", err.message, events)
         except Exception:
             logger.exception("background response %s failed", reply.id)
-            failed = reply.record("failed")
-            failed["response"]["error"] = {"code": "server_error", "message": "internal error while generating"}
-            await asyncio.to_thread(self.store.replace, reply.owner, reply.id, failed, "in_progress")
+            await reply.fail("server_error", "internal error while generating", events)
         finally:
             watcher.cancel()
+            if events is not None:
+                events.put_nowait(None)
 
     async def _watch_cancel(self, reply: "_Reply", generating: asyncio.Task | None) -> None:
         """Stop generating once another replica cancelled the response in the store."""
@@ -289,18 +309,29 @@ class _Reply:
             await self._store()
             yield self._event({"type": f"response.{final['status']}", "response": final})
         except OpenAIError as err:
-            for event in self._failed(err.code, err.message, err.param):
+            for event in await self._failed(err.code, err.message, err.param):
                 yield event
         except Exception:
             logger.exception("streaming response %s failed", self.id)
-            for event in self._failed("server_error", f"internal error while streaming (response {self.id})"):
+            for event in await self._failed("server_error", f"internal error while streaming (response {self.id})"):
                 yield event
 
-    def _failed(self, code: str | None, message: str, param: str | None = None) -> list[str]:
-        failed = self.response("failed")
-        failed["error"] = {"code": code or "server_error", "message": message}
+    async def fail(self, code: str, message: str, events: "asyncio.Queue[str | None] | None") -> None:
+        """A background response that failed before its stream began (admission): its record
+        (and its stream's events)."""
+        for event in await self._failed(code, message):
+            if events is not None:
+                events.put_nowait(event)
+
+    async def _failed(self, code: str | None, message: str, param: str | None = None) -> list[str]:
+        """The events ending a failed stream; a background response's record says ``failed``."""
+        error = {"code": code or "server_error", "message": message}
+        if self.request.background:
+            record = self.record("failed")
+            record["response"]["error"] = error
+            await asyncio.to_thread(self.api.store.replace, self.owner, self.id, record, "in_progress")
         return [self._event({"type": "error", "code": code, "message": message, "param": param}),
-                self._event({"type": "response.failed", "response": failed})]
+                self._event({"type": "response.failed", "response": {**self.response("failed"), "error": error}})]
 
     def _drain(self) -> list[str]:
         events = [self._event(e) for e in self.output.events]

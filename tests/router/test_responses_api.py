@@ -234,6 +234,42 @@ def test_background_response_completes_or_is_cancelled(tokenizer):
     assert ledger_problems(service) == []  # the hanging worker call was cancelled, its slot given back
 
 
+def test_a_streamed_background_response_outlives_its_client(tokenizer):
+    """background + stream: the events as a plain stream's (the response marked background),
+    the result stored; a client that goes away after the first events leaves the response to
+    finish and be fetched, where a plain stream would be stopped."""
+    from tests.fake_worker import asgi_request
+
+    service = _service(tokenizer, "Streamed in the background.")
+
+    async def scenario():
+        client = openai_client(service)
+        stream = await client.responses.create(model="m", input="Work", background=True, stream=True)
+        events = [event async for event in stream]
+        stored = await client.responses.retrieve(events[0].response.id)
+        service.worker.script = token_chunks(tokenizer, "Finished without its client.")
+        body = json.dumps({"model": "m", "input": "Work", "background": True, "stream": True}).encode()
+        answer = await asgi_request(service.asgi_app(), "POST", "/v1/responses", body,
+                                    {"content-type": "application/json"}, disconnect_after_body_parts=1)
+        first = json.loads(answer.body.decode().split("data: ", 1)[1].split("\n", 1)[0])
+        for _ in range(200):
+            left = await client.responses.retrieve(first["response"]["id"])
+            if left.status != "in_progress":
+                break
+            await asyncio.sleep(0.01)
+        return events, stored, first, left
+
+    events, stored, first, left = asyncio.run(scenario())
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert events[0].response.background and events[0].response.status == "in_progress"
+    assert stored.status == "completed" and stored.output_text == events[-1].response.output_text == (
+        "Streamed in the background.")
+    assert first["type"] == "response.created"
+    assert left.status == "completed" and left.output_text == "Finished without its client."
+    assert ledger_problems(service) == []
+
+
 def test_a_background_request_refused_up_front_stores_nothing(tokenizer):
     service = _service(tokenizer, "never")
 
