@@ -34,7 +34,10 @@ from raylm.workers.wire.replica_protocol import GenerateChunk
 
 logger = logging.getLogger("ray.serve")
 MAX_LIST_LIMIT = 100
-CANCEL_POLL_S = 1.0  # how often a background response checks the store for a cancellation
+CANCEL_POLL_S = 1.0  # how often a background response checks the store for a cancellation (and says it lives)
+# A background response ``in_progress`` whose replica has not said it lives for this long lost it
+# (the replica died): the next read stores it failed.
+STALE_AFTER_S = 15.0
 
 
 async def _until_done(events: "asyncio.Queue[str | None]") -> AsyncIterator[str]:
@@ -76,10 +79,24 @@ class ResponsesAPI:
 
     async def _record(self, request: Request) -> dict[str, Any]:
         response_id = request.path_params["response_id"]
-        record = await asyncio.to_thread(self.store.get, self._owner(request), response_id)
+        record = await self._fresh(self._owner(request), response_id)
         if record is None:
             raise not_found(response_id)
         return record
+
+    async def _fresh(self, owner: str, response_id: str) -> dict[str, Any] | None:
+        """The stored record, a background response whose replica stopped saying it lives
+        (``STALE_AFTER_S``) first stored ``failed`` (atomically: unless it ended meanwhile)."""
+        record = await asyncio.to_thread(self.store.get, owner, response_id)
+        if record is None or record["response"]["status"] != "in_progress":
+            return record
+        if time.time() - record.get("alive_at", time.time()) <= STALE_AFTER_S:
+            return record
+        error = {"code": "server_error", "message": "the router replica generating this background response stopped"}
+        failed = {**record, "response": {**record["response"], "status": "failed", "error": error}}
+        if await asyncio.to_thread(self.store.replace, owner, response_id, failed, "in_progress"):
+            return failed
+        return await asyncio.to_thread(self.store.get, owner, response_id)
 
     async def retrieve(self, request: Request) -> Response:
         try:
@@ -211,7 +228,7 @@ class ResponsesAPI:
         """Generate a background response to its stored end; ``events``: also its stream's events
         (the failure ones included), then None."""
         service, parsed = self.service, reply.builder.parsed
-        watcher = asyncio.get_running_loop().create_task(self._watch_cancel(reply, asyncio.current_task()))
+        watcher = asyncio.get_running_loop().create_task(self._keep_alive(reply, asyncio.current_task()))
         try:
             priority, lease = await service.admit(parsed, key_tenant, priority_header)
             try:
@@ -233,12 +250,14 @@ class ResponsesAPI:
             if events is not None:
                 events.put_nowait(None)
 
-    async def _watch_cancel(self, reply: "_Reply", generating: asyncio.Task | None) -> None:
-        """Stop generating once another replica cancelled the response in the store."""
+    async def _keep_alive(self, reply: "_Reply", generating: asyncio.Task | None) -> None:
+        """Say in the store that the response is being generated (``alive_at``) every
+        ``CANCEL_POLL_S``, and stop generating once it is no longer ``in_progress`` there (another
+        replica cancelled or deleted it)."""
         while generating is not None:
             await asyncio.sleep(CANCEL_POLL_S)
-            record = await asyncio.to_thread(self.store.get, reply.owner, reply.id)
-            if record is None or record["response"]["status"] == "cancelled":  # or deleted
+            if not await asyncio.to_thread(self.store.replace, reply.owner, reply.id, reply.record("in_progress"),
+                                           "in_progress"):
                 generating.cancel()
                 return
 
@@ -248,7 +267,7 @@ class ResponsesAPI:
             return None
         if not isinstance(previous_id, str):
             raise invalid("previous_response_id must be a string", "previous_response_id")
-        record = await asyncio.to_thread(self.store.get, owner, previous_id)
+        record = await self._fresh(owner, previous_id)
         if record is None:
             raise not_found(previous_id, "previous_response_id")
         if record["response"]["status"] == "in_progress":
@@ -285,8 +304,11 @@ class _Reply:
         """What the store keeps: the response, its input items and the conversation to continue
         (with this reply once it is complete)."""
         done = status == "completed"
-        return {"response": self.response(status), "input_items": self.request.input_items,
-                "conversation": self.request.conversation + ([self._assistant_turn()] if done else [])}
+        record = {"response": self.response(status), "input_items": self.request.input_items,
+                  "conversation": self.request.conversation + ([self._assistant_turn()] if done else [])}
+        if status == "in_progress":  # a background response's replica says it lives (ResponsesAPI._fresh)
+            record["alive_at"] = time.time()
+        return record
 
     async def events(self, first: tuple[int, GenerateChunk] | None,
                      chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[str]:

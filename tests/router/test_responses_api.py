@@ -270,6 +270,36 @@ def test_a_streamed_background_response_outlives_its_client(tokenizer):
     assert ledger_problems(service) == []
 
 
+def test_a_background_response_whose_replica_died_reads_as_failed(tokenizer):
+    """A background response left in_progress by a replica that stopped saying it lives (it died)
+    is stored failed by the next read, on any replica; a live one is refreshed and stays."""
+    import time
+
+    from raylm.router.responses_api.service import STALE_AFTER_S
+
+    service = _service(tokenizer, "never")
+
+    async def scenario():
+        client = openai_client(service)
+        service.worker.script = token_chunks(tokenizer, "Slow")[:1] + [HANG]
+        live = await client.responses.create(model="m", input="Work", background=True)
+        record = service.response_store.get("", live.id)
+        orphan = {**record, "response": {**record["response"], "id": "resp_orphan"},
+                  "alive_at": time.time() - STALE_AFTER_S - 1}
+        service.response_store.put("", "resp_orphan", orphan)
+        await asyncio.sleep(1.2)  # one keep-alive
+        refreshed = service.response_store.get("", live.id)["alive_at"]
+        still = await client.responses.retrieve(live.id)
+        failed = await client.responses.retrieve("resp_orphan")
+        await client.responses.cancel(live.id)
+        return record["alive_at"], refreshed, still, failed
+
+    first, refreshed, still, failed = asyncio.run(scenario())
+    assert refreshed > first and still.status == "in_progress"
+    assert failed.status == "failed" and "stopped" in failed.error.message
+    assert service.response_store.get("", "resp_orphan")["response"]["status"] == "failed"
+
+
 def test_a_background_request_refused_up_front_stores_nothing(tokenizer):
     service = _service(tokenizer, "never")
 
