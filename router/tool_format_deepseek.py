@@ -102,7 +102,7 @@ class DeepSeekFormat(FormatBase):
     def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
         if tool_use.choice == "auto":
             return None
-        functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+        functions = tool_use.forced_functions
         rules = []
         for i, function in enumerate(functions):
             arguments = f"%json {json.dumps(with_layout(function['parameters']))}"

@@ -10,11 +10,9 @@ from typing import Any
 
 from raylm.router import tools
 from raylm.router.tool_formats import (
-    Calls,
     CallStream,
-    FormatBase,
+    TaggedCallsFormat,
     WholeCallStream,
-    adjacent_calls,
     json_or_text,
     new_call,
     repeats,
@@ -23,30 +21,17 @@ from raylm.router.tool_formats import (
 from raylm.router.tools import ToolUse
 from raylm.workers.core.grammar import StructuredOutput
 
-_GLM_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _GLM_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _GLM_VALUE_TEXT = "/[^<]*/"  # a string value as plain text: anything up to the closing tag
 
 
-class Glm45Format(FormatBase):
+class Glm45Format(TaggedCallsFormat):
     """GLM-4.5's ``<tool_call>`` blocks: the function's name on the first line, then each
     argument as an ``<arg_key>`` / ``<arg_value>`` pair (as GLM's template writes them back:
     strings as they are, other values as JSON). Parallel calls follow each other."""
 
     name = "glm45"
     markers = (tools.OPEN_TAG, tools.CLOSE_TAG, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
-
-    def __init__(self, literals: dict[str, str] | None = None):
-        self._literal = literals or {m: json.dumps(m) for m in self.markers}
-
-    def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
-        start = text.find(tools.OPEN_TAG)
-        if start < 0:
-            return text, []
-        calls = adjacent_calls(_GLM_CALL, text, start, len(text), lambda body: self._call(body, tool_use))
-        if not calls:
-            return text, []
-        return text[:start].strip() or None, calls
 
     def _call(self, body: str, tool_use: ToolUse) -> dict[str, Any] | None:
         body = body.lstrip()
@@ -71,7 +56,7 @@ class Glm45Format(FormatBase):
     def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
         if tool_use.choice == "auto":
             return None
-        functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+        functions = tool_use.forced_functions
         rules = []
         for i, function in enumerate(functions):
             parameters = function["parameters"]

@@ -42,7 +42,7 @@ class HarmonyFormat(FormatBase):
         if tool_use.choice == "auto":
             return None
         literal = self._literal
-        functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+        functions = tool_use.forced_functions
         rules = [f"f{i}: {json.dumps(f['name'] + ' ')} {literal[CONSTRAIN]} \"json\" {literal[MESSAGE]} "
                  f"%json {json.dumps(with_layout(f['parameters']))}" for i, f in enumerate(functions)]
         alternatives = " | ".join(f"f{i}" for i in range(len(functions)))

@@ -90,7 +90,7 @@ class PythonicFormat(FormatBase):
         schema (which Python reads alike: a JSON string or number is a Python literal)."""
         if tool_use.choice == "auto":
             return None
-        functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+        functions = tool_use.forced_functions
         rules = []
         for i, function in enumerate(functions):
             keywords = list(function["parameters"].get("properties", {}).items())

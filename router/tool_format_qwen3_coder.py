@@ -27,8 +27,7 @@ from raylm.router.call_streams import PieceCallStream, object_text, value_text
 from raylm.router.tool_formats import (
     Calls,
     CallStream,
-    FormatBase,
-    adjacent_calls,
+    TaggedCallsFormat,
     json_or_text,
     new_call,
     repeats,
@@ -37,7 +36,6 @@ from raylm.router.tool_formats import (
 from raylm.router.tools import ToolUse
 from raylm.workers.core.grammar import StructuredOutput
 
-_CALL = re.compile(re.escape(tools.OPEN_TAG) + "(.*?)" + re.escape(tools.CLOSE_TAG), re.DOTALL)
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>")
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
 FUNCTION_END = "</function>"
@@ -47,24 +45,12 @@ _TEXT_RULE = "qwen_text"
 _TEXT_VALUE = f"{_TEXT_RULE}[lazy]: /(?s:.*)\\n<\\/parameter>/"
 
 
-class Qwen3CoderFormat(FormatBase):
+class Qwen3CoderFormat(TaggedCallsFormat):
     """``literals``: ``<tool_call>`` / ``</tool_call>`` as grammar literals (the tokens
     themselves where the vocabulary has them, as Qwen's does)."""
 
     name = "qwen3_coder"
     markers = (tools.OPEN_TAG, tools.CLOSE_TAG)
-
-    def __init__(self, literals: dict[str, str] | None = None):
-        self._literal = literals or {m: json.dumps(m) for m in self.markers}
-
-    def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
-        start = text.find(tools.OPEN_TAG)
-        if start < 0:
-            return text, []
-        calls = adjacent_calls(_CALL, text, start, len(text), lambda body: self._call(body, tool_use))
-        if not calls:
-            return text, []
-        return text[:start].strip() or None, calls
 
     def _call(self, body: str, tool_use: ToolUse) -> dict[str, Any] | None:
         read = _read(body, tool_use)
@@ -95,7 +81,7 @@ class Qwen3CoderFormat(FormatBase):
     def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
         if tool_use.choice == "auto":
             return None
-        functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+        functions = tool_use.forced_functions
         rules = []
         for i, function in enumerate(functions):
             parameters = function["parameters"]

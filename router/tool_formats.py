@@ -71,7 +71,7 @@ def new_call(name: str, arguments: Any, call_id: str | None = None) -> dict[str,
 
 def _function_rules(tool_use: ToolUse, arguments_key: str) -> tuple[str, list[str]]:
     """The alternatives of forced calls as ``{"name": const, <arguments_key>: schema}`` JSON."""
-    functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+    functions = tool_use.forced_functions
     rules = []
     for i, function in enumerate(functions):
         schema = {"type": "object", "properties": {"name": {"const": function["name"]},
@@ -156,6 +156,33 @@ class FormatBase:
     def history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The validated messages as this family's template takes them."""
         return messages
+
+
+_TAGGED_CALL = re.compile(re.escape(tools.OPEN_TAG) + "(.*?)" + re.escape(tools.CLOSE_TAG), re.DOTALL)
+
+
+class TaggedCallsFormat(FormatBase):
+    """Formats whose calls are ``<tool_call>`` blocks one after another, each body read by
+    ``_call`` (GLM-4.5's, Qwen3-Coder's); text before the first is content. ``literals``: each
+    marker as a grammar literal (the token itself where the vocabulary has it)."""
+
+    markers: tuple[str, ...] = (tools.OPEN_TAG, tools.CLOSE_TAG)
+
+    def __init__(self, literals: dict[str, str] | None = None):
+        self._literal = literals or {m: json.dumps(m) for m in self.markers}
+
+    def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
+        start = text.find(tools.OPEN_TAG)
+        if start < 0:
+            return text, []
+        calls = adjacent_calls(_TAGGED_CALL, text, start, len(text), lambda body: self._call(body, tool_use))
+        if not calls:
+            return text, []
+        return text[:start].strip() or None, calls
+
+    def _call(self, body: str, tool_use: ToolUse) -> dict[str, Any] | None:
+        """One block's call, or None: the reply is then content."""
+        raise NotImplementedError
 
 
 class HermesFormat(FormatBase):
@@ -350,7 +377,7 @@ class MistralFormat(FormatBase):
         if tool_use.choice == "auto":
             return None
         if self.args_form:
-            functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+            functions = tool_use.forced_functions
             rules = [f"f{i}: {json.dumps(f['name'])} {self._args} %json {json.dumps(with_layout(f['parameters']))}"
                      for i, f in enumerate(functions)]
             alternatives = " | ".join(f"f{i}" for i in range(len(functions)))

@@ -42,6 +42,11 @@ class ToolUse:
     def names(self) -> list[str]:
         return [f["name"] for f in self.functions]
 
+    @property
+    def forced_functions(self) -> list[Mapping[str, Any]]:
+        """The functions a call may name under ``required`` (all) or a named choice (that one)."""
+        return [f for f in self.functions if self.choice in ("required", f["name"])]
+
 
 def parse_tool_use(body: Mapping[str, Any]) -> ToolUse | None:
     """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` of a chat request; None when no tool
@@ -158,7 +163,7 @@ def forced_calls_grammar(tool_use: ToolUse, open_literal: str = '"<tool_call>"',
     has them as tokens, router/tool_parsers.py)."""
     if tool_use.choice == "auto":
         return None
-    functions = [f for f in tool_use.functions if tool_use.choice in ("required", f["name"])]
+    functions = tool_use.forced_functions
     rules = []
     for i, function in enumerate(functions):
         schema = {"type": "object", "properties": {"name": {"const": function["name"]},
