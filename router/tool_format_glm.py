@@ -13,6 +13,7 @@ from raylm.router.tool_formats import (
     CallStream,
     TaggedCallsFormat,
     WholeCallStream,
+    argument_rules,
     json_or_text,
     new_call,
     repeats,
@@ -58,17 +59,16 @@ class Glm45Format(TaggedCallsFormat):
             return None
         functions = tool_use.forced_functions
         rules = []
+        literal = self._literal
+
+        def argument(key: str, schema: Any) -> str:
+            return (f'{literal["<arg_key>"]} {json.dumps(key)} {literal["</arg_key>"]} "\\n" {literal["<arg_value>"]} '
+                    f'{_glm_value(schema)} {literal["</arg_value>"]} "\\n"')
+
         for i, function in enumerate(functions):
-            parameters = function["parameters"]
-            required = set(parameters.get("required", []))
-            parts = []
-            for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
-                value = _glm_value(schema)
-                key_part = f"{self._literal['<arg_key>']} {json.dumps(key)} {self._literal['</arg_key>']}"
-                rules.append(f'f{i}a{j}: {key_part} "\\n" {self._literal["<arg_value>"]} {value} '
-                             f'{self._literal["</arg_value>"]} "\\n"')
-                parts.append(f"f{i}a{j}" if key in required else f"f{i}a{j}?")
-            rules.append(f"f{i}: {json.dumps(function['name'] + chr(10))} {' '.join(parts)}".rstrip())
+            arguments, sequence = argument_rules(i, function["parameters"], argument)
+            rules += arguments
+            rules.append(f"f{i}: {json.dumps(function['name'] + chr(10))} {sequence}".rstrip())
         alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
         repeat = ' ("\\n" call)*' if repeats(tool_use) else ""
         lines = [f"start: call{repeat}",

@@ -28,6 +28,7 @@ from raylm.router.tool_formats import (
     Calls,
     CallStream,
     TaggedCallsFormat,
+    argument_rules,
     json_or_text,
     new_call,
     repeats,
@@ -84,14 +85,12 @@ class Qwen3CoderFormat(TaggedCallsFormat):
         functions = tool_use.forced_functions
         rules = []
         for i, function in enumerate(functions):
-            parameters = function["parameters"]
-            required = set(parameters.get("required", []))
-            parts = []
-            for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
-                rules.append(f"f{i}a{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {_value_grammar(schema)}")
-                parts.append(f"f{i}a{j}" if key in required else f"f{i}a{j}?")
+            arguments, sequence = argument_rules(
+                i, function["parameters"], lambda key, schema: f"{json.dumps(f'<parameter={key}>' + chr(10))} "
+                                                                f"{_value_grammar(schema)}")
+            rules += arguments
             head = json.dumps(f"<function={function['name']}>\n")
-            rules.append(f"f{i}: {head} {' '.join(parts)} {json.dumps(FUNCTION_END)}")
+            rules.append(f"f{i}: {head} {sequence} {json.dumps(FUNCTION_END)}")
         alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
         repeat = ' ("\\n" call)*' if repeats(tool_use) else ""
         lines = [f"start: call{repeat}",

@@ -81,6 +81,18 @@ def _function_rules(tool_use: ToolUse, arguments_key: str) -> tuple[str, list[st
     return " | ".join(f"f{i}" for i in range(len(functions))), rules
 
 
+def argument_rules(i: int, parameters: dict[str, Any], body: Callable[[str, Any], str]) -> tuple[list[str], str]:
+    """Function ``i``'s arguments as grammar rules ``f{i}a{j}`` in its schema's order (each rule
+    ``body(key, schema)``), and their sequence, the ones its schema does not require optional:
+    for the formats that write each argument in a block of its own (GLM-4.5, Qwen3-Coder)."""
+    required = set(parameters.get("required", []))
+    rules, parts = [], []
+    for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
+        rules.append(f"f{i}a{j}: {body(key, schema)}")
+        parts.append(f"f{i}a{j}" if key in required else f"f{i}a{j}?")
+    return rules, " ".join(parts)
+
+
 def adjacent_calls(pattern: re.Pattern[str], text: str, start: int, end: int,
                    read: Callable[[str], dict[str, Any] | None]) -> Calls:
     """The calls ``read`` makes of each ``pattern`` match's first group in ``text[start:end]``
