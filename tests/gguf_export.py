@@ -71,6 +71,13 @@ _QUANTIZED = {T.Q4_0, T.Q4_1, T.Q8_0}
 QTypes = T | Callable[[str], T]
 
 
+def q4_k_m_types(name: str) -> T:
+    """llama-quantize's Q4_K_M choice on a small model (a ``QTypes`` for ``export_gguf``): Q6_K for
+    the value and down projections and the output matrix, Q4_K elsewhere (its per-layer
+    alternation aside)."""
+    return T.Q6_K if name.startswith("output.") or "attn_v" in name or "ffn_down" in name else T.Q4_K
+
+
 def random_blocks(kind: T, shape: tuple[int, ...], seed: int) -> np.ndarray:
     """A tensor of ``shape`` (numpy order, rows of whole blocks) in ``kind``'s blocks with random
     bits and float16 scales of a sane magnitude: a valid file tensor for types the gguf

@@ -57,15 +57,30 @@ struct VnniFamily {
         int8_t* q = out->q.data() + out->At(r, b) * kGgufBlock;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q_low));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q_high));
-        SetBlock(out, r, b, amax, _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)));
+        SetBlock(out, r, b, amax, _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)),
+                 _mm512_reduce_add_epi32(q_low));
       }
+  }
+
+  // Adds vector t of block b of 8-bit weights (the columns of G groups from n, each byte + 128)
+  // times rows [m, m + R)'s four activations at 4t to `sums`.
+  template <int R, int G>
+  static void AddBytes(const Int8Rows& a, int64_t m, const Int8Panels& w, int64_t n, int64_t b, int t,
+                       __m512i (&sums)[R][G]) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i weights[G];
+    for (int g = 0; g < G; ++g) weights[g] = _mm512_xor_si512(_mm512_loadu_si512(w.Vector(n + g * kCols, b, t)), flip);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_set1_epi32(a.Four(m + r, b, 4 * t));
+      for (int g = 0; g < G; ++g) sums[r][g] = _mm512_dpbusd_epi32(sums[r][g], weights[g], x);
+    }
   }
 
   // Rows [m, m + R) against G consecutive groups from column n; writes y[r, n + c] for the
   // first `valid` columns (of G * kCols).
   template <int R, int G, Format F>
   static void Tile(const Int8Rows& a, int64_t m, const Int8Panels& w, float* y, int64_t n, int64_t valid) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
     __m512 acc[R][G];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -93,16 +108,28 @@ struct VnniFamily {
             }
           }
         }
-      } else {
-        for (int t = 0; t < 8; ++t) {
-          __m512i weights[G];
-          for (int g = 0; g < G; ++g)
-            weights[g] = _mm512_xor_si512(_mm512_loadu_si512(w.Vector(n + g * kCols, b, t)), flip);
+      } else if constexpr (F == Format::kSubScaledBytes) {
+        // Each half's sums (started at -128 S of its 16 activations) times the columns' int8
+        // sub-scales, the two added in int32.
+        for (int h = 0; h < 2; ++h) {
+          __m512i half[R][G];
           for (int r = 0; r < R; ++r) {
-            const __m512i x = _mm512_set1_epi32(a.Four(m + r, b, 4 * t));
-            for (int g = 0; g < G; ++g) sums[r][g] = _mm512_dpbusd_epi32(sums[r][g], weights[g], x);
+            const int64_t i = a.At(m + r, b);
+            const __m512i start = _mm512_set1_epi32(h == 0 ? -a.low128[i] : a.low128[i] - a.sum128[i]);
+            for (int g = 0; g < G; ++g) half[r][g] = start;
+          }
+          for (int t = 4 * h; t < 4 * h + 4; ++t) AddBytes<R, G>(a, m, w, n, b, t, half);
+          for (int g = 0; g < G; ++g) {
+            const __m512i scale = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, h))));
+            for (int r = 0; r < R; ++r) {
+              const __m512i scaled = _mm512_mullo_epi32(half[r][g], scale);
+              sums[r][g] = h == 0 ? scaled : _mm512_add_epi32(sums[r][g], scaled);
+            }
           }
         }
+      } else {
+        for (int t = 0; t < 8; ++t) AddBytes<R, G>(a, m, w, n, b, t, sums);
       }
       for (int g = 0; g < G; ++g) {
         const __m512 d = F == Format::kRowBytes ? _mm512_set1_ps(1.0f) : Lanes(w, w.d, n + g * kCols, b);
@@ -152,6 +179,14 @@ struct Avx2Family {
     return _mm256_loadu_ps(static_cast<const float*>(values) + i);
   }
 
+  // The sum of eight int32 lanes.
+  static int32_t Total(__m256i lanes) {
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(1, 0, 3, 2)));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(sum);
+  }
+
   // QuantizeRows's arithmetic, four vectors a block (as VnniFamily::Quantize; a last partial
   // block is copied into zeros first).
   static void Quantize(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int8Rows* out) {
@@ -180,11 +215,8 @@ struct Avx2Family {
         const __m256i bytes = _mm256_permutevar8x32_epi32(
             _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->q.data() + out->At(r, b) * kGgufBlock), bytes);
-        const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(1, 0, 3, 2)));
-        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(2, 3, 0, 1)));
-        SetBlock(out, r, b, amax, _mm_cvtsi128_si32(sum));
+        const __m256i low = _mm256_add_epi32(q[0], q[1]);
+        SetBlock(out, r, b, amax, Total(_mm256_add_epi32(low, _mm256_add_epi32(q[2], q[3]))), Total(low));
       }
   }
 
@@ -222,7 +254,8 @@ struct Avx2Family {
           }
         }
       } else {
-        for (int t = 0; t < 8; ++t) {
+        // Vector t of the block's bytes times the rows' four activations at 4t, added to `into`.
+        auto add_bytes = [&](int t, __m256i (&into)[R][G]) {
           __m256i weights[G], magnitudes[G];
           for (int g = 0; g < G; ++g) {
             weights[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Vector(n + g * kCols, b, t)));
@@ -230,8 +263,24 @@ struct Avx2Family {
           }
           for (int r = 0; r < R; ++r) {
             const __m256i x = _mm256_set1_epi32(a.Four(m + r, b, 4 * t));
-            for (int g = 0; g < G; ++g) add(sums[r][g], weights[g], magnitudes[g], x);
+            for (int g = 0; g < G; ++g) add(into[r][g], weights[g], magnitudes[g], x);
           }
+        };
+        if constexpr (F == Format::kSubScaledBytes) {
+          // Each half's sums times the columns' int8 sub-scales, the two added in int32.
+          for (int h = 0; h < 2; ++h) {
+            __m256i half[R][G];
+            for (int r = 0; r < R; ++r)
+              for (int g = 0; g < G; ++g) half[r][g] = _mm256_setzero_si256();
+            for (int t = 4 * h; t < 4 * h + 4; ++t) add_bytes(t, half);
+            for (int g = 0; g < G; ++g) {
+              const __m256i scale = _mm256_cvtepi8_epi32(
+                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, h))));
+              for (int r = 0; r < R; ++r) sums[r][g] = _mm256_add_epi32(sums[r][g], _mm256_mullo_epi32(half[r][g], scale));
+            }
+          }
+        } else {
+          for (int t = 0; t < 8; ++t) add_bytes(t, sums);
         }
       }
       for (int g = 0; g < G; ++g) {

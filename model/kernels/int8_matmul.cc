@@ -10,13 +10,17 @@
 //
 // Operands: x [M, K] f32 and the weights as model/quantization/int8_panels.py repacked them at load: GGUF
 // blocks with a scale per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0, IQ4; int8_g32, held as Q8_0
-// blocks) or int8 with a scale per output row, N output columns in groups of 16.
+// blocks), signed bytes with an int8 scale per 16 under a super-block's d (Q6_K, Q3_K), or int8
+// with a scale per output row, N output columns in groups of 16.
 //
 // The arithmetic, the same in every family below and for every M, per row r and output column n:
 //   activations, per block b of 32 (the last one zero-padded): a = max |x|, d_x = a / 127,
 //     q_x = nearest-even(x * (127 / a)) (0 when a = 0), S = sum of the block's q_x;
 //   i_b = sum over the block of q_x * v, v the stored weight integer: the nibble 0..15 of a 4-bit
-//     block, the signed byte of an 8-bit one (exact in int32);
+//     block, the signed byte of an 8-bit one (exact in int32); with int8 sub-scales per 16
+//     (Q6_K, Q3_K) i_b = sc_0 * (sum over weights 0..15) + sc_1 * (sum over 16..31), also in
+//     int32 (exact: at most 2 * 16 * 128 * 127 * 128 < 2^31), and d_w the super-block's d, as
+//     llama.cpp's q6_K x q8_K dot product forms it;
 //   acc = fma(float(i_b), d_x * d_w, acc) for b in order (d_w: the block's scale, 1 for
 //     per-row int8), then for 4-bit blocks acc = fma(m, d_x * S, acc) with m the block's offset
 //     (w = d_w * v + m covers Q4_1 and Q4_0's m = -8 d_w: llama.cpp's q8_1 sum term);
@@ -51,6 +55,7 @@ using raylm::Matrix;
 namespace {
 
 using RowScale = ffi::Buffer<ffi::F32, 1>;  // [N or 0]
+using SubScale = ffi::Buffer<ffi::S8, 4>;   // [groups, blocks, 2, 16] or [0, 0, 0, 0]
 
 enum class Int8Family { kPortable, kAvx2, kVnni };
 
@@ -97,7 +102,8 @@ void TileRows(int64_t rows, const Int8Rows& a, int64_t m, const Int8Panels& w, f
 template <typename Family, Format F>
 void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
   constexpr int C = Family::kCols;
-  const int64_t group_bytes = w.blocks * (w.Vectors() * kVectorBytes + 2 * kGroupCols * (w.half ? 2 : 4));
+  const int64_t sub_scale_bytes = F == Format::kSubScaledBytes ? 2 * kGroupCols : 0;
+  const int64_t group_bytes = w.blocks * (w.Vectors() * kVectorBytes + 2 * kGroupCols * (w.half ? 2 : 4) + sub_scale_bytes);
   const int64_t panel_cols = std::max<int64_t>(2, kInt8PanelBytes / group_bytes) * kGroupCols;
   const int64_t block_rows =
       std::max<int64_t>(kInt8Rows, kInt8RowBlockBytes / (w.blocks * kGgufBlock) / kInt8Rows * kInt8Rows);
@@ -125,6 +131,8 @@ void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, 
     case Format::kNibbles: return VectorColumns<Family, Format::kNibbles>(a, w, y, M, n_begin, n_end);
     case Format::kBlockBytes: return VectorColumns<Family, Format::kBlockBytes>(a, w, y, M, n_begin, n_end);
     case Format::kRowBytes: return VectorColumns<Family, Format::kRowBytes>(a, w, y, M, n_begin, n_end);
+    case Format::kSubScaledBytes:
+      return VectorColumns<Family, Format::kSubScaledBytes>(a, w, y, M, n_begin, n_end);
   }
 }
 #endif
@@ -165,7 +173,8 @@ void RunInt8Matmul(const float* x, const Int8Panels& w, float* y, int64_t M, ffi
 
 // Checks the packed operands against x [M, K] and y [M, N]; an empty message when they agree.
 std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyBuffer& d, const ffi::AnyBuffer& m,
-                       const RowScale& row_scale, const Matrix& y, Format* format, bool* half) {
+                       const RowScale& row_scale, const SubScale& sub_scale, const Matrix& y, Format* format,
+                       bool* half) {
   const int64_t K = x.dimensions()[1], N = y.dimensions()[1];
   const int64_t groups = (N + kGroupCols - 1) / kGroupCols, blocks = (K + kGgufBlock - 1) / kGgufBlock;
   const bool nibbles = q.element_type() == ffi::DataType::U8;
@@ -179,27 +188,38 @@ std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyB
     return "d and m must both be float32 or both float16";
   const bool has_d = d.dimensions()[2] == kGroupCols, has_m = m.dimensions()[2] == kGroupCols;
   const bool has_row_scale = row_scale.dimensions()[0] == N && N > 0;
-  *format = nibbles ? Format::kNibbles : has_d ? Format::kBlockBytes : Format::kRowBytes;
+  const auto sd = sub_scale.dimensions();
+  const bool has_sub_scale = sd.size() == 4 && sd[0] == groups && sd[1] == blocks && sd[2] == 2 && sd[3] == kGroupCols;
+  const bool no_sub_scale = sd.size() == 4 && sd[0] == 0;
+  *format = nibbles            ? Format::kNibbles
+            : has_sub_scale    ? Format::kSubScaledBytes
+            : has_d            ? Format::kBlockBytes
+                               : Format::kRowBytes;
   const bool tables_ok = (d.dimensions()[2] == 0 || has_d) && (m.dimensions()[2] == 0 || has_m) &&
                          (!has_d || (d.dimensions()[0] == groups && d.dimensions()[1] == blocks)) &&
                          (!has_m || (m.dimensions()[0] == groups && m.dimensions()[1] == blocks)) &&
                          (row_scale.dimensions()[0] == 0 || has_row_scale);
-  const bool format_ok = nibbles ? has_d && has_m && !has_row_scale : !has_m && has_d != has_row_scale;
+  const bool format_ok = (has_sub_scale || no_sub_scale) && (nibbles ? has_d && has_m && !has_row_scale && no_sub_scale
+                                                                     : !has_m && has_d != has_row_scale &&
+                                                                           (has_d || no_sub_scale));
   const bool blocks_ok = *format == Format::kRowBytes || K % kGgufBlock == 0;
   if (q_ok && tables_ok && format_ok && blocks_ok && y.dimensions()[0] == x.dimensions()[0]) return "";
   return "x " + raylm::Shape(x.dimensions()) + " against packed q " + raylm::Shape(qd) + " (" +
          (nibbles ? "uint8" : "int8") + "), d " + raylm::Shape(d.dimensions()) + ", m " + raylm::Shape(m.dimensions()) +
-         ", row_scale " + raylm::Shape(row_scale.dimensions()) + " and y " + raylm::Shape(y.dimensions()) +
+         ", row_scale " + raylm::Shape(row_scale.dimensions()) + ", sub_scale " + raylm::Shape(sd) + " and y " +
+         raylm::Shape(y.dimensions()) +
          ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) + ", 4 or 8, 16, 4], d and m [" +
          std::to_string(groups) + ", " + std::to_string(blocks) +
-         ", 16 or 0] (4-bit: both; 8-bit: d or row_scale [N]; float32 or float16), K whole blocks unless per-row int8";
+         ", 16 or 0] (4-bit: both; 8-bit: d or row_scale [N]; float32 or float16), sub_scale int8 [" +
+         std::to_string(groups) + ", " + std::to_string(blocks) + ", 2, 16] (8-bit with d only) or [0, 0, 0, 0], " +
+         "K whole blocks unless per-row int8";
 }
 
 ffi::Error Int8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, ffi::AnyBuffer d,
-                           ffi::AnyBuffer m, RowScale row_scale, ffi::Result<Matrix> y) {
+                           ffi::AnyBuffer m, RowScale row_scale, SubScale sub_scale, ffi::Result<Matrix> y) {
   Format format = Format::kNibbles;
   bool half = false;
-  const std::string error = PanelError(x, q, d, m, row_scale, *y, &format, &half);
+  const std::string error = PanelError(x, q, d, m, row_scale, sub_scale, *y, &format, &half);
   if (!error.empty()) return ffi::Error::InvalidArgument("int8_panel_matmul: " + error);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
   if (M == 0 || N == 0) return ffi::Error::Success();
@@ -207,6 +227,7 @@ ffi::Error Int8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer
                      format == Format::kRowBytes ? nullptr : d.untyped_data(),
                      format == Format::kNibbles ? m.untyped_data() : nullptr,
                      format == Format::kRowBytes ? row_scale.typed_data() : nullptr,
+                     format == Format::kSubScaledBytes ? sub_scale.typed_data() : nullptr,
                      N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half};
   RunInt8Matmul(x.typed_data(), w, y->typed_data(), M, thread_pool);
   return ffi::Error::Success();
@@ -222,4 +243,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmInt8PanelMatmul, Int8PanelMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<RowScale>()
+                                  .Arg<SubScale>()
                                   .Ret<Matrix>());

@@ -21,6 +21,11 @@ Layout of a matrix ``[N..., K...]`` (outputs and inputs each flattened, ``N`` an
   third of a 4-bit weight's bytes (0.25 of 0.75 per weight; float16: 0.125 of 0.625). The
   kernel widens them exactly, so the results do not change.
 - ``row_scale [N]``: per-row int8's scale per output column, else ``[0]``.
+- ``sub_scale [G, B, 2, 16]`` int8: for 8-bit blocks with a scale per 16 weights held in two
+  levels (Q6_K, Q3_K: an int8 scale per 16 under a float16 ``d`` per 256), each block's two
+  halves' int8 scales, and ``scale`` holds the super-block's ``d`` for each block; else
+  ``[0, 0, 0, 0]``. The kernel sums each half in integers, multiplies it by its int8 scale and
+  adds the two in int32 (as llama.cpp does), so the per-16 scales ``d * sc`` are never formed.
 
 Only the integer kernel reads this layout; ``rows`` (the tied embedding's lookup) and
 ``dequantize`` (references) rebuild the stored form of what they need.
@@ -53,6 +58,7 @@ class Int8Panels(StoredBytes):
     scale: Any
     offset: Any
     row_scale: Any
+    sub_scale: Any
     output_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     input_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
 
@@ -71,7 +77,11 @@ class Int8Panels(StoredBytes):
             w = stored[..., :size].astype(jnp.float32) * self.row_scale[index][..., None]
             return w.reshape(*lead, *self.input_shape).astype(dtype)
         offset = self.offset[group, :, lane].astype(jnp.float32) if self.nibbles else jnp.zeros((*lead, 0), jnp.float32)
-        blocks = GgufBlocks(stored, self.scale[group, :, lane].astype(jnp.float32), offset, self.input_shape)
+        scale = self.scale[group, :, lane].astype(jnp.float32)  # [..., B]
+        if self.sub_scale.shape[0]:  # d * sc per 16, the float32 products the stored matrix forms
+            sub = self.sub_scale[group, :, :, lane].astype(jnp.float32)  # [..., B, 2]
+            scale = (scale[..., None] * sub).reshape(*lead, -1)
+        blocks = GgufBlocks(stored, scale, offset, self.input_shape)
         return blocks.dequantize(dtype)
 
     def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
@@ -80,10 +90,29 @@ class Int8Panels(StoredBytes):
         return rows.reshape(self.shape)
 
 
+def sub_scaled(w: GgufBlocks) -> bool:
+    """Whether ``w`` is 8-bit blocks with two-level scales per 16 and no offsets (Q6_K, Q3_K): the
+    layout whose int8 scales the kernel applies to its integer sums (``sub_scale``)."""
+    return w.group == BLOCK // 2 and w.two_level and not w.nibbles and not w.has_offset
+
+
+def _super_block_d(w: GgufBlocks) -> tuple[np.ndarray, np.ndarray]:
+    """A flat two-level ``w``'s ``d`` for each block of 32 ``[N, B]`` and its int8 scales ``[N, B, 2]``."""
+    sub = np.asarray(w.scale).reshape(w.scale.shape[0], -1, 2)
+    d = np.asarray(w.supers)[:, 0::2]
+    return np.repeat(d, sub.shape[1] // d.shape[1], axis=-1), sub
+
+
 def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
     """``w`` (GGUF blocks that ``takes_int8_activations``, ``int8_g32``, or int8 with a scale per output
     channel) in the integer kernel's layout, on the device ``w`` is on (host numpy in between)."""
-    if isinstance(w, GgufBlocks):
+    sub = None
+    if isinstance(w, GgufBlocks) and sub_scaled(w):
+        output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
+        flat = w.flat()
+        q, offset, row_scale = np.asarray(flat.q), None, None
+        scale, sub = _super_block_d(flat)
+    elif isinstance(w, GgufBlocks):
         output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
         flat = w.flat().with_float_tables()
         q, scale = np.asarray(flat.q), np.asarray(flat.scale)
@@ -114,8 +143,12 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
             return np.zeros((groups, blocks, 0), table_dtype)
         return np.ascontiguousarray(values[repeat].reshape(groups, GROUP, blocks).transpose(0, 2, 1), table_dtype)
 
+    if sub is None:
+        sub_scale = np.zeros((0, 0, 0, 0), np.int8)
+    else:  # [N, B, 2] -> [G, B, 2, 16]
+        sub_scale = np.ascontiguousarray(sub[repeat].reshape(groups, GROUP, blocks, 2).transpose(0, 2, 3, 1))
     return Int8Panels(
         jnp.asarray(np.ascontiguousarray(packed)), jnp.asarray(per_block(scale)), jnp.asarray(per_block(offset)),
-        jnp.asarray(row_scale if row_scale is not None else np.zeros((0,), np.float32)), output_shape,
-        tuple(input_shape),
+        jnp.asarray(row_scale if row_scale is not None else np.zeros((0,), np.float32)), jnp.asarray(sub_scale),
+        output_shape, tuple(input_shape),
     )

@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType
 from raylm.model.kernels import int8_matmul
 from raylm.model.kernels.dense import dense
 from raylm.model.quantization.gguf_blocks import GgufBlocks, from_gguf
-from raylm.model.quantization.int8_panels import Int8Panels, pack_int8_panels
+from raylm.model.quantization.int8_panels import Int8Panels, pack_int8_panels, sub_scaled
 from raylm.model.quantization.quant_array import QuantArray, quantize
 from tests.gguf_export import random_blocks
 from tests.reruns import rerun_in_child
@@ -45,7 +45,7 @@ SHAPES = [(1, 67, 96), (3, 67, 96), (64, 67, 96), (65, 67, 96), (130, 67, 96), (
 INT8_K = [45, 2100]  # per-row int8 takes any K
 # Types with a scale per 32 that the gguf package cannot quantize: random blocks (every bit
 # pattern), as tests/gguf_export.py writes them. The K-quants' rows are whole 256-weight blocks.
-RANDOM_KINDS = {"Q4_K": 512, "IQ4_XS": 512, "IQ4_NL": 96, "Q5_0": 96}
+RANDOM_KINDS = {"Q4_K": 512, "IQ4_XS": 512, "IQ4_NL": 96, "Q5_0": 96, "Q6_K": 512, "Q3_K": 512}
 
 
 @functools.cache
@@ -106,11 +106,20 @@ def _reference(x: np.ndarray, w: GgufBlocks | QuantArray) -> np.ndarray:
     k = x.shape[1]
     q, d_x, ds = _quantized_rows(x)
     integers = _stored_integers(w, k).astype(np.float64)  # products and sums are exact in float64
-    sums = np.stack([q[:, b].astype(np.float64) @ integers[:, b].T for b in range(q.shape[1])], axis=-1)
     blocks = isinstance(w, GgufBlocks)
-    if blocks:  # two-level scales (the K-quants) as the float32 products they stand for
-        w = w.with_float_tables()
-    d_w = np.asarray(w.scale) if blocks else np.ones((sums.shape[1], sums.shape[2]), np.float32)
+    if blocks and sub_scaled(w):  # each half's sum times its int8 scale, d_w the super-block's d
+        n, count = integers.shape[0], q.shape[1]
+        sub = np.asarray(w.scale).reshape(n, count, 2).astype(np.float64)
+        halves = [[q[:, b, h * 16:(h + 1) * 16].astype(np.float64) @ integers[:, b, h * 16:(h + 1) * 16].T
+                   for h in (0, 1)] for b in range(count)]
+        sums = np.stack([lo * sub[:, b, 0] + hi * sub[:, b, 1] for b, (lo, hi) in enumerate(halves)], axis=-1)
+        d = np.asarray(w.supers)[:, 0::2]
+        d_w = np.repeat(d, count // d.shape[1], axis=-1)
+    else:
+        sums = np.stack([q[:, b].astype(np.float64) @ integers[:, b].T for b in range(q.shape[1])], axis=-1)
+        if blocks:  # two-level scales per 32 (Q4_K, IQ4_XS) as the float32 products they stand for
+            w = w.with_float_tables()
+        d_w = np.asarray(w.scale) if blocks else np.ones((sums.shape[1], sums.shape[2]), np.float32)
     acc = np.zeros(sums.shape[:2], np.float32)
     for b in range(sums.shape[2]):
         acc = _fma32(sums[:, :, b].astype(np.float32), (d_x[:, b, None] * d_w[None, :, b]).astype(np.float32), acc)
