@@ -136,7 +136,7 @@ struct VnniFamily {
         for (int r = 0; r < R; ++r) {
           const __m512 dx = _mm512_set1_ps(a.d[a.At(m + r, b)]);
           acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][g]), _mm512_mul_ps(dx, d), acc[r][g]);
-          if constexpr (F == Format::kNibbles)
+          if constexpr (F == Format::kNibbles || F == Format::kOffsetBytes)
             acc[r][g] = _mm512_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
                                         _mm512_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
         }
@@ -288,7 +288,7 @@ struct Avx2Family {
         for (int r = 0; r < R; ++r) {
           const __m256 dx = _mm256_set1_ps(a.d[a.At(m + r, b)]);
           acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][g]), _mm256_mul_ps(dx, d), acc[r][g]);
-          if constexpr (F == Format::kNibbles)
+          if constexpr (F == Format::kNibbles || F == Format::kOffsetBytes)
             acc[r][g] = _mm256_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
                                         _mm256_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
         }

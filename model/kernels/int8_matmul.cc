@@ -9,8 +9,8 @@
 // says what is measured).
 //
 // Operands: x [M, K] f32 and the weights as model/quantization/int8_panels.py repacked them at load: GGUF
-// blocks with a scale per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0, IQ4; int8_g32, held as Q8_0
-// blocks), signed bytes with an int8 scale per 16 under a super-block's d (Q6_K, Q3_K), or int8
+// blocks with a scale per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, IQ4; int8_g32, held
+// as Q8_0 blocks), signed bytes with an int8 scale per 16 under a super-block's d (Q6_K, Q3_K), or int8
 // with a scale per output row, N output columns in groups of 16.
 //
 // The arithmetic, the same in every family below and for every M, per row r and output column n:
@@ -22,8 +22,9 @@
 //     int32 (exact: at most 2 * 16 * 128 * 127 * 128 < 2^31), and d_w the super-block's d, as
 //     llama.cpp's q6_K x q8_K dot product forms it;
 //   acc = fma(float(i_b), d_x * d_w, acc) for b in order (d_w: the block's scale, 1 for
-//     per-row int8), then for 4-bit blocks acc = fma(m, d_x * S, acc) with m the block's offset
-//     (w = d_w * v + m covers Q4_1 and Q4_0's m = -8 d_w: llama.cpp's q8_1 sum term);
+//     per-row int8), then for blocks with offsets (4-bit, Q5_K, Q5_1) acc = fma(m, d_x * S, acc)
+//     with m the block's offset (w = d_w * v + m covers Q4_1, Q4_0's m = -8 d_w and the
+//     K-quants' -(dmin * m): llama.cpp's q8_1 sum term);
 //   y = acc (GGUF blocks) or acc * scale[n] (per-row int8).
 // Integer sums are exact whatever the instruction, and each output's float operations are this
 // one sequence, so a row's result does not depend on the batch, the tile, the thread or the
@@ -130,6 +131,7 @@ void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, 
   switch (w.format) {
     case Format::kNibbles: return VectorColumns<Family, Format::kNibbles>(a, w, y, M, n_begin, n_end);
     case Format::kBlockBytes: return VectorColumns<Family, Format::kBlockBytes>(a, w, y, M, n_begin, n_end);
+    case Format::kOffsetBytes: return VectorColumns<Family, Format::kOffsetBytes>(a, w, y, M, n_begin, n_end);
     case Format::kRowBytes: return VectorColumns<Family, Format::kRowBytes>(a, w, y, M, n_begin, n_end);
     case Format::kSubScaledBytes:
       return VectorColumns<Family, Format::kSubScaledBytes>(a, w, y, M, n_begin, n_end);
@@ -193,15 +195,17 @@ std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyB
   const bool no_sub_scale = sd.size() == 4 && sd[0] == 0;
   *format = nibbles            ? Format::kNibbles
             : has_sub_scale    ? Format::kSubScaledBytes
+            : has_m            ? Format::kOffsetBytes
             : has_d            ? Format::kBlockBytes
                                : Format::kRowBytes;
   const bool tables_ok = (d.dimensions()[2] == 0 || has_d) && (m.dimensions()[2] == 0 || has_m) &&
                          (!has_d || (d.dimensions()[0] == groups && d.dimensions()[1] == blocks)) &&
                          (!has_m || (m.dimensions()[0] == groups && m.dimensions()[1] == blocks)) &&
                          (row_scale.dimensions()[0] == 0 || has_row_scale);
-  const bool format_ok = (has_sub_scale || no_sub_scale) && (nibbles ? has_d && has_m && !has_row_scale && no_sub_scale
-                                                                     : !has_m && has_d != has_row_scale &&
-                                                                           (has_d || no_sub_scale));
+  const bool format_ok =
+      (has_sub_scale || no_sub_scale) &&
+      (nibbles ? has_d && has_m && !has_row_scale && no_sub_scale
+               : has_d != has_row_scale && (has_d || no_sub_scale) && (!has_m || (has_d && no_sub_scale)));
   const bool blocks_ok = *format == Format::kRowBytes || K % kGgufBlock == 0;
   if (q_ok && tables_ok && format_ok && blocks_ok && y.dimensions()[0] == x.dimensions()[0]) return "";
   return "x " + raylm::Shape(x.dimensions()) + " against packed q " + raylm::Shape(qd) + " (" +
@@ -210,7 +214,7 @@ std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyB
          raylm::Shape(y.dimensions()) +
          ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) + ", 4 or 8, 16, 4], d and m [" +
          std::to_string(groups) + ", " + std::to_string(blocks) +
-         ", 16 or 0] (4-bit: both; 8-bit: d or row_scale [N]; float32 or float16), sub_scale int8 [" +
+         ", 16 or 0] (4-bit: both; 8-bit: d (and m) or row_scale [N]; float32 or float16), sub_scale int8 [" +
          std::to_string(groups) + ", " + std::to_string(blocks) + ", 2, 16] (8-bit with d only) or [0, 0, 0, 0], " +
          "K whole blocks unless per-row int8";
 }
@@ -225,7 +229,7 @@ ffi::Error Int8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer
   if (M == 0 || N == 0) return ffi::Error::Success();
   const Int8Panels w{static_cast<const uint8_t*>(q.untyped_data()),
                      format == Format::kRowBytes ? nullptr : d.untyped_data(),
-                     format == Format::kNibbles ? m.untyped_data() : nullptr,
+                     format == Format::kNibbles || format == Format::kOffsetBytes ? m.untyped_data() : nullptr,
                      format == Format::kRowBytes ? row_scale.typed_data() : nullptr,
                      format == Format::kSubScaledBytes ? sub_scale.typed_data() : nullptr,
                      N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half};

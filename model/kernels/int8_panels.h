@@ -85,10 +85,11 @@ void QuantizeRows(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int
     }
 }
 
-// The four weight formats; each is its own instantiation of the tiles.
+// The five weight formats; each is its own instantiation of the tiles.
 enum class Format {
   kNibbles,          // 4-bit GGUF blocks: d_w and m per block
   kBlockBytes,       // Q8_0 blocks and int8_g32: signed bytes, d_w per block
+  kOffsetBytes,      // Q5_K, Q5_1: bytes 0..31, d_w and m per block
   kRowBytes,         // per-row int8: signed bytes, d_w = 1, a scale per output column at the end
   kSubScaledBytes,   // Q6_K, Q3_K: signed bytes, an int8 sub-scale per 16 and d_w (the super-block's) per block
 };
@@ -109,6 +110,7 @@ struct Int8Panels {
   bool half = false;
 
   int Vectors() const { return format == Format::kNibbles ? 4 : 8; }
+  bool HasOffsets() const { return format == Format::kNibbles || format == Format::kOffsetBytes; }
   // Vector t of block b for the lanes from column c (c a multiple of 8: AVX2 reads half groups).
   const uint8_t* Vector(int64_t c, int64_t b, int t) const {
     return q + (((c / kGroupCols) * blocks + b) * Vectors() + t) * kVectorBytes + (c % kGroupCols) * 4;
@@ -156,7 +158,7 @@ void PortableColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M
         }
         const float dw = w.format == Format::kRowBytes ? 1.0f : w.Lane(w.d, n, b);
         acc = std::fma(static_cast<float>(sum), a.d[a.At(r, b)] * dw, acc);
-        if (w.format == Format::kNibbles) acc = std::fma(w.Lane(w.m, n, b), a.ds[a.At(r, b)], acc);
+        if (w.HasOffsets()) acc = std::fma(w.Lane(w.m, n, b), a.ds[a.At(r, b)], acc);
       }
       y[r * w.N + n] = w.format == Format::kRowBytes ? acc * w.row_scale[n] : acc;
     }

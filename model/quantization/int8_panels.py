@@ -15,7 +15,8 @@ Layout of a matrix ``[N..., K...]`` (outputs and inputs each flattened, ``N`` an
   int8) the bytes are the weights, zero past ``K``. Columns past ``N`` repeat column ``N - 1``
   (the kernel computes them and drops them).
 - ``scale [G, B, 16]``: each block's ``d`` (GGUF blocks, ``int8_g32``), else ``[G, B, 0]``.
-- ``offset [G, B, 16]``: a 4-bit block's ``m`` (``w = d q + m``), else ``[G, B, 0]``.
+- ``offset [G, B, 16]``: the block's ``m`` (``w = d q + m``) where it has one (4-bit blocks, Q5_1,
+  Q5_K's ``-(dmin * m)``), else ``[G, B, 0]``.
 - ``scale`` and ``offset`` are float16 where every value of both is a float16 (GGUF stores them
   so), else float32: a decode row reads every byte of the matrix, and float32 tables were a
   third of a 4-bit weight's bytes (0.25 of 0.75 per weight; float16: 0.125 of 0.625). The
@@ -76,7 +77,7 @@ class Int8Panels(StoredBytes):
         if self.row_scale.shape[0]:
             w = stored[..., :size].astype(jnp.float32) * self.row_scale[index][..., None]
             return w.reshape(*lead, *self.input_shape).astype(dtype)
-        offset = self.offset[group, :, lane].astype(jnp.float32) if self.nibbles else jnp.zeros((*lead, 0), jnp.float32)
+        offset = self.offset[group, :, lane].astype(jnp.float32) if self.offset.shape[-1] else jnp.zeros((*lead, 0), jnp.float32)
         scale = self.scale[group, :, lane].astype(jnp.float32)  # [..., B]
         if self.sub_scale.shape[0]:  # d * sc per 16, the float32 products the stored matrix forms
             sub = self.sub_scale[group, :, :, lane].astype(jnp.float32)  # [..., B, 2]
@@ -116,7 +117,7 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
         output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
         flat = w.flat().with_float_tables()
         q, scale = np.asarray(flat.q), np.asarray(flat.scale)
-        offset = np.asarray(flat.offset) if w.nibbles else None
+        offset = np.asarray(flat.offset) if w.has_offset else None
         row_scale = None
     elif isinstance(w, QuantArray) and w.scheme == "int8":
         output_shape, input_shape = tuple(w.scale.shape), tuple(w.shape[w.scale.ndim:])

@@ -45,7 +45,8 @@ SHAPES = [(1, 67, 96), (3, 67, 96), (64, 67, 96), (65, 67, 96), (130, 67, 96), (
 INT8_K = [45, 2100]  # per-row int8 takes any K
 # Types with a scale per 32 that the gguf package cannot quantize: random blocks (every bit
 # pattern), as tests/gguf_export.py writes them. The K-quants' rows are whole 256-weight blocks.
-RANDOM_KINDS = {"Q4_K": 512, "IQ4_XS": 512, "IQ4_NL": 96, "Q5_0": 96, "Q6_K": 512, "Q3_K": 512}
+RANDOM_KINDS = {"Q4_K": 512, "IQ4_XS": 512, "IQ4_NL": 96, "Q5_0": 96, "Q6_K": 512, "Q3_K": 512, "Q5_K": 512,
+                "Q5_1": 96}
 
 
 @functools.cache
@@ -123,7 +124,7 @@ def _reference(x: np.ndarray, w: GgufBlocks | QuantArray) -> np.ndarray:
     acc = np.zeros(sums.shape[:2], np.float32)
     for b in range(sums.shape[2]):
         acc = _fma32(sums[:, :, b].astype(np.float32), (d_x[:, b, None] * d_w[None, :, b]).astype(np.float32), acc)
-        if blocks and w.nibbles:
+        if blocks and w.has_offset:
             acc = _fma32(np.asarray(w.offset)[None, :, b], ds[:, b, None], acc)
     return acc if blocks else (acc * np.asarray(w.scale)[None, :]).astype(np.float32)
 
