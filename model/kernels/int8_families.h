@@ -62,25 +62,20 @@ struct VnniFamily {
       }
   }
 
-  // Adds vector t of block b of 8-bit weights (the columns of G groups from n, each byte + 128)
-  // times rows [m, m + R)'s four activations at 4t to `sums`.
-  template <int R, int G>
-  static void AddBytes(const Int8Rows& a, int64_t m, const Int8Panels& w, int64_t n, int64_t b, int t,
-                       __m512i (&sums)[R][G]) {
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512i weights[G];
-    for (int g = 0; g < G; ++g) weights[g] = _mm512_xor_si512(_mm512_loadu_si512(w.Vector(n + g * kCols, b, t)), flip);
-    for (int r = 0; r < R; ++r) {
-      const __m512i x = _mm512_set1_epi32(a.Four(m + r, b, 4 * t));
-      for (int g = 0; g < G; ++g) sums[r][g] = _mm512_dpbusd_epi32(sums[r][g], weights[g], x);
-    }
+  // Vector t of half h of block b's 6-bit weights u (kSixBits) for the lanes from column c, as
+  // bytes 0..63: their low four bits from nibble vector t, their top two from `top` (vector 4 + h).
+  static __m512i SixBits(const Int8Panels& w, int64_t c, int64_t b, int h, int t, __m512i top) {
+    const __m512i bytes = _mm512_loadu_si512(w.Vector(c, b, t));
+    const __m512i low = _mm512_and_si512(h == 0 ? bytes : _mm512_srli_epi16(bytes, 4), _mm512_set1_epi8(0x0F));
+    const __m512i high = t < 2 ? _mm512_slli_epi16(top, 4 - 2 * t) : _mm512_srli_epi16(top, 2 * t - 4);
+    return _mm512_or_si512(low, _mm512_and_si512(high, _mm512_set1_epi8(0x30)));
   }
 
   // Rows [m, m + R) against G consecutive groups from column n; writes y[r, n + c] for the
   // first `valid` columns (of G * kCols).
   template <int R, int G, Format F>
   static void Tile(const Int8Rows& a, int64_t m, const Int8Panels& w, float* y, int64_t n, int64_t valid) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512 acc[R][G];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -108,17 +103,25 @@ struct VnniFamily {
             }
           }
         }
-      } else if constexpr (F == Format::kSubScaledBytes) {
-        // Each half's sums (started at -128 S of its 16 activations) times the columns' int8
-        // sub-scales, the two added in int32.
+      } else if constexpr (F == Format::kSixBits) {
+        // Each half's sums of u = v + 32 (started at -32 S of its 16 activations, so they are
+        // those of v) times the columns' int8 sub-scales, the two added in int32.
         for (int h = 0; h < 2; ++h) {
-          __m512i half[R][G];
+          __m512i half[R][G], top[G];
           for (int r = 0; r < R; ++r) {
             const int64_t i = a.At(m + r, b);
-            const __m512i start = _mm512_set1_epi32(h == 0 ? -a.low128[i] : a.low128[i] - a.sum128[i]);
+            const __m512i start = _mm512_set1_epi32((h == 0 ? -a.low128[i] : a.low128[i] - a.sum128[i]) / 4);
             for (int g = 0; g < G; ++g) half[r][g] = start;
           }
-          for (int t = 4 * h; t < 4 * h + 4; ++t) AddBytes<R, G>(a, m, w, n, b, t, half);
+          for (int g = 0; g < G; ++g) top[g] = _mm512_loadu_si512(w.Vector(n + g * kCols, b, 4 + h));
+          for (int t = 0; t < 4; ++t) {
+            __m512i u[G];
+            for (int g = 0; g < G; ++g) u[g] = SixBits(w, n + g * kCols, b, h, t, top[g]);
+            for (int r = 0; r < R; ++r) {
+              const __m512i x = _mm512_set1_epi32(a.Four(m + r, b, 16 * h + 4 * t));
+              for (int g = 0; g < G; ++g) half[r][g] = _mm512_dpbusd_epi32(half[r][g], u[g], x);
+            }
+          }
           for (int g = 0; g < G; ++g) {
             const __m512i scale = _mm512_cvtepi8_epi32(
                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, h))));
@@ -129,7 +132,15 @@ struct VnniFamily {
           }
         }
       } else {
-        for (int t = 0; t < 8; ++t) AddBytes<R, G>(a, m, w, n, b, t, sums);
+        for (int t = 0; t < 8; ++t) {
+          __m512i weights[G];
+          for (int g = 0; g < G; ++g)
+            weights[g] = _mm512_xor_si512(_mm512_loadu_si512(w.Vector(n + g * kCols, b, t)), flip);
+          for (int r = 0; r < R; ++r) {
+            const __m512i x = _mm512_set1_epi32(a.Four(m + r, b, 4 * t));
+            for (int g = 0; g < G; ++g) sums[r][g] = _mm512_dpbusd_epi32(sums[r][g], weights[g], x);
+          }
+        }
       }
       for (int g = 0; g < G; ++g) {
         const __m512 d = F == Format::kRowBytes ? _mm512_set1_ps(1.0f) : Lanes(w, w.d, n + g * kCols, b);
@@ -226,10 +237,10 @@ struct Avx2Family {
     __m256 acc[R][G];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
-    // Adds the products of four-byte lanes `weights` (their magnitudes `magnitudes` when signed)
-    // and the broadcast `x` to `sums`.
+    // Adds the products of four-byte lanes `weights` (their magnitudes `magnitudes` when signed;
+    // unsigned: nibbles and 6-bit values) and the broadcast `x` to `sums`.
     auto add = [&](__m256i& sums, __m256i weights, __m256i magnitudes, __m256i x) {
-      const __m256i signed_x = F == Format::kNibbles ? x : _mm256_sign_epi8(x, weights);
+      const __m256i signed_x = F == Format::kNibbles || F == Format::kSixBits ? x : _mm256_sign_epi8(x, weights);
       sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_x), ones));
     };
     for (int64_t b = 0; b < w.blocks; ++b) {
@@ -253,9 +264,39 @@ struct Avx2Family {
             }
           }
         }
+      } else if constexpr (F == Format::kSixBits) {
+        // As VnniFamily's: each half's sums of u = v + 32 (unsigned, so no sign trick), less 32 S
+        // of its activations, times the columns' int8 sub-scales, the two added in int32.
+        for (int h = 0; h < 2; ++h) {
+          __m256i half[R][G], top[G];
+          for (int r = 0; r < R; ++r) {
+            const int64_t i = a.At(m + r, b);
+            const __m256i start = _mm256_set1_epi32((h == 0 ? -a.low128[i] : a.low128[i] - a.sum128[i]) / 4);
+            for (int g = 0; g < G; ++g) half[r][g] = start;
+          }
+          for (int g = 0; g < G; ++g)
+            top[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Vector(n + g * kCols, b, 4 + h)));
+          for (int t = 0; t < 4; ++t) {
+            __m256i u[G];
+            for (int g = 0; g < G; ++g) {
+              const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Vector(n + g * kCols, b, t)));
+              const __m256i low = _mm256_and_si256(h == 0 ? bytes : _mm256_srli_epi16(bytes, 4), nibble);
+              const __m256i high = t < 2 ? _mm256_slli_epi16(top[g], 4 - 2 * t) : _mm256_srli_epi16(top[g], 2 * t - 4);
+              u[g] = _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+            }
+            for (int r = 0; r < R; ++r) {
+              const __m256i x = _mm256_set1_epi32(a.Four(m + r, b, 16 * h + 4 * t));
+              for (int g = 0; g < G; ++g) add(half[r][g], u[g], u[g], x);
+            }
+          }
+          for (int g = 0; g < G; ++g) {
+            const __m256i scale = _mm256_cvtepi8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, h))));
+            for (int r = 0; r < R; ++r) sums[r][g] = _mm256_add_epi32(sums[r][g], _mm256_mullo_epi32(half[r][g], scale));
+          }
+        }
       } else {
-        // Vector t of the block's bytes times the rows' four activations at 4t, added to `into`.
-        auto add_bytes = [&](int t, __m256i (&into)[R][G]) {
+        for (int t = 0; t < 8; ++t) {
           __m256i weights[G], magnitudes[G];
           for (int g = 0; g < G; ++g) {
             weights[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Vector(n + g * kCols, b, t)));
@@ -263,24 +304,8 @@ struct Avx2Family {
           }
           for (int r = 0; r < R; ++r) {
             const __m256i x = _mm256_set1_epi32(a.Four(m + r, b, 4 * t));
-            for (int g = 0; g < G; ++g) add(into[r][g], weights[g], magnitudes[g], x);
+            for (int g = 0; g < G; ++g) add(sums[r][g], weights[g], magnitudes[g], x);
           }
-        };
-        if constexpr (F == Format::kSubScaledBytes) {
-          // Each half's sums times the columns' int8 sub-scales, the two added in int32.
-          for (int h = 0; h < 2; ++h) {
-            __m256i half[R][G];
-            for (int r = 0; r < R; ++r)
-              for (int g = 0; g < G; ++g) half[r][g] = _mm256_setzero_si256();
-            for (int t = 4 * h; t < 4 * h + 4; ++t) add_bytes(t, half);
-            for (int g = 0; g < G; ++g) {
-              const __m256i scale = _mm256_cvtepi8_epi32(
-                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, h))));
-              for (int r = 0; r < R; ++r) sums[r][g] = _mm256_add_epi32(sums[r][g], _mm256_mullo_epi32(half[r][g], scale));
-            }
-          }
-        } else {
-          for (int t = 0; t < 8; ++t) add_bytes(t, sums);
         }
       }
       for (int g = 0; g < G; ++g) {

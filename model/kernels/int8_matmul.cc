@@ -34,7 +34,9 @@
 // Layout (model/quantization/int8_panels.py): for each group of 16 output columns and each block, T 64-byte
 // vectors (T = 4 for 4-bit blocks, 8 for 8-bit weights) whose 4-byte lane j holds column j's bytes
 // 4t..4t+3 of the block as stored (4-bit: weights 4t..4t+3 in the low nibbles, 16+4t..19+4t in the
-// high ones), then the group's 16 d_w and 16 m per block in arrays of their own. A broadcast of
+// high ones), then the group's 16 d_w and 16 m per block in arrays of their own. Q6_K and Q3_K are
+// held in 6 bits (T = 6: v + 32's low nibbles so, then two vectors of its top two bits; the
+// kernel ORs them into bytes 0..63 and starts each half's sums at -32 S of its activations). A broadcast of
 // four activation bytes against such a vector adds four products to each of the group's columns,
 // so a block's integer sums end up one per lane, with no horizontal additions. The layout is made
 // once at load, so a call streams the weights in the order it reads them: a decode row reads each
@@ -103,7 +105,7 @@ void TileRows(int64_t rows, const Int8Rows& a, int64_t m, const Int8Panels& w, f
 template <typename Family, Format F>
 void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
   constexpr int C = Family::kCols;
-  const int64_t sub_scale_bytes = F == Format::kSubScaledBytes ? 2 * kGroupCols : 0;
+  const int64_t sub_scale_bytes = F == Format::kSixBits ? 2 * kGroupCols : 0;
   const int64_t group_bytes = w.blocks * (w.Vectors() * kVectorBytes + 2 * kGroupCols * (w.half ? 2 : 4) + sub_scale_bytes);
   const int64_t panel_cols = std::max<int64_t>(2, kInt8PanelBytes / group_bytes) * kGroupCols;
   const int64_t block_rows =
@@ -133,8 +135,7 @@ void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, 
     case Format::kBlockBytes: return VectorColumns<Family, Format::kBlockBytes>(a, w, y, M, n_begin, n_end);
     case Format::kOffsetBytes: return VectorColumns<Family, Format::kOffsetBytes>(a, w, y, M, n_begin, n_end);
     case Format::kRowBytes: return VectorColumns<Family, Format::kRowBytes>(a, w, y, M, n_begin, n_end);
-    case Format::kSubScaledBytes:
-      return VectorColumns<Family, Format::kSubScaledBytes>(a, w, y, M, n_begin, n_end);
+    case Format::kSixBits: return VectorColumns<Family, Format::kSixBits>(a, w, y, M, n_begin, n_end);
   }
 }
 #endif
@@ -179,11 +180,8 @@ std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyB
                        bool* half) {
   const int64_t K = x.dimensions()[1], N = y.dimensions()[1];
   const int64_t groups = (N + kGroupCols - 1) / kGroupCols, blocks = (K + kGgufBlock - 1) / kGgufBlock;
-  const bool nibbles = q.element_type() == ffi::DataType::U8;
-  if (!nibbles && q.element_type() != ffi::DataType::S8) return "q must be uint8 (4-bit blocks) or int8";
-  const auto qd = q.dimensions();
-  const bool q_ok = qd.size() == 5 && qd[0] == groups && qd[1] == blocks && qd[2] == (nibbles ? 4 : 8) &&
-                    qd[3] == kGroupCols && qd[4] == 4;
+  const bool unsigned_q = q.element_type() == ffi::DataType::U8;
+  if (!unsigned_q && q.element_type() != ffi::DataType::S8) return "q must be uint8 (4-bit or 6-bit blocks) or int8";
   if (d.dimensions().size() != 3 || m.dimensions().size() != 3) return "d and m must be 3-D";
   *half = d.element_type() == ffi::DataType::F16;
   if ((!*half && d.element_type() != ffi::DataType::F32) || m.element_type() != d.element_type())
@@ -191,31 +189,39 @@ std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyB
   const bool has_d = d.dimensions()[2] == kGroupCols, has_m = m.dimensions()[2] == kGroupCols;
   const bool has_row_scale = row_scale.dimensions()[0] == N && N > 0;
   const auto sd = sub_scale.dimensions();
-  const bool has_sub_scale = sd.size() == 4 && sd[0] == groups && sd[1] == blocks && sd[2] == 2 && sd[3] == kGroupCols;
-  const bool no_sub_scale = sd.size() == 4 && sd[0] == 0;
-  *format = nibbles            ? Format::kNibbles
-            : has_sub_scale    ? Format::kSubScaledBytes
-            : has_m            ? Format::kOffsetBytes
-            : has_d            ? Format::kBlockBytes
-                               : Format::kRowBytes;
+  const bool has_sub_scale = sd[0] == groups && sd[1] == blocks && sd[2] == 2 && sd[3] == kGroupCols;
+  const bool no_sub_scale = sd[0] == 0 && sd[1] == 0 && sd[2] == 0 && sd[3] == 0;
+  *format = unsigned_q ? (has_sub_scale ? Format::kSixBits : Format::kNibbles)
+            : has_m    ? Format::kOffsetBytes
+            : has_d    ? Format::kBlockBytes
+                       : Format::kRowBytes;
+  const auto qd = q.dimensions();
+  const int vectors = *format == Format::kNibbles ? 4 : *format == Format::kSixBits ? 6 : 8;
+  const bool q_ok = qd.size() == 5 && qd[0] == groups && qd[1] == blocks && qd[2] == vectors && qd[3] == kGroupCols &&
+                    qd[4] == 4;
   const bool tables_ok = (d.dimensions()[2] == 0 || has_d) && (m.dimensions()[2] == 0 || has_m) &&
                          (!has_d || (d.dimensions()[0] == groups && d.dimensions()[1] == blocks)) &&
                          (!has_m || (m.dimensions()[0] == groups && m.dimensions()[1] == blocks)) &&
-                         (row_scale.dimensions()[0] == 0 || has_row_scale);
-  const bool format_ok =
-      (has_sub_scale || no_sub_scale) &&
-      (nibbles ? has_d && has_m && !has_row_scale && no_sub_scale
-               : has_d != has_row_scale && (has_d || no_sub_scale) && (!has_m || (has_d && no_sub_scale)));
+                         (row_scale.dimensions()[0] == 0 || has_row_scale) && (has_sub_scale || no_sub_scale);
+  bool format_ok = false;
+  switch (*format) {
+    case Format::kNibbles: format_ok = has_d && has_m && !has_row_scale; break;
+    case Format::kSixBits: format_ok = has_d && !has_m && !has_row_scale; break;
+    case Format::kOffsetBytes: format_ok = has_d && !has_row_scale && no_sub_scale; break;
+    case Format::kBlockBytes: format_ok = !has_row_scale && no_sub_scale; break;
+    case Format::kRowBytes: format_ok = has_row_scale && no_sub_scale; break;
+  }
   const bool blocks_ok = *format == Format::kRowBytes || K % kGgufBlock == 0;
   if (q_ok && tables_ok && format_ok && blocks_ok && y.dimensions()[0] == x.dimensions()[0]) return "";
   return "x " + raylm::Shape(x.dimensions()) + " against packed q " + raylm::Shape(qd) + " (" +
-         (nibbles ? "uint8" : "int8") + "), d " + raylm::Shape(d.dimensions()) + ", m " + raylm::Shape(m.dimensions()) +
+         (unsigned_q ? "uint8" : "int8") + "), d " + raylm::Shape(d.dimensions()) + ", m " + raylm::Shape(m.dimensions()) +
          ", row_scale " + raylm::Shape(row_scale.dimensions()) + ", sub_scale " + raylm::Shape(sd) + " and y " +
          raylm::Shape(y.dimensions()) +
-         ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) + ", 4 or 8, 16, 4], d and m [" +
-         std::to_string(groups) + ", " + std::to_string(blocks) +
-         ", 16 or 0] (4-bit: both; 8-bit: d (and m) or row_scale [N]; float32 or float16), sub_scale int8 [" +
-         std::to_string(groups) + ", " + std::to_string(blocks) + ", 2, 16] (8-bit with d only) or [0, 0, 0, 0], " +
+         ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) +
+         ", 4 (4-bit) or 6 (6-bit) or 8 (int8), 16, 4], d and m [" + std::to_string(groups) + ", " +
+         std::to_string(blocks) +
+         ", 16 or 0] (4-bit: both; 6-bit: d; 8-bit: d (and m) or row_scale [N]; float32 or float16), sub_scale int8 [" +
+         std::to_string(groups) + ", " + std::to_string(blocks) + ", 2, 16] (6-bit) or [0, 0, 0, 0], " +
          "K whole blocks unless per-row int8";
 }
 
@@ -231,7 +237,7 @@ ffi::Error Int8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer
                      format == Format::kRowBytes ? nullptr : d.untyped_data(),
                      format == Format::kNibbles || format == Format::kOffsetBytes ? m.untyped_data() : nullptr,
                      format == Format::kRowBytes ? row_scale.typed_data() : nullptr,
-                     format == Format::kSubScaledBytes ? sub_scale.typed_data() : nullptr,
+                     format == Format::kSixBits ? sub_scale.typed_data() : nullptr,
                      N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half};
   RunInt8Matmul(x.typed_data(), w, y->typed_data(), M, thread_pool);
   return ffi::Error::Success();

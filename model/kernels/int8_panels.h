@@ -91,14 +91,17 @@ enum class Format {
   kBlockBytes,       // Q8_0 blocks and int8_g32: signed bytes, d_w per block
   kOffsetBytes,      // Q5_K, Q5_1: bytes 0..31, d_w and m per block
   kRowBytes,         // per-row int8: signed bytes, d_w = 1, a scale per output column at the end
-  kSubScaledBytes,   // Q6_K, Q3_K: signed bytes, an int8 sub-scale per 16 and d_w (the super-block's) per block
+  kSixBits,          // Q6_K, Q3_K: v + 32 in 6 bits, an int8 sub-scale per 16, d_w (the super-block's) per block
 };
 
 // The packed weights (model/quantization/int8_panels.py): q [groups, blocks, T, 16, 4] bytes, d and m
 // [groups, blocks, 16] (absent: null) in float32, or in float16 (`half`) where the values are
 // float16's, as GGUF stores them (a sixth less to read per 4-bit weight: a decode row streams
 // every byte of the matrix once), row_scale [N] (absent: null), sub_scale [groups, blocks, 2, 16]
-// int8 (kSubScaledBytes: each block's two halves' scales per column; else null).
+// int8 (kSixBits: each block's two halves' scales per column; else null). kSixBits's q holds
+// u = v + 32 (0..63) of each weight v in T = 6 vectors: 0..3 its low four bits as 4-bit blocks
+// hold nibbles, 4 + h the top two bits of half h's weights, byte i of a lane holding those of
+// weights 16h + 4t + i at bits 2t, 2t + 1 (t = 0..3).
 struct Int8Panels {
   const uint8_t* q;
   const void* d;
@@ -109,7 +112,7 @@ struct Int8Panels {
   Format format = Format::kNibbles;
   bool half = false;
 
-  int Vectors() const { return format == Format::kNibbles ? 4 : 8; }
+  int Vectors() const { return format == Format::kNibbles ? 4 : format == Format::kSixBits ? 6 : 8; }
   bool HasOffsets() const { return format == Format::kNibbles || format == Format::kOffsetBytes; }
   // Vector t of block b for the lanes from column c (c a multiple of 8: AVX2 reads half groups).
   const uint8_t* Vector(int64_t c, int64_t b, int t) const {
@@ -130,11 +133,15 @@ struct Int8Panels {
   }
   // Weight k of column n as the integer the sums use.
   int32_t Value(int64_t n, int64_t k) const {
-    const int64_t b = k / kGgufBlock, i = k % kGgufBlock;
-    const int64_t byte = format == Format::kNibbles ? i % 16 : i;
-    const uint8_t stored = Vector(n - n % kGroupCols, b, static_cast<int>(byte / 4))[(n % kGroupCols) * 4 + byte % 4];
-    if (format != Format::kNibbles) return static_cast<int8_t>(stored);
-    return i < 16 ? stored & 0x0F : stored >> 4;
+    const int64_t b = k / kGgufBlock, i = k % kGgufBlock, c = n - n % kGroupCols, lane = (n % kGroupCols) * 4;
+    const bool nibbles = format == Format::kNibbles || format == Format::kSixBits;
+    const int64_t byte = nibbles ? i % 16 : i;
+    const uint8_t stored = Vector(c, b, static_cast<int>(byte / 4))[lane + byte % 4];
+    if (!nibbles) return static_cast<int8_t>(stored);
+    const int32_t low = i < 16 ? stored & 0x0F : stored >> 4;
+    if (format == Format::kNibbles) return low;
+    const uint8_t top = Vector(c, b, 4 + static_cast<int>(i / 16))[lane + byte % 4];
+    return (low | ((top >> (2 * (byte / 4))) & 3) << 4) - 32;
   }
 };
 
@@ -146,7 +153,7 @@ void PortableColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M
       for (int64_t b = 0; b < w.blocks; ++b) {
         const int8_t* xq = a.Block(r, b);
         int32_t sum = 0;
-        if (w.format == Format::kSubScaledBytes) {
+        if (w.format == Format::kSixBits) {
           // Each half's sum times its int8 sub-scale, added in int32: exact (at most 2 * 16 * 128 * 127 * 128).
           for (int h = 0; h < 2; ++h) {
             int32_t half = 0;

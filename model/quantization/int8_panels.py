@@ -1,4 +1,4 @@
-"""The integer compute mode's weights: 4- and 8-bit matrices repacked once, at load, for its kernel.
+"""The integer compute mode's weights: 4-, 6- and 8-bit matrices repacked once, at load, for its kernel.
 
 Why: the integer kernel (model/kernels/int8_matmul.cc) multiplies sixteen output columns at once,
 each 4-byte vector lane holding one column's consecutive weight bytes. Read as stored, row after
@@ -22,11 +22,15 @@ Layout of a matrix ``[N..., K...]`` (outputs and inputs each flattened, ``N`` an
   third of a 4-bit weight's bytes (0.25 of 0.75 per weight; float16: 0.125 of 0.625). The
   kernel widens them exactly, so the results do not change.
 - ``row_scale [N]``: per-row int8's scale per output column, else ``[0]``.
-- ``sub_scale [G, B, 2, 16]`` int8: for 8-bit blocks with a scale per 16 weights held in two
-  levels (Q6_K, Q3_K: an int8 scale per 16 under a float16 ``d`` per 256), each block's two
-  halves' int8 scales, and ``scale`` holds the super-block's ``d`` for each block; else
-  ``[0, 0, 0, 0]``. The kernel sums each half in integers, multiplies it by its int8 scale and
-  adds the two in int32 (as llama.cpp does), so the per-16 scales ``d * sc`` are never formed.
+- Blocks with a scale per 16 weights held in two levels (Q6_K, Q3_K: an int8 scale per 16 under
+  a float16 ``d`` per 256; weights -32..31) are held in 6 bits, as Q6_K's file holds them:
+  ``u = v + 32`` in ``q`` (uint8, ``T = 6``: vectors 0..3 ``u``'s low four bits as 4-bit blocks
+  hold nibbles, vector ``4 + h`` the top two bits of half ``h``'s weights, lane byte ``i``
+  holding those of weights ``16h + 4t + i`` at bits ``2t, 2t + 1``); ``sub_scale [G, B, 2, 16]``
+  int8 holds each block's two halves' scales, ``scale`` the super-block's ``d`` for each block.
+  Else ``sub_scale`` is ``[0, 0, 0, 0]``. The kernel sums each half in integers, multiplies it
+  by its int8 scale and adds the two in int32 (as llama.cpp does), so the per-16 scales
+  ``d * sc`` are never formed. 7 bits a weight, where bytes took 9 (a decode row streams them).
 
 Only the integer kernel reads this layout; ``rows`` (the tied embedding's lookup) and
 ``dequantize`` (references) rebuild the stored form of what they need.
@@ -43,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raylm.model.quantization.gguf_blocks import BLOCK, GgufBlocks
+from raylm.model.quantization.gguf_transcode import pack_nibbles
 from raylm.model.quantization.quant_array import QuantArray
 from raylm.model.quantization.stored_bytes import StoredBytes
 
@@ -79,7 +84,8 @@ class Int8Panels(StoredBytes):
             return w.reshape(*lead, *self.input_shape).astype(dtype)
         offset = self.offset[group, :, lane].astype(jnp.float32) if self.offset.shape[-1] else jnp.zeros((*lead, 0), jnp.float32)
         scale = self.scale[group, :, lane].astype(jnp.float32)  # [..., B]
-        if self.sub_scale.shape[0]:  # d * sc per 16, the float32 products the stored matrix forms
+        if self.sub_scale.shape[0]:  # signed bytes, and d * sc per 16: the float32 products the stored matrix forms
+            stored = _unpack_six_bits(self.q[group, :, :, lane, :]).reshape(*lead, -1)
             sub = self.sub_scale[group, :, :, lane].astype(jnp.float32)  # [..., B, 2]
             scale = (scale[..., None] * sub).reshape(*lead, -1)
         blocks = GgufBlocks(stored, scale, offset, self.input_shape)
@@ -97,6 +103,28 @@ def sub_scaled(w: GgufBlocks) -> bool:
     return w.group == BLOCK // 2 and w.two_level and not w.nibbles and not w.has_offset
 
 
+def _six_bits(q: np.ndarray) -> np.ndarray:
+    """Signed bytes ``q [N, K]`` (-32..31) as rows of the 6-bit layout (module docstring): per block
+    the 16 nibble bytes of ``u = q + 32``, then the top two bits of each half's 16, in 4 bytes."""
+    if q.size and (q.min() < -32 or q.max() > 31):
+        raise ValueError(f"the 6-bit integer panels take weights -32..31, got {q.min()}..{q.max()}")
+    n = q.shape[0]
+    u = (q.astype(np.int16) + 32).astype(np.uint8).reshape(n, -1, BLOCK)  # [N, B, 32]
+    nibbles = pack_nibbles(u.reshape(n, -1) & np.uint8(0x0F)).reshape(n, -1, BLOCK // 2)
+    top = (u >> np.uint8(4)).reshape(n, -1, 2, 4, LANE)  # [N, B, half, t, i]: weight 16 half + 4t + i
+    top_bytes = (top << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=3, dtype=np.uint8)
+    return np.concatenate([nibbles, top_bytes.reshape(n, -1, 2 * LANE)], axis=-1).reshape(n, -1)
+
+
+def _unpack_six_bits(stored: jax.Array) -> jax.Array:
+    """The 6-bit layout's vectors ``[..., B, 6, 4]`` of one column each: its weights ``[..., B, 32]`` as int8."""
+    nibbles = stored[..., :4, :].reshape(*stored.shape[:-2], BLOCK // 2)
+    low = jnp.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    shifts = (2 * jnp.arange(4, dtype=jnp.uint8))[:, None]
+    top = (stored[..., 4:, None, :] >> shifts) & 3  # [..., B, half, t, i]
+    return (low | (top.reshape(low.shape) << 4)).astype(jnp.int8) - 32
+
+
 def _super_block_d(w: GgufBlocks) -> tuple[np.ndarray, np.ndarray]:
     """A flat two-level ``w``'s ``d`` for each block of 32 ``[N, B]`` and its int8 scales ``[N, B, 2]``."""
     sub = np.asarray(w.scale).reshape(w.scale.shape[0], -1, 2)
@@ -111,7 +139,7 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
     if isinstance(w, GgufBlocks) and sub_scaled(w):
         output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
         flat = w.flat()
-        q, offset, row_scale = np.asarray(flat.q), None, None
+        q, offset, row_scale = _six_bits(np.asarray(flat.q)), None, None
         scale, sub = _super_block_d(flat)
     elif isinstance(w, GgufBlocks):
         output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
@@ -131,7 +159,7 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
     n = q.shape[0]
     groups = -(-n // GROUP)
     repeat = np.minimum(np.arange(groups * GROUP), n - 1)  # columns past N repeat the last one
-    blocks = q.shape[1] // (BLOCK // 2 if q.dtype == np.uint8 else BLOCK)
+    blocks = -(-math.prod(input_shape) // BLOCK)
     vectors = q.shape[1] // (blocks * LANE)
     packed = q[repeat].reshape(groups, GROUP, blocks, vectors, LANE).transpose(0, 2, 3, 1, 4)
 

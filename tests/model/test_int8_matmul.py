@@ -198,6 +198,17 @@ def test_block_tables_are_float16_where_their_values_are(kind):
         assert packed.nbytes < wide.nbytes
 
 
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K"])
+def test_scales_per_16_pack_in_six_bits(kind):
+    """Q6_K and Q3_K (weights -32..31) are held in 7 bits a weight: 6 for the value, 0.5 for the
+    int8 scales per 16, 0.5 for the super-block's float16 d per block. Other weights are an error."""
+    w, _ = _weights(kind, 64, 512)
+    packed = pack_int8_panels(w)
+    assert packed.nbytes * 8 == 7 * 64 * 512
+    with pytest.raises(ValueError, match="6-bit integer panels take weights -32..31, got -?[0-9]+..40"):
+        pack_int8_panels(dataclasses.replace(w, q=w.q.at[3, 7].set(40)))
+
+
 def test_a_packed_matrix_keeps_its_output_and_input_dims():
     """A weight with several output and input dims (the fused QKV, ``wo [D, H, Dh]``) packs flat
     and multiplies as ``model.kernels.dense`` views it."""
