@@ -20,7 +20,8 @@ namespace {
 
 // AVX-512 VNNI: sixteen columns a group; vpdpbusd adds four u8 x s8 products per lane, the
 // weights being the unsigned operand (nibbles as they are, 8-bit weights + 128, whose extra
-// 128 * S per block is subtracted by starting the block's sums at -128 * S).
+// 128 * S per block is subtracted by starting the block's sums at -128 * S; 6-bit weights + 32
+// likewise per half block).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")
 #pragma GCC diagnostic push
@@ -171,9 +172,9 @@ struct VnniFamily {
 #pragma GCC pop_options
 
 // AVX2: eight columns a group (half of a packed one); vpmaddubsw multiplies u8 x s8 pairs into
-// int16 and vpmaddwd adds the pairs into int32. Nibbles are the unsigned operand as they are; for
-// 8-bit weights, |w| <= 128 is, with the activation given w's sign (|q_x| <= 127), so no pair sum
-// overflows.
+// int16 and vpmaddwd adds the pairs into int32. Nibbles and 6-bit values (0..63: pairs up to
+// 2 * 63 * 127) are the unsigned operand as they are; for 8-bit weights, |w| <= 128 is, with the
+// activation given w's sign (|q_x| <= 127), so no pair sum overflows.
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
