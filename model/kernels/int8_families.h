@@ -152,6 +152,21 @@ struct VnniFamily {
             acc[r][g] = _mm512_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
                                         _mm512_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
         }
+        if constexpr (F == Format::kSixBits) {
+          if (w.m != nullptr) {  // offsets per 16: o = m_0 S_0 + m_1 S_1 in int32, scaled by d_x * (-dmin)
+            const __m512i m0 = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, 2))));
+            const __m512i m1 = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, 3))));
+            const __m512 min = Lanes(w, w.m, n + g * kCols, b);
+            for (int r = 0; r < R; ++r) {
+              const int64_t i = a.At(m + r, b);
+              const __m512i o = _mm512_add_epi32(_mm512_mullo_epi32(m0, _mm512_set1_epi32(a.low128[i] / 128)),
+                                                 _mm512_mullo_epi32(m1, _mm512_set1_epi32((a.sum128[i] - a.low128[i]) / 128)));
+              acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(o), _mm512_mul_ps(_mm512_set1_ps(a.d[i]), min), acc[r][g]);
+            }
+          }
+        }
       }
     }
     for (int g = 0; g < G; ++g) {
@@ -317,6 +332,21 @@ struct Avx2Family {
           if constexpr (F == Format::kNibbles || F == Format::kOffsetBytes)
             acc[r][g] = _mm256_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
                                         _mm256_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
+        }
+        if constexpr (F == Format::kSixBits) {
+          if (w.m != nullptr) {  // as VnniFamily's
+            const __m256i m0 = _mm256_cvtepi8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, 2))));
+            const __m256i m1 = _mm256_cvtepi8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, 3))));
+            const __m256 min = Lanes(w, w.m, n + g * kCols, b);
+            for (int r = 0; r < R; ++r) {
+              const int64_t i = a.At(m + r, b);
+              const __m256i o = _mm256_add_epi32(_mm256_mullo_epi32(m0, _mm256_set1_epi32(a.low128[i] / 128)),
+                                                 _mm256_mullo_epi32(m1, _mm256_set1_epi32((a.sum128[i] - a.low128[i]) / 128)));
+              acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_mul_ps(_mm256_set1_ps(a.d[i]), min), acc[r][g]);
+            }
+          }
         }
       }
     }

@@ -20,7 +20,9 @@
 //     block, the signed byte of an 8-bit one (exact in int32); with int8 sub-scales per 16
 //     (Q6_K, Q3_K) i_b = sc_0 * (sum over weights 0..15) + sc_1 * (sum over 16..31), also in
 //     int32 (exact: at most 2 * 16 * 128 * 127 * 128 < 2^31), and d_w the super-block's d, as
-//     llama.cpp's q6_K x q8_K dot product forms it;
+//     llama.cpp's q6_K x q8_K dot product forms it; with int8 offsets per 16 too (Q2_K, a fused
+//     Q4_K / Q6_K matrix), after the block's fma below acc = fma(m_0 S_0 + m_1 S_1, d_x * -dmin,
+//     acc), S_h the sum of the half's q_x (the integer again exact);
 //   acc = fma(float(i_b), d_x * d_w, acc) for b in order (d_w: the block's scale, 1 for
 //     per-row int8), then for blocks with offsets (4-bit, Q5_K, Q5_1) acc = fma(m, d_x * S, acc)
 //     with m the block's offset (w = d_w * v + m covers Q4_1, Q4_0's m = -8 d_w and the
@@ -58,7 +60,7 @@ using raylm::Matrix;
 namespace {
 
 using RowScale = ffi::Buffer<ffi::F32, 1>;  // [N or 0]
-using SubScale = ffi::Buffer<ffi::S8, 4>;   // [groups, blocks, 2, 16] or [0, 0, 0, 0]
+using SubScale = ffi::Buffer<ffi::S8, 4>;   // [groups, blocks, 2 or 4, 16] or [0, 0, 0, 0]
 
 enum class Int8Family { kPortable, kAvx2, kVnni };
 
@@ -105,7 +107,7 @@ void TileRows(int64_t rows, const Int8Rows& a, int64_t m, const Int8Panels& w, f
 template <typename Family, Format F>
 void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
   constexpr int C = Family::kCols;
-  const int64_t sub_scale_bytes = F == Format::kSixBits ? 2 * kGroupCols : 0;
+  const int64_t sub_scale_bytes = F == Format::kSixBits ? w.sub_rows * kGroupCols : 0;
   const int64_t group_bytes = w.blocks * (w.Vectors() * kVectorBytes + 2 * kGroupCols * (w.half ? 2 : 4) + sub_scale_bytes);
   const int64_t panel_cols = std::max<int64_t>(2, kInt8PanelBytes / group_bytes) * kGroupCols;
   const int64_t block_rows =
@@ -189,7 +191,7 @@ std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyB
   const bool has_d = d.dimensions()[2] == kGroupCols, has_m = m.dimensions()[2] == kGroupCols;
   const bool has_row_scale = row_scale.dimensions()[0] == N && N > 0;
   const auto sd = sub_scale.dimensions();
-  const bool has_sub_scale = sd[0] == groups && sd[1] == blocks && sd[2] == 2 && sd[3] == kGroupCols;
+  const bool has_sub_scale = sd[0] == groups && sd[1] == blocks && (sd[2] == 2 || sd[2] == 4) && sd[3] == kGroupCols;
   const bool no_sub_scale = sd[0] == 0 && sd[1] == 0 && sd[2] == 0 && sd[3] == 0;
   *format = unsigned_q ? (has_sub_scale ? Format::kSixBits : Format::kNibbles)
             : has_m    ? Format::kOffsetBytes
@@ -206,7 +208,7 @@ std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyB
   bool format_ok = false;
   switch (*format) {
     case Format::kNibbles: format_ok = has_d && has_m && !has_row_scale; break;
-    case Format::kSixBits: format_ok = has_d && !has_m && !has_row_scale; break;
+    case Format::kSixBits: format_ok = has_d && has_m == (sd[2] == 4) && !has_row_scale; break;
     case Format::kOffsetBytes: format_ok = has_d && !has_row_scale && no_sub_scale; break;
     case Format::kBlockBytes: format_ok = !has_row_scale && no_sub_scale; break;
     case Format::kRowBytes: format_ok = has_row_scale && no_sub_scale; break;
@@ -220,8 +222,9 @@ std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyB
          ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) +
          ", 4 (4-bit) or 6 (6-bit) or 8 (int8), 16, 4], d and m [" + std::to_string(groups) + ", " +
          std::to_string(blocks) +
-         ", 16 or 0] (4-bit: both; 6-bit: d; 8-bit: d (and m) or row_scale [N]; float32 or float16), sub_scale int8 [" +
-         std::to_string(groups) + ", " + std::to_string(blocks) + ", 2, 16] (6-bit) or [0, 0, 0, 0], " +
+         ", 16 or 0] (4-bit: both; 6-bit: d (and m); 8-bit: d (and m) or row_scale [N]; float32 or float16), " +
+         "sub_scale int8 [" + std::to_string(groups) + ", " + std::to_string(blocks) +
+         ", 2 or 4 (with m), 16] (6-bit) or [0, 0, 0, 0], " +
          "K whole blocks unless per-row int8";
 }
 
@@ -233,12 +236,13 @@ ffi::Error Int8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer
   if (!error.empty()) return ffi::Error::InvalidArgument("int8_panel_matmul: " + error);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
   if (M == 0 || N == 0) return ffi::Error::Success();
+  const bool has_m = m.dimensions()[2] > 0;
   const Int8Panels w{static_cast<const uint8_t*>(q.untyped_data()),
                      format == Format::kRowBytes ? nullptr : d.untyped_data(),
-                     format == Format::kNibbles || format == Format::kOffsetBytes ? m.untyped_data() : nullptr,
+                     has_m ? m.untyped_data() : nullptr,
                      format == Format::kRowBytes ? row_scale.typed_data() : nullptr,
                      format == Format::kSixBits ? sub_scale.typed_data() : nullptr,
-                     N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half};
+                     N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half, sub_scale.dimensions()[2]};
   RunInt8Matmul(x.typed_data(), w, y->typed_data(), M, thread_pool);
   return ffi::Error::Success();
 }

@@ -91,14 +91,16 @@ enum class Format {
   kBlockBytes,       // Q8_0 blocks and int8_g32: signed bytes, d_w per block
   kOffsetBytes,      // Q5_K, Q5_1: bytes 0..31, d_w and m per block
   kRowBytes,         // per-row int8: signed bytes, d_w = 1, a scale per output column at the end
-  kSixBits,          // Q6_K, Q3_K: v + 32 in 6 bits, an int8 sub-scale per 16, d_w (the super-block's) per block
+  kSixBits,          // Q6_K, Q3_K, Q2_K: v + 32 in 6 bits, an int8 sub-scale (and offset) per 16, d_w (and
+                     // -dmin as m) per block
 };
 
 // The packed weights (model/quantization/int8_panels.py): q [groups, blocks, T, 16, 4] bytes, d and m
 // [groups, blocks, 16] (absent: null) in float32, or in float16 (`half`) where the values are
 // float16's, as GGUF stores them (a sixth less to read per 4-bit weight: a decode row streams
-// every byte of the matrix once), row_scale [N] (absent: null), sub_scale [groups, blocks, 2, 16]
-// int8 (kSixBits: each block's two halves' scales per column; else null). kSixBits's q holds
+// every byte of the matrix once), row_scale [N] (absent: null), sub_scale [groups, blocks, 2 or 4, 16]
+// int8 (kSixBits: each block's two halves' scales per column, then where m is given their two
+// int8 offsets; else null). kSixBits's q holds
 // u = v + 32 (0..63) of each weight v in T = 6 vectors: 0..3 its low four bits as 4-bit blocks
 // hold nibbles, 4 + h the top two bits of half h's weights, byte i of a lane holding those of
 // weights 16h + 4t + i at bits 2t, 2t + 1 (t = 0..3).
@@ -111,6 +113,7 @@ struct Int8Panels {
   int64_t N, K, blocks;
   Format format = Format::kNibbles;
   bool half = false;
+  int64_t sub_rows = 2;  // rows of sub_scale per block: 2, or 4 with offsets
 
   int Vectors() const { return format == Format::kNibbles ? 4 : format == Format::kSixBits ? 6 : 8; }
   bool HasOffsets() const { return format == Format::kNibbles || format == Format::kOffsetBytes; }
@@ -118,9 +121,10 @@ struct Int8Panels {
   const uint8_t* Vector(int64_t c, int64_t b, int t) const {
     return q + (((c / kGroupCols) * blocks + b) * Vectors() + t) * kVectorBytes + (c % kGroupCols) * 4;
   }
-  // Block b's sub-scales of half h (0: weights 0..15, 1: 16..31) for the lanes from column c.
+  // Block b's sub-scales of half h (0: weights 0..15, 1: 16..31; 2 and 3: their offsets) for the
+  // lanes from column c.
   const int8_t* SubScales(int64_t c, int64_t b, int h) const {
-    return sub_scale + (((c / kGroupCols) * blocks + b) * 2 + h) * kGroupCols + c % kGroupCols;
+    return sub_scale + (((c / kGroupCols) * blocks + b) * sub_rows + h) * kGroupCols + c % kGroupCols;
   }
   // Where block b's d_w or m are for the lanes from column c, in values of their type.
   int64_t LaneIndex(int64_t c, int64_t b) const {
@@ -145,6 +149,13 @@ struct Int8Panels {
   }
 };
 
+// kSixBits with offsets: block b's o = m_0 S_0 + m_1 S_1 of row r and column n (m_h the half's int8
+// offset, S_h its activations' sum; exact in int32), which the kernel scales by d_x * (-dmin).
+inline int32_t OffsetSum(const Int8Rows& a, const Int8Panels& w, int64_t r, int64_t n, int64_t b) {
+  const int64_t i = a.At(r, b);
+  return *w.SubScales(n, b, 2) * (a.low128[i] / 128) + *w.SubScales(n, b, 3) * ((a.sum128[i] - a.low128[i]) / 128);
+}
+
 // The portable family: the arithmetic above as plain loops.
 void PortableColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
   for (int64_t r = 0; r < M; ++r)
@@ -166,6 +177,8 @@ void PortableColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M
         const float dw = w.format == Format::kRowBytes ? 1.0f : w.Lane(w.d, n, b);
         acc = std::fma(static_cast<float>(sum), a.d[a.At(r, b)] * dw, acc);
         if (w.HasOffsets()) acc = std::fma(w.Lane(w.m, n, b), a.ds[a.At(r, b)], acc);
+        if (w.format == Format::kSixBits && w.m != nullptr) acc = std::fma(static_cast<float>(OffsetSum(a, w, r, n, b)),
+                                                                           a.d[a.At(r, b)] * w.Lane(w.m, n, b), acc);
       }
       y[r * w.N + n] = w.format == Format::kRowBytes ? acc * w.row_scale[n] : acc;
     }

@@ -23,12 +23,14 @@ Layout of a matrix ``[N..., K...]`` (outputs and inputs each flattened, ``N`` an
   kernel widens them exactly, so the results do not change.
 - ``row_scale [N]``: per-row int8's scale per output column, else ``[0]``.
 - Blocks with a scale per 16 weights held in two levels (Q6_K, Q3_K: an int8 scale per 16 under
-  a float16 ``d`` per 256; weights -32..31) are held in 6 bits, as Q6_K's file holds them:
+  a float16 ``d`` per 256; weights -32..31; with an int8 offset per 16 under ``dmin``: Q2_K, and
+  a Q4_K_M's Q4_K query and key fused with its Q6_K value) are held in 6 bits, as Q6_K's file holds them:
   ``u = v + 32`` in ``q`` (uint8, ``T = 6``: vectors 0..3 ``u``'s low four bits as 4-bit blocks
   hold nibbles, vector ``4 + h`` the top two bits of half ``h``'s weights, lane byte ``i``
   holding those of weights ``16h + 4t + i`` at bits ``2t, 2t + 1``); ``sub_scale [G, B, 2, 16]``
-  int8 holds each block's two halves' scales, ``scale`` the super-block's ``d`` for each block.
-  Else ``sub_scale`` is ``[0, 0, 0, 0]``. The kernel sums each half in integers, multiplies it
+  int8 holds each block's two halves' scales, ``scale`` the super-block's ``d`` for each block;
+  with offsets ``sub_scale [G, B, 4, 16]`` adds the halves' int8 offsets and ``offset`` holds
+  ``-dmin`` for each block. Else ``sub_scale`` is ``[0, 0, 0, 0]``. The kernel sums each half in integers, multiplies it
   by its int8 scale and adds the two in int32 (as llama.cpp does), so the per-16 scales
   ``d * sc`` are never formed. 7 bits a weight, where bytes took 9 (a decode row streams them).
 
@@ -84,10 +86,12 @@ class Int8Panels(StoredBytes):
             return w.reshape(*lead, *self.input_shape).astype(dtype)
         offset = self.offset[group, :, lane].astype(jnp.float32) if self.offset.shape[-1] else jnp.zeros((*lead, 0), jnp.float32)
         scale = self.scale[group, :, lane].astype(jnp.float32)  # [..., B]
-        if self.sub_scale.shape[0]:  # signed bytes, and d * sc per 16: the float32 products the stored matrix forms
+        if self.sub_scale.shape[0]:  # signed bytes, and d * sc (-dmin * m) per 16: the float32 products
             stored = _unpack_six_bits(self.q[group, :, :, lane, :]).reshape(*lead, -1)
-            sub = self.sub_scale[group, :, :, lane].astype(jnp.float32)  # [..., B, 2]
-            scale = (scale[..., None] * sub).reshape(*lead, -1)
+            sub = self.sub_scale[group, :, :, lane].astype(jnp.float32)  # [..., B, 2 or 4]
+            if offset.shape[-1]:
+                offset = (offset[..., None] * sub[..., 2:]).reshape(*lead, -1)
+            scale = (scale[..., None] * sub[..., :2]).reshape(*lead, -1)
         blocks = GgufBlocks(stored, scale, offset, self.input_shape)
         return blocks.dequantize(dtype)
 
@@ -98,16 +102,19 @@ class Int8Panels(StoredBytes):
 
 
 def sub_scaled(w: GgufBlocks) -> bool:
-    """Whether ``w`` is 8-bit blocks with two-level scales per 16 and no offsets (Q6_K, Q3_K): the
-    layout whose int8 scales the kernel applies to its integer sums (``sub_scale``)."""
-    return w.group == BLOCK // 2 and w.two_level and not w.nibbles and not w.has_offset
+    """Whether ``w`` is 8-bit blocks with two-level scales per 16 (Q6_K, Q3_K; with offsets Q2_K and
+    a fused Q4_K / Q6_K matrix): the layout whose int8 scales (and offsets) the kernel applies to
+    its integer sums (``sub_scale``), with every weight in the 6-bit range -32..31 (not, say,
+    IQ4_XS's table values fused beside a Q6_K matrix)."""
+    if not (w.group == BLOCK // 2 and w.two_level and not w.nibbles):
+        return False
+    q = np.asarray(w.q)
+    return q.size == 0 or (int(q.min()) >= -32 and int(q.max()) <= 31)
 
 
 def _six_bits(q: np.ndarray) -> np.ndarray:
-    """Signed bytes ``q [N, K]`` (-32..31) as rows of the 6-bit layout (module docstring): per block
+    """Signed bytes ``q [N, K]`` (-32..31, ``sub_scaled`` checked) as rows of the 6-bit layout (module docstring): per block
     the 16 nibble bytes of ``u = q + 32``, then the top two bits of each half's 16, in 4 bytes."""
-    if q.size and (q.min() < -32 or q.max() > 31):
-        raise ValueError(f"the 6-bit integer panels take weights -32..31, got {q.min()}..{q.max()}")
     n = q.shape[0]
     u = (q.astype(np.int16) + 32).astype(np.uint8).reshape(n, -1, BLOCK)  # [N, B, 32]
     nibbles = pack_nibbles(u.reshape(n, -1) & np.uint8(0x0F)).reshape(n, -1, BLOCK // 2)
@@ -125,11 +132,17 @@ def _unpack_six_bits(stored: jax.Array) -> jax.Array:
     return (low | (top.reshape(low.shape) << 4)).astype(jnp.int8) - 32
 
 
-def _super_block_d(w: GgufBlocks) -> tuple[np.ndarray, np.ndarray]:
-    """A flat two-level ``w``'s ``d`` for each block of 32 ``[N, B]`` and its int8 scales ``[N, B, 2]``."""
-    sub = np.asarray(w.scale).reshape(w.scale.shape[0], -1, 2)
-    d = np.asarray(w.supers)[:, 0::2]
-    return np.repeat(d, sub.shape[1] // d.shape[1], axis=-1), sub
+def _super_block_tables(w: GgufBlocks) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """A flat two-level ``w``'s ``d`` and ``-dmin`` (None without offsets) for each block of 32
+    ``[N, B]``, and its int8 scales (then offsets) per half ``[N, B, 2 or 4]``."""
+    n = w.scale.shape[0]
+    sub = np.asarray(w.scale).reshape(n, -1, 2)
+    if w.has_offset:
+        sub = np.concatenate([sub, np.asarray(w.offset).reshape(n, -1, 2)], axis=-1)
+    supers = np.asarray(w.supers)
+    per_super = sub.shape[1] // (supers.shape[1] // 2)
+    minus_dmin = -np.repeat(supers[:, 1::2], per_super, axis=-1) if w.has_offset else None
+    return np.repeat(supers[:, 0::2], per_super, axis=-1), minus_dmin, sub
 
 
 def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
@@ -139,9 +152,9 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
     if isinstance(w, GgufBlocks) and sub_scaled(w):
         output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
         flat = w.flat()
-        q, offset, row_scale = _six_bits(np.asarray(flat.q)), None, None
-        scale, sub = _super_block_d(flat)
-    elif isinstance(w, GgufBlocks):
+        q, row_scale = _six_bits(np.asarray(flat.q)), None
+        scale, offset, sub = _super_block_tables(flat)
+    elif isinstance(w, GgufBlocks) and w.group == BLOCK:
         output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
         flat = w.flat().with_float_tables()
         q, scale = np.asarray(flat.q), np.asarray(flat.scale)
@@ -155,7 +168,9 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
         scale = offset = None
         row_scale = np.asarray(w.scale, np.float32).reshape(-1)
     else:
-        raise TypeError(f"the integer kernel reads GGUF blocks and int8 weights, not {type(w).__name__}")
+        layout = f"GGUF blocks with a scale per {w.group}" if isinstance(w, GgufBlocks) else type(w).__name__
+        raise TypeError(f"the integer kernel reads GGUF blocks with a scale per 32, two-level int8 scales per 16 "
+                        f"on weights -32..31, and int8 weights; not {layout}")
     n = q.shape[0]
     groups = -(-n // GROUP)
     repeat = np.minimum(np.arange(groups * GROUP), n - 1)  # columns past N repeat the last one
@@ -174,8 +189,8 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
 
     if sub is None:
         sub_scale = np.zeros((0, 0, 0, 0), np.int8)
-    else:  # [N, B, 2] -> [G, B, 2, 16]
-        sub_scale = np.ascontiguousarray(sub[repeat].reshape(groups, GROUP, blocks, 2).transpose(0, 2, 3, 1))
+    else:  # [N, B, 2 or 4] -> [G, B, 2 or 4, 16]
+        sub_scale = np.ascontiguousarray(sub[repeat].reshape(groups, GROUP, blocks, -1).transpose(0, 2, 3, 1))
     return Int8Panels(
         jnp.asarray(np.ascontiguousarray(packed)), jnp.asarray(per_block(scale)), jnp.asarray(per_block(offset)),
         jnp.asarray(row_scale if row_scale is not None else np.zeros((0,), np.float32)), jnp.asarray(sub_scale),

@@ -113,6 +113,11 @@ def test_types_mixed_in_one_fused_matrix_share_an_exact_layout():
     np.testing.assert_array_equal(np.asarray(fused.dequantize()), np.concatenate([eq, ev, eo]))
     same = map_rows(lambda *a: np.concatenate(a), q, q)
     assert same.nibbles and same.group == 32
+    # K-quants alone keep their two levels: int8 scales and offsets per 16 under d and dmin
+    k_quants = map_rows(lambda *a: np.concatenate(a), q, v)
+    assert k_quants.two_level and k_quants.group == 16 and k_quants.has_offset and k_quants.scale.dtype == np.int8
+    np.testing.assert_array_equal(np.asarray(k_quants.dequantize()), np.concatenate([eq, ev]))
+    assert k_quants.nbytes * 8 == 9.25 * 12 * 256  # bits a weight: float32 tables per 16 took 12
 
 
 def _write(tmp_path, tensors: dict[str, tuple[np.ndarray, T]]):

@@ -22,7 +22,6 @@ import pytest
 
 from raylm.model.kernels.int8_matmul import unavailable_reason
 from raylm.model.loaders.load import load_model
-from raylm.model.quantization.gguf_blocks import GgufBlocks
 from raylm.model.quantization.int8_panels import Int8Panels
 from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.engine_args import EngineArgs
@@ -68,9 +67,9 @@ def test_greedy_equals_each_prompt_alone(tiny_path):
 def test_a_q4_k_m_file_runs_its_q6_k_matrices_in_integers(tmp_path_factory):
     """A Q4_K_M-style GGUF (Q6_K value and down projections and output matrix, Q4_K elsewhere):
     the integer mode packs the Q6_K matrices for the integer kernel with their int8 scales per 16
-    (``sub_scale``) beside the Q4_K ones, and batched, chunked, speculative serving gives each
-    prompt the greedy tokens it gets alone. The fused QKV, Q4_K beside Q6_K, shares float32
-    tables per 16 (model/quantization/gguf_blocks.py ``map_rows``): it stays in the exact kernel."""
+    (``sub_scale``) beside the Q4_K ones, the fused QKV (Q4_K query and key beside the Q6_K value,
+    model/quantization/gguf_blocks.py ``map_rows``) with int8 offsets per 16 too, and batched,
+    chunked, speculative serving gives each prompt the greedy tokens it gets alone."""
     tmp = tmp_path_factory.mktemp("q4_k_m_int8")
     directory, _ = build_tiny_checkpoint("qwen3", tmp / "hf", hidden_size=256, intermediate_size=512, head_dim=64,
                                          tie_word_embeddings=False)
@@ -83,7 +82,7 @@ def test_a_q4_k_m_file_runs_its_q6_k_matrices_in_integers(tmp_path_factory):
     for layer in params.layers:
         assert isinstance(layer.w_down, Int8Panels) and layer.w_down.sub_scale.shape[2:] == (2, 16)  # Q6_K
         assert isinstance(layer.w_gate_up, Int8Panels) and layer.w_gate_up.nibbles  # Q4_K
-        assert isinstance(layer.wqkv, GgufBlocks) and layer.wqkv.group == 16 and not layer.wqkv.two_level
+        assert isinstance(layer.wqkv, Int8Panels) and layer.wqkv.sub_scale.shape[2:] == (4, 16)  # scales, offsets
     assert isinstance(params.lm_head, Int8Panels) and params.lm_head.sub_scale.shape[2:] == (2, 16)
     expected = [_tokens(alone, [p])[0] for p in prompts]
 
