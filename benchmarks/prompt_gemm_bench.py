@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from raylm.benchmarks.random_blocks import random_blocks
 from raylm.model.kernels.dense import KERNEL_MAX_ROWS, dense
 from raylm.model.quantization.gguf_blocks import GgufBlocks, from_gguf
 from raylm.model.quantization.quant_array import QuantArray, quantize
@@ -46,6 +47,7 @@ from raylm.model.quantization.quant_array import QuantArray, quantize
 # hidden, ffn, query heads, KV heads (head dim 64 for both)
 MODELS = {"135m": (576, 1536, 9, 3), "1b": (2048, 8192, 32, 8)}
 FORMATS = ("float32", "int8", "Q4_1", "Q8_0")
+_GGUF_QUANTIZES = {GGMLQuantizationType[t] for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")}
 
 
 def layer_shapes(hidden: int, ffn: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
@@ -55,7 +57,8 @@ def layer_shapes(hidden: int, ffn: int, heads: int, kv_heads: int) -> list[tuple
 
 
 def weights_in(fmt: str, shapes: list[tuple[int, int]], seed: int = 0) -> list[Any]:
-    """Random ``[N, K]`` matrices in ``fmt``, as the engine holds them."""
+    """Random ``[N, K]`` matrices in ``fmt``, as the engine holds them (GGUF types the gguf package
+    cannot quantize: random blocks, ``K`` a multiple of their 256-weight super-blocks)."""
     rng = np.random.default_rng(seed)
     out: list[Any] = []
     for n, k in shapes:
@@ -64,9 +67,10 @@ def weights_in(fmt: str, shapes: list[tuple[int, int]], seed: int = 0) -> list[A
             out.append(jnp.asarray(w))
         elif fmt == "int8":
             out.append(quantize(jnp.asarray(w), "int8"))
-        else:
+        else:  # random blocks for the types the gguf package cannot quantize (the K-quants)
             kind = GGMLQuantizationType[fmt]
-            out.append(from_gguf(gguf.quants.quantize(w, kind), kind, (n, k)).to_device())
+            data = gguf.quants.quantize(w, kind) if kind in _GGUF_QUANTIZES else random_blocks(kind, (n, k), seed)
+            out.append(from_gguf(data, kind, (n, k)).to_device())
     return out
 
 

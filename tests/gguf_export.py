@@ -29,6 +29,8 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
+from raylm.benchmarks.random_blocks import F16_SCALED_TYPES, random_blocks
+
 _ARCHES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -62,34 +64,17 @@ _GRANITE_SCALES = {"attention_multiplier": "add_attention_scale", "embedding_mul
 _NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
 _EXPERT_RE = re.compile(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight")
 T = gguf.GGMLQuantizationType
-# Where each type's float16 scales sit in its block, and a magnitude for them that keeps the
-# weights within about +-0.3 (the largest stored integers times the largest sub-scales).
-_F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-               T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q4_0: (0,), T.Q4_1: (0, 2),
-               T.Q8_0: (0,)}
-_SCALE = {T.Q2_K: 0.3 / 45, T.Q3_K: 0.3 / 128, T.Q4_K: 0.3 / 945, T.Q5_K: 0.3 / 1953, T.Q6_K: 0.3 / 4064,
-          T.IQ4_NL: 0.3 / 127, T.IQ4_XS: 0.3 / 4064, T.Q5_0: 0.3 / 16, T.Q5_1: 0.3 / 31, T.Q4_0: 0.3 / 8,
-          T.Q4_1: 0.3 / 15, T.Q8_0: 0.3 / 127}
 # Types export_gguf quantizes with the gguf package (the others get random blocks).
 _QUANTIZED = {T.Q4_0, T.Q4_1, T.Q8_0}
 # A qtype for every tensor, or one per GGUF tensor name.
 QTypes = T | Callable[[str], T]
 
 
-def random_blocks(kind: T, shape: tuple[int, ...], seed: int) -> np.ndarray:
-    """A tensor of ``shape`` (numpy order, rows of whole blocks) in ``kind``'s blocks with random
-    bits and float16 scales of a sane magnitude: a valid file tensor for types the gguf
-    package cannot quantize (the K-quants, IQ4). Its values are what the package dequantizes."""
-    block, type_size = gguf.GGML_QUANT_SIZES[kind]
-    rng = np.random.default_rng(seed)
-    count = int(np.prod(shape)) // block
-    raw = rng.integers(0, 256, size=(count, type_size), dtype=np.uint8)
-    for at in _F16_FIELDS.get(kind, ()):
-        d = (rng.uniform(0.2, 1.0, count) * _SCALE[kind]).astype(np.float16)
-        raw[:, at: at + 2] = d.reshape(count, 1).view(np.uint8)
-    if kind == T.MXFP4:  # its scale is an e8m0 byte, a power of two: 2^-10 .. 2^-4 here
-        raw[:, 0] = rng.integers(117, 124, count)
-    return raw.reshape(*shape[:-1], shape[-1] // block * type_size)
+def q4_k_m_types(name: str) -> T:
+    """llama-quantize's Q4_K_M choice on a small model (a ``QTypes`` for ``export_gguf``): Q6_K for
+    the value and down projections and the output matrix, Q4_K elsewhere (its per-layer
+    alternation aside)."""
+    return T.Q6_K if name.startswith("output.") or "attn_v" in name or "ffn_down" in name else T.Q4_K
 
 
 def load_stored(hf_model: Any, path: Path) -> None:
@@ -141,7 +126,7 @@ def export_gguf(hf_dir: Path, out: Path, qtype: QTypes = T.F32, split_kv_b: bool
     for seed, (name, array) in enumerate(_tensors(writer, arch, hp, tensors, split_kv_b)):
         array = np.ascontiguousarray(array, dtype=np.float32)
         kind = qtype(name) if callable(qtype) else qtype
-        if array.ndim in (2, 3) and kind in _F16_FIELDS and kind not in _QUANTIZED:
+        if array.ndim in (2, 3) and kind in F16_SCALED_TYPES and kind not in _QUANTIZED:
             writer.add_tensor(name, random_blocks(kind, array.shape, seed), raw_dtype=kind)
         elif array.ndim in (2, 3) and kind != T.F32:
             writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)

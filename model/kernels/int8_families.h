@@ -20,7 +20,8 @@ namespace {
 
 // AVX-512 VNNI: sixteen columns a group; vpdpbusd adds four u8 x s8 products per lane, the
 // weights being the unsigned operand (nibbles as they are, 8-bit weights + 128, whose extra
-// 128 * S per block is subtracted by starting the block's sums at -128 * S).
+// 128 * S per block is subtracted by starting the block's sums at -128 * S; 6-bit weights + 32
+// likewise per half block).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")
 #pragma GCC diagnostic push
@@ -57,8 +58,18 @@ struct VnniFamily {
         int8_t* q = out->q.data() + out->At(r, b) * kGgufBlock;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q_low));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q_high));
-        SetBlock(out, r, b, amax, _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)));
+        SetBlock(out, r, b, amax, _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)),
+                 _mm512_reduce_add_epi32(q_low));
       }
+  }
+
+  // Vector t of half h of block b's 6-bit weights u (kSixBits) for the lanes from column c, as
+  // bytes 0..63: their low four bits from nibble vector t, their top two from `top` (vector 4 + h).
+  static __m512i SixBits(const Int8Panels& w, int64_t c, int64_t b, int h, int t, __m512i top) {
+    const __m512i bytes = _mm512_loadu_si512(w.Vector(c, b, t));
+    const __m512i low = _mm512_and_si512(h == 0 ? bytes : _mm512_srli_epi16(bytes, 4), _mm512_set1_epi8(0x0F));
+    const __m512i high = t < 2 ? _mm512_slli_epi16(top, 4 - 2 * t) : _mm512_srli_epi16(top, 2 * t - 4);
+    return _mm512_or_si512(low, _mm512_and_si512(high, _mm512_set1_epi8(0x30)));
   }
 
   // Rows [m, m + R) against G consecutive groups from column n; writes y[r, n + c] for the
@@ -93,6 +104,34 @@ struct VnniFamily {
             }
           }
         }
+      } else if constexpr (F == Format::kSixBits) {
+        // Each half's sums of u = v + 32 (started at -32 S of its 16 activations, so they are
+        // those of v) times the columns' int8 sub-scales, the two added in int32.
+        for (int h = 0; h < 2; ++h) {
+          __m512i half[R][G], top[G];
+          for (int r = 0; r < R; ++r) {
+            const int64_t i = a.At(m + r, b);
+            const __m512i start = _mm512_set1_epi32((h == 0 ? -a.low128[i] : a.low128[i] - a.sum128[i]) / 4);
+            for (int g = 0; g < G; ++g) half[r][g] = start;
+          }
+          for (int g = 0; g < G; ++g) top[g] = _mm512_loadu_si512(w.Vector(n + g * kCols, b, 4 + h));
+          for (int t = 0; t < 4; ++t) {
+            __m512i u[G];
+            for (int g = 0; g < G; ++g) u[g] = SixBits(w, n + g * kCols, b, h, t, top[g]);
+            for (int r = 0; r < R; ++r) {
+              const __m512i x = _mm512_set1_epi32(a.Four(m + r, b, 16 * h + 4 * t));
+              for (int g = 0; g < G; ++g) half[r][g] = _mm512_dpbusd_epi32(half[r][g], u[g], x);
+            }
+          }
+          for (int g = 0; g < G; ++g) {
+            const __m512i scale = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, h))));
+            for (int r = 0; r < R; ++r) {
+              const __m512i scaled = _mm512_mullo_epi32(half[r][g], scale);
+              sums[r][g] = h == 0 ? scaled : _mm512_add_epi32(sums[r][g], scaled);
+            }
+          }
+        }
       } else {
         for (int t = 0; t < 8; ++t) {
           __m512i weights[G];
@@ -109,9 +148,24 @@ struct VnniFamily {
         for (int r = 0; r < R; ++r) {
           const __m512 dx = _mm512_set1_ps(a.d[a.At(m + r, b)]);
           acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][g]), _mm512_mul_ps(dx, d), acc[r][g]);
-          if constexpr (F == Format::kNibbles)
+          if constexpr (F == Format::kNibbles || F == Format::kOffsetBytes)
             acc[r][g] = _mm512_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
                                         _mm512_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
+        }
+        if constexpr (F == Format::kSixBits) {
+          if (w.m != nullptr) {  // offsets per 16: o = m_0 S_0 + m_1 S_1 in int32, scaled by d_x * (-dmin)
+            const __m512i m0 = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, 2))));
+            const __m512i m1 = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, 3))));
+            const __m512 min = Lanes(w, w.m, n + g * kCols, b);
+            for (int r = 0; r < R; ++r) {
+              const int64_t i = a.At(m + r, b);
+              const __m512i o = _mm512_add_epi32(_mm512_mullo_epi32(m0, _mm512_set1_epi32(a.low128[i] / 128)),
+                                                 _mm512_mullo_epi32(m1, _mm512_set1_epi32((a.sum128[i] - a.low128[i]) / 128)));
+              acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(o), _mm512_mul_ps(_mm512_set1_ps(a.d[i]), min), acc[r][g]);
+            }
+          }
         }
       }
     }
@@ -133,9 +187,9 @@ struct VnniFamily {
 #pragma GCC pop_options
 
 // AVX2: eight columns a group (half of a packed one); vpmaddubsw multiplies u8 x s8 pairs into
-// int16 and vpmaddwd adds the pairs into int32. Nibbles are the unsigned operand as they are; for
-// 8-bit weights, |w| <= 128 is, with the activation given w's sign (|q_x| <= 127), so no pair sum
-// overflows.
+// int16 and vpmaddwd adds the pairs into int32. Nibbles and 6-bit values (0..63: pairs up to
+// 2 * 63 * 127) are the unsigned operand as they are; for 8-bit weights, |w| <= 128 is, with the
+// activation given w's sign (|q_x| <= 127), so no pair sum overflows.
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
@@ -150,6 +204,14 @@ struct Avx2Family {
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
     }
     return _mm256_loadu_ps(static_cast<const float*>(values) + i);
+  }
+
+  // The sum of eight int32 lanes.
+  static int32_t Total(__m256i lanes) {
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(1, 0, 3, 2)));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(sum);
   }
 
   // QuantizeRows's arithmetic, four vectors a block (as VnniFamily::Quantize; a last partial
@@ -180,11 +242,8 @@ struct Avx2Family {
         const __m256i bytes = _mm256_permutevar8x32_epi32(
             _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->q.data() + out->At(r, b) * kGgufBlock), bytes);
-        const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(1, 0, 3, 2)));
-        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(2, 3, 0, 1)));
-        SetBlock(out, r, b, amax, _mm_cvtsi128_si32(sum));
+        const __m256i low = _mm256_add_epi32(q[0], q[1]);
+        SetBlock(out, r, b, amax, Total(_mm256_add_epi32(low, _mm256_add_epi32(q[2], q[3]))), Total(low));
       }
   }
 
@@ -194,10 +253,10 @@ struct Avx2Family {
     __m256 acc[R][G];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
-    // Adds the products of four-byte lanes `weights` (their magnitudes `magnitudes` when signed)
-    // and the broadcast `x` to `sums`.
+    // Adds the products of four-byte lanes `weights` (their magnitudes `magnitudes` when signed;
+    // unsigned: nibbles and 6-bit values) and the broadcast `x` to `sums`.
     auto add = [&](__m256i& sums, __m256i weights, __m256i magnitudes, __m256i x) {
-      const __m256i signed_x = F == Format::kNibbles ? x : _mm256_sign_epi8(x, weights);
+      const __m256i signed_x = F == Format::kNibbles || F == Format::kSixBits ? x : _mm256_sign_epi8(x, weights);
       sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_x), ones));
     };
     for (int64_t b = 0; b < w.blocks; ++b) {
@@ -221,6 +280,37 @@ struct Avx2Family {
             }
           }
         }
+      } else if constexpr (F == Format::kSixBits) {
+        // As VnniFamily's: each half's sums of u = v + 32 (unsigned, so no sign trick), less 32 S
+        // of its activations, times the columns' int8 sub-scales, the two added in int32.
+        for (int h = 0; h < 2; ++h) {
+          __m256i half[R][G], top[G];
+          for (int r = 0; r < R; ++r) {
+            const int64_t i = a.At(m + r, b);
+            const __m256i start = _mm256_set1_epi32((h == 0 ? -a.low128[i] : a.low128[i] - a.sum128[i]) / 4);
+            for (int g = 0; g < G; ++g) half[r][g] = start;
+          }
+          for (int g = 0; g < G; ++g)
+            top[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Vector(n + g * kCols, b, 4 + h)));
+          for (int t = 0; t < 4; ++t) {
+            __m256i u[G];
+            for (int g = 0; g < G; ++g) {
+              const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Vector(n + g * kCols, b, t)));
+              const __m256i low = _mm256_and_si256(h == 0 ? bytes : _mm256_srli_epi16(bytes, 4), nibble);
+              const __m256i high = t < 2 ? _mm256_slli_epi16(top[g], 4 - 2 * t) : _mm256_srli_epi16(top[g], 2 * t - 4);
+              u[g] = _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+            }
+            for (int r = 0; r < R; ++r) {
+              const __m256i x = _mm256_set1_epi32(a.Four(m + r, b, 16 * h + 4 * t));
+              for (int g = 0; g < G; ++g) add(half[r][g], u[g], u[g], x);
+            }
+          }
+          for (int g = 0; g < G; ++g) {
+            const __m256i scale = _mm256_cvtepi8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, h))));
+            for (int r = 0; r < R; ++r) sums[r][g] = _mm256_add_epi32(sums[r][g], _mm256_mullo_epi32(half[r][g], scale));
+          }
+        }
       } else {
         for (int t = 0; t < 8; ++t) {
           __m256i weights[G], magnitudes[G];
@@ -239,9 +329,24 @@ struct Avx2Family {
         for (int r = 0; r < R; ++r) {
           const __m256 dx = _mm256_set1_ps(a.d[a.At(m + r, b)]);
           acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][g]), _mm256_mul_ps(dx, d), acc[r][g]);
-          if constexpr (F == Format::kNibbles)
+          if constexpr (F == Format::kNibbles || F == Format::kOffsetBytes)
             acc[r][g] = _mm256_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
                                         _mm256_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
+        }
+        if constexpr (F == Format::kSixBits) {
+          if (w.m != nullptr) {  // as VnniFamily's
+            const __m256i m0 = _mm256_cvtepi8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, 2))));
+            const __m256i m1 = _mm256_cvtepi8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, 3))));
+            const __m256 min = Lanes(w, w.m, n + g * kCols, b);
+            for (int r = 0; r < R; ++r) {
+              const int64_t i = a.At(m + r, b);
+              const __m256i o = _mm256_add_epi32(_mm256_mullo_epi32(m0, _mm256_set1_epi32(a.low128[i] / 128)),
+                                                 _mm256_mullo_epi32(m1, _mm256_set1_epi32((a.sum128[i] - a.low128[i]) / 128)));
+              acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_mul_ps(_mm256_set1_ps(a.d[i]), min), acc[r][g]);
+            }
+          }
         }
       }
     }

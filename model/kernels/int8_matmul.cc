@@ -9,17 +9,24 @@
 // says what is measured).
 //
 // Operands: x [M, K] f32 and the weights as model/quantization/int8_panels.py repacked them at load: GGUF
-// blocks with a scale per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0, IQ4; int8_g32, held as Q8_0
-// blocks) or int8 with a scale per output row, N output columns in groups of 16.
+// blocks with a scale per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, IQ4; int8_g32, held
+// as Q8_0 blocks), signed bytes with an int8 scale per 16 under a super-block's d (Q6_K, Q3_K), or int8
+// with a scale per output row, N output columns in groups of 16.
 //
 // The arithmetic, the same in every family below and for every M, per row r and output column n:
 //   activations, per block b of 32 (the last one zero-padded): a = max |x|, d_x = a / 127,
 //     q_x = nearest-even(x * (127 / a)) (0 when a = 0), S = sum of the block's q_x;
 //   i_b = sum over the block of q_x * v, v the stored weight integer: the nibble 0..15 of a 4-bit
-//     block, the signed byte of an 8-bit one (exact in int32);
+//     block, the signed byte of an 8-bit one (exact in int32); with int8 sub-scales per 16
+//     (Q6_K, Q3_K) i_b = sc_0 * (sum over weights 0..15) + sc_1 * (sum over 16..31), also in
+//     int32 (exact: at most 2 * 16 * 128 * 127 * 128 < 2^31), and d_w the super-block's d, as
+//     llama.cpp's q6_K x q8_K dot product forms it; with int8 offsets per 16 too (Q2_K, a fused
+//     Q4_K / Q6_K matrix), after the block's fma below acc = fma(m_0 S_0 + m_1 S_1, d_x * -dmin,
+//     acc), S_h the sum of the half's q_x (the integer again exact);
 //   acc = fma(float(i_b), d_x * d_w, acc) for b in order (d_w: the block's scale, 1 for
-//     per-row int8), then for 4-bit blocks acc = fma(m, d_x * S, acc) with m the block's offset
-//     (w = d_w * v + m covers Q4_1 and Q4_0's m = -8 d_w: llama.cpp's q8_1 sum term);
+//     per-row int8), then for blocks with offsets (4-bit, Q5_K, Q5_1) acc = fma(m, d_x * S, acc)
+//     with m the block's offset (w = d_w * v + m covers Q4_1, Q4_0's m = -8 d_w and the
+//     K-quants' -(dmin * m): llama.cpp's q8_1 sum term);
 //   y = acc (GGUF blocks) or acc * scale[n] (per-row int8).
 // Integer sums are exact whatever the instruction, and each output's float operations are this
 // one sequence, so a row's result does not depend on the batch, the tile, the thread or the
@@ -29,7 +36,9 @@
 // Layout (model/quantization/int8_panels.py): for each group of 16 output columns and each block, T 64-byte
 // vectors (T = 4 for 4-bit blocks, 8 for 8-bit weights) whose 4-byte lane j holds column j's bytes
 // 4t..4t+3 of the block as stored (4-bit: weights 4t..4t+3 in the low nibbles, 16+4t..19+4t in the
-// high ones), then the group's 16 d_w and 16 m per block in arrays of their own. A broadcast of
+// high ones), then the group's 16 d_w and 16 m per block in arrays of their own. Q6_K and Q3_K are
+// held in 6 bits (T = 6: v + 32's low nibbles so, then two vectors of its top two bits; the
+// kernel ORs them into bytes 0..63 and starts each half's sums at -32 S of its activations). A broadcast of
 // four activation bytes against such a vector adds four products to each of the group's columns,
 // so a block's integer sums end up one per lane, with no horizontal additions. The layout is made
 // once at load, so a call streams the weights in the order it reads them: a decode row reads each
@@ -51,6 +60,7 @@ using raylm::Matrix;
 namespace {
 
 using RowScale = ffi::Buffer<ffi::F32, 1>;  // [N or 0]
+using SubScale = ffi::Buffer<ffi::S8, 4>;   // [groups, blocks, 2 or 4, 16] or [0, 0, 0, 0]
 
 enum class Int8Family { kPortable, kAvx2, kVnni };
 
@@ -97,7 +107,8 @@ void TileRows(int64_t rows, const Int8Rows& a, int64_t m, const Int8Panels& w, f
 template <typename Family, Format F>
 void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
   constexpr int C = Family::kCols;
-  const int64_t group_bytes = w.blocks * (w.Vectors() * kVectorBytes + 2 * kGroupCols * (w.half ? 2 : 4));
+  const int64_t sub_scale_bytes = F == Format::kSixBits ? w.sub_rows * kGroupCols : 0;
+  const int64_t group_bytes = w.blocks * (w.Vectors() * kVectorBytes + 2 * kGroupCols * (w.half ? 2 : 4) + sub_scale_bytes);
   const int64_t panel_cols = std::max<int64_t>(2, kInt8PanelBytes / group_bytes) * kGroupCols;
   const int64_t block_rows =
       std::max<int64_t>(kInt8Rows, kInt8RowBlockBytes / (w.blocks * kGgufBlock) / kInt8Rows * kInt8Rows);
@@ -124,7 +135,9 @@ void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, 
   switch (w.format) {
     case Format::kNibbles: return VectorColumns<Family, Format::kNibbles>(a, w, y, M, n_begin, n_end);
     case Format::kBlockBytes: return VectorColumns<Family, Format::kBlockBytes>(a, w, y, M, n_begin, n_end);
+    case Format::kOffsetBytes: return VectorColumns<Family, Format::kOffsetBytes>(a, w, y, M, n_begin, n_end);
     case Format::kRowBytes: return VectorColumns<Family, Format::kRowBytes>(a, w, y, M, n_begin, n_end);
+    case Format::kSixBits: return VectorColumns<Family, Format::kSixBits>(a, w, y, M, n_begin, n_end);
   }
 }
 #endif
@@ -165,49 +178,71 @@ void RunInt8Matmul(const float* x, const Int8Panels& w, float* y, int64_t M, ffi
 
 // Checks the packed operands against x [M, K] and y [M, N]; an empty message when they agree.
 std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyBuffer& d, const ffi::AnyBuffer& m,
-                       const RowScale& row_scale, const Matrix& y, Format* format, bool* half) {
+                       const RowScale& row_scale, const SubScale& sub_scale, const Matrix& y, Format* format,
+                       bool* half) {
   const int64_t K = x.dimensions()[1], N = y.dimensions()[1];
   const int64_t groups = (N + kGroupCols - 1) / kGroupCols, blocks = (K + kGgufBlock - 1) / kGgufBlock;
-  const bool nibbles = q.element_type() == ffi::DataType::U8;
-  if (!nibbles && q.element_type() != ffi::DataType::S8) return "q must be uint8 (4-bit blocks) or int8";
-  const auto qd = q.dimensions();
-  const bool q_ok = qd.size() == 5 && qd[0] == groups && qd[1] == blocks && qd[2] == (nibbles ? 4 : 8) &&
-                    qd[3] == kGroupCols && qd[4] == 4;
+  const bool unsigned_q = q.element_type() == ffi::DataType::U8;
+  if (!unsigned_q && q.element_type() != ffi::DataType::S8) return "q must be uint8 (4-bit or 6-bit blocks) or int8";
   if (d.dimensions().size() != 3 || m.dimensions().size() != 3) return "d and m must be 3-D";
   *half = d.element_type() == ffi::DataType::F16;
   if ((!*half && d.element_type() != ffi::DataType::F32) || m.element_type() != d.element_type())
     return "d and m must both be float32 or both float16";
   const bool has_d = d.dimensions()[2] == kGroupCols, has_m = m.dimensions()[2] == kGroupCols;
   const bool has_row_scale = row_scale.dimensions()[0] == N && N > 0;
-  *format = nibbles ? Format::kNibbles : has_d ? Format::kBlockBytes : Format::kRowBytes;
+  const auto sd = sub_scale.dimensions();
+  const bool has_sub_scale = sd[0] == groups && sd[1] == blocks && (sd[2] == 2 || sd[2] == 4) && sd[3] == kGroupCols;
+  const bool no_sub_scale = sd[0] == 0 && sd[1] == 0 && sd[2] == 0 && sd[3] == 0;
+  *format = unsigned_q ? (has_sub_scale ? Format::kSixBits : Format::kNibbles)
+            : has_m    ? Format::kOffsetBytes
+            : has_d    ? Format::kBlockBytes
+                       : Format::kRowBytes;
+  const auto qd = q.dimensions();
+  const int vectors = *format == Format::kNibbles ? 4 : *format == Format::kSixBits ? 6 : 8;
+  const bool q_ok = qd.size() == 5 && qd[0] == groups && qd[1] == blocks && qd[2] == vectors && qd[3] == kGroupCols &&
+                    qd[4] == 4;
   const bool tables_ok = (d.dimensions()[2] == 0 || has_d) && (m.dimensions()[2] == 0 || has_m) &&
                          (!has_d || (d.dimensions()[0] == groups && d.dimensions()[1] == blocks)) &&
                          (!has_m || (m.dimensions()[0] == groups && m.dimensions()[1] == blocks)) &&
-                         (row_scale.dimensions()[0] == 0 || has_row_scale);
-  const bool format_ok = nibbles ? has_d && has_m && !has_row_scale : !has_m && has_d != has_row_scale;
+                         (row_scale.dimensions()[0] == 0 || has_row_scale) && (has_sub_scale || no_sub_scale);
+  bool format_ok = false;
+  switch (*format) {
+    case Format::kNibbles: format_ok = has_d && has_m && !has_row_scale; break;
+    case Format::kSixBits: format_ok = has_d && has_m == (sd[2] == 4) && !has_row_scale; break;
+    case Format::kOffsetBytes: format_ok = has_d && !has_row_scale && no_sub_scale; break;
+    case Format::kBlockBytes: format_ok = !has_row_scale && no_sub_scale; break;
+    case Format::kRowBytes: format_ok = has_row_scale && no_sub_scale; break;
+  }
   const bool blocks_ok = *format == Format::kRowBytes || K % kGgufBlock == 0;
   if (q_ok && tables_ok && format_ok && blocks_ok && y.dimensions()[0] == x.dimensions()[0]) return "";
   return "x " + raylm::Shape(x.dimensions()) + " against packed q " + raylm::Shape(qd) + " (" +
-         (nibbles ? "uint8" : "int8") + "), d " + raylm::Shape(d.dimensions()) + ", m " + raylm::Shape(m.dimensions()) +
-         ", row_scale " + raylm::Shape(row_scale.dimensions()) + " and y " + raylm::Shape(y.dimensions()) +
-         ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) + ", 4 or 8, 16, 4], d and m [" +
-         std::to_string(groups) + ", " + std::to_string(blocks) +
-         ", 16 or 0] (4-bit: both; 8-bit: d or row_scale [N]; float32 or float16), K whole blocks unless per-row int8";
+         (unsigned_q ? "uint8" : "int8") + "), d " + raylm::Shape(d.dimensions()) + ", m " + raylm::Shape(m.dimensions()) +
+         ", row_scale " + raylm::Shape(row_scale.dimensions()) + ", sub_scale " + raylm::Shape(sd) + " and y " +
+         raylm::Shape(y.dimensions()) +
+         ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) +
+         ", 4 (4-bit) or 6 (6-bit) or 8 (int8), 16, 4], d and m [" + std::to_string(groups) + ", " +
+         std::to_string(blocks) +
+         ", 16 or 0] (4-bit: both; 6-bit: d (and m); 8-bit: d (and m) or row_scale [N]; float32 or float16), " +
+         "sub_scale int8 [" + std::to_string(groups) + ", " + std::to_string(blocks) +
+         ", 2 or 4 (with m), 16] (6-bit) or [0, 0, 0, 0], " +
+         "K whole blocks unless per-row int8";
 }
 
 ffi::Error Int8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, ffi::AnyBuffer d,
-                           ffi::AnyBuffer m, RowScale row_scale, ffi::Result<Matrix> y) {
+                           ffi::AnyBuffer m, RowScale row_scale, SubScale sub_scale, ffi::Result<Matrix> y) {
   Format format = Format::kNibbles;
   bool half = false;
-  const std::string error = PanelError(x, q, d, m, row_scale, *y, &format, &half);
+  const std::string error = PanelError(x, q, d, m, row_scale, sub_scale, *y, &format, &half);
   if (!error.empty()) return ffi::Error::InvalidArgument("int8_panel_matmul: " + error);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
   if (M == 0 || N == 0) return ffi::Error::Success();
+  const bool has_m = m.dimensions()[2] > 0;
   const Int8Panels w{static_cast<const uint8_t*>(q.untyped_data()),
                      format == Format::kRowBytes ? nullptr : d.untyped_data(),
-                     format == Format::kNibbles ? m.untyped_data() : nullptr,
+                     has_m ? m.untyped_data() : nullptr,
                      format == Format::kRowBytes ? row_scale.typed_data() : nullptr,
-                     N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half};
+                     format == Format::kSixBits ? sub_scale.typed_data() : nullptr,
+                     N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half, sub_scale.dimensions()[2]};
   RunInt8Matmul(x.typed_data(), w, y->typed_data(), M, thread_pool);
   return ffi::Error::Success();
 }
@@ -222,4 +257,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmInt8PanelMatmul, Int8PanelMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<RowScale>()
+                                  .Arg<SubScale>()
                                   .Ret<Matrix>());

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from raylm.model.kernels import CpuKernel, cpu_only_process
 from raylm.model.quantization.gguf_blocks import GgufBlocks
-from raylm.model.quantization.int8_panels import Int8Panels
+from raylm.model.quantization.int8_panels import Int8Panels, sub_scaled
 from raylm.model.quantization.quant_array import QuantArray
 
 _KERNEL = CpuKernel("int8_matmul", "RaylmInt8PanelMatmul", "raylm_int8_panel_matmul")
@@ -43,12 +43,13 @@ def unavailable_reason() -> str | None:
 
 def takes_int8_activations(w: object) -> bool:
     """Whether the integer kernel can read ``w`` (once packed by model/quantization/int8_panels.py): GGUF
-    blocks with a scale per 32 weights, 4-bit with offsets or 8-bit without (Q4_0, Q4_1, Q4_K, Q5_0,
-    Q8_0, IQ4_NL, IQ4_XS, int8_g32), or int8 with a scale per output row (not fp8, not float).
-    Blocks with a scale per 16 (Q2_K, Q3_K, Q6_K) or 8-bit ones with offsets (Q5_1, Q5_K) stay
-    in the exact kernels."""
+    blocks with a scale (and offset) per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0,
+    IQ4_NL, IQ4_XS, int8_g32), 8-bit blocks with two-level int8 scales (and offsets) per 16 (Q6_K,
+    Q3_K, Q2_K, a fused Q4_K / Q6_K matrix), or int8 with a scale per output row (not fp8, not
+    float). Mixed layouts brought to float32 tables per 16 (a K-quant fused with a Q8_0 matrix)
+    stay in the exact kernels."""
     if isinstance(w, GgufBlocks):
-        return w.group == 32 and w.nibbles == w.has_offset
+        return w.group == 32 or sub_scaled(w)
     return isinstance(w, QuantArray) and w.scheme == "int8"
 
 
@@ -59,7 +60,7 @@ def int8_matmul(x: jax.Array, w: Int8Panels) -> jax.Array:
     if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"int8_matmul takes float32 x [M, {k}] for weights {w.shape}, got {x.dtype} {x.shape}")
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(_KERNEL.target, out)(x, w.q, w.scale, w.offset, w.row_scale)
+    return jax.ffi.ffi_call(_KERNEL.target, out)(x, w.q, w.scale, w.offset, w.row_scale, w.sub_scale)
 
 
 def int8_dense(x: jax.Array, w: Int8Panels, contract: int, out_dtype: jnp.dtype | None) -> jax.Array:

@@ -22,11 +22,12 @@ constexpr int64_t kGroupCols = 16;  // output columns of one packed group
 constexpr int64_t kVectorBytes = 64;
 
 // One call's activations, quantized (int8_matmul.cc says how): row r's block b holds 32 values
-// at q[(r * blocks + b) * 32], its d_x, d_x * S and 128 * S.
+// at q[(r * blocks + b) * 32], its d_x, d_x * S, 128 * S and 128 * S_low (S_low: the sum of its
+// first 16 values, for weights with a scale per 16).
 struct Int8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, ds;
-  std::vector<int32_t> sum128;
+  std::vector<int32_t> sum128, low128;
   int64_t blocks = 0;
 
   const int8_t* Block(int64_t r, int64_t b) const { return q.data() + (r * blocks + b) * kGgufBlock; }
@@ -47,14 +48,17 @@ void AllocateRows(int64_t M, int64_t K, Int8Rows* out) {
   out->d.resize(M * blocks);
   out->ds.resize(M * blocks);
   out->sum128.resize(M * blocks);
+  out->low128.resize(M * blocks);
 }
 
-// Stores block b of row r's scale and sums (the values are in place).
-inline void SetBlock(Int8Rows* out, int64_t r, int64_t b, float amax, int32_t sum) {
+// Stores block b of row r's scale and sums (the values are in place): `sum` of all 32 values,
+// `low` of the first 16.
+inline void SetBlock(Int8Rows* out, int64_t r, int64_t b, float amax, int32_t sum, int32_t low) {
   const float d = amax / 127.0f;
   out->d[out->At(r, b)] = d;
   out->ds[out->At(r, b)] = d * static_cast<float>(sum);
   out->sum128[out->At(r, b)] = 128 * sum;
+  out->low128[out->At(r, b)] = 128 * low;
 }
 
 // The quantization by plain loops, rows [r_begin, r_end) (the portable family; VNNI's and AVX2's
@@ -69,41 +73,58 @@ void QuantizeRows(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int
       for (int64_t k = 0; k < count; ++k) amax = std::max(amax, std::fabs(v[k]));
       const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
       int8_t* q = out->q.data() + (r * blocks + b) * kGgufBlock;
-      int32_t sum = 0;
+      int32_t sum = 0, low = 0;
       for (int64_t k = 0; k < count; ++k) {
         // |v * inverse| <= 127 * (1 + 2^-23): it rounds to at most 127.
         const int32_t value = static_cast<int32_t>(std::nearbyint(v[k] * inverse));
         q[k] = static_cast<int8_t>(value);
         sum += value;
+        if (k < kGgufBlock / 2) low += value;
       }
-      SetBlock(out, r, b, amax, sum);
+      SetBlock(out, r, b, amax, sum, low);
     }
 }
 
-// The three weight formats; each is its own instantiation of the tiles.
+// The five weight formats; each is its own instantiation of the tiles.
 enum class Format {
-  kNibbles,     // 4-bit GGUF blocks: d_w and m per block
-  kBlockBytes,  // Q8_0 blocks and int8_g32: signed bytes, d_w per block
-  kRowBytes,    // per-row int8: signed bytes, d_w = 1, a scale per output column at the end
+  kNibbles,          // 4-bit GGUF blocks: d_w and m per block
+  kBlockBytes,       // Q8_0 blocks and int8_g32: signed bytes, d_w per block
+  kOffsetBytes,      // Q5_K, Q5_1: bytes 0..31, d_w and m per block
+  kRowBytes,         // per-row int8: signed bytes, d_w = 1, a scale per output column at the end
+  kSixBits,          // Q6_K, Q3_K, Q2_K: v + 32 in 6 bits, an int8 sub-scale (and offset) per 16, d_w (and
+                     // -dmin as m) per block
 };
 
 // The packed weights (model/quantization/int8_panels.py): q [groups, blocks, T, 16, 4] bytes, d and m
 // [groups, blocks, 16] (absent: null) in float32, or in float16 (`half`) where the values are
 // float16's, as GGUF stores them (a sixth less to read per 4-bit weight: a decode row streams
-// every byte of the matrix once), row_scale [N] (absent: null).
+// every byte of the matrix once), row_scale [N] (absent: null), sub_scale [groups, blocks, 2 or 4, 16]
+// int8 (kSixBits: each block's two halves' scales per column, then where m is given their two
+// int8 offsets; else null). kSixBits's q holds
+// u = v + 32 (0..63) of each weight v in T = 6 vectors: 0..3 its low four bits as 4-bit blocks
+// hold nibbles, 4 + h the top two bits of half h's weights, byte i of a lane holding those of
+// weights 16h + 4t + i at bits 2t, 2t + 1 (t = 0..3).
 struct Int8Panels {
   const uint8_t* q;
   const void* d;
   const void* m;
   const float* row_scale;
+  const int8_t* sub_scale;
   int64_t N, K, blocks;
   Format format = Format::kNibbles;
   bool half = false;
+  int64_t sub_rows = 2;  // rows of sub_scale per block: 2, or 4 with offsets
 
-  int Vectors() const { return format == Format::kNibbles ? 4 : 8; }
+  int Vectors() const { return format == Format::kNibbles ? 4 : format == Format::kSixBits ? 6 : 8; }
+  bool HasOffsets() const { return format == Format::kNibbles || format == Format::kOffsetBytes; }
   // Vector t of block b for the lanes from column c (c a multiple of 8: AVX2 reads half groups).
   const uint8_t* Vector(int64_t c, int64_t b, int t) const {
     return q + (((c / kGroupCols) * blocks + b) * Vectors() + t) * kVectorBytes + (c % kGroupCols) * 4;
+  }
+  // Block b's sub-scales of half h (0: weights 0..15, 1: 16..31; 2 and 3: their offsets) for the
+  // lanes from column c.
+  const int8_t* SubScales(int64_t c, int64_t b, int h) const {
+    return sub_scale + (((c / kGroupCols) * blocks + b) * sub_rows + h) * kGroupCols + c % kGroupCols;
   }
   // Where block b's d_w or m are for the lanes from column c, in values of their type.
   int64_t LaneIndex(int64_t c, int64_t b) const {
@@ -116,13 +137,24 @@ struct Int8Panels {
   }
   // Weight k of column n as the integer the sums use.
   int32_t Value(int64_t n, int64_t k) const {
-    const int64_t b = k / kGgufBlock, i = k % kGgufBlock;
-    const int64_t byte = format == Format::kNibbles ? i % 16 : i;
-    const uint8_t stored = Vector(n - n % kGroupCols, b, static_cast<int>(byte / 4))[(n % kGroupCols) * 4 + byte % 4];
-    if (format != Format::kNibbles) return static_cast<int8_t>(stored);
-    return i < 16 ? stored & 0x0F : stored >> 4;
+    const int64_t b = k / kGgufBlock, i = k % kGgufBlock, c = n - n % kGroupCols, lane = (n % kGroupCols) * 4;
+    const bool nibbles = format == Format::kNibbles || format == Format::kSixBits;
+    const int64_t byte = nibbles ? i % 16 : i;
+    const uint8_t stored = Vector(c, b, static_cast<int>(byte / 4))[lane + byte % 4];
+    if (!nibbles) return static_cast<int8_t>(stored);
+    const int32_t low = i < 16 ? stored & 0x0F : stored >> 4;
+    if (format == Format::kNibbles) return low;
+    const uint8_t top = Vector(c, b, 4 + static_cast<int>(i / 16))[lane + byte % 4];
+    return (low | ((top >> (2 * (byte / 4))) & 3) << 4) - 32;
   }
 };
+
+// kSixBits with offsets: block b's o = m_0 S_0 + m_1 S_1 of row r and column n (m_h the half's int8
+// offset, S_h its activations' sum; exact in int32), which the kernel scales by d_x * (-dmin).
+inline int32_t OffsetSum(const Int8Rows& a, const Int8Panels& w, int64_t r, int64_t n, int64_t b) {
+  const int64_t i = a.At(r, b);
+  return *w.SubScales(n, b, 2) * (a.low128[i] / 128) + *w.SubScales(n, b, 3) * ((a.sum128[i] - a.low128[i]) / 128);
+}
 
 // The portable family: the arithmetic above as plain loops.
 void PortableColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
@@ -132,10 +164,21 @@ void PortableColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M
       for (int64_t b = 0; b < w.blocks; ++b) {
         const int8_t* xq = a.Block(r, b);
         int32_t sum = 0;
-        for (int64_t k = 0; k < kGgufBlock; ++k) sum += xq[k] * w.Value(n, b * kGgufBlock + k);
+        if (w.format == Format::kSixBits) {
+          // Each half's sum times its int8 sub-scale, added in int32: exact (at most 2 * 16 * 128 * 127 * 128).
+          for (int h = 0; h < 2; ++h) {
+            int32_t half = 0;
+            for (int64_t k = 16 * h; k < 16 * h + 16; ++k) half += xq[k] * w.Value(n, b * kGgufBlock + k);
+            sum += half * *w.SubScales(n, b, h);
+          }
+        } else {
+          for (int64_t k = 0; k < kGgufBlock; ++k) sum += xq[k] * w.Value(n, b * kGgufBlock + k);
+        }
         const float dw = w.format == Format::kRowBytes ? 1.0f : w.Lane(w.d, n, b);
         acc = std::fma(static_cast<float>(sum), a.d[a.At(r, b)] * dw, acc);
-        if (w.format == Format::kNibbles) acc = std::fma(w.Lane(w.m, n, b), a.ds[a.At(r, b)], acc);
+        if (w.HasOffsets()) acc = std::fma(w.Lane(w.m, n, b), a.ds[a.At(r, b)], acc);
+        if (w.format == Format::kSixBits && w.m != nullptr) acc = std::fma(static_cast<float>(OffsetSum(a, w, r, n, b)),
+                                                                           a.d[a.At(r, b)] * w.Lane(w.m, n, b), acc);
       }
       y[r * w.N + n] = w.format == Format::kRowBytes ? acc * w.row_scale[n] : acc;
     }

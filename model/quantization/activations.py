@@ -2,8 +2,8 @@
 
 ``none`` (the default) keeps every product exact: float32 sums over the weights as stored. ``int8``
 repacks every dense matrix the integer kernel reads (GGUF blocks with a scale per 32 weights: Q4_0,
-Q4_1, Q4_K, Q5_0, Q8_0, IQ4_NL, IQ4_XS; ``int8_g32``
-and per-row ``int8`` weights) into its layout (model/quantization/int8_panels.py), so that ``model.kernels.dense``
+Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, IQ4_NL, IQ4_XS; Q6_K, Q3_K and Q2_K's int8 scales per 16 under a
+super-block scale; ``int8_g32`` and per-row ``int8`` weights) into its layout (model/quantization/int8_panels.py), so that ``model.kernels.dense``
 quantizes its activations to int8 per block of 32 and sums in integers, as llama.cpp does
 (model/kernels/int8_matmul.py). A float, fp8 or
 otherwise unsupported matrix stays in the exact mode, and so do a mixture of experts' grouped
@@ -60,7 +60,7 @@ def with_int8_activations(params: ModelParams, model_name: str) -> ModelParams:
                                  **{f: pack(getattr(params, f)) for f in MODEL_MATRIX_INPUT_DIMS})
     if not packed:
         raise ValueError(
-            f"activation_quantization int8 computes GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/IQ4 blocks and int8 weights in "
+            f"activation_quantization int8 computes GGUF Q2_K..Q6_K/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4 blocks and int8 weights in "
             "integers, and "
             f"{model_name} has none (its matrices are float, fp8 or other block types): serve such a .gguf file with "
             "gguf_blocks keep/auto, or set quantization int8 or int8_g32, or leave activation_quantization none")

@@ -151,6 +151,12 @@ def from_gguf(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ..
     return GgufBlocks(q, scale, offset, (size,), supers)._map(lambda a: a.reshape(*lead, a.shape[-1]))
 
 
+def _widened_nibbles(q: np.ndarray) -> np.ndarray:
+    """Nibble blocks ``[..., K/2]`` as their values in bytes ``[..., K]`` (int8, input order)."""
+    halves = q.reshape(*q.shape[:-1], -1, BLOCK // 2)
+    return np.concatenate([halves & 0x0F, halves >> 4], axis=-1).reshape(*q.shape[:-1], -1).astype(np.int8)
+
+
 def _in_layout(m: GgufBlocks, nibbles: bool, group: int, offsets: bool) -> GgufBlocks:
     """``m`` (host arrays) in a layout that holds it exactly: float32 tables, nibbles widened to
     bytes, each scale repeated for a smaller group, zero offsets added (``d * q + 0`` rounds as
@@ -158,8 +164,7 @@ def _in_layout(m: GgufBlocks, nibbles: bool, group: int, offsets: bool) -> GgufB
     m = m.with_float_tables()
     q, scale, offset = np.asarray(m.q), np.asarray(m.scale), np.asarray(m.offset)
     if m.nibbles and not nibbles:
-        halves = q.reshape(*q.shape[:-1], -1, BLOCK // 2)
-        q = np.concatenate([halves & 0x0F, halves >> 4], axis=-1).reshape(*q.shape[:-1], -1).astype(np.int8)
+        q = _widened_nibbles(q)
     repeat = m.group // group
     if repeat > 1:
         scale = np.repeat(scale, repeat, axis=-1)
@@ -169,11 +174,31 @@ def _in_layout(m: GgufBlocks, nibbles: bool, group: int, offsets: bool) -> GgufB
     return GgufBlocks(q, scale, offset, m.input_shape)
 
 
+def _same_supers(matrices: tuple[GgufBlocks, ...]) -> bool:
+    """Whether two-level matrices share their super-block size (and so can share one table)."""
+    return len({m.supers.shape[-1] for m in matrices}) == 1
+
+
+def _in_two_level_bytes(m: GgufBlocks) -> GgufBlocks:
+    """Two-level ``m`` (host arrays) as bytes with int8 scales and offsets per 16 under its super-blocks'
+    ``d`` and ``dmin`` (Q2_K's layout), exactly: each scale repeated for a smaller group, zero offsets
+    where it has none (its ``dmin`` is 0 already: ``d * sc * q - 0 * 0`` rounds as ``d * sc * q``).
+    The K-quants of a Q4_K_M file fused (Q4_K query and key, Q6_K value) keep their file's two
+    levels: 9.25 bits a weight where float32 tables per 16 took 12, and the integer mode reads them."""
+    q, scale, offset = np.asarray(m.q), np.asarray(m.scale), np.asarray(m.offset)
+    q = _widened_nibbles(q) if m.nibbles else q
+    repeat = m.group // 16
+    scale = np.repeat(scale, repeat, axis=-1)
+    offset = np.repeat(offset, repeat, axis=-1) if m.has_offset else np.zeros_like(scale)
+    return GgufBlocks(q, scale, offset, m.input_shape, np.asarray(m.supers))
+
+
 def map_rows(fn: Callable[..., np.ndarray], *matrices: np.ndarray | GgufBlocks) -> np.ndarray | GgufBlocks:
     """``fn`` (which rearranges leading, output dims only) over host matrices: on the arrays
     themselves, or on each of the blocks' three arrays when all are blocks with the same
     inputs, first brought to one layout when their types differ (a Q4_K_M file's Q4_K query
-    and Q6_K value projections: bytes with a scale and offset per 16, exact). A mix of blocks
+    and Q6_K value projections: bytes with int8 scales and offsets per 16 under their super-blocks'
+    two levels; with a single-level type, float32 tables per 16; both exact). A mix of blocks
     and float matrices is expanded to float32 (exact, just larger)."""
     if not any(isinstance(m, GgufBlocks) for m in matrices):
         return fn(*matrices)
@@ -181,7 +206,9 @@ def map_rows(fn: Callable[..., np.ndarray], *matrices: np.ndarray | GgufBlocks) 
     if not all(isinstance(m, GgufBlocks) and m.input_shape == first.input_shape for m in matrices):
         return fn(*(dequantized(m) for m in matrices))
     layouts = {(m.nibbles, m.group, m.has_offset, m.two_level) for m in matrices}
-    if len(layouts) > 1:
+    if len(layouts) > 1 and all(m.two_level for m in matrices) and _same_supers(matrices):
+        matrices = tuple(_in_two_level_bytes(m) for m in matrices)
+    elif len(layouts) > 1:
         nibbles = all(n for n, _, _, _ in layouts)
         group = min(g for _, g, _, _ in layouts)
         offsets = nibbles or any(o for _, _, o, _ in layouts)

@@ -1,4 +1,4 @@
-"""The integer compute mode's weights: 4- and 8-bit matrices repacked once, at load, for its kernel.
+"""The integer compute mode's weights: 4-, 6- and 8-bit matrices repacked once, at load, for its kernel.
 
 Why: the integer kernel (model/kernels/int8_matmul.cc) multiplies sixteen output columns at once,
 each 4-byte vector lane holding one column's consecutive weight bytes. Read as stored, row after
@@ -15,12 +15,24 @@ Layout of a matrix ``[N..., K...]`` (outputs and inputs each flattened, ``N`` an
   int8) the bytes are the weights, zero past ``K``. Columns past ``N`` repeat column ``N - 1``
   (the kernel computes them and drops them).
 - ``scale [G, B, 16]``: each block's ``d`` (GGUF blocks, ``int8_g32``), else ``[G, B, 0]``.
-- ``offset [G, B, 16]``: a 4-bit block's ``m`` (``w = d q + m``), else ``[G, B, 0]``.
+- ``offset [G, B, 16]``: the block's ``m`` (``w = d q + m``) where it has one (4-bit blocks, Q5_1,
+  Q5_K's ``-(dmin * m)``), else ``[G, B, 0]``.
 - ``scale`` and ``offset`` are float16 where every value of both is a float16 (GGUF stores them
   so), else float32: a decode row reads every byte of the matrix, and float32 tables were a
   third of a 4-bit weight's bytes (0.25 of 0.75 per weight; float16: 0.125 of 0.625). The
   kernel widens them exactly, so the results do not change.
 - ``row_scale [N]``: per-row int8's scale per output column, else ``[0]``.
+- Blocks with a scale per 16 weights held in two levels (Q6_K, Q3_K: an int8 scale per 16 under
+  a float16 ``d`` per 256; weights -32..31; with an int8 offset per 16 under ``dmin``: Q2_K, and
+  a Q4_K_M's Q4_K query and key fused with its Q6_K value) are held in 6 bits, as Q6_K's file holds them:
+  ``u = v + 32`` in ``q`` (uint8, ``T = 6``: vectors 0..3 ``u``'s low four bits as 4-bit blocks
+  hold nibbles, vector ``4 + h`` the top two bits of half ``h``'s weights, lane byte ``i``
+  holding those of weights ``16h + 4t + i`` at bits ``2t, 2t + 1``); ``sub_scale [G, B, 2, 16]``
+  int8 holds each block's two halves' scales, ``scale`` the super-block's ``d`` for each block;
+  with offsets ``sub_scale [G, B, 4, 16]`` adds the halves' int8 offsets and ``offset`` holds
+  ``-dmin`` for each block. Else ``sub_scale`` is ``[0, 0, 0, 0]``. The kernel sums each half in integers, multiplies it
+  by its int8 scale and adds the two in int32 (as llama.cpp does), so the per-16 scales
+  ``d * sc`` are never formed. 7 bits a weight, where bytes took 9 (a decode row streams them).
 
 Only the integer kernel reads this layout; ``rows`` (the tied embedding's lookup) and
 ``dequantize`` (references) rebuild the stored form of what they need.
@@ -37,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raylm.model.quantization.gguf_blocks import BLOCK, GgufBlocks
+from raylm.model.quantization.gguf_transcode import pack_nibbles
 from raylm.model.quantization.quant_array import QuantArray
 from raylm.model.quantization.stored_bytes import StoredBytes
 
@@ -53,6 +66,7 @@ class Int8Panels(StoredBytes):
     scale: Any
     offset: Any
     row_scale: Any
+    sub_scale: Any
     output_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     input_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
 
@@ -70,8 +84,15 @@ class Int8Panels(StoredBytes):
         if self.row_scale.shape[0]:
             w = stored[..., :size].astype(jnp.float32) * self.row_scale[index][..., None]
             return w.reshape(*lead, *self.input_shape).astype(dtype)
-        offset = self.offset[group, :, lane].astype(jnp.float32) if self.nibbles else jnp.zeros((*lead, 0), jnp.float32)
-        blocks = GgufBlocks(stored, self.scale[group, :, lane].astype(jnp.float32), offset, self.input_shape)
+        offset = self.offset[group, :, lane].astype(jnp.float32) if self.offset.shape[-1] else jnp.zeros((*lead, 0), jnp.float32)
+        scale = self.scale[group, :, lane].astype(jnp.float32)  # [..., B]
+        if self.sub_scale.shape[0]:  # signed bytes, and d * sc (-dmin * m) per 16: the float32 products
+            stored = _unpack_six_bits(self.q[group, :, :, lane, :]).reshape(*lead, -1)
+            sub = self.sub_scale[group, :, :, lane].astype(jnp.float32)  # [..., B, 2 or 4]
+            if offset.shape[-1]:
+                offset = (offset[..., None] * sub[..., 2:]).reshape(*lead, -1)
+            scale = (scale[..., None] * sub[..., :2]).reshape(*lead, -1)
+        blocks = GgufBlocks(stored, scale, offset, self.input_shape)
         return blocks.dequantize(dtype)
 
     def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
@@ -80,14 +101,64 @@ class Int8Panels(StoredBytes):
         return rows.reshape(self.shape)
 
 
+def sub_scaled(w: GgufBlocks) -> bool:
+    """Whether ``w`` is 8-bit blocks with two-level scales per 16 (Q6_K, Q3_K; with offsets Q2_K and
+    a fused Q4_K / Q6_K matrix): the layout whose int8 scales (and offsets) the kernel applies to
+    its integer sums (``sub_scale``), with every weight in the 6-bit range -32..31 (not, say,
+    IQ4_XS's table values fused beside a Q6_K matrix)."""
+    if not (w.group == BLOCK // 2 and w.two_level and not w.nibbles):
+        return False
+    q = np.asarray(w.q)
+    return q.size == 0 or (int(q.min()) >= -32 and int(q.max()) <= 31)
+
+
+def _six_bits(q: np.ndarray) -> np.ndarray:
+    """Signed bytes ``q [N, K]`` (-32..31, ``sub_scaled`` checked) as rows of the 6-bit layout (module docstring): per block
+    the 16 nibble bytes of ``u = q + 32``, then the top two bits of each half's 16, in 4 bytes."""
+    n = q.shape[0]
+    u = (q.astype(np.int16) + 32).astype(np.uint8).reshape(n, -1, BLOCK)  # [N, B, 32]
+    nibbles = pack_nibbles(u.reshape(n, -1) & np.uint8(0x0F)).reshape(n, -1, BLOCK // 2)
+    top = (u >> np.uint8(4)).reshape(n, -1, 2, 4, LANE)  # [N, B, half, t, i]: weight 16 half + 4t + i
+    top_bytes = (top << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=3, dtype=np.uint8)
+    return np.concatenate([nibbles, top_bytes.reshape(n, -1, 2 * LANE)], axis=-1).reshape(n, -1)
+
+
+def _unpack_six_bits(stored: jax.Array) -> jax.Array:
+    """The 6-bit layout's vectors ``[..., B, 6, 4]`` of one column each: its weights ``[..., B, 32]`` as int8."""
+    nibbles = stored[..., :4, :].reshape(*stored.shape[:-2], BLOCK // 2)
+    low = jnp.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    shifts = (2 * jnp.arange(4, dtype=jnp.uint8))[:, None]
+    top = (stored[..., 4:, None, :] >> shifts) & 3  # [..., B, half, t, i]
+    return (low | (top.reshape(low.shape) << 4)).astype(jnp.int8) - 32
+
+
+def _super_block_tables(w: GgufBlocks) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """A flat two-level ``w``'s ``d`` and ``-dmin`` (None without offsets) for each block of 32
+    ``[N, B]``, and its int8 scales (then offsets) per half ``[N, B, 2 or 4]``."""
+    n = w.scale.shape[0]
+    sub = np.asarray(w.scale).reshape(n, -1, 2)
+    if w.has_offset:
+        sub = np.concatenate([sub, np.asarray(w.offset).reshape(n, -1, 2)], axis=-1)
+    supers = np.asarray(w.supers)
+    per_super = sub.shape[1] // (supers.shape[1] // 2)
+    minus_dmin = -np.repeat(supers[:, 1::2], per_super, axis=-1) if w.has_offset else None
+    return np.repeat(supers[:, 0::2], per_super, axis=-1), minus_dmin, sub
+
+
 def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
     """``w`` (GGUF blocks that ``takes_int8_activations``, ``int8_g32``, or int8 with a scale per output
     channel) in the integer kernel's layout, on the device ``w`` is on (host numpy in between)."""
-    if isinstance(w, GgufBlocks):
+    sub = None
+    if isinstance(w, GgufBlocks) and sub_scaled(w):
+        output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
+        flat = w.flat()
+        q, row_scale = _six_bits(np.asarray(flat.q)), None
+        scale, offset, sub = _super_block_tables(flat)
+    elif isinstance(w, GgufBlocks) and w.group == BLOCK:
         output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
         flat = w.flat().with_float_tables()
         q, scale = np.asarray(flat.q), np.asarray(flat.scale)
-        offset = np.asarray(flat.offset) if w.nibbles else None
+        offset = np.asarray(flat.offset) if w.has_offset else None
         row_scale = None
     elif isinstance(w, QuantArray) and w.scheme == "int8":
         output_shape, input_shape = tuple(w.scale.shape), tuple(w.shape[w.scale.ndim:])
@@ -97,11 +168,13 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
         scale = offset = None
         row_scale = np.asarray(w.scale, np.float32).reshape(-1)
     else:
-        raise TypeError(f"the integer kernel reads GGUF blocks and int8 weights, not {type(w).__name__}")
+        layout = f"GGUF blocks with a scale per {w.group}" if isinstance(w, GgufBlocks) else type(w).__name__
+        raise TypeError(f"the integer kernel reads GGUF blocks with a scale per 32, two-level int8 scales per 16 "
+                        f"on weights -32..31, and int8 weights; not {layout}")
     n = q.shape[0]
     groups = -(-n // GROUP)
     repeat = np.minimum(np.arange(groups * GROUP), n - 1)  # columns past N repeat the last one
-    blocks = q.shape[1] // (BLOCK // 2 if q.dtype == np.uint8 else BLOCK)
+    blocks = -(-math.prod(input_shape) // BLOCK)
     vectors = q.shape[1] // (blocks * LANE)
     packed = q[repeat].reshape(groups, GROUP, blocks, vectors, LANE).transpose(0, 2, 3, 1, 4)
 
@@ -114,8 +187,12 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
             return np.zeros((groups, blocks, 0), table_dtype)
         return np.ascontiguousarray(values[repeat].reshape(groups, GROUP, blocks).transpose(0, 2, 1), table_dtype)
 
+    if sub is None:
+        sub_scale = np.zeros((0, 0, 0, 0), np.int8)
+    else:  # [N, B, 2 or 4] -> [G, B, 2 or 4, 16]
+        sub_scale = np.ascontiguousarray(sub[repeat].reshape(groups, GROUP, blocks, -1).transpose(0, 2, 3, 1))
     return Int8Panels(
         jnp.asarray(np.ascontiguousarray(packed)), jnp.asarray(per_block(scale)), jnp.asarray(per_block(offset)),
-        jnp.asarray(row_scale if row_scale is not None else np.zeros((0,), np.float32)), output_shape,
-        tuple(input_shape),
+        jnp.asarray(row_scale if row_scale is not None else np.zeros((0,), np.float32)), jnp.asarray(sub_scale),
+        output_shape, tuple(input_shape),
     )

@@ -25,7 +25,7 @@ from raylm.model.loaders.gguf_file import GGUFFile
 from raylm.model.loaders.load import load_model
 from raylm.model.quantization.gguf_blocks import GGUF_BLOCK_TYPES, GgufBlocks, from_gguf, map_rows
 from tests.checkpoints import build_tiny_checkpoint
-from tests.gguf_export import export_gguf, load_stored, random_blocks
+from tests.gguf_export import export_gguf, load_stored, q4_k_m_types, random_blocks
 from tests.kept_and_expanded import served_kept_and_expanded
 from tests.reference import hf_greedy
 from tests.reruns import rerun_in_child
@@ -113,6 +113,11 @@ def test_types_mixed_in_one_fused_matrix_share_an_exact_layout():
     np.testing.assert_array_equal(np.asarray(fused.dequantize()), np.concatenate([eq, ev, eo]))
     same = map_rows(lambda *a: np.concatenate(a), q, q)
     assert same.nibbles and same.group == 32
+    # K-quants alone keep their two levels: int8 scales and offsets per 16 under d and dmin
+    k_quants = map_rows(lambda *a: np.concatenate(a), q, v)
+    assert k_quants.two_level and k_quants.group == 16 and k_quants.has_offset and k_quants.scale.dtype == np.int8
+    np.testing.assert_array_equal(np.asarray(k_quants.dequantize()), np.concatenate([eq, ev]))
+    assert k_quants.nbytes * 8 == 9.25 * 12 * 256  # bits a weight: float32 tables per 16 took 12
 
 
 def _write(tmp_path, tensors: dict[str, tuple[np.ndarray, T]]):
@@ -153,12 +158,6 @@ def test_a_truncated_tensor_is_a_load_error_naming_it(tmp_path):
         from_gguf(np.zeros((2, 210), np.uint8), T.Q6_K, (2, 224), "blk.1.attn_v.weight")
 
 
-def _q4_k_m(name: str) -> T:
-    """llama-quantize's Q4_K_M choice on a small model: Q6_K for the value and down projections
-    and the output matrix, Q4_K elsewhere (its per-layer alternation aside)."""
-    return T.Q6_K if name.startswith("output.") or "attn_v" in name or "ffn_down" in name else T.Q4_K
-
-
 @pytest.fixture(scope="module")
 def q4_k_m_model(tmp_path_factory):
     """A tiny Qwen3 (inputs of 256 and 512: whole K-quant super-blocks) as a Q4_K_M-style GGUF,
@@ -166,7 +165,7 @@ def q4_k_m_model(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("q4_k_m")
     directory, hf_model = build_tiny_checkpoint("qwen3", tmp_path / "hf", hidden_size=256, intermediate_size=512,
                                                 head_dim=64, tie_word_embeddings=False)
-    path = export_gguf(directory, tmp_path / "q4_k_m.gguf", _q4_k_m)
+    path = export_gguf(directory, tmp_path / "q4_k_m.gguf", q4_k_m_types)
     load_stored(hf_model, path)
     return path, hf_model
 

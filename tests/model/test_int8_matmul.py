@@ -23,6 +23,7 @@ import dataclasses
 import functools
 
 import gguf.quants
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,8 +31,8 @@ from gguf import GGMLQuantizationType
 
 from raylm.model.kernels import int8_matmul
 from raylm.model.kernels.dense import dense
-from raylm.model.quantization.gguf_blocks import GgufBlocks, from_gguf
-from raylm.model.quantization.int8_panels import Int8Panels, pack_int8_panels
+from raylm.model.quantization.gguf_blocks import GgufBlocks, from_gguf, map_rows
+from raylm.model.quantization.int8_panels import Int8Panels, pack_int8_panels, sub_scaled
 from raylm.model.quantization.quant_array import QuantArray, quantize
 from tests.gguf_export import random_blocks
 from tests.reruns import rerun_in_child
@@ -45,7 +46,9 @@ SHAPES = [(1, 67, 96), (3, 67, 96), (64, 67, 96), (65, 67, 96), (130, 67, 96), (
 INT8_K = [45, 2100]  # per-row int8 takes any K
 # Types with a scale per 32 that the gguf package cannot quantize: random blocks (every bit
 # pattern), as tests/gguf_export.py writes them. The K-quants' rows are whole 256-weight blocks.
-RANDOM_KINDS = {"Q4_K": 512, "IQ4_XS": 512, "IQ4_NL": 96, "Q5_0": 96}
+# "Q4_K+Q6_K" is a Q4_K_M file's fused QKV: Q4_K rows above Q6_K ones (model/quantization/gguf_blocks.py map_rows).
+RANDOM_KINDS = {"Q4_K": 512, "IQ4_XS": 512, "IQ4_NL": 96, "Q5_0": 96, "Q6_K": 512, "Q3_K": 512, "Q5_K": 512,
+                "Q5_1": 96, "Q2_K": 512, "Q4_K+Q6_K": 512}
 
 
 @functools.cache
@@ -59,6 +62,10 @@ def _weights(kind: str, n: int, k: int) -> tuple[GgufBlocks | QuantArray, np.nda
         else:
             q = GgufBlocks(q.q.at[0, :5].set(-128), q.scale, q.offset, q.input_shape)
         return q, np.asarray(q.dequantize())
+    if "+" in kind:  # types fused into one matrix, as the loader fuses them
+        parts = [_weights(part, rows, k) for part, rows in zip(kind.split("+"), (n - n // 3, n // 3))]
+        fused = map_rows(lambda *a: np.concatenate(a), *(jax.device_get(m) for m, _ in parts))
+        return fused.to_device(), np.concatenate([values for _, values in parts])
     gtype = GGMLQuantizationType[kind]
     data = random_blocks(gtype, (n, k), n + k) if kind in RANDOM_KINDS else gguf.quants.quantize(w, gtype)
     return from_gguf(data, gtype, (n, k)).to_device(), gguf.quants.dequantize(data, gtype).reshape(n, k)
@@ -106,15 +113,33 @@ def _reference(x: np.ndarray, w: GgufBlocks | QuantArray) -> np.ndarray:
     k = x.shape[1]
     q, d_x, ds = _quantized_rows(x)
     integers = _stored_integers(w, k).astype(np.float64)  # products and sums are exact in float64
-    sums = np.stack([q[:, b].astype(np.float64) @ integers[:, b].T for b in range(q.shape[1])], axis=-1)
     blocks = isinstance(w, GgufBlocks)
-    if blocks:  # two-level scales (the K-quants) as the float32 products they stand for
-        w = w.with_float_tables()
-    d_w = np.asarray(w.scale) if blocks else np.ones((sums.shape[1], sums.shape[2]), np.float32)
+    offsets = None  # two-level offsets per 16: (o = m_0 S_0 + m_1 S_1 [M, N, B], -dmin [N, B])
+    if blocks and sub_scaled(w):  # each half's sum times its int8 scale, d_w the super-block's d
+        n, count = integers.shape[0], q.shape[1]
+        sub = np.asarray(w.scale).reshape(n, count, 2).astype(np.float64)
+        halves = [[q[:, b, h * 16:(h + 1) * 16].astype(np.float64) @ integers[:, b, h * 16:(h + 1) * 16].T
+                   for h in (0, 1)] for b in range(count)]
+        sums = np.stack([lo * sub[:, b, 0] + hi * sub[:, b, 1] for b, (lo, hi) in enumerate(halves)], axis=-1)
+        supers = np.asarray(w.supers)
+        d_w = np.repeat(supers[:, 0::2], count // (supers.shape[1] // 2), axis=-1)
+        if w.has_offset:
+            m = np.asarray(w.offset).reshape(n, count, 2).astype(np.float64)
+            s = q.reshape(q.shape[0], count, 2, 16).sum(axis=-1).astype(np.float64)  # [M, B, 2]
+            o = s[:, None, :, 0] * m[None, :, :, 0] + s[:, None, :, 1] * m[None, :, :, 1]
+            offsets = o, -np.repeat(supers[:, 1::2], count // (supers.shape[1] // 2), axis=-1)
+    else:
+        sums = np.stack([q[:, b].astype(np.float64) @ integers[:, b].T for b in range(q.shape[1])], axis=-1)
+        if blocks:  # two-level scales per 32 (Q4_K, IQ4_XS) as the float32 products they stand for
+            w = w.with_float_tables()
+        d_w = np.asarray(w.scale) if blocks else np.ones((sums.shape[1], sums.shape[2]), np.float32)
     acc = np.zeros(sums.shape[:2], np.float32)
     for b in range(sums.shape[2]):
         acc = _fma32(sums[:, :, b].astype(np.float32), (d_x[:, b, None] * d_w[None, :, b]).astype(np.float32), acc)
-        if blocks and w.nibbles:
+        if offsets is not None:
+            o, minus_dmin = offsets
+            acc = _fma32(o[:, :, b].astype(np.float32), (d_x[:, b, None] * minus_dmin[None, :, b]).astype(np.float32), acc)
+        elif blocks and w.has_offset:
             acc = _fma32(np.asarray(w.offset)[None, :, b], ds[:, b, None], acc)
     return acc if blocks else (acc * np.asarray(w.scale)[None, :]).astype(np.float32)
 
@@ -186,6 +211,20 @@ def test_block_tables_are_float16_where_their_values_are(kind):
                                       np.asarray(int8_matmul.int8_matmul(x, wide)))
     if half:  # a sixth fewer bytes per 4-bit weight (0.625 instead of 0.75), an eighteenth per 8-bit one
         assert packed.nbytes < wide.nbytes
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K"])
+def test_scales_per_16_pack_in_six_bits(kind):
+    """Q6_K and Q3_K (weights -32..31) are held in 7 bits a weight: 6 for the value, 0.5 for the
+    int8 scales per 16, 0.5 for the super-block's float16 d per block. Larger weights in that
+    layout (IQ4_XS's table values fused beside Q6_K) stay in the exact kernel."""
+    w, _ = _weights(kind, 64, 512)
+    packed = pack_int8_panels(w)
+    assert packed.nbytes * 8 == 7 * 64 * 512
+    wide = dataclasses.replace(w, q=w.q.at[3, 7].set(40))
+    assert int8_matmul.takes_int8_activations(w) and not int8_matmul.takes_int8_activations(wide)
+    with pytest.raises(TypeError, match="not GGUF blocks with a scale per 16"):
+        pack_int8_panels(wide)
 
 
 def test_a_packed_matrix_keeps_its_output_and_input_dims():

@@ -27,6 +27,7 @@ from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.engine_args import EngineArgs
 from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
+from tests.gguf_export import export_gguf, q4_k_m_types
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason="int8 kernel not built")
 
@@ -61,6 +62,33 @@ def test_greedy_equals_each_prompt_alone(tiny_path):
         assert _tokens(llm, prompts) == expected
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.pool.prefix_hits > 0
+
+
+def test_a_q4_k_m_file_runs_its_q6_k_matrices_in_integers(tmp_path_factory):
+    """A Q4_K_M-style GGUF (Q6_K value and down projections and output matrix, Q4_K elsewhere):
+    the integer mode packs the Q6_K matrices for the integer kernel with their int8 scales per 16
+    (``sub_scale``) beside the Q4_K ones, the fused QKV (Q4_K query and key beside the Q6_K value,
+    model/quantization/gguf_blocks.py ``map_rows``) with int8 offsets per 16 too, and batched,
+    chunked, speculative serving gives each prompt the greedy tokens it gets alone."""
+    tmp = tmp_path_factory.mktemp("q4_k_m_int8")
+    directory, _ = build_tiny_checkpoint("qwen3", tmp / "hf", hidden_size=256, intermediate_size=512, head_dim=64,
+                                         tie_word_embeddings=False)
+    model = load_model(export_gguf(directory, tmp / "q4_k_m.gguf", q4_k_m_types), keep_blocks=True)
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(3, 320, size=n).tolist() for n in [1, 60, 23, 7]]
+    alone = LLM(model, activation_quantization="int8", max_model_len=256, num_kv_blocks=64, max_num_seqs=1,
+                enable_prefix_caching=False)
+    params = alone.engine.runner.params
+    for layer in params.layers:
+        assert isinstance(layer.w_down, Int8Panels) and layer.w_down.sub_scale.shape[2:] == (2, 16)  # Q6_K
+        assert isinstance(layer.w_gate_up, Int8Panels) and layer.w_gate_up.nibbles  # Q4_K
+        assert isinstance(layer.wqkv, Int8Panels) and layer.wqkv.sub_scale.shape[2:] == (4, 16)  # scales, offsets
+    assert isinstance(params.lm_head, Int8Panels) and params.lm_head.sub_scale.shape[2:] == (2, 16)
+    expected = [_tokens(alone, [p])[0] for p in prompts]
+
+    llm = LLM(model, activation_quantization="int8", max_model_len=256, num_kv_blocks=24, max_num_seqs=4,
+              max_num_batched_tokens=32, speculative={"method": "ngram"})
+    assert _tokens(llm, prompts) == expected
 
 
 def test_a_model_without_integer_weights_is_refused(tiny_path):
