@@ -1,6 +1,6 @@
 """Tiny multimodal checkpoints (a vision tower and projector beside a text decoder of one of
 raylm's families), written by transformers as the released Llama 4 / Gemma 3 / Mistral 3 /
-LLaVA checkpoints are, for the tests of serving their text decoder."""
+LLaVA / Qwen VL checkpoints are, for the tests of serving their text decoder."""
 
 from __future__ import annotations
 
@@ -34,15 +34,30 @@ def _configs() -> dict[str, Any]:
             text_config={**text["qwen2"], "model_type": "qwen2"},
             image_token_index=5,
         ),
+        # M-RoPE over head_dim 16: sections of 2 + 3 + 3 frequencies.
+        "qwen2_5_vl": transformers.Qwen2_5_VLConfig(
+            text_config={**text["qwen2"], "rope_parameters": _MROPE},
+            vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),
+        ),
+        "qwen3_vl": transformers.Qwen3VLConfig(
+            text_config={**TINY_BASE, "head_dim": 16, "rope_parameters": _MROPE},
+            vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
+                               deepstack_visual_indexes=[0]),
+        ),
     }
 
 
-MULTIMODAL_VARIANTS = ("llama4", "gemma3", "mistral3", "llava-qwen2")
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+
+
+MULTIMODAL_VARIANTS = ("llama4", "gemma3", "mistral3", "llava-qwen2", "qwen2_5_vl", "qwen3_vl")
 _MODELS = {
     "llama4": transformers.Llama4ForConditionalGeneration,
     "gemma3": transformers.Gemma3ForConditionalGeneration,
     "mistral3": transformers.Mistral3ForConditionalGeneration,
     "llava-qwen2": transformers.LlavaForConditionalGeneration,
+    "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+    "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
 }
 
 

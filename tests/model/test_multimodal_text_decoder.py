@@ -23,7 +23,7 @@ from tests.multimodal_checkpoints import (
 from tests.reference import hf_greedy
 
 FAMILY = {"llama4": "Llama4ForCausalLM", "gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM",
-          "llava-qwen2": "Qwen2ForCausalLM"}
+          "llava-qwen2": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM", "qwen3_vl": "Qwen3ForCausalLM"}
 
 
 def _prompt() -> list[int]:
@@ -58,6 +58,20 @@ def jax_leaves(params) -> list[np.ndarray]:
     import jax
 
     return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(params)]
+
+
+def test_a_qwen2_5_vl_config_from_before_text_config_reads_alike(tmp_path):
+    """Qwen2.5-VL's released config.json: the decoder's keys at the top level, M-RoPE as
+    ``rope_scaling: {"type": "mrope"}``."""
+    path, _ = build_tiny_multimodal_checkpoint("qwen2_5_vl", tmp_path / "m")
+    nested = json.loads((path / "config.json").read_text())
+    raw = dict(nested)
+    text = raw.pop("text_config")
+    flat = {**{k: v for k, v in text.items() if k not in ("rope_parameters", "model_type")}, **raw,
+            "model_type": "qwen2_5_vl", "rope_theta": 10000.0,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    assert ModelConfig.from_hf_dict(flat) == ModelConfig.from_hf_dict(nested)
+    assert ModelConfig.from_hf_dict(nested).rope_scaling is None  # (1-D RoPE on text)
 
 
 def test_vision_tensors_are_not_decoder_tensors():
