@@ -78,8 +78,6 @@ def layer_windows(raw: Mapping[str, Any], family: Family, layers: int, source: s
     if family.llama4:  # its layer_types say chunked or full attention (model/config/llama4.py)
         return ()
     window = raw.get("sliding_window")
-    if raw.get("use_sliding_window") is False:  # (Qwen2/3, SmolLM3: HF then ignores sliding_window)
-        return ()
     if family.window_on_all_layers:
         kinds = [window is not None] * layers
     elif raw.get("layer_types") is not None:
@@ -101,8 +99,8 @@ def layer_windows(raw: Mapping[str, Any], family: Family, layers: int, source: s
         kinds = [(i + 1) % pattern != 0 for i in range(layers)]
     else:
         kinds = [False] * layers
-    if window is None or not any(kinds):
-        return ()
+    if window is None or not any(kinds) or raw.get("use_sliding_window") is False:
+        return ()  # (use_sliding_window false: Qwen2/3 and SmolLM3 then ignore sliding_window, as HF)
     if int(window) < 1:
         raise UnsupportedModelError(f"sliding_window={window} in {source}: it must be at least 1")
     return tuple(int(window) if sliding else None for sliding in kinds)
