@@ -352,9 +352,10 @@ class ModelConfig:
         attn_softcap, final_softcap = gguf_metadata.softcaps(meta)
         windows = gguf_metadata.layer_windows(meta, layers)
         dense_size = int(meta.get("feed_forward_length", required=True))
-        llama4, moe = llama4_from_gguf(meta, layers) if family.llama4 else (Llama4Attention(), None)
-        if not family.llama4:
-            moe = moe_from_gguf(meta, layers, dense_size)
+        if family.llama4:
+            llama4, moe = llama4_from_gguf(meta, layers)
+        else:
+            llama4, moe = Llama4Attention(), moe_from_gguf(meta, layers, dense_size)
         scales = multipliers_from_gguf(meta) if family.granite_multipliers else Multipliers()
         query_scale = gguf_metadata.query_scale(meta, hidden, heads, head_dim, layers)
         return cls(
