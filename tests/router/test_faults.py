@@ -154,11 +154,19 @@ def _kill_every_router_replica(app_name: str) -> list[int]:
     return pids
 
 
+def _wait_for_both_routers(app_name: str, since: float) -> None:
+    """Until Serve reports both router replicas RUNNING and both are listed as live actors."""
+    from raylm.cluster.replicas import replica_actor_names, running_replicas
+
+    while running_replicas(app_name, "OpenAIRouter") < 2 or len(replica_actor_names(app_name, "OpenAIRouter")) < 2:
+        assert time.monotonic() - since < RECOVER_WITHIN_S, "the router replicas were not (re)started"
+        time.sleep(0.5)
+
+
 def test_a_responses_conversation_outlives_the_router_replicas_that_served_it(fault_app):
     from openai import OpenAI
 
-    from raylm.cluster.replicas import running_replicas
-
+    _wait_for_both_routers(fault_app.config.name, time.monotonic())  # the previous test killed one
     seconds_until_serving(fault_app.base_url, fault_app.model, time.monotonic(), RECOVER_WITHIN_S)
     client = OpenAI(base_url=f"{fault_app.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     first = client.responses.create(model=fault_app.model, input="Name a colour.", max_output_tokens=8,
@@ -166,9 +174,7 @@ def test_a_responses_conversation_outlives_the_router_replicas_that_served_it(fa
     killed = _kill_every_router_replica(fault_app.config.name)
     assert len(killed) == 2
     killed_at = time.monotonic()
-    while running_replicas(fault_app.config.name, "OpenAIRouter") < 2:  # both replaced
-        assert time.monotonic() - killed_at < RECOVER_WITHIN_S, "the router replicas were not replaced"
-        time.sleep(0.5)
+    _wait_for_both_routers(fault_app.config.name, killed_at)
     seconds_until_serving(fault_app.base_url, fault_app.model, killed_at, RECOVER_WITHIN_S)
     # Every turn from here is served by a process that did not exist when the first was stored;
     # each answers as a chat completion given the whole conversation does (greedy, so the same text).
