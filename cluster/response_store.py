@@ -37,6 +37,16 @@ class ResponseStore(Protocol):
     def delete(self, owner: str, response_id: str) -> bool:
         """Forget a record; False when ``owner`` has no record of that id."""
 
+    def append_events(self, owner: str, response_id: str, events: list[str], alive_at: float) -> bool:
+        """Add a background response's next stream events to its record (``events``) and say when
+        its replica last lived (``alive_at``), only while it is ``in_progress``; False otherwise.
+        The replica sends only the new events, so a long reply costs its events once, not once per
+        flush."""
+
+    def events_after(self, owner: str, response_id: str, after: int) -> dict[str, Any] | None:
+        """A background response's stream events past sequence number ``after`` (``events``), its
+        ``status`` and ``alive_at``: what a resumed stream reads, without the rest of the record."""
+
 
 @dataclasses.dataclass
 class _Entry:
@@ -77,6 +87,21 @@ class MemoryResponseStore:
         if current is None or current["response"]["status"] != status:
             return False
         return self.put(owner, response_id, record)
+
+    def append_events(self, owner: str, response_id: str, events: list[str], alive_at: float) -> bool:
+        current = self.get(owner, response_id)
+        if current is None or current["response"]["status"] != "in_progress":
+            return False
+        current["events"] = current.get("events", []) + events
+        current["alive_at"] = alive_at
+        return self.put(owner, response_id, current)
+
+    def events_after(self, owner: str, response_id: str, after: int) -> dict[str, Any] | None:
+        current = self.get(owner, response_id)
+        if current is None:
+            return None
+        return {"status": current["response"]["status"], "alive_at": current.get("alive_at", 0.0),
+                "events": current.get("events", [])[after + 1:]}
 
     def delete(self, owner: str, response_id: str) -> bool:
         entry = self._entries.get(response_id)
@@ -121,6 +146,12 @@ class _StoreActor:
     def delete(self, owner: str, response_id: str) -> bool:
         return self.store.delete(owner, response_id)
 
+    def append_events(self, owner: str, response_id: str, events: list[str], alive_at: float) -> bool:
+        return self.store.append_events(owner, response_id, events, alive_at)
+
+    def events_after(self, owner: str, response_id: str, after: int) -> dict[str, Any] | None:
+        return self.store.events_after(owner, response_id, after)
+
     def held(self) -> tuple[int, int]:
         return self.store.bytes, len(self.store)
 
@@ -155,6 +186,16 @@ class RayResponseStore:
         import ray
 
         return ray.get(self._actor.delete.remote(owner, response_id))
+
+    def append_events(self, owner: str, response_id: str, events: list[str], alive_at: float) -> bool:
+        import ray
+
+        return ray.get(self._actor.append_events.remote(owner, response_id, events, alive_at))
+
+    def events_after(self, owner: str, response_id: str, after: int) -> dict[str, Any] | None:
+        import ray
+
+        return ray.get(self._actor.events_after.remote(owner, response_id, after))
 
     def held(self) -> tuple[int, int]:
         """(bytes of JSON, records) the store holds now."""

@@ -36,7 +36,7 @@ def chunk(text: str, finished: bool = False) -> GenerateChunk:
 
 
 class FakeCall:
-    """One streaming worker call playing a script of chunks, errors and hangs."""
+    """One streaming worker call playing a script of chunks, errors, hangs and gates (``asyncio.Event``)."""
 
     def __init__(self, script: list[Any]):
         self.script = script
@@ -48,6 +48,9 @@ class FakeCall:
 
     async def _play(self):
         for step in self.script:
+            if isinstance(step, asyncio.Event):  # a gate: the rest plays once the test sets it
+                await step.wait()
+                continue
             if step == HANG:
                 await asyncio.Event().wait()
             if isinstance(step, BaseException):
@@ -115,9 +118,10 @@ async def asgi_request(app, method: str, path: str, body: bytes, headers: dict[s
             if disconnect_after_body_parts is not None and len(parts) >= disconnect_after_body_parts:
                 gone.set()
 
+    path, _, query = path.partition("?")
     raw_path = path.encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-             "scheme": "http", "path": path, "raw_path": raw_path, "query_string": b"", "root_path": "",
+             "scheme": "http", "path": path, "raw_path": raw_path, "query_string": query.encode(), "root_path": "",
              "headers": [(k.lower().encode(), v if isinstance(v, bytes) else v.encode())
                          for k, v in (headers or {}).items()],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}

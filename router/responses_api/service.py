@@ -6,14 +6,15 @@ A request becomes a chat request (router/responses_api/request.py) and goes thro
 admission, workers and reply parser as ``/v1/chat/completions``; its output items and events come
 from router/responses_api/output.py. Stored responses live in a ``ResponseStore`` shared by every
 router replica (cluster/response_store.py), owned by the API key that made them: another key
-gets 404, as for an id that does not exist. A failed request stores nothing.
+gets 404, as for an id that does not exist. A failed request stores nothing. One response being
+generated is a ``ResponseReply`` (router/responses_api/reply.py); a background response's stream
+can be read again, from any replica (router/responses_api/resume.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 import uuid
@@ -28,13 +29,15 @@ from raylm.router.errors import OpenAIError, invalid
 from raylm.router.http_replies import LeasedStreamingResponse, error_response
 from raylm.router.openai_service import OpenAIService
 from raylm.router.responses import ResponseBuilder
-from raylm.router.responses_api.output import OutputBuilder
-from raylm.router.responses_api.request import ResponsesRequest, parse_responses_request
-from raylm.workers.wire.replica_protocol import GenerateChunk
+from raylm.router.responses_api.reply import ResponseReply
+from raylm.router.responses_api.request import parse_responses_request
+from raylm.router.responses_api.resume import FLUSH_S, failure_events, resumed_events, starting_after
 
 logger = logging.getLogger("ray.serve")
 MAX_LIST_LIMIT = 100
-CANCEL_POLL_S = 1.0  # how often a background response checks the store for a cancellation (and says it lives)
+# How often a background response with no new events to flush (resume.FLUSH_S) still checks the
+# store for a cancellation and says it lives.
+CANCEL_POLL_S = 1.0
 # A background response ``in_progress`` whose replica has not said it lives for this long lost it
 # (the replica died): the next read stores it failed.
 STALE_AFTER_S = 15.0
@@ -94,15 +97,28 @@ class ResponsesAPI:
             return record
         error = {"code": "server_error", "message": "the router replica generating this background response stopped"}
         failed = {**record, "response": {**record["response"], "status": "failed", "error": error}}
+        if "events" in record:  # its stream ends as a live one would have
+            failed["events"] = record["events"] + failure_events(
+                error["code"], error["message"], error, record["response"], len(record["events"]))
         if await asyncio.to_thread(self.store.replace, owner, response_id, failed, "in_progress"):
             return failed
         return await asyncio.to_thread(self.store.get, owner, response_id)
 
     async def retrieve(self, request: Request) -> Response:
+        """The stored response, or (``stream=true``) a background response's stream events past
+        ``starting_after``, live until it ends (router/responses_api/resume.py)."""
         try:
-            if request.query_params.get("stream") in ("true", "1"):
-                raise invalid("streaming a stored response again is not supported", "stream")
-            return JSONResponse((await self._record(request))["response"])
+            if request.query_params.get("stream") not in ("true", "1"):
+                return JSONResponse((await self._record(request))["response"])
+            after = starting_after(request.query_params.get("starting_after"))
+            record = await self._record(request)
+            if "events" not in record:
+                raise invalid("only a background response can be streamed again (create it with background: true)",
+                              "stream")
+            owner, response_id = self._owner(request), request.path_params["response_id"]
+            return StreamingResponse(resumed_events(self.store, owner, response_id, after, STALE_AFTER_S, self._fresh),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": response_id})
         except OpenAIError as err:
             return error_response(err)
 
@@ -179,7 +195,7 @@ class ResponsesAPI:
             previous = await self._previous(owner, body)
             parsed_request = parse_responses_request(body, previous)
             parsed = service.parser.parse_chat(parsed_request.chat_body)
-            reply = _Reply(self, parsed_request, owner, ResponseBuilder(parsed, f"resp_{uuid.uuid4().hex}",
+            reply = ResponseReply(self.store, parsed_request, owner, ResponseBuilder(parsed, f"resp_{uuid.uuid4().hex}",
                                                                         int(time.time()), service.tokenizer))
             if parsed_request.background:  # what can be refused now is, before anything is stored
                 service._priority(parsed, request.headers.get("x-priority"))
@@ -206,12 +222,13 @@ class ResponsesAPI:
         await lease.close()
         return JSONResponse(reply.response("completed"), headers={"X-Request-Id": reply.id})
 
-    async def _start_background(self, reply: "_Reply", key_tenant: str | None, priority_header: str | None,
+    async def _start_background(self, reply: ResponseReply, key_tenant: str | None, priority_header: str | None,
                                 stream: bool) -> Response:
         """Store the response ``in_progress`` and generate it in a task of this replica (admitted
         like any request); its end replaces the record unless it was cancelled. Answered with the
         response at once, or (``stream``) with its events as the task makes them: a client that
-        goes away stops reading, not generating, and fetches the result with ``GET``."""
+        goes away stops reading, not generating, and fetches the result with ``GET`` (or its
+        stream's events again, with ``GET ?stream=true``: they are kept in the record)."""
         await asyncio.to_thread(self.store.put, reply.owner, reply.id, reply.record("in_progress"))
         events: asyncio.Queue[str | None] | None = asyncio.Queue() if stream else None
         task = asyncio.get_running_loop().create_task(
@@ -223,7 +240,7 @@ class ResponsesAPI:
         return StreamingResponse(_until_done(events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": reply.id})
 
-    async def _generate_background(self, reply: "_Reply", key_tenant: str | None, priority_header: str | None,
+    async def _generate_background(self, reply: ResponseReply, key_tenant: str | None, priority_header: str | None,
                                    events: "asyncio.Queue[str | None] | None" = None) -> None:
         """Generate a background response to its stored end; ``events``: also its stream's events
         (the failure ones included), then None."""
@@ -233,10 +250,8 @@ class ResponsesAPI:
             priority, lease = await service.admit(parsed, key_tenant, priority_header)
             try:
                 chunks = service.generate_admitted(parsed, reply.id, priority, lease)
-                if events is None:
-                    await reply.run(await anext(chunks, None), chunks)
-                else:
-                    async for event in reply.events(await anext(chunks, None), chunks):
+                async for event in reply.events(await anext(chunks, None), chunks):
+                    if events is not None:
                         events.put_nowait(event)
             finally:
                 await lease.close()
@@ -250,14 +265,24 @@ class ResponsesAPI:
             if events is not None:
                 events.put_nowait(None)
 
-    async def _keep_alive(self, reply: "_Reply", generating: asyncio.Task | None) -> None:
-        """Say in the store that the response is being generated (``alive_at``) every
-        ``CANCEL_POLL_S``, and stop generating once it is no longer ``in_progress`` there (another
-        replica cancelled or deleted it)."""
+    async def _keep_alive(self, reply: ResponseReply, generating: asyncio.Task | None) -> None:
+        """Send the stream's new events to the store every ``FLUSH_S`` (for resumed streams), and
+        at least every ``CANCEL_POLL_S`` say there that the response is being generated
+        (``alive_at``); stop generating once it is no longer ``in_progress`` there (another
+        replica cancelled or deleted it), unless this reply is storing its own end."""
+        flushed, said_at = 0, time.monotonic()
         while generating is not None:
-            await asyncio.sleep(CANCEL_POLL_S)
-            if not await asyncio.to_thread(self.store.replace, reply.owner, reply.id, reply.record("in_progress"),
-                                           "in_progress"):
+            await asyncio.sleep(FLUSH_S)
+            new = reply.log[flushed:]
+            if not new and time.monotonic() - said_at < CANCEL_POLL_S:
+                continue
+            try:
+                alive = await asyncio.to_thread(self.store.append_events, reply.owner, reply.id, new, time.time())
+            except Exception:  # the store is unreachable for now: the next flush sends these too
+                logger.warning("background response %s: could not flush its events", reply.id, exc_info=True)
+                continue
+            flushed, said_at = flushed + len(new), time.monotonic()
+            if not alive and not reply.ending:
                 generating.cancel()
                 return
 
@@ -274,149 +299,3 @@ class ResponsesAPI:
             raise invalid(f"the previous response {previous_id!r} is still in progress: wait for it to finish"[:300],
                           "previous_response_id")
         return record
-
-
-class _Reply:
-    """One response being generated: its output, its final object and its record in the store."""
-
-    def __init__(self, api: ResponsesAPI, request: ResponsesRequest, owner: str, builder: ResponseBuilder):
-        self.api = api
-        self.request = request
-        self.owner = owner
-        self.builder = builder
-        self.id = builder.id
-        self.output = OutputBuilder()
-        self._sequence = 0
-
-    def _add(self, item: tuple[int, GenerateChunk]) -> None:
-        self.builder.add(*item)
-        self.output.feed(self.builder.choices[0].last)
-
-    async def run(self, first: tuple[int, GenerateChunk] | None, chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> None:
-        item = first
-        while item is not None:
-            self._add(item)
-            item = await anext(chunks, None)
-        self.output.finish()
-        await self._store()
-
-    def record(self, status: str) -> dict[str, Any]:
-        """What the store keeps: the response, its input items and the conversation to continue
-        (with this reply once it is complete)."""
-        done = status == "completed"
-        record = {"response": self.response(status), "input_items": self.request.input_items,
-                  "conversation": self.request.conversation + ([self._assistant_turn()] if done else [])}
-        if status == "in_progress":  # a background response's replica says it lives (ResponsesAPI._fresh)
-            record["alive_at"] = time.time()
-        return record
-
-    async def events(self, first: tuple[int, GenerateChunk] | None,
-                     chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[str]:
-        """The stream: created, in_progress, each item's events, then completed (or incomplete); an
-        error on the way is an ``error`` event then ``response.failed`` (the response, status
-        ``failed`` with its error, as OpenAI ends a failed stream), and nothing is stored."""
-        try:
-            yield self._event({"type": "response.created", "response": self.response("in_progress")})
-            yield self._event({"type": "response.in_progress", "response": self.response("in_progress")})
-            item = first
-            while item is not None:
-                self._add(item)
-                for event in self._drain():
-                    yield event
-                item = await anext(chunks, None)
-            self.output.finish()
-            for event in self._drain():
-                yield event
-            final = self.response("completed")
-            await self._store()
-            yield self._event({"type": f"response.{final['status']}", "response": final})
-        except OpenAIError as err:
-            for event in await self._failed(err.code, err.message, err.param):
-                yield event
-        except Exception:
-            logger.exception("streaming response %s failed", self.id)
-            for event in await self._failed("server_error", f"internal error while streaming (response {self.id})"):
-                yield event
-
-    async def fail(self, code: str, message: str, events: "asyncio.Queue[str | None] | None") -> None:
-        """A background response that failed before its stream began (admission): its record
-        (and its stream's events)."""
-        for event in await self._failed(code, message):
-            if events is not None:
-                events.put_nowait(event)
-
-    async def _failed(self, code: str | None, message: str, param: str | None = None) -> list[str]:
-        """The events ending a failed stream; a background response's record says ``failed``."""
-        error = {"code": code or "server_error", "message": message}
-        if self.request.background:
-            record = self.record("failed")
-            record["response"]["error"] = error
-            await asyncio.to_thread(self.api.store.replace, self.owner, self.id, record, "in_progress")
-        return [self._event({"type": "error", "code": code, "message": message, "param": param}),
-                self._event({"type": "response.failed", "response": {**self.response("failed"), "error": error}})]
-
-    def _drain(self) -> list[str]:
-        events = [self._event(e) for e in self.output.events]
-        self.output.events.clear()
-        return events
-
-    def _event(self, event: dict[str, Any]) -> str:
-        event["sequence_number"] = self._sequence
-        self._sequence += 1
-        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-    def response(self, status: str) -> dict[str, Any]:
-        """The response object; ``completed`` becomes ``incomplete`` when the reply hit its token limit."""
-        body, builder = self.request.body, self.builder
-        done = status == "completed"
-        cut = done and builder.choices[0].finish_reason == "length"
-        reasoning = body.get("reasoning") if isinstance(body.get("reasoning"), dict) else {}
-        return {
-            "id": self.id, "object": "response", "created_at": builder.created, "model": builder.parsed.model,
-            "status": "incomplete" if cut else status, "background": self.request.background, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "output": self.output.items if done else [],
-            "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "previous_response_id": body.get("previous_response_id"),
-            "reasoning": {"effort": reasoning.get("effort"), "summary": None},
-            "store": self.request.store, "temperature": body.get("temperature", 1.0),
-            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "top_p": body.get("top_p", 1.0), "truncation": "disabled", "user": body.get("user"),
-            "metadata": body.get("metadata") or {}, "usage": self._usage() if done else None,
-        }
-
-    def _usage(self) -> dict[str, Any]:
-        usage = self.builder.usage()
-        return {
-            "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {
-                "reasoning_tokens": usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)},
-            "total_tokens": usage["total_tokens"],
-        }
-
-    def _assistant_turn(self) -> dict[str, Any]:
-        """This reply as the chat turn a later ``previous_response_id`` continues from."""
-        turn: dict[str, Any] = {"role": "assistant", "content": ""}
-        for item in self.output.items:
-            if item["type"] == "message":
-                turn["content"] += item["content"][0]["text"]
-            elif item["type"] == "reasoning":
-                turn["reasoning_content"] = item["content"][0]["text"]
-            else:
-                turn.setdefault("tool_calls", []).append(
-                    {"id": item["call_id"], "type": "function",
-                     "function": {"name": item["name"], "arguments": item["arguments"]}})
-        return turn
-
-    async def _store(self) -> None:
-        if not self.request.store:
-            return
-        store, record = self.api.store, self.record("completed")
-        if self.request.background:  # unless it was cancelled meanwhile
-            await asyncio.to_thread(store.replace, self.owner, self.id, record, "in_progress")
-        elif not await asyncio.to_thread(store.put, self.owner, self.id, record):
-            logger.warning("response %s is larger than the whole response store: not stored", self.id)

@@ -1,6 +1,7 @@
 """The response store's bounds and ownership (cluster/response_store.py), on the in-memory store
 that the cluster's actor also holds: records past their age are gone, the oldest go first when
-the bytes run out, a record bigger than the whole store is refused, and an owner sees only its own."""
+the bytes run out, a record bigger than the whole store is refused, an owner sees only its own, and a
+background response's stream events grow only while it is in progress."""
 
 from __future__ import annotations
 
@@ -67,6 +68,18 @@ def test_replace_only_while_the_status_is_unchanged():
     assert store.get("a", "r") == {"response": {"status": "cancelled"}}
 
 
+def test_stream_events_are_appended_only_while_in_progress_and_read_past_a_sequence_number():
+    store = MemoryResponseStore(max_bytes=10_000, max_age_s=3600)
+    store.put("a", "r", {"response": {"status": "in_progress"}, "events": ["e0"], "alive_at": 1.0})
+    assert store.append_events("a", "r", ["e1", "e2"], 5.0) and not store.append_events("b", "r", ["x"], 6.0)
+    assert store.events_after("a", "r", 0) == {"status": "in_progress", "alive_at": 5.0, "events": ["e1", "e2"]}
+    assert store.events_after("a", "r", -1)["events"] == ["e0", "e1", "e2"] and store.events_after("b", "r", -1) is None
+    assert store.bytes == len(json.dumps(store.get("a", "r"), separators=(",", ":")))
+    store.replace("a", "r", {"response": {"status": "completed"}, "events": ["e0", "e1", "e2", "e3"]}, "in_progress")
+    assert not store.append_events("a", "r", ["late"], 7.0)
+    assert store.events_after("a", "r", 2) == {"status": "completed", "alive_at": 0.0, "events": ["e3"]}
+
+
 def test_the_cluster_store_is_shared_by_replicas_and_outlives_them(serve_cluster):
     """Two router replicas' handles on the application's store actor: what one stores, the other
     reads (its owner only), also after the replica that created the actor is gone."""
@@ -86,5 +99,8 @@ def test_the_cluster_store_is_shared_by_replicas_and_outlives_them(serve_cluster
     try:
         assert other.get("alice", "resp_1") == _record(5) and other.get("bob", "resp_1") is None
         assert other.delete("alice", "resp_1") and other.get("alice", "resp_1") is None
+        other.put("alice", "resp_2", {"response": {"status": "in_progress"}, "events": []})
+        assert other.append_events("alice", "resp_2", ["e0", "e1"], 2.0)
+        assert other.events_after("alice", "resp_2", 0) == {"status": "in_progress", "alive_at": 2.0, "events": ["e1"]}
     finally:
         ray.kill(other._actor)
