@@ -44,13 +44,21 @@ def _configs() -> dict[str, Any]:
             vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
                                deepstack_visual_indexes=[0]),
         ),
+        # Experts stacked (experts.gate_up_proj / down_proj), D = 64 beside 2I = 48: not square.
+        # Its router renormalizes the top-k whatever norm_topk_prob says.
+        "qwen3_vl_moe": transformers.Qwen3VLMoeConfig(
+            text_config={**TINY_BASE, **TINY_VARIANTS["qwen3-moe"][1], "head_dim": 16, "moe_intermediate_size": 24,
+                         "norm_topk_prob": False, "rope_parameters": _MROPE},
+            vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
+                               deepstack_visual_indexes=[0]),
+        ),
     }
 
 
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 
 
-MULTIMODAL_VARIANTS = ("llama4", "gemma3", "mistral3", "llava-qwen2", "qwen2_5_vl", "qwen3_vl")
+MULTIMODAL_VARIANTS = ("llama4", "gemma3", "mistral3", "llava-qwen2", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 _MODELS = {
     "llama4": transformers.Llama4ForConditionalGeneration,
     "gemma3": transformers.Gemma3ForConditionalGeneration,
@@ -58,6 +66,7 @@ _MODELS = {
     "llava-qwen2": transformers.LlavaForConditionalGeneration,
     "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
     "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+    "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
 }
 
 

@@ -1,7 +1,7 @@
 """The text decoder of a multimodal checkpoint, served as the text model it is.
 
 Why: the checkpoints released for Llama 4, Gemma 3 (4B and up), Mistral Small 3.1+ and the Qwen
-VL models are their ``*ForConditionalGeneration`` classes: a vision tower and a projector beside
+VL models (Qwen3-VL-MoE too) are their ``*ForConditionalGeneration`` classes: a vision tower and a projector beside
 a text decoder that is exactly one of raylm's families (HF builds it as ``Llama4ForCausalLM`` /
 ``Gemma3ForCausalLM`` / ``MistralForCausalLM`` / ... from the nested ``text_config``). On text
 input the wrapper's logits are the decoder's, so raylm reads the decoder's config and tensors
@@ -32,9 +32,13 @@ TEXT_DECODERS: dict[str, dict[str, str]] = {
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_vl": "Qwen2ForCausalLM"},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM"},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
+    "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"},
 }
 # Wrappers whose older configs hold the decoder's keys at the top level (no text_config).
 _FLAT = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# What a decoder's config says that HF's wrapper does not follow: Qwen3-VL-MoE's router always
+# renormalizes its top-k probabilities (whatever ``norm_topk_prob`` says, or when it is absent).
+_WRAPPER_FIXED: dict[str, dict[str, Any]] = {"qwen3_vl_moe_text": {"norm_topk_prob": True}}
 # Top-level keys that hold for the decoder too: HF ties the LM head by the wrapper's flag.
 # (A top-level quantization_config is read from config.json itself: hf_quantized.py.)
 _SHARED_KEYS = ("tie_word_embeddings",)
@@ -64,7 +68,7 @@ def text_decoder_config(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
             f"{source}: {wrapper}'s text decoder is {model_type!r}; raylm serves the text decoder of a "
             f"{wrapper} when it is {', '.join(decoders)}"
         )
-    merged = {**text, "architectures": [decoders[model_type]]}
+    merged = {**text, "architectures": [decoders[model_type]], **_WRAPPER_FIXED.get(model_type, {})}
     merged.update({key: raw[key] for key in _SHARED_KEYS if key in raw})
     for key in ("rope_scaling", "rope_parameters"):  # M-RoPE on text is 1-D RoPE (above)
         rope = merged.get(key)

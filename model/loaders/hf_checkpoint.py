@@ -23,6 +23,7 @@ from raylm.model.config.families import HF_FAMILIES
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.params import ModelParams
 from raylm.model.errors import ModelLoadError
+from raylm.model.loaders.fused_experts import fused_experts_tensors
 from raylm.model.loaders.hf_quantized import QUANTIZED_SUFFIXES, read_quantization
 from raylm.model.loaders.hf_quantized_matrix import Matrix
 from raylm.model.loaders.hf_tensors import HALF_DTYPES, build_params
@@ -167,7 +168,7 @@ def load_safetensors_checkpoint(
             return array if keep_blocks and array.dtype in HALF_DTYPES else _to_float(array)
 
         family = HF_FAMILIES[config.architecture]
-        source = llama4_tensors(get, config) if family.llama4 else get
+        source = llama4_tensors(get, config) if family.llama4 else fused_experts_tensors(get, config)
         params = build_params(config, source, str(path), dtype, norm_offset=1.0 if family.norm_plus_one else 0.0,
                               layers=layers)
     return config, params

@@ -4,7 +4,7 @@ Llama 4 names its MLPs ``feed_forward`` (router, shared expert, dense layers' pr
 stores each sparse layer's experts as two stacked tensors, ``experts.gate_up_proj [E, D, 2I]``
 (inputs first, gate then up along the last axis) and ``experts.down_proj [E, I, D]``, and
 rotates q/k as adjacent pairs (complex RoPE). Here the experts are answered as the stacked
-``[E, out, in]`` arrays ``stacked_experts`` reads, and q/k rows are reordered per head into
+``[E, out, in]`` arrays ``stacked_experts`` reads (model/loaders/fused_experts.py), and q/k rows are reordered per head into
 rotate-half halves: the same reordering that undoes llama.cpp's permutation, which changes
 no q.k product (model/config/llama4.py).
 """
@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from raylm.model.config.model_config import ModelConfig
-from raylm.model.errors import ModelLoadError
+from raylm.model.loaders.fused_experts import fused_expert_projection
 from raylm.model.loaders.gguf_checkpoint import unpermute_qk
 from raylm.model.loaders.hf_tensors import TensorSource, map_rows
 
@@ -28,17 +26,6 @@ def llama4_tensors(get: TensorSource, config: ModelConfig) -> TensorSource:
     the Llama layout (``mlp.*``, stacked ``mlp.experts.{gate,up,down}_proj``)."""
     heads = {"self_attn.q_proj.weight": config.num_heads, "self_attn.k_proj.weight": config.num_kv_heads}
     expert_size = config.moe.expert_size if config.moe is not None else 0
-
-    def experts(prefix: str, proj: str) -> np.ndarray | None:
-        name = prefix + ("experts.down_proj" if proj == "down_proj" else "experts.gate_up_proj")
-        stacked = get(name)
-        if stacked is None:
-            return None
-        if not isinstance(stacked, np.ndarray):
-            raise ModelLoadError(f"tensor {name!r} is stored quantized; raylm reads Llama 4's experts as floats only")
-        if proj != "down_proj":  # [E, D, 2I]: gate then up
-            stacked = stacked[:, :, :expert_size] if proj == "gate_proj" else stacked[:, :, expert_size:]
-        return np.ascontiguousarray(stacked.transpose(0, 2, 1))
 
     def answer(name: str):
         match = _LAYER_RE.fullmatch(name)
@@ -52,7 +39,7 @@ def llama4_tensors(get: TensorSource, config: ModelConfig) -> TensorSource:
         if field == "mlp.gate.weight":
             return get(prefix + "router.weight")
         if field.startswith("mlp.experts."):
-            return experts(prefix, field.split(".")[2])
+            return fused_expert_projection(get, prefix, field.split(".")[2], config.hidden_size, expert_size)
         if field.startswith("mlp."):
             return get(prefix + field[len("mlp."):])
         return get(name)

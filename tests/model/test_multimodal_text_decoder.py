@@ -1,6 +1,7 @@
-"""The text decoder of a multimodal checkpoint (Llama 4, Gemma 3, Mistral 3, LLaVA) served
-alone: logits and greedy tokens equal HF's wrapper on text input, in either layout of tensor
-names transformers has written, and unsupported decoders are refused by name."""
+"""The text decoder of a multimodal checkpoint (Llama 4, Gemma 3, Mistral 3, LLaVA, Qwen VL and
+Qwen3-VL-MoE) served alone: logits and greedy tokens equal HF's wrapper on text input, in either
+layout of tensor names transformers has written and either layout of stacked experts, and
+unsupported decoders are refused by name."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from tests.multimodal_checkpoints import (
 from tests.reference import hf_greedy
 
 FAMILY = {"llama4": "Llama4ForCausalLM", "gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM",
-          "llava-qwen2": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM", "qwen3_vl": "Qwen3ForCausalLM"}
+          "llava-qwen2": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM", "qwen3_vl": "Qwen3ForCausalLM",
+          "qwen3_vl_moe": "Qwen3MoeForCausalLM"}
 
 
 def _prompt() -> list[int]:
@@ -52,6 +54,43 @@ def test_transformers_4_layout_loads_the_same_weights(variant, tmp_path):
     older = load_checkpoint(path)[1]
     for a, b in zip(jax_leaves(hub_layout), jax_leaves(older), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_qwen3_vl_moe_experts_as_released_load_the_same_weights(tmp_path):
+    """transformers 5 saves Qwen3-VL-MoE's stacked experts outputs first; the released checkpoints
+    hold them inputs first (``gate_up_proj [E, D, 2I]``, ``down_proj [E, I, D]``)."""
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = build_tiny_multimodal_checkpoint("qwen3_vl_moe", tmp_path / "m")
+    saved = load_checkpoint(path)[1]
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    released = {name: np.ascontiguousarray(a.transpose(0, 2, 1)) if ".mlp.experts." in name else a
+                for name, a in tensors.items()}
+    assert released["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 48)
+    save_file(released, str(file), metadata={"format": "pt"})
+    for a, b in zip(jax_leaves(saved), jax_leaves(load_checkpoint(path)[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_square_stacked_experts_take_their_layout_from_the_other_tensor():
+    """D = 2I makes ``gate_up_proj`` read the same either way round; ``down_proj`` then tells."""
+    from raylm.model.loaders.fused_experts import fused_expert_projection
+
+    E, D, I = 3, 8, 4
+    rng = np.random.RandomState(0)
+    gate, up, down = rng.randn(E, I, D), rng.randn(E, I, D), rng.randn(E, D, I)  # [E, out, in]
+    layouts = {
+        "released": {"experts.gate_up_proj": np.concatenate([gate, up], 1).transpose(0, 2, 1),
+                     "experts.down_proj": down.transpose(0, 2, 1)},
+        "transformers 5": {"experts.gate_up_proj": np.concatenate([gate, up], 1), "experts.down_proj": down},
+    }
+    for stored in layouts.values():
+        got = {p: fused_expert_projection(stored.get, "", p, D, I) for p in ("gate_proj", "up_proj", "down_proj")}
+        for proj, want in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            np.testing.assert_array_equal(got[proj], want)
+    with pytest.raises(Exception, match=r"expected \[E, 4, 8\] or \[E, 8, 4\]"):
+        fused_expert_projection({"experts.down_proj": down[:, :, :3]}.get, "", "down_proj", D, I)
 
 
 def jax_leaves(params) -> list[np.ndarray]:
