@@ -7,6 +7,7 @@ the markers (special tokens: replies keep them) and the calls as they grow."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from raylm.router.call_streams import PieceCallStream
 from raylm.router.harmony import CHANNEL, CONSTRAIN, END, FUNCTIONS, MARKERS, MESSAGE, START, calls_of, read_messages
@@ -24,6 +25,24 @@ class HarmonyFormat(FormatBase):
 
     def __init__(self, literals: dict[str, str] | None = None):
         self._literal = literals or {m: json.dumps(m) for m in MARKERS}
+
+    def history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Earlier thoughts as gpt-oss's template reads them: ``thinking``, not ``reasoning_content``.
+        Its template refuses a turn with tool calls that has both content and thinking (it shows
+        either on the analysis channel); there the thoughts, what the model wrote on that channel,
+        are kept and the content (a preamble) is left out."""
+        turns = []
+        for message in messages:
+            thoughts = message.get("reasoning_content")
+            if message["role"] != "assistant" or not thoughts:
+                turns.append(message)
+                continue
+            turn = {key: value for key, value in message.items() if key != "reasoning_content"}
+            turn["thinking"] = thoughts
+            if turn.get("tool_calls") and turn.get("content"):
+                turn["content"] = ""
+            turns.append(turn)
+        return turns
 
     def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
         """The calls of a whole reply (``PieceCallStream`` completes its calls from them; the

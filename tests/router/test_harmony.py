@@ -156,3 +156,25 @@ def test_where_the_markers_are_text_the_grammar_writes_them_as_text(tokenizer):
     for text in (call, f"<|channel|>analysis<|message|>Oslo? <|end|><|start|>assistant{call}"):
         assert _accepts(compiler, tokenizer, grammar, text), text
     assert not _accepts(compiler, tokenizer, grammar, f"<|channel|>analysis<|message|>a<|end|>b<|end|>{call}")
+
+
+def test_earlier_thoughts_reach_the_template_as_thinking(harmony):
+    """gpt-oss's template shows a tool-call turn's ``thinking`` on the analysis channel and refuses
+    one with both content and thinking; the turn as a reply gave it (thoughts, a preamble as
+    content, a call) renders with its thoughts."""
+    template = ("{% if tools %}{{ tools | tojson }}{% endif %}"
+                "{% for m in messages %}{% if m.tool_calls is defined and m.tool_calls %}"
+                "{% if m.content and m.thinking %}{{ raise_exception('Cannot pass both content and thinking') }}"
+                "{% endif %}<|start|>assistant<|channel|>analysis<|message|>{{ m.content or m.thinking }}<|end|>"
+                "<|start|>assistant to=functions.{{ m.tool_calls[0].function.name }}<|channel|>commentary json"
+                "<|message|>{{ m.tool_calls[0].function.arguments }}<|call|>"
+                "{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+                "<|start|>assistant{# <|channel|>commentary to=functions.x #}")
+    tokenizer = copy.copy(harmony)
+    tokenizer.chat_template = template
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [*ASK, {"role": "assistant", "content": "Checking.", "reasoning_content": THOUGHTS, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    parsed = RequestParser(tokenizer, ["m"], 4096).parse_chat({"model": "m", "messages": messages, "tools": [ADD]})
+    prompt = tokenizer.decode(parsed.prompts[0], skip_special_tokens=False)
+    assert f"<|channel|>analysis<|message|>{THOUGHTS}<|end|>" in prompt and "Checking." not in prompt
