@@ -168,7 +168,12 @@ def load_safetensors_checkpoint(
             return array if keep_blocks and array.dtype in HALF_DTYPES else _to_float(array)
 
         family = HF_FAMILIES[config.architecture]
-        source = llama4_tensors(get, config) if family.llama4 else fused_experts_tensors(get, config)
+        if family.llama4:
+            source = llama4_tensors(get, config)
+        elif family.moe is not None and family.moe.gpt_oss_experts:  # read by model/loaders/hf_gpt_oss.py
+            source = get
+        else:
+            source = fused_experts_tensors(get, config)
         params = build_params(config, source, str(path), dtype, norm_offset=1.0 if family.norm_plus_one else 0.0,
                               layers=layers)
     return config, params
