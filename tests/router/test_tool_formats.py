@@ -355,6 +355,36 @@ def test_xml_and_pythonic_calls_stream_each_argument_once_its_value_ends(family,
     assert _raw(entries) == ['{"city": "Paris"}', '{"a": 1']  # add's b not written yet: its object still open
 
 
+WRITE = {"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "content": {"type": "string"}, "mode": {"type": "integer"}}, "required": ["path"]}}}
+# A file's text with what JSON escapes, what may look like the closing tag, and a last newline of its own.
+FILE_TEXT = 'def f(a="1"):\\\n\treturn a </para </parameter <parameter=x> \\n ünï 😀\n\n'
+WRITE_REPLY = ("Writing.\n<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n"
+               f"<parameter=content>\n{FILE_TEXT}\n</parameter>\n<parameter=mode>\n420\n</parameter>\n"
+               "<parameter=note>\nnot in the schema: text\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_streams_a_string_value_as_it_is_written(tokenizers):
+    """vLLM's way: a file's ``content`` piece by piece before its ``</parameter>`` comes, the
+    layout newlines dropped, a possible closing tag held back; the pieces join into the whole
+    reply's arguments at every split of the reply."""
+    parser = RequestParser(tokenizers["qwen3_coder"], ["m"], 4096)
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WRITE]})
+    expected = {"path": "a.py", "content": FILE_TEXT, "mode": 420, "note": "not in the schema: text"}
+    (whole,) = [c["function"]["arguments"] for c in parsed.tool_format.parse(WRITE_REPLY, parsed.tool_use)[1]]
+    assert json.loads(whole) == expected
+    for cut in range(len(WRITE_REPLY) + 1):
+        sent, entries, finish = _stream(ResponseBuilder(parsed, "id", 0, parser.tokenizer), parser.tokenizer,
+                                        [WRITE_REPLY[:cut], WRITE_REPLY[cut:]])
+        assert (sent, _raw(entries), finish) == ("Writing.\n", [whole], "tool_calls"), cut
+    stream = parsed.tool_format.stream(parsed.tool_use)
+    written = WRITE_REPLY.index(FILE_TEXT) + len(FILE_TEXT)  # all but the layout newline and the closing tag
+    pieces = [e["function"]["arguments"] for i in range(written + 1) for e in stream.deltas(WRITE_REPLY[:i], False)]
+    assert "".join(pieces) == '{"path": "a.py", "content": ' + json.dumps(FILE_TEXT[:-1], ensure_ascii=False)[:-1]
+    assert len(pieces) > len(FILE_TEXT) // 2  # token by token (blanks wait for what follows them)
+    assert "".join(e["function"]["arguments"] for e in stream.deltas(WRITE_REPLY, True)) == whole[len("".join(pieces)):]
+
+
 def test_pythonic_values_are_python_literals_never_evaluated(tokenizer):
     fmt = tool_format("pythonic", tokenizer)
     use = parse_tool_use({"tools": [CODE, ADD]})
