@@ -160,6 +160,14 @@ def test_llama3_calls_after_the_python_tag(tokenizer):
     content, calls = fmt.parse('Checking.<|python_tag|>{"name": "add", "arguments": {"a": 1, "b": 2}}', use)
     assert content == "Checking." and _calls(calls) == [("add", {"a": 1, "b": 2})]
     assert [fmt.held_back(t) for t in ("Paris is", "Paris <|pyth", " {", "")] == [8, 6, 1, 0]
+    # Arguments written as a JSON string (as Llama templates write OpenAI's arguments text back):
+    # their text, sent once the string closes, so the streamed pieces still join into it.
+    reply = '{"name": "add", "parameters": " {\\"a\\": 1, \\"b\\": 2}"}'
+    (call,) = fmt.parse(reply, use)[1]
+    assert call["function"]["arguments"] == '{"a": 1, "b": 2}'
+    for cut in range(len(reply) + 1):
+        stream = fmt.stream(use)
+        assert _raw(stream.deltas(reply[:cut], False) + stream.deltas(reply, True)) == ['{"a": 1, "b": 2}'], cut
 
 
 def _stream(builder: ResponseBuilder, tokenizer: Tokenizer, pieces: list[str]) -> tuple[str, list[dict], str]:
