@@ -3,7 +3,8 @@ its arguments' JSON (Mistral's ``name[ARGS]{...}``, DeepSeek's ``name<｜tool▁
 each call's index, id, type and name as soon as the name is complete, then its ``arguments``
 text piece by piece as the model writes it. (Hermes has its own: router/tools.py.) Formats
 whose arguments are not JSON (Qwen3-Coder's XML parameters, Llama 4's Python keywords) grow
-their arguments' JSON one argument at a time (``object_text``).
+their arguments' JSON one argument at a time (``object_text``), Qwen3-Coder's text values
+within theirs as they are written.
 
 A format tells the calls written so far (``growing_calls``: name, arguments text so far, and
 whether the call is closed). Of a call still open, trailing blanks and backticks are held back

@@ -56,8 +56,14 @@ class HarmonyFormat(FormatBase):
                 if m.function is not None]
 
     def grammar(self, tool_use: ToolUse) -> StructuredOutput | None:
-        """One call (``<|call|>`` ends generation), after the thoughts if the model writes them
-        first (free text up to ``<|end|>``, as gpt-oss always does)."""
+        """One call, after the thoughts if the model writes them first (free text up to
+        ``<|end|>``, as gpt-oss always does), even where parallel calls are allowed: the
+        ``<|call|>`` that ends a call is one of gpt-oss's end-of-generation tokens (its
+        generation config), so the engine stops there, and llguidance ends a grammar at any
+        end token it writes. Several calls would need generation to go on past ``<|call|>``,
+        where gpt-oss, which next expects the tool's reply (``<|start|>functions...``), would be
+        forced into another call after each, up to ``max_tokens``; its template also writes
+        back one call per assistant message. (A reply holding several calls is still read.)"""
         if tool_use.choice == "auto":
             return None
         literal = self._literal

@@ -9,6 +9,13 @@ tag as content. Arguments are keywords whose values are Python literals, read wi
 trained on JSON write too, read as ``True`` / ``False`` / ``None``. A stream announces a call
 once ``name(`` is written and grows its arguments' JSON one keyword at a time, as each value
 ends (router/call_streams.py).
+
+Llama 4's official template writes earlier calls back as JSON, ``<|python_start|><|python_end|>``
+then ``{"name": ..., "parameters": ...}`` per call, so a model served with it may answer so. After
+``<|python_start|>`` (never without it: a reply that merely begins with ``{`` is text) the calls
+may be JSON objects: one, several (one after another or separated by ``;``) or a JSON list of
+them, the ``<|python_end|>`` before or after them. Those stream as Llama 3's: the name, then the
+arguments' text as it is written.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from raylm.router.tool_formats import (
     CallStream,
     FormatBase,
     before_partial_marker,
+    growing_json_calls,
+    json_values,
+    named_json_calls,
     new_call,
     repeats,
     with_layout,
@@ -40,6 +50,7 @@ _CALL_END = re.compile(r"\s*,?\s*\)")
 _CALLS_SEPARATOR = re.compile(r"\s*,")
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 _OPENING, _CLOSING = "([{", ")]}"
+_PYTHON, _JSON = "python", "json"  # the forms calls take
 
 
 class PythonicFormat(FormatBase):
@@ -50,25 +61,24 @@ class PythonicFormat(FormatBase):
     markers = (PYTHON_START, PYTHON_END)
 
     def parse(self, text: str, tool_use: ToolUse) -> tuple[str | None, Calls]:
-        start, body = _calls_text(text)
-        if start < 0:
-            return text, []
-        body = body.strip()
+        start, body, form = _calls_text(text)
+        body = body.rstrip()
         body = body[: -len(PYTHON_END)] if body.endswith(PYTHON_END) else body
-        calls = _read_calls(body, tool_use)
+        calls = _read_calls(body, tool_use) if form == _PYTHON else _json_calls(body, tool_use) if form == _JSON else []
         if not calls:
             return text, []
         return text[:start].strip() or None, calls
 
     def growing_calls(self, text: str) -> list[tuple[str, str, bool]]:
-        """The calls whose ``name(`` is written so far: (name, the JSON of the keywords whose
-        values have ended, whether the call is closed)."""
-        start, body = _calls_text(text)
-        at = body.find("[") if start >= 0 else -1
-        if at < 0 or body[:at].strip():
+        """The calls whose name is written so far: (name, the arguments' JSON so far, whether
+        the call is closed). A Python call's JSON grows a keyword at a time, as each value ends."""
+        _, body, form = _calls_text(text)
+        if form == _JSON:
+            return growing_json_calls(body[1:], ",") if body.startswith("[") else growing_json_calls(body)
+        if form != _PYTHON:
             return []
         out: list[tuple[str, str, bool]] = []
-        at += 1
+        at = 1  # after the list's [
         while head := _CALL_HEAD.match(body, at):
             arguments, at, closed = _growing_arguments(body, head.end())
             out.append((head.group(1), object_text(arguments, closed), closed))
@@ -79,7 +89,7 @@ class PythonicFormat(FormatBase):
         return out
 
     def held_back(self, text: str) -> int:
-        start, _ = _calls_text(text)
+        start, _, _ = _calls_text(text)
         if start >= 0:
             return start
         return 0 if not text.strip() else before_partial_marker(text, PYTHON_START)
@@ -113,14 +123,29 @@ class PythonicFormat(FormatBase):
         return PieceCallStream(self, tool_use, lambda: new_call("", "")["id"])
 
 
-def _calls_text(text: str) -> tuple[int, str]:
-    """Where the calls begin (-1: the reply is content) and their text: after
-    ``<|python_start|>``, or the whole reply where it begins with ``[``."""
+def _calls_text(text: str) -> tuple[int, str, str]:
+    """Where the calls begin (-1: the reply is content), their text (from the list's ``[`` or
+    the first JSON call's ``{``) and its form: ``_PYTHON``, ``_JSON`` (only after
+    ``<|python_start|>``, where the official template's empty ``<|python_start|><|python_end|>``
+    may come first) or "" (not told yet, or neither)."""
     tag = text.find(PYTHON_START)
-    if tag >= 0:
-        return tag, text[tag + len(PYTHON_START):]
-    stripped = text.lstrip()
-    return (len(text) - len(stripped), stripped) if stripped.startswith("[") else (-1, "")
+    if tag < 0:
+        stripped = text.lstrip()
+        return (len(text) - len(stripped), stripped, _PYTHON) if stripped.startswith("[") else (-1, "", "")
+    body = text[tag + len(PYTHON_START):].lstrip()
+    body = body[len(PYTHON_END):].lstrip() if body.startswith(PYTHON_END) else body
+    if body.startswith("{"):
+        return tag, body, _JSON
+    first = body[1:].lstrip()[:1] if body.startswith("[") else ""
+    return tag, body, _JSON if first == "{" else _PYTHON if first else ""
+
+
+def _json_calls(body: str, tool_use: ToolUse) -> Calls:
+    """The calls of JSON objects written one after another, or of one JSON list of them."""
+    values = json_values(body) or []
+    if body.startswith("[") and len(values) == 1 and isinstance(values[0], list):
+        return named_json_calls(values[0], growing_json_calls(body[1:], ","), tool_use)
+    return named_json_calls(values, growing_json_calls(body), tool_use)
 
 
 def _read_calls(body: str, tool_use: ToolUse) -> Calls:

@@ -14,7 +14,10 @@ gives a non-string type (integer, number, boolean, object, array, null) is read 
 text itself where it is not JSON); any other, strings and untyped ones, is the text as written
 (one newline after the opening tag and one before the closing tag are layout). Calls follow
 each other; a stream announces a call when its function's name is written and grows its
-arguments' JSON one parameter at a time (router/call_streams.py)."""
+arguments' JSON (router/call_streams.py): a string value piece by piece as it is written (as
+vLLM streams it: a long file's ``content`` arrives token by token), JSON-escaped, of which a
+final piece that may still be the layout newline or the start of ``</parameter>`` is held back
+until what follows tells; any other value whole once its ``</parameter>`` closes it."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from raylm.router.tool_formats import (
     CallStream,
     TaggedCallsFormat,
     argument_rules,
+    before_partial_marker,
     json_or_text,
     new_call,
     repeats,
@@ -39,7 +43,8 @@ from raylm.workers.core.grammar import StructuredOutput
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>")
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
-FUNCTION_END = "</function>"
+_PARAMETER_HEAD = re.compile(r"\s*<parameter=([^>\n]*)>")
+FUNCTION_END, PARAMETER_END = "</function>", "</parameter>"
 _JSON_TYPES = {"integer", "number", "boolean", "object", "array", "null"}
 # A string value in the grammar: any text up to the first closing tag (lazy: the first one ends it).
 _TEXT_RULE = "qwen_text"
@@ -62,18 +67,25 @@ class Qwen3CoderFormat(TaggedCallsFormat):
 
     def growing_calls(self, text: str, tool_use: ToolUse) -> list[tuple[str, str, bool]]:
         """The calls whose function's name is written so far: (name, the JSON of the parameters
-        closed so far, whether the function is closed)."""
-        start = text.find(tools.OPEN_TAG)
+        so far, whether the function is closed). A string parameter still open adds its value
+        so far (its JSON string without the closing quote); the object's brace closes with the
+        function."""
         out: list[tuple[str, str, bool]] = []
-        for block in text[start:].split(tools.OPEN_TAG)[1:] if start >= 0 else []:
-            read = _read(block.partition(tools.CLOSE_TAG)[0], tool_use)
+        at = text.find(tools.OPEN_TAG)
+        while at >= 0:
+            body_at = at + len(tools.OPEN_TAG)
+            end = text.find(tools.CLOSE_TAG, body_at)
+            read = _read(text[body_at:] if end < 0 else text[body_at:end], tool_use)
             if read is None:
                 break
             name, arguments, rest = read
             closed = rest.lstrip().startswith(FUNCTION_END)
-            out.append((name, object_text(arguments, closed), closed))
-            if not closed:
+            growing = "" if closed else _open_string(rest, _properties(name, tool_use), arguments)
+            out.append((name, object_text(arguments, closed) + (", " if arguments and growing else "") + growing,
+                        closed))
+            if not closed or end < 0:
                 break
+            at = text.find(tools.OPEN_TAG, end)
         return out
 
     def held_back(self, text: str) -> int:
@@ -125,8 +137,7 @@ def _read(body: str, tool_use: ToolUse) -> tuple[str, list[tuple[str, Any]], str
     if head is None:
         return None
     name = head.group(1).strip()
-    function = next((f for f in tool_use.functions if f["name"] == name), None)
-    properties = function["parameters"].get("properties", {}) if function else {}
+    properties = _properties(name, tool_use)
     arguments: list[tuple[str, Any]] = []
     at = head.end()
     for match in _PARAMETER.finditer(body, at):
@@ -136,6 +147,30 @@ def _read(body: str, tool_use: ToolUse) -> tuple[str, list[tuple[str, Any]], str
         arguments.append((key, _value(match.group(2), properties.get(key))))
         at = match.end()
     return name, arguments, body[at:]
+
+
+def _properties(name: str, tool_use: ToolUse) -> Mapping[str, Any]:
+    """The parameters' schemas of function ``name`` (none for a function not offered)."""
+    function = next((f for f in tool_use.functions if f["name"] == name), None)
+    return function["parameters"].get("properties", {}) if function else {}
+
+
+def _open_string(rest: str, properties: Mapping[str, Any], arguments: list[tuple[str, Any]]) -> str:
+    """``"key": "value so far`` for a parameter opened at the start of ``rest`` and not closed
+    yet whose value is text (a string, untyped or unknown parameter); "" for any other (a JSON
+    value goes out whole once closed). Of the value, the layout newline after the opening tag
+    is dropped, and a final piece that may be the newline before ``</parameter>`` or the start
+    of the tag is held back: what is sent is a prefix of the value the whole reply reads."""
+    head = _PARAMETER_HEAD.match(rest)
+    if head is None or PARAMETER_END in rest:
+        return ""  # no parameter open here (or one _read refused: a repeated one)
+    key = head.group(1).strip()
+    if key in (k for k, _ in arguments) or _typed_as_json(properties.get(key)):
+        return ""
+    raw = rest[head.end():]
+    raw = raw[1:] if raw.startswith("\n") else raw
+    raw = raw[: min(before_partial_marker(raw, "\n" + PARAMETER_END), before_partial_marker(raw, PARAMETER_END))]
+    return f"{value_text(key)}: {value_text(raw)[:-1]}"
 
 
 def _value(raw: str, schema: Any) -> Any:

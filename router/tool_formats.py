@@ -154,6 +154,59 @@ def _call_of(value: Any, tool_use: ToolUse, keys: tuple[str, ...], make_id: Call
     return new_call(value["name"], arguments, make_id() if make_id else None)
 
 
+# A JSON call written name first, up to where its arguments' text begins.
+_JSON_CALL_HEADER = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*')
+
+
+def named_json_calls(values: list[Any], written: list[tuple[str, str, bool]], tool_use: ToolUse) -> Calls:
+    """The calls of JSON objects ``{"name": ..., "parameters" (or "arguments"): {...}}`` (Llama
+    3's calls, Llama 4's JSON ones), [] unless every value is one; each call's arguments as
+    ``written`` (``growing_json_calls`` of the same text) where they read as the same JSON, so
+    the whole reply's arguments are what a stream sent piece by piece."""
+    calls = [call for v in values if (call := _call_of(v, tool_use, ("parameters", "arguments"))) is not None]
+    if not calls or len(calls) < len(values):
+        return []
+    for call, (_, arguments, _) in zip(calls, written):
+        try:
+            if json.loads(arguments) == json.loads(call["function"]["arguments"]):
+                call["function"]["arguments"] = arguments
+        except json.JSONDecodeError:
+            pass
+    return calls
+
+
+def growing_json_calls(body: str, separators: str = ";") -> list[tuple[str, str, bool]]:
+    """The JSON calls written name first in ``body`` so far, one after another (blanks or one of
+    ``separators`` between two): (name, the arguments' text so far, whether the call closed).
+    Arguments written as a JSON string (``"parameters": "{...}"``, as Llama 4's template writes
+    OpenAI's arguments text back) are their text once the string closes, nothing before."""
+    decoder, out, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(body) and (body[at].isspace() or (out and body[at] in separators)):
+            at += 1
+        header = _JSON_CALL_HEADER.match(body, at)
+        if header is None:
+            return out
+        quoted = body.startswith('"', header.end())
+        try:
+            _, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return out + [(header.group(1), "" if quoted else body[header.end():], False)]
+        arguments = body[header.end():end - 1].rstrip()  # without the call's }
+        out.append((header.group(1), _string_text(arguments) if quoted else arguments, True))
+        at = end
+
+
+def _string_text(written: str) -> str:
+    """The text of a JSON string as written, without blanks around it (what was written where
+    it is more than one string)."""
+    try:
+        text = json.loads(written)
+    except json.JSONDecodeError:
+        return written
+    return text.strip() if isinstance(text, str) else written
+
+
 def before_partial_marker(text: str, marker: str) -> int:
     """The length of ``text`` without a final piece that may be the start of ``marker``."""
     return tools._before_partial_tag(text, marker)
@@ -258,18 +311,9 @@ class Llama3JsonFormat(FormatBase):
         start = self._start(text)
         if start < 0:
             return text, []
-        body = self._body(text, start)
-        values = json_values(body)
-        calls = [_call_of(v, tool_use, ("parameters", "arguments")) for v in values or []]
-        if not calls or None in calls:
+        calls = named_json_calls(json_values(self._body(text, start)) or [], self.growing_calls(text), tool_use)
+        if not calls:
             return text, []
-        # The arguments as written where the call is written name first (what a stream sends).
-        for call, (_, arguments, _) in zip(calls, self.growing_calls(text)):
-            try:
-                if json.loads(arguments) == json.loads(call["function"]["arguments"]):
-                    call["function"]["arguments"] = arguments
-            except json.JSONDecodeError:
-                pass
         return text[:start].strip() or None, calls
 
     @staticmethod
@@ -280,20 +324,7 @@ class Llama3JsonFormat(FormatBase):
     def growing_calls(self, text: str) -> list[tuple[str, str, bool]]:
         """The calls written name first so far: (name, arguments text so far, closed)."""
         start = self._start(text)
-        body = self._body(text, start) if start >= 0 else ""
-        decoder, out, at = json.JSONDecoder(), [], 0
-        while True:
-            while at < len(body) and (body[at].isspace() or (out and body[at] == ";")):
-                at += 1
-            header = _LLAMA_HEADER.match(body, at)
-            if header is None:
-                return out
-            try:
-                _, end = decoder.raw_decode(body, at)
-            except json.JSONDecodeError:
-                return out + [(header.group(1), body[header.end():], False)]
-            out.append((header.group(1), body[header.end():end - 1].rstrip(), True))  # without the call's }
-            at = end
+        return growing_json_calls(self._body(text, start)) if start >= 0 else []
 
     def held_back(self, text: str) -> int:
         start = self._start(text)
@@ -312,10 +343,6 @@ class Llama3JsonFormat(FormatBase):
 
     def stream(self, tool_use: ToolUse) -> CallStream:
         return PieceCallStream(self, tool_use, lambda: new_call("", "")["id"])
-
-
-# A Llama call written name first, up to where its arguments' text begins.
-_LLAMA_HEADER = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*')
 
 
 class MistralFormat(FormatBase):

@@ -5,14 +5,18 @@ the grammar allows) is read back as calls of the offered functions."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import copy
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from tokenizers import AddedToken
 
+from raylm.model.text.chat_template import render_chat_template
 from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.errors import OpenAIError
 from raylm.router.openai_service import OpenAIService
@@ -61,6 +65,9 @@ TEMPLATES = {  # what each family's template says of tools (enough to be told ap
     "qwen3_coder": "{% if tools %}{{ tools | tojson }} <tool_call>\n<function=f>\n<parameter=p>\nv\n</parameter>"
                    "\n</function>\n</tool_call>{% endif %}" + _MESSAGES,
 }
+# Llama 4's calls in JSON, as its official template writes them back (also a JSON list, or separated by ;).
+PYTHONIC_JSON = ("pythonic_json", "pythonic_json_list", "pythonic_json_semicolon")
+TEMPLATES.update({family: TEMPLATES["pythonic"] for family in PYTHONIC_JSON})
 # Replies with parallel calls in each format, and the content before the calls.
 REPLIES = {
     "hermes": ('Let me see.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -83,6 +90,12 @@ REPLIES = {
     "qwen3_coder": ("Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                     "</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
                     "<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>", "Let me see."),
+    "pythonic_json": ('<|python_start|><|python_end|>{"name": "get_weather", "parameters": {"city": "Paris"}}'
+                      '{"name": "add", "parameters": {"a": 1, "b": 2}}', None),
+    "pythonic_json_list": ('Let me see.<|python_start|>[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                           '{"name": "add", "arguments": {"a": 1, "b": 2}}]<|python_end|>', "Let me see."),
+    "pythonic_json_semicolon": ('<|python_start|>\n{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                                '{"name": "add", "parameters": {"a": 1, "b": 2}}<|python_end|>', None),
 }
 # Each reply made malformed (where the generic damage below does not touch it).
 MALFORMED = {"glm45": ("</arg_value>", "", 1), "deepseek_v3": ("<｜tool▁calls▁end｜>", ""),
@@ -115,7 +128,8 @@ def test_the_format_follows_the_chat_template(tokenizers):
     assert [detect_tool_call_parser(TEMPLATES[f]) for f in TEMPLATES] == ["hermes", "llama3_json", "mistral",
                                                                           "mistral", "glm45", "deepseek_v3",
                                                                           "deepseek_v3", "pythonic", "pythonic",
-                                                                          "qwen3_coder"]
+                                                                          "qwen3_coder", "pythonic", "pythonic",
+                                                                          "pythonic"]
     assert detect_tool_call_parser(None) == "hermes"
     assert not tool_format("auto", tokenizers["mistral"]).args_form
     assert tool_format("auto", tokenizers["mistral_args"]).args_form
@@ -146,6 +160,14 @@ def test_llama3_calls_after_the_python_tag(tokenizer):
     content, calls = fmt.parse('Checking.<|python_tag|>{"name": "add", "arguments": {"a": 1, "b": 2}}', use)
     assert content == "Checking." and _calls(calls) == [("add", {"a": 1, "b": 2})]
     assert [fmt.held_back(t) for t in ("Paris is", "Paris <|pyth", " {", "")] == [8, 6, 1, 0]
+    # Arguments written as a JSON string (as Llama templates write OpenAI's arguments text back):
+    # their text, sent once the string closes, so the streamed pieces still join into it.
+    reply = '{"name": "add", "parameters": " {\\"a\\": 1, \\"b\\": 2}"}'
+    (call,) = fmt.parse(reply, use)[1]
+    assert call["function"]["arguments"] == '{"a": 1, "b": 2}'
+    for cut in range(len(reply) + 1):
+        stream = fmt.stream(use)
+        assert _raw(stream.deltas(reply[:cut], False) + stream.deltas(reply, True)) == ['{"a": 1, "b": 2}'], cut
 
 
 def _stream(builder: ResponseBuilder, tokenizer: Tokenizer, pieces: list[str]) -> tuple[str, list[dict], str]:
@@ -170,7 +192,9 @@ def _raw(entries: list[dict]) -> list[str]:
 @pytest.mark.parametrize("family, first_call_end", [("hermes", "</tool_call>"), ("mistral_args", "[TOOL_CALLS]add"),
                                                     ("llama3_json", "}};"),
                                                     ("deepseek_v3", "<｜tool▁call▁end｜>"),
-                                                    ("deepseek_v31", "<｜tool▁call▁end｜>")])
+                                                    ("deepseek_v31", "<｜tool▁call▁end｜>"),
+                                                    ("pythonic_json", '{"name": "add"'),
+                                                    ("pythonic_json_list", ', {"name": "add"')])
 def test_name_first_formats_stream_a_call_before_it_ends(family, first_call_end, tokenizers):
     """The name as soon as it is written, then the arguments as they grow (OpenAI's shape)."""
     parser = RequestParser(tokenizers[family], ["m"], 4096)
@@ -259,7 +283,7 @@ def _forced_text(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar, seed:
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
-@pytest.mark.parametrize("family", list(REPLIES))
+@pytest.mark.parametrize("family", [f for f in REPLIES if f not in PYTHONIC_JSON])  # those share pythonic's grammar
 def test_calls_forced_by_each_format_s_grammar_are_read_back(family, tokenizers):
     tokenizer = tokenizers[family]
     fmt = tool_format("auto", tokenizer)
@@ -355,6 +379,36 @@ def test_xml_and_pythonic_calls_stream_each_argument_once_its_value_ends(family,
     assert _raw(entries) == ['{"city": "Paris"}', '{"a": 1']  # add's b not written yet: its object still open
 
 
+WRITE = {"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "content": {"type": "string"}, "mode": {"type": "integer"}}, "required": ["path"]}}}
+# A file's text with what JSON escapes, what may look like the closing tag, and a last newline of its own.
+FILE_TEXT = 'def f(a="1"):\\\n\treturn a </para </parameter <parameter=x> \\n ünï 😀\n\n'
+WRITE_REPLY = ("Writing.\n<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n"
+               f"<parameter=content>\n{FILE_TEXT}\n</parameter>\n<parameter=mode>\n420\n</parameter>\n"
+               "<parameter=note>\nnot in the schema: text\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_streams_a_string_value_as_it_is_written(tokenizers):
+    """vLLM's way: a file's ``content`` piece by piece before its ``</parameter>`` comes, the
+    layout newlines dropped, a possible closing tag held back; the pieces join into the whole
+    reply's arguments at every split of the reply."""
+    parser = RequestParser(tokenizers["qwen3_coder"], ["m"], 4096)
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "tools": [WRITE]})
+    expected = {"path": "a.py", "content": FILE_TEXT, "mode": 420, "note": "not in the schema: text"}
+    (whole,) = [c["function"]["arguments"] for c in parsed.tool_format.parse(WRITE_REPLY, parsed.tool_use)[1]]
+    assert json.loads(whole) == expected
+    for cut in range(len(WRITE_REPLY) + 1):
+        sent, entries, finish = _stream(ResponseBuilder(parsed, "id", 0, parser.tokenizer), parser.tokenizer,
+                                        [WRITE_REPLY[:cut], WRITE_REPLY[cut:]])
+        assert (sent, _raw(entries), finish) == ("Writing.\n", [whole], "tool_calls"), cut
+    stream = parsed.tool_format.stream(parsed.tool_use)
+    written = WRITE_REPLY.index(FILE_TEXT) + len(FILE_TEXT)  # all but the layout newline and the closing tag
+    pieces = [e["function"]["arguments"] for i in range(written + 1) for e in stream.deltas(WRITE_REPLY[:i], False)]
+    assert "".join(pieces) == '{"path": "a.py", "content": ' + json.dumps(FILE_TEXT[:-1], ensure_ascii=False)[:-1]
+    assert len(pieces) > len(FILE_TEXT) // 2  # token by token (blanks wait for what follows them)
+    assert "".join(e["function"]["arguments"] for e in stream.deltas(WRITE_REPLY, True)) == whole[len("".join(pieces)):]
+
+
 def test_pythonic_values_are_python_literals_never_evaluated(tokenizer):
     fmt = tool_format("pythonic", tokenizer)
     use = parse_tool_use({"tools": [CODE, ADD]})
@@ -373,6 +427,42 @@ def test_pythonic_values_are_python_literals_never_evaluated(tokenizer):
         fmt.grammar(parse_tool_use({"tools": [hyphen], "tool_choice": "required"}))
     assert [fmt.held_back(t) for t in ("Paris is", "Paris <|python_st", " [add(", "a<|python_start|>[", " ")] == \
         [8, 6, 1, 1, 0]
+
+
+def _llama4_template() -> str:
+    """Llama 4's official chat template, as transformers ships it (read from its source, not
+    imported: importing transformers' Llama 4 module takes seconds)."""
+    source = Path(importlib.util.find_spec("transformers").origin).parent / "models/llama4/processing_llama4.py"
+    return next(node.value.value for node in ast.parse(source.read_text()).body if isinstance(node, ast.Assign)
+                and getattr(node.targets[0], "id", "") == "chat_template")
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_pythonic_reads_the_json_calls_llama4_s_template_writes(as_text, tokenizer):
+    """What the official template makes of an assistant's calls (arguments as a mapping, or as
+    OpenAI's JSON text, which it writes as a JSON string) reads back as those calls, whole and
+    streamed at every split; JSON without ``<|python_start|>`` is text."""
+    fmt = tool_format("pythonic", tokenizer)
+    use = parse_tool_use({"tools": [WEATHER, ADD]})
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)
+                                                               if as_text else arguments}}
+             for i, (name, arguments) in enumerate(EXPECTED)]
+    prompt = render_chat_template(_llama4_template(), [*ASK, {"role": "assistant", "content": "",
+                                                              "tool_calls": calls}],
+                                  add_generation_prompt=False, tools=[WEATHER, ADD])
+    reply = prompt.split("<|header_start|>assistant<|header_end|>\n\n")[1].removesuffix("<|eot|>")
+    assert reply.startswith('<|python_start|><|python_end|>{"name": "get_weather", "parameters": ')
+    content, whole = fmt.parse(reply, use)
+    assert content is None and _calls(whole) == EXPECTED
+    for cut in range(len(reply) + 1):
+        stream = fmt.stream(use)
+        entries = stream.deltas(reply[:cut], False) + stream.deltas(reply, True)
+        assert _joined(entries) == EXPECTED and _raw(entries) == [c["function"]["arguments"] for c in whole], cut
+    json_call = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+    for text in (json_call, f"<|python_start|>[{json_call}, 3]", f"<|python_start|>{json_call} and more",
+                 f"<|python_start|>{json_call.replace('add', 'launch')}", f"<|python_start|>[{json_call}]]"):
+        assert fmt.parse(text, use) == (text, []), text
+    assert [fmt.held_back(t) for t in ("{", f"Sure.<|python_start|>{json_call}")] == [1, 5]
 
 
 def test_the_pythonic_grammar_writes_keywords_in_order_the_optional_ones_or_not(tokenizer):
