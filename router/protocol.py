@@ -17,6 +17,7 @@ from raylm.router.errors import OpenAIError, invalid
 from raylm.router.reasoning import ThoughtsStart, reasoning_parser_for, thoughts_start
 from raylm.router.reasoning_grammar import params_after_thoughts
 from raylm.router.structured_request import structured_output
+from raylm.router.tool_format_harmony import HarmonyFormat
 from raylm.router.tool_parsers import ToolFormat, check_template_renders_tools, params_for_calls, tool_format
 from raylm.router.tools import ToolUse, parse_tool_use, template_messages
 from raylm.workers.core.sampling_params import (
@@ -118,8 +119,9 @@ class RequestParser:
             parsed.params = params_for_calls(self.tool_format, tool_use, parsed.params)
             parsed.tool_use, parsed.tool_format = tool_use, self.tool_format
         parsed.thoughts = thoughts_start(self.reasoning_parser, prompt_text)
+        harmony = self.tool_format if isinstance(self.tool_format, HarmonyFormat) else None
         parsed.params = params_after_thoughts(parsed.params, parsed.thoughts, tool_use, self.tokenizer,
-                                              _optional(body, "thinking_token_budget", int))
+                                              _optional(body, "thinking_token_budget", int), harmony)
         if parsed.beam is not None and tool_use is not None:
             raise invalid("use_beam_search cannot be combined with tools", "use_beam_search")
         return parsed

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import TYPE_CHECKING
 
 from raylm.model.text.tokenizer import Tokenizer
 from raylm.router.errors import invalid
@@ -26,24 +27,34 @@ from raylm.router.tools import ToolUse
 from raylm.workers.core.grammar import JSON_LAYOUT, StructuredOutput
 from raylm.workers.core.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from raylm.router.tool_format_harmony import HarmonyFormat
+
 _THOUGHTS = "raylm_thoughts"
 _ANSWER = "raylm_answer"
 _GAP = "raylm_gap"  # the blanks between the thoughts and the answer (bounded: small models loop on blanks)
 
 
 def params_after_thoughts(params: SamplingParams, thoughts: ThoughtsStart | None, tool_use: ToolUse | None,
-                          tokenizer: Tokenizer, budget: int | None = None) -> SamplingParams:
+                          tokenizer: Tokenizer, budget: int | None = None,
+                          harmony: "HarmonyFormat | None" = None) -> SamplingParams:
     """A chat request's params with its constraint (if any) moved past the thoughts (if any),
-    and the thoughts held to ``budget`` tokens (if given). A harmony reply keeps its special
-    tokens (its channels' markers); its forced calls' grammar has the thoughts in it, and other
-    constraints apply from its first token (no thoughts)."""
+    and the thoughts held to ``budget`` tokens (if given). A harmony reply (``harmony``: the
+    format, with the vocabulary's markers) keeps its special tokens (its channels' markers); its
+    forced calls' grammar has the thoughts in it, and a JSON schema or choice applies to its
+    final channel's message, after the thoughts (a regex or grammar from its first token)."""
     if budget is not None:
         _check_budget(budget, thoughts, tokenizer)
+    forced_calls = tool_use is not None and tool_use.choice != "auto"  # then the grammar is raylm's own
     if thoughts is not None and thoughts.channels:
-        return dataclasses.replace(params, skip_special_tokens=False)
+        params = dataclasses.replace(params, skip_special_tokens=False)
+        output = params.structured_output
+        if output is None or forced_calls or harmony is None or output.kind in ("regex", "grammar"):
+            return params  # a client's regex or grammar cannot be embedded: it applies from the first token
+        answer = harmony.final_answer_grammar(_answer_rules(params.structured_output, False), _ANSWER)
+        return dataclasses.replace(params, structured_output=answer)
     if thoughts is None or (params.structured_output is None and budget is None):
         return params
-    forced_calls = tool_use is not None and tool_use.choice != "auto"  # then the grammar is raylm's own
     tags = (_single_token(tokenizer, OPEN), _single_token(tokenizer, CLOSE))
     return dataclasses.replace(params, structured_output=after_thoughts(params.structured_output, thoughts,
                                                                         forced_calls, tags, budget))

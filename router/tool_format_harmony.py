@@ -71,15 +71,29 @@ class HarmonyFormat(FormatBase):
         rules = [f"f{i}: {json.dumps(f['name'] + ' ')} {literal[CONSTRAIN]} \"json\" {literal[MESSAGE]} "
                  f"%json {json.dumps(with_layout(f['parameters']))}" for i, f in enumerate(functions)]
         alternatives = " | ".join(f"f{i}" for i in range(len(functions)))
+        return StructuredOutput("grammar", "\n".join([
+            "start: analysis? call", *self._thoughts_rules(),
+            f'call: {literal[CHANNEL]} "commentary to={FUNCTIONS}" ({alternatives})',
+            *rules]))
+
+    def final_answer_grammar(self, answer_rules: list[str], answer: str) -> StructuredOutput:
+        """A structured answer (``answer_rules``, whose rule ``answer`` is the JSON or choice the
+        request asks for) as gpt-oss writes one: its thoughts first if it starts them, then the
+        final channel's message, which holds the answer alone (the reply parser's content)."""
+        literal = self._literal
+        return StructuredOutput("grammar", "\n".join([
+            f'start: analysis? {literal[CHANNEL]} "final" {literal[MESSAGE]} {answer}', *self._thoughts_rules(),
+            *answer_rules]))
+
+    def _thoughts_rules(self) -> list[str]:
+        """``analysis``: an analysis-channel message (free text up to ``<|end|>``), then the next
+        message's head up to its channel."""
+        literal = self._literal
         text_end = not literal[END].startswith("<[")  # <|end|> is text here: the thoughts end at its first one
         thoughts = ("harmony_thoughts[lazy]: /(?s:.*)<\\|end\\|>/" if text_end
                     else f"harmony_thoughts: /(?s:.*)/ {literal[END]}")
-        return StructuredOutput("grammar", "\n".join([
-            "start: analysis? call",
-            f'analysis: {literal[CHANNEL]} "analysis" {literal[MESSAGE]} harmony_thoughts {literal[START]} "assistant"',
-            thoughts,
-            f'call: {literal[CHANNEL]} "commentary to={FUNCTIONS}" ({alternatives})',
-            *rules]))
+        return [f'analysis: {literal[CHANNEL]} "analysis" {literal[MESSAGE]} harmony_thoughts {literal[START]} '
+                '"assistant"', thoughts]
 
     def stream(self, tool_use: ToolUse) -> CallStream:
         return PieceCallStream(self, tool_use, lambda: new_call("", "")["id"])

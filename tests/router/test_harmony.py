@@ -178,3 +178,36 @@ def test_earlier_thoughts_reach_the_template_as_thinking(harmony):
     parsed = RequestParser(tokenizer, ["m"], 4096).parse_chat({"model": "m", "messages": messages, "tools": [ADD]})
     prompt = tokenizer.decode(parsed.prompts[0], skip_special_tokens=False)
     assert f"<|channel|>analysis<|message|>{THOUGHTS}<|end|>" in prompt and "Checking." not in prompt
+
+
+def test_a_json_schema_applies_to_the_final_channel_after_the_thoughts(harmony):
+    """Structured output on gpt-oss: thoughts first if the model starts them, then the final
+    channel's message holds exactly the schema's JSON (the reply's content)."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"], "additionalProperties": False}
+    compiler = GrammarCompiler(harmony, harmony.vocab_size, harmony.eos_token_ids)
+    end = harmony.token_to_id("<|end|>")
+    parser = RequestParser(harmony, ["m"], 4096)
+    parsed = parser.parse_chat({"model": "m", "messages": ASK, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "trip", "schema": schema}}})
+    spec = parsed.params.structured_output.spec
+    assert parsed.params.structured_output.kind == "grammar" and f"<[{harmony.token_to_id('<|channel|>')}]>" in spec
+    thought = 0
+    for seed in range(12):
+        text = _forced_text(compiler, harmony, parsed.params.structured_output, seed, prefer=end)
+        assert "<|channel|>final<|message|>" in text
+        builder = ResponseBuilder(parsed, "id", 0, harmony)
+        _stream(builder, harmony, [text])
+        message = builder.final()["choices"][0]["message"]
+        answer = json.loads(message["content"])
+        assert set(answer) == {"city", "days"} and isinstance(answer["days"], int)
+        thought += message.get("reasoning_content") is not None
+    assert 0 < thought < 12  # with and without thoughts first
+    choice = parser.parse_chat({"model": "m", "messages": ASK, "guided_choice": ["yes", "no"]})
+    for seed in range(3):
+        builder = ResponseBuilder(choice, "id", 0, harmony)
+        _stream(builder, harmony, [_forced_text(compiler, harmony, choice.params.structured_output, seed, prefer=end)])
+        assert builder.final()["choices"][0]["message"]["content"] in ("yes", "no")
+    regex = parser.parse_chat({"model": "m", "messages": ASK, "guided_regex": "(yes|no)"})
+    assert regex.params.structured_output.kind == "regex"  # the client's own: from the first token
