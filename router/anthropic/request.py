@@ -6,7 +6,8 @@ sampling checks are the same for both APIs. What differs is the request's shape:
 
 - ``system`` (a string or text blocks) is the first message;
 - a user turn's ``tool_result`` blocks become ``tool`` messages (they come first in the turn,
-  as Anthropic requires), its ``text`` blocks one user message after them; an error result
+  as Anthropic requires), its ``text`` blocks and text ``document`` blocks (title, context and
+  text as paragraphs) one user message after them; an error result
   reaches the model as ``Error: <content>`` (chat templates have no error flag);
 - an assistant turn's ``text``, ``tool_use`` (as ``tool_calls``) and ``thinking`` blocks (as
   ``reasoning_content``, for templates that render earlier thoughts) make one assistant message;
@@ -128,8 +129,12 @@ def _user_turn(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     results, texts = [], []
     for j, block in enumerate(blocks):
         at = f"{where}.content.{j}"
-        if _block_type(block, at, ("text", "tool_result")) == "text":
+        kind = _block_type(block, at, ("text", "document", "tool_result"))
+        if kind == "text":
             texts.append(_text_blocks([block], f"{where}.content"))
+            continue
+        if kind == "document":  # its own paragraphs, apart from the text around it
+            texts.append(_Paragraphs(_document(block, at)))
             continue
         if texts:
             raise invalid(f"{at}: tool_result blocks must come before any text in a user message", at)
@@ -143,7 +148,37 @@ def _user_turn(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             raise invalid(f"{at}.is_error: must be a boolean", f"{at}.is_error")
         results.append({"role": "tool", "tool_call_id": call_id,
                         "content": f"Error: {content}" if is_error else content})
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+    text = "".join(("\n\n" if i and (isinstance(piece, _Paragraphs) or isinstance(texts[i - 1], _Paragraphs)) else "")
+                   + piece for i, piece in enumerate(texts))
+    return results + ([{"role": "user", "content": text}] if texts or not results else [])
+
+
+class _Paragraphs(str):
+    """A document's text in a user turn: a blank line apart from the blocks beside it."""
+
+
+def _document(block: dict[str, Any], at: str) -> str:
+    """A text document (``source`` of type ``text``, or ``content`` text blocks) as the text the
+    model reads: its title and context, if given, then the document, as separate paragraphs.
+    PDFs and files are refused (this server reads text), and so are citations (it cannot cite)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "text":
+        if not isinstance(source.get("data"), str):
+            raise invalid(f"{at}.source.data: a text document's data must be a string", f"{at}.source.data")
+        text = source["data"]
+    elif kind == "content":
+        text = _text_blocks(source.get("content"), f"{at}.source.content")
+    else:
+        raise invalid(f"{at}.source.type: this server reads text documents ('text' or 'content' sources), got "
+                      f"{kind!r}"[:300], f"{at}.source.type")
+    if isinstance(block.get("citations"), dict) and block["citations"].get("enabled"):
+        raise invalid(f"{at}.citations: citations are not supported by this server", f"{at}.citations")
+    parts = [block.get(key) for key in ("title", "context")]
+    for key, part in zip(("title", "context"), parts):
+        if part is not None and not isinstance(part, str):
+            raise invalid(f"{at}.{key}: must be a string", f"{at}.{key}")
+    return "\n\n".join(part for part in (*parts, text) if part)
 
 
 def _assistant_turn(blocks: list[Any], where: str) -> dict[str, Any]:

@@ -314,3 +314,22 @@ def test_history_blocks_become_chat_messages():
         with pytest.raises(OpenAIError) as err:
             chat_body({**body, **bad}, "none", None)
         assert err.value.param == field
+
+
+def test_text_documents_are_read_and_other_documents_refused():
+    doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "The tide is high."},
+           "title": "Tides", "context": "A note."}
+    listed = {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "One. "},
+                                                                             {"type": "text", "text": "Two."}]}}
+    turn = [{"type": "text", "text": "Read:"}, doc, listed, {"type": "text", "text": "Summarize."}]
+    chat = chat_body({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": turn}]}, "none", None)
+    assert chat["messages"] == [{"role": "user", "content":
+                                 "Read:\n\nTides\n\nA note.\n\nThe tide is high.\n\nOne. Two.\n\nSummarize."}]
+    for bad, param in [({"source": {"type": "base64", "media_type": "application/pdf", "data": "JVBE"}},
+                        "messages.0.content.0.source.type"),
+                       ({"citations": {"enabled": True}}, "messages.0.content.0.citations"),
+                       ({"title": 3}, "messages.0.content.0.title")]:
+        with pytest.raises(OpenAIError) as err:
+            chat_body({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [{**doc, **bad}]}]},
+                      "none", None)
+        assert err.value.param == param
