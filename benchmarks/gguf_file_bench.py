@@ -11,6 +11,9 @@ engine (``workers.LLM``, the file's matrices kept as blocks) and reports:
   (128 tokens after a 128-token prompt, the prompt's time subtracted) and 16-way decode
   tokens/s (16 sequences of 64 tokens after 128-token prompts, the prompts' time subtracted).
 
+In the integer mode a mixture of experts' routed experts still run exact (the grouped kernel has
+no integer mode, model/quantization/activations.py): the output says so under the table.
+
 With llama.cpp's ``llama-bench`` (``--llama-bench``; default: the one
 ``shared/peers/llama-server.sh build`` makes) it runs ``-p 512 -n 128`` on the same file and on
 ``--peer-f16`` if given, with all cores, and prints raylm's ratios to the better of them:
@@ -82,7 +85,9 @@ def bench_mode(path: str, mode: str) -> dict[str, Any]:
     wide = [rng.randint(100, vocab, size=SHORT).tolist() for _ in range(WIDE)]
     run(wide, WIDE_TOKENS + 1)
     wide_s = median(lambda: run(wide, WIDE_TOKENS + 1), 2) - median(lambda: run(wide, 1), 2)
+    exact_experts = mode == "integer" and llm.engine.config.moe is not None
     return {
+        "note": "routed experts exact (no integer grouped kernel)" if exact_experts else None,
         "file_gib": Path(path).stat().st_size / 2**30,
         "weights_gib": weight_bytes(llm.engine.model.params) / 2**30,
         "rss_gib": _rss_gib(),
@@ -137,6 +142,9 @@ def main() -> None:
     for key in keys:
         row = [results[m].get(key) for m in results] + [peers[p].get(key) for p in peers]
         print(f"{key:16}" + "".join(f"{v:16.3f}" if v is not None else f"{'':16}" for v in row))
+    for mode, r in results.items():
+        if r.get("note"):
+            print(f"{mode}: {r['note']}")
     if peers:
         best_ttft = min(p["ttft_512_s"] for p in peers.values())
         best_tg = max(p["single_tok_s"] for p in peers.values())
