@@ -11,12 +11,18 @@ engine (``workers.LLM``, the file's matrices kept as blocks) and reports:
   (128 tokens after a 128-token prompt, the prompt's time subtracted) and 16-way decode
   tokens/s (16 sequences of 64 tokens after 128-token prompts, the prompts' time subtracted).
 
+In the integer mode a mixture of experts' routed experts still run exact (the grouped kernel has
+no integer mode, model/quantization/activations.py): the output says so under the table.
+
 With llama.cpp's ``llama-bench`` (``--llama-bench``; default: the one
 ``shared/peers/llama-server.sh build`` makes) it runs ``-p 512 -n 128`` on the same file and on
 ``--peer-f16`` if given, with all cores, and prints raylm's ratios to the better of them:
-TTFT against 512 / pp512, single stream against tg128.
+TTFT against 512 / pp512, single stream against tg128. ``--no-repack`` runs it with ``--repack 0``:
+on Intel machines that report AMX, ggml's extra weight buffers fail an assertion on a deepseek2
+file (``GGML_ASSERT(*cur_backend_id != -1)``) as they crash llama-server at load
+(shared/peers/llama-server.sh serves with ``--no-repack`` for that reason).
 
-    python -m raylm.benchmarks.gguf_file_bench FILE.gguf [--peer-f16 F16.gguf] [--modes exact,integer]
+    python -m raylm.benchmarks.gguf_file_bench FILE.gguf [--peer-f16 F16.gguf] [--modes exact,integer] [--no-repack]
 """
 
 from __future__ import annotations
@@ -82,7 +88,9 @@ def bench_mode(path: str, mode: str) -> dict[str, Any]:
     wide = [rng.randint(100, vocab, size=SHORT).tolist() for _ in range(WIDE)]
     run(wide, WIDE_TOKENS + 1)
     wide_s = median(lambda: run(wide, WIDE_TOKENS + 1), 2) - median(lambda: run(wide, 1), 2)
+    exact_experts = mode == "integer" and llm.engine.config.moe is not None
     return {
+        "note": "routed experts exact (no integer grouped kernel)" if exact_experts else None,
         "file_gib": Path(path).stat().st_size / 2**30,
         "weights_gib": weight_bytes(llm.engine.model.params) / 2**30,
         "rss_gib": _rss_gib(),
@@ -95,10 +103,12 @@ def bench_mode(path: str, mode: str) -> dict[str, Any]:
     }
 
 
-def llama_bench(binary: Path, model: Path) -> dict[str, float]:
-    """llama-bench's pp512 / tg128 tokens/s on ``model``, all cores."""
+def llama_bench(binary: Path, model: Path, repack: bool = True) -> dict[str, float]:
+    """llama-bench's pp512 / tg128 tokens/s on ``model``, all cores (``repack``: ggml's extra
+    weight buffers, llama-bench's default)."""
     out = subprocess.run([str(binary), "-m", str(model), "-p", str(PROMPT), "-n", str(DECODE), "-t",
-                          str(os.cpu_count()), "-o", "json"], capture_output=True, text=True, check=True).stdout
+                          str(os.cpu_count()), "-o", "json", *([] if repack else ["--repack", "0"])],
+                         capture_output=True, text=True, check=True).stdout
     rows = json.loads(out)
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == PROMPT and r["n_gen"] == 0)
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] == DECODE and r["n_prompt"] == 0)
@@ -111,6 +121,7 @@ def main() -> None:
     ap.add_argument("--modes", default="exact,integer")
     ap.add_argument("--peer-f16", type=Path, default=None, help="the same model as F16, for llama-bench")
     ap.add_argument("--llama-bench", type=Path, default=LLAMA_BENCH)
+    ap.add_argument("--no-repack", action="store_true", help="llama-bench --repack 0 (see the module docstring)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -128,7 +139,7 @@ def main() -> None:
     if a.llama_bench.is_file():
         for name, peer in (("same file", a.file), ("F16", a.peer_f16)):
             if peer is not None:
-                peers[name] = llama_bench(a.llama_bench, peer)
+                peers[name] = llama_bench(a.llama_bench, peer, repack=not a.no_repack)
     keys = ["file_gib", "weights_gib", "rss_gib", "peak_rss_gib", "load_s", "warmup_s", "ttft_512_s",
             "single_tok_s", "wide_tok_s"]
     columns = [*results, *(f"llama {p}" for p in peers)]
@@ -137,6 +148,9 @@ def main() -> None:
     for key in keys:
         row = [results[m].get(key) for m in results] + [peers[p].get(key) for p in peers]
         print(f"{key:16}" + "".join(f"{v:16.3f}" if v is not None else f"{'':16}" for v in row))
+    for mode, r in results.items():
+        if r.get("note"):
+            print(f"{mode}: {r['note']}")
     if peers:
         best_ttft = min(p["ttft_512_s"] for p in peers.values())
         best_tg = max(p["single_tok_s"] for p in peers.values())

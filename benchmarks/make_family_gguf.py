@@ -1,4 +1,4 @@
-"""Write a random-weight GGUF of a family (Llama, Qwen3, Gemma 2 or Qwen3-MoE) for serving benchmarks.
+"""Write a random-weight GGUF of a family (Llama, Qwen3, Gemma 2, Qwen3-MoE or DeepSeek-V2) for serving benchmarks.
 
 The counterpart of ``shared/peers/make_big_gguf.py`` (a dense Llama-3.2-1B-shaped file) for the
 families of issue 33, so raylm and llama-server can be compared on the same file: the metadata
@@ -10,14 +10,24 @@ queries and 1024-wide keys / values), so the two families' figures compare with 
 Qwen3-MoE (issue 34) is Qwen3's attention with a mixture of experts in every layer: ``--experts 8``
 of ``--ffn`` (default 1024) each, ``--top-k 2`` routed per token (renormalized, as llama.cpp does
 for qwen3moe), the router kept F32 as llama-quantize keeps it: 1.1B parameters, 0.5B of them
-active per token at the defaults. Outputs are noise: benchmarks use ``ignore_eos``.
+active per token at the defaults. DeepSeek-V2 (``--arch deepseek2``, issue 66) is DeepSeek-V2-Lite's
+shape at the defaults: latent attention (hidden 2048, 16 heads, a 512-wide latent, 128 + 64 query /
+key dims, 128 value dims, a full-rank query), a dense first layer (MLP ``--dense-ffn`` 10944), then
+64 routed experts of 1408 (softmax scores, top 6, not renormalized) and 2 shared ones per layer,
+YaRN (factor 40 over 4096 positions, mscale 0.707); 27 layers as V2-Lite has (``--layers 27``,
+15.7B parameters, 2.4B active per token). Its kv_b_proj is split into ``attn_k_b`` / ``attn_v_b``
+with the heads' sizes in ``key_length_mla`` / ``value_length_mla``, as today's converter writes
+it, so llama.cpp runs its absorbed MLA with a latent cache, as raylm does. Outputs are noise:
+benchmarks use ``ignore_eos``.
 
-    python -m raylm.benchmarks.make_family_gguf OUT.gguf [--arch qwen3|gemma2|qwen3moe] [--type Q4_1]
+    python -m raylm.benchmarks.make_family_gguf OUT.gguf [--arch qwen3|gemma2|qwen3moe|deepseek2] [--type Q4_1]
         [--src SRC.gguf] [--layers 16 --hidden 2048 --ffn 8192 --heads 16 --kv-heads 8 --head-dim 128]
-        [--experts 8 --top-k 2]
+        [--experts 8 --top-k 2] [--dense-ffn 10944 --shared-experts 2]
 
-``--type`` is the matrices' GGUF type (F32, F16, Q8_0, Q4_0, Q4_1; norms stay F32 as
-llama-quantize keeps them). ``--arch llama`` writes Llama 3's layout (``--untied``: an output
+``--type`` is the matrices' GGUF type (F32, F16, Q8_0, Q4_0, Q4_1; norms and routers stay F32 as
+llama-quantize keeps them). Quantized matrices are random blocks (benchmarks/random_blocks.py:
+random bits, scales of a sane magnitude), written without quantizing floats, so that a 15B-parameter
+file takes a minute. ``--arch llama`` writes Llama 3's layout (``--untied``: an output
 matrix of its own, as Llama-3.1-8B has); benchmarks/make_test_ggufs.py sizes it like the models
 people download and quantizes it with llama-quantize.
 """
@@ -29,13 +39,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, quants
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 
+from raylm.benchmarks.random_blocks import F16_SCALED_TYPES, random_blocks
+from raylm.model.config.latent_attention import LatentAttention
 from raylm.model.loaders.gguf_file import GGUFReader
 
-# Per family: (default heads, KV heads, head size) giving the Llama file's matmul shapes.
-DEFAULT_HEADS = {"llama": (16, 8, 128), "qwen3": (16, 8, 128), "gemma2": (8, 4, 256), "qwen3moe": (16, 8, 128)}
-DEFAULT_FFN = {"llama": 8192, "qwen3": 8192, "gemma2": 8192, "qwen3moe": 1024}  # qwen3moe: each expert's
+# Per family: (default heads, KV heads, head size) giving the Llama file's matmul shapes
+# (deepseek2: V2-Lite's heads; its one "KV head" is the latent, its head sizes are ``mla``'s).
+DEFAULT_HEADS = {"llama": (16, 8, 128), "qwen3": (16, 8, 128), "gemma2": (8, 4, 256), "qwen3moe": (16, 8, 128),
+                 "deepseek2": (16, 1, 192)}
+# MoE families: each expert's MLP; the others: the MLP.
+DEFAULT_FFN = {"llama": 8192, "qwen3": 8192, "gemma2": 8192, "qwen3moe": 1024, "deepseek2": 1408}
+DEFAULT_EXPERTS = {"qwen3moe": (8, 2), "deepseek2": (64, 6)}  # (experts, routed per token)
+# DeepSeek-V2-Lite's latent attention (its config.json: no q LoRA) and YaRN.
+V2_LITE_MLA = LatentAttention(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+V2_LITE_YARN = {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale_all_dim": 0.707}
 TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 _TOKENIZER_KEYS = (
     "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
@@ -48,31 +68,41 @@ _TOKENIZER_KEYS = (
 def write_family_gguf(
     out: Path, src: Path, arch: str = "qwen3", kind: str = "Q4_1", layers: int = 16, hidden: int = 2048,
     ffn: int | None = None, heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
-    seed: int = 0, experts: int = 8, top_k: int = 2, untied: bool = False,
+    seed: int = 0, experts: int | None = None, top_k: int | None = None, untied: bool = False,
+    mla: LatentAttention = V2_LITE_MLA, dense_ffn: int = 10944, shared_experts: int = 2,
 ) -> Path:
-    """Write the file; returns ``out``. ``ffn`` / ``heads`` / ``kv_heads`` / ``head_dim`` default
-    per family; ``experts`` / ``top_k``: qwen3moe's; ``untied``: an output matrix of its own."""
+    """Write the file; returns ``out``. ``ffn`` / ``heads`` / ``kv_heads`` / ``head_dim`` /
+    ``experts`` / ``top_k`` default per family; ``untied``: an output matrix of its own.
+    deepseek2 only: ``mla`` (its attention's sizes; ``head_dim`` and ``kv_heads`` are not used),
+    ``dense_ffn`` (layer 0's MLP), ``shared_experts`` (each ``ffn`` wide); its output matrix is
+    always its own, as V2-Lite's."""
     defaults = DEFAULT_HEADS[arch]
     ffn = ffn or DEFAULT_FFN[arch]
     heads, kv_heads, head_dim = heads or defaults[0], kv_heads or defaults[1], head_dim or defaults[2]
+    experts = experts or DEFAULT_EXPERTS.get(arch, (0, 0))[0]
+    top_k = top_k or DEFAULT_EXPERTS.get(arch, (0, 0))[1]
+    deepseek = arch == "deepseek2"
     qtype = GGMLQuantizationType[kind]
     writer = GGUFWriter(str(out), arch, use_temp_file=True)
     writer.add_name(f"raylm-random-{arch}")
     writer.add_block_count(layers)
-    writer.add_context_length(8192)
+    writer.add_context_length(163840 if deepseek else 8192)
     writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(ffn)
+    writer.add_feed_forward_length(dense_ffn if deepseek else ffn)
     writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
+    if deepseek:
+        _deepseek2_keys(writer, mla, experts, top_k, ffn, shared_experts)
+    else:
+        writer.add_head_count_kv(kv_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if arch in ("qwen3", "qwen3moe"):
         writer.add_rope_freq_base(1_000_000.0)
     elif arch == "llama":
         writer.add_rope_freq_base(500_000.0)
         writer.add_rope_dimension_count(head_dim)
-    else:  # Gemma2Model writes no RoPE base (llama.cpp's 10000) and these three
+    elif arch == "gemma2":  # Gemma2Model writes no RoPE base (llama.cpp's 10000) and these three
         writer.add_attn_logit_softcapping(50.0)
         writer.add_final_logit_softcapping(30.0)
         writer.add_sliding_window(4096)
@@ -81,17 +111,21 @@ def write_family_gguf(
         writer.add_expert_used_count(top_k)
         writer.add_expert_feed_forward_length(ffn)
     vocab = _copy_tokenizer(writer, GGUFReader(str(src)))
-    if arch == "llama":
+    if arch in ("llama", "deepseek2"):
         writer.add_vocab_size(vocab)
 
     rng = np.random.default_rng(seed)
 
     def matrix(name: str, rows: int, cols: int, stack: tuple[int, ...] = (), keep_f32: bool = False) -> None:
-        """numpy [*stack, rows, cols] = GGUF [cols, rows, *stack] (stack: experts)."""
-        weights = (rng.standard_normal((*stack, rows, cols), dtype=np.float32) * 0.02).astype(np.float32)
+        """numpy [*stack, rows, cols] = GGUF [cols, rows, *stack] (stack: experts or heads)."""
+        shape = (*stack, rows, cols)
+        if qtype in F16_SCALED_TYPES and not keep_f32:
+            writer.add_tensor(name, random_blocks(qtype, shape, int(rng.integers(2**31))), raw_dtype=qtype)
+            return
+        weights = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
         if qtype == GGMLQuantizationType.F32 or keep_f32:
             writer.add_tensor(name, weights)
-        else:
+        else:  # F16
             writer.add_tensor(name, quants.quantize(weights, qtype), raw_dtype=qtype)
 
     def norm(name: str, size: int) -> None:  # a weight of 1 (Gemma's files store 1 + w: w = 0)
@@ -101,6 +135,9 @@ def write_family_gguf(
     for i in range(layers):
         p = f"blk.{i}."
         norm(p + "attn_norm.weight", hidden)
+        if deepseek:
+            _deepseek2_layer(p, i, matrix, norm, hidden, heads, mla, experts, ffn, dense_ffn, shared_experts)
+            continue
         matrix(p + "attn_q.weight", heads * head_dim, hidden)
         matrix(p + "attn_k.weight", kv_heads * head_dim, hidden)
         matrix(p + "attn_v.weight", kv_heads * head_dim, hidden)
@@ -122,13 +159,71 @@ def write_family_gguf(
         matrix(p + "ffn_up.weight", ffn, hidden)
         matrix(p + "ffn_down.weight", hidden, ffn)
     norm("output_norm.weight", hidden)
-    if untied:  # else the LM head is token_embd
+    if untied or deepseek:  # else the LM head is token_embd
         matrix("output.weight", vocab, hidden)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _deepseek2_keys(writer: GGUFWriter, mla: LatentAttention, experts: int, top_k: int, ffn: int,
+                    shared_experts: int) -> None:
+    """The keys DeepseekV2Model.set_gguf_parameters writes for V2-Lite's config.json (and
+    TextModel's: experts, groups, scoring, YaRN)."""
+    writer.add_head_count_kv(1)  # (the one latent every head reads)
+    # llama.cpp reads q_lora_rank unless the file has V2-Lite's 27 (or 26) layers: 0 states "none"
+    # for files of fewer layers (llama.cpp and raylm then read a full-rank attn_q).
+    writer.add_q_lora_rank(0)
+    writer.add_kv_lora_rank(mla.kv_lora_rank)
+    writer.add_key_length(mla.latent_dim)  # the latent cache's sizes, then the heads'
+    writer.add_value_length(mla.kv_lora_rank)
+    writer.add_key_length_mla(mla.qk_head_dim)
+    writer.add_value_length_mla(mla.v_head_dim)
+    writer.add_rope_dimension_count(mla.qk_rope_head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(V2_LITE_YARN["factor"])
+    writer.add_rope_scaling_orig_ctx_len(V2_LITE_YARN["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(V2_LITE_YARN["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(V2_LITE_YARN["beta_slow"])
+    writer.add_rope_scaling_yarn_log_mul(0.1 * V2_LITE_YARN["mscale_all_dim"])  # (the converter's factor 0.1)
+    writer.add_leading_dense_block_count(1)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(top_k)
+    writer.add_expert_group_count(1)
+    writer.add_expert_group_used_count(1)
+    writer.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX)
+    writer.add_expert_feed_forward_length(ffn)
+    writer.add_expert_shared_count(shared_experts)
+    writer.add_expert_weights_scale(1.0)
+
+
+def _deepseek2_layer(p: str, i: int, matrix: Any, norm: Any, hidden: int, heads: int, mla: LatentAttention,
+                     experts: int, ffn: int, dense_ffn: int, shared_experts: int) -> None:
+    """Layer ``i``'s tensors (prefix ``p``) after its attn_norm: latent attention with kv_b split as
+    DeepseekV2Model.modify_tensors splits it (attn_k_b [H, rank, nope]: each head's key rows
+    transposed; attn_v_b [H, v, rank]), then layer 0's dense MLP or the routed and shared experts."""
+    matrix(p + "attn_q.weight", heads * mla.qk_head_dim, hidden)
+    matrix(p + "attn_kv_a_mqa.weight", mla.latent_dim, hidden)
+    norm(p + "attn_kv_a_norm.weight", mla.kv_lora_rank)
+    matrix(p + "attn_k_b.weight", mla.kv_lora_rank, mla.qk_nope_head_dim, (heads,))
+    matrix(p + "attn_v_b.weight", mla.v_head_dim, mla.kv_lora_rank, (heads,))
+    matrix(p + "attn_output.weight", hidden, heads * mla.v_head_dim)
+    norm(p + "ffn_norm.weight", hidden)
+    if i == 0:
+        matrix(p + "ffn_gate.weight", dense_ffn, hidden)
+        matrix(p + "ffn_up.weight", dense_ffn, hidden)
+        matrix(p + "ffn_down.weight", hidden, dense_ffn)
+        return
+    matrix(p + "ffn_gate_inp.weight", experts, hidden, keep_f32=True)
+    matrix(p + "ffn_gate_exps.weight", ffn, hidden, (experts,))
+    matrix(p + "ffn_up_exps.weight", ffn, hidden, (experts,))
+    matrix(p + "ffn_down_exps.weight", hidden, ffn, (experts,))
+    matrix(p + "ffn_gate_shexp.weight", shared_experts * ffn, hidden)
+    matrix(p + "ffn_up_shexp.weight", shared_experts * ffn, hidden)
+    matrix(p + "ffn_down_shexp.weight", hidden, shared_experts * ffn)
 
 
 def _copy_tokenizer(writer: GGUFWriter, src: GGUFReader) -> int:
@@ -151,19 +246,24 @@ def main() -> None:
     ap.add_argument("--arch", choices=sorted(DEFAULT_HEADS), default="qwen3")
     ap.add_argument("--type", choices=TYPES, default="Q4_1", dest="kind")
     ap.add_argument("--src", type=Path, default=None, help="GGUF whose tokenizer to copy (default: the bundled model)")
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=None, help="default 16 (deepseek2: 27, V2-Lite's)")
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--ffn", type=int, default=None, help="MLP size (qwen3moe: each expert's); default per family")
+    ap.add_argument("--ffn", type=int, default=None,
+                    help="MLP size (qwen3moe, deepseek2: each expert's); default per family")
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=None)
-    ap.add_argument("--experts", type=int, default=8, help="qwen3moe: experts per layer")
-    ap.add_argument("--top-k", type=int, default=2, help="qwen3moe: experts routed per token")
+    ap.add_argument("--experts", type=int, default=None, help="qwen3moe / deepseek2: routed experts per layer (8 / 64)")
+    ap.add_argument("--top-k", type=int, default=None, help="qwen3moe / deepseek2: experts routed per token (2 / 6)")
+    ap.add_argument("--dense-ffn", type=int, default=10944, help="deepseek2: the dense first layer's MLP size")
+    ap.add_argument("--shared-experts", type=int, default=2, help="deepseek2: shared experts per layer")
     ap.add_argument("--untied", action="store_true", help="an output matrix of its own (else tied to the embedding)")
     a = ap.parse_args()
     src = a.src or resolve_model_path(DEFAULT_MODEL)
-    write_family_gguf(a.out, src, a.arch, a.kind, a.layers, a.hidden, a.ffn, a.heads, a.kv_heads, a.head_dim,
-                      experts=a.experts, top_k=a.top_k, untied=a.untied)
+    layers = a.layers or (27 if a.arch == "deepseek2" else 16)
+    write_family_gguf(a.out, src, a.arch, a.kind, layers, a.hidden, a.ffn, a.heads, a.kv_heads, a.head_dim,
+                      experts=a.experts, top_k=a.top_k, untied=a.untied, dense_ffn=a.dense_ffn,
+                      shared_experts=a.shared_experts)
     print("wrote", a.out)
 
 

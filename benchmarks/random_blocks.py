@@ -1,7 +1,8 @@
 """GGUF blocks with random bits and float16 scales of a sane magnitude, for the types the gguf
 package cannot quantize (the K-quants, IQ4, MXFP4): valid file tensors whose values are what the
-package dequantizes. Test checkpoints (tests/gguf_export.py) and kernel benchmarks
-(prompt_gemm_bench.weights_in) use them: every bit pattern of the stored integers and sub-scales
+package dequantizes. Test checkpoints (tests/gguf_export.py), kernel benchmarks
+(prompt_gemm_bench.weights_in) and benchmark files of any of these types (make_family_gguf: no
+floats quantized, so a 15B-parameter file takes minutes) use them: every bit pattern of the stored integers and sub-scales
 appears, and no scale is a NaN or an infinity."""
 
 from __future__ import annotations
