@@ -51,7 +51,7 @@ def params_after_thoughts(params: SamplingParams, thoughts: ThoughtsStart | None
         output = params.structured_output
         if output is None or forced_calls or harmony is None or output.kind in ("regex", "grammar"):
             return params  # a client's regex or grammar cannot be embedded: it applies from the first token
-        answer = harmony.final_answer_grammar(_answer_rules(params.structured_output, False), _ANSWER)
+        answer = harmony.final_answer_grammar(_answer_rules(output, False), _ANSWER)
         return dataclasses.replace(params, structured_output=answer)
     if thoughts is None or (params.structured_output is None and budget is None):
         return params

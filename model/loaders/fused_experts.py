@@ -19,7 +19,6 @@ from raylm.model.config.model_config import ModelConfig
 from raylm.model.errors import ModelLoadError
 from raylm.model.loaders.hf_tensors import TensorSource
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _EXPERTS_RE = re.compile(r"(model\.layers\.\d+\.mlp\.)experts\.(gate_proj|up_proj|down_proj)")
 
 

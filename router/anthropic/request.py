@@ -130,11 +130,9 @@ def _user_turn(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     for j, block in enumerate(blocks):
         at = f"{where}.content.{j}"
         kind = _block_type(block, at, ("text", "document", "tool_result"))
-        if kind == "text":
-            texts.append(_text_blocks([block], f"{where}.content"))
-            continue
-        if kind == "document":  # its own paragraphs, apart from the text around it
-            texts.append(_Paragraphs(_document(block, at)))
+        if kind != "tool_result":  # (text, whether it is a document: its own paragraphs)
+            texts.append((_text_blocks([block], f"{where}.content"), False) if kind == "text"
+                         else (_document(block, at), True))
             continue
         if texts:
             raise invalid(f"{at}: tool_result blocks must come before any text in a user message", at)
@@ -148,13 +146,10 @@ def _user_turn(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             raise invalid(f"{at}.is_error: must be a boolean", f"{at}.is_error")
         results.append({"role": "tool", "tool_call_id": call_id,
                         "content": f"Error: {content}" if is_error else content})
-    text = "".join(("\n\n" if i and (isinstance(piece, _Paragraphs) or isinstance(texts[i - 1], _Paragraphs)) else "")
-                   + piece for i, piece in enumerate(texts))
+    # Text blocks join as they are; a document stands a blank line apart from the blocks beside it.
+    text = "".join(("\n\n" if i and (document or texts[i - 1][1]) else "") + piece
+                   for i, (piece, document) in enumerate(texts))
     return results + ([{"role": "user", "content": text}] if texts or not results else [])
-
-
-class _Paragraphs(str):
-    """A document's text in a user turn: a blank line apart from the blocks beside it."""
 
 
 def _document(block: dict[str, Any], at: str) -> str:
