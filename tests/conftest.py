@@ -23,6 +23,9 @@ from hypothesis import settings  # noqa: E402
 # run ~1.5x slower unoptimized). JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the tests optimized too.
 if "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ:
     jax.config.update("jax_disable_most_optimizations", True)
+    from tests.fast_compile import compile_unoptimized_programs_faster  # noqa: E402
+
+    compile_unoptimized_programs_faster()
 
 # CI replays the same examples every run (a red CI must be reproducible); locally
 # hypothesis keeps exploring new ones.
