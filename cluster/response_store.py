@@ -8,7 +8,9 @@ first. The actor keeps a ``MemoryResponseStore``, the same class a router alone 
 in-process, so both have one set of semantics.
 
 Records are JSON text, owned by the API key that stored them: a record is visible only to its
-owner (any other owner gets None, exactly as for an id that does not exist).
+owner (any other owner gets None, exactly as for an id that does not exist). A background
+response's stream events are kept beside the text, as a list, so its replica's flushes and
+resumed streams' polls never parse or re-write the record.
 """
 
 from __future__ import annotations
@@ -50,13 +52,23 @@ class ResponseStore(Protocol):
 
 @dataclasses.dataclass
 class _Entry:
+    """One record: its JSON text without the two fields a background response's replica updates
+    every flush (its stream ``events``, kept as the list of their SSE texts, and ``alive_at``), so
+    a flush appends to the list and a resumed stream slices it, and neither parses nor re-writes
+    the record: a long reply's events are not re-serialized five times a second."""
+
     owner: str
     stored_at: float
     text: str
+    status: str | None
+    events: list[str] | None
+    alive_at: float | None
+    nbytes: int  # the text's and the events' characters: what the byte bound counts
 
 
 class MemoryResponseStore:
-    """Records in this process, at most ``max_bytes`` of JSON text and ``max_age_s`` old."""
+    """Records in this process, at most ``max_bytes`` (of JSON text, and of stream events'
+    texts) and ``max_age_s`` old."""
 
     def __init__(self, max_bytes: int, max_age_s: float, clock: Callable[[], float] = time.time):
         self.max_bytes = max_bytes
@@ -66,42 +78,59 @@ class MemoryResponseStore:
         self.bytes = 0
 
     def put(self, owner: str, response_id: str, record: dict[str, Any]) -> bool:
-        text = json.dumps(record, separators=(",", ":"))
-        if len(text) > self.max_bytes:
+        rest = {key: value for key, value in record.items() if key not in ("events", "alive_at")}
+        events = record.get("events")
+        text = json.dumps(rest, separators=(",", ":"))
+        nbytes = len(text) + sum(len(event) for event in events or ())
+        if nbytes > self.max_bytes:
             return False
         self._drop(response_id)
-        self._entries[response_id] = _Entry(owner, self._clock(), text)
-        self.bytes += len(text)
+        self._entries[response_id] = _Entry(owner, self._clock(), text, (record.get("response") or {}).get("status"),
+                                            list(events) if events is not None else None, record.get("alive_at"),
+                                            nbytes)
+        self.bytes += nbytes
         self._evict()
         return True
 
     def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
-        self._evict()
-        entry = self._entries.get(response_id)
-        if entry is None or entry.owner != owner:
+        entry = self._entry(owner, response_id)
+        if entry is None:
             return None
-        return json.loads(entry.text)
+        record = json.loads(entry.text)
+        if entry.events is not None:
+            record["events"] = list(entry.events)
+        if entry.alive_at is not None:
+            record["alive_at"] = entry.alive_at
+        return record
 
     def replace(self, owner: str, response_id: str, record: dict[str, Any], status: str) -> bool:
-        current = self.get(owner, response_id)
-        if current is None or current["response"]["status"] != status:
+        current = self._entry(owner, response_id)
+        if current is None or current.status != status:
             return False
         return self.put(owner, response_id, record)
 
     def append_events(self, owner: str, response_id: str, events: list[str], alive_at: float) -> bool:
-        current = self.get(owner, response_id)
-        if current is None or current["response"]["status"] != "in_progress":
+        current = self._entry(owner, response_id)
+        if current is None or current.status != "in_progress":
             return False
-        current["events"] = current.get("events", []) + events
-        current["alive_at"] = alive_at
-        return self.put(owner, response_id, current)
+        added = sum(len(event) for event in events)
+        if current.nbytes + added > self.max_bytes:
+            return False
+        if current.events is None:
+            current.events = []
+        current.events.extend(events)  # get() hands out copies, so the list is this store's alone
+        current.nbytes += added
+        current.stored_at, current.alive_at = self._clock(), alive_at
+        self._entries.move_to_end(response_id)  # the newest record again, as a put would make it
+        self.bytes += added
+        self._evict()
+        return True
 
     def events_after(self, owner: str, response_id: str, after: int) -> dict[str, Any] | None:
-        current = self.get(owner, response_id)
-        if current is None:
+        entry = self._entry(owner, response_id)
+        if entry is None:
             return None
-        return {"status": current["response"]["status"], "alive_at": current.get("alive_at", 0.0),
-                "events": current.get("events", [])[after + 1:]}
+        return {"status": entry.status, "alive_at": entry.alive_at or 0.0, "events": (entry.events or [])[after + 1:]}
 
     def delete(self, owner: str, response_id: str) -> bool:
         entry = self._entries.get(response_id)
@@ -113,10 +142,15 @@ class MemoryResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _entry(self, owner: str, response_id: str) -> _Entry | None:
+        self._evict()
+        entry = self._entries.get(response_id)
+        return entry if entry is not None and entry.owner == owner else None
+
     def _drop(self, response_id: str) -> None:
         entry = self._entries.pop(response_id, None)
         if entry is not None:
-            self.bytes -= len(entry.text)
+            self.bytes -= entry.nbytes
 
     def _evict(self) -> None:
         """Drop records past their age, then the oldest until the rest fit the byte bound."""

@@ -74,10 +74,34 @@ def test_stream_events_are_appended_only_while_in_progress_and_read_past_a_seque
     assert store.append_events("a", "r", ["e1", "e2"], 5.0) and not store.append_events("b", "r", ["x"], 6.0)
     assert store.events_after("a", "r", 0) == {"status": "in_progress", "alive_at": 5.0, "events": ["e1", "e2"]}
     assert store.events_after("a", "r", -1)["events"] == ["e0", "e1", "e2"] and store.events_after("b", "r", -1) is None
-    assert store.bytes == len(json.dumps(store.get("a", "r"), separators=(",", ":")))
+    # the bound counts the record's JSON without its events and alive_at, plus the events' texts
+    assert store.bytes == len('{"response":{"status":"in_progress"}}') + 6
     store.replace("a", "r", {"response": {"status": "completed"}, "events": ["e0", "e1", "e2", "e3"]}, "in_progress")
     assert not store.append_events("a", "r", ["late"], 7.0)
     assert store.events_after("a", "r", 2) == {"status": "completed", "alive_at": 0.0, "events": ["e3"]}
+
+
+def test_a_flush_and_a_resumed_read_neither_parse_nor_write_the_record(monkeypatch):
+    """A background reply flushes its new events five times a second and each resumed stream polls
+    as often: those two calls touch the events list only, whatever the record's size, and an
+    append that would pass the byte bound is refused with nothing changed."""
+    from raylm.cluster import response_store
+
+    store = MemoryResponseStore(max_bytes=200, max_age_s=3600)
+    store.put("a", "r", {"response": {"status": "in_progress", "output": ["x" * 100]}, "events": []})
+    before = store.bytes
+
+    def no_json(*_args, **_kwargs):
+        raise AssertionError("the record was parsed or written")
+
+    monkeypatch.setattr(response_store.json, "dumps", no_json)
+    monkeypatch.setattr(response_store.json, "loads", no_json)
+    assert store.append_events("a", "r", ["e0", "e1"], 1.0)
+    assert store.events_after("a", "r", -1) == {"status": "in_progress", "alive_at": 1.0, "events": ["e0", "e1"]}
+    assert not store.append_events("a", "r", ["y" * 100], 2.0)  # past the 200-byte bound
+    assert store.bytes == before + 4 and store.events_after("a", "r", 1)["events"] == []
+    monkeypatch.undo()
+    assert store.get("a", "r")["events"] == ["e0", "e1"] and store.get("a", "r")["alive_at"] == 1.0
 
 
 def test_the_cluster_store_is_shared_by_replicas_and_outlives_them(serve_cluster):
