@@ -16,7 +16,7 @@ from raylm.router.errors import OpenAIError
 from raylm.router.responses import ResponseBuilder
 from raylm.router.responses_api.output import OutputBuilder
 from raylm.router.responses_api.request import ResponsesRequest
-from raylm.router.responses_api.resume import failure_events, sse_event
+from raylm.router.responses_api.resume import failure_events, response_error, sse_event
 from raylm.workers.wire.replica_protocol import GenerateChunk
 
 logger = logging.getLogger("ray.serve")
@@ -98,8 +98,8 @@ class ResponseReply:
 
     async def _failed(self, code: str | None, message: str, param: str | None = None) -> list[str]:
         """The events ending a failed stream; a background response's record says ``failed``."""
-        error = {"code": code or "server_error", "message": message}
-        events = failure_events(code, message, error, self.response("failed"), self._sequence, param)
+        error = response_error(code, message)
+        events = failure_events(code, message, self.response("failed"), self._sequence, param)
         self._sequence += len(events)
         if self.request.background:
             self.log += events

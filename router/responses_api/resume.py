@@ -32,12 +32,17 @@ def sse_event(event: dict[str, Any], sequence: int) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def failure_events(code: str | None, message: str, error: dict[str, Any], response: dict[str, Any],
-                   first_sequence: int, param: str | None = None) -> list[str]:
+def response_error(code: str | None, message: str) -> dict[str, Any]:
+    """A failed response's ``error`` object (a code it lacks is ``server_error``)."""
+    return {"code": code or "server_error", "message": message}
+
+
+def failure_events(code: str | None, message: str, response: dict[str, Any], first_sequence: int,
+                   param: str | None = None) -> list[str]:
     """How a failed stream ends: ``error``, then ``response.failed`` with the failed response."""
+    failed = {**response, "status": "failed", "error": response_error(code, message)}
     return [sse_event({"type": "error", "code": code, "message": message, "param": param}, first_sequence),
-            sse_event({"type": "response.failed", "response": {**response, "status": "failed", "error": error}},
-                      first_sequence + 1)]
+            sse_event({"type": "response.failed", "response": failed}, first_sequence + 1)]
 
 
 def starting_after(text: str | None) -> int:

@@ -31,7 +31,7 @@ from raylm.router.openai_service import OpenAIService
 from raylm.router.responses import ResponseBuilder
 from raylm.router.responses_api.reply import ResponseReply
 from raylm.router.responses_api.request import parse_responses_request
-from raylm.router.responses_api.resume import FLUSH_S, failure_events, resumed_events, starting_after
+from raylm.router.responses_api.resume import FLUSH_S, failure_events, response_error, resumed_events, starting_after
 
 logger = logging.getLogger("ray.serve")
 MAX_LIST_LIMIT = 100
@@ -95,11 +95,12 @@ class ResponsesAPI:
             return record
         if time.time() - record.get("alive_at", time.time()) <= STALE_AFTER_S:
             return record
-        error = {"code": "server_error", "message": "the router replica generating this background response stopped"}
+        code, message = "server_error", "the router replica generating this background response stopped"
+        error = response_error(code, message)
         failed = {**record, "response": {**record["response"], "status": "failed", "error": error}}
         if "events" in record:  # its stream ends as a live one would have
-            failed["events"] = record["events"] + failure_events(
-                error["code"], error["message"], error, record["response"], len(record["events"]))
+            ending = failure_events(code, message, record["response"], len(record["events"]))
+            failed["events"] = record["events"] + ending
         if await asyncio.to_thread(self.store.replace, owner, response_id, failed, "in_progress"):
             return failed
         return await asyncio.to_thread(self.store.get, owner, response_id)
