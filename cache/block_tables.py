@@ -68,10 +68,10 @@ class BlockManager:
         self.block_size = pool.block_size
         self.salt = cache_salt
         self.window = window
-        # With KV offload on, the (block id, hash) of each block computed full since the engine
+        # With KV offload on, the (KV group, block id, hash) of each block computed full since the engine
         # last took them (``take_committed``): what it publishes to the tiers.
         self.record_commits = False
-        self._committed: list[tuple[int, int]] = []
+        self._committed: list[tuple[int, int, int]] = []
 
     @property
     def sliding(self) -> BlockPool | None:
@@ -141,40 +141,73 @@ class BlockManager:
         for group, table in zip(self.groups, self._tables(seq)):
             for i in range(seq.num_committed_blocks, full):
                 group.pool.cache_full_block(table[i], seq.block_hashes[i])
-        if self.record_commits:
-            self._committed += [(seq.block_ids[i], seq.block_hashes[i]) for i in range(seq.num_committed_blocks, full)]
+        if self.record_commits:  # (the sliding group releases its blocks after this: all are still held)
+            self._committed += [(g, table[i], seq.block_hashes[i]) for g, table in enumerate(self._tables(seq))
+                                for i in range(seq.num_committed_blocks, full)]
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
 
-    def take_committed(self) -> list[tuple[int, int]]:
-        """The (block id, hash) of blocks computed full since the last call (``record_commits``),
-        each block once: the engine reads them off the device before the next step may reuse them."""
+    def take_committed(self) -> list[tuple[int, int, int]]:
+        """The (KV group, block id, hash) of blocks computed full since the last call
+        (``record_commits``), each block once: the engine reads them off the device before the
+        next step may reuse them."""
         committed, self._committed = self._committed, []
-        return list(dict(committed).items())
+        return [(g, block, h) for (g, block), h in {(g, block): h for g, block, h in committed}.items()]
 
     # -- blocks from an offload tier ------------------------------------------------------------------
-    def reserve_for_load(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Append ``num_blocks`` fresh blocks to ``seq``'s table for blocks an offload tier will
-        fill (the ones right after those it holds); [] when the pool has too few free blocks
-        (then its prompt is computed instead). One KV group only (the engine refuses offload for
-        models with a sliding group)."""
-        if num_blocks > self.pool.num_free_blocks:
-            return []
-        blocks = self.pool.allocate(num_blocks)
-        seq.block_ids.extend(blocks)
-        return blocks
+    def sliding_to_load(self, first: int, end: int) -> range:
+        """Of blocks ``first .. end - 1`` loaded from an offload tier, those whose sliding-group
+        K/V the load must bring too: the ones the window of the query right after them (at
+        ``end * block_size``) reads, as a prefix hit needs (``_sliding_hit``); the others stay
+        the null block. Empty without a sliding group."""
+        if len(self.groups) == 1:
+            return range(end, end)
+        window = self.groups[1].window
+        return range(max(first, _num_out_of_window(window, end * self.block_size, self.block_size)), end)
 
-    def adopt_loaded(self, seq: Sequence, first: int, num_loaded: int) -> None:
-        """Blocks ``first .. first + num_loaded - 1`` of ``seq`` now hold their tier's K/V (the
-        step about to run writes them before it computes): they count as computed and enter the
-        prefix cache. The blocks reserved after them, which the load could not fill, go back."""
-        unfilled = seq.block_ids[first + num_loaded:]
-        if unfilled:
-            self.pool.free(unfilled)
-            del seq.block_ids[first + num_loaded:]
-        for i in range(first, first + num_loaded):
-            self.pool.cache_full_block(seq.block_ids[i], seq.block_hashes[i])
-        seq.num_computed_tokens = (first + num_loaded) * self.block_size
-        seq.num_committed_blocks = first + num_loaded
+    def reserve_for_load(self, seq: Sequence, held: int, sliding_held: list[bool] | None = None) -> int:
+        """Append fresh blocks to ``seq``'s tables for the longest load of at most ``held``
+        blocks after those it holds (which an offload tier holds) that the pools have free blocks
+        for and, with a sliding group, whose ``sliding_to_load`` blocks the tiers hold too
+        (``sliding_held``: per block after those ``seq`` holds); returns its block count, 0
+        when there is none (then its prompt is computed instead)."""
+        first = len(seq.block_ids)
+        for num_blocks in range(min(held, self.pool.num_free_blocks), 0, -1):
+            sliding = self.sliding_to_load(first, first + num_blocks)
+            if sliding and (len(sliding) > self.groups[1].pool.num_free_blocks
+                            or not all(sliding_held[i - first] for i in sliding)):
+                continue
+            seq.block_ids.extend(self.pool.allocate(num_blocks))
+            if len(self.groups) > 1:  # (a null run inside the table while loading: ``adopt_loaded`` ends it)
+                seq.sliding_block_ids.extend([NULL_BLOCK] * (sliding.start - first)
+                                             + self.groups[1].pool.allocate(len(sliding)))
+            return num_blocks
+        return 0
+
+    def adopt_loaded(self, seq: Sequence, first: int, num_loaded: int, num_sliding_loaded: int = 0) -> int:
+        """A load into the blocks ``reserve_for_load`` appended after block ``first`` ended with
+        the full group's first ``num_loaded`` blocks and the leading ``num_sliding_loaded`` of
+        its ``sliding_to_load`` blocks; returns how many blocks after ``first`` now hold their
+        tier's K/V in every group (the step about to run writes them before it computes): the
+        most whose sliding blocks arrived, maybe none. They count as computed and enter the prefix
+        cache; the blocks reserved beyond them go back, and so do the sliding group's blocks
+        before the window of the query after them (released entries lead its table again)."""
+        reserved = self.sliding_to_load(first, len(seq.block_ids))
+        arrived = range(reserved.start, reserved.start + num_sliding_loaded)
+        end = first + num_loaded
+        while end > first and not _within(self.sliding_to_load(first, end), arrived):
+            end -= 1
+        for g, (group, table) in enumerate(zip(self.groups, self._tables(seq))):
+            # (the first group releases behind its window, if it has one, as the sequence is admitted)
+            keep = _num_out_of_window(group.window, end * self.block_size, self.block_size) if g else 0
+            unneeded = [b for b in table[:keep] + table[end:] if b != NULL_BLOCK]
+            if unneeded:
+                group.pool.free(unneeded)
+            table[:] = [NULL_BLOCK] * min(keep, end) + table[keep:end]
+            for i in range(max(first, keep), end):
+                group.pool.cache_full_block(table[i], seq.block_hashes[i])
+        seq.num_computed_tokens = end * self.block_size
+        seq.num_committed_blocks = end
+        return end - first
 
     # -- growth -----------------------------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, group: int = 0) -> int:
@@ -285,6 +318,11 @@ class BlockManager:
             return []
         copies, self.groups[group].copies = self.groups[group].copies, []
         return copies
+
+
+def _within(inner: range, outer: range) -> bool:
+    """Whether every index of ``inner`` is in ``outer`` (an empty ``inner`` always is)."""
+    return not inner or (inner.start >= outer.start and inner.stop <= outer.stop)
 
 
 def _num_out_of_window(window: int | None, first_position: int, block_size: int) -> int:

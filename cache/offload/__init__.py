@@ -8,10 +8,10 @@ from raylm.cache.offload.config import KVOffloadConfig
 from raylm.cache.offload.connector import KVConnector
 from raylm.cache.offload.disk_tier import DiskTier
 from raylm.cache.offload.host_tier import HostTier
-from raylm.cache.offload.identity import namespace, tier_key, tier_keys
+from raylm.cache.offload.identity import group_namespace, namespace, tier_key, tier_keys
 from raylm.cache.offload.tier import TIER_NAMES, KVTier, TierKey, TierStats
 
 __all__ = [
     "TIER_NAMES", "BlockLayout", "DiskTier", "HostTier", "KVConnector", "KVOffloadConfig", "KVTier", "TierKey",
-    "TierStats", "namespace", "tier_key", "tier_keys",
+    "TierStats", "group_namespace", "namespace", "tier_key", "tier_keys",
 ]

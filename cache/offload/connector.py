@@ -9,6 +9,11 @@ pool before it computes. A load returns the leading run of blocks it could read:
 lost, late or corrupt ends the run there, and the rest is computed. Nothing here raises into a
 request.
 
+A model whose sliding-window layers keep a KV group of their own (``BlockManager``) publishes
+each group's blocks under keys of their own (``identity.group_namespace``) with payloads of
+their own size; a load of such a model reads the sliding group's blocks that its end needs, then
+the full group's, as one run.
+
 After each step the engine ``publish``es the blocks that became full: the host tier takes them
 at once (a copy in memory); the disk and cluster tiers on the publisher thread, behind a bounded
 backlog that drops rather than slows the step.
@@ -26,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from raylm.cache.offload.identity import tier_keys
+from raylm.cache.offload.identity import group_namespace, tier_keys
 from raylm.cache.offload.tier import KVTier, TierKey, TierStats
 
 logger = logging.getLogger(__name__)
@@ -38,19 +43,24 @@ SHARED_TIERS = ("cluster",)  # tiers every replica of the deployment can load fr
 
 class KVConnector:
     """Tiers in load order (nearest first) behind one interface, for one namespace of blocks of
-    ``block_nbytes`` bytes each."""
+    ``block_nbytes`` bytes each; ``sliding_nbytes``: the bytes of a block of the sliding layers'
+    KV group (group 1), for a model that keeps one."""
 
-    def __init__(self, tiers: Sequence[KVTier], space: bytes, block_nbytes: int):
+    def __init__(self, tiers: Sequence[KVTier], space: bytes, block_nbytes: int, sliding_nbytes: int | None = None):
         if not tiers:
             raise ValueError("a KV connector needs at least one tier")
         self.tiers = list(tiers)
         self.space = space
         self.block_nbytes = block_nbytes
+        self._groups = [(space, block_nbytes)]  # each KV group's (namespace, payload bytes)
+        if sliding_nbytes is not None:
+            self._groups.append((group_namespace(space, 1), sliding_nbytes))
         self._host = next((t for t in self.tiers if t.name == "host"), None)
         self._remote = [t for t in self.tiers if t is not self._host]  # written on the publisher thread
         self._tickets = itertools.count(1)
         self._loads: dict[int, Future] = {}
-        self._hashes: dict[int, list[int]] = {}  # the block hashes of each load in flight
+        # Each load in flight's full-group block hashes, and how many sliding-group payloads lead its run.
+        self._hashes: dict[int, tuple[list[int], int]] = {}
         self._done: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-load")
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-publish")
@@ -63,9 +73,13 @@ class KVConnector:
             OrderedDict() if any(t.name in SHARED_TIERS for t in self.tiers) else None
 
     # -- loading --------------------------------------------------------------------------------------
-    def lookup(self, block_hashes: Sequence[int]) -> int:
-        """How many of ``block_hashes``, from the first, some tier holds (from memory: no I/O)."""
-        keys = tier_keys(self.space, block_hashes)
+    def _keys(self, block_hashes: Sequence[int], group: int) -> list[TierKey]:
+        return tier_keys(self._groups[group][0], block_hashes)
+
+    def lookup(self, block_hashes: Sequence[int], group: int = 0) -> int:
+        """How many of ``block_hashes`` (of KV group ``group``), from the first, some tier holds
+        (from memory: no I/O)."""
+        keys = self._keys(block_hashes, group)
         held = 0
         while held < len(keys):
             run = max(tier.contains(keys[held:]) for tier in self.tiers)
@@ -74,18 +88,26 @@ class KVConnector:
             held += run
         return held
 
-    def start_load(self, block_hashes: Sequence[int]) -> int:
-        """Begin reading the blocks of ``block_hashes``; returns the ticket ``poll`` reports it under."""
+    def held(self, block_hashes: Sequence[int], group: int = 0) -> list[bool]:
+        """Whether some tier holds each of ``block_hashes`` (of KV group ``group``), from memory."""
+        return [any(tier.contains([key]) for tier in self.tiers) for key in self._keys(block_hashes, group)]
+
+    def start_load(self, block_hashes: Sequence[int], sliding_hashes: Sequence[int] = ()) -> int:
+        """Begin reading the blocks of ``block_hashes``, after the sliding group's blocks of
+        ``sliding_hashes`` (their payloads lead the run ``poll`` gives); returns the ticket
+        ``poll`` reports it under."""
         ticket = next(self._tickets)
-        keys = tier_keys(self.space, block_hashes)
-        future = self._loader.submit(self._load, keys)
+        keys = (self._keys(sliding_hashes, 1) if sliding_hashes else []) + self._keys(block_hashes, 0)
+        sizes = [self._groups[-1][1]] * len(sliding_hashes) + [self.block_nbytes] * len(block_hashes)
+        future = self._loader.submit(self._load, keys, sizes)
         self._loads[ticket] = future
-        self._hashes[ticket] = list(block_hashes)
+        self._hashes[ticket] = (list(block_hashes), len(sliding_hashes))
         future.add_done_callback(lambda _: self._done.put(ticket))
         return ticket
 
     def poll(self) -> dict[int, list[np.ndarray]]:
-        """Finished loads by ticket: the leading run of payloads read (possibly none)."""
+        """Finished loads by ticket: the leading run of payloads read (possibly none), the
+        sliding group's first."""
         finished: dict[int, list[np.ndarray]] = {}
         while True:
             try:
@@ -93,7 +115,7 @@ class KVConnector:
             except queue.Empty:
                 return finished
             future = self._loads.pop(ticket, None)
-            hashes = self._hashes.pop(ticket, [])
+            hashes, num_sliding = self._hashes.pop(ticket, ([], 0))
             if future is None:
                 continue  # cancelled
             try:
@@ -101,7 +123,7 @@ class KVConnector:
             except Exception:  # a tier bug: the blocks are computed instead
                 logger.exception("a KV load failed; its blocks will be computed")
                 finished[ticket] = []
-            self._remember_shared(hashes[:len(finished[ticket])])
+            self._remember_shared(hashes[:max(0, len(finished[ticket]) - num_sliding)])
 
     def wait(self, timeout: float) -> None:
         """Block until some load finishes (or ``timeout`` seconds): for an engine with nothing
@@ -123,19 +145,19 @@ class KVConnector:
     def loads_in_flight(self) -> int:
         return len(self._loads)
 
-    def _load(self, keys: list[TierKey]) -> list[np.ndarray]:
-        """The leading run of ``keys`` readable from the tiers, each block from the nearest tier
-        that has it; blocks read from farther tiers are kept in the nearer ones too."""
+    def _load(self, keys: list[TierKey], sizes: list[int]) -> list[np.ndarray]:
+        """The leading run of ``keys`` (payloads of ``sizes`` bytes) readable from the tiers,
+        each block from the nearest tier that has it; blocks read from farther tiers are kept in
+        the nearer ones too."""
         loaded: list[np.ndarray] = []
         while len(loaded) < len(keys):
-            rest = keys[len(loaded):]
-            got = self._read_run(rest)
+            got = self._read_run(keys[len(loaded):], sizes[len(loaded):])
             if not got:
                 break
             loaded += got
         return loaded
 
-    def _read_run(self, keys: list[TierKey]) -> list[np.ndarray]:
+    def _read_run(self, keys: list[TierKey], sizes: list[int]) -> list[np.ndarray]:
         """Blocks from the start of ``keys`` out of the first tier that holds a run there."""
         for tier in self.tiers:
             run = tier.contains(keys)
@@ -143,8 +165,8 @@ class KVConnector:
                 continue
             payloads = tier.get(keys[:run])
             good = []
-            for payload in payloads:
-                if payload is None or payload.dtype != np.uint8 or payload.shape != (self.block_nbytes,):
+            for payload, size in zip(payloads, sizes):
+                if payload is None or payload.dtype != np.uint8 or payload.shape != (size,):
                     break
                 good.append(payload)
             if good:
@@ -164,21 +186,23 @@ class KVConnector:
             self._submit_remote(items, remote)
 
     # -- publishing -----------------------------------------------------------------------------------
-    def wants(self, block_hashes: Sequence[int]) -> list[bool]:
-        """Which blocks some tier does not hold yet (those are worth reading off the device)."""
-        keys = tier_keys(self.space, block_hashes)
-        return [any(tier.contains([key]) == 0 for tier in self.tiers) for key in keys]
+    def wants(self, block_hashes: Sequence[int], group: int = 0) -> list[bool]:
+        """Which blocks (of KV group ``group``) some tier does not hold yet (those are worth
+        reading off the device)."""
+        return [any(tier.contains([key]) == 0 for tier in self.tiers) for key in self._keys(block_hashes, group)]
 
-    def publish(self, block_hashes: Sequence[int], payloads: np.ndarray) -> None:
-        """Offer full blocks (``payloads`` ``[n, block_nbytes]`` uint8, one row per hash) to every tier."""
+    def publish(self, block_hashes: Sequence[int], payloads: np.ndarray, group: int = 0) -> None:
+        """Offer full blocks of KV group ``group`` (``payloads`` ``[n, bytes]`` uint8, one row
+        per hash) to every tier."""
         if not block_hashes:
             return
-        items = list(zip(tier_keys(self.space, block_hashes), payloads))
+        items = list(zip(self._keys(block_hashes, group), payloads))
         if self._host is not None:
             self._host.put(items)
         if not self._remote:
             return
-        self._remember_shared(block_hashes)
+        if group == 0:  # what routers learn: a prompt's full-group blocks
+            self._remember_shared(block_hashes)
         self._submit_remote(items, self._remote)
 
     def _submit_remote(self, items: list[tuple[TierKey, np.ndarray]], tiers: list[KVTier]) -> None:

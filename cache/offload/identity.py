@@ -28,6 +28,13 @@ def namespace(*parts: str) -> bytes:
     return h.digest()
 
 
+def group_namespace(space: bytes, group: int) -> bytes:
+    """The namespace of KV group ``group``'s blocks (a model whose sliding-window layers keep a
+    group of their own stores both groups' blocks under one block hash): group 0's is ``space``
+    itself, so a model with one group keeps its keys."""
+    return space if group == 0 else namespace(space.hex(), f"kv_group={group}")
+
+
 def tier_key(space: bytes, block_hash: int) -> TierKey:
     """The key of the block with chained hash ``block_hash`` in namespace ``space``."""
     return blake2b(space + block_hash.to_bytes(8, "little"), digest_size=KEY_BYTES).digest()

@@ -1,11 +1,14 @@
 """KV offload through the engine: blocks loaded from a tier instead of computed give the tokens
 the single-sequence reference computes, whatever the tier brings (all, part, nothing), and a
-request that ends while loading leaks no block."""
+request that ends while loading leaks no block; a model whose sliding layers keep a KV group of
+its own (Gemma 2) loads each group's blocks."""
 
 from __future__ import annotations
 
 import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -61,7 +64,8 @@ def _swap_tier(llm: LLM, tier) -> None:
     """Serve ``llm``'s loads and publishes from ``tier`` alone (a test double around a real tier)."""
     engine = llm.engine
     engine.kv_connector.close()
-    engine.kv_connector = KVConnector([tier], engine.kv_connector.space, engine.pool_blocks.layout.nbytes)
+    engine.kv_connector = KVConnector([tier], engine.kv_connector.space,
+                                      *(layout.nbytes for layout in engine.pool_blocks.layouts))
     engine.scheduler.loads = KVLoads(engine.kv_connector, engine.blocks)
 
 
@@ -197,10 +201,80 @@ def test_the_weights_fingerprint_tells_checkpoints_apart(tiny, tmp_path):
     assert weights_fingerprint(tiny.params) != weights_fingerprint(other.params)
 
 
-def test_models_that_keep_two_kv_groups_are_refused(tmp_path):
-    model = load_model(build_tiny_checkpoint("gemma2", tmp_path / "g")[0])
-    with pytest.raises(ValueError, match="engine.kv_offload"):
-        LLM(model, kv_offload=HOST)
+# A model whose sliding layers keep a KV group of their own (the tiny "gemma2": a 16-token
+# window), in blocks of 8 tokens: a load's end needs 2-3 sliding blocks.
+TWO_GROUPS = {"block_size": 8, "max_num_batched_tokens": 32, "max_model_len": 256}
+
+
+@pytest.fixture(scope="module")
+def two_groups(tmp_path_factory):
+    """(model, prompts of 1..100 tokens, two more on a shared 45-token prefix, and the greedy
+    tokens of the engine without offload)."""
+    rng = np.random.RandomState(7)
+    shared = rng.randint(3, 320, size=45).tolist()
+    prompts = [(shared if i % 2 else []) + rng.randint(3, 320, size=n).tolist() for i, n in enumerate([1, 40, 100, 17])]
+    model = load_model(build_tiny_checkpoint("gemma2", tmp_path_factory.mktemp("gemma2") / "m")[0])
+    return model, prompts, _run(LLM(model, **TWO_GROUPS), prompts)
+
+
+def _empty_pools(llm: LLM) -> None:
+    """Forget every cached block of both groups and zero the pools: a block not loaded (or
+    loaded wrong) cannot pass for one that was."""
+    engine = llm.engine
+    engine.pool.reset_prefix_cache()
+    engine.blocks.sliding.reset_prefix_cache()
+    engine.runner.kv = jax.tree.map(jnp.zeros_like, engine.runner.kv)
+
+
+def _assert_no_leak_in_either_group(llm: LLM) -> None:
+    _assert_no_leak(llm)
+    assert llm.engine.blocks.sliding.num_used_blocks == 0
+
+
+def test_a_model_with_two_kv_groups_loads_each_groups_blocks(two_groups):
+    model, prompts, expected = two_groups
+    llm = LLM(model, kv_offload=HOST, **TWO_GROUPS)
+    assert _run(llm, prompts) == expected
+    _empty_pools(llm)
+    hits = llm.engine.stats().pool.prefix_hits
+    assert _run(llm, prompts) == expected
+    loaded = llm.engine.scheduler.loads.num_loaded_tokens
+    # Every prompt's full blocks came from the tier (or from the pool, where another prompt
+    # loaded them); of the sliding group's, only the 2-3 each load's end reads.
+    assert loaded + llm.engine.stats().pool.prefix_hits - hits == _loadable_tokens(prompts, 8)
+    assert loaded >= _loadable_tokens(prompts, 8) - 6 * 8 * (len(prompts) - 1)
+    (host,) = llm.engine.stats().kv_offload
+    sliding_read = host.hits - loaded // 8
+    assert 0 < sliding_read <= 3 * len(prompts) and host.misses == 0
+    _assert_no_leak_in_either_group(llm)
+
+
+def test_a_two_group_load_that_brings_part_of_the_blocks_computes_the_rest(two_groups):
+    """A tier that lost a third of both groups' blocks (it reads them and gets nothing): a load
+    ends before any block whose end's sliding blocks did not arrive, here mostly bringing
+    nothing; the tokens stay the same."""
+    model, prompts, expected = two_groups
+    llm = LLM(model, kv_offload=HOST, **TWO_GROUPS)
+    _swap_tier(llm, _Flaky(HostTier(256 << 20)))
+    assert _run(llm, prompts) == expected
+    _empty_pools(llm)
+    assert _run(llm, prompts) == expected
+    (host,) = llm.engine.stats().kv_offload
+    assert host.hits > 0 and llm.engine.scheduler.loads.num_loaded_tokens < _loadable_tokens(prompts, 8)
+    _assert_no_leak_in_either_group(llm)
+
+
+def test_a_restarted_two_group_replica_loads_from_the_disk_tier(two_groups, tmp_path):
+    model, prompts, expected = two_groups
+    disk = {"disk_path": str(tmp_path / "kv"), "disk_bytes": 64 << 20}
+    first = LLM(model, kv_offload=disk, **TWO_GROUPS)
+    assert _run(first, prompts) == expected
+    first.engine.flush_kv_publish(30)
+    first.engine.close()
+    restarted = LLM(model, kv_offload=disk, **TWO_GROUPS)
+    assert _run(restarted, prompts) == expected
+    assert restarted.engine.scheduler.loads.num_loaded_tokens >= _loadable_tokens(prompts, 8) // 2
+    _assert_no_leak_in_either_group(restarted)
 
 
 def test_offload_settings_are_checked():

@@ -6,6 +6,11 @@ reads them; other sequences keep stepping. When the load ends, the blocks that a
 computed (and enter the prefix cache), the ones that did not go back to the pool, and the
 sequence returns to the waiting queue with only the rest of its prompt to compute. The payloads
 travel to the runner in the next step's plan, which writes them into the pool before computing.
+
+A model whose sliding-window layers keep a KV group of their own loads, besides the full
+group's blocks, the sliding group's blocks that the window after the load's end reads, as the
+pool's prefix cache needs for a hit (``BlockManager.sliding_to_load``): a load ends only where
+the tiers hold both.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ class KVLoads:
     def __init__(self, connector: KVConnector, blocks: BlockManager):
         self.connector = connector
         self.blocks = blocks
-        self._loading: dict[int, tuple[Sequence, int]] = {}  # ticket -> (sequence, its first loaded block)
+        # ticket -> (sequence, its first loaded block, the sliding group's blocks leading the load's run)
+        self._loading: dict[int, tuple[Sequence, int, int]] = {}
         self._in_flight: dict[int, int] = {}  # block hash -> the ticket loading it
         self.num_loaded_tokens = 0  # prompt tokens loaded instead of computed, lifetime
         self.num_queried_tokens = 0  # prompt tokens looked up in the tiers (beyond the pool's hits), lifetime
@@ -52,41 +58,49 @@ class KVLoads:
         if not seq.kv_queried and seq.num_preemptions == 0:  # once per request, as the pool counts
             seq.kv_queried = True
             self.num_queried_tokens += len(wanted) * self.blocks.block_size
-        held = min(held, self.blocks.pool.num_free_blocks)
-        if not held or not self.blocks.reserve_for_load(seq, held):
+        sliding_held = self.connector.held(wanted[:held], group=1) if held and self.blocks.sliding is not None else None
+        held = self.blocks.reserve_for_load(seq, held, sliding_held) if held else 0
+        if not held:
             return COMPUTE
-        ticket = self.connector.start_load(wanted[:held])
-        self._loading[ticket] = (seq, first)
+        sliding = self.blocks.sliding_to_load(first, first + held)
+        ticket = self.connector.start_load(wanted[:held], [seq.block_hashes[i] for i in sliding])
+        self._loading[ticket] = (seq, first, len(sliding))
         self._in_flight.update(dict.fromkeys(wanted[:held], ticket))
         seq.status = SequenceStatus.LOADING
         return LOADING
 
-    def finish(self) -> tuple[list[Sequence], list[tuple[int, Any]]]:
+    def finish(self) -> tuple[list[Sequence], list[tuple[int, Any]], list[tuple[int, Any]]]:
         """The sequences whose loads ended (their blocks adopted, status waiting), and the
-        (block id, payload) writes the next step must make before it computes."""
+        (block id, payload) writes the next step must make before it computes, into the full
+        group's pool and the sliding group's."""
         if not self._loading:
-            return [], []
-        ready, writes = [], []
+            return [], [], []
+        ready, writes, sliding_writes = [], [], []
         for ticket, payloads in self.connector.poll().items():
             entry = self._loading.pop(ticket, None)
             if entry is None:
                 continue
-            seq, first = entry
+            seq, first, num_sliding = entry
             self._forget(ticket)
-            seq.kv_load_fell_short = first + len(payloads) < len(seq.block_ids)
-            self.blocks.adopt_loaded(seq, first, len(payloads))
-            writes += zip(seq.block_ids[first:first + len(payloads)], payloads)
-            loaded = len(payloads) * self.blocks.block_size
+            reserved = len(seq.block_ids) - first
+            sliding_from = self.blocks.sliding_to_load(first, len(seq.block_ids)).start
+            arrived = payloads[num_sliding:]
+            num_loaded = self.blocks.adopt_loaded(seq, first, len(arrived), len(payloads[:num_sliding]))
+            seq.kv_load_fell_short = num_loaded < reserved
+            writes += zip(seq.block_ids[first:first + num_loaded], arrived)
+            sliding_writes += [(seq.sliding_block_ids[i], payloads[i - sliding_from])
+                               for i in self.blocks.sliding_to_load(first, first + num_loaded)]
+            loaded = num_loaded * self.blocks.block_size
             self.num_loaded_tokens += loaded
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens += loaded
             seq.status = SequenceStatus.WAITING
             ready.append(seq)
-        return ready, writes
+        return ready, writes, sliding_writes
 
     def cancel(self, seq: Sequence) -> None:
         """Forget ``seq``'s load (it ended); the caller frees its blocks."""
-        for ticket, (loading, _) in list(self._loading.items()):
+        for ticket, (loading, *_) in list(self._loading.items()):
             if loading is seq:
                 del self._loading[ticket]
                 self._forget(ticket)

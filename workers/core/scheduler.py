@@ -220,7 +220,7 @@ class Scheduler:
         prefills: list[ScheduledChunk] = []
         decodes: list[ScheduledDecode] = []
         preempted: list[Sequence] = []
-        kv_writes = self._finish_loads()
+        kv_writes, sliding_kv_writes = self._finish_loads()
         if self._by_priority:
             self._make_room_for_higher_priority(preempted)
         any_prefill = any(s.runs_as_chunk for s in self.running) or self._may_admit()
@@ -306,7 +306,7 @@ class Scheduler:
             steps = 1
         loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
         return SchedulerOutput(prefills, decodes, steps, self.blocks.take_copies(), loads,
-                               self.blocks.take_copies(1), kv_writes)
+                               self.blocks.take_copies(1), kv_writes, sliding_kv_writes)
 
     def use_kv_offload(self, connector: KVConnector) -> None:  # sequences then load what the tiers hold
         self.loads = KVLoads(connector, self.blocks)
@@ -327,13 +327,14 @@ class Scheduler:
                 self._count_first_admission(seq, lookup)
         self._release_lora(seq)
 
-    def _finish_loads(self) -> list[tuple[int, object]]:
-        """Sequences whose loads ended rejoin the waiting queue; returns the step's block writes."""
+    def _finish_loads(self) -> tuple[list[tuple[int, object]], list[tuple[int, object]]]:
+        """Sequences whose loads ended rejoin the waiting queue; returns the step's block writes
+        (the full group's, the sliding group's)."""
         if self.loads is None:
-            return []
-        ready, writes = self.loads.finish()
+            return [], []
+        ready, writes, sliding_writes = self.loads.finish()
         self.waiting += ready
-        return writes
+        return writes, sliding_writes
 
     def _acquire_lora(self, seq: Sequence) -> bool:
         """Give ``seq`` its adapter's device slot (loaded with this step if it is not resident);

@@ -83,6 +83,7 @@ class SchedulerOutput:
     # (block id, payload) blocks loaded from KV offload tiers, which the engine writes into the
     # pool before the step computes, even a step with nothing else to do (cache/offload/block_layout.py)
     kv_writes: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
+    sliding_kv_writes: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # the sliding group's
 
     @property
     def empty(self) -> bool:

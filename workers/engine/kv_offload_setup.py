@@ -65,8 +65,11 @@ def make_tiers(config: KVOffloadConfig) -> list[KVTier]:
 def make_connector(config: KVOffloadConfig, blocks: PoolBlocks, cache_salt: str, params: Any,
                    num_devices: int, cpu_kernels: bool) -> KVConnector:
     """The connector of a replica whose pools ``blocks`` reads and writes."""
+    # (a model whose sliding layers keep a KV group of their own: both groups' layouts; the
+    # connector keys the sliding group's blocks apart)
+    layout = "|sliding=".join(layout.signature for layout in blocks.layouts)
     space = namespace(
-        cache_salt, f"weights={weights_fingerprint(params)}", f"layout={blocks.layout.signature}",
+        cache_salt, f"weights={weights_fingerprint(params)}", f"layout={layout}",
         f"block_size={blocks.runner.block_size}", f"devices={num_devices}", f"cpu_kernels={cpu_kernels}",
     )
-    return KVConnector(make_tiers(config), space, blocks.layout.nbytes)
+    return KVConnector(make_tiers(config), space, *(layout.nbytes for layout in blocks.layouts))

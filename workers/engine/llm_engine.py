@@ -299,6 +299,8 @@ class LLMEngine:
             plan = self.scheduler.schedule(*micro_batch_bounds(self.scheduler, self.in_flight, self.runner.max_in_flight))
             if plan.kv_writes:
                 self.pool_blocks.write(plan.kv_writes)
+            if plan.sliding_kv_writes:
+                self.pool_blocks.write(plan.sliding_kv_writes, group=1)
             if plan.empty:
                 break
             self.in_flight.append((plan, self.runner.submit(plan), time.monotonic()))
@@ -329,11 +331,12 @@ class LLMEngine:
         """Offer the blocks this step filled to the offload tiers, read before the next step can
         reuse them (a finished sequence's blocks are free, but unchanged until reallocated)."""
         committed = self.blocks.take_committed()
-        if not committed:
-            return
-        wanted = [pair for pair, new in zip(committed, self.kv_connector.wants([h for _, h in committed])) if new]
-        if wanted:
-            self.kv_connector.publish([h for _, h in wanted], self.pool_blocks.read([b for b, _ in wanted]))
+        for group in range(self.pool_blocks.num_groups) if committed else ():
+            pairs = [(block, h) for g, block, h in committed if g == group]
+            wanted = [pair for pair, new in zip(pairs, self.kv_connector.wants([h for _, h in pairs], group)) if new]
+            if wanted:
+                self.kv_connector.publish([h for _, h in wanted], self.pool_blocks.read([b for b, _ in wanted], group),
+                                          group)
 
     def flush_kv_publish(self, timeout: float) -> None:
         """Wait until every block published so far is in every offload tier (thread-safe: touches

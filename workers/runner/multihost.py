@@ -73,7 +73,7 @@ def follower_plan(plan: SchedulerOutput) -> SchedulerOutput:
         if row.host_before_each_token:
             raise ValueError(f"request {row.request_id!r}: structured output and logits processors are not "
                              "supported on a mesh over several hosts")
-    if plan.lora_loads or plan.kv_writes:
+    if plan.lora_loads or plan.kv_writes or plan.sliding_kv_writes:
         raise ValueError("LoRA adapters and KV offload are not supported on a mesh over several hosts")
     return dataclasses.replace(plan, prefills=[dataclasses.replace(c, row=_lean(c.row)) for c in plan.prefills],
                                decodes=[dataclasses.replace(d, row=_lean(d.row)) for d in plan.decodes])

@@ -3,7 +3,8 @@
 The engine publishes each block that became full to the offload tiers (``read``) and writes
 blocks loaded from them back before a step computes (``write``). A block is ``[:, b]`` of every
 pool array: K and V (or MLA's latents), an 8-bit pool's scales, a draft model's K and V under the
-same block tables; ``cache.offload.BlockLayout`` lays those slices out as one flat payload.
+same block tables; ``cache.offload.BlockLayout`` lays those slices out as one flat payload. A
+model whose sliding-window layers keep a KV group of their own has a payload per group.
 
 On one CPU device the pools are host memory already: reads copy each block's slices straight
 from NumPy views into the payloads (XLA's CPU gather is tens of times slower at this). Otherwise
@@ -60,56 +61,72 @@ def _scatter(arrays: list[jax.Array], block_ids: jax.Array, blocks: list[jax.Arr
 
 
 class PoolBlocks:
-    """Reads and writes blocks of ``runner``'s pools (the target's, and a draft model's)."""
+    """Reads and writes blocks of ``runner``'s pools (the target's, and a draft model's), per KV
+    group: a model whose sliding-window layers keep a group of their own (``GroupedKV``) has
+    blocks of each, with layouts of their own (a draft model reads the full group's tables)."""
 
     def __init__(self, runner: ModelRunner):
-        if isinstance(runner.kv, GroupedKV):
-            raise ValueError("KV offload keeps one block table per sequence; a model that interleaves sliding-window "
-                             "(or chunked) and full-attention layers keeps two (Gemma 2/3, gpt-oss, Llama 4): serve "
-                             "it without engine.kv_offload")
         self.runner = runner
-        arrays, self._treedef = jax.tree.flatten(self._pools())
-        self.layout = BlockLayout.of(arrays)
-        self._host_views = all(len(a.devices()) == 1 and next(iter(a.devices())).platform == "cpu" for a in arrays)
-        self._scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=[array.sharding for array in arrays])
+        self.num_groups = 2 if isinstance(runner.kv, GroupedKV) else 1
+        self._treedefs, self.layouts, self._scatters, devices = [], [], [], []
+        for group in range(self.num_groups):
+            arrays, treedef = jax.tree.flatten(self._pools(group))
+            self._treedefs.append(treedef)
+            self.layouts.append(BlockLayout.of(arrays))
+            self._scatters.append(jax.jit(_scatter, donate_argnums=0, out_shardings=[a.sharding for a in arrays]))
+            devices += [a.devices() for a in arrays]
+        self.layout = self.layouts[0]  # the full group's (the only one of most models)
+        self._host_views = all(len(d) == 1 and next(iter(d)).platform == "cpu" for d in devices)
 
-    def _pools(self) -> tuple[Any, Any]:
-        draft = self.runner.draft
-        return self.runner.kv, draft.kv if draft is not None else None
+    def _pools(self, group: int) -> tuple[Any, ...]:
+        """KV group ``group``'s pools: the full group's with the draft model's, or the sliding group's."""
+        kv, draft = self.runner.kv, self.runner.draft
+        if group == 1:
+            return (kv.sliding,)
+        return kv.full if self.num_groups > 1 else kv, draft.kv if draft is not None else None
 
-    def read(self, block_ids: Sequence[int]) -> np.ndarray:
-        """The payloads ``[n, layout.nbytes]`` (uint8) of ``block_ids``, as the pools hold them now."""
-        arrays = jax.tree.leaves(self._pools())
+    def read(self, block_ids: Sequence[int], group: int = 0) -> np.ndarray:
+        """The payloads ``[n, layouts[group].nbytes]`` (uint8) of KV group ``group``'s blocks
+        ``block_ids``, as the pools hold them now."""
+        arrays, layout = jax.tree.leaves(self._pools(group)), self.layouts[group]
         if self._host_views:  # the views are dropped before the next step donates the pools
-            return self.layout.encode([np.asarray(a) for a in arrays], block_ids)
+            return layout.encode([np.asarray(a) for a in arrays], block_ids)
         out = []
         for start in range(0, len(block_ids), MAX_BLOCKS_PER_CALL):
             part = block_ids[start:start + MAX_BLOCKS_PER_CALL]
-            out.append(np.asarray(_gather(arrays, _padded_ids(part), layout=self.layout))[:len(part)])
+            out.append(np.asarray(_gather(arrays, _padded_ids(part), layout=layout))[:len(part)])
         return np.concatenate(out) if len(out) > 1 else out[0]
 
-    def write(self, writes: Sequence[tuple[int, np.ndarray]]) -> None:
-        """Put each (block id, payload) into the pools."""
+    def write(self, writes: Sequence[tuple[int, np.ndarray]], group: int = 0) -> None:
+        """Put each (block id, payload) into KV group ``group``'s pools."""
+        layout = self.layouts[group]
         for start in range(0, len(writes), MAX_BLOCKS_PER_CALL):
             part = writes[start:start + MAX_BLOCKS_PER_CALL]
             ids = _padded_ids([block_id for block_id, _ in part])
-            payloads = np.zeros((len(ids), self.layout.nbytes), np.uint8)
+            payloads = np.zeros((len(ids), layout.nbytes), np.uint8)
             for row, (_, payload) in enumerate(part):
                 payloads[row] = payload
-            self._set(self._scatter(jax.tree.leaves(self._pools()), ids, self.layout.decode(payloads)))
+            arrays = self._scatters[group](jax.tree.leaves(self._pools(group)), ids, layout.decode(payloads))
+            self._set(group, arrays)
 
     def warm_up(self) -> None:
         """Compile the programs for every block count (reading and rewriting the null block)."""
-        n = 1
-        while n <= MAX_BLOCKS_PER_CALL:
-            self.write([(0, payload) for payload in self.read([0] * n)])
-            n *= 2
+        for group in range(self.num_groups):
+            n = 1
+            while n <= MAX_BLOCKS_PER_CALL:
+                self.write([(0, payload) for payload in self.read([0] * n, group)], group)
+                n *= 2
 
-    def _set(self, arrays: list[jax.Array]) -> None:
-        kv, draft_kv = jax.tree.unflatten(self._treedef, arrays)
-        self.runner.kv = kv
+    def _set(self, group: int, arrays: list[jax.Array]) -> None:
+        runner = self.runner
+        if group == 1:
+            (sliding,) = jax.tree.unflatten(self._treedefs[1], arrays)
+            runner.kv = runner.kv._replace(sliding=sliding)
+            return
+        kv, draft_kv = jax.tree.unflatten(self._treedefs[0], arrays)
+        runner.kv = runner.kv._replace(full=kv) if self.num_groups > 1 else kv
         if draft_kv is not None:
-            self.runner.draft.kv = draft_kv
+            runner.draft.kv = draft_kv
 
 
 def _padded_ids(block_ids: Sequence[int]) -> np.ndarray:
