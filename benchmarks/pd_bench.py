@@ -49,10 +49,8 @@ FULL_ENGINE = {"kv_cache_memory_bytes": 2 << 30}
 # seconds of traffic.
 SMOKE = PDWorkload(streams=4, stream_prompt_tokens=8, stream_max_tokens=1000, long_prompt_tokens=48,
                    long_output_tokens=4, interval_s=0.5, duration_s=2.0, settle_s=0.5, token_range=(3, 300))
-# Its programs compile as traffic first needs them (no warm-up): a smoke run checks that the script
-# runs, not its timings, and compiling every bucket of four replicas was most of its minute.
 SMOKE_ENGINE = {"block_size": 16, "num_kv_blocks": 384, "max_num_seqs": 8, "max_num_batched_tokens": 64,
-                "max_model_len": 1024, "warmup": False}
+                "max_model_len": 1024}
 
 
 def deploy_configs(model: str | None, engine: dict[str, Any], cluster_bytes: int) -> dict[str, dict[str, Any]]:
