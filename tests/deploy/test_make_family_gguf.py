@@ -6,13 +6,22 @@ from __future__ import annotations
 import gguf
 import pytest
 
-from raylm.benchmarks.make_family_gguf import V2_LITE_YARN, write_family_gguf
+from raylm.benchmarks.make_family_gguf import (
+    GPT_OSS_20B_CONTEXT,
+    GPT_OSS_20B_WINDOW,
+    GPT_OSS_20B_YARN,
+    V2_LITE_YARN,
+    write_family_gguf,
+)
 from raylm.model.config.latent_attention import LatentAttention
 from raylm.model.loaders.gguf_file import GGUFFile
 from raylm.model.loaders.load import load_model
 from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.llm import LLM
-from tests.gguf_export import _write_deepseek2
+from tests.checkpoints import build_tiny_checkpoint
+from tests.gguf_export import _write_deepseek2, export_gguf
+
+T = gguf.GGMLQuantizationType
 
 
 def _vocab(path) -> None:
@@ -86,6 +95,51 @@ def test_deepseek2_file_states_what_the_converter_writes_and_serves(tmp_path):
     assert config.moe.deepseek.scoring == "softmax" and not config.moe.norm_topk_prob
     assert config.intermediate_size == 128 and config.rope_scaling.factor == 40.0
     assert config.rope_scaling.mscale_all_dim == pytest.approx(0.707)
+    assert type(model.params.layers[1].w_experts_down).__name__ == "GgufBlocks"
+    llm = LLM(model, max_model_len=32, num_kv_blocks=8, max_num_seqs=1, warmup=False)
+    [output] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0,
+                                                                             ignore_eos=True))
+    assert len(output.outputs[0].token_ids) == 3
+
+
+def _released_gpt_oss_types(name: str) -> gguf.GGMLQuantizationType:
+    """The types of llama.cpp's released gpt-oss files (export_gguf writes vectors F32 anyway)."""
+    if name.endswith("_exps.weight"):
+        return T.MXFP4
+    return T.Q8_0 if name.endswith(".weight") and "ffn_gate_inp" not in name else T.F32
+
+
+def test_gpt_oss_file_is_the_converters_layout_and_serves(tmp_path):
+    """gpt-oss-20b's layout at tiny sizes: every tensor's name, shape and type, and the keys, as
+    tests/gguf_export.py (the converter's GptOssModel) writes a tiny gpt-oss checkpoint of the same
+    sizes with gpt-oss-20b's window and YaRN (MXFP4 experts, Q8_0 matrices, F32 router as the
+    released files hold them); raylm reads its sinks, windows, biased experts and YaRN; the engine
+    generates."""
+    _vocab(tmp_path / "vocab.gguf")
+    out = write_family_gguf(tmp_path / "oss.gguf", tmp_path / "vocab.gguf", "gpt-oss", "Q8_0", layers=2, hidden=64,
+                            ffn=32, heads=4, kv_heads=2, head_dim=64, experts=4, top_k=2)
+    directory, _ = build_tiny_checkpoint(
+        "gpt-oss", tmp_path / "hf", num_hidden_layers=2, vocab_size=256, sliding_window=GPT_OSS_20B_WINDOW,
+        max_position_embeddings=GPT_OSS_20B_CONTEXT, rope_parameters={**GPT_OSS_20B_YARN, "truncate": False})
+    released = export_gguf(directory, tmp_path / "converted.gguf", _released_gpt_oss_types)
+
+    def layout(path):
+        return {t.name: (tuple(t.shape), t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors}
+
+    assert layout(out) == layout(released)
+    expected = {k: v for k, v in GGUFFile(released).fields.items() if k.startswith("gpt-oss.")}
+    fields = GGUFFile(out).fields
+    assert {k: fields.get(k) for k in expected} == pytest.approx(expected)
+    # (the converter writes the betas too; the test exporter leaves them out)
+    assert (fields["gpt-oss.rope.scaling.yarn_beta_fast"], fields["gpt-oss.rope.scaling.yarn_beta_slow"]) == (32, 1)
+
+    model = load_model(out, keep_blocks=True)
+    config = model.config
+    assert config.attention_sinks and config.o_proj_bias and config.attention_bias
+    assert config.layer_windows == (GPT_OSS_20B_WINDOW, None) and not config.tie_word_embeddings
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.expert_size) == (4, 2, 32)
+    assert config.moe.router_bias and config.moe.expert_bias and config.moe.clamped_swiglu is not None
+    assert config.rope_scaling.factor == 32.0 and config.rope_theta == 150000.0
     assert type(model.params.layers[1].w_experts_down).__name__ == "GgufBlocks"
     llm = LLM(model, max_model_len=32, num_kv_blocks=8, max_num_seqs=1, warmup=False)
     [output] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0,
