@@ -67,9 +67,9 @@ def make_connector(config: KVOffloadConfig, blocks: PoolBlocks, cache_salt: str,
     """The connector of a replica whose pools ``blocks`` reads and writes."""
     # (a model whose sliding layers keep a KV group of their own: both groups' layouts; the
     # connector keys the sliding group's blocks apart)
-    layout = "|sliding=".join(layout.signature for layout in blocks.layouts)
+    signature = "|sliding=".join(layout.signature for layout in blocks.layouts)
     space = namespace(
-        cache_salt, f"weights={weights_fingerprint(params)}", f"layout={layout}",
+        cache_salt, f"weights={weights_fingerprint(params)}", f"layout={signature}",
         f"block_size={blocks.runner.block_size}", f"devices={num_devices}", f"cpu_kernels={cpu_kernels}",
     )
     return KVConnector(make_tiers(config), space, *(layout.nbytes for layout in blocks.layouts))
