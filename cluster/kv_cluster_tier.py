@@ -63,7 +63,14 @@ class ClusterTier:
 
     # -- the directory -----------------------------------------------------------------------------------
     def _connect(self) -> ray.actor.ActorHandle | None:
-        """The directory's handle; found or started again when lost, at most every RECONNECT_S."""
+        """The directory's handle; found or started again when lost, at most every RECONNECT_S.
+        None once this process has left Ray (``ray.shutdown``): a call through a handle then would
+        start a new local Ray cluster of its own (Ray's auto-init), not reach the old one."""
+        if not ray.is_initialized():
+            with self._lock:  # its blocks are out of reach: forget them
+                self._directory, self._incarnation = None, None
+                self._keys.clear()
+            return None
         with self._lock:
             if self._directory is not None:
                 return self._directory

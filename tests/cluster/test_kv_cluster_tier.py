@@ -136,6 +136,38 @@ def test_mirror_follows_the_directory(make_tier):
     assert follower.contains(keys(3)) == 3
 
 
+_LEAVES_RAY = """
+import sys, time
+import numpy as np
+import ray
+from raylm.cluster.kv_cluster_tier import ClusterTier
+ray.init(address=sys.argv[1], log_to_driver=False)
+tier = ClusterTier(1 << 24, directory_name=sys.argv[2], sync_period_s=0.05)
+key = bytes(32)
+tier.put([(key, np.zeros(16, np.uint8))])
+assert tier.contains([key]) == 1
+ray.shutdown()
+time.sleep(0.5)  # ten periods of the mirror's sync
+assert not tier.refresh(timeout=5) and tier.get([key]) == [None] and tier.contains([key]) == 0
+tier.put([(key, np.zeros(16, np.uint8))])
+assert not ray.is_initialized(), "the tier started a Ray cluster of its own"
+tier.close()
+print("left quietly")
+"""
+
+
+def test_a_tier_whose_process_left_ray_misses_and_starts_no_cluster(ray_cluster, directory_name):
+    """An engine not closed before ``ray.shutdown`` (an offline ``LLM``, a test): its tier's calls
+    would each start a new local Ray cluster (Ray's auto-init) in that process; they miss instead."""
+    import subprocess
+    import sys
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    run = subprocess.run([sys.executable, "-c", _LEAVES_RAY, address, directory_name], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "RAY_ENABLE_AUTO_CONNECT": "1"})
+    assert run.returncode == 0 and "left quietly" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+
+
 def test_directory_evicts_least_recently_used_by_bytes(ray_cluster, directory_name, make_tier):
     small = make_tier(blocks=2)
     tier = make_tier(blocks=3)  # the directory holds the largest capacity asked for

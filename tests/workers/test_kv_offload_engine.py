@@ -315,53 +315,54 @@ def test_a_restarted_replica_loads_from_the_disk_tier(tiny, workload, tmp_path):
 def test_a_replica_loads_what_another_computed_through_the_cluster_tier(tiny, workload, serve_cluster):
     prompts, expected = workload
     cluster = {"cluster_bytes": 128 << 20, "host_bytes": 64 << 20}
-    a, b = LLM(tiny, kv_offload=cluster), LLM(tiny, kv_offload=cluster)
-    assert _run(a, prompts) == expected
-    a.engine.flush_kv_publish(30)
-    b.engine.refresh_kv_tiers(30)
-    assert _run(b, prompts) == expected
-    assert b.engine.stats().prompt_tokens < a.engine.stats().prompt_tokens
-    tiers = {t.tier: t for t in b.engine.stats().kv_offload}
-    assert tiers["cluster"].hits > 0 and tiers["host"].stored > 0
-    _assert_no_leak(b)
-    # What each tells routers the cluster tier holds: every full block of every prompt.
-    full_blocks = {h for p in prompts for h in block_hashes(p[:len(p) - 1], 16, a.engine.blocks.salt)}
-    assert set(a.engine.kv_connector.shared_hashes(10**6)) >= full_blocks
-    assert set(b.engine.kv_connector.shared_hashes(10**6)) & full_blocks
+    with LLM(tiny, kv_offload=cluster) as a, LLM(tiny, kv_offload=cluster) as b:
+        assert _run(a, prompts) == expected
+        a.engine.flush_kv_publish(30)
+        b.engine.refresh_kv_tiers(30)
+        assert _run(b, prompts) == expected
+        assert b.engine.stats().prompt_tokens < a.engine.stats().prompt_tokens
+        tiers = {t.tier: t for t in b.engine.stats().kv_offload}
+        assert tiers["cluster"].hits > 0 and tiers["host"].stored > 0
+        _assert_no_leak(b)
+        # What each tells routers the cluster tier holds: every full block of every prompt.
+        full_blocks = {h for p in prompts for h in block_hashes(p[:len(p) - 1], 16, a.engine.blocks.salt)}
+        assert set(a.engine.kv_connector.shared_hashes(10**6)) >= full_blocks
+        assert set(b.engine.kv_connector.shared_hashes(10**6)) & full_blocks
 
 
 def test_every_tier_on_and_each_in_turn_the_one_loads_come_from(tiny, workload, tmp_path, serve_cluster):
     """Host, disk and cluster tiers at once; the pool emptied, then the nearer tiers emptied one
     by one, so the prefixes come from the host tier, then the disk, then the cluster."""
     prompts, expected = workload
-    llm = LLM(tiny, kv_offload={"host_bytes": 64 << 20, "disk_path": str(tmp_path / "kv"), "disk_bytes": 64 << 20,
-                                "cluster_bytes": 128 << 20})
-    assert _run(llm, prompts) == expected
-    llm.engine.flush_kv_publish(30)
-    tiers = {tier.name: tier for tier in llm.engine.kv_connector.tiers}
-
-    def hits() -> dict[str, int]:
-        return {stats.tier: stats.hits for stats in llm.engine.stats().kv_offload}
-
-    order = ("host", "disk", "cluster")
-    for source in order:
-        if source != "host":
-            tiers["host"].close()  # emptied
-        if source == "cluster":
-            for path in (tmp_path / "kv").rglob("*.kvb"):
-                path.unlink()  # the disk tier still lists them: its reads miss, and the cluster's follow
-        before = hits()
-        llm.engine.pool.reset_prefix_cache()
-        assert _run(llm, prompts) == expected, source
-        gained = {tier: n - before[tier] for tier, n in hits().items()}
-        # Farther tiers are not asked; nearer emptied ones serve only what this round put back
-        # into them (a block loaded from afar is kept in the host tier for the next prompt).
-        farther = order[order.index(source) + 1:]
-        assert gained[source] > 0 and all(gained[tier] == 0 for tier in farther), (source, gained)
-        if source == "cluster":
-            assert gained["disk"] == 0
+    tiers_on = {"host_bytes": 64 << 20, "disk_path": str(tmp_path / "kv"), "disk_bytes": 64 << 20,
+                "cluster_bytes": 128 << 20}
+    with LLM(tiny, kv_offload=tiers_on) as llm:
+        assert _run(llm, prompts) == expected
         llm.engine.flush_kv_publish(30)
-    _assert_no_leak(llm)
+        tiers = {tier.name: tier for tier in llm.engine.kv_connector.tiers}
+
+        def hits() -> dict[str, int]:
+            return {stats.tier: stats.hits for stats in llm.engine.stats().kv_offload}
+
+        order = ("host", "disk", "cluster")
+        for source in order:
+            if source != "host":
+                tiers["host"].close()  # emptied
+            if source == "cluster":
+                for path in (tmp_path / "kv").rglob("*.kvb"):
+                    path.unlink()  # the disk tier still lists them: its reads miss, and the cluster's follow
+            before = hits()
+            llm.engine.pool.reset_prefix_cache()
+            assert _run(llm, prompts) == expected, source
+            gained = {tier: n - before[tier] for tier, n in hits().items()}
+            # Farther tiers are not asked; nearer emptied ones serve only what this round put back
+            # into them (a block loaded from afar is kept in the host tier for the next prompt).
+            farther = order[order.index(source) + 1:]
+            assert gained[source] > 0 and all(gained[tier] == 0 for tier in farther), (source, gained)
+            if source == "cluster":
+                assert gained["disk"] == 0
+            llm.engine.flush_kv_publish(30)
+        _assert_no_leak(llm)
 
 
 def test_prompts_sharing_a_prefix_load_it_once(tiny):

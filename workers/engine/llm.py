@@ -27,6 +27,18 @@ class LLM:
         self.engine = make_engine(model, dtype=dtype, **engine_args)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's background work: the KV offload tiers' threads (what they stored stays
+        where it lives) and a pipeline's stage actors. Call it, or use ``with LLM(...) as llm``,
+        before ``ray.shutdown`` in a process that goes on."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
