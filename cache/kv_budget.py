@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -46,21 +48,23 @@ def blocks_for_budget(
 def group_blocks_for_budget(
     config: ModelConfig, block_size: int, dtype: jnp.dtype, memory_bytes: int | None, memory_fraction: float,
     sliding_blocks: int, device: jax.Device | None = None, draft_config: ModelConfig | None = None,
+    stage_layers: Sequence[tuple[int, ...]] | None = None,
 ) -> tuple[int, int]:
     """The full-attention and the sliding group's block counts for a model whose sliding layers
     keep a KV group of their own (``model.GroupedKV``): the sliding group gets ``sliding_blocks``
     (what its sequences can hold at once), no more than an even split (as many blocks for each
     group) would give it, and the full group the rest of the budget; a draft model's pool (as
-    many blocks as the full group's: it reads that group's table) shares it."""
+    many blocks as the full group's: it reads that group's table) shares it. ``stage_layers``:
+    each pipeline stage's layers per group (every stage's pools have these block counts, so
+    each stage must fit the budget; a stage may hold no layer of a group), else ``config``'s."""
     memory_bytes = kv_budget_bytes(memory_bytes, memory_fraction, device)
-    full_layers, sliding_layers = (len(layers) for layers in config.kv_group_layers)
-    per_full = bytes_per_block(config, block_size, dtype, full_layers)
-    if draft_config is not None:
-        per_full += bytes_per_block(draft_config, block_size, dtype)
-    per_sliding = bytes_per_block(config, block_size, dtype, sliding_layers)
-    sliding = max(2, min(sliding_blocks, memory_bytes // (per_full + per_sliding)))
-    full = (memory_bytes - sliding * per_sliding) // per_full
-    return _at_least_two(full, memory_bytes, block_size, per_full + per_sliding), sliding
+    draft = bytes_per_block(draft_config, block_size, dtype) if draft_config is not None else 0
+    stages = stage_layers or [tuple(len(layers) for layers in config.kv_group_layers)]
+    per_block = [(bytes_per_block(config, block_size, dtype, full) + draft,
+                  bytes_per_block(config, block_size, dtype, sliding)) for full, sliding in stages]
+    sliding = max(2, min(sliding_blocks, *(memory_bytes // (f + s) for f, s in per_block)))
+    full = min((memory_bytes - sliding * s) // f for f, s in per_block if f)
+    return _at_least_two(full, memory_bytes, block_size, max(f + s for f, s in per_block)), sliding
 
 
 def _at_least_two(blocks: int, memory_bytes: int, block_size: int, per_block: int) -> int:

@@ -97,6 +97,10 @@ class ModelConfig:
     # DeepSeek's multi-head latent attention in place of GQA: then ``num_kv_heads`` is 1 (the
     # pool's one latent "head") and ``head_dim`` the rotary dims (HF's ``head_dim`` for these).
     mla: LatentAttention | None = None
+    # A pipeline stage's slice of a model whose local and full-attention layers keep two KV
+    # groups: the whole model's ``sliding_window``, so the stage keeps both groups (one may hold
+    # none of its layers) and the replica's two block tables hold for it (``layer_slice``).
+    stage_of_grouped_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -131,9 +135,11 @@ class ModelConfig:
         """This config cut after its first ``num_layers`` decoder layers (a layer-skipping draft)."""
         return self.layer_slice(0, num_layers)
 
-    def layer_slice(self, start: int, stop: int) -> "ModelConfig":
-        """The config of decoder layers ``[start, stop)`` alone (a pipeline stage's, or a draft's):
-        every per-layer declaration is sliced, so the stage indexes its layers from 0."""
+    def layer_slice(self, start: int, stop: int, *, stage: bool = False) -> "ModelConfig":
+        """The config of decoder layers ``[start, stop)`` alone (a pipeline ``stage``'s, or a
+        draft's): every per-layer declaration is sliced, so the slice indexes its layers from 0. A
+        stage keeps the whole model's KV groups (``stage_of_grouped_window``): its pools must take
+        the replica's block tables, even where its own layers would make one group."""
         if not 0 <= start < stop <= self.num_layers:
             raise ValueError(f"layers [{start}, {stop}) of a {self.num_layers}-layer model")
         moe = self.moe
@@ -142,6 +148,7 @@ class ModelConfig:
         return dataclasses.replace(
             self, num_layers=stop - start, layer_windows=self.layer_windows[start:stop], moe=moe,
             nope_layers=self.nope_layers[start:stop], layer_chunks=self.layer_chunks[start:stop],
+            stage_of_grouped_window=self.sliding_window if stage else self.stage_of_grouped_window,
         )
 
     def served_at(self, context_len: int) -> "ModelConfig":
@@ -173,7 +180,10 @@ class ModelConfig:
         full-attention layers (Gemma 2 and 3, gpt-oss interleave sliding ones, Llama 4 chunked
         ones), else None: those keep their KV in a block table of their own (``kv_group``), so
         that what lies behind their span can be released (behind a chunk's start is behind the
-        span too). Computed once (``kv_group`` asks it for every layer)."""
+        span too). Computed once (``kv_group`` asks it for every layer). A pipeline stage's
+        slice of such a model answers the model's (``stage_of_grouped_window``)."""
+        if self.stage_of_grouped_window is not None:
+            return self.stage_of_grouped_window
         spans = [s for s in map(self.local_span, range(self.num_layers)) if s is not None]
         if not spans or len(spans) == self.num_layers:
             return None

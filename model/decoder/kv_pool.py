@@ -156,6 +156,16 @@ class GroupedKV(NamedTuple):
                      for n, layers in zip(num_blocks, config.kv_group_layers)))
 
 
+def create_pools(config: ModelConfig, blocks: tuple[int, int | None], block_size: int, dtype: jnp.dtype,
+                 mesh: Mesh | None = None) -> KVCache | GroupedKV:
+    """A replica's (or pipeline stage's) pools for ``blocks``: the pool's block count, and the
+    sliding group's (None: one pool for every layer)."""
+    num_blocks, sliding_blocks = blocks
+    if sliding_blocks is None:
+        return KVCache.create(config, num_blocks, block_size, dtype, mesh)
+    return GroupedKV.create(config, (num_blocks, sliding_blocks), block_size, dtype, mesh)
+
+
 # ``kv_cache_dtype`` settings: ``auto`` (or unset) stores K/V in the model dtype; int8 / fp8
 # store them 8-bit with a float32 scale per (token, kv head).
 KV_CACHE_DTYPES: dict[str, jnp.dtype] = {

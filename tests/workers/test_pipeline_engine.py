@@ -2,17 +2,23 @@
 own weights and KV pool, the stages in this process: ``pipeline_placement: local``) gives HF
 transformers' greedy tokens with batching, paging, chunked prefill, preemption, prefix-cache hits
 and LoRA adapters, on a dense family with q/k norms, a mixture of experts, DeepSeek's latent
-attention and the bundled GGUF; a stage reads only its own tensors; what the stages do not run
-is refused at load. (Stages as Ray actors: tests/cluster/test_pipeline_ray.py.)"""
+attention, Gemma 2 and 3's two KV groups and the bundled GGUF; a stage reads only its own
+tensors; what the stages do not run is refused at load. (Stages as Ray actors:
+tests/cluster/test_pipeline_ray.py.)"""
 
 from __future__ import annotations
 
 import functools
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from raylm.cache.kv_budget import group_blocks_for_budget
+from raylm.model.config.model_info import load_model_info
+from raylm.model.decoder.kv_pool import GroupedKV
 from raylm.model.loaders.gguf_checkpoint import load_gguf_checkpoint
 from raylm.model.loaders.gguf_file import GGUFFile
 from raylm.model.loaders.load import load_model
@@ -23,6 +29,7 @@ from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.llm import LLM
 from raylm.workers.pipeline.micro_batches import plan_sequences
 from raylm.workers.pipeline.stage_runners import split_layers
+from raylm.workers.pipeline.support import largest_stage, stage_kv_group_layers
 from tests.checkpoints import build_tiny_checkpoint
 from tests.lora_adapters import MODULES, write_adapter
 from tests.reference import family_cases, hf_greedy
@@ -45,7 +52,9 @@ def _family(name, tmp_path_factory):
     return path, prompts, expected
 
 
-@pytest.mark.parametrize("name, stages", [("qwen3", 2), ("qwen3", 3), ("gemma", 2), ("qwen3-moe", 2), ("deepseek-v3", 3)])
+# Gemma 3's three stages hold one layer each: sliding, full, sliding.
+@pytest.mark.parametrize("name, stages", [("qwen3", 2), ("qwen3", 3), ("gemma", 2), ("qwen3-moe", 2),
+                                          ("deepseek-v3", 3), ("gemma2", 2), ("gemma3", 3)])
 def test_stages_greedy_equal_hf(families, name, stages):
     path, prompts, expected = families(name)
     llm = LLM(str(path), pipeline_parallel_size=stages, max_model_len=256, **SMALL)
@@ -57,6 +66,9 @@ def test_stages_greedy_equal_hf(families, name, stages):
     assert llm.engine.stats().pool.prefix_hits > 0
     assert [(s.start, s.stop) for s in llm.engine.runner.spans] == \
         [(s.start, s.stop) for s in split_layers(llm.engine.config.num_layers, stages)]
+    if llm.engine.config.sliding_window is not None:  # every stage keeps the replica's two groups
+        runners = [stage.runner for stage in llm.engine.runner.stages] + [llm.engine.runner.last]
+        assert all(isinstance(r.kv, GroupedKV) and r.num_kv_groups == 2 for r in runners)
 
 
 def test_tensor_parallel_stages_greedy_equal_hf(families):
@@ -166,10 +178,24 @@ def test_refused_combinations_name_the_setting(tiny_gqa_model, setting, message)
         LLM(tiny_gqa_model, **{"pipeline_parallel_size": 2, "pipeline_placement": "local", **setting})
 
 
-def test_separate_sliding_kv_groups_are_refused(tmp_path):
-    path, _ = build_tiny_checkpoint("gemma2", tmp_path / "m")
-    with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
-        LLM(str(path), pipeline_parallel_size=2, pipeline_placement="local")
+def test_a_budget_fits_every_stage_of_a_two_group_model(tmp_path):
+    """Gemma 3's three layers (sliding, full, sliding) over three stages: two stages hold no
+    full-attention layer, one no sliding layer. Each stage's pools have the replica's block
+    counts, and each stage must fit the budget."""
+    path, _ = build_tiny_checkpoint("gemma3", tmp_path / "m")
+    config = load_model_info(str(path)).config
+    stages = [config.layer_slice(s.start, s.stop, stage=True) for s in split_layers(config.num_layers, 3)]
+    assert {tuple(map(len, s.kv_group_layers)) for s in stages} == {(0, 1), (1, 0)}
+    budget = 1 << 20
+    full, sliding = group_blocks_for_budget(largest_stage(config, 3), 16, jnp.float32, budget, 1.0, 40,
+                                            stage_layers=stage_kv_group_layers(config, 3))
+    assert sliding == 40
+    for stage in stages:
+        kv = GroupedKV.create(stage, (full, sliding), 16, jnp.float32)
+        assert kv.full.k.shape[:2] == (len(stage.kv_group_layers[0]), full)
+        assert sum(a.nbytes for a in jax.tree.leaves(kv)) <= budget
+    assert any(sum(a.nbytes for a in jax.tree.leaves(GroupedKV.create(s, (full + 1, sliding), 16, jnp.float32)))
+               > budget for s in stages)  # the full group took the rest
 
 
 def _ids(prompts: list[list[int]]) -> list[dict]:

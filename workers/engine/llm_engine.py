@@ -45,7 +45,7 @@ from raylm.workers.engine.runner_setup import build_runner, kv_block_counts
 from raylm.workers.engine.step_work import StepCounters
 from raylm.workers.pipeline.micro_batches import micro_batch_bounds
 from raylm.workers.pipeline.pipeline_runner import PipelineRunner
-from raylm.workers.pipeline.support import check_pipeline, largest_stage, last_stage_layers
+from raylm.workers.pipeline.support import check_pipeline, largest_stage, last_stage_layers, stage_kv_group_layers
 from raylm.workers.runner.draft_model import load_draft
 from raylm.workers.runner.model_runner import ModelRunner
 from raylm.workers.runner.pool_blocks import PoolBlocks
@@ -151,8 +151,9 @@ class LLMEngine:
 
     def _kv_block_counts(self, kv_dtype, draft_config: ModelConfig | None) -> tuple[int, int | None]:
         """The pool's blocks and the sliding group's (``kv_block_counts``), for the largest stage."""
-        config = largest_stage(self.config, self.args.pipeline_parallel_size)
-        return kv_block_counts(config, self.args, kv_dtype, draft_config, self._max_step_tokens(prompts=False))
+        pp = self.args.pipeline_parallel_size
+        return kv_block_counts(largest_stage(self.config, pp), self.args, kv_dtype, draft_config,
+                               self._max_step_tokens(prompts=False), stage_kv_group_layers(self.config, pp))
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(

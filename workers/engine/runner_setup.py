@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Callable
 
 import jax.numpy as jnp
 
 from raylm.cache.kv_budget import blocks_for_budget, group_blocks_for_budget
 from raylm.model.config.model_config import ModelConfig
-from raylm.model.decoder.kv_pool import GroupedKV, KVCache
+from raylm.model.decoder.kv_pool import KVCache, create_pools
 from raylm.model.loaders.load import LoadedModel
 from raylm.model.runtime.buckets import cdiv
 from raylm.model.runtime.sharding import make_mesh
@@ -28,17 +29,14 @@ def build_runner(model: LoadedModel, config: ModelConfig, args: EngineArgs, max_
     """The replica's runner over ``blocks`` pool blocks (and the sliding group's, or None): a
     ``runner_type`` (a multi-host leader's relays its launches), or a pipeline's."""
     if args.pipeline_parallel_size > 1:
-        return build_pipeline(model, args, max_model_len, eos_ids, blocks[0], kv_dtype)
+        return build_pipeline(model, args, max_model_len, eos_ids, blocks, kv_dtype)
     mesh = make_mesh(args.tensor_parallel_size, ep=args.expert_parallel_size)
-    num_blocks, sliding_blocks = blocks
     return runner_type(
-        config, model.params,
-        KVCache.create(config, num_blocks, args.block_size, kv_dtype, mesh) if sliding_blocks is None else
-        GroupedKV.create(config, (num_blocks, sliding_blocks), args.block_size, kv_dtype, mesh),
-        mesh, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        config, model.params, create_pools(config, blocks, args.block_size, kv_dtype, mesh), mesh,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len, eos_ids=eos_ids, speculative=args.speculative,
         draft=DraftModel(
-            draft.config, draft.params, KVCache.create(draft.config, num_blocks, args.block_size, kv_dtype, mesh)
+            draft.config, draft.params, KVCache.create(draft.config, blocks[0], args.block_size, kv_dtype, mesh)
         ) if draft else None,
         hidden_state_buffers=(args.hidden_state_slots, args.hidden_state_max_tokens),
         lora_buffers=(args.max_loras, args.max_lora_rank, args.lora_dtype) if args.enable_lora else None,
@@ -47,13 +45,13 @@ def build_runner(model: LoadedModel, config: ModelConfig, args: EngineArgs, max_
 
 
 def stage_specs(model: LoadedModel, args: EngineArgs, max_model_len: int, eos_ids: frozenset[int],
-                num_blocks: int, kv_dtype: jnp.dtype) -> list[StageSpec]:
+                blocks: tuple[int, int | None], kv_dtype: jnp.dtype) -> list[StageSpec]:
     """Every stage's spec: its layers and the replica's shared shapes."""
     return [
         StageSpec(
             span=span, model_path=str(model.path), dtype=args.dtype, quantization=args.quantization,
             keep_blocks=args.keep_gguf_blocks(), activation_quantization=args.activation_quantization,
-            num_blocks=num_blocks, block_size=args.block_size, kv_dtype=jnp.dtype(kv_dtype).name,
+            num_blocks=blocks, block_size=args.block_size, kv_dtype=jnp.dtype(kv_dtype).name,
             tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_model_len, eos_ids=eos_ids,
@@ -65,10 +63,10 @@ def stage_specs(model: LoadedModel, args: EngineArgs, max_model_len: int, eos_id
 
 
 def build_pipeline(model: LoadedModel, args: EngineArgs, max_model_len: int, eos_ids: frozenset[int],
-                   num_blocks: int, kv_dtype: jnp.dtype) -> PipelineRunner:
+                   blocks: tuple[int, int | None], kv_dtype: jnp.dtype) -> PipelineRunner:
     """The stages: the last in this process from ``model`` (the engine's, whole or its slice),
     the others started where ``args.pipeline_placement`` says, each reading its own layers."""
-    specs = stage_specs(model, args, max_model_len, eos_ids, num_blocks, kv_dtype)
+    specs = stage_specs(model, args, max_model_len, eos_ids, blocks, kv_dtype)
     if args.pipeline_placement == "local":
         stages = [LocalStage(build_stage(spec, model if model.layers is None else None), spec.span)
                   for spec in specs[:-1]]
@@ -79,14 +77,17 @@ def build_pipeline(model: LoadedModel, args: EngineArgs, max_model_len: int, eos
     return PipelineRunner(stages, build_stage(specs[-1], model), specs[-1].span)
 
 
-def kv_block_counts(config: ModelConfig, args: EngineArgs, kv_dtype: jnp.dtype, draft_config: ModelConfig | None,
-                    decode_tokens: int) -> tuple[int, int | None]:
+def kv_block_counts(
+    config: ModelConfig, args: EngineArgs, kv_dtype: jnp.dtype, draft_config: ModelConfig | None, decode_tokens: int,
+    stage_layers: Sequence[tuple[int, ...]] | None = None,
+) -> tuple[int, int | None]:
     """Blocks of the pool (of the full-attention group's, with a sliding group) and of the
     sliding group's (None without one), for a replica (or its largest pipeline stage) of
     ``config``. ``num_kv_blocks`` gives each group that many; a memory budget gives the sliding
     group what its sequences can hold at once (each running sequence its window and a decode step
     of ``decode_tokens``, a step's prompt chunks on top, a block of misalignment each), as far as
-    an even split allows, and the full group the rest."""
+    an even split allows, and the full group the rest. ``stage_layers``: each pipeline stage's
+    layers per group (``stage_kv_group_layers``; default ``config``'s own)."""
     window = config.sliding_window
     if args.num_kv_blocks:
         return args.num_kv_blocks, None if window is None else args.num_kv_blocks
@@ -95,4 +96,5 @@ def kv_block_counts(config: ModelConfig, args: EngineArgs, kv_dtype: jnp.dtype, 
         return blocks_for_budget(config, args.block_size, kv_dtype, *budget, draft_config=draft_config), None
     wanted = (args.max_num_seqs * (cdiv(window + decode_tokens, args.block_size) + 2)
               + cdiv(args.max_num_batched_tokens, args.block_size) + 1)
-    return group_blocks_for_budget(config, args.block_size, kv_dtype, *budget, wanted, draft_config=draft_config)
+    return group_blocks_for_budget(config, args.block_size, kv_dtype, *budget, wanted, draft_config=draft_config,
+                                   stage_layers=stage_layers)

@@ -8,7 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from raylm.model.config.model_config import ModelConfig
-from raylm.model.decoder.kv_pool import KVCache
+from raylm.model.decoder.kv_pool import create_pools
 from raylm.model.decoder.params import ModelParams, stage_ends
 from raylm.model.loaders.load import LoadedModel, load_model
 from raylm.model.quantization.activations import with_int8_activations
@@ -27,7 +27,7 @@ class StageSpec:
     quantization: str | None
     keep_blocks: bool
     activation_quantization: str
-    num_blocks: int
+    num_blocks: tuple[int, int | None]  # the pool's blocks and the sliding group's (None: one group)
     block_size: int
     kv_dtype: str
     tensor_parallel_size: int
@@ -71,9 +71,9 @@ def build_stage(spec: StageSpec, model: LoadedModel | None = None) -> HiddenStag
     if spec.compilation_cache_dir:
         enable_compilation_cache(spec.compilation_cache_dir)
     model = stage_model(spec, model)
-    config = model.config.served_at(spec.max_model_len).layer_slice(spec.span.start, spec.span.stop)
+    config = model.config.served_at(spec.max_model_len).layer_slice(spec.span.start, spec.span.stop, stage=True)
     mesh = make_mesh(spec.tensor_parallel_size, ep=spec.expert_parallel_size)
-    kv = KVCache.create(config, spec.num_blocks, spec.block_size, jnp.dtype(spec.kv_dtype), mesh)
+    kv = create_pools(config, spec.num_blocks, spec.block_size, jnp.dtype(spec.kv_dtype), mesh)
     kwargs = dict(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                   max_model_len=spec.max_model_len, eos_ids=spec.eos_ids, lora_buffers=spec.lora_buffers)
     if spec.span.is_last:

@@ -24,16 +24,22 @@ def check_pipeline(args: EngineArgs, config: ModelConfig) -> None:
     for setting, on in refused.items():
         if on:
             raise ValueError(f"pipeline_parallel_size={pp} does not combine with {setting}; remove one of them")
-    if config.sliding_window is not None:
-        raise ValueError(f"{config.architecture} keeps its sliding (or chunked) and full-attention layers' KV apart "
-                         f"(two block tables), which pipeline stages do not: serve it with pipeline_parallel_size 1")
 
 
 def largest_stage(config: ModelConfig, pipeline_parallel_size: int) -> ModelConfig:
     """The config of the stage holding the most layers (the first): each stage's pool has as
     many blocks, so that stage's memory decides how many fit the budget."""
     span = split_layers(config.num_layers, pipeline_parallel_size)[0]
-    return config.layer_slice(span.start, span.stop)
+    return config.layer_slice(span.start, span.stop, stage=True)
+
+
+def stage_kv_group_layers(config: ModelConfig, pipeline_parallel_size: int) -> list[tuple[int, ...]]:
+    """Each stage's layers in each KV group (``kv_group_layers``; one group, or two for a model
+    whose local layers keep their own): every stage's pools have the replica's block counts, so
+    a budget must fit each stage, and with two groups the stage holding the most layers need not
+    be the one holding the most of either kind."""
+    return [tuple(map(len, config.layer_slice(s.start, s.stop, stage=True).kv_group_layers))
+            for s in split_layers(config.num_layers, pipeline_parallel_size)]
 
 
 def last_stage_layers(name_or_path: str, pipeline_parallel_size: int) -> range:
