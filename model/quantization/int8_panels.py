@@ -105,8 +105,8 @@ class Int8Panels(StoredBytes):
         if self.row_scale.shape[-1]:
             w = stored[..., :size].astype(jnp.float32) * at(self.row_scale, index)[..., None]
             return w.reshape(*lead, *self.input_shape).astype(dtype)
-        has_offset = self.offset.shape[-1]
-        offset = at(self.offset, group, every, lane).astype(jnp.float32) if has_offset else jnp.zeros((*lead, 0), jnp.float32)
+        no_offset = jnp.zeros((*lead, 0), jnp.float32)
+        offset = at(self.offset, group, every, lane).astype(jnp.float32) if self.offset.shape[-1] else no_offset
         scale = at(self.scale, group, every, lane).astype(jnp.float32)  # [..., B]
         if self.sub_scale.shape[-1]:  # signed bytes, and d * sc (-dmin * m) per 16: the float32 products
             stored = _unpack_six_bits(q).reshape(*lead, -1)
