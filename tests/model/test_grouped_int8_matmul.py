@@ -31,7 +31,8 @@ from tests.model.test_int8_matmul import _activations, _reference
 pytestmark = pytest.mark.skipif(int8_matmul.unavailable_reason() is not None, reason="int8 kernel not built")
 
 EXPERTS, OUTPUTS, K = 5, (2, 20), 256  # gate_up-shaped experts [E, 2, I, D]: 40 outputs, not whole groups of 16
-GROUP_SIZES = [3, 0, 1, 0, 4]  # experts 1 and 3 get no rows
+# Empty experts between groups, then first and last ones empty; padding rows after the groups.
+ROUTINGS = [[3, 0, 1, 0, 4], [0, 2, 5, 1, 0]]
 PADDING = 2
 KINDS = ["Q4_0", "Q4_K", "Q6_K", "Q8_0", "MXFP4", "int8"]
 
@@ -72,15 +73,16 @@ def test_a_stack_packs_each_expert_as_its_matrix(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_each_row_is_its_expert_alone_and_the_integer_scheme(kind):
+@pytest.mark.parametrize("group_sizes", ROUTINGS)
+def test_each_row_is_its_expert_alone_and_the_integer_scheme(kind, group_sizes):
     w, packed = _experts(kind), _packed(kind)
-    rows = sum(GROUP_SIZES)
+    rows = sum(group_sizes)
     x = _activations(rows + PADDING, K)
-    got = np.asarray(grouped_matmul(jnp.asarray(x), packed, jnp.asarray(GROUP_SIZES, jnp.int32), kernel=True))
+    got = np.asarray(grouped_matmul(jnp.asarray(x), packed, jnp.asarray(group_sizes, jnp.int32), kernel=True))
     assert got.shape == (rows + PADDING, *OUTPUTS)
     got = got.reshape(rows + PADDING, -1)
     start = 0
-    for e, size in enumerate(GROUP_SIZES):
+    for e, size in enumerate(group_sizes):
         if not size:
             continue
         mine = got[start: start + size]
