@@ -11,8 +11,9 @@ engine (``workers.LLM``, the file's matrices kept as blocks) and reports:
   (128 tokens after a 128-token prompt, the prompt's time subtracted) and 16-way decode
   tokens/s (16 sequences of 64 tokens after 128-token prompts, the prompts' time subtracted).
 
-In the integer mode a mixture of experts' routed experts still run exact (the grouped kernel has
-no integer mode, model/quantization/activations.py): the output says so under the table.
+In the integer mode a mixture of experts' routed experts run the grouped integer kernel where their
+type has one (model/quantization/activations.py); where they stay exact (a float or fp8 stack) the
+output says so under the table.
 
 With llama.cpp's ``llama-bench`` (``--llama-bench``; default: the one
 ``shared/peers/llama-server.sh build`` makes) it runs ``-p 512 -n 128`` on the same file and on
@@ -55,6 +56,7 @@ def bench_mode(path: str, mode: str) -> dict[str, Any]:
     import numpy as np
 
     from raylm.model.loaders.load import load_model
+    from raylm.model.quantization.int8_panels import Int8Panels
     from raylm.model.quantization.quant_array import weight_bytes
     from raylm.workers.core.sampling_params import SamplingParams
     from raylm.workers.engine.llm import LLM
@@ -88,9 +90,10 @@ def bench_mode(path: str, mode: str) -> dict[str, Any]:
     wide = [rng.randint(100, vocab, size=SHORT).tolist() for _ in range(WIDE)]
     run(wide, WIDE_TOKENS + 1)
     wide_s = median(lambda: run(wide, WIDE_TOKENS + 1), 2) - median(lambda: run(wide, 1), 2)
-    exact_experts = mode == "integer" and llm.engine.config.moe is not None
+    stacks = [lp.w_experts_gate_up for lp in llm.engine.runner.params.layers if lp.w_experts_gate_up is not None]
+    exact_experts = mode == "integer" and any(not isinstance(w, Int8Panels) for w in stacks)
     return {
-        "note": "routed experts exact (no integer grouped kernel)" if exact_experts else None,
+        "note": "routed experts exact (their type has no integer kernel)" if exact_experts else None,
         "file_gib": Path(path).stat().st_size / 2**30,
         "weights_gib": weight_bytes(llm.engine.model.params) / 2**30,
         "rss_gib": _rss_gib(),

@@ -11,13 +11,17 @@ expert on every row (one dense einsum) and weights them by the routing, zero for
 a row did not pick: what a model without a grouped matmul would do. ``int8`` / ``q4_1`` run the
 kernel on the same experts quantized (int8 with a scale per channel; GGUF Q4_1 blocks as a file
 stores them), read as stored; ``int8_widened`` converts the int8 experts to float32 inside the
-program first (what the grouped path did before the kernel read 8-bit experts). Weights are random
+program first (what the grouped path did before the kernel read 8-bit experts). ``q4_0`` / ``mxfp4``
+run random GGUF blocks of those types (a DeepSeek-V2-Lite Q4_0 file's experts, gpt-oss's) in the
+exact mode, and ``q4_0_integer`` / ``mxfp4_integer`` the same blocks packed for the integer compute
+mode (``activation_quantization: int8``: int8 activations, the grouped integer kernel of
+model/kernels/int8_matmul.py); the ratio printed is exact / integer on the same blocks. Weights are random
 float32 and far larger than the caches, so they stream from memory as in a real step; the
 paths are jitted programs over the same arrays, timed in alternating rounds (median).
 
     python -m raylm.benchmarks.moe_layer_bench [--rows 1,16,64] [--experts 8] [--top-k 2]
         [--hidden 1024] [--expert-size 1536] [--rounds 7]
-        [--paths kernel,int8,int8_widened,q4_1,ragged_dot,dense,all_experts]
+        [--paths kernel,int8,int8_widened,q4_1,ragged_dot,dense,all_experts,q4_0,q4_0_integer,mxfp4,mxfp4_integer]
 """
 
 from __future__ import annotations
@@ -46,12 +50,14 @@ def main() -> None:
 
     from gguf import GGMLQuantizationType, quants
 
+    from raylm.benchmarks.random_blocks import random_blocks
     from raylm.model.config.moe import MoeConfig
     from raylm.model.decoder.layers import gated_mlp
     from raylm.model.decoder.moe import moe_block, route
     from raylm.model.decoder.params import LayerParams
     from raylm.model.kernels.grouped_matmul import available
     from raylm.model.quantization.gguf_blocks import from_gguf
+    from raylm.model.quantization.int8_panels import pack_int8_experts
     from raylm.model.quantization.quant_array import quantize
 
     E, k, D, I = args.experts, args.top_k, args.hidden, args.expert_size
@@ -104,6 +110,14 @@ def main() -> None:
     paths = [p for p in args.paths.split(",") if p in ("ragged_dot", "dense", "all_experts") or available()]
     if "q4_1" in paths:  # (quantizing takes a while: only when asked for)
         programs["q4_1"] = (jax.jit(moe_kernel), experts_as(q4_1))
+    for kind in ("q4_0", "mxfp4"):  # random blocks, exact and packed for the integer mode
+        if kind in paths or f"{kind}_integer" in paths:
+            gtype = GGMLQuantizationType[kind.upper()]
+            blocks = experts_as(lambda w: from_gguf(random_blocks(gtype, w.shape, w.ndim), gtype, w.shape).to_device())
+            programs[kind] = (jax.jit(moe_kernel), blocks)
+            programs[f"{kind}_integer"] = (jax.jit(moe_kernel), dataclasses.replace(
+                blocks, w_experts_gate_up=pack_int8_experts(blocks.w_experts_gate_up),
+                w_experts_down=pack_int8_experts(blocks.w_experts_down)))
     print(f"E={E} top-{k} hidden={D} expert_size={I}: experts {E * 3 * I * D * 4 / 2**20:.0f} MiB, "
           f"dense layer {3 * k * I * D * 4 / 2**20:.0f} MiB (float32); grouped kernel built: {available()}")
     print(f"{'rows':>5} " + " ".join(f"{p + ' ms':>15}" for p in paths) + "  ratios")
@@ -116,6 +130,12 @@ def main() -> None:
         for name in ("kernel", "ragged_dot"):
             if name in paths:
                 np.testing.assert_allclose(np.asarray(programs[name][0](x, layer)), reference, atol=2e-4, rtol=2e-4)
+        integer_error = {}  # the integer mode's distance to the exact mode on the same blocks, relative
+        for kind in ("q4_0", "mxfp4"):
+            if kind in paths and f"{kind}_integer" in paths:
+                exact, integer = (np.asarray(programs[name][0](x, programs[name][1]))
+                                  for name in (kind, f"{kind}_integer"))
+                integer_error[kind] = float(np.linalg.norm(integer - exact) / np.linalg.norm(exact))
         times: dict[str, list[float]] = {p: [] for p in paths}
         for _ in range(args.rounds):
             for name in paths:
@@ -132,6 +152,8 @@ def main() -> None:
             ratios.append(f"ragged_dot/kernel {ms['ragged_dot'] / ms['kernel']:.2f}x")
         if "int8" in ms and "int8_widened" in ms:
             ratios.append(f"int8_widened/int8 {ms['int8_widened'] / ms['int8']:.2f}x")
+        for kind, error in integer_error.items():
+            ratios.append(f"{kind}/{kind}_integer {ms[kind] / ms[f'{kind}_integer']:.2f}x (error {error:.1e})")
         print(f"{rows:>5} " + " ".join(f"{ms[p]:>15.2f}" for p in paths) + "  " + ", ".join(ratios))
 
 

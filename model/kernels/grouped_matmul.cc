@@ -23,6 +23,7 @@
 #include "dense_columns.h"
 #include "ffi_helpers.h"
 #include "gguf_columns.h"
+#include "group_rows.h"
 
 using raylm::Fp8E4m3;
 using raylm::GgufRows;
@@ -41,19 +42,6 @@ std::string GroupShapeError(const char* name, ffi::Span<const int64_t> xd, ffi::
   return std::string(name) + ": x [M, K], w [G, N, K], group_sizes [G] -> y [M, N]; got x " + raylm::Shape(xd) +
          ", w " + raylm::Shape(wd) + " (" + std::to_string(w_inputs) + " inputs per row), group_sizes " +
          raylm::Shape(sizes) + ", y " + raylm::Shape(yd);
-}
-
-// run(g, start, rows) for each group g that has rows, its rows starting at `start`; then zeros
-// for the rows past the groups. Negative sizes count as empty, and groups end at row M.
-template <typename RunGroup>
-void ForEachGroup(const int32_t* sizes, int64_t G, int64_t M, int64_t N, float* y, RunGroup run) {
-  int64_t start = 0;
-  for (int64_t g = 0; g < G && start < M; ++g) {
-    const int64_t rows = std::min<int64_t>(std::max<int32_t>(sizes[g], 0), M - start);
-    if (rows > 0 && N > 0) run(g, start, rows);
-    start += rows;
-  }
-  std::fill(y + start * N, y + M * N, 0.0f);
 }
 
 ffi::Error GroupedMatmul(ffi::ThreadPool thread_pool, Matrix x, Stacked w, GroupSizes group_sizes,

@@ -5,7 +5,8 @@ layer (model/decoder/moe.py).
 at most ``M``; rows past the last group are padding and come out as zeros), and group ``g``
 is multiplied by ``w[g]`` (stored ``[G, N..., K]``, output-first as every matrix here:
 model/decoder/params.py). ``w`` may be float, 8-bit (``QuantArray``, a scale per expert and output
-channel) or GGUF blocks (``GgufBlocks``) as model/kernels/dense.py takes them.
+channel) or GGUF blocks (``GgufBlocks``) as model/kernels/dense.py takes them, or packed for the
+integer mode (``Int8Panels`` with ``experts``: model/kernels/int8_matmul.py's grouped kernel).
 
 ``jax.lax.ragged_dot_general`` states exactly this, and accelerators run grouped-GEMM kernels
 for it. XLA's CPU backend does not: it lowers ragged_dot to a dense dot over every group
@@ -28,8 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from raylm.model.kernels import CpuKernel, on_cpu, on_gpu
+from raylm.model.kernels.int8_matmul import int8_grouped_matmul
 from raylm.model.kernels.pallas.grouped_matmul import pallas_grouped_matmul
 from raylm.model.quantization.gguf_blocks import GgufBlocks
+from raylm.model.quantization.int8_panels import Int8Panels
 from raylm.model.quantization.quant_array import QuantArray
 
 _KERNEL = CpuKernel("grouped_matmul", "RaylmGroupedMatmul", "raylm_grouped_matmul")
@@ -47,13 +50,17 @@ def available() -> bool:
 
 
 def grouped_matmul(
-    x: jax.Array, w: jax.Array | QuantArray | GgufBlocks, group_sizes: jax.Array, *, kernel: bool = False,
+    x: jax.Array, w: jax.Array | QuantArray | GgufBlocks | Int8Panels, group_sizes: jax.Array, *, kernel: bool = False,
     gpu_kernel: bool = False,
 ) -> jax.Array:
     """``x [M, K]`` by groups: rows of group ``g`` times ``w[g] [N..., K]``; returns ``[M, N...]``.
     ``kernel``: the C++ kernel on CPU where it is built (float32 activations); ``gpu_kernel``: the
     Pallas kernel where lowered for a GPU (float or 8-bit experts: model/kernels/pallas/grouped_matmul.py);
-    else ragged_dot (8-bit experts converted for it and scaled after, blocks dequantized exactly)."""
+    else ragged_dot (8-bit experts converted for it and scaled after, blocks dequantized exactly).
+    Experts packed for the integer mode (``Int8Panels``) always take its kernel
+    (model/kernels/int8_matmul.py ``int8_grouped_matmul``: CPU only, unsharded, as the engine checks)."""
+    if isinstance(w, Int8Panels):
+        return int8_grouped_matmul(x, w, group_sizes)
     G, K = w.shape[0], w.shape[-1]
     out = tuple(w.shape[1:-1])
     N = math.prod(out)

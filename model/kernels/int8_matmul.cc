@@ -11,7 +11,8 @@
 // Operands: x [M, K] f32 and the weights as model/quantization/int8_panels.py repacked them at load: GGUF
 // blocks with a scale per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, IQ4; int8_g32, held
 // as Q8_0 blocks), signed bytes with an int8 scale per 16 under a super-block's d (Q6_K, Q3_K), or int8
-// with a scale per output row, N output columns in groups of 16.
+// with a scale per output row, N output columns in groups of 16. A mixture of experts' stacked experts
+// take the same operands with a leading expert dim, and group_sizes: GroupedInt8PanelMatmul below.
 //
 // The arithmetic, the same in every family below and for every M, per row r and output column n:
 //   activations, per block b of 32 (the last one zero-padded): a = max |x|, d_x = a / 127,
@@ -52,15 +53,15 @@
 
 #include "column_items.h"
 #include "ffi_helpers.h"
+#include "group_rows.h"
 #include "int8_families.h"
 #include "int8_panels.h"
 
 using raylm::Matrix;
+using GroupSizes = ffi::Buffer<ffi::S32, 1>;  // an alias: the binding macro cannot take commas
 
 namespace {
 
-using RowScale = ffi::Buffer<ffi::F32, 1>;  // [N or 0]
-using SubScale = ffi::Buffer<ffi::S8, 4>;   // [groups, blocks, 2 or 4, 16] or [0, 0, 0, 0]
 
 enum class Int8Family { kPortable, kAvx2, kVnni };
 
@@ -176,35 +177,63 @@ void RunInt8Matmul(const float* x, const Int8Panels& w, float* y, int64_t M, ffi
       pool, item);
 }
 
-// Checks the packed operands against x [M, K] and y [M, N]; an empty message when they agree.
-std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyBuffer& d, const ffi::AnyBuffer& m,
-                       const RowScale& row_scale, const SubScale& sub_scale, const Matrix& y, Format* format,
-                       bool* half) {
+// The packed operands of one matrix, or (`lead` 1) of a stack of experts: each buffer with a
+// leading expert dim, each expert's panels one contiguous slice of it.
+struct PackedBuffers {
+  const ffi::AnyBuffer &q, &d, &m, &row_scale, &sub_scale;
+  size_t lead = 0;
+
+  // `b`'s dims past the leading expert dim (rank checked by RankError first).
+  static ffi::AnyBuffer::Dimensions Inner(const ffi::AnyBuffer& b, size_t lead) {
+    return b.dimensions().last(b.dimensions().size() - lead);
+  }
+};
+
+// The operands' ranks, element types of the tables and expert counts (`experts`: the stack's,
+// -1 for one matrix); an empty message when they agree.
+std::string RankError(const PackedBuffers& p, int64_t experts) {
+  const ffi::AnyBuffer* buffers[] = {&p.q, &p.d, &p.m, &p.row_scale, &p.sub_scale};
+  const size_t ranks[] = {5, 3, 3, 1, 4};
+  bool ok = p.row_scale.element_type() == ffi::DataType::F32 && p.sub_scale.element_type() == ffi::DataType::S8;
+  for (int i = 0; i < 5; ++i)
+    ok = ok && buffers[i]->dimensions().size() == ranks[i] + p.lead &&
+         (p.lead == 0 || buffers[i]->dimensions()[0] == experts);
+  if (ok) return "";
+  std::string got;
+  for (int i = 0; i < 5; ++i) got += std::string(i ? ", " : "") + raylm::Shape(buffers[i]->dimensions());
+  return std::string(p.lead ? "packed experts: q, d, m, row_scale, sub_scale with a leading dim of " +
+                                  std::to_string(experts) + " experts (group_sizes') before "
+                            : "packed matrix: ") +
+         "ranks 5, 3, 3, 1 (float32) and 4 (int8); got " + got;
+}
+
+// Checks the packed operands (one expert's, past `lead`) against x [M, K] and y [M, N]; an empty
+// message when they agree.
+std::string PanelError(const Matrix& x, const PackedBuffers& p, const Matrix& y, Format* format, bool* half) {
+  const auto qd = PackedBuffers::Inner(p.q, p.lead), dd = PackedBuffers::Inner(p.d, p.lead),
+             md = PackedBuffers::Inner(p.m, p.lead), rd = PackedBuffers::Inner(p.row_scale, p.lead),
+             sd = PackedBuffers::Inner(p.sub_scale, p.lead);
   const int64_t K = x.dimensions()[1], N = y.dimensions()[1];
   const int64_t groups = (N + kGroupCols - 1) / kGroupCols, blocks = (K + kGgufBlock - 1) / kGgufBlock;
-  const bool unsigned_q = q.element_type() == ffi::DataType::U8;
-  if (!unsigned_q && q.element_type() != ffi::DataType::S8) return "q must be uint8 (4-bit or 6-bit blocks) or int8";
-  if (d.dimensions().size() != 3 || m.dimensions().size() != 3) return "d and m must be 3-D";
-  *half = d.element_type() == ffi::DataType::F16;
-  if ((!*half && d.element_type() != ffi::DataType::F32) || m.element_type() != d.element_type())
+  const bool unsigned_q = p.q.element_type() == ffi::DataType::U8;
+  if (!unsigned_q && p.q.element_type() != ffi::DataType::S8) return "q must be uint8 (4-bit or 6-bit blocks) or int8";
+  *half = p.d.element_type() == ffi::DataType::F16;
+  if ((!*half && p.d.element_type() != ffi::DataType::F32) || p.m.element_type() != p.d.element_type())
     return "d and m must both be float32 or both float16";
-  const bool has_d = d.dimensions()[2] == kGroupCols, has_m = m.dimensions()[2] == kGroupCols;
-  const bool has_row_scale = row_scale.dimensions()[0] == N && N > 0;
-  const auto sd = sub_scale.dimensions();
+  const bool has_d = dd[2] == kGroupCols, has_m = md[2] == kGroupCols;
+  const bool has_row_scale = rd[0] == N && N > 0;
   const bool has_sub_scale = sd[0] == groups && sd[1] == blocks && (sd[2] == 2 || sd[2] == 4) && sd[3] == kGroupCols;
   const bool no_sub_scale = sd[0] == 0 && sd[1] == 0 && sd[2] == 0 && sd[3] == 0;
   *format = unsigned_q ? (has_sub_scale ? Format::kSixBits : Format::kNibbles)
             : has_m    ? Format::kOffsetBytes
             : has_d    ? Format::kBlockBytes
                        : Format::kRowBytes;
-  const auto qd = q.dimensions();
   const int vectors = *format == Format::kNibbles ? 4 : *format == Format::kSixBits ? 6 : 8;
-  const bool q_ok = qd.size() == 5 && qd[0] == groups && qd[1] == blocks && qd[2] == vectors && qd[3] == kGroupCols &&
-                    qd[4] == 4;
-  const bool tables_ok = (d.dimensions()[2] == 0 || has_d) && (m.dimensions()[2] == 0 || has_m) &&
-                         (!has_d || (d.dimensions()[0] == groups && d.dimensions()[1] == blocks)) &&
-                         (!has_m || (m.dimensions()[0] == groups && m.dimensions()[1] == blocks)) &&
-                         (row_scale.dimensions()[0] == 0 || has_row_scale) && (has_sub_scale || no_sub_scale);
+  const bool q_ok = qd[0] == groups && qd[1] == blocks && qd[2] == vectors && qd[3] == kGroupCols && qd[4] == 4;
+  const bool tables_ok = (dd[2] == 0 || has_d) && (md[2] == 0 || has_m) &&
+                         (!has_d || (dd[0] == groups && dd[1] == blocks)) &&
+                         (!has_m || (md[0] == groups && md[1] == blocks)) && (rd[0] == 0 || has_row_scale) &&
+                         (has_sub_scale || no_sub_scale);
   bool format_ok = false;
   switch (*format) {
     case Format::kNibbles: format_ok = has_d && has_m && !has_row_scale; break;
@@ -216,34 +245,79 @@ std::string PanelError(const Matrix& x, const ffi::AnyBuffer& q, const ffi::AnyB
   const bool blocks_ok = *format == Format::kRowBytes || K % kGgufBlock == 0;
   if (q_ok && tables_ok && format_ok && blocks_ok && y.dimensions()[0] == x.dimensions()[0]) return "";
   return "x " + raylm::Shape(x.dimensions()) + " against packed q " + raylm::Shape(qd) + " (" +
-         (unsigned_q ? "uint8" : "int8") + "), d " + raylm::Shape(d.dimensions()) + ", m " + raylm::Shape(m.dimensions()) +
-         ", row_scale " + raylm::Shape(row_scale.dimensions()) + ", sub_scale " + raylm::Shape(sd) + " and y " +
-         raylm::Shape(y.dimensions()) +
-         ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) +
+         (unsigned_q ? "uint8" : "int8") + "), d " + raylm::Shape(dd) + ", m " + raylm::Shape(md) + ", row_scale " +
+         raylm::Shape(rd) + ", sub_scale " + raylm::Shape(sd) + (p.lead ? " per expert" : "") + " and y " +
+         raylm::Shape(y.dimensions()) + ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) +
          ", 4 (4-bit) or 6 (6-bit) or 8 (int8), 16, 4], d and m [" + std::to_string(groups) + ", " +
          std::to_string(blocks) +
          ", 16 or 0] (4-bit: both; 6-bit: d (and m); 8-bit: d (and m) or row_scale [N]; float32 or float16), " +
          "sub_scale int8 [" + std::to_string(groups) + ", " + std::to_string(blocks) +
-         ", 2 or 4 (with m), 16] (6-bit) or [0, 0, 0, 0], " +
-         "K whole blocks unless per-row int8";
+         ", 2 or 4 (with m), 16] (6-bit) or [0, 0, 0, 0], " + "K whole blocks unless per-row int8";
+}
+
+// The checked operands' panels for N outputs of K inputs: the matrix's, or (a stack) expert 0's.
+Int8Panels PanelsOf(const PackedBuffers& p, int64_t N, int64_t K, Format format, bool half) {
+  const bool has_m = p.m.dimensions().back() > 0;
+  return Int8Panels{static_cast<const uint8_t*>(p.q.untyped_data()),
+                    format == Format::kRowBytes ? nullptr : p.d.untyped_data(),
+                    has_m ? p.m.untyped_data() : nullptr,
+                    format == Format::kRowBytes ? static_cast<const float*>(p.row_scale.untyped_data()) : nullptr,
+                    format == Format::kSixBits ? static_cast<const int8_t*>(p.sub_scale.untyped_data()) : nullptr,
+                    N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half,
+                    PackedBuffers::Inner(p.sub_scale, p.lead)[2]};
+}
+
+// Expert g's panels in a stack whose expert 0 is `w`: each array's g-th slice (the sizes of one
+// expert's arrays as model/quantization/int8_panels.py packs them).
+Int8Panels ExpertPanels(const Int8Panels& w, int64_t g) {
+  const int64_t groups = (w.N + kGroupCols - 1) / kGroupCols, tables = groups * w.blocks * kGroupCols;
+  const int64_t table_bytes = tables * (w.half ? 2 : 4);
+  Int8Panels e = w;
+  e.q += g * groups * w.blocks * w.Vectors() * kVectorBytes;
+  if (e.d) e.d = static_cast<const char*>(w.d) + g * table_bytes;
+  if (e.m) e.m = static_cast<const char*>(w.m) + g * table_bytes;
+  if (e.row_scale) e.row_scale += g * w.N;
+  if (e.sub_scale) e.sub_scale += g * tables * w.sub_rows;
+  return e;
 }
 
 ffi::Error Int8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, ffi::AnyBuffer d,
-                           ffi::AnyBuffer m, RowScale row_scale, SubScale sub_scale, ffi::Result<Matrix> y) {
+                           ffi::AnyBuffer m, ffi::AnyBuffer row_scale, ffi::AnyBuffer sub_scale,
+                           ffi::Result<Matrix> y) {
+  const PackedBuffers p{q, d, m, row_scale, sub_scale};
   Format format = Format::kNibbles;
   bool half = false;
-  const std::string error = PanelError(x, q, d, m, row_scale, sub_scale, *y, &format, &half);
+  std::string error = RankError(p, -1);
+  if (error.empty()) error = PanelError(x, p, *y, &format, &half);
   if (!error.empty()) return ffi::Error::InvalidArgument("int8_panel_matmul: " + error);
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const bool has_m = m.dimensions()[2] > 0;
-  const Int8Panels w{static_cast<const uint8_t*>(q.untyped_data()),
-                     format == Format::kRowBytes ? nullptr : d.untyped_data(),
-                     has_m ? m.untyped_data() : nullptr,
-                     format == Format::kRowBytes ? row_scale.typed_data() : nullptr,
-                     format == Format::kSixBits ? sub_scale.typed_data() : nullptr,
-                     N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half, sub_scale.dimensions()[2]};
-  RunInt8Matmul(x.typed_data(), w, y->typed_data(), M, thread_pool);
+  RunInt8Matmul(x.typed_data(), PanelsOf(p, N, K, format, half), y->typed_data(), M, thread_pool);
+  return ffi::Error::Success();
+}
+
+// A mixture of experts' experts in the integer mode: x [M, K]'s rows in consecutive groups,
+// group_sizes [E] each, group g times expert g's panels (the operands above with a leading expert
+// dim), y [M, N]; rows past the groups are zeros (group_rows.h). Each group is one call of the
+// matrix's loop nest on its rows, and a row's result does not depend on the batch there, so each
+// token gets the bits int8_panel_matmul gives it alone against its expert's panels.
+ffi::Error GroupedInt8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, ffi::AnyBuffer d,
+                                  ffi::AnyBuffer m, ffi::AnyBuffer row_scale, ffi::AnyBuffer sub_scale,
+                                  GroupSizes group_sizes, ffi::Result<Matrix> y) {
+  const int64_t E = group_sizes.dimensions()[0];
+  const PackedBuffers p{q, d, m, row_scale, sub_scale, 1};
+  Format format = Format::kNibbles;
+  bool half = false;
+  std::string error = RankError(p, E);
+  if (error.empty()) error = PanelError(x, p, *y, &format, &half);
+  if (!error.empty()) return ffi::Error::InvalidArgument("grouped_int8_panel_matmul: " + error);
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
+  const Int8Panels first = PanelsOf(p, N, K, format, half);
+  const float* xs = x.typed_data();
+  float* ys = y->typed_data();
+  ForEachGroup(group_sizes.typed_data(), E, M, N, ys, [&](int64_t g, int64_t start, int64_t rows) {
+    RunInt8Matmul(xs + start * K, ExpertPanels(first, g), ys + start * N, rows, thread_pool);
+  });
   return ffi::Error::Success();
 }
 
@@ -256,6 +330,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmInt8PanelMatmul, Int8PanelMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<RowScale>()
-                                  .Arg<SubScale>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGroupedInt8PanelMatmul, GroupedInt8PanelMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<GroupSizes>()
                                   .Ret<Matrix>());

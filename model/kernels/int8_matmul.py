@@ -14,7 +14,8 @@ greedy tokens. The exact mode stays the default and is untouched by this module.
 
 The weights are repacked once at load for the kernel (model/quantization/int8_panels.py). One loop nest
 serves every row count and every format, so unlike model/kernels/dense.py's pair of kernels there is one
-target; it runs on CPU only, unsharded (the engine checks both at start-up).
+target; it runs on CPU only, unsharded (the engine checks both at start-up). A mixture of experts'
+stacked experts run the same loop nest per expert that got rows (``int8_grouped_matmul``).
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from raylm.model.quantization.int8_panels import Int8Panels, sub_scaled
 from raylm.model.quantization.quant_array import QuantArray
 
 _KERNEL = CpuKernel("int8_matmul", "RaylmInt8PanelMatmul", "raylm_int8_panel_matmul")
+_GROUPED_KERNEL = CpuKernel("int8_matmul", "RaylmGroupedInt8PanelMatmul", "raylm_grouped_int8_panel_matmul")
 
 
 def unavailable_reason() -> str | None:
     """Why the integer kernel cannot run in this process (None when it can)."""
     if not cpu_only_process():
         return f"it runs C++ CPU kernels, and JAX's backend here is {jax.default_backend()}"
-    if not _KERNEL.available():
+    if not (_KERNEL.available() and _GROUPED_KERNEL.available()):
         return f"its kernel library is not built ({_KERNEL.library}); reinstall with `pip install -e .`"
     return None
 
@@ -57,10 +59,26 @@ def int8_matmul(x: jax.Array, w: Int8Panels) -> jax.Array:
     """``x [M, K] . w [N, K]^T -> [M, N]`` in the integer mode (inputs and outputs flattened)."""
     _KERNEL.require()
     n, k = math.prod(w.output_shape), math.prod(w.input_shape)
-    if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] != k:
+    if w.experts or x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"int8_matmul takes float32 x [M, {k}] for weights {w.shape}, got {x.dtype} {x.shape}")
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(_KERNEL.target, out)(x, w.q, w.scale, w.offset, w.row_scale, w.sub_scale)
+
+
+def int8_grouped_matmul(x: jax.Array, w: Int8Panels, group_sizes: jax.Array) -> jax.Array:
+    """``model.kernels.grouped_matmul`` for packed experts ``w [E, N..., K]`` (``pack_int8_experts``):
+    ``x [M, K]``'s rows in consecutive groups of ``group_sizes [E]``, group ``e`` times expert ``e``,
+    rows past the groups zeros; returns ``[M, N...]`` in ``x``'s dtype. Each row gets the bits
+    ``int8_matmul`` gives it alone against its expert's matrix (``w.expert(e)``)."""
+    _GROUPED_KERNEL.require()
+    n, k = math.prod(w.output_shape), math.prod(w.input_shape)
+    if not w.experts or x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (w.experts,):
+        raise ValueError(f"int8_grouped_matmul takes x [M, {k}] and group_sizes [{w.experts}] for stacked experts "
+                         f"{w.shape}, got x {x.shape} and group_sizes {group_sizes.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    y = jax.ffi.ffi_call(_GROUPED_KERNEL.target, out)(
+        x.astype(jnp.float32), w.q, w.scale, w.offset, w.row_scale, w.sub_scale, group_sizes.astype(jnp.int32))
+    return y.reshape(x.shape[0], *w.output_shape).astype(x.dtype)
 
 
 def int8_dense(x: jax.Array, w: Int8Panels, contract: int, out_dtype: jnp.dtype | None) -> jax.Array:

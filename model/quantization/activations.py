@@ -5,10 +5,10 @@ repacks every dense matrix the integer kernel reads (GGUF blocks with a scale pe
 Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, IQ4_NL, IQ4_XS; Q6_K, Q3_K and Q2_K's int8 scales per 16 under a
 super-block scale; ``int8_g32`` and per-row ``int8`` weights) into its layout (model/quantization/int8_panels.py), so that ``model.kernels.dense``
 quantizes its activations to int8 per block of 32 and sums in integers, as llama.cpp does
-(model/kernels/int8_matmul.py). A float, fp8 or
-otherwise unsupported matrix stays in the exact mode, and so do a mixture of experts' grouped
-experts (model/kernels/grouped_matmul.py has no integer kernel); a model with no such matrix at all is an
-error, since the setting would change nothing.
+(model/kernels/int8_matmul.py). A mixture of experts' stacked experts of those types are packed
+expert by expert into one stack (``pack_int8_experts``), which model/kernels/grouped_matmul.py hands to
+the integer kernel's grouped form. A float, fp8 or otherwise unsupported matrix stays in the exact
+mode; a model with no such matrix at all is an error, since the setting would change nothing.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from typing import Literal
 
 from raylm.model.decoder.params import LAYER_MATRIX_INPUT_DIMS, MODEL_MATRIX_INPUT_DIMS, LayerParams, ModelParams
 from raylm.model.kernels.int8_matmul import takes_int8_activations, unavailable_reason
-from raylm.model.quantization.int8_panels import pack_int8_panels
+from raylm.model.quantization.int8_panels import pack_int8_experts, pack_int8_panels
 
 ActivationQuantization = Literal["none", "int8"]
 ACTIVATION_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
-# Stacked experts run the grouped kernel, which has no integer mode; latent attention's kv_b_proj
-# is contracted per head by its absorbed form (model/decoder/latent_attention.py), not by a kernel.
-_NOT_PACKED = frozenset({"w_experts_gate_up", "w_experts_down", "wkv_b"})
+# Latent attention's kv_b_proj is contracted per head by its absorbed form
+# (model/decoder/latent_attention.py), not by a kernel.
+_NOT_PACKED = frozenset({"wkv_b"})
+_STACKED_EXPERTS = frozenset({"w_experts_gate_up", "w_experts_down"})  # [E, N..., K]: grouped_matmul's
 
 
 def parse_activation_quantization(value: str | None) -> ActivationQuantization:
@@ -45,16 +46,16 @@ def with_int8_activations(params: ModelParams, model_name: str) -> ModelParams:
         raise ValueError(f"activation_quantization int8 cannot run here: {reason}")
     packed = 0
 
-    def pack(matrix: object) -> object:
+    def pack(matrix: object, stacked: bool = False) -> object:
         nonlocal packed
         if not takes_int8_activations(matrix):
             return matrix
         packed += 1
-        return pack_int8_panels(matrix)  # type: ignore[arg-type]
+        return (pack_int8_experts if stacked else pack_int8_panels)(matrix)  # type: ignore[arg-type]
 
     def layer(lp: LayerParams) -> LayerParams:
-        return dataclasses.replace(
-            lp, **{f: pack(getattr(lp, f)) for f in LAYER_MATRIX_INPUT_DIMS if f not in _NOT_PACKED})
+        return dataclasses.replace(lp, **{f: pack(getattr(lp, f), f in _STACKED_EXPERTS)
+                                          for f in LAYER_MATRIX_INPUT_DIMS if f not in _NOT_PACKED})
 
     params = dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers),
                                  **{f: pack(getattr(params, f)) for f in MODEL_MATRIX_INPUT_DIMS})

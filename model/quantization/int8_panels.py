@@ -60,7 +60,10 @@ LANE = 4  # bytes per lane: one vpdpbusd adds four products
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Int8Panels(StoredBytes):
-    """A matrix ``[*output_shape, *input_shape]`` packed for the integer kernel (module docstring)."""
+    """A matrix ``[*output_shape, *input_shape]`` packed for the integer kernel (module docstring),
+    or with ``experts`` a stack of them ``[experts, *output_shape, *input_shape]`` (a mixture of
+    experts' experts): every array gains a leading expert dim, expert ``e``'s slice being exactly
+    ``pack_int8_panels`` of its matrix."""
 
     q: Any
     scale: Any
@@ -69,26 +72,45 @@ class Int8Panels(StoredBytes):
     sub_scale: Any
     output_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     input_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    experts: int = dataclasses.field(default=0, metadata={"static": True})  # 0: one matrix
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (*self.output_shape, *self.input_shape)
+        return (*((self.experts,) if self.experts else ()), *self.output_shape, *self.input_shape)
+
+    def expert(self, e: int) -> "Int8Panels":
+        """Expert ``e``'s matrix of a stack (its arrays' slices: what the grouped kernel reads for it)."""
+        if not self.experts:
+            raise ValueError(f"expert({e}) of one packed matrix {self.shape}, not a stack of experts")
+        return Int8Panels(*(a[e] for a in (self.q, self.scale, self.offset, self.row_scale, self.sub_scale)),
+                          self.output_shape, self.input_shape)
 
     def rows(self, index: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        """Output entries ``index`` (flat ids, e.g. token ids into ``[V, D]``) with their inputs,
-        dequantized exactly as the stored matrix's ``rows`` would give them."""
+        """Output entries ``index`` (flat ids, e.g. token ids into ``[V, D]``; for a stack, into
+        ``[experts * N]``) with their inputs, dequantized exactly as the stored matrix's ``rows``
+        would give them."""
+        per_expert = math.prod(self.output_shape)
+        lead_index = (index // per_expert,) if self.experts else ()
+        index = index % per_expert if self.experts else index
+
+        def at(a: jax.Array, *rest: Any) -> jax.Array:
+            return a[(*lead_index, *rest)]
+
         group, lane = index // GROUP, index % GROUP
         lead = index.shape
         size = math.prod(self.input_shape)
-        stored = self.q[group, :, :, lane, :].reshape(*lead, -1)  # [..., B * T * 4]: the stored bytes in order
-        if self.row_scale.shape[0]:
-            w = stored[..., :size].astype(jnp.float32) * self.row_scale[index][..., None]
+        every = slice(None)
+        q = at(self.q, group, every, every, lane, every)  # [..., B, T, 4]: one column's vectors
+        stored = q.reshape(*lead, -1)  # the stored bytes in order
+        if self.row_scale.shape[-1]:
+            w = stored[..., :size].astype(jnp.float32) * at(self.row_scale, index)[..., None]
             return w.reshape(*lead, *self.input_shape).astype(dtype)
-        offset = self.offset[group, :, lane].astype(jnp.float32) if self.offset.shape[-1] else jnp.zeros((*lead, 0), jnp.float32)
-        scale = self.scale[group, :, lane].astype(jnp.float32)  # [..., B]
-        if self.sub_scale.shape[0]:  # signed bytes, and d * sc (-dmin * m) per 16: the float32 products
-            stored = _unpack_six_bits(self.q[group, :, :, lane, :]).reshape(*lead, -1)
-            sub = self.sub_scale[group, :, :, lane].astype(jnp.float32)  # [..., B, 2 or 4]
+        no_offset = jnp.zeros((*lead, 0), jnp.float32)
+        offset = at(self.offset, group, every, lane).astype(jnp.float32) if self.offset.shape[-1] else no_offset
+        scale = at(self.scale, group, every, lane).astype(jnp.float32)  # [..., B]
+        if self.sub_scale.shape[-1]:  # signed bytes, and d * sc (-dmin * m) per 16: the float32 products
+            stored = _unpack_six_bits(q).reshape(*lead, -1)
+            sub = at(self.sub_scale, group, every, every, lane).astype(jnp.float32)  # [..., B, 2 or 4]
             if offset.shape[-1]:
                 offset = (offset[..., None] * sub[..., 2:]).reshape(*lead, -1)
             scale = (scale[..., None] * sub[..., :2]).reshape(*lead, -1)
@@ -96,8 +118,8 @@ class Int8Panels(StoredBytes):
         return blocks.dequantize(dtype)
 
     def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-        """The whole matrix in ``dtype`` (for references and tests)."""
-        rows = self.rows(jnp.arange(math.prod(self.output_shape)), dtype)
+        """The whole matrix (or stack) in ``dtype`` (for references and tests)."""
+        rows = self.rows(jnp.arange(math.prod(self.shape[: len(self.shape) - self.num_input_dims])), dtype)
         return rows.reshape(self.shape)
 
 
@@ -148,6 +170,35 @@ def _super_block_tables(w: GgufBlocks) -> tuple[np.ndarray, np.ndarray | None, n
 def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
     """``w`` (GGUF blocks that ``takes_int8_activations``, ``int8_g32``, or int8 with a scale per output
     channel) in the integer kernel's layout, on the device ``w`` is on (host numpy in between)."""
+    arrays, output_shape, input_shape = _packed_arrays(w)
+    return Int8Panels(*(jnp.asarray(a) for a in arrays), output_shape, input_shape)
+
+
+def pack_int8_experts(w: GgufBlocks | QuantArray) -> Int8Panels:
+    """Stacked experts ``w [E, N..., K...]`` (of a type ``pack_int8_panels`` takes) as one ``Int8Panels``
+    with ``experts = E``: each expert's matrix packed as ``pack_int8_panels`` packs it, then stacked
+    (the grouped kernel reads expert ``e``'s panels as one contiguous slice). Tables are float16 only
+    where every expert's are, so that all experts share one layout."""
+    host = jax.device_get(w)
+    experts = host.shape[0]
+    if isinstance(host, GgufBlocks):
+        def matrix(e: int) -> GgufBlocks | QuantArray:
+            return GgufBlocks(host.q[e], host.scale[e], host.offset[e], host.input_shape,
+                              None if host.supers is None else host.supers[e])
+    else:
+        def matrix(e: int) -> GgufBlocks | QuantArray:
+            return QuantArray(host.q[e], host.scale[e])
+    packed = [_packed_arrays(matrix(e)) for e in range(experts)]
+    arrays = list(zip(*(p[0] for p in packed)))  # per array kind, every expert's
+    tables = np.result_type(*(a.dtype for a in (*arrays[1], *arrays[2])))  # float32 if any expert's tables need it
+    arrays[1:3] = [[a.astype(tables) for a in kind] for kind in arrays[1:3]]
+    _, output_shape, input_shape = packed[0]
+    return Int8Panels(*(jnp.asarray(np.stack(kind)) for kind in arrays), output_shape, input_shape, experts)
+
+
+def _packed_arrays(w: GgufBlocks | QuantArray) -> tuple[tuple[np.ndarray, ...], tuple[int, ...], tuple[int, ...]]:
+    """``pack_int8_panels``'s arrays (``q, scale, offset, row_scale, sub_scale``: module docstring) in
+    host memory, and ``w``'s output and input shapes."""
     sub = None
     if isinstance(w, GgufBlocks) and sub_scaled(w):
         output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
@@ -191,8 +242,6 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
         sub_scale = np.zeros((0, 0, 0, 0), np.int8)
     else:  # [N, B, 2 or 4] -> [G, B, 2 or 4, 16]
         sub_scale = np.ascontiguousarray(sub[repeat].reshape(groups, GROUP, blocks, -1).transpose(0, 2, 3, 1))
-    return Int8Panels(
-        jnp.asarray(np.ascontiguousarray(packed)), jnp.asarray(per_block(scale)), jnp.asarray(per_block(offset)),
-        jnp.asarray(row_scale if row_scale is not None else np.zeros((0,), np.float32)), jnp.asarray(sub_scale),
-        output_shape, tuple(input_shape),
-    )
+    arrays = (np.ascontiguousarray(packed), per_block(scale), per_block(offset),
+              row_scale if row_scale is not None else np.zeros((0,), np.float32), sub_scale)
+    return arrays, output_shape, tuple(input_shape)
