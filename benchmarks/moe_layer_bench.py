@@ -15,13 +15,15 @@ program first (what the grouped path did before the kernel read 8-bit experts). 
 run random GGUF blocks of those types (a DeepSeek-V2-Lite Q4_0 file's experts, gpt-oss's) in the
 exact mode, and ``q4_0_integer`` / ``mxfp4_integer`` the same blocks packed for the integer compute
 mode (``activation_quantization: int8``: int8 activations, the grouped integer kernel of
-model/kernels/int8_matmul.py); the ratio printed is exact / integer on the same blocks. Weights are random
+model/kernels/int8_matmul.py); the ratio printed is exact / integer on the same blocks. ``mxfp4_bytes``
+runs the MXFP4 blocks with each 4-bit code widened to a signed byte of its value (``GgufBlocks.widened``:
+how they were held before the kernels looked codes up in a codebook), beside ``mxfp4``. Weights are random
 float32 and far larger than the caches, so they stream from memory as in a real step; the
 paths are jitted programs over the same arrays, timed in alternating rounds (median).
 
     python -m raylm.benchmarks.moe_layer_bench [--rows 1,16,64] [--experts 8] [--top-k 2]
         [--hidden 1024] [--expert-size 1536] [--rounds 7]
-        [--paths kernel,int8,int8_widened,q4_1,ragged_dot,dense,all_experts,q4_0,q4_0_integer,mxfp4,mxfp4_integer]
+        [--paths kernel,int8,int8_widened,q4_1,ragged_dot,dense,all_experts,q4_0,q4_0_integer,mxfp4,mxfp4_integer,mxfp4_bytes]
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ def main() -> None:
             programs[f"{kind}_integer"] = (jax.jit(moe_kernel), dataclasses.replace(
                 blocks, w_experts_gate_up=pack_int8_experts(blocks.w_experts_gate_up),
                 w_experts_down=pack_int8_experts(blocks.w_experts_down)))
+            programs[f"{kind}_bytes"] = (jax.jit(moe_kernel), dataclasses.replace(  # codes widened to their values
+                blocks, w_experts_gate_up=jax.device_get(blocks.w_experts_gate_up).widened().to_device(),
+                w_experts_down=jax.device_get(blocks.w_experts_down).widened().to_device()))
     print(f"E={E} top-{k} hidden={D} expert_size={I}: experts {E * 3 * I * D * 4 / 2**20:.0f} MiB, "
           f"dense layer {3 * k * I * D * 4 / 2**20:.0f} MiB (float32); grouped kernel built: {available()}")
     print(f"{'rows':>5} " + " ".join(f"{p + ' ms':>15}" for p in paths) + "  ratios")
@@ -152,6 +157,8 @@ def main() -> None:
             ratios.append(f"ragged_dot/kernel {ms['ragged_dot'] / ms['kernel']:.2f}x")
         if "int8" in ms and "int8_widened" in ms:
             ratios.append(f"int8_widened/int8 {ms['int8_widened'] / ms['int8']:.2f}x")
+        if "mxfp4" in ms and "mxfp4_bytes" in ms:
+            ratios.append(f"mxfp4_bytes/mxfp4 {ms['mxfp4_bytes'] / ms['mxfp4']:.2f}x")
         for kind, error in integer_error.items():
             ratios.append(f"{kind}/{kind}_integer {ms[kind] / ms[f'{kind}_integer']:.2f}x (error {error:.1e})")
         print(f"{rows:>5} " + " ".join(f"{ms[p]:>15.2f}" for p in paths) + "  " + ", ".join(ratios))

@@ -142,7 +142,7 @@ def gguf_matmul(x: jax.Array, w: GgufBlocks) -> jax.Array:
     if x.ndim != 2 or w.q.ndim != 2 or w.shape[1:] != x.shape[1:]:
         raise ValueError(f"gguf_matmul takes x [M, K] and 2-D blocks [N, K], got {x.shape} and {w.shape}")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(target, out)(x, w.q, w.scale, w.offset, _supers(w))
+    return jax.ffi.ffi_call(target, out)(x, w.q, w.scale, w.offset, _supers(w), w.codebook_table())
 
 
 def _supers(w: GgufBlocks) -> jax.Array:
@@ -262,7 +262,7 @@ def _gguf_dense(
     two_level = w.two_level
 
     def blocks(q: jax.Array, scale: jax.Array, offset: jax.Array, supers: jax.Array) -> GgufBlocks:
-        return GgufBlocks(q, scale, offset, w.input_shape, supers if two_level else None)
+        return GgufBlocks(q, scale, offset, w.input_shape, supers if two_level else None, w.codebook)
 
     def by_xla(x: jax.Array, *arrays: jax.Array) -> jax.Array:
         return dense(x, blocks(*arrays).dequantize(x.dtype), contract, kernel=kernel, out_dtype=out_dtype)

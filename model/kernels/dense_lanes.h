@@ -83,6 +83,19 @@ struct Lanes<Vec8> {
     *high = d_high * *high + m_high;
   }
 
+  // The eight bytes at p as 4-bit codes into `codebook` (16 floats), weights d * codebook[q]: a
+  // lookup per weight, then the one rounding of d * value.
+  static void WidenCodes(const uint8_t* p, const float* codebook, float d_low, float d_high, Vec8* low,
+                         Vec8* high) {
+    Vec8 low_values{}, high_values{};
+    for (int i = 0; i < 8; ++i) {
+      low_values[i] = codebook[p[i] & 0x0F];
+      high_values[i] = codebook[p[i] >> 4];
+    }
+    *low = d_low * low_values;
+    *high = d_high * high_values;
+  }
+
   static float Sum(Vec8 v) {  // in lane order
     float s = 0.0f;
     for (int i = 0; i < 8; ++i) s += v[i];
@@ -141,6 +154,19 @@ struct Lanes<Vec16> {
     const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 low_table = _mm512_fmadd_ps(_mm512_set1_ps(d_low), q, _mm512_set1_ps(m_low));
     const __m512 high_table = _mm512_fmadd_ps(_mm512_set1_ps(d_high), q, _mm512_set1_ps(m_high));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    *low = reinterpret_cast<Vec16>(_mm512_permutexvar_ps(bytes, low_table));
+    *high = reinterpret_cast<Vec16>(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), high_table));
+  }
+
+  // The sixteen bytes at p as 4-bit codes into `codebook` (16 floats), weights d * codebook[q]: the
+  // table is d * codebook (one multiply, each entry's one rounding), then a permute per sixteen
+  // weights, as WidenNibbles.
+  static void WidenCodes(const uint8_t* p, const float* codebook, float d_low, float d_high, Vec16* low,
+                         Vec16* high) {
+    const __m512 values = _mm512_loadu_ps(codebook);
+    const __m512 low_table = _mm512_mul_ps(_mm512_set1_ps(d_low), values);
+    const __m512 high_table = _mm512_mul_ps(_mm512_set1_ps(d_high), values);
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     *low = reinterpret_cast<Vec16>(_mm512_permutexvar_ps(bytes, low_table));
     *high = reinterpret_cast<Vec16>(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), high_table));

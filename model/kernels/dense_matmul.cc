@@ -125,9 +125,9 @@ ffi::Error HalfMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer w, f
 // scale [N, K/group] (group 32 or 16) and offset like scale (always for 4-bit blocks) or [N, 0],
 // float32, or int8 with supers [N, K/256 * 2] float32 (two-level scales; else supers [N, 0]);
 // K a multiple of 32. Checks the buffers agree and fills `rows`; an empty message when they do.
-std::string GgufRowsOf(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer offset, Matrix supers, int64_t N,
-                       int64_t K, GgufRows* rows) {
-  const bool nibbles = q.element_type() == ffi::DataType::U8;
+std::string GgufRowsOf(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer offset, Matrix supers, Scales codebook,
+                       int64_t N, int64_t K, GgufRows* rows) {
+  const bool nibbles = q.element_type() == ffi::DataType::U8, coded = codebook.dimensions()[0] > 0;
   const auto qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
   const bool two_level = supers.dimensions()[1] > 0;
   const ffi::DataType table = two_level ? ffi::DataType::S8 : ffi::DataType::F32;
@@ -135,24 +135,27 @@ std::string GgufRowsOf(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer of
   const bool agree = (nibbles || q.element_type() == ffi::DataType::S8) && K % raylm::kGgufBlock == 0 && K > 0 &&
                      qd.size() == 2 && qd[0] == N && qd[1] == (nibbles ? K / 2 : K) && sd.size() == 2 &&
                      sd[0] == N && (scales == K / 32 || scales == K / 16) && od.size() == 2 && od[0] == N &&
-                     (offsets == scales || (offsets == 0 && !nibbles)) && scale.element_type() == table &&
-                     offset.element_type() == table && supers.dimensions()[0] == N &&
+                     (coded ? nibbles && offsets == 0 && codebook.dimensions()[0] == 16
+                            : offsets == scales || (offsets == 0 && !nibbles)) &&
+                     scale.element_type() == table && offset.element_type() == table && supers.dimensions()[0] == N &&
                      (!two_level || (K % raylm::kGgufSuper == 0 && supers.dimensions()[1] == K / raylm::kGgufSuper * 2));
   if (!agree)
-    return "q [N, K/2] uint8 or [N, K] int8, scale [N, K/32] or [N, K/16], offset like scale (always for uint8 q) "
-           "or [N, 0], float32 tables with supers [N, 0] or int8 ones with supers [N, K/256 * 2], K a multiple of "
-           "32; got N " + std::to_string(N) + ", K " + std::to_string(K) + ", q " + raylm::Shape(qd) + ", scale " +
-           raylm::Shape(sd) + ", offset " + raylm::Shape(od) + ", supers " + raylm::Shape(supers.dimensions());
+    return "q [N, K/2] uint8 or [N, K] int8, scale [N, K/32] or [N, K/16], offset like scale (always for uint8 q "
+           "without a codebook) or [N, 0], float32 tables with supers [N, 0] or int8 ones with supers [N, K/256 * 2], "
+           "codebook [16] (uint8 q, offset [N, 0]) or [0], K a multiple of 32; got N " + std::to_string(N) + ", K " +
+           std::to_string(K) + ", q " + raylm::Shape(qd) + ", scale " + raylm::Shape(sd) + ", offset " +
+           raylm::Shape(od) + ", supers " + raylm::Shape(supers.dimensions()) + ", codebook " +
+           raylm::Shape(codebook.dimensions());
   *rows = GgufRows{static_cast<const uint8_t*>(q.untyped_data()), scale.untyped_data(),
                    offsets ? offset.untyped_data() : nullptr, two_level ? supers.typed_data() : nullptr, K, nibbles,
-                   K / scales};
+                   K / scales, coded ? codebook.typed_data() : nullptr};
   return "";
 }
 
 // GgufRowsOf for a call x [M, K] . blocks^T -> y [M, N] (N from y); an empty message when all agree.
 std::string GgufCallOf(const Matrix& x, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer offset,
-                       Matrix supers, const Matrix& y, GgufRows* rows) {
-  std::string error = GgufRowsOf(q, scale, offset, supers, y.dimensions()[1], x.dimensions()[1], rows);
+                       Matrix supers, Scales codebook, const Matrix& y, GgufRows* rows) {
+  std::string error = GgufRowsOf(q, scale, offset, supers, codebook, y.dimensions()[1], x.dimensions()[1], rows);
   if (error.empty() && y.dimensions()[0] != x.dimensions()[0]) error = "y must be [M, N]";
   return error.empty() ? error : "x [M, K], y [M, N]; " + error;
 }
@@ -160,10 +163,10 @@ std::string GgufCallOf(const Matrix& x, ffi::AnyBuffer q, ffi::AnyBuffer scale, 
 // x [M, K] . blocks^T -> y [M, N].
 template <Nest kNest>
 ffi::Error GgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, ffi::AnyBuffer scale,
-                      ffi::AnyBuffer offset, Matrix supers, ffi::Result<Matrix> y) {
+                      ffi::AnyBuffer offset, Matrix supers, Scales codebook, ffi::Result<Matrix> y) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
   GgufRows w{};
-  const std::string error = GgufCallOf(x, q, scale, offset, supers, *y, &w);
+  const std::string error = GgufCallOf(x, q, scale, offset, supers, codebook, *y, &w);
   if (!error.empty()) return ffi::Error::InvalidArgument("gguf_matmul: " + error);
   if (M == 0 || N == 0) return ffi::Error::Success();
   const float* xs = x.typed_data();
@@ -210,6 +213,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufMatmul, GgufMatmul<Nest::kSmallBatch>,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Matrix>()
+                                  .Arg<Scales>()
                                   .Ret<Matrix>());
 
 // The same four products by the prompt GEMM (prompt_gemm.inc), for calls of many rows.
@@ -243,4 +247,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGgufMatmulPrompt, GgufMatmul<Nest::kPrompt>,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Matrix>()
+                                  .Arg<Scales>()
                                   .Ret<Matrix>());

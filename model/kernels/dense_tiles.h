@@ -120,7 +120,10 @@ __attribute__((always_inline)) inline void GgufTileOf(const float* __restrict x,
       const float* super = kTwoLevel ? w.Super(n + j, b) : nullptr;
       const uint8_t* q = w.q + (n + j) * w.RowBytes() + b * bytes_per_block;
       const float d = w.Scale<kTwoLevel>(s, super), d_high = kSplit ? w.Scale<kTwoLevel>(s + 1, super) : d;
-      if (w.Nibbles()) {
+      if (w.codebook) {
+        for (int h = 0; h < kVectors / 2; ++h)
+          Lanes<V>::WidenCodes(q + h * kLanes, w.codebook, d, d_high, &weights[j][h], &weights[j][h + kVectors / 2]);
+      } else if (w.Nibbles()) {
         const float m = w.Offset<kTwoLevel>(s, super);
         for (int h = 0; h < kVectors / 2; ++h) {
           if constexpr (kSplit) {
@@ -166,7 +169,15 @@ __attribute__((always_inline)) inline void WidenGgufBlock(const GgufRows& w, int
   const uint8_t* q = w.q + row * w.RowBytes() + b * (w.RowBytes() / w.RowBlocks());
   // Each vector is stored as soon as it is widened: gathering a block's vectors in an array
   // and copying it out made GCC pass them through the stack (a store and a reload each).
-  if (w.Nibbles()) {
+  if (w.codebook) {
+    const float d = w.Scale<kTwoLevel>(s, super), d_high = w.Scale<kTwoLevel>(s + split, super);
+    for (int h = 0; h < kVectors / 2; ++h) {
+      V low, high;
+      Lanes<V>::WidenCodes(q + h * kLanes, w.codebook, d, d_high, &low, &high);
+      std::memcpy(out + h * kLanes, &low, sizeof low);
+      std::memcpy(out + (h + kVectors / 2) * kLanes, &high, sizeof high);
+    }
+  } else if (w.Nibbles()) {
     const float d = w.Scale<kTwoLevel>(s, super), m = w.Offset<kTwoLevel>(s, super);
     const float d_high = w.Scale<kTwoLevel>(s + split, super), m_high = w.Offset<kTwoLevel>(s + split, super);
     for (int h = 0; h < kVectors / 2; ++h) {

@@ -5,7 +5,7 @@
 // Each row of K weights is K/32 blocks of 32 along k, stored as 4-bit nibbles or signed bytes. Each
 // group of 32 (or 16) weights has a scale d and, for most formats, an offset m: w = d * q + m, or
 // w = d * q without offsets. Q4_1's w = d * q + m, Q4_0's d * (q - 8) held as m = -8 * d, Q8_0's
-// q * d, in float32 tables; the K-quants keep their two levels (Q4_K's d = d_super * sc and
+// q * d, IQ4's and MXFP4's d * codebook[q] (4-bit codes into a table of 16 integers), in float32 tables; the K-quants keep their two levels (Q4_K's d = d_super * sc and
 // m = -(dmin * min) per 32, Q6_K's d = d_super * sc per 16), formed as a block is read. Wherever an offset is
 // added, d * q is exact in float32 (at most 22 significant bits), so whether a compiler fuses the
 // multiply-add or rounds the product first, w rounds once, exactly as the gguf package's numpy
@@ -35,6 +35,9 @@ struct GgufRows {
   int64_t K;
   bool nibbles;
   int64_t group;  // weights per scale: 32, or 16 (two scales a block: the low and high sixteen)
+  // 4-bit codes standing for 16 integers (IQ4's kvalues, MXFP4's doubled e2m1), as float32: w = d *
+  // codebook[q], no offset (d * codebook[q] is the one rounding, as the gguf package's), or null.
+  const float* codebook = nullptr;
 
   bool Nibbles() const { return nibbles; }
   int64_t RowBytes() const { return nibbles ? K / 2 : K; }

@@ -33,6 +33,7 @@ namespace {
 
 using Stacked = ffi::Buffer<ffi::F32, 3>;
 using GroupSizes = ffi::Buffer<ffi::S32, 1>;
+using Codebook = ffi::Buffer<ffi::F32, 1>;  // a GGUF block matrix's 16 code values, or [0] (gguf_blocks.h)
 
 // Checks x [M, K], weights [G, N, ...] of K inputs per row (`w_inputs`), group_sizes [G] and
 // y [M, N] agree; an empty message when they do.
@@ -91,10 +92,12 @@ ffi::Error GroupedQuantizedMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::An
 // or [G, N, 0], float32 with supers [G, N, 0] or int8 with supers [G, N, K/256 * 2]; K a multiple
 // of 32.
 ffi::Error GroupedGgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, ffi::AnyBuffer scale,
-                             ffi::AnyBuffer offset, Stacked supers, GroupSizes group_sizes, ffi::Result<Matrix> y) {
+                             ffi::AnyBuffer offset, Stacked supers, GroupSizes group_sizes, Codebook codebook,
+                             ffi::Result<Matrix> y) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   const auto qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions(), pd = supers.dimensions();
   const bool nibbles = q.element_type() == ffi::DataType::U8, two_level = pd[2] > 0;
+  const bool coded = codebook.dimensions()[0] > 0;
   const ffi::DataType table = two_level ? ffi::DataType::S8 : ffi::DataType::F32;
   const bool shaped = sd.size() == 3 && od.size() == 3 && qd.size() == 3;
   std::string error = shaped ? GroupShapeError("grouped_gguf_matmul", x.dimensions(), sd, K, group_sizes.dimensions(),
@@ -104,15 +107,18 @@ ffi::Error GroupedGgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuff
   const bool agree = shaped && (nibbles || q.element_type() == ffi::DataType::S8) && K % raylm::kGgufBlock == 0 &&
                      K > 0 && (scales == K / 32 || scales == K / 16) && qd[0] == sd[0] && qd[1] == sd[1] &&
                      qd[2] == (nibbles ? K / 2 : K) && od[0] == sd[0] && od[1] == sd[1] &&
-                     (od[2] == scales || (od[2] == 0 && !nibbles)) && scale.element_type() == table &&
+                     (coded ? nibbles && od[2] == 0 && codebook.dimensions()[0] == 16
+                            : od[2] == scales || (od[2] == 0 && !nibbles)) &&
+                     scale.element_type() == table &&
                      offset.element_type() == table && pd[0] == sd[0] && pd[1] == sd[1] &&
                      (!two_level || (K % raylm::kGgufSuper == 0 && pd[2] == K / raylm::kGgufSuper * 2));
   if (error.empty() && !agree)
     error = "grouped_gguf_matmul: q [G, N, K/2] uint8 or [G, N, K] int8, scale [G, N, K/32] or [G, N, K/16], "
-            "offset like scale (always for uint8 q) or [G, N, 0], float32 tables with supers [G, N, 0] or int8 ones "
-            "with supers [G, N, K/256 * 2], K a multiple of 32; got K " + std::to_string(K) + ", q " +
-            raylm::Shape(qd) + ", scale " + raylm::Shape(sd) + ", offset " + raylm::Shape(od) + ", supers " +
-            raylm::Shape(pd);
+            "offset like scale (always for uint8 q without a codebook) or [G, N, 0], float32 tables with supers "
+            "[G, N, 0] or int8 ones with supers [G, N, K/256 * 2], codebook [16] (uint8 q, offset [G, N, 0]) or [0], "
+            "K a multiple of 32; got K " + std::to_string(K) + ", q " + raylm::Shape(qd) + ", scale " +
+            raylm::Shape(sd) + ", offset " + raylm::Shape(od) + ", supers " + raylm::Shape(pd) + ", codebook " +
+            raylm::Shape(codebook.dimensions());
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   const int64_t G = sd[0], N = sd[1];
   const float* xs = x.typed_data();
@@ -122,7 +128,8 @@ ffi::Error GroupedGgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuff
     const int64_t table_bytes = two_level ? 1 : 4;
     const GgufRows w{qs + g * N * qd[2], static_cast<const char*>(scale.untyped_data()) + g * N * scales * table_bytes,
                      od[2] ? static_cast<const char*>(offset.untyped_data()) + g * N * scales * table_bytes : nullptr,
-                     two_level ? supers.typed_data() + g * N * pd[2] : nullptr, K, nibbles, K / scales};
+                     two_level ? supers.typed_data() + g * N * pd[2] : nullptr, K, nibbles, K / scales,
+                     coded ? codebook.typed_data() : nullptr};
     const float* xg = xs + start * K;
     float* yg = ys + start * N;
     Run(N, K, kMaxWeightRowsPerTile * K,
@@ -160,4 +167,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGroupedGgufMatmul, GroupedGgufMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Stacked>()
                                   .Arg<GroupSizes>()
+                                  .Arg<Codebook>()
                                   .Ret<Matrix>());

@@ -81,7 +81,8 @@ def grouped_matmul(
     def by_ragged_dot(x: jax.Array, sizes: jax.Array, *arrays: jax.Array) -> jax.Array:
         if isinstance(w, GgufBlocks):
             q, scales, offsets, supers = arrays
-            stacked = GgufBlocks(q, scales, offsets, (K,), supers if w.two_level else None).dequantize(x.dtype)
+            stacked = GgufBlocks(q, scales, offsets, (K,), supers if w.two_level else None,
+                                 w.codebook).dequantize(x.dtype)
             scale = None
         else:
             stacked, scale = arrays[0].astype(x.dtype), (arrays[1] if isinstance(w, QuantArray) else None)
@@ -95,7 +96,9 @@ def grouped_matmul(
     def by_kernel(x: jax.Array, sizes: jax.Array, *arrays: jax.Array) -> jax.Array:
         target = (_QUANTIZED_KERNEL if isinstance(w, QuantArray) else _GGUF_KERNEL if isinstance(w, GgufBlocks)
                   else _KERNEL).target
-        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))(x, *arrays, sizes)
+        codebook = (w.codebook_table(),) if isinstance(w, GgufBlocks) else ()  # GgufBlocks.codebook
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))(x, *arrays, sizes,
+                                                                                             *codebook)
 
     def by_gpu_kernel(x: jax.Array, sizes: jax.Array, *arrays: jax.Array) -> jax.Array:
         return pallas_grouped_matmul(x, QuantArray(*arrays) if isinstance(w, QuantArray) else arrays[0], sizes)

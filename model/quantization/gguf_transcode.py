@@ -4,7 +4,8 @@ Why: the file most people download is a Q4_K_M (Q4_K matrices with some Q6_K), t
 Q6_K, Q8_0, IQ4_XS. Expanded to float32, an 8B model is ~32 GB; kept as blocks it stays near
 its file's size, and the block kernels (model/kernels/gguf_blocks.h) compute the same float32
 numbers. Each type's super-block scales are folded into one float32 scale (and offset) per
-group of 32 or 16 weights, the values become 4-bit nibbles or signed bytes:
+group of 32 or 16 weights, the values become 4-bit nibbles, 4-bit codes into a codebook of 16
+integers, or signed bytes:
 
 ==========  =======================================  =====  ======  =======
 type        w (the gguf package's dequantization)    group  values  offset
@@ -19,19 +20,25 @@ Q3_K        (d (sc - 32)) * q                        16     byte    none
 Q4_K        (d sc) * q - (dmin m)                    32     nibble  -(dmin m)
 Q5_K        (d sc) * q - (dmin m)                    32     byte    -(dmin m)
 Q6_K        (d sc) * (q - 32)                        16     byte    none
-IQ4_NL      d * kvalue[q]                            32     byte    none
-IQ4_XS      (d (ls - 32)) * kvalue[q]                32     byte    none
-MXFP4       (2^e / 2) * (2 e2m1[q])                  32     byte    none
+IQ4_NL      d * kvalue[q]                            32     code    none
+IQ4_XS      (d (ls - 32)) * kvalue[q]                32     code    none
+MXFP4       (2^e / 2) * (2 e2m1[q])                  32     code    none
 ==========  =======================================  =====  ======  =======
 
 The K-quants and IQ4_XS keep their scales as the file does, in two levels: a signed byte per
 group (``sc``, ``m``; Q3_K's and IQ4_XS's ``sc - 32``) and per super-block of 256 weights the
 float32 ``d`` and ``dmin`` (``supers``); the kernel forms ``d * sc`` and ``-(dmin * m)`` as it
-reads a block. Q4_K is then held in 4.75 bits a weight (its file: 4.5), Q6_K in 8.75 (6.56), Q5_K
-in 8.75 (5.5); the other types keep a float32 scale (and offset) per 32.
+reads a block. Q4_K is then held in 4.75 bits a weight (its file: 4.5), IQ4_XS in 4.5 (4.25), Q6_K
+in 8.75 (6.56), Q5_K in 8.75 (5.5); the other types keep a float32 scale (and offset) per 32 (IQ4_NL
+and MXFP4: 5 bits, files 4.5 and 4.25).
+
+"code": the file's 4-bit codes kept as nibbles (GGUF's order, as Q4's) with the type's 16-entry
+table (``codebook_of``: IQ4's ``kvalues``, MXFP4's ``E2M1_DOUBLED``; ``GgufBlocks.codebook``), no
+offset. The kernels widen a code to ``d * codebook[q]``: one rounding of a small integer times the
+scale, the numbers signed bytes of the values gave (twice the bytes), bit for bit.
 
 MXFP4 (gpt-oss's experts; HF checkpoints' ``*_blocks`` / ``*_scales`` too, model/quantization/mxfp4.py)
-is IQ4_NL's form, as llama.cpp reads it: twice an e2m1 value is an integer of {0, 1, 2, 3, 4, 6,
+has IQ4_NL's form, as llama.cpp reads it: twice an e2m1 value is an integer of {0, 1, 2, 3, 4, 6,
 8, 12} with its sign (a 16-entry table), and the e8m0 scale ``2^(e - 127)`` halved is a power of
 two held exactly as a float32 (2^-128 subnormal, 2^127 normal): each weight is one product of
 two exact numbers, a power of two times a small integer, exact itself.
@@ -54,7 +61,7 @@ from gguf.quants import IQ4_NL as _IQ4_NL
 from gguf.quants import Q4_K as _Q4_K
 
 # One transcoder's answer for n file blocks: values [n, block] int8 (uint8 for types held as
-# nibbles, 0..15, in their natural order), scale [n, block / group] float32 (int8 sub-scales for
+# nibbles, 0..15, in their natural order: codes into the type's codebook for IQ4 and MXFP4), scale [n, block / group] float32 (int8 sub-scales for
 # types with super-blocks), offset like scale or None, and supers [n, 2] float32 (d, dmin; dmin
 # 0 without offsets) or None.
 Transcoded = tuple[np.ndarray, np.ndarray, "np.ndarray | None", "np.ndarray | None"]
@@ -161,7 +168,7 @@ def _q6_k(b: np.ndarray) -> Transcoded:
 
 
 def _iq4_nl(b: np.ndarray) -> Transcoded:
-    return _KVALUES[_low_high(b[:, 2:], 16)], _f16(b, 0), None, None
+    return _low_high(b[:, 2:], 16), _f16(b, 0), None, None
 
 
 def _iq4_xs(b: np.ndarray) -> Transcoded:
@@ -169,8 +176,7 @@ def _iq4_xs(b: np.ndarray) -> Transcoded:
     high = _bits(np.ascontiguousarray(b[:, 2:4]).view(np.uint16), 1, 8, 2).astype(np.uint8)
     low = _low_high(b[:, 4:8], 1)  # per byte: its low half, then its high half
     ls = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
-    q = _KVALUES[_low_high(b[:, 8:], 16)]
-    return q.reshape(n, 256), ls, None, _supers(_f16(b, 0))
+    return _low_high(b[:, 8:], 16).reshape(n, 256), ls, None, _supers(_f16(b, 0))
 
 
 def e8m0_halved(e: np.ndarray) -> np.ndarray:
@@ -180,7 +186,7 @@ def e8m0_halved(e: np.ndarray) -> np.ndarray:
 
 
 def _mxfp4(b: np.ndarray) -> Transcoded:
-    return E2M1_DOUBLED[_low_high(b[:, 1:], 16)], e8m0_halved(b[:, :1]), None, None
+    return _low_high(b[:, 1:], 16), e8m0_halved(b[:, :1]), None, None
 
 
 _TRANSCODERS: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Transcoded], int, bool]] = {
@@ -195,11 +201,22 @@ _TRANSCODERS: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Transcoded
     T.Q4_K: (_q4_k, 32, True),
     T.Q5_K: (_q5_k, 32, False),
     T.Q6_K: (_q6_k, 16, False),
-    T.IQ4_NL: (_iq4_nl, 32, False),
-    T.IQ4_XS: (_iq4_xs, 32, False),
-    T.MXFP4: (_mxfp4, 32, False),
+    T.IQ4_NL: (_iq4_nl, 32, True),
+    T.IQ4_XS: (_iq4_xs, 32, True),
+    T.MXFP4: (_mxfp4, 32, True),
 }
 TRANSCODED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_TRANSCODERS)
+# The types whose 4-bit codes index a table of 16 integers (``w = d * codebook[q]``).
+_CODEBOOKS: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    T.IQ4_NL: tuple(int(v) for v in _KVALUES),
+    T.IQ4_XS: tuple(int(v) for v in _KVALUES),
+    T.MXFP4: tuple(int(v) for v in E2M1_DOUBLED),
+}
+
+
+def codebook_of(kind: GGMLQuantizationType) -> tuple[int, ...] | None:
+    """The 16 integers a type's 4-bit codes stand for, or None where the code is the value."""
+    return _CODEBOOKS.get(kind)
 
 
 def layout_of(kind: GGMLQuantizationType) -> tuple[int, bool, bool]:

@@ -183,8 +183,7 @@ def pack_int8_experts(w: GgufBlocks | QuantArray) -> Int8Panels:
     experts = host.shape[0]
     if isinstance(host, GgufBlocks):
         def matrix(e: int) -> GgufBlocks | QuantArray:
-            return GgufBlocks(host.q[e], host.scale[e], host.offset[e], host.input_shape,
-                              None if host.supers is None else host.supers[e])
+            return host._map(lambda a: a[e])
     else:
         def matrix(e: int) -> GgufBlocks | QuantArray:
             return QuantArray(host.q[e], host.scale[e])
@@ -198,8 +197,11 @@ def pack_int8_experts(w: GgufBlocks | QuantArray) -> Int8Panels:
 
 def _packed_arrays(w: GgufBlocks | QuantArray) -> tuple[tuple[np.ndarray, ...], tuple[int, ...], tuple[int, ...]]:
     """``pack_int8_panels``'s arrays (``q, scale, offset, row_scale, sub_scale``: module docstring) in
-    host memory, and ``w``'s output and input shapes."""
+    host memory, and ``w``'s output and input shapes. Codebook nibbles (IQ4, MXFP4) are packed as bytes of
+    their values: the integer kernel reads the weights themselves."""
     sub = None
+    if isinstance(w, GgufBlocks):
+        w = jax.device_get(w).widened()
     if isinstance(w, GgufBlocks) and sub_scaled(w):
         output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
         flat = w.flat()

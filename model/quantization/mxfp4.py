@@ -8,9 +8,9 @@ uint8, byte ``j`` of a block holding code ``2j`` in its low half and ``2j + 1`` 
 and ``scales [..., out, in/32]`` uint8; transformers' ``convert_moe_packed_tensors`` looks each
 code up in its FP4 table and ``ldexp``s it by ``e - 127``.
 
-Held as IQ4_NL's layout (model/quantization/gguf_transcode.py, which also reads GGUF's MXFP4
-blocks): signed bytes ``2 * e2m1`` (an integer of {0, 1, 2, 3, 4, 6, 8, 12} with its sign) and a
-float32 scale ``2^(e - 127) / 2`` per 32. Both are exact and their product is the one rounding
+Held as GGUF's MXFP4 is (model/quantization/gguf_transcode.py): the 4-bit codes as stored, re-paired
+into GGUF's nibble order, looked up in a codebook of ``2 * e2m1`` (an integer of {0, 1, 2, 3, 4, 6,
+8, 12} with its sign), and a float32 scale ``2^(e - 127) / 2`` per 32: 4.5 bits a weight. Both are exact and their product is the one rounding
 of a power of two times a small integer, itself exact: the kernels widen the weights
 transformers computes, bit for bit (tests/model/test_gpt_oss_mxfp4.py), for every scale byte
 from 2 up. Bytes 0 and 1 make the scale a float32 subnormal (2^-128, 2^-127), which XLA's CPU
@@ -21,9 +21,10 @@ where transformers keeps them) read as zeros.
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from raylm.model.quantization.gguf_blocks import BLOCK, GgufBlocks
-from raylm.model.quantization.gguf_transcode import E2M1_DOUBLED, e8m0_halved
+from raylm.model.quantization.gguf_transcode import codebook_of, e8m0_halved, pack_nibbles
 
 
 def hf_mxfp4_blocks(blocks: np.ndarray, scales: np.ndarray) -> GgufBlocks:
@@ -36,5 +37,6 @@ def hf_mxfp4_blocks(blocks: np.ndarray, scales: np.ndarray) -> GgufBlocks:
                          "and scales [..., G]")
     *lead, groups, _ = blocks.shape
     codes = np.stack([blocks & np.uint8(0x0F), blocks >> np.uint8(4)], axis=-1)  # [..., G, 16, 2]: 2j, 2j + 1
-    values = E2M1_DOUBLED[codes.reshape(*lead, groups * BLOCK)]
-    return GgufBlocks(values, e8m0_halved(scales), np.zeros((*lead, 0), np.float32), (groups * BLOCK,))
+    q = pack_nibbles(codes.reshape(*lead, groups * BLOCK))  # GGUF's order: code i low, code i + 16 high
+    return GgufBlocks(q, e8m0_halved(scales), np.zeros((*lead, 0), np.float32), (groups * BLOCK,),
+                      codebook=codebook_of(GGMLQuantizationType.MXFP4))

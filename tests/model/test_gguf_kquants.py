@@ -57,15 +57,27 @@ def test_values_are_the_gguf_packages_dequantization(kind):
 
 
 @pytest.mark.parametrize("kind,ratio", [(T.Q4_K, 4.75 / 4.5), (T.Q5_K, 8.75 / 5.5), (T.Q6_K, 8.75 / 6.5625),
-                                        (T.IQ4_XS, 8.5 / 4.25), (T.Q3_K, 8.75 / 3.4375)],
+                                        (T.IQ4_XS, 4.5 / 4.25), (T.Q3_K, 8.75 / 3.4375)],
                          ids=["Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q3_K"])
 def test_two_level_scales_are_held_as_the_file_holds_them(kind, ratio):
     """The K-quants keep int8 scales per group and float32 ones per super-block: a Q4_K matrix
-    is held in 4.75 bits a weight (its file: 4.5), the types held as bytes in 8.5-8.75."""
+    is held in 4.75 bits a weight (its file: 4.5), IQ4_XS in 4.5 (4.25), the types held as bytes in 8.75."""
     blocks, expected = _blocks(kind, 16, 1024)
     assert blocks.two_level and blocks.scale.dtype == np.int8
     file_bytes = gguf.GGML_QUANT_SIZES[kind][1] * expected.size // gguf.GGML_QUANT_SIZES[kind][0]
     assert blocks.nbytes == pytest.approx(file_bytes * ratio)
+
+
+@pytest.mark.parametrize("kind,bits", [(T.IQ4_NL, 5), (T.IQ4_XS, 4.5), (T.MXFP4, 5)], ids=lambda t: getattr(t, "name", t))
+def test_codebook_types_are_held_as_their_4_bit_codes(kind, bits):
+    """IQ4 and MXFP4 keep the file's nibbles and look each code up in a 16-entry codebook: 4 bits a
+    weight plus the scales (a float32 per 32, or IQ4_XS's two levels), not a byte of its value."""
+    blocks, expected = _blocks(kind, 16, 1024)
+    assert blocks.nibbles and blocks.codebook is not None and not blocks.has_offset
+    assert blocks.nbytes * 8 == bits * expected.size
+    widened = blocks.widened()  # the layout before codebooks: signed bytes of the values
+    assert not widened.nibbles and widened.codebook is None and widened.nbytes > 1.7 * blocks.nbytes
+    np.testing.assert_array_equal(np.asarray(widened.dequantize()), expected)
 
 
 @needs_kernel
@@ -89,18 +101,19 @@ def test_eight_lane_family_too():
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K, T.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K, T.Q5_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4], ids=lambda t: t.name)
 def test_grouped_experts_in_blocks_are_the_float32_experts(kind):
     experts, k, n = 4, 256, 24
     blocks, w = _blocks(kind, experts * n, k, seed=5)
-    q, scale, offset, supers = (a.reshape(experts, n, a.shape[-1])
-                                for a in (blocks.q, blocks.scale, blocks.offset, blocks.supers))
-    stacked = GgufBlocks(q, scale, offset, (k,), supers).to_device()
+    stacked = blocks._map(lambda a: a.reshape(experts, n, a.shape[-1])).to_device()
     x = jnp.asarray(np.random.default_rng(1).standard_normal((9, k)), jnp.float32)
     sizes = jnp.asarray([2, 0, 4, 3], jnp.int32)
     got = grouped_matmul(x, stacked, sizes, kernel=True)
     expected = grouped_matmul(x, jnp.asarray(w.reshape(experts, n, k)), sizes, kernel=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    if blocks.codebook:  # and the bytes layout held before codebooks, bit for bit
+        widened = blocks.widened()._map(lambda a: a.reshape(experts, n, a.shape[-1])).to_device()
+        np.testing.assert_array_equal(np.asarray(grouped_matmul(x, widened, sizes, kernel=True)), np.asarray(got))
 
 
 def test_types_mixed_in_one_fused_matrix_share_an_exact_layout():
@@ -119,6 +132,21 @@ def test_types_mixed_in_one_fused_matrix_share_an_exact_layout():
     assert k_quants.two_level and k_quants.group == 16 and k_quants.has_offset and k_quants.scale.dtype == np.int8
     np.testing.assert_array_equal(np.asarray(k_quants.dequantize()), np.concatenate([eq, ev]))
     assert k_quants.nbytes * 8 == 9.25 * 12 * 256  # bits a weight: float32 tables per 16 took 12
+
+
+def test_codebook_types_fuse_as_nibbles_alone_and_as_bytes_beside_another_type():
+    """IQ4_NL query and key keep their codes and codebook; beside a Q8_0 value projection, or an
+    MXFP4 one (another codebook), every matrix becomes bytes of its values, exactly."""
+    q, eq = _blocks(T.IQ4_NL, 8, 256, seed=1)
+    v, ev = _blocks(T.Q8_0, 4, 256, seed=2)
+    x, ex = _blocks(T.MXFP4, 4, 256, seed=3)
+    same = map_rows(lambda *a: np.concatenate(a), q, q)
+    assert same.nibbles and same.codebook == q.codebook
+    np.testing.assert_array_equal(np.asarray(same.dequantize()), np.concatenate([eq, eq]))
+    for other, expected in ((v, ev), (x, ex)):
+        fused = map_rows(lambda *a: np.concatenate(a), q, other)
+        assert not fused.nibbles and fused.codebook is None
+        np.testing.assert_array_equal(np.asarray(fused.dequantize()), np.concatenate([eq, expected]))
 
 
 def _write(tmp_path, tensors: dict[str, tuple[np.ndarray, T]]):

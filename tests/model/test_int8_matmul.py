@@ -93,12 +93,14 @@ def _quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _stored_integers(w: GgufBlocks | QuantArray, k: int) -> np.ndarray:
-    """The weight integers the sums use, [N, B, 32]: nibbles 0..15 or signed bytes (zeros past K)."""
+    """The weight integers the sums use, [N, B, 32]: nibbles 0..15 (IQ4's codes looked up in their
+    codebook) or signed bytes (zeros past K)."""
     q = np.asarray(w.q)
     n, blocks = q.shape[0], -(-k // BLOCK)
     if isinstance(w, GgufBlocks) and w.nibbles:
         q = q.reshape(n, blocks, BLOCK // 2)
-        return np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.int64)
+        codes = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.int64)
+        return np.asarray(w.codebook, np.int64)[codes] if w.codebook else codes
     values = np.zeros((n, blocks * BLOCK), np.int64)
     values[:, :k] = q.astype(np.int64)
     return values.reshape(n, blocks, BLOCK)
