@@ -77,6 +77,14 @@ def q4_k_m_types(name: str) -> T:
     return T.Q6_K if name.startswith("output.") or "attn_v" in name or "ffn_down" in name else T.Q4_K
 
 
+
+def released_gpt_oss_types(name: str) -> T:
+    """The types of llama.cpp's released gpt-oss files (a ``QTypes``): MXFP4 experts, Q8_0 matrices,
+    F32 router (export_gguf writes vectors F32 anyway)."""
+    if name.endswith("_exps.weight"):
+        return T.MXFP4
+    return T.Q8_0 if name.endswith(".weight") and "ffn_gate_inp" not in name else T.F32
+
 def load_stored(hf_model: Any, path: Path) -> None:
     """Give ``hf_model`` (a dense, non-llama architecture: no Q/K permutation, no stacked
     experts) the matrices the GGUF file at ``path`` holds, as the gguf package dequantizes them,

@@ -19,7 +19,7 @@ from raylm.model.loaders.load import load_model
 from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
-from tests.gguf_export import _write_deepseek2, export_gguf
+from tests.gguf_export import _write_deepseek2, export_gguf, released_gpt_oss_types
 
 T = gguf.GGMLQuantizationType
 
@@ -102,13 +102,6 @@ def test_deepseek2_file_states_what_the_converter_writes_and_serves(tmp_path):
     assert len(output.outputs[0].token_ids) == 3
 
 
-def _released_gpt_oss_types(name: str) -> gguf.GGMLQuantizationType:
-    """The types of llama.cpp's released gpt-oss files (export_gguf writes vectors F32 anyway)."""
-    if name.endswith("_exps.weight"):
-        return T.MXFP4
-    return T.Q8_0 if name.endswith(".weight") and "ffn_gate_inp" not in name else T.F32
-
-
 def test_gpt_oss_file_is_the_converters_layout_and_serves(tmp_path):
     """gpt-oss-20b's layout at tiny sizes: every tensor's name, shape and type, and the keys, as
     tests/gguf_export.py (the converter's GptOssModel) writes a tiny gpt-oss checkpoint of the same
@@ -121,7 +114,7 @@ def test_gpt_oss_file_is_the_converters_layout_and_serves(tmp_path):
     directory, _ = build_tiny_checkpoint(
         "gpt-oss", tmp_path / "hf", num_hidden_layers=2, vocab_size=256, sliding_window=GPT_OSS_20B_WINDOW,
         max_position_embeddings=GPT_OSS_20B_CONTEXT, rope_parameters={**GPT_OSS_20B_YARN, "truncate": False})
-    released = export_gguf(directory, tmp_path / "converted.gguf", _released_gpt_oss_types)
+    released = export_gguf(directory, tmp_path / "converted.gguf", released_gpt_oss_types)
 
     def layout(path):
         return {t.name: (tuple(t.shape), t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors}

@@ -52,9 +52,7 @@ def _expert(w: GgufBlocks | QuantArray, e: int) -> GgufBlocks | QuantArray:
     """Expert ``e``'s matrix as the 2-D ``[N, K]`` the single-matrix kernel and the reference take."""
     if isinstance(w, QuantArray):
         return QuantArray(w.q[e].reshape(-1, K), w.scale[e].reshape(-1))
-    one = GgufBlocks(w.q[e], w.scale[e], w.offset[e], w.input_shape, None if w.supers is None else w.supers[e],
-                     w.codebook)
-    return one.flat()
+    return w._map(lambda a: a[e]).flat()
 
 
 @functools.cache

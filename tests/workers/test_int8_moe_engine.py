@@ -22,21 +22,15 @@ from raylm.model.quantization.int8_panels import Int8Panels
 from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.engine.llm import LLM
 from tests.checkpoints import build_tiny_checkpoint
-from tests.gguf_export import export_gguf
+from tests.gguf_export import export_gguf, released_gpt_oss_types
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason="int8 kernel not built")
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def _gpt_oss_types(name: str) -> T:
-    if name.endswith("_exps.weight"):
-        return T.MXFP4
-    return T.Q8_0 if name.endswith(".weight") and "ffn_gate_inp" not in name else T.F32
-
-
 FILES = {  # variant: (types per tensor, checkpoint overrides)
-    "gpt-oss": (_gpt_oss_types, dict(num_hidden_layers=2, vocab_size=256)),
+    "gpt-oss": (released_gpt_oss_types, dict(num_hidden_layers=2, vocab_size=256)),
     "qwen3-moe": (lambda name: T.Q4_0 if name.endswith(".weight") and "ffn_gate_inp" not in name else T.F32,
                   dict(vocab_size=256, mlp_only_layers=[])),
 }

@@ -150,7 +150,8 @@ class LLMEngine:
         self.scheduler.use_kv_offload(self.kv_connector)
 
     def _kv_block_counts(self, kv_dtype, draft_config: ModelConfig | None) -> tuple[int, int | None]:
-        """The pool's blocks and the sliding group's (``kv_block_counts``), for the largest stage."""
+        """The pool's blocks and the sliding group's (``kv_block_counts``), for the largest stage
+        (with two groups, a budget that fits every stage)."""
         pp = self.args.pipeline_parallel_size
         return kv_block_counts(largest_stage(self.config, pp), self.args, kv_dtype, draft_config,
                                self._max_step_tokens(prompts=False), stage_kv_group_layers(self.config, pp))
