@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -141,7 +143,7 @@ def _six_bits(q: np.ndarray) -> np.ndarray:
     u = (q.astype(np.int16) + 32).astype(np.uint8).reshape(n, -1, BLOCK)  # [N, B, 32]
     nibbles = pack_nibbles(u.reshape(n, -1) & np.uint8(0x0F)).reshape(n, -1, BLOCK // 2)
     top = (u >> np.uint8(4)).reshape(n, -1, 2, 4, LANE)  # [N, B, half, t, i]: weight 16 half + 4t + i
-    top_bytes = (top << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=3, dtype=np.uint8)
+    top_bytes = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
     return np.concatenate([nibbles, top_bytes.reshape(n, -1, 2 * LANE)], axis=-1).reshape(n, -1)
 
 
@@ -176,9 +178,12 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
 
 def pack_int8_experts(w: GgufBlocks | QuantArray) -> Int8Panels:
     """Stacked experts ``w [E, N..., K...]`` (of a type ``pack_int8_panels`` takes) as one ``Int8Panels``
-    with ``experts = E``: each expert's matrix packed as ``pack_int8_panels`` packs it, then stacked
-    (the grouped kernel reads expert ``e``'s panels as one contiguous slice). Tables are float16 only
-    where every expert's are, so that all experts share one layout."""
+    with ``experts = E``: each expert's matrix packed as ``pack_int8_panels`` packs it, straight into
+    its slice of the stack (the grouped kernel reads expert ``e``'s panels as one contiguous slice).
+    Experts are packed on a thread each core (numpy's copies run without the GIL): at load, a
+    gpt-oss-sized layer's experts took seconds one after another, and a stack assembled from copies
+    held the weights twice. Tables are float16 only where every expert's are, so that all experts
+    share one layout."""
     host = jax.device_get(w)
     experts = host.shape[0]
     if isinstance(host, GgufBlocks):
@@ -187,17 +192,28 @@ def pack_int8_experts(w: GgufBlocks | QuantArray) -> Int8Panels:
     else:
         def matrix(e: int) -> GgufBlocks | QuantArray:
             return QuantArray(host.q[e], host.scale[e])
-    packed = [_packed_arrays(matrix(e)) for e in range(experts)]
-    arrays = list(zip(*(p[0] for p in packed)))  # per array kind, every expert's
-    tables = np.result_type(*(a.dtype for a in (*arrays[1], *arrays[2])))  # float32 if any expert's tables need it
-    arrays[1:3] = [[a.astype(tables) for a in kind] for kind in arrays[1:3]]
-    _, output_shape, input_shape = packed[0]
-    return Int8Panels(*(jnp.asarray(np.stack(kind)) for kind in arrays), output_shape, input_shape, experts)
+    first, output_shape, input_shape = _packed_arrays(matrix(0))
+    q = np.empty((experts, *first[0].shape), first[0].dtype)
+    q[0] = first[0]
+    tables: list[tuple[np.ndarray, ...]] = [first[1:]] + [()] * (experts - 1)
+
+    def pack(e: int) -> None:
+        tables[e] = _packed_arrays(matrix(e), into=q[e])[0][1:]
+
+    with ThreadPoolExecutor(max(1, min(len(os.sched_getaffinity(0)), experts - 1))) as pool:
+        list(pool.map(pack, range(1, experts)))
+    kinds = list(zip(*tables))  # per table kind (scale, offset, row_scale, sub_scale), every expert's
+    float_tables = np.result_type(*(a.dtype for a in (*kinds[0], *kinds[1])))  # float32 if any expert's need it
+    kinds[:2] = [[a.astype(float_tables) for a in kind] for kind in kinds[:2]]
+    return Int8Panels(jnp.asarray(q), *(jnp.asarray(np.stack(kind)) for kind in kinds), output_shape, input_shape,
+                      experts)
 
 
-def _packed_arrays(w: GgufBlocks | QuantArray) -> tuple[tuple[np.ndarray, ...], tuple[int, ...], tuple[int, ...]]:
+def _packed_arrays(w: GgufBlocks | QuantArray, into: np.ndarray | None = None
+                   ) -> tuple[tuple[np.ndarray, ...], tuple[int, ...], tuple[int, ...]]:
     """``pack_int8_panels``'s arrays (``q, scale, offset, row_scale, sub_scale``: module docstring) in
-    host memory, and ``w``'s output and input shapes. Codebook nibbles (IQ4, MXFP4) are packed as bytes of
+    host memory, and ``w``'s output and input shapes; ``q`` written ``into`` that array where one is
+    given (an expert's slice of a stack). Codebook nibbles (IQ4, MXFP4) are packed as bytes of
     their values: the integer kernel reads the weights themselves."""
     sub = None
     if isinstance(w, GgufBlocks):
@@ -229,7 +245,14 @@ def _packed_arrays(w: GgufBlocks | QuantArray) -> tuple[tuple[np.ndarray, ...], 
     repeat = np.minimum(np.arange(groups * GROUP), n - 1)  # columns past N repeat the last one
     blocks = -(-math.prod(input_shape) // BLOCK)
     vectors = q.shape[1] // (blocks * LANE)
-    packed = q[repeat].reshape(groups, GROUP, blocks, vectors, LANE).transpose(0, 2, 3, 1, 4)
+    columns = q if n == groups * GROUP else q[repeat]
+    packed = columns.reshape(groups, GROUP, blocks, vectors, LANE).transpose(0, 2, 3, 1, 4)
+    if into is None:
+        into = np.empty(packed.shape, packed.dtype)
+    if into.shape != packed.shape or into.dtype != packed.dtype:
+        raise ValueError(f"experts of one tensor packed unlike each other: {packed.shape} {packed.dtype} "
+                         f"into {into.shape} {into.dtype}")
+    np.copyto(into, packed)
 
     tables = [np.asarray(v, np.float32) for v in (scale, offset) if v is not None]
     halves = all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables)
@@ -244,6 +267,6 @@ def _packed_arrays(w: GgufBlocks | QuantArray) -> tuple[tuple[np.ndarray, ...], 
         sub_scale = np.zeros((0, 0, 0, 0), np.int8)
     else:  # [N, B, 2 or 4] -> [G, B, 2 or 4, 16]
         sub_scale = np.ascontiguousarray(sub[repeat].reshape(groups, GROUP, blocks, -1).transpose(0, 2, 3, 1))
-    arrays = (np.ascontiguousarray(packed), per_block(scale), per_block(offset),
+    arrays = (into, per_block(scale), per_block(offset),
               row_scale if row_scale is not None else np.zeros((0,), np.float32), sub_scale)
     return arrays, output_shape, tuple(input_shape)

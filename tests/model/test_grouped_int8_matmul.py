@@ -12,6 +12,7 @@ stored blocks (whose module docstring says why equal, not close); padding rows a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -64,11 +65,24 @@ def _packed(kind: str) -> Int8Panels:
 def test_a_stack_packs_each_expert_as_its_matrix(kind):
     w, packed = _experts(kind), _packed(kind)
     assert packed.experts == EXPERTS and packed.shape == w.shape
-    for e in (0, EXPERTS - 1):
+    for e in range(EXPERTS):
         alone = pack_int8_panels(_expert(w, e))
         for got, want in zip(jax.tree.leaves(packed.expert(e)), jax.tree.leaves(alone)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(packed.dequantize()), np.asarray(w.dequantize()))
+
+
+def test_one_experts_float32_scales_make_every_experts_tables_float32():
+    """Tables are float16 only where every expert's are (one layout for the stack): an expert whose
+    scale is not a float16 widens all experts' tables, and every expert still dequantizes exactly."""
+    host = jax.device_get(_experts("Q4_0"))
+    assert np.asarray(pack_int8_experts(host).scale).dtype == np.float16
+    scale = np.asarray(host.scale, np.float32).copy()
+    scale[2, 1, 3, 0] = 0.1  # not a float16
+    mixed = dataclasses.replace(host, scale=scale)
+    packed = pack_int8_experts(mixed)
+    assert np.asarray(packed.scale).dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(packed.dequantize()), np.asarray(mixed.dequantize()))
 
 
 @pytest.mark.parametrize("kind", KINDS)
