@@ -60,10 +60,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import IQ4_NL as _IQ4_NL
 from gguf.quants import Q4_K as _Q4_K
 
-# One transcoder's answer for n file blocks: values [n, block] int8 (uint8 for types held as
-# nibbles, 0..15, in their natural order: codes into the type's codebook for IQ4 and MXFP4), scale [n, block / group] float32 (int8 sub-scales for
-# types with super-blocks), offset like scale or None, and supers [n, 2] float32 (d, dmin; dmin
-# 0 without offsets) or None.
+# One transcoder's answer for n file blocks: values [n, block] int8, or for types held as nibbles
+# (codes into the type's codebook for IQ4 and MXFP4) [n, block / 2] uint8 in the kernels' nibble
+# order (``pack_nibbles``), scale [n, block / group] float32 (int8 sub-scales for types with
+# super-blocks), offset like scale or None, and supers [n, 2] float32 (d, dmin; dmin 0 without
+# offsets) or None. Q4_0, Q4_1, IQ4_NL, IQ4_XS and MXFP4 store their nibbles in that order
+# already: their bytes are copied, not unpacked and packed again (at load that was most of a
+# gpt-oss file's time).
 Transcoded = tuple[np.ndarray, np.ndarray, "np.ndarray | None", "np.ndarray | None"]
 SUPER = 256  # weights per super-block of the types with two-level scales
 T = GGMLQuantizationType
@@ -97,11 +100,11 @@ def _bits(packed: np.ndarray, width: int, count: int, bits: int) -> np.ndarray:
 
 def _q4_0(b: np.ndarray) -> Transcoded:
     d = _f16(b, 0)
-    return _low_high(b[:, 2:], 16), d, -8.0 * d, None
+    return b[:, 2:], d, -8.0 * d, None
 
 
 def _q4_1(b: np.ndarray) -> Transcoded:
-    return _low_high(b[:, 4:], 16), _f16(b, 0), _f16(b, 2), None
+    return b[:, 4:], _f16(b, 0), _f16(b, 2), None
 
 
 def _q5_0(b: np.ndarray) -> Transcoded:
@@ -151,7 +154,13 @@ def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _q4_k(b: np.ndarray) -> Transcoded:
-    return _low_high(b[:, 16:], 32), *_k_scales(b)
+    # Each 32 bytes hold 64 weights: byte i's low half weight i, its high half weight 32 + i. The
+    # kernels' two blocks of 32: byte i holds weights i and i + 16 of the block (low, high).
+    n = b.shape[0]
+    first, second = (b[:, 16:].reshape(n, 4, 2, 16)[:, :, h] for h in (0, 1))
+    low_block = (first & np.uint8(0x0F)) | (second << np.uint8(4))
+    high_block = (first >> np.uint8(4)) | (second & np.uint8(0xF0))
+    return np.stack([low_block, high_block], axis=2).reshape(n, 128), *_k_scales(b)
 
 
 def _q5_k(b: np.ndarray) -> Transcoded:
@@ -168,15 +177,14 @@ def _q6_k(b: np.ndarray) -> Transcoded:
 
 
 def _iq4_nl(b: np.ndarray) -> Transcoded:
-    return _low_high(b[:, 2:], 16), _f16(b, 0), None, None
+    return b[:, 2:], _f16(b, 0), None, None
 
 
 def _iq4_xs(b: np.ndarray) -> Transcoded:
-    n = b.shape[0]
     high = _bits(np.ascontiguousarray(b[:, 2:4]).view(np.uint16), 1, 8, 2).astype(np.uint8)
     low = _low_high(b[:, 4:8], 1)  # per byte: its low half, then its high half
     ls = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
-    return _low_high(b[:, 8:], 16).reshape(n, 256), ls, None, _supers(_f16(b, 0))
+    return b[:, 8:], ls, None, _supers(_f16(b, 0))
 
 
 def e8m0_halved(e: np.ndarray) -> np.ndarray:
@@ -186,7 +194,7 @@ def e8m0_halved(e: np.ndarray) -> np.ndarray:
 
 
 def _mxfp4(b: np.ndarray) -> Transcoded:
-    return _low_high(b[:, 1:], 16), e8m0_halved(b[:, :1]), None, None
+    return b[:, 1:], e8m0_halved(b[:, :1]), None, None
 
 
 _TRANSCODERS: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Transcoded], int, bool]] = {
@@ -262,8 +270,7 @@ def transcode(data: np.ndarray, kind: GGMLQuantizationType, rows: int, size: int
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         values, s, m, d = fn(raw[start:stop].reshape(-1, type_size))
-        values = values.reshape(stop - start, size)
-        q[start:stop] = pack_nibbles(values) if nibbles else values
+        q[start:stop] = values.reshape(stop - start, -1)
         scale[start:stop] = s.reshape(stop - start, -1)
         if offsets:
             offset[start:stop] = m.reshape(stop - start, -1)
