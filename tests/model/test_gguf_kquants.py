@@ -176,6 +176,41 @@ def test_loading_never_expands_the_matrix_to_float32(tmp_path):
     assert peak < float_bytes / 3, f"peak {peak / 2**20:.1f} MiB loading a {float_bytes / 2**20:.0f} MiB matrix"
 
 
+def _mapped_kib(path) -> int:
+    """KiB of ``path``'s pages mapped into this process now (its mappings' ``Rss`` in smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ... path"
+                inside = line.rstrip().endswith(str(path))
+            elif inside and head == "Rss:":
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_DONTNEED") or not __import__("os").path.exists(
+    "/proc/self/smaps"), reason="reads Linux's /proc/self/smaps and unmaps with madvise")
+def test_a_tensor_copied_out_of_the_file_leaves_no_pages_mapped(tmp_path):
+    """Kept blocks (transcoded) and dequantized floats are copies: their file pages must leave the
+    process's RSS as each tensor is read, not stay mapped (beside the copy) until the file's map is
+    freed; a 16-bit matrix kept as a view of the file stays mapped."""
+    file = _write(tmp_path, {"token_embd.weight": (random_blocks(T.Q4_0, (4096, 2048), 0), T.Q4_0),
+                             "output.weight": (random_blocks(T.Q8_0, (1024, 2048), 1), T.Q8_0),
+                             "blk.0.ffn_up.weight": (np.ones((512, 2048), np.float16), T.F16)})
+    path = tmp_path / "t.gguf"
+    tensor_kib = {name: info.n_bytes // 1024 for name, info in file._tensors.items()}
+    blocks = file.tensor("token_embd.weight", keep_blocks=True)
+    floats = file.tensor("output.weight")
+    assert isinstance(blocks, GgufBlocks) and floats.dtype == np.float32
+    copied_kib = tensor_kib["token_embd.weight"] + tensor_kib["output.weight"]
+    # (the header's pages and the kernel's fault-around neighbours stay: a few dozen KiB)
+    assert _mapped_kib(path) < copied_kib / 20, "the copied tensors' pages are still mapped"
+    half = file.tensor("blk.0.ffn_up.weight", keep_blocks=True)
+    assert half.dtype == np.float16 and float(half.sum(dtype=np.float32)) == half.size
+    assert _mapped_kib(path) >= tensor_kib["blk.0.ffn_up.weight"]  # the view's pages: the measure sees them
+
+
 def test_a_truncated_tensor_is_a_load_error_naming_it(tmp_path):
     raw = random_blocks(T.Q6_K, (4, 256), 0)
     file = _write(tmp_path, {"blk.0.ffn_down.weight": (raw, T.Q6_K)})
