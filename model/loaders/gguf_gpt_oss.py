@@ -4,9 +4,10 @@ llama.cpp's converter splits HF's interleaved ``gate_up_proj`` (even rows gate, 
 into ``ffn_gate_exps`` and ``ffn_up_exps`` ``[E, I, D]`` (MXFP4 in the released files), their
 biases into ``ffn_gate_exps.bias`` / ``ffn_up_exps.bias`` ``[E, I]``, and keeps ``down_proj``
 as ``ffn_down_exps`` ``[E, D, I]``, outputs first. model/loaders/hf_gpt_oss.py reads the stacked
-matrices outputs first under ``*_blocks`` (as HF's MXFP4 checkpoints store them) and the
-biases interleaved, so the two halves are interleaved back here: a rearrangement of whole
-rows, exact for blocks and floats alike.
+matrices outputs first under ``*_blocks`` (as HF's MXFP4 checkpoints store them), and asks first
+for the two halves apart (``experts.gate_proj_blocks`` / ``up_proj_blocks``, ``*_bias``), which
+only these files answer: the decoder holds gate and up apart too, so interleaving them here for
+the HF loader to split again cost two copies of two thirds of the experts' bytes at load.
 """
 
 from __future__ import annotations
@@ -16,16 +17,12 @@ from typing import Callable
 
 import numpy as np
 
-from raylm.model.quantization.gguf_blocks import GgufBlocks, map_rows
+from raylm.model.quantization.gguf_blocks import GgufBlocks
 
-_EXPERTS_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_blocks|_bias)?")
+_EXPERTS_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)(_blocks|_bias)?")
+_FILE_MATRIX = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 Tensor = np.ndarray | GgufBlocks
 FileTensor = Callable[[str], "Tensor | None"]  # a GGUF tensor by its own name, None if absent
-
-
-def _interleaved(gate: Tensor, up: Tensor) -> Tensor:
-    """Rows of ``gate`` and ``up`` (``[E, I, ...]``) alternating, gate first: ``[E, 2I, ...]``."""
-    return map_rows(lambda g, u: np.stack([g, u], axis=2).reshape(g.shape[0], 2 * g.shape[1], *g.shape[2:]), gate, up)
 
 
 def gpt_oss_experts(hf_name: str, tensor: FileTensor) -> Tensor | None | bool:
@@ -35,11 +32,6 @@ def gpt_oss_experts(hf_name: str, tensor: FileTensor) -> Tensor | None | bool:
     if match is None:
         return False
     layer, matrix, form = match.groups()
-    prefix = f"blk.{layer}."
-    if form is None:  # HF's float layout (inputs first): the file has the outputs-first one only
+    if form is None or matrix == "gate_up_proj":  # HF's float or interleaved layouts: the file holds neither
         return None
-    kind = "weight" if form == "_blocks" else "bias"
-    if matrix == "down_proj":
-        return tensor(f"{prefix}ffn_down_exps.{kind}")
-    gate, up = tensor(f"{prefix}ffn_gate_exps.{kind}"), tensor(f"{prefix}ffn_up_exps.{kind}")
-    return None if gate is None or up is None else _interleaved(gate, up)
+    return tensor(f"blk.{layer}.{_FILE_MATRIX[matrix]}.{'weight' if form == '_blocks' else 'bias'}")

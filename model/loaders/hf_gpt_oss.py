@@ -52,6 +52,29 @@ def _experts(get: TensorSource, name: str, E: int, out: int, size: int) -> np.nd
     return stored if isinstance(stored, GgufBlocks) else np.asarray(stored, np.float32)
 
 
+def _gate_up(get: TensorSource, prefix: str, E: int, I: int, D: int) -> np.ndarray | GgufBlocks:
+    """The experts' gate and up matrices ``[E, 2, I, D]`` (gate first): stacked from the two
+    halves where the checkpoint holds them apart (llama.cpp's files: model/loaders/gguf_gpt_oss.py),
+    else HF's ``gate_up_proj`` with its rows alternating gate, up."""
+    gate, up = (get(f"{prefix}experts.{half}_blocks") for half in ("gate_proj", "up_proj"))
+    if gate is not None and up is not None:
+        for name, half in (("gate_proj", gate), ("up_proj", up)):
+            if tuple(half.shape) != (E, I, D):
+                raise ModelLoadError(f"tensor {prefix}experts.{name} holds experts of shape {tuple(half.shape)}, "
+                                     f"expected {(E, I, D)}")
+        return map_rows(lambda g, u: np.stack([g, u], axis=1), gate, up)
+    gate_up = _experts(get, prefix + "experts.gate_up_proj", E, 2 * I, D)  # rows alternate gate, up
+    return map_rows(lambda a: np.ascontiguousarray(a.reshape(E, I, 2, a.shape[-1]).transpose(0, 2, 1, 3)), gate_up)
+
+
+def _gate_up_bias(get: TensorSource, prefix: str, vector: Callable[[str, tuple[int, ...]], np.ndarray],
+                  E: int, I: int) -> np.ndarray:
+    """The experts' gate and up biases ``[E, 2, I]``: apart, or HF's interleaved ``gate_up_proj_bias``."""
+    if get(f"{prefix}experts.gate_proj_bias") is not None:
+        return np.stack([vector(f"experts.{half}_bias", (E, I)) for half in ("gate_proj", "up_proj")], axis=1)
+    return deinterleaved_gate_up(vector("experts.gate_up_proj_bias", (E, 2 * I)))
+
+
 def gpt_oss_moe_fields(get: TensorSource, config: ModelConfig, layer: int) -> dict[str, np.ndarray | GgufBlocks]:
     """Layer ``layer``'s router (and its bias, as ``config.moe.router_bias`` says), experts and
     expert biases as LayerParams fields (float32, or the experts as MXFP4 blocks)."""
@@ -64,12 +87,10 @@ def gpt_oss_moe_fields(get: TensorSource, config: ModelConfig, layer: int) -> di
             raise ModelLoadError(f"tensor {prefix + name!r} is missing (expected shape {shape})")
         return _float(array, prefix + name, shape)
 
-    gate_up = _experts(get, prefix + "experts.gate_up_proj", E, 2 * I, D)  # rows alternate gate, up
     fields = dict(
         router=vector("router.weight", (E, D)),
-        w_experts_gate_up=map_rows(lambda a: np.ascontiguousarray(
-            a.reshape(E, I, 2, a.shape[-1]).transpose(0, 2, 1, 3)), gate_up),
-        b_experts_gate_up=deinterleaved_gate_up(vector("experts.gate_up_proj_bias", (E, 2 * I))),
+        w_experts_gate_up=_gate_up(get, prefix, E, I, D),
+        b_experts_gate_up=_gate_up_bias(get, prefix, vector, E, I),
         w_experts_down=_experts(get, prefix + "experts.down_proj", E, D, I),
         b_experts_down=vector("experts.down_proj_bias", (E, D)),
     )
