@@ -29,13 +29,13 @@ def lead(results: Connection, model: str, engine_args: dict[str, Any], coordinat
     from raylm.workers.engine.distributed_init import init_distributed, leave_distributed
 
     init_distributed(coordinator_address, engine_args["num_hosts"], 0)
-    from raylm.model.loaders.load import load_model
     from raylm.workers.core.sampling_params import SamplingParams
     from raylm.workers.engine.engine_args import EngineArgs
     from raylm.workers.engine.multihost_engine import MultiHostEngine
+    from raylm.workers.engine.replica_model import load_replica_model
 
-    engine = MultiHostEngine(load_model(model), EngineArgs.from_kwargs(**engine_args), relay,
-                             progress=lambda shapes: shapes)
+    args = EngineArgs.from_kwargs(**engine_args)
+    engine = MultiHostEngine(load_replica_model(model, args), args, relay, progress=lambda shapes: shapes)
     timed = engine.runner.relay = TimedRelay(relay)
     try:
         engine.add_request("processed", prompts[0], SamplingParams(logits_processors=[lambda ids, logits: logits]))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.params import ModelParams
@@ -145,7 +146,7 @@ def _joined_kv_b(file: GGUFFile, kv_b_name: str) -> np.ndarray | None:
 
 def load_gguf_checkpoint(
     path: str | Path | GGUFFile, dtype: jnp.dtype = jnp.float32, keep_blocks: bool = False,
-    layers: range | None = None,
+    layers: range | None = None, mesh: Mesh | None = None,
 ) -> tuple[ModelConfig, ModelParams]:
     """Read config and weights of a GGUF file (a path or an open one) of an architecture in
     ``SUPPORTED_GGUF_ARCHITECTURES``: dequantized, or with ``keep_blocks`` (float32 models
@@ -173,7 +174,7 @@ def load_gguf_checkpoint(
                 array = map_rows(lambda a: unpermute_qk(a, config.num_kv_heads), array)
         return array
 
-    params = build_params(config, get, str(file.path), dtype, layers=layers)
+    params = build_params(config, get, str(file.path), dtype, layers=layers, mesh=mesh)
     if layers is not None:
         return config, params
     blocks = int(file.fields[f"{config.architecture}.block_count"])

@@ -17,6 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 
 from raylm.model.config.families import HF_FAMILIES
@@ -119,6 +120,7 @@ class _Tensors:
 
 def load_safetensors_checkpoint(
     path: str | Path, dtype: jnp.dtype = jnp.float32, keep_blocks: bool = False, layers: range | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[ModelConfig, ModelParams]:
     """Read config and weights of an HF checkpoint directory of a supported architecture.
 
@@ -175,7 +177,7 @@ def load_safetensors_checkpoint(
         else:
             source = fused_experts_tensors(get, config)
         params = build_params(config, source, str(path), dtype, norm_offset=1.0 if family.norm_plus_one else 0.0,
-                              layers=layers)
+                              layers=layers, mesh=mesh)
     return config, params
 
 

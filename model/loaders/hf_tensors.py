@@ -9,7 +9,7 @@ grouped by KV head, gate/up), shape checks and the dtype cast live here once.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,10 @@ from raylm.model.quantization.gguf_blocks import GgufBlocks
 from raylm.model.quantization.gguf_blocks import dequantized as blocks_dequantized
 from raylm.model.quantization.gguf_blocks import map_rows as blocks_map_rows
 from raylm.model.quantization.quant_array import QuantArray
+from raylm.model.runtime.sharding import ParamPlacer
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 # 16-bit float matrices a float32 model keeps as stored (the loaders return them only with
 # ``keep_blocks``); build_params widens everything else (norms, biases, routers, MoE experts).
@@ -260,7 +264,7 @@ def stacked_experts(get: TensorSource, config: ModelConfig, layer: int, projs: t
 
 def build_params(
     config: ModelConfig, get: TensorSource, source: str, dtype: jnp.dtype, norm_offset: float = 0.0,
-    layers: range | None = None,
+    layers: range | None = None, mesh: Mesh | None = None,
 ) -> ModelParams:
     """Assemble and validate ``ModelParams`` from HF-named tensors, cast to ``dtype``; for a
     float32 model, bfloat16 and float16 projections, embedding and LM head stay 16-bit (the
@@ -272,7 +276,11 @@ def build_params(
     ``layers`` (a pipeline stage's; default all) reads only those decoder layers' tensors, the
     embedding only for the first stage (and a tied head's last), the head only for the last: a
     stage's memory is its share of the weights (``layer_span_params``). The final norm (one
-    vector) is always read: it carries the model dtype."""
+    vector) is always read: it carries the model dtype.
+
+    ``mesh`` (several devices or hosts): each layer is put on its final shards as soon as it is
+    built (``ParamPlacer``), so that one layer's unsharded copy at a time is what a process holds
+    beyond its shards."""
     get = deepseek_shared_experts(mixtral_router(unfused(get, config)))
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray | GgufBlocks | QuantArray:
@@ -360,13 +368,19 @@ def build_params(
     V = config.vocab_size
     layers = range(config.num_layers) if layers is None else layers
     with_embed, with_head = stage_ends(layers.start == 0, layers.stop == config.num_layers, config.tie_word_embeddings)
-    embed = on_device(fetch("model.embed_tokens.weight", (V, D))) if with_embed else None
-    lm_head = on_device(fetch("lm_head.weight", (V, D))) if with_head else None
+    placer = None if mesh is None else ParamPlacer(config, mesh)
+    place_layer = (lambda lp: lp) if placer is None else placer.layer
+
+    def place(name: str, leaf: Any) -> Any:
+        return leaf if placer is None else placer.model_field(name, leaf)
+
+    embed = place("embed", on_device(fetch("model.embed_tokens.weight", (V, D)))) if with_embed else None
+    lm_head = place("lm_head", on_device(fetch("lm_head.weight", (V, D)))) if with_head else None
     params = ModelParams(
         embed=embed,
-        layers=tuple(layer(i) for i in layers),
-        final_norm=jnp.asarray(fetch("model.norm.weight", (D,)).astype(np.float32) + np.float32(norm_offset),
-                               dtype=dtype),
+        layers=tuple(place_layer(layer(i)) for i in layers),
+        final_norm=place("final_norm", jnp.asarray(
+            fetch("model.norm.weight", (D,)).astype(np.float32) + np.float32(norm_offset), dtype=dtype)),
         lm_head=lm_head,
     )
     # The fused layout against model/decoder/params.py's declarations.

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from raylm.model.config.model_config import ModelConfig
 from raylm.model.config.model_info import load_tokenizer, with_tokenizer_eos
@@ -110,15 +111,17 @@ def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
 
 def load_checkpoint(
     path: str | Path, dtype: str | jnp.dtype = "float32", keep_blocks: bool = False, layers: range | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[ModelConfig, ModelParams]:
     """Weights and config of a ``.gguf`` file (``keep_blocks``: see load_gguf_checkpoint) or an
     HF safetensors directory (``keep_blocks``: a quantized checkpoint's matrices as stored, see
-    load_safetensors_checkpoint); ``layers``: a pipeline stage's decoder layers alone."""
+    load_safetensors_checkpoint); ``layers``: a pipeline stage's decoder layers alone; ``mesh``:
+    each layer placed on its shards as it is built (``build_params``)."""
     path = Path(path)
     if path.is_dir():
-        return load_safetensors_checkpoint(path, parse_dtype(dtype), keep_blocks, layers)
+        return load_safetensors_checkpoint(path, parse_dtype(dtype), keep_blocks, layers, mesh)
     if path.suffix == ".gguf":
-        return load_gguf_checkpoint(path, parse_dtype(dtype), keep_blocks, layers)
+        return load_gguf_checkpoint(path, parse_dtype(dtype), keep_blocks, layers, mesh)
     raise ModelLoadError(f"{path} is neither an HF checkpoint directory nor a .gguf file")
 
 
@@ -128,24 +131,28 @@ def load_model(
     quantization: str | None = None,
     keep_blocks: bool = False,
     layers: range | None = None,
+    mesh: Mesh | None = None,
 ) -> LoadedModel:
     """Resolve a registry name or path and load everything a replica needs, its matrices
     quantized by ``quantization`` (int8 / fp8; see model/quantization/quant_array.py) if given, a GGUF's
     block matrices (and a quantized HF checkpoint's) kept as stored with ``keep_blocks`` (see
     ``keep_gguf_blocks``). With ``layers`` the params are a pipeline stage's (its decoder layers
-    alone; ``config`` stays the whole model's)."""
+    alone; ``config`` stays the whole model's). With ``mesh`` (the replica's, of several devices or
+    hosts) each layer is placed on its shards as it is built, so no process holds the whole model
+    unsharded; a model quantized at load (``quantization``) is placed after it, whole."""
     scheme = parse_quantization(quantization)  # a bad name fails before the weights load
     path = resolve_model_path(name_or_path)
     stored = method_of(path) if path.is_dir() else None
     if scheme is not None and stored is not None:
         raise ValueError(_requantize_message(str(name_or_path), stored, scheme))
+    placed_mesh = mesh if scheme is None else None  # (quantizing works on the unsharded matrices)
     source: Path | GGUFFile = path
     if path.suffix == ".gguf" and path.is_file():
         # Parsed once for weights and tokenizer: the reader is slow on large vocabularies.
         source = GGUFFile(path)
-        config, params = load_gguf_checkpoint(source, parse_dtype(dtype), keep_blocks, layers)
+        config, params = load_gguf_checkpoint(source, parse_dtype(dtype), keep_blocks, layers, placed_mesh)
     else:
-        config, params = load_checkpoint(path, dtype, keep_blocks, layers)
+        config, params = load_checkpoint(path, dtype, keep_blocks, layers, placed_mesh)
     tokenizer = load_tokenizer(source, config)
     loaded = LoadedModel(str(name_or_path), path, with_tokenizer_eos(config, tokenizer), params, tokenizer,
                          checkpoint_quantization=stored, layers=layers)

@@ -138,8 +138,9 @@ def spec_for(axes: Sequence[str], rules: Mapping[str, str | None]) -> PartitionS
     return PartitionSpec(*(rules[a] for a in axes))
 
 
-def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> ModelParams:
-    """A ModelParams-shaped tree of NamedShardings (None where the field is absent)."""
+def _named_by_rules(config: ModelConfig, mesh: Mesh) -> Any:
+    """``named(axes, leaf)``: the sharding of a parameter whose dims carry the logical ``axes``
+    (a leaf-shaped tree for quantized matrices; None where the field is absent)."""
     rules = rules_for(config, mesh.shape[TP_AXIS], mesh.shape.get(EP_AXIS, 1))
 
     def named(axes: Sequence[str], leaf: object) -> NamedSharding | QuantArray | GgufBlocks | Int8Panels | None:
@@ -160,14 +161,19 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
             return dataclasses.replace(leaf, q=whole, scale=whole, offset=whole, row_scale=whole, sub_scale=whole)
         return None if leaf is None else NamedSharding(mesh, spec_for(axes, rules))
 
-    def layer(lp: LayerParams) -> LayerParams:
-        return LayerParams(
-            **{f.name: named(LAYER_AXES[f.name], getattr(lp, f.name)) for f in dataclasses.fields(LayerParams)}
-        )
+    return named
 
+
+def _layer_shardings(lp: LayerParams, named: Any) -> LayerParams:
+    return LayerParams(**{f.name: named(LAYER_AXES[f.name], getattr(lp, f.name)) for f in dataclasses.fields(LayerParams)})
+
+
+def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> ModelParams:
+    """A ModelParams-shaped tree of NamedShardings (None where the field is absent)."""
+    named = _named_by_rules(config, mesh)
     return ModelParams(
         embed=named(MODEL_AXES["embed"], params.embed),
-        layers=tuple(layer(lp) for lp in params.layers),
+        layers=tuple(_layer_shardings(lp, named) for lp in params.layers),
         final_norm=named(MODEL_AXES["final_norm"], params.final_norm),
         lm_head=named(MODEL_AXES["lm_head"], params.lm_head),
     )
@@ -176,6 +182,26 @@ def param_shardings(params: ModelParams, config: ModelConfig, mesh: Mesh) -> Mod
 def shard_params(params: ModelParams, config: ModelConfig, mesh: Mesh) -> ModelParams:
     """Place every parameter on ``mesh`` according to the rules table."""
     return jax.device_put(params, param_shardings(params, config, mesh))
+
+
+class ParamPlacer:
+    """Places parameters on ``mesh`` (the rules table's shardings) one layer at a time, as the
+    loader builds them (model/loaders/hf_tensors.py ``build_params``). Why: placed after the whole
+    model was built, every process first held every weight unsharded on its first device, so a
+    mesh over several hosts needed the whole model in each host's memory (and one process's mesh
+    twice the model's bytes at its peak). Placed as built, a process holds its shards plus one
+    layer unsharded; ``shard_params`` later leaves placed arrays where they are."""
+
+    def __init__(self, config: ModelConfig, mesh: Mesh):
+        self.mesh = mesh
+        self._named = _named_by_rules(config, mesh)
+
+    def layer(self, lp: LayerParams) -> LayerParams:
+        return jax.device_put(lp, _layer_shardings(lp, self._named))
+
+    def model_field(self, name: str, leaf: Any) -> Any:
+        """``ModelParams.<name>`` (embed, final_norm, lm_head) placed; None stays None."""
+        return None if leaf is None else jax.device_put(leaf, self._named(MODEL_AXES[name], leaf))
 
 
 def shard_lora(weights: LoraWeights, config: ModelConfig, mesh: Mesh) -> LoraWeights:

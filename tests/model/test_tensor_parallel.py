@@ -123,3 +123,48 @@ def test_tp_must_divide_heads(bundled_model):
 def test_tp_larger_than_devices():
     with pytest.raises(ValueError, match="needs 64 devices"):
         make_mesh(64)
+
+
+def _bytes_on(device: jax.Device) -> int:
+    """Bytes of the live buffers on ``device`` (each once: ``live_arrays`` lists a sharded array's
+    shards as arrays of their own too)."""
+    buffers = {s.data.unsafe_buffer_pointer(): s.data.nbytes
+               for a in jax.live_arrays() for s in a.addressable_shards if s.device == device}
+    return sum(buffers.values())
+
+
+def test_a_mesh_given_at_load_places_each_layer_as_it_is_built(tmp_path, monkeypatch):
+    """Loaded with the replica's mesh, every layer goes to its shards as soon as it is built: the
+    first device never holds more than its half of the layers built so far plus one whole layer
+    (placed after loading, it held the whole model first), and the placed parameters are exactly
+    ``shard_params`` of the unplaced ones: the same shardings, the same values."""
+    from raylm.model.runtime import sharding
+    from raylm.model.runtime.sharding import ParamPlacer, shard_params
+
+    path, _ = build_tiny_checkpoint("llama-gqa", tmp_path / "m", num_hidden_layers=8)
+    mesh = make_mesh(2)
+    first = mesh.devices.flat[0]
+    config, unplaced = load_checkpoint(path)
+    layer_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(unplaced.layers[0]))
+    whole_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(unplaced))
+    expected = shard_params(unplaced, config, mesh)
+    del unplaced
+
+    on_first: list[int] = []
+    place_layer = ParamPlacer.layer
+
+    def recording(self, lp):
+        on_first.append(_bytes_on(first))  # the layers before (placed) and this one (whole)
+        return place_layer(self, lp)
+
+    monkeypatch.setattr(sharding.ParamPlacer, "layer", recording)
+    baseline = _bytes_on(first)
+    _, placed = load_checkpoint(path, mesh=mesh)
+    assert len(on_first) == config.num_layers
+    peak = max(on_first) - baseline
+    # (the embedding and head: replicated on both devices, ~a layer's bytes each here)
+    assert peak <= whole_bytes / 2 + 3 * layer_bytes, (peak, whole_bytes, layer_bytes)
+    assert peak < 0.8 * whole_bytes
+    for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(expected)):
+        assert got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

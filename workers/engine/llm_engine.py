@@ -425,7 +425,7 @@ def _kv_window(windows: list[int | None]) -> int | None:
 
 def make_engine(model: str | LoadedModel, background_warmup: bool = False, **engine_args) -> LLMEngine:
     """Load ``model`` (name, path or LoadedModel) and build an engine with ``engine_args``."""
-    from raylm.model.loaders.load import load_model
+    from raylm.workers.engine.replica_model import load_replica_model
 
     args = EngineArgs.from_kwargs(**engine_args)
     if args.num_hosts > 1:
@@ -434,6 +434,6 @@ def make_engine(model: str | LoadedModel, background_warmup: bool = False, **eng
     if not isinstance(model, LoadedModel):
         # With pipeline stages this process is the last and reads that stage's layers alone.
         layers = None if args.pipeline_parallel_size == 1 else last_stage_layers(model, args.pipeline_parallel_size)
-        model = load_model(model, args.dtype, args.quantization, args.keep_gguf_blocks(), layers=layers)
+        model = load_replica_model(model, args, layers=layers)
     return LLMEngine(model, args, background_warmup=background_warmup)
 

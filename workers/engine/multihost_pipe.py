@@ -31,12 +31,12 @@ def follower_process(connection: Connection, model: str, engine_args: dict[str, 
     from raylm.workers.engine.distributed_init import init_distributed, leave_distributed
 
     init_distributed(coordinator_address, num_hosts, process_id)
-    from raylm.model.loaders.load import load_model
     from raylm.workers.engine.engine_args import EngineArgs
     from raylm.workers.engine.multihost_engine import run_follower
+    from raylm.workers.engine.replica_model import load_replica_model
 
     args = EngineArgs.from_kwargs(**engine_args)
-    run_follower(load_model(model, args.dtype, args.quantization, args.keep_gguf_blocks()), args, connection.recv)
+    run_follower(load_replica_model(model, args), args, connection.recv)
     leave_distributed()
 
 

@@ -33,12 +33,12 @@ class MeshFollower:
         from raylm.workers.engine.distributed_init import init_distributed
 
         init_distributed(coordinator_address, engine_args["num_hosts"], process_id)
-        from raylm.model.loaders.load import load_model
         from raylm.workers.engine.engine_args import EngineArgs
         from raylm.workers.engine.multihost_engine import FollowerHost
+        from raylm.workers.engine.replica_model import load_replica_model
 
         args = EngineArgs.from_kwargs(**engine_args)
-        self.host = FollowerHost(load_model(model, args.dtype, args.quantization, args.keep_gguf_blocks()), args)
+        self.host = FollowerHost(load_replica_model(model, args), args)
 
     def handle(self, message: Message) -> bool:
         return self.host.handle(message)
@@ -90,10 +90,9 @@ def start_mesh_engine(model: str, engine_args: dict[str, Any], background_warmup
     from raylm.workers.engine.distributed_init import init_distributed
 
     init_distributed(coordinator_address, engine_args["num_hosts"], 0)
-    from raylm.model.loaders.load import load_model
     from raylm.workers.engine.engine_args import EngineArgs
     from raylm.workers.engine.multihost_engine import MultiHostEngine
+    from raylm.workers.engine.replica_model import load_replica_model
 
     args = EngineArgs.from_kwargs(**engine_args)
-    return MultiHostEngine(load_model(model, args.dtype, args.quantization, args.keep_gguf_blocks()), args, relay,
-                           background_warmup=background_warmup)
+    return MultiHostEngine(load_replica_model(model, args), args, relay, background_warmup=background_warmup)
