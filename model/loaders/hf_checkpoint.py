@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -33,8 +34,11 @@ from raylm.model.loaders.text_decoder_names import text_decoder_names
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# safetensors' numpy reader knows no 8-bit floats: these are read from the file's bytes.
-_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+# Every tensor is read from the file's bytes with a plain read (``_Tensors.read`` says why), as
+# the numpy dtype of its safetensors dtype (safetensors' own numpy reader knows no 8-bit floats).
+_DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "U32": np.uint32,
+           "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "F32": np.float32, "F64": np.float64, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 # Names only a multimodal checkpoint's text decoder has (model/loaders/text_decoder_names.py).
 _WRAPPED_PREFIXES = ("language_model.", "model.language_model.")
@@ -90,14 +94,18 @@ class _Tensors:
             raise ModelLoadError(f"cannot read tensor {name!r} from {file}: {err}") from None
 
     def read(self, name: str) -> np.ndarray | None:
+        """The tensor, read into memory of its own with a plain file read. Why not through
+        safetensors' memory map: every page a copy touched stayed mapped, counted in the process's
+        RSS until the file was closed at the end of the load (a bfloat16 checkpoint's load peaked
+        at its weights plus the whole checkpoint), and read() leaves them in the page cache only."""
         kind = self.dtype(name)
         if kind is None:
             return None
         file = self.names[name]
         try:
-            if kind in _RAW_DTYPES:
-                return self._raw(file, self._stored(name), _RAW_DTYPES[kind])
-            return self.handles[file].get_tensor(self._stored(name))
+            if kind not in _DTYPES:
+                raise ValueError(f"safetensors dtype {kind} is not one raylm reads")
+            return self._raw(file, self._stored(name), np.dtype(_DTYPES[kind]))
         except (SafetensorError, OSError, ValueError, KeyError) as err:
             raise ModelLoadError(f"cannot read tensor {name!r} from {file}: {err}") from None
 
@@ -110,12 +118,16 @@ class _Tensors:
         start, header = self.headers[file]
         entry = header[name]
         begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{end - begin} bytes for shape {shape} of {dtype}")
+        array = np.empty(shape, dtype)
         with open(file, "rb") as f:
             f.seek(start + begin)
-            data = f.read(end - begin)
-        if len(data) != end - begin:
-            raise ValueError(f"the file ends {end - begin - len(data)} bytes early (truncated?)")
-        return np.frombuffer(data, dtype=dtype).reshape(entry["shape"])
+            got = f.readinto(memoryview(array.reshape(-1).view(np.uint8)))
+        if got != end - begin:
+            raise ValueError(f"the file ends {end - begin - got} bytes early (truncated?)")
+        return array
 
 
 def load_safetensors_checkpoint(

@@ -28,6 +28,7 @@ from raylm.model.quantization.gguf_blocks import GGUF_BLOCK_TYPES, GgufBlocks, f
 from tests.checkpoints import build_tiny_checkpoint
 from tests.gguf_export import export_gguf, load_stored, q4_k_m_types, random_blocks
 from tests.kept_and_expanded import served_kept_and_expanded
+from tests.mapped_pages import AVAILABLE, mapped_kib
 from tests.reference import hf_greedy
 from tests.reruns import rerun_in_child
 
@@ -176,21 +177,7 @@ def test_loading_never_expands_the_matrix_to_float32(tmp_path):
     assert peak < float_bytes / 3, f"peak {peak / 2**20:.1f} MiB loading a {float_bytes / 2**20:.0f} MiB matrix"
 
 
-def _mapped_kib(path) -> int:
-    """KiB of ``path``'s pages mapped into this process now (its mappings' ``Rss`` in smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split(maxsplit=1)[0]
-            if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ... path"
-                inside = line.rstrip().endswith(str(path))
-            elif inside and head == "Rss:":
-                total += int(line.split()[1])
-    return total
-
-
-@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_DONTNEED") or not __import__("os").path.exists(
-    "/proc/self/smaps"), reason="reads Linux's /proc/self/smaps and unmaps with madvise")
+@pytest.mark.skipif(not AVAILABLE, reason="reads Linux's /proc/self/smaps and unmaps with madvise")
 def test_a_tensor_copied_out_of_the_file_leaves_no_pages_mapped(tmp_path):
     """Kept blocks (transcoded) and dequantized floats are copies: their file pages must leave the
     process's RSS as each tensor is read, not stay mapped (beside the copy) until the file's map is
@@ -205,10 +192,10 @@ def test_a_tensor_copied_out_of_the_file_leaves_no_pages_mapped(tmp_path):
     assert isinstance(blocks, GgufBlocks) and floats.dtype == np.float32
     copied_kib = tensor_kib["token_embd.weight"] + tensor_kib["output.weight"]
     # (the header's pages and the kernel's fault-around neighbours stay: a few dozen KiB)
-    assert _mapped_kib(path) < copied_kib / 20, "the copied tensors' pages are still mapped"
+    assert mapped_kib(path) < copied_kib / 20, "the copied tensors' pages are still mapped"
     half = file.tensor("blk.0.ffn_up.weight", keep_blocks=True)
     assert half.dtype == np.float16 and float(half.sum(dtype=np.float32)) == half.size
-    assert _mapped_kib(path) >= tensor_kib["blk.0.ffn_up.weight"]  # the view's pages: the measure sees them
+    assert mapped_kib(path) >= tensor_kib["blk.0.ffn_up.weight"]  # the view's pages: the measure sees them
 
 
 def test_a_truncated_tensor_is_a_load_error_naming_it(tmp_path):
