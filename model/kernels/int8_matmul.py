@@ -20,6 +20,7 @@ stacked experts run the same loop nest per expert that got rows (``int8_grouped_
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import jax
@@ -41,6 +42,29 @@ def unavailable_reason() -> str | None:
     if not (_KERNEL.available() and _GROUPED_KERNEL.available()):
         return f"its kernel library is not built ({_KERNEL.library}); reinstall with `pip install -e .`"
     return None
+
+
+FAMILIES = ("amx", "vnni", "avx2", "portable")  # best first; every one gives the same bits
+
+
+def family() -> str:
+    """The family the integer kernel runs now: the best this CPU offers (AMX tiles for prompt
+    chunks where Linux grants them; AVX-512 VNNI, AVX2 or portable loops), or a lower one that
+    ``RAYLM_INT8_MATMUL_FAMILY`` or ``use_family`` named."""
+    function = _KERNEL.c_function("RaylmInt8MatmulFamily")
+    function.restype = ctypes.c_char_p
+    return function().decode()
+
+
+def use_family(name: str) -> str:
+    """Make later calls in this process run family ``name`` (one of ``FAMILIES``), or the best one
+    here if that is lower; ``""`` goes back to the environment's choice. Returns the family now
+    used: tests and benchmarks compare families in one process."""
+    if name and name not in FAMILIES:
+        raise ValueError(f"int8 matmul family {name!r}: expected one of {', '.join(FAMILIES)}")
+    function = _KERNEL.c_function("RaylmInt8MatmulUseFamily")
+    function.restype, function.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+    return function(name.encode()).decode()
 
 
 def takes_int8_activations(w: object) -> bool:
