@@ -6,7 +6,8 @@ per block of 32 inputs to int8 (scale ``max|x| / 127``, round to nearest even), 
 products are summed in integers against the stored weight integers (GGUF blocks with a scale
 per 32 weights, ``int8_g32`` matrices, int8 with a scale per output row), and only the block sums are
 scaled in float32. On AVX-512 VNNI one instruction does 64 multiply-adds where float32 does 16
-(model/kernels/int8_matmul.cc says how, and why a row's result does not depend on the batch).
+(model/kernels/int8_matmul.cc says how, and why a row's result does not depend on the batch); on
+Intel AMX, prompt chunks run on its int8 tiles (model/kernels/int8_amx.h), the same bits.
 
 The result is not the float32 product: an activation moves by up to half its block's step
 (``max|x| / 254``). docs/performance.md and the README measure what that does to logits and
