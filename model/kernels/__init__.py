@@ -23,13 +23,19 @@ logger = logging.getLogger(__name__)
 _DIRECTORY = pathlib.Path(__file__).parent
 
 
+def _built(library: str) -> list[pathlib.Path]:
+    """The built ``_<library>.*.so`` files (none where the build was skipped)."""
+    stem = _DIRECTORY / f"_{library}"
+    return [p for s in importlib.machinery.EXTENSION_SUFFIXES if (p := stem.with_suffix(s)).exists()]
+
+
 @functools.cache
 def unavailable_reason(library: str, symbol: str, target: str) -> str | None:
     """Load ``_<library>.*.so`` and register its handler ``symbol`` as the CPU FFI target
     ``target``, once per process; ``None`` on success, else why not (logged once, so a missing
     build is visible but not fatal: callers fall back to their jnp path)."""
     stem = _DIRECTORY / f"_{library}"
-    built = [p for s in importlib.machinery.EXTENSION_SUFFIXES if (p := stem.with_suffix(s)).exists()]
+    built = _built(library)
     if not built:
         reason = (
             f"{stem}.*.so was not built (no C++ compiler or jaxlib headers when the package "
@@ -61,6 +67,11 @@ class CpuKernel(NamedTuple):
         """Raise ``RuntimeError`` saying why if the kernel cannot run here."""
         if reason := unavailable_reason(*self):
             raise RuntimeError(f"{self.library} kernel unavailable: {reason}")
+
+    def c_function(self, name: str) -> Any:
+        """The plain C function ``name`` of the kernel's library (ctypes; the library loaded once)."""
+        self.require()
+        return getattr(ctypes.CDLL(str(_built(self.library)[0])), name)
 
 
 _every_platform = False  # set by ``lowering_for_every_platform``

@@ -18,6 +18,11 @@ namespace {
 #if defined(__x86_64__) && defined(__GNUC__)
 #define RAYLM_INT8_VECTOR_FAMILIES 1
 
+// Packed weights per column panel (read again by every block of rows) and quantized rows per
+// block: together about half of a core's L2, as in prompt_gemm.inc.
+constexpr int64_t kInt8PanelBytes = 256 << 10;
+constexpr int64_t kInt8RowBlockBytes = 128 << 10;
+
 // AVX-512 VNNI: sixteen columns a group; vpdpbusd adds four u8 x s8 products per lane, the
 // weights being the unsigned operand (nibbles as they are, 8-bit weights + 128, whose extra
 // 128 * S per block is subtracted by starting the block's sums at -128 * S; 6-bit weights + 32

@@ -31,8 +31,8 @@
 //   y = acc (GGUF blocks) or acc * scale[n] (per-row int8).
 // Integer sums are exact whatever the instruction, and each output's float operations are this
 // one sequence, so a row's result does not depend on the batch, the tile, the thread or the
-// family (VNNI, AVX2 and the portable loops agree bit for bit), and one loop nest serves decode
-// rows and prompt chunks alike.
+// family (AMX, VNNI, AVX2 and the portable loops agree bit for bit), and one loop nest serves decode
+// rows and prompt chunks alike (AMX tiles, int8_amx.h, take prompt chunks where the CPU has them).
 //
 // Layout (model/quantization/int8_panels.py): for each group of 16 output columns and each block, T 64-byte
 // vectors (T = 4 for 4-bit blocks, 8 for 8-bit weights) whose 4-byte lane j holds column j's bytes
@@ -47,6 +47,7 @@
 // sixteen-column one.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -54,6 +55,7 @@
 #include "column_items.h"
 #include "ffi_helpers.h"
 #include "group_rows.h"
+#include "int8_amx.h"
 #include "int8_families.h"
 #include "int8_panels.h"
 
@@ -63,33 +65,50 @@ using GroupSizes = ffi::Buffer<ffi::S32, 1>;  // an alias: the binding macro can
 namespace {
 
 
-enum class Int8Family { kPortable, kAvx2, kVnni };
+enum class Int8Family { kPortable, kAvx2, kVnni, kAmx };  // in order: each CPU that has one has those before
+constexpr const char* kFamilyNames[] = {"portable", "avx2", "vnni", "amx"};
 
-// The family this process runs, chosen once: VNNI where the CPU has AVX-512 VNNI, else AVX2,
-// else the portable loops. RAYLM_INT8_MATMUL_FAMILY=avx2 / portable picks a lower one (tests
-// check every family on one machine; all give the same bits).
-Int8Family ChosenFamily() {
-  static const Int8Family family = [] {
+// The best family this CPU offers, found once: AMX where it has AMX int8 tiles and Linux grants
+// them (int8_amx.h), else VNNI where it has AVX-512 VNNI, else AVX2, else the portable loops.
+Int8Family BestFamily() {
+  static const Int8Family best = [] {
 #ifdef RAYLM_INT8_VECTOR_FAMILIES
-    const char* forced = std::getenv("RAYLM_INT8_MATMUL_FAMILY");
-    const std::string force = forced ? forced : "";
     const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     const bool vnni = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512vnni");
-    if (force != "portable" && vnni && force != "avx2") return Int8Family::kVnni;
-    if (force != "portable" && avx2) return Int8Family::kAvx2;
+#ifdef RAYLM_INT8_AMX
+    if (vnni && AmxPermitted()) return Int8Family::kAmx;
+#endif
+    if (vnni) return Int8Family::kVnni;
+    if (avx2) return Int8Family::kAvx2;
 #endif
     return Int8Family::kPortable;
   }();
-  return family;
+  return best;
+}
+
+// The family `name` asks for, or the best one here if that is lower (an unknown or empty name:
+// the best one).
+Int8Family Capped(const char* name) {
+  const std::string wanted = name ? name : "";
+  for (int f = 0; f < 4; ++f)
+    if (wanted == kFamilyNames[f]) return std::min(static_cast<Int8Family>(f), BestFamily());
+  return BestFamily();
+}
+
+std::atomic<int> used_family{-1};  // set by RaylmInt8MatmulUseFamily; -1: the environment's choice
+
+// The family this call runs: the best one, or a lower one that RAYLM_INT8_MATMUL_FAMILY=amx / vnni /
+// avx2 / portable names (read once), or that RaylmInt8MatmulUseFamily picked since (tests and
+// benchmarks compare every family on one machine; all give the same bits).
+Int8Family ChosenFamily() {
+  static const Int8Family from_environment = Capped(std::getenv("RAYLM_INT8_MATMUL_FAMILY"));
+  const int used = used_family.load(std::memory_order_relaxed);
+  return used >= 0 ? static_cast<Int8Family>(used) : from_environment;
 }
 
 #ifdef RAYLM_INT8_VECTOR_FAMILIES
-// Packed weights per column panel (read again by every block of rows) and quantized rows per
-// block: together about half of a core's L2, as in prompt_gemm.inc.
-constexpr int64_t kInt8PanelBytes = 256 << 10;
-constexpr int64_t kInt8RowBlockBytes = 128 << 10;
 constexpr int kInt8Rows = 4;  // rows per tile
 
 template <typename Family, int G, Format F>
@@ -145,20 +164,33 @@ void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, 
 
 // y [M, N] = the integer mode's x . w^T, the columns split over the calling thread and the pool.
 void RunInt8Matmul(const float* x, const Int8Panels& w, float* y, int64_t M, ffi::ThreadPool& pool) {
+  const Int8Family family = ChosenFamily();
+#ifdef RAYLM_INT8_AMX
+  const bool amx = family == Int8Family::kAmx && AmxTakes(w, M);
+#else
+  const bool amx = false;
+#endif
   Int8Rows a;
-  AllocateRows(M, w.K, &a);
+  const int64_t held_rows = amx ? (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows) : M;  // AMX: whole tiles
+  AllocateRows(held_rows, w.K, &a);
+  if (amx) a.tiled.assign(a.q.size(), 0);
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t per_item = (w.N + threads * raylm::kPromptItemsPerThread - 1) / (threads * raylm::kPromptItemsPerThread);
   const int64_t item = (per_item + kGroupCols - 1) / kGroupCols * kGroupCols;  // whole packed groups
-  const Int8Family family = ChosenFamily();
   // The activations, quantized by rows over the same threads (on one thread they were up to a
   // fifth of a 64-row call; a decode step's few rows stay on the calling thread).
   const int64_t rows_per_item = std::max<int64_t>(1, (M + threads * 2 - 1) / (threads * 2));
   raylm::Run(
       M, w.K, 0,
-      [x, &w, &a, family](int64_t b, int64_t e, float*) {
+      [x, &w, &a, family, amx](int64_t b, int64_t e, float*) {
+#ifdef RAYLM_INT8_AMX
+        if (amx) {
+          VnniFamily::Quantize(x, b, e, w.K, &a);
+          return AmxFamily::TileActivations(&a, b, e);
+        }
+#endif
 #ifdef RAYLM_INT8_VECTOR_FAMILIES
-        if (family == Int8Family::kVnni) return VnniFamily::Quantize(x, b, e, w.K, &a);
+        if (family >= Int8Family::kVnni) return VnniFamily::Quantize(x, b, e, w.K, &a);
         if (family == Int8Family::kAvx2) return Avx2Family::Quantize(x, b, e, w.K, &a);
 #endif
         QuantizeRows(x, b, e, w.K, &a);
@@ -167,9 +199,12 @@ void RunInt8Matmul(const float* x, const Int8Panels& w, float* y, int64_t M, ffi
   const int64_t N = w.N;
   raylm::Run(
       N, w.K, 0,
-      [&a, &w, y, M, family](int64_t b, int64_t e, float*) {
+      [&a, &w, y, M, family, amx](int64_t b, int64_t e, float*) {
+#ifdef RAYLM_INT8_AMX
+        if (amx) return AmxColumns(a, w, y, M, b, e);
+#endif
 #ifdef RAYLM_INT8_VECTOR_FAMILIES
-        if (family == Int8Family::kVnni) return VectorColumns<VnniFamily>(a, w, y, M, b, e);
+        if (family >= Int8Family::kVnni) return VectorColumns<VnniFamily>(a, w, y, M, b, e);
         if (family == Int8Family::kAvx2) return VectorColumns<Avx2Family>(a, w, y, M, b, e);
 #endif
         PortableColumns(a, w, y, M, b, e);
@@ -322,6 +357,16 @@ ffi::Error GroupedInt8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::An
 }
 
 }  // namespace
+
+// The family calls run now (model/kernels/int8_matmul.py reads it through ctypes).
+extern "C" const char* RaylmInt8MatmulFamily() { return kFamilyNames[static_cast<int>(ChosenFamily())]; }
+
+// Makes later calls run the family `name` (amx, vnni, avx2, portable), or the best one here if that
+// is lower; an empty name goes back to the environment's choice. Returns the family now used.
+extern "C" const char* RaylmInt8MatmulUseFamily(const char* name) {
+  used_family.store(name && *name ? static_cast<int>(Capped(name)) : -1, std::memory_order_relaxed);
+  return RaylmInt8MatmulFamily();
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmInt8PanelMatmul, Int8PanelMatmul,
                               ffi::Ffi::Bind()

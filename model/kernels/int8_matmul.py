@@ -6,7 +6,8 @@ per block of 32 inputs to int8 (scale ``max|x| / 127``, round to nearest even), 
 products are summed in integers against the stored weight integers (GGUF blocks with a scale
 per 32 weights, ``int8_g32`` matrices, int8 with a scale per output row), and only the block sums are
 scaled in float32. On AVX-512 VNNI one instruction does 64 multiply-adds where float32 does 16
-(model/kernels/int8_matmul.cc says how, and why a row's result does not depend on the batch).
+(model/kernels/int8_matmul.cc says how, and why a row's result does not depend on the batch); on
+Intel AMX, prompt chunks run on its int8 tiles (model/kernels/int8_amx.h), the same bits.
 
 The result is not the float32 product: an activation moves by up to half its block's step
 (``max|x| / 254``). docs/performance.md and the README measure what that does to logits and
@@ -20,6 +21,7 @@ stacked experts run the same loop nest per expert that got rows (``int8_grouped_
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import jax
@@ -41,6 +43,29 @@ def unavailable_reason() -> str | None:
     if not (_KERNEL.available() and _GROUPED_KERNEL.available()):
         return f"its kernel library is not built ({_KERNEL.library}); reinstall with `pip install -e .`"
     return None
+
+
+FAMILIES = ("amx", "vnni", "avx2", "portable")  # best first; every one gives the same bits
+
+
+def family() -> str:
+    """The family the integer kernel runs now: the best this CPU offers (AMX tiles for prompt
+    chunks where Linux grants them; AVX-512 VNNI, AVX2 or portable loops), or a lower one that
+    ``RAYLM_INT8_MATMUL_FAMILY`` or ``use_family`` named."""
+    function = _KERNEL.c_function("RaylmInt8MatmulFamily")
+    function.restype = ctypes.c_char_p
+    return function().decode()
+
+
+def use_family(name: str) -> str:
+    """Make later calls in this process run family ``name`` (one of ``FAMILIES``), or the best one
+    here if that is lower; ``""`` goes back to the environment's choice. Returns the family now
+    used: tests and benchmarks compare families in one process."""
+    if name and name not in FAMILIES:
+        raise ValueError(f"int8 matmul family {name!r}: expected one of {', '.join(FAMILIES)}")
+    function = _KERNEL.c_function("RaylmInt8MatmulUseFamily")
+    function.restype, function.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+    return function(name.encode()).decode()
 
 
 def takes_int8_activations(w: object) -> bool:

@@ -26,6 +26,7 @@ constexpr int64_t kVectorBytes = 64;
 // first 16 values, for weights with a scale per 16).
 struct Int8Rows {
   std::vector<int8_t> q;
+  std::vector<int8_t> tiled;  // AMX only: q again, each 16 rows' block b contiguous (int8_amx.h)
   std::vector<float> d, ds;
   std::vector<int32_t> sum128, low128;
   int64_t blocks = 0;

@@ -33,7 +33,9 @@ pytestmark = pytest.mark.skipif(int8_matmul.unavailable_reason() is not None, re
 
 EXPERTS, OUTPUTS, K = 5, (2, 20), 256  # gate_up-shaped experts [E, 2, I, D]: 40 outputs, not whole groups of 16
 # Empty experts between groups, then first and last ones empty; padding rows after the groups.
-ROUTINGS = [[3, 0, 1, 0, 4], [0, 2, 5, 1, 0]]
+# The last: groups of a prompt chunk's size, which AMX tiles take where the CPU has them (16 rows and
+# more, 4-bit blocks 32 and more).
+ROUTINGS = [[3, 0, 1, 0, 4], [0, 2, 5, 1, 0], [40, 0, 17, 1, 0]]
 PADDING = 2
 KINDS = ["Q4_0", "Q4_K", "Q6_K", "Q8_0", "MXFP4", "int8"]
 

@@ -12,15 +12,19 @@ test checks it directly. A second, independent check bounds the distance to the 
 the gguf package's own dequantized weights by the quantization step: each activation moves by at
 most half its block's step, ``max|x| / 254``.
 
-Shapes: 1, 3, 64, 65 and 130 rows; weight rows not a multiple of either family's 16 or 8 columns;
-K not whole blocks of 32 for per-row int8; several panels and both threads. ``test_lower_families``
-reruns everything with the AVX2 and portable families forced (all families give the same bits).
+Shapes: 1, 3, 16, 17, 64, 65 and 130 rows (AMX tiles take 16 rows and more, 4-bit blocks 32; fewer
+stay on VNNI); weight rows not a multiple of the families' 32, 16 or 8 columns; K not whole blocks
+of 32 for per-row int8; several panels and both threads. ``test_every_family_is_the_integer_scheme``
+runs every kind with each family this CPU has (AMX, VNNI, AVX2, portable) chosen in this process,
+skipping those it lacks; ``test_lower_families`` reruns everything with the AVX2 and portable
+families forced by the environment (all families give the same bits).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import gguf.quants
 import jax
@@ -42,7 +46,8 @@ pytestmark = pytest.mark.skipif(int8_matmul.unavailable_reason() is not None, re
 BLOCK = 32
 KINDS = ["Q4_0", "Q4_1", "Q8_0", "int8_g32", "int8"]
 # (rows, weight rows, K): column tails of both families on one thread; three row blocks on both threads.
-SHAPES = [(1, 67, 96), (3, 67, 96), (64, 67, 96), (65, 67, 96), (130, 67, 96), (130, 200, 2080)]
+SHAPES = [(1, 67, 96), (3, 67, 96), (16, 67, 96), (17, 67, 96), (64, 67, 96), (65, 67, 96), (130, 67, 96),
+          (130, 200, 2080)]
 INT8_K = [45, 2100]  # per-row int8 takes any K
 # Types with a scale per 32 that the gguf package cannot quantize: random blocks (every bit
 # pattern), as tests/gguf_export.py writes them. The K-quants' rows are whole 256-weight blocks.
@@ -241,8 +246,46 @@ def test_a_packed_matrix_keeps_its_output_and_input_dims():
     np.testing.assert_array_equal(np.asarray(got).reshape(5, 64), _reference(x, w))
 
 
-@pytest.mark.parametrize("family,select", [("avx2", "not lower_families"),
-                                           ("portable", "not lower_families and not 2080 and not 2100")])
+@functools.cache
+def _reference_of(kind: str, m: int, n: int, k: int) -> np.ndarray:
+    return _reference(_activations(m, k), _weights(kind, n, k)[0])
+
+
+@pytest.mark.parametrize("family", int8_matmul.FAMILIES)
+@pytest.mark.parametrize("kind", KINDS + list(RANDOM_KINDS))
+def test_every_family_is_the_integer_scheme(kind, family):
+    """``family`` chosen in this process (skipped where the CPU lacks it) gives the reference's bits
+    for decode rows and prompt chunks (1, 16, 17, 64, 130 rows: AMX's whole and partial tiles of 16
+    and 32 rows), 67 columns (a partial tile of 16 and 32) and per-row int8 at K = 45 (a partial
+    last block); the families other than the scalar loops also on several panels and both threads."""
+    k = INT8_K[0] if kind == "int8" else RANDOM_KINDS.get(kind, 96)
+    cases = [(m, 67, k) for m in (1, 16, 17, 64, 130)]
+    cases += [SHAPES[-1]] if family != "portable" and kind in KINDS else []
+    try:
+        if int8_matmul.use_family(family) != family:
+            pytest.skip(f"this CPU has no {family} family (or Linux refused AMX)")
+        for m, n, k in cases:
+            got = _matmul(_activations(m, k), kind, n, k)
+            np.testing.assert_array_equal(got, _reference_of(kind, m, n, k), err_msg=f"{family} {m} x {n} x {k}")
+    finally:
+        int8_matmul.use_family("")
+
+
+def test_the_environment_names_the_family():
+    """``RAYLM_INT8_MATMUL_FAMILY`` (set by test_lower_families in a child) picks the family, capped
+    at the best this CPU has; unset, the best. Unknown names are errors."""
+    best = int8_matmul.use_family("amx")
+    int8_matmul.use_family("")
+    named = os.environ.get("RAYLM_INT8_MATMUL_FAMILY", "amx")
+    families = int8_matmul.FAMILIES  # best first
+    assert int8_matmul.family() == families[max(families.index(named), families.index(best))]
+    with pytest.raises(ValueError, match="expected one of amx, vnni, avx2, portable"):
+        int8_matmul.use_family("sse2")
+
+
+@pytest.mark.parametrize("family,select", [("avx2", "not lower_families and not every_family"),
+                                           ("portable", "not lower_families and not every_family and not 2080 "
+                                                        "and not 2100")])
 def test_lower_families(family, select):
     """The tests above with a lower family forced (what AVX2-only and older CPUs run; the scalar
     loops skip the large shapes, which only they find slow)."""
