@@ -139,11 +139,16 @@ def main() -> None:
         if line is None:
             raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")
         results[mode] = json.loads(line[7:])
+        print(f"{mode}: {line[7:]}", flush=True)  # (kept should a peer's run fail)
     peers: dict[str, dict[str, float]] = {}
     if a.llama_bench.is_file():
         for name, peer in (("same file", a.file), ("F16", a.peer_f16)):
-            if peer is not None:
+            if peer is None:
+                continue
+            try:
                 peers[name] = llama_bench(a.llama_bench, peer, repack=not a.no_repack)
+            except subprocess.CalledProcessError as error:
+                print(f"llama-bench on {peer} failed ({error}); on an Intel AMX machine try --no-repack", flush=True)
     keys = ["file_gib", "weights_gib", "rss_gib", "peak_rss_gib", "load_s", "warmup_s", "ttft_512_s",
             "single_tok_s", "wide_tok_s"]
     columns = [*results, *(f"llama {p}" for p in peers)]
