@@ -70,9 +70,11 @@ def _gate_up(get: TensorSource, prefix: str, E: int, I: int, D: int) -> np.ndarr
 def _gate_up_bias(get: TensorSource, prefix: str, vector: Callable[[str, tuple[int, ...]], np.ndarray],
                   E: int, I: int) -> np.ndarray:
     """The experts' gate and up biases ``[E, 2, I]``: apart, or HF's interleaved ``gate_up_proj_bias``."""
-    if get(f"{prefix}experts.gate_proj_bias") is not None:
-        return np.stack([vector(f"experts.{half}_bias", (E, I)) for half in ("gate_proj", "up_proj")], axis=1)
-    return deinterleaved_gate_up(vector("experts.gate_up_proj_bias", (E, 2 * I)))
+    gate = get(f"{prefix}experts.gate_proj_bias")
+    if gate is None:
+        return deinterleaved_gate_up(vector("experts.gate_up_proj_bias", (E, 2 * I)))
+    return np.stack([_float(gate, f"{prefix}experts.gate_proj_bias", (E, I)), vector("experts.up_proj_bias", (E, I))],
+                    axis=1)
 
 
 def gpt_oss_moe_fields(get: TensorSource, config: ModelConfig, layer: int) -> dict[str, np.ndarray | GgufBlocks]:
