@@ -26,6 +26,7 @@ from raylm.model.loaders.load import LoadedModel, parse_dtype
 from raylm.model.quantization.activations import with_int8_activations
 from raylm.model.runtime.backend_support import check_fp8
 from raylm.model.runtime.compilation_cache import enable_compilation_cache
+from raylm.model.runtime.host_memory import release_freed_heap
 from raylm.model.text.prompt_checks import check_prompt
 from raylm.workers.core.embedding import EmbeddingState
 from raylm.workers.core.engine_stats import EngineStats, LoraStats, MoeStats, remaining_work
@@ -435,5 +436,8 @@ def make_engine(model: str | LoadedModel, background_warmup: bool = False, **eng
         # With pipeline stages this process is the last and reads that stage's layers alone.
         layers = None if args.pipeline_parallel_size == 1 else last_stage_layers(model, args.pipeline_parallel_size)
         model = load_replica_model(model, args, layers=layers)
-    return LLMEngine(model, args, background_warmup=background_warmup)
+    engine = LLMEngine(model, args, background_warmup=background_warmup)
+    del model  # the stored form the engine replaced (a quantized or packed copy) goes before the heap is trimmed
+    release_freed_heap()
+    return engine
 

@@ -13,6 +13,7 @@ from raylm.model.decoder.params import ModelParams, stage_ends
 from raylm.model.loaders.load import LoadedModel, load_model
 from raylm.model.quantization.activations import with_int8_activations
 from raylm.model.runtime.compilation_cache import enable_compilation_cache
+from raylm.model.runtime.host_memory import release_freed_heap
 from raylm.model.runtime.sharding import make_mesh
 from raylm.workers.pipeline.stage_runners import HiddenStageRunner, LastStageRunner, StageSpan
 
@@ -63,6 +64,7 @@ def stage_model(spec: StageSpec, model: LoadedModel | None = None) -> LoadedMode
     model = load_model(spec.model_path, spec.dtype, spec.quantization, spec.keep_blocks, layers=layers)
     if spec.activation_quantization == "int8":
         model = dataclasses.replace(model, params=with_int8_activations(model.params, model.name))
+    release_freed_heap()  # the load's and the packing's temporaries (model/runtime/host_memory.py)
     return model
 
 
