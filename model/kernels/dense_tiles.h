@@ -138,6 +138,10 @@ __attribute__((always_inline)) inline void GgufTileOf(const float* __restrict x,
         for (int v = 0; v < kVectors; ++v)
           weights[j][v] = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) *
                               (v < kVectors / 2 ? d : d_high) + (v < kVectors / 2 ? m : m_high);
+      } else if (w.fp8) {  // d * fp8: the one rounding (gguf_blocks.h)
+        for (int v = 0; v < kVectors; ++v)
+          weights[j][v] = Lanes<V>::Load(reinterpret_cast<const Fp8E4m3*>(q) + v * kLanes) *
+                          (v < kVectors / 2 ? d : d_high);
       } else {
         for (int v = 0; v < kVectors; ++v)
           weights[j][v] = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) *
@@ -185,6 +189,12 @@ __attribute__((always_inline)) inline void WidenGgufBlock(const GgufRows& w, int
       Lanes<V>::WidenNibbles(q + h * kLanes, d, m, d_high, m_high, &low, &high);
       std::memcpy(out + h * kLanes, &low, sizeof low);
       std::memcpy(out + (h + kVectors / 2) * kLanes, &high, sizeof high);
+    }
+  } else if (w.fp8) {  // no offset (GgufRowsOf): d * fp8, the one rounding
+    for (int v = 0; v < kVectors; ++v) {
+      const V value = Lanes<V>::Load(reinterpret_cast<const Fp8E4m3*>(q) + v * kLanes) *
+                      w.Scale<kTwoLevel>(s + (v < kVectors / 2 ? 0 : split), super);
+      std::memcpy(out + v * kLanes, &value, sizeof value);
     }
   } else {
     for (int v = 0; v < kVectors; ++v) {

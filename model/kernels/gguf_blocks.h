@@ -38,6 +38,10 @@ struct GgufRows {
   // 4-bit codes standing for 16 integers (IQ4's kvalues, MXFP4's doubled e2m1), as float32: w = d *
   // codebook[q], no offset (d * codebook[q] is the one rounding, as the gguf package's), or null.
   const float* codebook = nullptr;
+  // 8-bit values that are float8 e4m3fn, not signed integers (block-scaled FP8 checkpoints:
+  // w = d * fp8, no offset; the widening is exact, d * fp8 the one rounding, as the format's
+  // float32 dequantization).
+  bool fp8 = false;
 
   bool Nibbles() const { return nibbles; }
   int64_t RowBytes() const { return nibbles ? K / 2 : K; }

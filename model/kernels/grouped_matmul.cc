@@ -104,16 +104,19 @@ ffi::Error GroupedGgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuff
                                                y->dimensions())
                              : "grouped_gguf_matmul: q, scale and offset must be 3-D";
   const int64_t scales = shaped ? sd[2] : -1;
-  const bool agree = shaped && (nibbles || q.element_type() == ffi::DataType::S8) && K % raylm::kGgufBlock == 0 &&
+  const bool fp8 = q.element_type() == ffi::DataType::F8E4M3FN;
+  const bool agree = shaped && (nibbles || q.element_type() == ffi::DataType::S8 || fp8) && K % raylm::kGgufBlock == 0 &&
                      K > 0 && (scales == K / 32 || scales == K / 16) && qd[0] == sd[0] && qd[1] == sd[1] &&
                      qd[2] == (nibbles ? K / 2 : K) && od[0] == sd[0] && od[1] == sd[1] &&
                      (coded ? nibbles && od[2] == 0 && codebook.dimensions()[0] == 16
                             : od[2] == scales || (od[2] == 0 && !nibbles)) &&
                      scale.element_type() == table &&
                      offset.element_type() == table && pd[0] == sd[0] && pd[1] == sd[1] &&
-                     (!two_level || (K % raylm::kGgufSuper == 0 && pd[2] == K / raylm::kGgufSuper * 2));
+                     (!two_level || (K % raylm::kGgufSuper == 0 && pd[2] == K / raylm::kGgufSuper * 2)) &&
+                     (!fp8 || (od[2] == 0 && !coded && !two_level));
   if (error.empty() && !agree)
-    error = "grouped_gguf_matmul: q [G, N, K/2] uint8 or [G, N, K] int8, scale [G, N, K/32] or [G, N, K/16], "
+    error = "grouped_gguf_matmul: q [G, N, K/2] uint8 or [G, N, K] int8 or float8_e4m3fn (float32 scale, offset "
+            "[G, N, 0]), scale [G, N, K/32] or [G, N, K/16], "
             "offset like scale (always for uint8 q without a codebook) or [G, N, 0], float32 tables with supers "
             "[G, N, 0] or int8 ones with supers [G, N, K/256 * 2], codebook [16] (uint8 q, offset [G, N, 0]) or [0], "
             "K a multiple of 32; got K " + std::to_string(K) + ", q " + raylm::Shape(qd) + ", scale " +
@@ -129,7 +132,7 @@ ffi::Error GroupedGgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuff
     const GgufRows w{qs + g * N * qd[2], static_cast<const char*>(scale.untyped_data()) + g * N * scales * table_bytes,
                      od[2] ? static_cast<const char*>(offset.untyped_data()) + g * N * scales * table_bytes : nullptr,
                      two_level ? supers.typed_data() + g * N * pd[2] : nullptr, K, nibbles, K / scales,
-                     coded ? codebook.typed_data() : nullptr};
+                     coded ? codebook.typed_data() : nullptr, fp8};
     const float* xg = xs + start * K;
     float* yg = ys + start * N;
     Run(N, K, kMaxWeightRowsPerTile * K,

@@ -22,9 +22,11 @@ layer's tensors are unpacked, every format means one of three things:
   or per tensor broadcast to the rows): ``w = q * s``, held as a ``QuantArray``. Its kernel applies
   ``s`` to the row's sum instead of to each weight, which rounds differently (not bit for bit the
   float32 matrix's result, within float32 rounding of it).
-- ``BlockScaled``: float8_e4m3fn values with a scale per 128x128 block (DeepSeek / Qwen FP8). No
-  kernel reads that layout yet, so it is expanded to float32 (``fp8 * scale``, one rounding,
-  exact as the format defines it); a block kernel may replace that later.
+- ``BlockScaled``: float8_e4m3fn values with a scale per 128x128 block (DeepSeek / Qwen FP8). Held
+  as ``GgufBlocks`` of fp8 values, each block's scale repeated for every 32 inputs (1.125 bytes a
+  weight where float32 took 4): the kernel widens ``fp8 * scale`` with one rounding, the format's
+  float32 dequantization exactly. Blocks that are not whole groups of 32 inputs are expanded to
+  float32 by the same formula.
 
 ``dense()`` is each format's formula in float32 (what a bfloat16 or tensor-parallel model is cast
 from); ``stored()`` is what a float32 model on one CPU device keeps (``keep_blocks``).
@@ -154,8 +156,20 @@ class BlockScaled:
         scale = np.repeat(np.repeat(self.scale.astype(np.float32), rows, axis=0), cols, axis=1)[:out, :size]
         return self.q.astype(np.float32) * scale
 
-    def stored(self) -> np.ndarray:
-        return self.dense()  # no kernel reads 128x128-scaled blocks yet
+    def stored(self) -> np.ndarray | GgufBlocks:
+        blocks = self.blocks()
+        return self.dense() if blocks is None else blocks
+
+    def blocks(self) -> GgufBlocks | None:
+        """The same float32 matrix as fp8 ``GgufBlocks`` (a float32 scale per 32 inputs), or None
+        where a scale block's inputs are not whole groups of 32."""
+        out, size = self.q.shape
+        rows, cols = self.block
+        if size % BLOCK or cols % BLOCK or size == 0:
+            return None
+        scale = np.repeat(np.repeat(self.scale.astype(np.float32), rows, axis=0)[:out], cols // BLOCK, axis=1)
+        return GgufBlocks(np.ascontiguousarray(self.q), np.ascontiguousarray(scale[:, :size // BLOCK]),
+                          np.zeros((out, 0), np.float32), (size,))
 
 
 Form = Union[IntGroups, RowScaled, BlockScaled]

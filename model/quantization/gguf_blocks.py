@@ -19,7 +19,8 @@ for bit (tests/model/test_gguf_blocks.py, tests/model/test_gguf_kquants.py).
 
 Layout: ``q [N..., K/2]`` uint8 for 4-bit blocks (block byte ``i`` holds weight ``i`` in its
 low half and ``i + 16`` in its high half, GGUF's order) or ``q [N..., K]`` int8 for 8-bit
-ones; ``scale [N..., K/group]`` float32 (group 32 or 16, read off the shapes) and ``offset``
+ones, or float8_e4m3fn for FP8 checkpoints scaled per 128x128 block (model/loaders/hf_quantized_matrix.py:
+each block's scale repeated per 32 inputs, no offset, ``w = d * fp8``); ``scale [N..., K/group]`` float32 (group 32 or 16, read off the shapes) and ``offset``
 like it, or ``[N..., 0]`` for types without one (4-bit blocks have one unless they have a codebook). Types with
 super-blocks of 256 weights (the K-quants, IQ4_XS) keep two levels, as their files do: int8
 ``scale`` and ``offset`` per group and ``supers [N..., K/256 * 2]`` float32, each super-block's
@@ -76,6 +77,11 @@ class GgufBlocks(StoredBytes):
     @property
     def has_offset(self) -> bool:
         return self.offset.shape[-1] > 0
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the 8-bit values are float8_e4m3fn (no offset, float32 scales), not integers."""
+        return self.q.dtype == jnp.float8_e4m3fn
 
     @property
     def two_level(self) -> bool:
@@ -227,13 +233,15 @@ def map_rows(fn: Callable[..., np.ndarray], *matrices: np.ndarray | GgufBlocks) 
     first = matrices[0]
     if not all(isinstance(m, GgufBlocks) and m.input_shape == first.input_shape for m in matrices):
         return fn(*(dequantized(m) for m in matrices))
-    layouts = {(m.nibbles, m.group, m.has_offset, m.two_level, m.codebook) for m in matrices}
+    layouts = {(m.nibbles, m.group, m.has_offset, m.two_level, m.codebook, m.fp8) for m in matrices}
+    if len(layouts) > 1 and any(m.fp8 for m in matrices):  # fp8 beside integer blocks: no common layout
+        return fn(*(dequantized(m) for m in matrices))
     if len(layouts) > 1 and all(m.two_level for m in matrices) and _same_supers(matrices):
         matrices = tuple(_in_two_level_bytes(m) for m in matrices)
     elif len(layouts) > 1:  # codebook nibbles beside another type become bytes of their values
-        nibbles = all(n and not c for n, _, _, _, c in layouts)
-        group = min(g for _, g, _, _, _ in layouts)
-        offsets = nibbles or any(o for _, _, o, _, _ in layouts)
+        nibbles = all(n and not c for n, _, _, _, c, _ in layouts)
+        group = min(g for _, g, _, _, _, _ in layouts)
+        offsets = nibbles or any(o for _, _, o, _, _, _ in layouts)
         matrices = tuple(_in_layout(m, nibbles, group, offsets) for m in matrices)
     supers = None if matrices[0].supers is None else fn(*(m.supers for m in matrices))
     return GgufBlocks(

@@ -18,6 +18,8 @@ from gguf import GGMLQuantizationType
 from raylm.model.config.registry import DEFAULT_MODEL
 from raylm.model.kernels import dense as dense_module
 from raylm.model.kernels.dense import KERNEL_MAX_ROWS, dense, dense_matmul, gguf_matmul
+from raylm.model.kernels.int8_matmul import takes_int8_activations
+from raylm.model.loaders.hf_quantized_matrix import BlockScaled
 from raylm.model.loaders.load import keep_gguf_blocks, load_model
 from raylm.model.quantization.gguf_blocks import GgufBlocks, from_gguf, map_rows
 from raylm.model.quantization.quant_array import quantize, weight_bytes
@@ -91,10 +93,50 @@ def test_kernel_is_the_float32_kernel_on_the_dequantized_matrix(kind, m, n, k):
     np.testing.assert_allclose(got, np.asarray(x, np.float64) @ w.astype(np.float64).T, rtol=1e-4, atol=1e-3)
 
 
+def _fp8_blocks(n: int, k: int, seed: int = 0) -> tuple[GgufBlocks, np.ndarray]:
+    """A matrix as an FP8 checkpoint stores it (float8_e4m3fn values, a float32 scale per 128x128
+    block, partial blocks at the edges), held as blocks, and its float32 dequantization: fp8 * scale.
+    Small weights beside the outliers are e4m3 subnormals."""
+    w = _matrix(n, k, seed)
+    rows, cols = -(-n // 128), -(-k // 128)
+    padded = np.zeros((rows * 128, cols * 128), np.float32)
+    padded[:n, :k] = np.abs(w)
+    scale = (padded.reshape(rows, 128, cols, 128).max(axis=(1, 3)) / 448).astype(np.float32)
+    full = np.repeat(np.repeat(scale, 128, 0), 128, 1)[:n, :k]
+    q = (w / np.where(full > 0, full, 1)).astype(jnp.float8_e4m3fn)
+    blocks = BlockScaled(q, scale, (128, 128)).blocks()
+    assert blocks is not None and blocks.fp8
+    return blocks, q.astype(np.float32) * full
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 17, 40])
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (130, 160), (300, 576)])
+def test_fp8_block_kernel_is_the_float32_kernel_on_the_dequantized_matrix(m, n, k):
+    blocks, w = _fp8_blocks(n, k, seed=m + n)
+    assert np.any((np.abs(w) > 0) & (np.abs(w) < 2.0**-6 * np.abs(w).max() / 448))  # subnormal codes present
+    np.testing.assert_array_equal(np.asarray(blocks.dequantize()), w)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.float32)
+    got = np.asarray(gguf_matmul(x, blocks.to_device()))
+    np.testing.assert_array_equal(got, np.asarray(dense_matmul(x, jnp.asarray(w))))
+
+
+def test_fp8_blocks_beside_integer_blocks_are_expanded():
+    a, ea = _fp8_blocks(8, 64, seed=1)
+    b, eb = _blocks(GGMLQuantizationType.Q8_0, 4, 64, seed=2)
+    assert not takes_int8_activations(a) and takes_int8_activations(b)
+    fused = map_rows(lambda x, y: np.concatenate([x, y]), a, b)
+    np.testing.assert_array_equal(fused, np.concatenate([ea, eb]))
+    same = map_rows(lambda x, y: np.concatenate([x, y]), a, a)
+    assert isinstance(same, GgufBlocks) and same.fp8
+    np.testing.assert_array_equal(np.asarray(same.dequantize()), np.concatenate([ea, ea]))
+    assert BlockScaled(np.zeros((4, 48), jnp.float8_e4m3fn), np.ones((1, 1), np.float32), (128, 128)).blocks() is None
+
+
 @needs_kernel
 def test_eight_lane_family_too():
     """The tests above with the 8-lane tiles forced (what AVX2 CPUs run)."""
-    rerun_in_child(__file__, "test_kernel_is_the_float32_kernel", {"RAYLM_DENSE_NARROW_TILES": "1"})
+    rerun_in_child(__file__, "kernel_is_the_float32_kernel", {"RAYLM_DENSE_NARROW_TILES": "1"})
 
 
 @needs_kernel

@@ -20,7 +20,8 @@ import pytest
 from gguf import GGMLQuantizationType
 
 import raylm.model.kernels.grouped_matmul as grouped
-from raylm.model.quantization.gguf_blocks import from_gguf
+from raylm.model.loaders.hf_quantized_matrix import BlockScaled
+from raylm.model.quantization.gguf_blocks import GgufBlocks, from_gguf, map_rows
 from raylm.model.quantization.quant_array import QuantArray, quantize
 from tests.reruns import rerun_in_child
 
@@ -79,6 +80,26 @@ def test_block_experts_are_the_float32_kernel_on_their_dequantized_values(kind, 
     values = gguf.quants.dequantize(data, kind).reshape(stack.shape).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((ROWS, k)), jnp.float32)
     got = _kernel(x, blocks, SIZES)
+    np.testing.assert_array_equal(got, _kernel(x, jnp.asarray(values), SIZES))
+    np.testing.assert_allclose(got, _float64_groups(np.asarray(x), values, SIZES), rtol=1e-5, atol=1e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_fp8_block_experts_are_the_float32_kernel_on_their_dequantized_values(n, k):
+    """Experts of a block-scaled FP8 checkpoint (DeepSeek-V3's), each held as fp8 blocks."""
+    rng = np.random.default_rng(n + k)
+    stack = rng.standard_normal((len(SIZES), n, k)).astype(np.float32)
+    experts = []
+    for w in stack:
+        scale = (np.abs(w).max() / 448 * rng.uniform(1.0, 1.5, (-(-n // 128), -(-k // 128)))).astype(np.float32)
+        q = (w / np.repeat(np.repeat(scale, 128, 0), 128, 1)[:n, :k]).astype(jnp.float8_e4m3fn)
+        experts.append(BlockScaled(q, scale, (128, 128)).blocks())
+    blocks = map_rows(lambda *m: np.stack(m), *experts)
+    assert isinstance(blocks, GgufBlocks) and blocks.fp8
+    values = np.asarray(blocks.dequantize())
+    x = jnp.asarray(rng.standard_normal((ROWS, k)), jnp.float32)
+    got = _kernel(x, blocks.to_device(), SIZES)
     np.testing.assert_array_equal(got, _kernel(x, jnp.asarray(values), SIZES))
     np.testing.assert_allclose(got, _float64_groups(np.asarray(x), values, SIZES), rtol=1e-5, atol=1e-3)
 

@@ -431,8 +431,11 @@ def test_fp8_block_scaled_serves_like_hf(tmp_path):
     source, state = _float_model(tmp_path, intermediate_size=192)
     config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
     quantized, reference, model = _checkpoints(tmp_path, state, source, _fp8_block_layer, config, ml_dtypes.bfloat16)
-    _assert_serves_like_hf(quantized, model)
+    params = _assert_serves_like_hf(quantized, model)
     _assert_holds_reference(quantized, reference)
+    layer = params.layers[0]
+    for matrix in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):  # kept as fp8, a scale per 32 inputs
+        assert isinstance(matrix, GgufBlocks) and matrix.fp8 and matrix.nbytes < 1.2 * math.prod(matrix.shape)
 
 
 def test_fp8_per_tensor_and_per_channel_are_quant_arrays(tmp_path):
