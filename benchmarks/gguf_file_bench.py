@@ -5,7 +5,7 @@ random weights). For each compute mode (exact: float32 sums over the weights as 
 int8 activations, ``model.activation_quantization: int8``) a child process builds one replica's
 engine (``workers.LLM``, the file's matrices kept as blocks) and reports:
 
-- the file's size, the weights as held, the process's resident memory after the warm-up and its
+- the file's size, the weights as held, the KV pool's bytes, the process's resident memory after the warm-up and its
   peak (``ru_maxrss``), the load time (weights and tokenizer) and the warm-up (every bucket compiled);
 - TTFT of a 512-token prompt (one output token, median of 3), single-stream decode tokens/s
   (128 tokens after a 128-token prompt, the prompt's time subtracted) and 16-way decode
@@ -24,6 +24,7 @@ file (``GGML_ASSERT(*cur_backend_id != -1)``) as they crash llama-server at load
 (shared/peers/llama-server.sh serves with ``--no-repack`` for that reason).
 
     python -m raylm.benchmarks.gguf_file_bench FILE.gguf [--peer-f16 F16.gguf] [--modes exact,integer] [--no-repack]
+        [--wide-modes integer] [--llama-repetitions 2]
 """
 
 from __future__ import annotations
@@ -51,13 +52,16 @@ def _rss_gib() -> float:
     return kib / 2**20
 
 
-def bench_mode(path: str, mode: str) -> dict[str, Any]:
-    """One mode's figures, in this process (run it in a child: ``--child``)."""
+def bench_mode(path: str, mode: str, wide: bool = True) -> dict[str, Any]:
+    """One mode's figures, in this process (run it in a child: ``--child``); ``wide``: with the
+    16-way figure (the longest to measure on a big file)."""
+    import jax
     import numpy as np
 
     from raylm.model.loaders.load import load_model
     from raylm.model.quantization.int8_panels import Int8Panels
     from raylm.model.quantization.quant_array import weight_bytes
+    from raylm.model.runtime.host_memory import release_freed_heap
     from raylm.workers.core.sampling_params import SamplingParams
     from raylm.workers.engine.llm import LLM
 
@@ -69,6 +73,7 @@ def bench_mode(path: str, mode: str) -> dict[str, Any]:
               enable_prefix_caching=False, max_num_seqs=WIDE, max_model_len=PROMPT + DECODE + 1,
               max_num_batched_tokens=PROMPT, num_kv_blocks=WIDE * (PROMPT + DECODE) // 16 + 8, warmup=True)
     del model  # the integer mode serves a packed copy: the loaded blocks must not stay resident beside it
+    release_freed_heap()  # as make_engine does once the loaded form is dropped
     warmup_s = time.perf_counter() - start
     vocab = llm.engine.config.vocab_size
     rng = np.random.RandomState(0)
@@ -88,30 +93,35 @@ def bench_mode(path: str, mode: str) -> dict[str, Any]:
     short = [rng.randint(100, vocab, size=SHORT).tolist()]
     run(short, DECODE + 1)
     single = DECODE / (median(lambda: run(short, DECODE + 1), 2) - median(lambda: run(short, 1), 2))
-    wide = [rng.randint(100, vocab, size=SHORT).tolist() for _ in range(WIDE)]
-    run(wide, WIDE_TOKENS + 1)
-    wide_s = median(lambda: run(wide, WIDE_TOKENS + 1), 2) - median(lambda: run(wide, 1), 2)
+    wide_tok_s = None
+    if wide:
+        prompts = [rng.randint(100, vocab, size=SHORT).tolist() for _ in range(WIDE)]
+        run(prompts, WIDE_TOKENS + 1)
+        wide_s = median(lambda: run(prompts, WIDE_TOKENS + 1), 2) - median(lambda: run(prompts, 1), 2)
+        wide_tok_s = WIDE * WIDE_TOKENS / wide_s
     stacks = [lp.w_experts_gate_up for lp in llm.engine.runner.params.layers if lp.w_experts_gate_up is not None]
     exact_experts = mode == "integer" and any(not isinstance(w, Int8Panels) for w in stacks)
     return {
         "note": "routed experts exact (their type has no integer kernel)" if exact_experts else None,
         "file_gib": Path(path).stat().st_size / 2**30,
         "weights_gib": weight_bytes(llm.engine.model.params) / 2**30,
+        "kv_pool_gib": sum(x.nbytes for x in jax.tree_util.tree_leaves(llm.engine.runner.kv)) / 2**30,
         "rss_gib": _rss_gib(),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "load_s": load_s,
         "warmup_s": warmup_s,
         "ttft_512_s": ttft,
         "single_tok_s": single,
-        "wide_tok_s": WIDE * WIDE_TOKENS / wide_s,
+        "wide_tok_s": wide_tok_s,
     }
 
 
-def llama_bench(binary: Path, model: Path, repack: bool = True) -> dict[str, float]:
+def llama_bench(binary: Path, model: Path, repack: bool = True, repetitions: int = 5) -> dict[str, float]:
     """llama-bench's pp512 / tg128 tokens/s on ``model``, all cores (``repack``: ggml's extra
-    weight buffers, llama-bench's default)."""
+    weight buffers, llama-bench's default; ``repetitions``: runs averaged, llama-bench's default 5)."""
     out = subprocess.run([str(binary), "-m", str(model), "-p", str(PROMPT), "-n", str(DECODE), "-t",
-                          str(os.cpu_count()), "-o", "json", *([] if repack else ["--repack", "0"])],
+                          str(os.cpu_count()), "-r", str(repetitions), "-o", "json",
+                          *([] if repack else ["--repack", "0"])],
                          capture_output=True, text=True, check=True).stdout
     rows = json.loads(out)
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == PROMPT and r["n_gen"] == 0)
@@ -126,15 +136,19 @@ def main() -> None:
     ap.add_argument("--peer-f16", type=Path, default=None, help="the same model as F16, for llama-bench")
     ap.add_argument("--llama-bench", type=Path, default=LLAMA_BENCH)
     ap.add_argument("--no-repack", action="store_true", help="llama-bench --repack 0 (see the module docstring)")
+    ap.add_argument("--wide-modes", default=None,
+                    help="the modes that measure 16-way decode (default: all; at 8B each takes ~20 min on 2 cores)")
+    ap.add_argument("--llama-repetitions", type=int, default=5, help="llama-bench -r")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print("RESULT " + json.dumps(bench_mode(str(a.file), a.child)), flush=True)
+        print("RESULT " + json.dumps(bench_mode(str(a.file), a.child, wide=a.wide_modes != "")), flush=True)
         return
     results: dict[str, dict[str, Any]] = {}
+    wide_modes = a.modes.split(",") if a.wide_modes is None else a.wide_modes.split(",")
     for mode in a.modes.split(","):
-        out = subprocess.run([sys.executable, "-m", "raylm.benchmarks.gguf_file_bench", str(a.file), "--child", mode],
-                             capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-m", "raylm.benchmarks.gguf_file_bench", str(a.file), "--child", mode,
+                              *([] if mode in wide_modes else ["--wide-modes", ""])], capture_output=True, text=True)
         line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")
@@ -146,10 +160,10 @@ def main() -> None:
             if peer is None:
                 continue
             try:
-                peers[name] = llama_bench(a.llama_bench, peer, repack=not a.no_repack)
+                peers[name] = llama_bench(a.llama_bench, peer, repack=not a.no_repack, repetitions=a.llama_repetitions)
             except subprocess.CalledProcessError as error:
                 print(f"llama-bench on {peer} failed ({error}); on an Intel AMX machine try --no-repack", flush=True)
-    keys = ["file_gib", "weights_gib", "rss_gib", "peak_rss_gib", "load_s", "warmup_s", "ttft_512_s",
+    keys = ["file_gib", "weights_gib", "kv_pool_gib", "rss_gib", "peak_rss_gib", "load_s", "warmup_s", "ttft_512_s",
             "single_tok_s", "wide_tok_s"]
     columns = [*results, *(f"llama {p}" for p in peers)]
     print(f"{a.file.name}, {os.cpu_count()} cores")
@@ -164,8 +178,10 @@ def main() -> None:
         best_ttft = min(p["ttft_512_s"] for p in peers.values())
         best_tg = max(p["single_tok_s"] for p in peers.values())
         for mode, r in results.items():
+            held = r["rss_gib"] - r["kv_pool_gib"]
             print(f"{mode}: single stream {r['single_tok_s'] / best_tg:.2f}x the better llama.cpp, "
-                  f"TTFT(512) {r['ttft_512_s'] / best_ttft:.2f}x, resident {r['rss_gib'] / r['file_gib']:.2f}x the file")
+                  f"TTFT(512) {r['ttft_512_s'] / best_ttft:.2f}x, resident {r['rss_gib'] / r['file_gib']:.2f}x "
+                  f"the file ({held / r['file_gib']:.2f}x without the KV pool)")
 
 
 if __name__ == "__main__":
