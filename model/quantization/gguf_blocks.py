@@ -19,8 +19,9 @@ for bit (tests/model/test_gguf_blocks.py, tests/model/test_gguf_kquants.py).
 
 Layout: ``q [N..., K/2]`` uint8 for 4-bit blocks (block byte ``i`` holds weight ``i`` in its
 low half and ``i + 16`` in its high half, GGUF's order) or ``q [N..., K]`` int8 for 8-bit
-ones, or float8_e4m3fn for FP8 checkpoints scaled per 128x128 block (model/loaders/hf_quantized_matrix.py:
-each block's scale repeated per 32 inputs, no offset, ``w = d * fp8``); ``scale [N..., K/group]`` float32 (group 32 or 16, read off the shapes) and ``offset``
+ones, or float8_e4m3fn for FP8 checkpoints scaled per 128x128 block
+(model/loaders/hf_quantized_matrix.py: each block's scale repeated per 32 inputs, no offset, ``w =
+d * fp8``); ``scale [N..., K/group]`` float32 (group 32 or 16, read off the shapes) and ``offset``
 like it, or ``[N..., 0]`` for types without one (4-bit blocks have one unless they have a codebook). Types with
 super-blocks of 256 weights (the K-quants, IQ4_XS) keep two levels, as their files do: int8
 ``scale`` and ``offset`` per group and ``supers [N..., K/256 * 2]`` float32, each super-block's
