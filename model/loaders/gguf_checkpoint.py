@@ -23,7 +23,7 @@ from raylm.model.decoder.params import ModelParams
 from raylm.model.errors import UnsupportedModelError
 from raylm.model.loaders.gguf_file import GGUFFile
 from raylm.model.loaders.gguf_gpt_oss import gpt_oss_experts
-from raylm.model.loaders.hf_tensors import build_params
+from raylm.model.loaders.hf_tensors import PrepareLayer, build_params
 from raylm.model.quantization.gguf_blocks import GgufBlocks, map_rows
 
 _LAYER_NAMES = {
@@ -147,13 +147,14 @@ def _joined_kv_b(file: GGUFFile, kv_b_name: str) -> np.ndarray | None:
 def load_gguf_checkpoint(
     path: str | Path | GGUFFile, dtype: jnp.dtype = jnp.float32, keep_blocks: bool = False,
     layers: range | None = None, mesh: Mesh | None = None,
+    prepare_layer: PrepareLayer | None = None,
 ) -> tuple[ModelConfig, ModelParams]:
     """Read config and weights of a GGUF file (a path or an open one) of an architecture in
     ``SUPPORTED_GGUF_ARCHITECTURES``: dequantized, or with ``keep_blocks`` (float32 models
     only) its block-quantized matrices as stored. A tensor the file holds and the model
     does not read is a load error (it belongs to a variant raylm does not implement).
     ``layers``: a pipeline stage's alone (``build_params``; only their tensors are read, so the
-    unread-tensor check is the whole model's loader's)."""
+    unread-tensor check is the whole model's loader's). ``mesh``, ``prepare_layer``: ``build_params``'s."""
     file = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = file.config()
     permuted = config.architecture in PERMUTED_QK_ARCHES
@@ -174,7 +175,8 @@ def load_gguf_checkpoint(
                 array = map_rows(lambda a: unpermute_qk(a, config.num_kv_heads), array)
         return array
 
-    params = build_params(config, get, str(file.path), dtype, layers=layers, mesh=mesh)
+    params = build_params(config, get, str(file.path), dtype, layers=layers, mesh=mesh,
+                          prepare_layer=prepare_layer)
     if layers is not None:
         return config, params
     blocks = int(file.fields[f"{config.architecture}.block_count"])

@@ -28,7 +28,7 @@ from raylm.model.errors import ModelLoadError
 from raylm.model.loaders.fused_experts import fused_experts_tensors
 from raylm.model.loaders.hf_quantized import QUANTIZED_SUFFIXES, read_quantization
 from raylm.model.loaders.hf_quantized_matrix import Matrix
-from raylm.model.loaders.hf_tensors import HALF_DTYPES, build_params
+from raylm.model.loaders.hf_tensors import HALF_DTYPES, PrepareLayer, build_params
 from raylm.model.loaders.llama4_tensors import llama4_tensors
 from raylm.model.loaders.text_decoder_names import text_decoder_names
 
@@ -132,7 +132,7 @@ class _Tensors:
 
 def load_safetensors_checkpoint(
     path: str | Path, dtype: jnp.dtype = jnp.float32, keep_blocks: bool = False, layers: range | None = None,
-    mesh: Mesh | None = None,
+    mesh: Mesh | None = None, prepare_layer: PrepareLayer | None = None,
 ) -> tuple[ModelConfig, ModelParams]:
     """Read config and weights of an HF checkpoint directory of a supported architecture.
 
@@ -140,7 +140,8 @@ def load_safetensors_checkpoint(
     GGUF-style blocks, 8-bit values with row scales as QuantArrays) with ``keep_blocks`` (a
     float32 model on one CPU device: load.py's ``keep_gguf_blocks``), else as the float32
     matrices the format defines, cast to ``dtype``. ``layers``: a pipeline stage's alone
-    (``build_params``; the tensors of other layers are never read)."""
+    (``build_params``; the tensors of other layers are never read). ``mesh``, ``prepare_layer``:
+    ``build_params``'s."""
     path = Path(path)
     config = ModelConfig.from_hf_dir(path)
     quantization = read_quantization(path)
@@ -189,7 +190,7 @@ def load_safetensors_checkpoint(
         else:
             source = fused_experts_tensors(get, config)
         params = build_params(config, source, str(path), dtype, norm_offset=1.0 if family.norm_plus_one else 0.0,
-                              layers=layers, mesh=mesh)
+                              layers=layers, mesh=mesh, prepare_layer=prepare_layer)
     return config, params
 
 

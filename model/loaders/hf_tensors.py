@@ -30,6 +30,9 @@ from raylm.model.runtime.sharding import ParamPlacer
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
+# What a layer becomes as soon as it is built (``build_params``): the integer mode's packing.
+PrepareLayer = Callable[[LayerParams], LayerParams]
+
 # 16-bit float matrices a float32 model keeps as stored (the loaders return them only with
 # ``keep_blocks``); build_params widens everything else (norms, biases, routers, MoE experts).
 HALF_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
@@ -265,6 +268,7 @@ def stacked_experts(get: TensorSource, config: ModelConfig, layer: int, projs: t
 def build_params(
     config: ModelConfig, get: TensorSource, source: str, dtype: jnp.dtype, norm_offset: float = 0.0,
     layers: range | None = None, mesh: Mesh | None = None,
+    prepare_layer: PrepareLayer | None = None,
 ) -> ModelParams:
     """Assemble and validate ``ModelParams`` from HF-named tensors, cast to ``dtype``; for a
     float32 model, bfloat16 and float16 projections, embedding and LM head stay 16-bit (the
@@ -280,7 +284,11 @@ def build_params(
 
     ``mesh`` (several devices or hosts): each layer is put on its final shards as soon as it is
     built (``ParamPlacer``), so that one layer's unsharded copy at a time is what a process holds
-    beyond its shards."""
+    beyond its shards.
+
+    ``prepare_layer`` (after placement) turns each layer into its served form as soon as it is
+    built, before the next is read: the integer mode's packing (``Int8Packer.layer``), so that one
+    layer's stored form at a time is held beside the packed ones."""
     get = deepseek_shared_experts(mixtral_router(unfused(get, config)))
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray | GgufBlocks | QuantArray:
@@ -370,6 +378,7 @@ def build_params(
     with_embed, with_head = stage_ends(layers.start == 0, layers.stop == config.num_layers, config.tie_word_embeddings)
     placer = None if mesh is None else ParamPlacer(config, mesh)
     place_layer = (lambda lp: lp) if placer is None else placer.layer
+    served_layer = place_layer if prepare_layer is None else (lambda lp: prepare_layer(place_layer(lp)))
 
     def place(name: str, leaf: Any) -> Any:
         return leaf if placer is None else placer.model_field(name, leaf)
@@ -378,7 +387,7 @@ def build_params(
     lm_head = place("lm_head", on_device(fetch("lm_head.weight", (V, D)))) if with_head else None
     params = ModelParams(
         embed=embed,
-        layers=tuple(place_layer(layer(i)) for i in layers),
+        layers=tuple(served_layer(layer(i)) for i in layers),
         final_norm=place("final_norm", jnp.asarray(
             fetch("model.norm.weight", (D,)).astype(np.float32) + np.float32(norm_offset), dtype=dtype)),
         lm_head=lm_head,

@@ -18,6 +18,8 @@ from raylm.model.loaders.gguf_checkpoint import load_gguf_checkpoint
 from raylm.model.loaders.gguf_file import GGUFFile
 from raylm.model.loaders.hf_checkpoint import load_safetensors_checkpoint
 from raylm.model.loaders.hf_quantized import method_of
+from raylm.model.loaders.hf_tensors import PrepareLayer
+from raylm.model.quantization.activations import ActivationQuantization, Int8Packer, parse_activation_quantization
 from raylm.model.quantization.quant_array import Scheme, parse_quantization, quantize_params
 from raylm.model.text.tokenizer import Tokenizer
 
@@ -62,6 +64,8 @@ class LoadedModel:
     checkpoint_quantization: str | None = None
     # A pipeline stage's decoder layers, which ``params`` alone holds (None: the whole model).
     layers: range | None = None
+    # "int8": the params are packed for the integer compute mode (model/quantization/activations.py).
+    activation_quantization: ActivationQuantization = "none"
 
     def quantized(self, quantization: str | None) -> "LoadedModel":
         """This model with its matrices quantized by ``quantization`` (``None``/``"none"``: as is).
@@ -74,6 +78,10 @@ class LoadedModel:
             raise ValueError(_requantize_message(self.name, self.checkpoint_quantization, scheme))
         if scheme == self.quantization:
             return self
+        if self.activation_quantization != "none":
+            raise ValueError(f"model {self.name} was loaded packed for activation_quantization "
+                             f"{self.activation_quantization}; it cannot be quantized as {quantization} (load it with "
+                             "the quantization it is served with)")
         if self.quantization is not None:
             raise ValueError(
                 f"model {self.name} was loaded with quantization={self.quantization}; it cannot be served as "
@@ -111,17 +119,18 @@ def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
 
 def load_checkpoint(
     path: str | Path, dtype: str | jnp.dtype = "float32", keep_blocks: bool = False, layers: range | None = None,
-    mesh: Mesh | None = None,
+    mesh: Mesh | None = None, prepare_layer: PrepareLayer | None = None,
 ) -> tuple[ModelConfig, ModelParams]:
     """Weights and config of a ``.gguf`` file (``keep_blocks``: see load_gguf_checkpoint) or an
     HF safetensors directory (``keep_blocks``: a quantized checkpoint's matrices as stored, see
     load_safetensors_checkpoint); ``layers``: a pipeline stage's decoder layers alone; ``mesh``:
-    each layer placed on its shards as it is built (``build_params``)."""
+    each layer placed on its shards as it is built, ``prepare_layer``: what it becomes then
+    (``build_params``)."""
     path = Path(path)
     if path.is_dir():
-        return load_safetensors_checkpoint(path, parse_dtype(dtype), keep_blocks, layers, mesh)
+        return load_safetensors_checkpoint(path, parse_dtype(dtype), keep_blocks, layers, mesh, prepare_layer)
     if path.suffix == ".gguf":
-        return load_gguf_checkpoint(path, parse_dtype(dtype), keep_blocks, layers, mesh)
+        return load_gguf_checkpoint(path, parse_dtype(dtype), keep_blocks, layers, mesh, prepare_layer)
     raise ModelLoadError(f"{path} is neither an HF checkpoint directory nor a .gguf file")
 
 
@@ -132,6 +141,7 @@ def load_model(
     keep_blocks: bool = False,
     layers: range | None = None,
     mesh: Mesh | None = None,
+    activation_quantization: str | None = None,
 ) -> LoadedModel:
     """Resolve a registry name or path and load everything a replica needs, its matrices
     quantized by ``quantization`` (int8 / fp8; see model/quantization/quant_array.py) if given, a GGUF's
@@ -139,8 +149,15 @@ def load_model(
     ``keep_gguf_blocks``). With ``layers`` the params are a pipeline stage's (its decoder layers
     alone; ``config`` stays the whole model's). With ``mesh`` (the replica's, of several devices or
     hosts) each layer is placed on its shards as it is built, so no process holds the whole model
-    unsharded; a model quantized at load (``quantization``) is placed after it, whole."""
+    unsharded; a model quantized at load (``quantization``) is placed after it, whole.
+
+    ``activation_quantization`` "int8" packs the matrices for the integer compute mode
+    (model/quantization/activations.py): each layer as soon as it is read, so the load holds one
+    layer's stored form beside the packed model (after quantizing, for a model quantized at load)."""
     scheme = parse_quantization(quantization)  # a bad name fails before the weights load
+    # A bad name, or a kernel that cannot run here, fails before the weights load too.
+    packer = Int8Packer() if parse_activation_quantization(activation_quantization) == "int8" else None
+    prepare_layer = packer.layer if packer is not None and scheme is None else None
     path = resolve_model_path(name_or_path)
     stored = method_of(path) if path.is_dir() else None
     if scheme is not None and stored is not None:
@@ -150,10 +167,14 @@ def load_model(
     if path.suffix == ".gguf" and path.is_file():
         # Parsed once for weights and tokenizer: the reader is slow on large vocabularies.
         source = GGUFFile(path)
-        config, params = load_gguf_checkpoint(source, parse_dtype(dtype), keep_blocks, layers, placed_mesh)
+        config, params = load_gguf_checkpoint(source, parse_dtype(dtype), keep_blocks, layers, placed_mesh,
+                                              prepare_layer)
     else:
-        config, params = load_checkpoint(path, dtype, keep_blocks, layers, placed_mesh)
+        config, params = load_checkpoint(path, dtype, keep_blocks, layers, placed_mesh, prepare_layer)
     tokenizer = load_tokenizer(source, config)
     loaded = LoadedModel(str(name_or_path), path, with_tokenizer_eos(config, tokenizer), params, tokenizer,
-                         checkpoint_quantization=stored, layers=layers)
-    return loaded.quantized(scheme)
+                         checkpoint_quantization=stored, layers=layers).quantized(scheme)
+    if packer is None:
+        return loaded
+    params = packer.finish(loaded.params, loaded.name, layers_packed=prepare_layer is not None)
+    return dataclasses.replace(loaded, params=params, activation_quantization="int8")

@@ -38,31 +38,47 @@ def parse_activation_quantization(value: str | None) -> ActivationQuantization:
     return value  # type: ignore[return-value]
 
 
-def with_int8_activations(params: ModelParams, model_name: str) -> ModelParams:
-    """``params`` with every matrix the integer kernel reads packed for it (see the module
-    docstring; the stored form is dropped, so memory stays that of the stored weights); raises
-    ``ValueError`` when there is none, or when the kernel cannot run here."""
-    if (reason := unavailable_reason()) is not None:
-        raise ValueError(f"activation_quantization int8 cannot run here: {reason}")
-    packed = 0
+class Int8Packer:
+    """Packs a model's matrices for the integer kernel as they are handed to it, layer by layer,
+    counting them. Why a packer rather than one pass over a loaded model: the loader hands it each
+    decoder layer as soon as the layer is read (``model.loaders.load.load_model``), so a process
+    holds one layer's stored form beside the packed ones. Packed after the whole load, every stored
+    matrix and its packed copy were held at once: an 8B Q4_K_M peaked at 2.2x its resident size.
+    Raises ``ValueError`` at once when the kernel cannot run here (before any weight is read)."""
 
-    def pack(matrix: object, stacked: bool = False) -> object:
-        nonlocal packed
+    def __init__(self) -> None:
+        if (reason := unavailable_reason()) is not None:
+            raise ValueError(f"activation_quantization int8 cannot run here: {reason}")
+        self.packed = 0
+
+    def _pack(self, matrix: object, stacked: bool = False) -> object:
         if not takes_int8_activations(matrix):
             return matrix
-        packed += 1
+        self.packed += 1
         return (pack_int8_experts if stacked else pack_int8_panels)(matrix)  # type: ignore[arg-type]
 
-    def layer(lp: LayerParams) -> LayerParams:
-        return dataclasses.replace(lp, **{f: pack(getattr(lp, f), f in _STACKED_EXPERTS)
+    def layer(self, lp: LayerParams) -> LayerParams:
+        """``lp`` with every matrix the kernel reads packed (its stored form is dropped)."""
+        return dataclasses.replace(lp, **{f: self._pack(getattr(lp, f), f in _STACKED_EXPERTS)
                                           for f in LAYER_MATRIX_INPUT_DIMS if f not in _NOT_PACKED})
 
-    params = dataclasses.replace(params, layers=tuple(layer(lp) for lp in params.layers),
-                                 **{f: pack(getattr(params, f)) for f in MODEL_MATRIX_INPUT_DIMS})
-    if not packed:
-        raise ValueError(
-            f"activation_quantization int8 computes GGUF Q2_K..Q6_K/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4 blocks and int8 weights in "
-            "integers, and "
-            f"{model_name} has none (its matrices are float, fp8 or other block types): serve such a .gguf file with "
-            "gguf_blocks keep/auto, or set quantization int8 or int8_g32, or leave activation_quantization none")
-    return params
+    def finish(self, params: ModelParams, model_name: str, layers_packed: bool) -> ModelParams:
+        """``params`` with the model's own matrices (the head) packed, and its layers too unless
+        ``layers_packed`` (``layer`` packed each as it loaded); raises ``ValueError`` when the
+        model had no matrix to pack, since the setting would change nothing."""
+        layers = params.layers if layers_packed else tuple(self.layer(lp) for lp in params.layers)
+        params = dataclasses.replace(params, layers=layers,
+                                     **{f: self._pack(getattr(params, f)) for f in MODEL_MATRIX_INPUT_DIMS})
+        if not self.packed:
+            raise ValueError(
+                f"activation_quantization int8 computes GGUF Q2_K..Q6_K/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4 blocks and int8 "
+                f"weights in integers, and {model_name} has none (its matrices are float, fp8 or other block types): "
+                "serve such a .gguf file with gguf_blocks keep/auto, or set quantization int8 or int8_g32, or leave "
+                "activation_quantization none")
+        return params
+
+
+def with_int8_activations(params: ModelParams, model_name: str) -> ModelParams:
+    """``params`` of a loaded model with every matrix the integer kernel reads packed for it (see
+    the module docstring and ``Int8Packer``, which ``load_model`` uses to pack while it loads)."""
+    return Int8Packer().finish(params, model_name, layers_packed=False)

@@ -72,8 +72,13 @@ class LLMEngine:
             model = model.quantized(args.quantization)
         spec = args.speculative
         draft = load_draft(spec, model, float_model, args.dtype) if spec and spec.method == "draft" else None
-        if args.activation_quantization == "int8":  # the target only: a draft keeps its exact sums
-            model = dataclasses.replace(model, params=with_int8_activations(model.params, model.name))
+        if model.activation_quantization not in ("none", args.activation_quantization):
+            raise ValueError(f"model {model.name} is packed for activation_quantization {model.activation_quantization}; "
+                             f"it cannot be served with activation_quantization {args.activation_quantization}")
+        if args.activation_quantization == "int8" and model.activation_quantization == "none":
+            # The target only (a draft keeps its exact sums); a model loaded for this engine came packed.
+            model = dataclasses.replace(model, params=with_int8_activations(model.params, model.name),
+                                        activation_quantization="int8")
         self.model = model
         self.args = args
         self.config = model.config

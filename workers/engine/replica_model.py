@@ -19,8 +19,19 @@ def replica_mesh(args: EngineArgs) -> Mesh | None:
     return make_mesh(args.tensor_parallel_size, ep=args.expert_parallel_size)
 
 
+def packed_at_load(args: EngineArgs) -> str:
+    """The integer mode's packing the load applies (``load_model``'s ``activation_quantization``):
+    ``args``' own, except where a draft is cut from the target's layers (``speculative.method:
+    draft`` without a model of its own), since a draft keeps its exact sums; the engine then packs
+    the target alone after the draft is cut (``LLMEngine``)."""
+    spec = args.speculative
+    cut_draft = spec is not None and spec.method == "draft" and spec.model is None
+    return "none" if cut_draft else args.activation_quantization
+
+
 def load_replica_model(model: str, args: EngineArgs, layers: range | None = None) -> LoadedModel:
     """``model`` (a name or path) loaded as ``args`` say: dtype, quantization, GGUF blocks kept or
-    expanded, and placed on ``replica_mesh``; ``layers``: a pipeline stage's alone."""
+    expanded, packed for the integer mode (``packed_at_load``), and placed on ``replica_mesh``;
+    ``layers``: a pipeline stage's alone."""
     return load_model(model, args.dtype, args.quantization, args.keep_gguf_blocks(), layers=layers,
-                      mesh=replica_mesh(args))
+                      mesh=replica_mesh(args), activation_quantization=packed_at_load(args))

@@ -11,7 +11,6 @@ from raylm.model.config.model_config import ModelConfig
 from raylm.model.decoder.kv_pool import create_pools
 from raylm.model.decoder.params import ModelParams, stage_ends
 from raylm.model.loaders.load import LoadedModel, load_model
-from raylm.model.quantization.activations import with_int8_activations
 from raylm.model.runtime.compilation_cache import enable_compilation_cache
 from raylm.model.runtime.host_memory import release_freed_heap
 from raylm.model.runtime.sharding import make_mesh
@@ -61,9 +60,8 @@ def stage_model(spec: StageSpec, model: LoadedModel | None = None) -> LoadedMode
         if model.layers != layers:
             raise ValueError(f"a model holding layers {model.layers} cannot serve stage layers {layers}")
         return model
-    model = load_model(spec.model_path, spec.dtype, spec.quantization, spec.keep_blocks, layers=layers)
-    if spec.activation_quantization == "int8":
-        model = dataclasses.replace(model, params=with_int8_activations(model.params, model.name))
+    model = load_model(spec.model_path, spec.dtype, spec.quantization, spec.keep_blocks, layers=layers,
+                       activation_quantization=spec.activation_quantization)
     release_freed_heap()  # the load's and the packing's temporaries (model/runtime/host_memory.py)
     return model
 
