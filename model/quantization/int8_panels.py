@@ -169,11 +169,50 @@ def _super_block_tables(w: GgufBlocks) -> tuple[np.ndarray, np.ndarray | None, n
     return np.repeat(supers[:, 0::2], per_super, axis=-1), minus_dmin, sub
 
 
+# Output rows packed at a time (a multiple of GROUP). Packing's host temporaries are several
+# bytes a weight (a Q6_K head's int16 and unpacked bytes): whole, a 128k-vocabulary head's passed
+# 2 GiB at the top of an 8B model's load; in slices they stay a few tens of MiB.
+PACK_ROWS = 4096
+
+
 def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
     """``w`` (GGUF blocks that ``takes_int8_activations``, ``int8_g32``, or int8 with a scale per output
-    channel) in the integer kernel's layout, on the device ``w`` is on (host numpy in between)."""
-    arrays, output_shape, input_shape = _packed_arrays(w)
-    return Int8Panels(*(jnp.asarray(a) for a in arrays), output_shape, input_shape)
+    channel) in the integer kernel's layout, on the device ``w`` is on (host numpy in between),
+    packed ``PACK_ROWS`` output rows at a time: each slice's groups of 16 columns are exactly the
+    whole matrix's. Tables are float16 only where every slice's are (as the whole's would be)."""
+    host = jax.device_get(w)
+    output_shape, input_shape = _shapes(host)
+    flat = host.flat() if isinstance(host, GgufBlocks) else QuantArray(
+        np.asarray(host.q).reshape(-1, *input_shape), np.asarray(host.scale).reshape(-1))
+    n = math.prod(output_shape)
+    slices = [_rows(flat, start, min(start + PACK_ROWS, n)) for start in range(0, n, PACK_ROWS)]
+    first = _packed_arrays(slices[0])[0]
+    if len(slices) == 1:
+        return Int8Panels(*(jnp.asarray(a) for a in first), output_shape, tuple(input_shape))
+    q = np.empty((-(-n // GROUP), *first[0].shape[1:]), first[0].dtype)
+    q[: len(first[0])] = first[0]
+    parts = [first[1:]] + [_packed_arrays(part, into=q[i * PACK_ROWS // GROUP:][: -(-part.shape[0] // GROUP)])[0][1:]
+                           for i, part in enumerate(slices[1:], 1)]
+    scale, offset, row_scale, sub_scale = (list(kind) for kind in zip(*parts))
+    float_tables = np.result_type(*(a.dtype for a in (*scale, *offset)))  # float32 if any slice's need it
+    tables = [np.concatenate([a.astype(float_tables) for a in kind]) for kind in (scale, offset)]
+    sub = np.concatenate(sub_scale) if sub_scale[0].size else sub_scale[0]
+    return Int8Panels(jnp.asarray(q), *(jnp.asarray(a) for a in tables), jnp.asarray(np.concatenate(row_scale)),
+                      jnp.asarray(sub), output_shape, tuple(input_shape))
+
+
+def _shapes(w: GgufBlocks | QuantArray) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``w``'s output and input shapes."""
+    if isinstance(w, GgufBlocks):
+        return tuple(w.scale.shape[:-1]), tuple(w.input_shape)
+    return tuple(w.scale.shape), tuple(w.shape[w.scale.ndim:])
+
+
+def _rows(flat: GgufBlocks | QuantArray, start: int, stop: int) -> GgufBlocks | QuantArray:
+    """Output rows ``start:stop`` of a flat ``[N, K]`` matrix (views, no copy)."""
+    if isinstance(flat, GgufBlocks):
+        return flat._map(lambda a: a[start:stop])
+    return QuantArray(flat.q[start:stop], flat.scale[start:stop])
 
 
 def pack_int8_experts(w: GgufBlocks | QuantArray) -> Int8Panels:

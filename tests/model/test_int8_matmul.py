@@ -35,6 +35,7 @@ from gguf import GGMLQuantizationType
 
 from raylm.model.kernels import int8_matmul
 from raylm.model.kernels.dense import dense
+from raylm.model.quantization import int8_panels
 from raylm.model.quantization.gguf_blocks import GgufBlocks, from_gguf, map_rows
 from raylm.model.quantization.int8_panels import Int8Panels, pack_int8_panels, sub_scaled
 from raylm.model.quantization.quant_array import QuantArray, quantize
@@ -234,12 +235,46 @@ def test_scales_per_16_pack_in_six_bits(kind):
         pack_int8_panels(wide)
 
 
+def _float32_scale_in_a_late_row() -> GgufBlocks:
+    """Q4_1 blocks whose row 50 has a scale that is no float16 value: only the last slice of 32
+    rows needs float32 tables, and the whole matrix's are float32."""
+    w, _ = _weights("Q4_1", 67, 96)
+    return dataclasses.replace(w, scale=w.scale.at[50, 1].set(np.float32(1 + 2**-20)))
+
+
+def _stacked_outputs() -> GgufBlocks:
+    w, _ = _weights("Q4_1", 64, 96)
+    return GgufBlocks(w.q.reshape(2, 32, -1), w.scale.reshape(2, 32, -1), w.offset.reshape(2, 32, -1), (3, 32))
+
+
+@pytest.mark.parametrize("kind", KINDS + list(RANDOM_KINDS) + ["late float32 row", "output dims"])
+def test_a_matrix_packed_in_slices_of_rows_is_the_matrix_packed_whole(kind, monkeypatch):
+    """Packing a slice of output rows at a time (bounded temporaries for a large head) gives the
+    whole matrix's panels and tables, bit for bit and dtype for dtype, a partial last slice and
+    float32 tables needed by one slice alone included."""
+    if kind == "late float32 row":
+        w = _float32_scale_in_a_late_row()
+    elif kind == "output dims":
+        w = _stacked_outputs()
+    else:
+        w = _weights(kind, 67, RANDOM_KINDS.get(kind, 96))[0]
+    whole = pack_int8_panels(w)
+    monkeypatch.setattr(int8_panels, "PACK_ROWS", 32)
+    sliced = pack_int8_panels(w)
+    assert (sliced.output_shape, sliced.input_shape) == (whole.output_shape, whole.input_shape)
+    for field in ("q", "scale", "offset", "row_scale", "sub_scale"):
+        a, b = getattr(sliced, field), getattr(whole, field)
+        assert (a.shape, a.dtype) == (b.shape, b.dtype), field
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if kind == "late float32 row":
+        assert whole.scale.dtype == jnp.float32
+
+
 def test_a_packed_matrix_keeps_its_output_and_input_dims():
     """A weight with several output and input dims (the fused QKV, ``wo [D, H, Dh]``) packs flat
     and multiplies as ``model.kernels.dense`` views it."""
     w, values = _weights("Q4_1", 64, 96)
-    stacked = GgufBlocks(w.q.reshape(2, 32, -1), w.scale.reshape(2, 32, -1), w.offset.reshape(2, 32, -1), (3, 32))
-    packed = pack_int8_panels(stacked)
+    packed = pack_int8_panels(_stacked_outputs())
     assert packed.shape == (2, 32, 3, 32)
     x = _activations(5, 96)
     got = dense(jnp.asarray(x).reshape(5, 3, 32), packed, 2, kernel=True)
