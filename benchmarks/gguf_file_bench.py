@@ -6,7 +6,8 @@ int8 activations, ``model.activation_quantization: int8``) a child process build
 engine (``workers.LLM``, the file's matrices kept as blocks) and reports:
 
 - the file's size, the weights as held, the KV pool's bytes, the process's resident memory after the warm-up and its
-  peak (``ru_maxrss``), the load time (weights and tokenizer) and the warm-up (every bucket compiled);
+  peak (``ru_maxrss``), the load time (weights, the integer mode's packing as a replica packs while it
+  loads, and tokenizer) and the warm-up (every bucket compiled);
 - TTFT of a 512-token prompt (one output token, median of 3), single-stream decode tokens/s
   (128 tokens after a 128-token prompt, the prompt's time subtracted) and 16-way decode
   tokens/s (16 sequences of 64 tokens after 128-token prompts, the prompts' time subtracted).
@@ -66,13 +67,14 @@ def bench_mode(path: str, mode: str, wide: bool = True) -> dict[str, Any]:
     from raylm.workers.engine.llm import LLM
 
     start = time.perf_counter()
-    model = load_model(path, "float32", keep_blocks=True)
+    integer = "int8" if mode == "integer" else "none"
+    model = load_model(path, "float32", keep_blocks=True, activation_quantization=integer)  # as a replica loads
     load_s = time.perf_counter() - start
     start = time.perf_counter()
-    llm = LLM(model, "float32", activation_quantization="int8" if mode == "integer" else "none",
+    llm = LLM(model, "float32", activation_quantization=integer,
               enable_prefix_caching=False, max_num_seqs=WIDE, max_model_len=PROMPT + DECODE + 1,
               max_num_batched_tokens=PROMPT, num_kv_blocks=WIDE * (PROMPT + DECODE) // 16 + 8, warmup=True)
-    del model  # the integer mode serves a packed copy: the loaded blocks must not stay resident beside it
+    del model
     release_freed_heap()  # as make_engine does once the loaded form is dropped
     warmup_s = time.perf_counter() - start
     vocab = llm.engine.config.vocab_size
