@@ -53,6 +53,8 @@ from tests.serving import TEST_DEPLOY, free_port  # noqa: E402
 
 APP_NAME = "raylm"
 MIB = 1024 * 1024
+# What ``ray start`` says when a raylet has not registered with the GCS in its 30 s.
+STARTUP_TIMED_OUT = "The current node timed out during startup"
 WORKER_NODE_TYPE = "cpu_node"
 # The head has no CPU: Serve's controller and proxy and the raylm router (num_cpus 0) fit there,
 # a worker replica (num_cpus 1) does not. A worker node has exactly one replica's worth of CPU.
@@ -205,7 +207,26 @@ class FakeAutoscalingCluster:
         return config
 
     def start(self, timeout_s: float = 90.0) -> str:
-        """Start the head (and its autoscaler); returns the GCS address to ``ray.init``."""
+        """Start the head (and its autoscaler); returns the GCS address to ``ray.init``. A head
+        whose raylet did not register with its GCS within the 30 s ``ray start`` allows (fixed in
+        ray/_private/node.py; seen in CI with both test workers busy) is stopped and started
+        once more: the machine's load, not the cluster under test."""
+        try:
+            return self._start_head(timeout_s)
+        except RuntimeError:
+            if STARTUP_TIMED_OUT not in self.start_log():
+                raise
+        self.shutdown()
+        return self._start_head(timeout_s)
+
+    def start_log(self) -> str:
+        try:
+            with open(os.path.join(self.temp_dir, "ray_start.log"), errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def _start_head(self, timeout_s: float) -> str:
         port = free_port()
         self.gcs_address = f"{ray.util.get_node_ip_address()}:{port}"
         config_path = os.path.join(self.temp_dir, "autoscaling.json")
@@ -235,7 +256,7 @@ class FakeAutoscalingCluster:
             # 2-core machine importing them can take longer than the default allows.
             "RAY_agent_register_timeout_ms": "120000",
         }
-        log = open(os.path.join(self.temp_dir, "ray_start.log"), "wb")
+        log = open(os.path.join(self.temp_dir, "ray_start.log"), "ab")
         self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
