@@ -143,14 +143,14 @@ def main() -> None:
     ap.add_argument("--llama-repetitions", type=int, default=5, help="llama-bench -r")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    wide_modes = a.modes.split(",") if a.wide_modes is None else a.wide_modes.split(",")
     if a.child:
-        print("RESULT " + json.dumps(bench_mode(str(a.file), a.child, wide=a.wide_modes != "")), flush=True)
+        print("RESULT " + json.dumps(bench_mode(str(a.file), a.child, wide=a.child in wide_modes)), flush=True)
         return
     results: dict[str, dict[str, Any]] = {}
-    wide_modes = a.modes.split(",") if a.wide_modes is None else a.wide_modes.split(",")
     for mode in a.modes.split(","):
         out = subprocess.run([sys.executable, "-m", "raylm.benchmarks.gguf_file_bench", str(a.file), "--child", mode,
-                              *([] if mode in wide_modes else ["--wide-modes", ""])], capture_output=True, text=True)
+                              "--wide-modes", ",".join(wide_modes)], capture_output=True, text=True)
         line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")

@@ -208,8 +208,8 @@ std::string Prepare(QueryBuffer& q, ffi::AnyBuffer& k_pool, ffi::AnyBuffer& v_po
            Shape(context_lens.dimensions()) + " must have q's batch " + std::to_string(batch);
   const int64_t num_sinks = sinks.dimensions()[0];
   if (num_sinks != 0 && num_sinks != num_heads)
-    return "paged_decode_attention: sinks must be [num_heads] = [" + std::to_string(num_heads) + "] or [0] (none), got " +
-           Shape(sinks.dimensions());
+    return "paged_decode_attention: sinks must be [num_heads] = [" + std::to_string(num_heads) +
+           "] or [0] (none), got " + Shape(sinks.dimensions());
   const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, pool.num_layers - 1);
   const size_t elem = ffi::ByteWidth(k_pool.element_type());
   pr = Problem{q.typed_data(),

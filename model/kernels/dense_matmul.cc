@@ -44,6 +44,7 @@
 #include "dense_columns.h"
 #include "ffi_helpers.h"
 #include "gguf_columns.h"
+#include "gguf_operands.h"
 #include "prompt_gemm.inc"
 
 using raylm::Fp8E4m3;
@@ -121,44 +122,13 @@ ffi::Error HalfMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer w, f
       });
 }
 
-// GGUF block weights of N rows of K: q [N, K/2] uint8 (4-bit blocks) or [N, K] int8 (8-bit blocks);
-// scale [N, K/group] (group 32 or 16) and offset like scale (always for 4-bit blocks) or [N, 0],
-// float32, or int8 with supers [N, K/256 * 2] float32 (two-level scales; else supers [N, 0]);
-// K a multiple of 32. q [N, K] float8_e4m3fn: fp8 values under float32 scales, no offset (block-
-// scaled FP8 checkpoints). Checks the buffers agree and fills `rows`; an empty message when they do.
-std::string GgufRowsOf(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer offset, Matrix supers, Scales codebook,
-                       int64_t N, int64_t K, GgufRows* rows) {
-  const bool nibbles = q.element_type() == ffi::DataType::U8, coded = codebook.dimensions()[0] > 0;
-  const auto qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
-  const bool two_level = supers.dimensions()[1] > 0;
-  const ffi::DataType table = two_level ? ffi::DataType::S8 : ffi::DataType::F32;
-  const int64_t scales = sd.size() == 2 ? sd[1] : -1, offsets = od.size() == 2 ? od[1] : -1;
-  const bool fp8 = q.element_type() == ffi::DataType::F8E4M3FN;
-  const bool agree = (nibbles || q.element_type() == ffi::DataType::S8 || fp8) && K % raylm::kGgufBlock == 0 && K > 0 &&
-                     qd.size() == 2 && qd[0] == N && qd[1] == (nibbles ? K / 2 : K) && sd.size() == 2 &&
-                     sd[0] == N && (scales == K / 32 || scales == K / 16) && od.size() == 2 && od[0] == N &&
-                     (coded ? nibbles && offsets == 0 && codebook.dimensions()[0] == 16
-                            : offsets == scales || (offsets == 0 && !nibbles)) &&
-                     scale.element_type() == table && offset.element_type() == table && supers.dimensions()[0] == N &&
-                     (!two_level || (K % raylm::kGgufSuper == 0 && supers.dimensions()[1] == K / raylm::kGgufSuper * 2)) &&
-                     (!fp8 || (offsets == 0 && !coded && !two_level));
-  if (!agree)
-    return "q [N, K/2] uint8 or [N, K] int8 or float8_e4m3fn (float32 scale, offset [N, 0]), scale [N, K/32] or [N, K/16], offset like scale (always for uint8 q "
-           "without a codebook) or [N, 0], float32 tables with supers [N, 0] or int8 ones with supers [N, K/256 * 2], "
-           "codebook [16] (uint8 q, offset [N, 0]) or [0], K a multiple of 32; got N " + std::to_string(N) + ", K " +
-           std::to_string(K) + ", q " + raylm::Shape(qd) + ", scale " + raylm::Shape(sd) + ", offset " +
-           raylm::Shape(od) + ", supers " + raylm::Shape(supers.dimensions()) + ", codebook " +
-           raylm::Shape(codebook.dimensions());
-  *rows = GgufRows{static_cast<const uint8_t*>(q.untyped_data()), scale.untyped_data(),
-                   offsets ? offset.untyped_data() : nullptr, two_level ? supers.typed_data() : nullptr, K, nibbles,
-                   K / scales, coded ? codebook.typed_data() : nullptr, fp8};
-  return "";
-}
-
 // GgufRowsOf for a call x [M, K] . blocks^T -> y [M, N] (N from y); an empty message when all agree.
 std::string GgufCallOf(const Matrix& x, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer offset,
                        Matrix supers, Scales codebook, const Matrix& y, GgufRows* rows) {
-  std::string error = GgufRowsOf(q, scale, offset, supers, codebook, y.dimensions()[1], x.dimensions()[1], rows);
+  const int64_t lead[] = {y.dimensions()[1]};
+  std::string error = raylm::GgufRowsOf(q, scale, offset, supers.dimensions(), supers.typed_data(),
+                                        codebook.dimensions(), codebook.typed_data(), ffi::Span<const int64_t>(lead, 1),
+                                        x.dimensions()[1], rows);
   if (error.empty() && y.dimensions()[0] != x.dimensions()[0]) error = "y must be [M, N]";
   return error.empty() ? error : "x [M, K], y [M, N]; " + error;
 }

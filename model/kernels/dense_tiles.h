@@ -19,8 +19,9 @@ using raylm::GgufRows;
 
 
 // y[i, j] = x[i, :] . w[j, :] for i < MR, j < NR: MR*NR vector accumulators, NR weight vectors
-// and one input vector per step, loaded by L (Lanes<V>, or F16cLanes for float16 weights). Each element is summed over V's lanes along k, then the
-// lanes in Lanes<V>::Sum's order, then the k tail. `ahead` (or null): NR weight rows to
+// and one input vector per step, loaded by L (Lanes<V>, or F16cLanes for float16 weights). Each
+// element is summed over V's lanes along k, then the lanes in Lanes<V>::Sum's order, then the k
+// tail. `ahead` (or null): NR weight rows to
 // prefetch, one cache line per row every 16 floats, while this tile computes.
 template <typename V, int MR, int NR, typename W, typename L = Lanes<V>>
 __attribute__((always_inline)) inline void TileOf(const float* __restrict x, const W* __restrict w,
@@ -78,6 +79,15 @@ __attribute__((always_inline)) inline void WidenRowsOf(const W* __restrict w, fl
     std::memcpy(out + i, &v, sizeof v);
   }
   for (; i < count; ++i) out[i] = ToFloat(w[i]);
+}
+
+// One block's 8-bit values (int8, or fp8 e4m3fn) of type T times its scale: `d` for the low
+// sixteen, `d_high` for the high sixteen (the same value where a block has one scale).
+template <typename V, typename T>
+__attribute__((always_inline)) inline void ScaledBlock(const T* __restrict values, float d, float d_high,
+                                                       V* __restrict out) {
+  constexpr int kLanes = sizeof(V) / sizeof(float), kVectors = raylm::kGgufBlock / kLanes;
+  for (int v = 0; v < kVectors; ++v) out[v] = Lanes<V>::Load(values + v * kLanes) * (v < kVectors / 2 ? d : d_high);
 }
 
 // Up to a tile's MR input rows against NR GGUF block rows, the weights widened in registers
@@ -139,13 +149,9 @@ __attribute__((always_inline)) inline void GgufTileOf(const float* __restrict x,
           weights[j][v] = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) *
                               (v < kVectors / 2 ? d : d_high) + (v < kVectors / 2 ? m : m_high);
       } else if (w.fp8) {  // d * fp8: the one rounding (gguf_blocks.h)
-        for (int v = 0; v < kVectors; ++v)
-          weights[j][v] = Lanes<V>::Load(reinterpret_cast<const Fp8E4m3*>(q) + v * kLanes) *
-                          (v < kVectors / 2 ? d : d_high);
+        ScaledBlock<V>(reinterpret_cast<const Fp8E4m3*>(q), d, d_high, weights[j]);
       } else {
-        for (int v = 0; v < kVectors; ++v)
-          weights[j][v] = Lanes<V>::Load(reinterpret_cast<const int8_t*>(q) + v * kLanes) *
-                          (v < kVectors / 2 ? d : d_high);
+        ScaledBlock<V>(reinterpret_cast<const int8_t*>(q), d, d_high, weights[j]);
       }
       if constexpr (kStoresPanel)
         for (int v = 0; v < kVectors; ++v)

@@ -5,12 +5,13 @@
 // Each row of K weights is K/32 blocks of 32 along k, stored as 4-bit nibbles or signed bytes. Each
 // group of 32 (or 16) weights has a scale d and, for most formats, an offset m: w = d * q + m, or
 // w = d * q without offsets. Q4_1's w = d * q + m, Q4_0's d * (q - 8) held as m = -8 * d, Q8_0's
-// q * d, IQ4's and MXFP4's d * codebook[q] (4-bit codes into a table of 16 integers), in float32 tables; the K-quants keep their two levels (Q4_K's d = d_super * sc and
-// m = -(dmin * min) per 32, Q6_K's d = d_super * sc per 16), formed as a block is read. Wherever an offset is
-// added, d * q is exact in float32 (at most 22 significant bits), so whether a compiler fuses the
+// q * d, IQ4's and MXFP4's d * codebook[q] (4-bit codes into a table of 16 integers), in float32
+// tables; the K-quants keep their two levels (Q4_K's d = d_super * sc and m = -(dmin * min) per
+// 32, Q6_K's d = d_super * sc per 16), formed as a block is read. Wherever an offset is added,
+// d * q is exact in float32 (at most 22 significant bits), so whether a compiler fuses the
 // multiply-add or rounds the product first, w rounds once, exactly as the gguf package's numpy
-// dequantization computes it; without an offset, d * q is its one rounding. That is what makes the
-// block path's results the float32 path's, bit for bit.
+// dequantization computes it; without an offset, d * q is its one rounding. That is what makes
+// the block path's results the float32 path's, bit for bit.
 #ifndef RAYLM_GGUF_BLOCKS_H_
 #define RAYLM_GGUF_BLOCKS_H_
 
@@ -48,6 +49,17 @@ struct GgufRows {
   int64_t RowBlocks() const { return K / kGgufBlock; }
   int64_t RowScales() const { return K / group; }
   int64_t TableBytes() const { return supers ? 1 : 4; }
+
+  // These rows from row `first` on: a stack's expert e, with N rows each, is From(e * N).
+  GgufRows From(int64_t first) const {
+    GgufRows rest = *this;
+    const int64_t table_bytes = first * RowScales() * TableBytes();
+    rest.q = q + first * RowBytes();
+    rest.scale = static_cast<const char*>(scale) + table_bytes;
+    rest.offset = offset ? static_cast<const char*>(offset) + table_bytes : nullptr;
+    rest.supers = supers ? supers + first * (K / kGgufSuper) * 2 : nullptr;
+    return rest;
+  }
 
   // The (d, dmin) pair of block b of `row` (two-level scales only).
   const float* Super(int64_t row, int64_t b) const {

@@ -17,8 +17,10 @@ void DirectGgufTile(int64_t M, const float* x, const GgufRows& w, int64_t n, flo
                     bool prefetch_next) {
   static_assert(Tiles::MR <= 4, "row tiles of up to four rows");
   switch (M) {
-    case 4: if constexpr (Tiles::MR >= 4) return Tiles::template GgufTile<4, NR, kSplit, kTwoLevel>(x, w, n, y, K, N, prefetch_next);
-            break;
+    case 4:
+      if constexpr (Tiles::MR >= 4)
+        return Tiles::template GgufTile<4, NR, kSplit, kTwoLevel>(x, w, n, y, K, N, prefetch_next);
+      break;
     case 3: return Tiles::template GgufTile<3, NR, kSplit, kTwoLevel>(x, w, n, y, K, N, prefetch_next);
     case 2: return Tiles::template GgufTile<2, NR, kSplit, kTwoLevel>(x, w, n, y, K, N, prefetch_next);
     case 1: return Tiles::template GgufTile<1, NR, kSplit, kTwoLevel>(x, w, n, y, K, N, prefetch_next);
@@ -49,7 +51,8 @@ void GgufColumns(const float* x, const GgufRows& w, float* y, int64_t M, int64_t
                                   m == 0 && n + 2 * NR <= n_end);
     for (; n < n_end; ++n)
       for (int64_t m = 0; m < M; m += MR)
-        DirectGgufTile<Tiles, 1, kSplit, kTwoLevel>(std::min<int64_t>(M - m, MR), x + m * K, w, n, y + m * N + n, K, N, false);
+        DirectGgufTile<Tiles, 1, kSplit, kTwoLevel>(std::min<int64_t>(M - m, MR), x + m * K, w, n, y + m * N + n, K, N,
+                                                    false);
     return;
   }
   for (; n + NR <= n_end; n += NR) {

@@ -23,6 +23,7 @@
 #include "dense_columns.h"
 #include "ffi_helpers.h"
 #include "gguf_columns.h"
+#include "gguf_operands.h"
 #include "group_rows.h"
 
 using raylm::Fp8E4m3;
@@ -87,56 +88,32 @@ ffi::Error GroupedQuantizedMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::An
                                              });
 }
 
-// GGUF block experts (gguf_blocks.h): q [G, N, K/2] uint8 (4-bit blocks) or [G, N, K] int8 (8-bit
-// blocks), scale [G, N, K/group] (group 32 or 16) and offset like scale (always for 4-bit blocks)
-// or [G, N, 0], float32 with supers [G, N, 0] or int8 with supers [G, N, K/256 * 2]; K a multiple
-// of 32.
+// GGUF block experts [G, N, ...] (gguf_operands.h), K a multiple of 32.
 ffi::Error GroupedGgufMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, ffi::AnyBuffer scale,
                              ffi::AnyBuffer offset, Stacked supers, GroupSizes group_sizes, Codebook codebook,
                              ffi::Result<Matrix> y) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
-  const auto qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions(), pd = supers.dimensions();
-  const bool nibbles = q.element_type() == ffi::DataType::U8, two_level = pd[2] > 0;
-  const bool coded = codebook.dimensions()[0] > 0;
-  const ffi::DataType table = two_level ? ffi::DataType::S8 : ffi::DataType::F32;
-  const bool shaped = sd.size() == 3 && od.size() == 3 && qd.size() == 3;
-  std::string error = shaped ? GroupShapeError("grouped_gguf_matmul", x.dimensions(), sd, K, group_sizes.dimensions(),
-                                               y->dimensions())
-                             : "grouped_gguf_matmul: q, scale and offset must be 3-D";
-  const int64_t scales = shaped ? sd[2] : -1;
-  const bool fp8 = q.element_type() == ffi::DataType::F8E4M3FN;
-  const bool agree = shaped && (nibbles || q.element_type() == ffi::DataType::S8 || fp8) && K % raylm::kGgufBlock == 0 &&
-                     K > 0 && (scales == K / 32 || scales == K / 16) && qd[0] == sd[0] && qd[1] == sd[1] &&
-                     qd[2] == (nibbles ? K / 2 : K) && od[0] == sd[0] && od[1] == sd[1] &&
-                     (coded ? nibbles && od[2] == 0 && codebook.dimensions()[0] == 16
-                            : od[2] == scales || (od[2] == 0 && !nibbles)) &&
-                     scale.element_type() == table &&
-                     offset.element_type() == table && pd[0] == sd[0] && pd[1] == sd[1] &&
-                     (!two_level || (K % raylm::kGgufSuper == 0 && pd[2] == K / raylm::kGgufSuper * 2)) &&
-                     (!fp8 || (od[2] == 0 && !coded && !two_level));
-  if (error.empty() && !agree)
-    error = "grouped_gguf_matmul: q [G, N, K/2] uint8 or [G, N, K] int8 or float8_e4m3fn (float32 scale, offset "
-            "[G, N, 0]), scale [G, N, K/32] or [G, N, K/16], "
-            "offset like scale (always for uint8 q without a codebook) or [G, N, 0], float32 tables with supers "
-            "[G, N, 0] or int8 ones with supers [G, N, K/256 * 2], codebook [16] (uint8 q, offset [G, N, 0]) or [0], "
-            "K a multiple of 32; got K " + std::to_string(K) + ", q " + raylm::Shape(qd) + ", scale " +
-            raylm::Shape(sd) + ", offset " + raylm::Shape(od) + ", supers " + raylm::Shape(pd) + ", codebook " +
-            raylm::Shape(codebook.dimensions());
+  const auto sd = scale.dimensions();
+  GgufRows experts{};
+  std::string error = GroupShapeError("grouped_gguf_matmul", x.dimensions(), sd, K, group_sizes.dimensions(),
+                                      y->dimensions());
+  if (error.empty()) {
+    error = raylm::GgufRowsOf(q, scale, offset, supers.dimensions(), supers.typed_data(), codebook.dimensions(),
+                              codebook.typed_data(), sd.first(2), K, &experts);
+    if (!error.empty()) error = "grouped_gguf_matmul: " + error;
+  }
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   const int64_t G = sd[0], N = sd[1];
   const float* xs = x.typed_data();
   float* ys = y->typed_data();
-  const auto* qs = static_cast<const uint8_t*>(q.untyped_data());
   ForEachGroup(group_sizes.typed_data(), G, M, N, ys, [&](int64_t g, int64_t start, int64_t rows) {
-    const int64_t table_bytes = two_level ? 1 : 4;
-    const GgufRows w{qs + g * N * qd[2], static_cast<const char*>(scale.untyped_data()) + g * N * scales * table_bytes,
-                     od[2] ? static_cast<const char*>(offset.untyped_data()) + g * N * scales * table_bytes : nullptr,
-                     two_level ? supers.typed_data() + g * N * pd[2] : nullptr, K, nibbles, K / scales,
-                     coded ? codebook.typed_data() : nullptr, fp8};
+    const GgufRows w = experts.From(g * N);
     const float* xg = xs + start * K;
     float* yg = ys + start * N;
     Run(N, K, kMaxWeightRowsPerTile * K,
-        [=](int64_t n_begin, int64_t n_end, float* panel) { GgufColumns(xg, w, yg, rows, N, K, n_begin, n_end, panel); },
+        [=](int64_t n_begin, int64_t n_end, float* panel) {
+          GgufColumns(xg, w, yg, rows, N, K, n_begin, n_end, panel);
+        },
         thread_pool);
   });
   return ffi::Error::Success();

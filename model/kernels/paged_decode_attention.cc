@@ -30,8 +30,8 @@ namespace {
 
 ffi::Error PagedDecodeAttention(ffi::ThreadPool thread_pool, QueryBuffer q,
                                 ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, LayerBuffer layer,
-                                TableBuffer block_tables, LensBuffer context_lens, SinkBuffer sinks, float scale, float softcap,
-                                int64_t window, ffi::Result<QueryBuffer> out) {
+                                TableBuffer block_tables, LensBuffer context_lens, SinkBuffer sinks, float scale,
+                                float softcap, int64_t window, ffi::Result<QueryBuffer> out) {
   Problem pr{};
   const std::string error =
       Prepare(q, k_pool, v_pool, layer, block_tables, context_lens, sinks, out, scale, softcap, window, pr);

@@ -150,6 +150,32 @@ def test_kernel_rejects_mismatched_operands():
         from_gguf(np.zeros((2, 20), np.uint8), GGMLQuantizationType.Q4_1, (2, 16))
 
 
+def _raw_gguf_call(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray) -> np.ndarray:
+    """The GGUF kernel's FFI target called as it is, past ``gguf_matmul``'s checks: x [2, 64] -> y [2, 3]."""
+    target = dense_module._GGUF_KERNEL.target(2)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((2, 3), jnp.float32))
+    return np.asarray(call(jnp.ones((2, 64)), q, scale, offset, supers, jnp.zeros((0,), jnp.float32)))
+
+
+_NIBBLES, _TABLE, _NO_SUPERS = np.zeros((3, 32), np.uint8), np.ones((3, 2), np.float32), np.zeros((3, 0), np.float32)
+_BAD_OPERANDS = {
+    "a row short": (np.zeros((3, 31), np.uint8), _TABLE, _TABLE, _NO_SUPERS),
+    "no offset for 4-bit blocks": (_NIBBLES, _TABLE, np.zeros((3, 0), np.float32), _NO_SUPERS),
+    "int8 tables without supers": (_NIBBLES, _TABLE.astype(np.int8), _TABLE.astype(np.int8), _NO_SUPERS),
+    "fp8 with an offset": (np.zeros((3, 64), jnp.float8_e4m3fn), _TABLE, _TABLE, _NO_SUPERS),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("why", list(_BAD_OPERANDS))
+def test_kernel_itself_names_the_operands_it_takes(why):
+    """The handler's own check (gguf_operands.h, shared with the grouped kernel): bad buffers get
+    an error that says what they must be and what they are, never a read past them."""
+    assert (_raw_gguf_call(_NIBBLES, _TABLE, _TABLE, _NO_SUPERS) == 64.0).all()  # the good call: w = 0 * 1 + 1
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"q \[N, K/2\] uint8 .* got N 3, K 64, q \[3, "):
+        _raw_gguf_call(*_BAD_OPERANDS[why])
+
+
 @pytest.mark.parametrize("kernel", [True, False], ids=["unsharded", "sharded program"])
 @pytest.mark.parametrize("rows", [1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 8])
 def test_dense_gives_what_the_float32_matrix_gives(kernel, rows):

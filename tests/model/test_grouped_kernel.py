@@ -136,3 +136,34 @@ def test_kernel_rejects_mismatched_operands():
         grouped.grouped_matmul(x, jnp.ones((2, 3, 64)), sizes, kernel=True)
     with pytest.raises(ValueError, match="grouped_matmul takes"):
         grouped.grouped_matmul(x, QuantArray(jnp.ones((1, 3, 64), jnp.int8), jnp.ones((1,))), sizes, kernel=True)
+
+
+def _raw_gguf_call(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray) -> np.ndarray:
+    """The grouped GGUF kernel's FFI target called as it is, past ``grouped_matmul``'s checks: x [4, 64]
+    in groups of 1 and 3 rows -> y [4, 3]."""
+    grouped._GGUF_KERNEL.require()
+    call = jax.ffi.ffi_call(grouped._GGUF_KERNEL.target, jax.ShapeDtypeStruct((4, 3), jnp.float32))
+    return np.asarray(call(jnp.ones((4, 64)), q, scale, offset, supers, jnp.asarray([1, 3], jnp.int32),
+                           jnp.zeros((0,), jnp.float32)))
+
+
+_NIBBLES, _NO_SUPERS = np.zeros((2, 3, 32), np.uint8), np.zeros((2, 3, 0), np.float32)
+_TABLE = np.stack([np.ones((3, 2), np.float32), 2 * np.ones((3, 2), np.float32)])  # expert 1's scales and offsets: 2
+_BAD_OPERANDS = {
+    "a row short": (np.zeros((2, 3, 31), np.uint8), _TABLE, _TABLE, _NO_SUPERS),
+    "an expert's rows unlike the scales'": (np.zeros((2, 4, 32), np.uint8), _TABLE, _TABLE, _NO_SUPERS),
+    "no offset for 4-bit blocks": (_NIBBLES, _TABLE, np.zeros((2, 3, 0), np.float32), _NO_SUPERS),
+    "two-level supers for float32 tables": (_NIBBLES, _TABLE, _TABLE, np.zeros((2, 3, 2), np.float32)),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("why", list(_BAD_OPERANDS))
+def test_kernel_itself_names_the_operands_it_takes(why):
+    """The handler's own check (gguf_operands.h, shared with the dense kernel): bad stacks get an
+    error that says what they must be and what they are, never a read past them."""
+    good = _raw_gguf_call(_NIBBLES, _TABLE, _TABLE, _NO_SUPERS)
+    assert (good == np.asarray([[64.0] * 3] + [[128.0] * 3] * 3)).all()  # expert 0's w = 1, expert 1's w = 2
+    expected = r"grouped_gguf_matmul: q \[G, N, K/2\] uint8 .* got K 64, q \["
+    with pytest.raises(jax.errors.JaxRuntimeError, match=expected):
+        _raw_gguf_call(*_BAD_OPERANDS[why])
