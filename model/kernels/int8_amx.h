@@ -11,10 +11,10 @@
 // cover one block of K: the sums of a few blocks are stored to L1 and each output row of 16
 // columns takes them, block by block, in registers.
 //
-// Decode rows stay on VNNI (a tile is 16 rows; 4-bit blocks take AMX from 32); Q6_K / Q3_K / Q2_K (kSixBits: sums per half
-// block times int8 sub-scales) also do. The tile registers need the kernel's permission on Linux
-// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), asked once; where it is refused, or the CPU has
-// no AMX, the family is not offered.
+// Decode rows stay on VNNI (a tile is 16 rows; 4-bit blocks take AMX from 32); Q6_K / Q3_K / Q2_K
+// (kSixBits: sums per half block times int8 sub-scales) also do. The tile registers need the
+// kernel's permission on Linux (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), asked once; where
+// it is refused, or the CPU has no AMX, the family is not offered.
 #ifndef RAYLM_INT8_AMX_H_
 #define RAYLM_INT8_AMX_H_
 
@@ -71,7 +71,8 @@ struct AmxFamily {
   static void TileActivations(Int8Rows* a, int64_t r_begin, int64_t r_end) {
     for (int64_t r = r_begin; r < r_end; ++r)
       for (int64_t b = 0; b < a->blocks; ++b)
-        std::copy_n(a->Block(r, b), kGgufBlock, a->tiled.data() + TileAt(*a, r - r % kAmxRows, b) + r % kAmxRows * kGgufBlock);
+        std::copy_n(a->Block(r, b), kGgufBlock,
+                    a->tiled.data() + TileAt(*a, r - r % kAmxRows, b) + r % kAmxRows * kGgufBlock);
   }
 
   // Where in a.tiled the activation tile of rows [m, m + 16) (m a multiple of 16) and block b starts.
@@ -104,9 +105,10 @@ struct AmxFamily {
     for (int g = 0; g < G; ++g) {
       __m512 d[C], offset[C];
       for (int j = 0; j < C; ++j) {
-        d[j] = F == Format::kRowBytes ? _mm512_set1_ps(1.0f) : VnniFamily::Lanes(w, w.d, n + g * kGroupCols, b0 + j);
+        const int64_t c = n + g * kGroupCols;
+        d[j] = F == Format::kRowBytes ? _mm512_set1_ps(1.0f) : VnniFamily::BlockScales(w, c, b0 + j);
         if constexpr (F == Format::kNibbles || F == Format::kOffsetBytes)
-          offset[j] = VnniFamily::Lanes(w, w.m, n + g * kGroupCols, b0 + j);
+          offset[j] = VnniFamily::BlockOffsets(w, c, b0 + j);
       }
       for (int rt = 0; rt < RT; ++rt)
         for (int r = 0; r < kAmxRows; ++r) {
@@ -193,15 +195,15 @@ struct AmxFamily {
   }
 
   // Output columns [n_begin, n_end) (n_begin a multiple of 16) for all M rows (`a` holds whole
-  // tiles of rows, zeros past M, and its activation tiles), as VectorColumns orders them: a panel of columns, every block of
-  // rows passing it, 32 rows and 32 columns a tile.
+  // tiles of rows, zeros past M, and its activation tiles), as VectorColumns orders them: a panel
+  // of columns, every block of rows passing it, 32 rows and 32 columns a tile.
   template <Format F>
   static void Columns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
     static thread_local std::vector<uint8_t> scratch;  // a panel's unpacked 4-bit weights
     static constexpr Config kConfig{};  // constant: ldtilecfg's asm tells the compiler of 8 bytes read
     _tile_loadconfig(&kConfig);
     const int64_t group_stride = w.blocks * kAmxTileBytes;
-    const int64_t group_bytes = group_stride + w.blocks * 2 * kGroupCols * (w.half ? 2 : 4);
+    const int64_t group_bytes = group_stride + w.GroupTableBytes();
     const int64_t panel_cols = std::max<int64_t>(2, kInt8PanelBytes / group_bytes) * kGroupCols;
     const int64_t block_rows = std::max<int64_t>(2 * kAmxRows, kInt8RowBlockBytes / (w.blocks * kGgufBlock) /
                                                                    (2 * kAmxRows) * (2 * kAmxRows));

@@ -46,6 +46,21 @@ struct VnniFamily {
     return _mm512_loadu_ps(static_cast<const float*>(values) + i);
   }
 
+  // Block b's sixteen d_w and m from column c: the tables' entries, times the block's int8 scale
+  // or offset where the tables are two-level (Int8Panels::BlockScale's exact products).
+  static __m512 BlockScales(const Int8Panels& w, int64_t c, int64_t b) {
+    const __m512 d = Lanes(w, w.d, c, b);
+    return w.ScaledTables() ? _mm512_mul_ps(d, SubScaleLanes(w, c, b, 0)) : d;
+  }
+  static __m512 BlockOffsets(const Int8Panels& w, int64_t c, int64_t b) {
+    const __m512 m = Lanes(w, w.m, c, b);
+    return w.ScaledTables() ? _mm512_mul_ps(m, SubScaleLanes(w, c, b, 1)) : m;
+  }
+  static __m512 SubScaleLanes(const Int8Panels& w, int64_t c, int64_t b, int h) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.SubScales(c, b, h)));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  }
+
   // QuantizeRows's arithmetic, two vectors a block: the maximum and the integer sum are exact
   // in any order, and vcvtps2dq rounds to nearest even as nearbyint does.
   static void Quantize(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int8Rows* out) {
@@ -54,7 +69,8 @@ struct VnniFamily {
         const float* v = x + r * K + b * kGgufBlock;
         const int64_t count = std::min<int64_t>(kGgufBlock, K - b * kGgufBlock);
         const __mmask16 first = count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
-        const __mmask16 second = count >= 32 ? 0xFFFF : count > 16 ? static_cast<__mmask16>((1u << (count - 16)) - 1) : 0;
+        const __mmask16 second =
+            count >= 32 ? 0xFFFF : count > 16 ? static_cast<__mmask16>((1u << (count - 16)) - 1) : 0;
         const __m512 low = _mm512_maskz_loadu_ps(first, v), high = _mm512_maskz_loadu_ps(second, v + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
         const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
@@ -149,12 +165,12 @@ struct VnniFamily {
         }
       }
       for (int g = 0; g < G; ++g) {
-        const __m512 d = F == Format::kRowBytes ? _mm512_set1_ps(1.0f) : Lanes(w, w.d, n + g * kCols, b);
+        const __m512 d = F == Format::kRowBytes ? _mm512_set1_ps(1.0f) : BlockScales(w, n + g * kCols, b);
         for (int r = 0; r < R; ++r) {
           const __m512 dx = _mm512_set1_ps(a.d[a.At(m + r, b)]);
           acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][g]), _mm512_mul_ps(dx, d), acc[r][g]);
           if constexpr (F == Format::kNibbles || F == Format::kOffsetBytes)
-            acc[r][g] = _mm512_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
+            acc[r][g] = _mm512_fmadd_ps(BlockOffsets(w, n + g * kCols, b),
                                         _mm512_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
         }
         if constexpr (F == Format::kSixBits) {
@@ -166,8 +182,9 @@ struct VnniFamily {
             const __m512 min = Lanes(w, w.m, n + g * kCols, b);
             for (int r = 0; r < R; ++r) {
               const int64_t i = a.At(m + r, b);
+              const __m512i high_sum = _mm512_set1_epi32((a.sum128[i] - a.low128[i]) / 128);
               const __m512i o = _mm512_add_epi32(_mm512_mullo_epi32(m0, _mm512_set1_epi32(a.low128[i] / 128)),
-                                                 _mm512_mullo_epi32(m1, _mm512_set1_epi32((a.sum128[i] - a.low128[i]) / 128)));
+                                                 _mm512_mullo_epi32(m1, high_sum));
               acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(o), _mm512_mul_ps(_mm512_set1_ps(a.d[i]), min), acc[r][g]);
             }
           }
@@ -211,6 +228,20 @@ struct Avx2Family {
     return _mm256_loadu_ps(static_cast<const float*>(values) + i);
   }
 
+  // As VnniFamily's: block b's eight d_w and m from column c.
+  static __m256 BlockScales(const Int8Panels& w, int64_t c, int64_t b) {
+    const __m256 d = Lanes(w, w.d, c, b);
+    return w.ScaledTables() ? _mm256_mul_ps(d, SubScaleLanes(w, c, b, 0)) : d;
+  }
+  static __m256 BlockOffsets(const Int8Panels& w, int64_t c, int64_t b) {
+    const __m256 m = Lanes(w, w.m, c, b);
+    return w.ScaledTables() ? _mm256_mul_ps(m, SubScaleLanes(w, c, b, 1)) : m;
+  }
+  static __m256 SubScaleLanes(const Int8Panels& w, int64_t c, int64_t b, int h) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.SubScales(c, b, h)));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  }
+
   // The sum of eight int32 lanes.
   static int32_t Total(__m256i lanes) {
     __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
@@ -236,8 +267,10 @@ struct Avx2Family {
         }
         __m256 values[4];
         for (int i = 0; i < 4; ++i) values[i] = _mm256_loadu_ps(v + 8 * i);
-        const __m256 wide = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(values[0], magnitude), _mm256_and_ps(values[1], magnitude)),
-                                          _mm256_max_ps(_mm256_and_ps(values[2], magnitude), _mm256_and_ps(values[3], magnitude)));
+        __m256 magnitudes[4];
+        for (int i = 0; i < 4; ++i) magnitudes[i] = _mm256_and_ps(values[i], magnitude);
+        const __m256 wide =
+            _mm256_max_ps(_mm256_max_ps(magnitudes[0], magnitudes[1]), _mm256_max_ps(magnitudes[2], magnitudes[3]));
         __m128 half = _mm_max_ps(_mm256_castps256_ps128(wide), _mm256_extractf128_ps(wide, 1));
         half = _mm_max_ps(half, _mm_movehl_ps(half, half));
         const float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
@@ -313,7 +346,8 @@ struct Avx2Family {
           for (int g = 0; g < G; ++g) {
             const __m256i scale = _mm256_cvtepi8_epi32(
                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.SubScales(n + g * kCols, b, h))));
-            for (int r = 0; r < R; ++r) sums[r][g] = _mm256_add_epi32(sums[r][g], _mm256_mullo_epi32(half[r][g], scale));
+            for (int r = 0; r < R; ++r)
+              sums[r][g] = _mm256_add_epi32(sums[r][g], _mm256_mullo_epi32(half[r][g], scale));
           }
         }
       } else {
@@ -330,12 +364,12 @@ struct Avx2Family {
         }
       }
       for (int g = 0; g < G; ++g) {
-        const __m256 d = F == Format::kRowBytes ? _mm256_set1_ps(1.0f) : Lanes(w, w.d, n + g * kCols, b);
+        const __m256 d = F == Format::kRowBytes ? _mm256_set1_ps(1.0f) : BlockScales(w, n + g * kCols, b);
         for (int r = 0; r < R; ++r) {
           const __m256 dx = _mm256_set1_ps(a.d[a.At(m + r, b)]);
           acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][g]), _mm256_mul_ps(dx, d), acc[r][g]);
           if constexpr (F == Format::kNibbles || F == Format::kOffsetBytes)
-            acc[r][g] = _mm256_fmadd_ps(Lanes(w, w.m, n + g * kCols, b),
+            acc[r][g] = _mm256_fmadd_ps(BlockOffsets(w, n + g * kCols, b),
                                         _mm256_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
         }
         if constexpr (F == Format::kSixBits) {
@@ -347,8 +381,9 @@ struct Avx2Family {
             const __m256 min = Lanes(w, w.m, n + g * kCols, b);
             for (int r = 0; r < R; ++r) {
               const int64_t i = a.At(m + r, b);
+              const __m256i high_sum = _mm256_set1_epi32((a.sum128[i] - a.low128[i]) / 128);
               const __m256i o = _mm256_add_epi32(_mm256_mullo_epi32(m0, _mm256_set1_epi32(a.low128[i] / 128)),
-                                                 _mm256_mullo_epi32(m1, _mm256_set1_epi32((a.sum128[i] - a.low128[i]) / 128)));
+                                                 _mm256_mullo_epi32(m1, high_sum));
               acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_mul_ps(_mm256_set1_ps(a.d[i]), min), acc[r][g]);
             }
           }

@@ -127,8 +127,7 @@ void TileRows(int64_t rows, const Int8Rows& a, int64_t m, const Int8Panels& w, f
 template <typename Family, Format F>
 void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
   constexpr int C = Family::kCols;
-  const int64_t sub_scale_bytes = F == Format::kSixBits ? w.sub_rows * kGroupCols : 0;
-  const int64_t group_bytes = w.blocks * (w.Vectors() * kVectorBytes + 2 * kGroupCols * (w.half ? 2 : 4) + sub_scale_bytes);
+  const int64_t group_bytes = w.blocks * w.Vectors() * kVectorBytes + w.GroupTableBytes();
   const int64_t panel_cols = std::max<int64_t>(2, kInt8PanelBytes / group_bytes) * kGroupCols;
   const int64_t block_rows =
       std::max<int64_t>(kInt8Rows, kInt8RowBlockBytes / (w.blocks * kGgufBlock) / kInt8Rows * kInt8Rows);
@@ -175,7 +174,8 @@ void RunInt8Matmul(const float* x, const Int8Panels& w, float* y, int64_t M, ffi
   AllocateRows(held_rows, w.K, &a);
   if (amx) a.tiled.assign(a.q.size(), 0);
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per_item = (w.N + threads * raylm::kPromptItemsPerThread - 1) / (threads * raylm::kPromptItemsPerThread);
+  const int64_t items = threads * raylm::kPromptItemsPerThread;
+  const int64_t per_item = (w.N + items - 1) / items;
   const int64_t item = (per_item + kGroupCols - 1) / kGroupCols * kGroupCols;  // whole packed groups
   // The activations, quantized by rows over the same threads (on one thread they were up to a
   // fifth of a 64-row call; a decode step's few rows stay on the calling thread).
@@ -257,24 +257,29 @@ std::string PanelError(const Matrix& x, const PackedBuffers& p, const Matrix& y,
     return "d and m must both be float32 or both float16";
   const bool has_d = dd[2] == kGroupCols, has_m = md[2] == kGroupCols;
   const bool has_row_scale = rd[0] == N && N > 0;
-  const bool has_sub_scale = sd[0] == groups && sd[1] == blocks && (sd[2] == 2 || sd[2] == 4) && sd[3] == kGroupCols;
+  const bool six_bits = unsigned_q && qd[2] == 6;
+  // Two-level scales: sub_scale's rows per block (kSixBits: 2, or 4 with m; else 1, or 2 with m),
+  // and d and m per super-block of 256.
+  const int64_t sub_rows = six_bits ? (has_m ? 4 : 2) : (has_m ? 2 : 1);
+  const bool has_sub_scale = sd[0] == groups && sd[1] == blocks && sd[2] == sub_rows && sd[3] == kGroupCols;
   const bool no_sub_scale = sd[0] == 0 && sd[1] == 0 && sd[2] == 0 && sd[3] == 0;
-  *format = unsigned_q ? (has_sub_scale ? Format::kSixBits : Format::kNibbles)
+  const int64_t table_blocks = has_sub_scale ? (blocks + 7) / 8 : blocks;
+  *format = unsigned_q ? (six_bits ? Format::kSixBits : Format::kNibbles)
             : has_m    ? Format::kOffsetBytes
             : has_d    ? Format::kBlockBytes
                        : Format::kRowBytes;
   const int vectors = *format == Format::kNibbles ? 4 : *format == Format::kSixBits ? 6 : 8;
   const bool q_ok = qd[0] == groups && qd[1] == blocks && qd[2] == vectors && qd[3] == kGroupCols && qd[4] == 4;
   const bool tables_ok = (dd[2] == 0 || has_d) && (md[2] == 0 || has_m) &&
-                         (!has_d || (dd[0] == groups && dd[1] == blocks)) &&
-                         (!has_m || (md[0] == groups && md[1] == blocks)) && (rd[0] == 0 || has_row_scale) &&
-                         (has_sub_scale || no_sub_scale);
+                         (!has_d || (dd[0] == groups && dd[1] == table_blocks)) &&
+                         (!has_m || (md[0] == groups && md[1] == table_blocks)) && (rd[0] == 0 || has_row_scale) &&
+                         (has_sub_scale || no_sub_scale) && (no_sub_scale || K % raylm::kGgufSuper == 0);
   bool format_ok = false;
   switch (*format) {
     case Format::kNibbles: format_ok = has_d && has_m && !has_row_scale; break;
-    case Format::kSixBits: format_ok = has_d && has_m == (sd[2] == 4) && !has_row_scale; break;
-    case Format::kOffsetBytes: format_ok = has_d && !has_row_scale && no_sub_scale; break;
-    case Format::kBlockBytes: format_ok = !has_row_scale && no_sub_scale; break;
+    case Format::kSixBits: format_ok = has_d && has_sub_scale && !has_row_scale; break;
+    case Format::kOffsetBytes: format_ok = has_d && !has_row_scale; break;
+    case Format::kBlockBytes: format_ok = !has_row_scale; break;
     case Format::kRowBytes: format_ok = has_row_scale && no_sub_scale; break;
   }
   const bool blocks_ok = *format == Format::kRowBytes || K % kGgufBlock == 0;
@@ -284,35 +289,36 @@ std::string PanelError(const Matrix& x, const PackedBuffers& p, const Matrix& y,
          raylm::Shape(rd) + ", sub_scale " + raylm::Shape(sd) + (p.lead ? " per expert" : "") + " and y " +
          raylm::Shape(y.dimensions()) + ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) +
          ", 4 (4-bit) or 6 (6-bit) or 8 (int8), 16, 4], d and m [" + std::to_string(groups) + ", " +
-         std::to_string(blocks) +
-         ", 16 or 0] (4-bit: both; 6-bit: d (and m); 8-bit: d (and m) or row_scale [N]; float32 or float16), " +
-         "sub_scale int8 [" + std::to_string(groups) + ", " + std::to_string(blocks) +
-         ", 2 or 4 (with m), 16] (6-bit) or [0, 0, 0, 0], " + "K whole blocks unless per-row int8";
+         std::to_string(blocks) + " (or " + std::to_string((blocks + 7) / 8) +
+         " super-blocks with sub_scale), 16 or 0] (4-bit: both; 6-bit: d (and m); 8-bit: d (and m) or row_scale [N]; "
+         "float32 or float16), sub_scale int8 [" + std::to_string(groups) + ", " + std::to_string(blocks) +
+         ", rows, 16] (6-bit: 2, or 4 with m; else 1, or 2 with m) or [0, 0, 0, 0] (needed by 6-bit), " +
+         "K whole blocks unless per-row int8 (whole super-blocks of 256 with sub_scale)";
 }
 
 // The checked operands' panels for N outputs of K inputs: the matrix's, or (a stack) expert 0's.
 Int8Panels PanelsOf(const PackedBuffers& p, int64_t N, int64_t K, Format format, bool half) {
   const bool has_m = p.m.dimensions().back() > 0;
+  const int64_t sub_rows = PackedBuffers::Inner(p.sub_scale, p.lead)[2];
   return Int8Panels{static_cast<const uint8_t*>(p.q.untyped_data()),
                     format == Format::kRowBytes ? nullptr : p.d.untyped_data(),
                     has_m ? p.m.untyped_data() : nullptr,
                     format == Format::kRowBytes ? static_cast<const float*>(p.row_scale.untyped_data()) : nullptr,
-                    format == Format::kSixBits ? static_cast<const int8_t*>(p.sub_scale.untyped_data()) : nullptr,
-                    N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half,
-                    PackedBuffers::Inner(p.sub_scale, p.lead)[2]};
+                    sub_rows ? static_cast<const int8_t*>(p.sub_scale.untyped_data()) : nullptr,
+                    N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half, sub_rows, sub_rows ? 3 : 0};
 }
 
 // Expert g's panels in a stack whose expert 0 is `w`: each array's g-th slice (the sizes of one
 // expert's arrays as model/quantization/int8_panels.py packs them).
 Int8Panels ExpertPanels(const Int8Panels& w, int64_t g) {
-  const int64_t groups = (w.N + kGroupCols - 1) / kGroupCols, tables = groups * w.blocks * kGroupCols;
-  const int64_t table_bytes = tables * (w.half ? 2 : 4);
+  const int64_t groups = (w.N + kGroupCols - 1) / kGroupCols;
+  const int64_t table_bytes = groups * w.TableBlocks() * kGroupCols * (w.half ? 2 : 4);
   Int8Panels e = w;
   e.q += g * groups * w.blocks * w.Vectors() * kVectorBytes;
   if (e.d) e.d = static_cast<const char*>(w.d) + g * table_bytes;
   if (e.m) e.m = static_cast<const char*>(w.m) + g * table_bytes;
   if (e.row_scale) e.row_scale += g * w.N;
-  if (e.sub_scale) e.sub_scale += g * tables * w.sub_rows;
+  if (e.sub_scale) e.sub_scale += g * groups * w.blocks * w.sub_rows * kGroupCols;
   return e;
 }
 

@@ -99,9 +99,15 @@ enum class Format {
 // The packed weights (model/quantization/int8_panels.py): q [groups, blocks, T, 16, 4] bytes, d and m
 // [groups, blocks, 16] (absent: null) in float32, or in float16 (`half`) where the values are
 // float16's, as GGUF stores them (a sixth less to read per 4-bit weight: a decode row streams
-// every byte of the matrix once), row_scale [N] (absent: null), sub_scale [groups, blocks, 2 or 4, 16]
-// int8 (kSixBits: each block's two halves' scales per column, then where m is given their two
-// int8 offsets; else null). kSixBits's q holds
+// every byte of the matrix once), row_scale [N] (absent: null), sub_scale [groups, blocks, rows, 16]
+// int8 or null. Two-level scales (the K-quants, IQ4_XS) keep their levels: d and m hold the
+// super-block's d and -dmin, [groups, blocks / 8, 16], and sub_scale each block's int8 scales:
+// - kSixBits (scales per 16): rows 0 and 1 the two halves' scales, 2 and 3 (where m is given)
+//   their offsets, applied to the halves' integer sums;
+// - the other formats (scales per 32): row 0 the block's scale, row 1 (where m is given) its
+//   offset, so d_w = d * scale and m = -dmin * offset: the float32 products are exact (a float16
+//   times a 6-bit integer), the very values a table of them would hold, at a third of the bytes.
+// kSixBits's q holds
 // u = v + 32 (0..63) of each weight v in T = 6 vectors: 0..3 its low four bits as 4-bit blocks
 // hold nibbles, 4 + h the top two bits of half h's weights, byte i of a lane holding those of
 // weights 16h + 4t + i at bits 2t, 2t + 1 (t = 0..3).
@@ -114,27 +120,46 @@ struct Int8Panels {
   int64_t N, K, blocks;
   Format format = Format::kNibbles;
   bool half = false;
-  int64_t sub_rows = 2;  // rows of sub_scale per block: 2, or 4 with offsets
+  int64_t sub_rows = 0;  // rows of sub_scale per block (0 without)
+  int super_shift = 0;    // d and m entries cover 1 << super_shift blocks: 0 (one), or 3 (two levels)
 
   int Vectors() const { return format == Format::kNibbles ? 4 : format == Format::kSixBits ? 6 : 8; }
   bool HasOffsets() const { return format == Format::kNibbles || format == Format::kOffsetBytes; }
+  // Whether d_w and m are the super-block's d and -dmin times the block's int8 scale and offset.
+  bool ScaledTables() const { return sub_scale != nullptr && format != Format::kSixBits; }
+  // Entries of d (and m) per group: one per block, or one per super-block.
+  int64_t TableBlocks() const { return (blocks + (int64_t{1} << super_shift) - 1) >> super_shift; }
+  // Bytes of one group's tables (d, m and sub-scales, every block's): panels are sized by them.
+  int64_t GroupTableBytes() const {
+    const int64_t tables = (d != nullptr) + (m != nullptr);
+    return TableBlocks() * tables * kGroupCols * (half ? 2 : 4) + blocks * sub_rows * kGroupCols;
+  }
   // Vector t of block b for the lanes from column c (c a multiple of 8: AVX2 reads half groups).
   const uint8_t* Vector(int64_t c, int64_t b, int t) const {
     return q + (((c / kGroupCols) * blocks + b) * Vectors() + t) * kVectorBytes + (c % kGroupCols) * 4;
   }
-  // Block b's sub-scales of half h (0: weights 0..15, 1: 16..31; 2 and 3: their offsets) for the
-  // lanes from column c.
+  // Block b's int8 sub-scales of row h for the lanes from column c (kSixBits: h 0 for weights
+  // 0..15, 1 for 16..31, 2 and 3 their offsets; else 0 the block's scale, 1 its offset).
   const int8_t* SubScales(int64_t c, int64_t b, int h) const {
     return sub_scale + (((c / kGroupCols) * blocks + b) * sub_rows + h) * kGroupCols + c % kGroupCols;
   }
-  // Where block b's d_w or m are for the lanes from column c, in values of their type.
+  // Where block b's entry of d or m is for the lanes from column c, in values of their type.
   int64_t LaneIndex(int64_t c, int64_t b) const {
-    return ((c / kGroupCols) * blocks + b) * kGroupCols + c % kGroupCols;
+    return ((c / kGroupCols) * TableBlocks() + (b >> super_shift)) * kGroupCols + c % kGroupCols;
   }
-  // Block b's d_w or m (`values`: d or m) of column n.
+  // Block b's entry of d or m (`values`) for column n.
   float Lane(const void* values, int64_t n, int64_t b) const {
     const int64_t i = LaneIndex(n, b);
     return half ? raylm::HalfToFloat(static_cast<const uint16_t*>(values)[i]) : static_cast<const float*>(values)[i];
+  }
+  // Block b's d_w and m of column n (ScaledTables: the exact products; kSixBits: the super-block's).
+  float BlockScale(int64_t n, int64_t b) const {
+    const float d_w = Lane(d, n, b);
+    return ScaledTables() ? d_w * static_cast<float>(*SubScales(n, b, 0)) : d_w;
+  }
+  float BlockOffset(int64_t n, int64_t b) const {
+    const float offset = Lane(m, n, b);
+    return ScaledTables() ? offset * static_cast<float>(*SubScales(n, b, 1)) : offset;
   }
   // Weight k of column n as the integer the sums use.
   int32_t Value(int64_t n, int64_t k) const {
@@ -175,11 +200,11 @@ void PortableColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M
         } else {
           for (int64_t k = 0; k < kGgufBlock; ++k) sum += xq[k] * w.Value(n, b * kGgufBlock + k);
         }
-        const float dw = w.format == Format::kRowBytes ? 1.0f : w.Lane(w.d, n, b);
+        const float dw = w.format == Format::kRowBytes ? 1.0f : w.BlockScale(n, b);
         acc = std::fma(static_cast<float>(sum), a.d[a.At(r, b)] * dw, acc);
-        if (w.HasOffsets()) acc = std::fma(w.Lane(w.m, n, b), a.ds[a.At(r, b)], acc);
-        if (w.format == Format::kSixBits && w.m != nullptr) acc = std::fma(static_cast<float>(OffsetSum(a, w, r, n, b)),
-                                                                           a.d[a.At(r, b)] * w.Lane(w.m, n, b), acc);
+        if (w.HasOffsets()) acc = std::fma(w.BlockOffset(n, b), a.ds[a.At(r, b)], acc);
+        if (w.format == Format::kSixBits && w.m != nullptr)
+          acc = std::fma(static_cast<float>(OffsetSum(a, w, r, n, b)), a.d[a.At(r, b)] * w.BlockOffset(n, b), acc);
       }
       y[r * w.N + n] = w.format == Format::kRowBytes ? acc * w.row_scale[n] : acc;
     }

@@ -22,17 +22,22 @@ Layout of a matrix ``[N..., K...]`` (outputs and inputs each flattened, ``N`` an
   third of a 4-bit weight's bytes (0.25 of 0.75 per weight; float16: 0.125 of 0.625). The
   kernel widens them exactly, so the results do not change.
 - ``row_scale [N]``: per-row int8's scale per output column, else ``[0]``.
-- Blocks with a scale per 16 weights held in two levels (Q6_K, Q3_K: an int8 scale per 16 under
-  a float16 ``d`` per 256; weights -32..31; with an int8 offset per 16 under ``dmin``: Q2_K, and
-  a Q4_K_M's Q4_K query and key fused with its Q6_K value) are held in 6 bits, as Q6_K's file holds them:
-  ``u = v + 32`` in ``q`` (uint8, ``T = 6``: vectors 0..3 ``u``'s low four bits as 4-bit blocks
-  hold nibbles, vector ``4 + h`` the top two bits of half ``h``'s weights, lane byte ``i``
-  holding those of weights ``16h + 4t + i`` at bits ``2t, 2t + 1``); ``sub_scale [G, B, 2, 16]``
-  int8 holds each block's two halves' scales, ``scale`` the super-block's ``d`` for each block;
-  with offsets ``sub_scale [G, B, 4, 16]`` adds the halves' int8 offsets and ``offset`` holds
-  ``-dmin`` for each block. Else ``sub_scale`` is ``[0, 0, 0, 0]``. The kernel sums each half in integers, multiplies it
-  by its int8 scale and adds the two in int32 (as llama.cpp does), so the per-16 scales
-  ``d * sc`` are never formed. 7 bits a weight, where bytes took 9 (a decode row streams them).
+- Two-level scales (the K-quants and IQ4_XS: an int8 scale, and offset, per group under a
+  float16 ``d``, and ``dmin``, per super-block of 256) keep their two levels, as their files do:
+  ``scale`` and ``offset`` hold ``d`` and ``-dmin`` once per super-block, ``[G, K/256, 16]``, and
+  ``sub_scale [G, B, rows, 16]`` the int8 scales and then offsets of each block. Scales per 32
+  (Q4_K, Q5_K, IQ4_XS; ``rows`` 1, or 2 with offsets): the kernel forms ``d * sc`` and ``-dmin *
+  m`` per block, exact float32 products, the values a float32 table would hold at a third of its
+  bytes (Q4_K: 4.625 bits a weight, where such tables made it 6). Else ``sub_scale`` is ``[0, 0,
+  0, 0]``.
+- Scales per 16 (Q6_K, Q3_K, weights -32..31; with offsets Q2_K, and a Q4_K_M's Q4_K query and
+  key fused with its Q6_K value) are held in 6 bits, as Q6_K's file holds them: ``u = v + 32`` in
+  ``q`` (uint8, ``T = 6``: vectors 0..3 ``u``'s low four bits as 4-bit blocks hold nibbles,
+  vector ``4 + h`` the top two bits of half ``h``'s weights, lane byte ``i`` holding those of
+  weights ``16h + 4t + i`` at bits ``2t, 2t + 1``); ``sub_scale``'s ``rows`` are the two halves'
+  scales (2), then their offsets (4). The kernel sums each half in integers, multiplies it by its
+  int8 scale and adds the two in int32 (as llama.cpp does), so the per-16 scales ``d * sc`` are
+  never formed. Q6_K: 6.5625 bits a weight, as in its file, where bytes took 9.
 
 Only the integer kernel reads this layout; ``rows`` (the tied embedding's lookup) and
 ``dequantize`` (references) rebuild the stored form of what they need.
@@ -56,6 +61,7 @@ from raylm.model.quantization.quant_array import QuantArray
 from raylm.model.quantization.stored_bytes import StoredBytes
 
 GROUP = 16  # output columns per packed group (the AVX-512 kernel's vector of int32 lanes)
+SUPER = 256  # weights per super-block of two-level scales: one entry of d (and -dmin) in their tables
 LANE = 4  # bytes per lane: one vpdpbusd adds four products
 
 
@@ -109,13 +115,20 @@ class Int8Panels(StoredBytes):
             return w.reshape(*lead, *self.input_shape).astype(dtype)
         no_offset = jnp.zeros((*lead, 0), jnp.float32)
         offset = at(self.offset, group, every, lane).astype(jnp.float32) if self.offset.shape[-1] else no_offset
-        scale = at(self.scale, group, every, lane).astype(jnp.float32)  # [..., B]
-        if self.sub_scale.shape[-1]:  # signed bytes, and d * sc (-dmin * m) per 16: the float32 products
-            stored = _unpack_six_bits(q).reshape(*lead, -1)
-            sub = at(self.sub_scale, group, every, every, lane).astype(jnp.float32)  # [..., B, 2 or 4]
-            if offset.shape[-1]:
-                offset = (offset[..., None] * sub[..., 2:]).reshape(*lead, -1)
-            scale = (scale[..., None] * sub[..., :2]).reshape(*lead, -1)
+        scale = at(self.scale, group, every, lane).astype(jnp.float32)  # [..., B], or per super-block
+        if self.sub_scale.shape[-1]:  # two levels: d * sc and -dmin * m, the float32 products (exact)
+            blocks, six_bits = q.shape[-3], q.shape[-2] == 6
+            sub = at(self.sub_scale, group, every, every, lane).astype(jnp.float32)  # [..., B, rows]
+            scale = jnp.repeat(scale, SUPER // BLOCK, axis=-1)[..., :blocks]
+            offset = jnp.repeat(offset, SUPER // BLOCK, axis=-1)[..., :blocks]
+            if six_bits:  # signed bytes, scales (and offsets) per 16
+                stored = _unpack_six_bits(q).reshape(*lead, -1)
+                if offset.shape[-1]:
+                    offset = (offset[..., None] * sub[..., 2:]).reshape(*lead, -1)
+                scale = (scale[..., None] * sub[..., :2]).reshape(*lead, -1)
+            else:  # per 32
+                offset = offset * sub[..., 1] if offset.shape[-1] else offset
+                scale = scale * sub[..., 0]
         blocks = GgufBlocks(stored, scale, offset, self.input_shape)
         return blocks.dequantize(dtype)
 
@@ -137,8 +150,9 @@ def sub_scaled(w: GgufBlocks) -> bool:
 
 
 def _six_bits(q: np.ndarray) -> np.ndarray:
-    """Signed bytes ``q [N, K]`` (-32..31, ``sub_scaled`` checked) as rows of the 6-bit layout (module docstring): per block
-    the 16 nibble bytes of ``u = q + 32``, then the top two bits of each half's 16, in 4 bytes."""
+    """Signed bytes ``q [N, K]`` (-32..31, ``sub_scaled`` checked) as rows of the 6-bit layout (module
+    docstring): per block the 16 nibble bytes of ``u = q + 32``, then the top two bits of each half's
+    16, in 4 bytes."""
     n = q.shape[0]
     u = (q.astype(np.int16) + 32).astype(np.uint8).reshape(n, -1, BLOCK)  # [N, B, 32]
     nibbles = pack_nibbles(u.reshape(n, -1) & np.uint8(0x0F)).reshape(n, -1, BLOCK // 2)
@@ -157,16 +171,15 @@ def _unpack_six_bits(stored: jax.Array) -> jax.Array:
 
 
 def _super_block_tables(w: GgufBlocks) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """A flat two-level ``w``'s ``d`` and ``-dmin`` (None without offsets) for each block of 32
-    ``[N, B]``, and its int8 scales (then offsets) per half ``[N, B, 2 or 4]``."""
-    n = w.scale.shape[0]
-    sub = np.asarray(w.scale).reshape(n, -1, 2)
+    """A flat two-level ``w``'s ``d`` and ``-dmin`` (None without offsets) per super-block of 256
+    ``[N, K/256]``, and its int8 scales, then offsets, of each block ``[N, B, rows]``: one of each
+    per block of 32, or (scales per 16) the two halves'."""
+    n, blocks = w.scale.shape[0], -(-math.prod(w.input_shape) // BLOCK)
+    sub = np.asarray(w.scale).reshape(n, blocks, -1)
     if w.has_offset:
-        sub = np.concatenate([sub, np.asarray(w.offset).reshape(n, -1, 2)], axis=-1)
+        sub = np.concatenate([sub, np.asarray(w.offset).reshape(n, blocks, -1)], axis=-1)
     supers = np.asarray(w.supers)
-    per_super = sub.shape[1] // (supers.shape[1] // 2)
-    minus_dmin = -np.repeat(supers[:, 1::2], per_super, axis=-1) if w.has_offset else None
-    return np.repeat(supers[:, 0::2], per_super, axis=-1), minus_dmin, sub
+    return supers[:, 0::2], -supers[:, 1::2] if w.has_offset else None, sub
 
 
 # Output rows packed at a time (a multiple of GROUP). Packing's host temporaries are several
@@ -186,19 +199,17 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
         np.asarray(host.q).reshape(-1, *input_shape), np.asarray(host.scale).reshape(-1))
     n = math.prod(output_shape)
     slices = [_rows(flat, start, min(start + PACK_ROWS, n)) for start in range(0, n, PACK_ROWS)]
-    first = _packed_arrays(slices[0])[0]
+    first = _packed_arrays(slices[0])
     if len(slices) == 1:
-        return Int8Panels(*(jnp.asarray(a) for a in first), output_shape, tuple(input_shape))
+        return Int8Panels(*(jnp.asarray(a) for a in first), output_shape, input_shape)
     q = np.empty((-(-n // GROUP), *first[0].shape[1:]), first[0].dtype)
     q[: len(first[0])] = first[0]
-    parts = [first[1:]] + [_packed_arrays(part, into=q[i * PACK_ROWS // GROUP:][: -(-part.shape[0] // GROUP)])[0][1:]
+    parts = [first[1:]] + [_packed_arrays(part, into=q[i * PACK_ROWS // GROUP:][: -(-part.shape[0] // GROUP)])[1:]
                            for i, part in enumerate(slices[1:], 1)]
-    scale, offset, row_scale, sub_scale = (list(kind) for kind in zip(*parts))
-    float_tables = np.result_type(*(a.dtype for a in (*scale, *offset)))  # float32 if any slice's need it
-    tables = [np.concatenate([a.astype(float_tables) for a in kind]) for kind in (scale, offset)]
+    scale, offset, row_scale, sub_scale = _one_table_dtype(parts)
     sub = np.concatenate(sub_scale) if sub_scale[0].size else sub_scale[0]
-    return Int8Panels(jnp.asarray(q), *(jnp.asarray(a) for a in tables), jnp.asarray(np.concatenate(row_scale)),
-                      jnp.asarray(sub), output_shape, tuple(input_shape))
+    return Int8Panels(jnp.asarray(q), *(jnp.asarray(np.concatenate(kind)) for kind in (scale, offset, row_scale)),
+                      jnp.asarray(sub), output_shape, input_shape)
 
 
 def _shapes(w: GgufBlocks | QuantArray) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -206,6 +217,16 @@ def _shapes(w: GgufBlocks | QuantArray) -> tuple[tuple[int, ...], tuple[int, ...
     if isinstance(w, GgufBlocks):
         return tuple(w.scale.shape[:-1]), tuple(w.input_shape)
     return tuple(w.scale.shape), tuple(w.shape[w.scale.ndim:])
+
+
+def _one_table_dtype(parts: list[tuple[np.ndarray, ...]]) -> list[list[np.ndarray]]:
+    """The tables of a matrix's parts (row slices or experts), each ``(scale, offset, row_scale,
+    sub_scale)``, per kind: scale and offset tables float16 only where every part's are (float32
+    if any part needs it), so the parts share the one layout the kernel reads."""
+    kinds = [list(kind) for kind in zip(*parts)]
+    float_tables = np.result_type(*(a.dtype for a in (*kinds[0], *kinds[1])))
+    kinds[:2] = [[a.astype(float_tables, copy=False) for a in kind] for kind in kinds[:2]]
+    return kinds
 
 
 def _rows(flat: GgufBlocks | QuantArray, start: int, stop: int) -> GgufBlocks | QuantArray:
@@ -231,45 +252,44 @@ def pack_int8_experts(w: GgufBlocks | QuantArray) -> Int8Panels:
     else:
         def matrix(e: int) -> GgufBlocks | QuantArray:
             return QuantArray(host.q[e], host.scale[e])
-    first, output_shape, input_shape = _packed_arrays(matrix(0))
+    output_shape, input_shape = _shapes(matrix(0))
+    first = _packed_arrays(matrix(0))
     q = np.empty((experts, *first[0].shape), first[0].dtype)
     q[0] = first[0]
     tables: list[tuple[np.ndarray, ...]] = [first[1:]] + [()] * (experts - 1)
 
     def pack(e: int) -> None:
-        tables[e] = _packed_arrays(matrix(e), into=q[e])[0][1:]
+        tables[e] = _packed_arrays(matrix(e), into=q[e])[1:]
 
     with ThreadPoolExecutor(max(1, min(len(os.sched_getaffinity(0)), experts - 1))) as pool:
         list(pool.map(pack, range(1, experts)))
-    kinds = list(zip(*tables))  # per table kind (scale, offset, row_scale, sub_scale), every expert's
-    float_tables = np.result_type(*(a.dtype for a in (*kinds[0], *kinds[1])))  # float32 if any expert's need it
-    kinds[:2] = [[a.astype(float_tables) for a in kind] for kind in kinds[:2]]
-    return Int8Panels(jnp.asarray(q), *(jnp.asarray(np.stack(kind)) for kind in kinds), output_shape, input_shape,
-                      experts)
+    return Int8Panels(jnp.asarray(q), *(jnp.asarray(np.stack(kind)) for kind in _one_table_dtype(tables)),
+                      output_shape, input_shape, experts)
 
 
-def _packed_arrays(w: GgufBlocks | QuantArray, into: np.ndarray | None = None
-                   ) -> tuple[tuple[np.ndarray, ...], tuple[int, ...], tuple[int, ...]]:
+def _packed_arrays(w: GgufBlocks | QuantArray, into: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """``pack_int8_panels``'s arrays (``q, scale, offset, row_scale, sub_scale``: module docstring) in
-    host memory, and ``w``'s output and input shapes; ``q`` written ``into`` that array where one is
-    given (an expert's slice of a stack). Codebook nibbles (IQ4, MXFP4) are packed as bytes of
-    their values: the integer kernel reads the weights themselves."""
+    host memory; ``q`` written ``into`` that array where one is given (an expert's or a row slice's
+    part of the whole). Codebook nibbles (IQ4, MXFP4) are packed as bytes of their values: the
+    integer kernel reads the weights themselves."""
     sub = None
+    _, input_shape = _shapes(w)
     if isinstance(w, GgufBlocks):
         w = jax.device_get(w).widened()
     if isinstance(w, GgufBlocks) and sub_scaled(w):
-        output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
         flat = w.flat()
         q, row_scale = _six_bits(np.asarray(flat.q)), None
         scale, offset, sub = _super_block_tables(flat)
+    elif isinstance(w, GgufBlocks) and w.group == BLOCK and w.two_level:
+        flat = w.flat()
+        q, row_scale = np.asarray(flat.q), None
+        scale, offset, sub = _super_block_tables(flat)
     elif isinstance(w, GgufBlocks) and w.group == BLOCK:
-        output_shape, input_shape = tuple(w.scale.shape[:-1]), w.input_shape
         flat = w.flat().with_float_tables()
         q, scale = np.asarray(flat.q), np.asarray(flat.scale)
         offset = np.asarray(flat.offset) if w.has_offset else None
         row_scale = None
     elif isinstance(w, QuantArray) and w.scheme == "int8":
-        output_shape, input_shape = tuple(w.scale.shape), tuple(w.shape[w.scale.ndim:])
         size = math.prod(input_shape)
         q = np.asarray(w.q).reshape(-1, size)
         q = np.pad(q, ((0, 0), (0, -size % BLOCK)))  # zero weights past K (their activations are zero too)
@@ -297,15 +317,16 @@ def _packed_arrays(w: GgufBlocks | QuantArray, into: np.ndarray | None = None
     halves = all(np.array_equal(t.astype(np.float16).astype(np.float32), t) for t in tables)
     table_dtype = np.float16 if halves else np.float32
 
-    def per_block(values: np.ndarray | None) -> np.ndarray:
+    def per_group(values: np.ndarray | None) -> np.ndarray:
+        """A table ``[N, B]`` (or per super-block ``[N, K/256]``) as ``[G, B (or K/256), 16]``."""
         if values is None:
             return np.zeros((groups, blocks, 0), table_dtype)
-        return np.ascontiguousarray(values[repeat].reshape(groups, GROUP, blocks).transpose(0, 2, 1), table_dtype)
+        entries = values.shape[1]
+        return np.ascontiguousarray(values[repeat].reshape(groups, GROUP, entries).transpose(0, 2, 1), table_dtype)
 
     if sub is None:
         sub_scale = np.zeros((0, 0, 0, 0), np.int8)
-    else:  # [N, B, 2 or 4] -> [G, B, 2 or 4, 16]
+    else:  # [N, B, rows] -> [G, B, rows, 16]
         sub_scale = np.ascontiguousarray(sub[repeat].reshape(groups, GROUP, blocks, -1).transpose(0, 2, 3, 1))
-    arrays = (into, per_block(scale), per_block(offset),
-              row_scale if row_scale is not None else np.zeros((0,), np.float32), sub_scale)
-    return arrays, output_shape, tuple(input_shape)
+    return (into, per_group(scale), per_group(offset),
+            row_scale if row_scale is not None else np.zeros((0,), np.float32), sub_scale)

@@ -146,7 +146,8 @@ def _reference(x: np.ndarray, w: GgufBlocks | QuantArray) -> np.ndarray:
         acc = _fma32(sums[:, :, b].astype(np.float32), (d_x[:, b, None] * d_w[None, :, b]).astype(np.float32), acc)
         if offsets is not None:
             o, minus_dmin = offsets
-            acc = _fma32(o[:, :, b].astype(np.float32), (d_x[:, b, None] * minus_dmin[None, :, b]).astype(np.float32), acc)
+            scaled = (d_x[:, b, None] * minus_dmin[None, :, b]).astype(np.float32)
+            acc = _fma32(o[:, :, b].astype(np.float32), scaled, acc)
         elif blocks and w.has_offset:
             acc = _fma32(np.asarray(w.offset)[None, :, b], ds[:, b, None], acc)
     return acc if blocks else (acc * np.asarray(w.scale)[None, :]).astype(np.float32)
@@ -223,16 +224,39 @@ def test_block_tables_are_float16_where_their_values_are(kind):
 
 @pytest.mark.parametrize("kind", ["Q6_K", "Q3_K"])
 def test_scales_per_16_pack_in_six_bits(kind):
-    """Q6_K and Q3_K (weights -32..31) are held in 7 bits a weight: 6 for the value, 0.5 for the
-    int8 scales per 16, 0.5 for the super-block's float16 d per block. Larger weights in that
-    layout (IQ4_XS's table values fused beside Q6_K) stay in the exact kernel."""
+    """Q6_K and Q3_K (weights -32..31) are held in 6.5625 bits a weight, as Q6_K's file holds them:
+    6 for the value, 0.5 for the int8 scales per 16, 0.0625 for the super-block's float16 d. Larger
+    weights in that layout (IQ4_XS's table values fused beside Q6_K) stay in the exact kernel."""
     w, _ = _weights(kind, 64, 512)
     packed = pack_int8_panels(w)
-    assert packed.nbytes * 8 == 7 * 64 * 512
+    assert packed.nbytes * 8 == 6.5625 * 64 * 512
     wide = dataclasses.replace(w, q=w.q.at[3, 7].set(40))
     assert int8_matmul.takes_int8_activations(w) and not int8_matmul.takes_int8_activations(wide)
     with pytest.raises(TypeError, match="not GGUF blocks with a scale per 16"):
         pack_int8_panels(wide)
+
+
+# Two-level kinds with a scale per 32, and their bits a weight packed: the value's (4 or 8), int8
+# scales (and offsets) per 32 (0.25 each), float16 d (and -dmin) per 256 (0.0625 each).
+TWO_LEVEL_BITS = {"Q4_K": 4 + 0.5 + 0.125, "Q5_K": 8 + 0.5 + 0.125, "IQ4_XS": 8 + 0.25 + 0.0625}
+
+
+@pytest.mark.parametrize("kind", list(TWO_LEVEL_BITS))
+def test_two_level_scales_per_32_keep_their_levels(kind):
+    """Q4_K, Q5_K and IQ4_XS keep int8 scales (and offsets) per 32 under float16 d (and -dmin) per
+    256, and the kernel forms d * sc per block: the very bits of the same matrix packed with the
+    float32 tables of those products, for decode rows and prompt chunks, in fewer bytes."""
+    n, k = 64, 512
+    w, _ = _weights(kind, n, k)
+    packed, tables = pack_int8_panels(w), pack_int8_panels(jax.device_get(w).with_float_tables())
+    assert packed.sub_scale.shape == (n // 16, k // BLOCK, 2 if w.has_offset else 1, 16)
+    assert packed.scale.shape == (n // 16, k // 256, 16) and packed.scale.dtype == jnp.float16
+    assert tables.sub_scale.size == 0 and tables.scale.dtype == jnp.float32
+    assert packed.nbytes * 8 == TWO_LEVEL_BITS[kind] * n * k < tables.nbytes * 8
+    for m in (1, 3, 65):
+        x = jnp.asarray(_activations(m, k))
+        np.testing.assert_array_equal(np.asarray(int8_matmul.int8_matmul(x, packed)),
+                                      np.asarray(int8_matmul.int8_matmul(x, tables)))
 
 
 def _float32_scale_in_a_late_row() -> GgufBlocks:
