@@ -10,9 +10,12 @@ projection and its transpose shape in the type a Q4_K_M file holds them). Rounds
 (medians); GOP/s counts 2 M N K operations per call, by the wall clock and per CPU second (all
 threads; what holds on a shared machine), and the float32 GEMM peak (XLA's dot, as in
 prompt_gemm_bench) is printed for scale. ``int/exact`` is the wall-clock speed ratio.
+``--float-tables`` adds a third mode: the integer kernel on the same matrix packed with float32
+tables of its two-level scales' products (``d * sc`` per 32, the layout before the panels kept
+two levels; the same bits), and prints its speed against the two-level panels.
 
     python -m raylm.benchmarks.int8_matmul_bench [--shapes 2048x8192,8192x2048] [--format Q4_1|Q6_K|...]
-        [--rows 1,16,128,512] [--rounds 5]
+        [--rows 1,16,128,512] [--rounds 5] [--float-tables]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 
 from raylm.benchmarks.prompt_gemm_bench import float32_peak, gflops, seconds, weights_in
 from raylm.model.kernels.dense import dense
+from raylm.model.quantization.gguf_blocks import GgufBlocks
 from raylm.model.quantization.int8_panels import pack_int8_panels
 
 
@@ -36,18 +40,25 @@ def main() -> None:
     parser.add_argument("--format", default="Q4_1", help="a GGUF type the integer kernel reads (Q4_1, Q6_K, ...) or int8")
     parser.add_argument("--rows", default="1,16,128,512")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--float-tables", action="store_true",
+                        help="also the integer kernel on float32 tables of two-level scales (Q4_K, Q5_K, IQ4_XS)")
     args = parser.parse_args()
 
     peak, peak_cpu = float32_peak(2048, 4096, 4096, 3)
     print(f"float32 GEMM peak (XLA dot, 2048 x 4096 x 4096): {peak:.0f} GFLOP/s, {peak_cpu:.0f} per CPU second")
     print(f"{'N x K':>11} {'rows':>5} {'exact GOP/s':>12} {'int8 GOP/s':>11} {'int/exact':>10} {'exact /cpu-s':>13} "
-          f"{'int8 /cpu-s':>12} {'int8 % f32 peak':>16}")
+          f"{'int8 /cpu-s':>12} {'int8 % f32 peak':>16}" + (" f32-tables GOP/s  int/f32-tables" if args.float_tables
+                                                             else ""))
     run = jax.jit(functools.partial(dense, kernel=True))
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         (exact,) = weights_in(args.format, [(n, k)])
         modes: dict[str, Any] = {"exact": exact, "int8": pack_int8_panels(exact)}
+        if args.float_tables:
+            if not (isinstance(exact, GgufBlocks) and exact.two_level):
+                raise SystemExit(f"--float-tables compares two-level scales; {args.format} has none")
+            modes["float tables"] = pack_int8_panels(jax.device_get(exact).with_float_tables())
         for rows in (int(r) for r in args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
             for w in modes.values():
@@ -57,9 +68,10 @@ def main() -> None:
                 for mode, w in modes.items():
                     times[mode].append(seconds(run, x, w))
             ops = 2 * rows * n * k
-            (e, e_cpu), (i, i_cpu) = (gflops(ops, times[mode]) for mode in modes)
+            (e, e_cpu), (i, i_cpu), *tables = (gflops(ops, times[mode]) for mode in modes)
+            also = f" {tables[0][0]:>16.0f} {i / tables[0][0]:>15.2f}x" if tables else ""
             print(f"{shape:>11} {rows:>5} {e:>12.0f} {i:>11.0f} {i / e:>9.2f}x {e_cpu:>13.0f} {i_cpu:>12.0f} "
-                  f"{100 * i / peak:>15.0f}%", flush=True)
+                  f"{100 * i / peak:>15.0f}%{also}", flush=True)
 
 
 if __name__ == "__main__":

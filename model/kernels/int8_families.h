@@ -56,6 +56,18 @@ struct VnniFamily {
     const __m512 m = Lanes(w, w.m, c, b);
     return w.ScaledTables() ? _mm512_mul_ps(m, SubScaleLanes(w, c, b, 1)) : m;
   }
+  // Groups [first, first + groups)'s d_w (into d) and m (into m, where w has them) per block as
+  // float32 tables [groups, blocks, 16] (int8_matmul.cc's WithFormedTables). Here, not there:
+  // the vectors cross no call between code built for different CPUs.
+  static void FormTables(const Int8Panels& w, int64_t first, int64_t groups, float* d, float* m) {
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t b = 0; b < w.blocks; ++b)
+        for (int64_t j = 0; j < kGroupCols; j += kCols) {
+          const int64_t c = (first + g) * kGroupCols + j, at = (g * w.blocks + b) * kGroupCols + j;
+          _mm512_storeu_ps(d + at, BlockScales(w, c, b));
+          if (m) _mm512_storeu_ps(m + at, BlockOffsets(w, c, b));
+        }
+  }
   static __m512 SubScaleLanes(const Int8Panels& w, int64_t c, int64_t b, int h) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.SubScales(c, b, h)));
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
@@ -166,12 +178,13 @@ struct VnniFamily {
       }
       for (int g = 0; g < G; ++g) {
         const __m512 d = F == Format::kRowBytes ? _mm512_set1_ps(1.0f) : BlockScales(w, n + g * kCols, b);
+        const __m512 offset = F == Format::kNibbles || F == Format::kOffsetBytes ? BlockOffsets(w, n + g * kCols, b)
+                                                                                : _mm512_setzero_ps();
         for (int r = 0; r < R; ++r) {
           const __m512 dx = _mm512_set1_ps(a.d[a.At(m + r, b)]);
           acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][g]), _mm512_mul_ps(dx, d), acc[r][g]);
           if constexpr (F == Format::kNibbles || F == Format::kOffsetBytes)
-            acc[r][g] = _mm512_fmadd_ps(BlockOffsets(w, n + g * kCols, b),
-                                        _mm512_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
+            acc[r][g] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
         }
         if constexpr (F == Format::kSixBits) {
           if (w.m != nullptr) {  // offsets per 16: o = m_0 S_0 + m_1 S_1 in int32, scaled by d_x * (-dmin)
@@ -236,6 +249,18 @@ struct Avx2Family {
   static __m256 BlockOffsets(const Int8Panels& w, int64_t c, int64_t b) {
     const __m256 m = Lanes(w, w.m, c, b);
     return w.ScaledTables() ? _mm256_mul_ps(m, SubScaleLanes(w, c, b, 1)) : m;
+  }
+  // Groups [first, first + groups)'s d_w (into d) and m (into m, where w has them) per block as
+  // float32 tables [groups, blocks, 16] (int8_matmul.cc's WithFormedTables). Here, not there:
+  // the vectors cross no call between code built for different CPUs.
+  static void FormTables(const Int8Panels& w, int64_t first, int64_t groups, float* d, float* m) {
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t b = 0; b < w.blocks; ++b)
+        for (int64_t j = 0; j < kGroupCols; j += kCols) {
+          const int64_t c = (first + g) * kGroupCols + j, at = (g * w.blocks + b) * kGroupCols + j;
+          _mm256_storeu_ps(d + at, BlockScales(w, c, b));
+          if (m) _mm256_storeu_ps(m + at, BlockOffsets(w, c, b));
+        }
   }
   static __m256 SubScaleLanes(const Int8Panels& w, int64_t c, int64_t b, int h) {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.SubScales(c, b, h)));
@@ -365,12 +390,13 @@ struct Avx2Family {
       }
       for (int g = 0; g < G; ++g) {
         const __m256 d = F == Format::kRowBytes ? _mm256_set1_ps(1.0f) : BlockScales(w, n + g * kCols, b);
+        const __m256 offset = F == Format::kNibbles || F == Format::kOffsetBytes ? BlockOffsets(w, n + g * kCols, b)
+                                                                                : _mm256_setzero_ps();
         for (int r = 0; r < R; ++r) {
           const __m256 dx = _mm256_set1_ps(a.d[a.At(m + r, b)]);
           acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][g]), _mm256_mul_ps(dx, d), acc[r][g]);
           if constexpr (F == Format::kNibbles || F == Format::kOffsetBytes)
-            acc[r][g] = _mm256_fmadd_ps(BlockOffsets(w, n + g * kCols, b),
-                                        _mm256_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
+            acc[r][g] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.ds[a.At(m + r, b)]), acc[r][g]);
         }
         if constexpr (F == Format::kSixBits) {
           if (w.m != nullptr) {  // as VnniFamily's

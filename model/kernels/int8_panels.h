@@ -122,6 +122,7 @@ struct Int8Panels {
   bool half = false;
   int64_t sub_rows = 0;  // rows of sub_scale per block (0 without)
   int super_shift = 0;    // d and m entries cover 1 << super_shift blocks: 0 (one), or 3 (two levels)
+  int64_t table_group = 0;  // the group d and m start at (a panel's own tables: WithFormedTables)
 
   int Vectors() const { return format == Format::kNibbles ? 4 : format == Format::kSixBits ? 6 : 8; }
   bool HasOffsets() const { return format == Format::kNibbles || format == Format::kOffsetBytes; }
@@ -145,7 +146,7 @@ struct Int8Panels {
   }
   // Where block b's entry of d or m is for the lanes from column c, in values of their type.
   int64_t LaneIndex(int64_t c, int64_t b) const {
-    return ((c / kGroupCols) * TableBlocks() + (b >> super_shift)) * kGroupCols + c % kGroupCols;
+    return ((c / kGroupCols - table_group) * TableBlocks() + (b >> super_shift)) * kGroupCols + c % kGroupCols;
   }
   // Block b's entry of d or m (`values`) for column n.
   float Lane(const void* values, int64_t n, int64_t b) const {
