@@ -2,7 +2,8 @@
 
 Both run ``model.kernels.dense`` as the engine does on CPU: the exact mode's block kernels (the
 small-batch kernel up to ``KERNEL_MAX_ROWS`` rows, the prompt GEMM above) and the integer mode's
-kernel (the same weights packed for it at load, as the engine does; model/quantization/int8_panels.py). Weights are random,
+kernel (the same weights packed for it at load, as the engine does;
+model/quantization/int8_panels.py). Weights are random,
 quantized by the gguf package, or random blocks for the K-quants it cannot quantize (default: a
 Llama-3.2-1B-shaped 2048 x 8192 matrix, ``[N, K]`` as stored, in Q4_1, and its 8192 x 2048
 transpose shape; ``--format Q6_K --shapes 3072x8192,8192x3072`` is a Llama-3.2-3B's down
@@ -37,7 +38,8 @@ from raylm.model.quantization.int8_panels import pack_int8_panels
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="2048x8192,8192x2048", help="N x K of each matrix, as stored")
-    parser.add_argument("--format", default="Q4_1", help="a GGUF type the integer kernel reads (Q4_1, Q6_K, ...) or int8")
+    parser.add_argument("--format", default="Q4_1",
+                        help="a GGUF type the integer kernel reads (Q4_1, Q6_K, ...) or int8")
     parser.add_argument("--rows", default="1,16,128,512")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--float-tables", action="store_true",
