@@ -11,19 +11,20 @@ projection and its transpose shape in the type a Q4_K_M file holds them). Rounds
 (medians); GOP/s counts 2 M N K operations per call, by the wall clock and per CPU second (all
 threads; what holds on a shared machine), and the float32 GEMM peak (XLA's dot, as in
 prompt_gemm_bench) is printed for scale. ``int/exact`` is the wall-clock speed ratio.
-``--float-tables`` adds a third mode: the integer kernel on the same matrix packed with float32
-tables of its two-level scales' products (``d * sc`` per 32, the layout before the panels kept
-two levels; the same bits), and prints its speed against the two-level panels.
+``--against`` adds a third mode, the integer kernel on the same matrix in an older layout (the
+same bits), and prints the panels' speed against it: ``float-tables``, float32 tables of two-level
+scales' products (``d * sc`` per 32: Q4_K, Q5_K, IQ4_XS); ``code-bytes``, 4-bit codes widened to
+bytes of their values (IQ4_NL, IQ4_XS, MXFP4).
 
     python -m raylm.benchmarks.int8_matmul_bench [--shapes 2048x8192,8192x2048] [--format Q4_1|Q6_K|...]
-        [--rows 1,16,128,512] [--rounds 5] [--float-tables]
+        [--rows 1,16,128,512] [--rounds 5] [--against float-tables|code-bytes]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,12 @@ from raylm.model.kernels.dense import dense
 from raylm.model.quantization.gguf_blocks import GgufBlocks
 from raylm.model.quantization.int8_panels import pack_int8_panels
 
+# --against: which matrices each older layout applies to, and the matrix brought to it.
+OLDER_LAYOUTS: dict[str, tuple[Callable[[GgufBlocks], bool], Callable[[GgufBlocks], GgufBlocks]]] = {
+    "float-tables": (lambda w: w.two_level, GgufBlocks.with_float_tables),
+    "code-bytes": (lambda w: bool(w.codebook), GgufBlocks.widened),
+}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,25 +49,26 @@ def main() -> None:
                         help="a GGUF type the integer kernel reads (Q4_1, Q6_K, ...) or int8")
     parser.add_argument("--rows", default="1,16,128,512")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--float-tables", action="store_true",
-                        help="also the integer kernel on float32 tables of two-level scales (Q4_K, Q5_K, IQ4_XS)")
+    parser.add_argument("--against", choices=list(OLDER_LAYOUTS),
+                        help="also the integer kernel on the matrix in this older layout")
     args = parser.parse_args()
 
     peak, peak_cpu = float32_peak(2048, 4096, 4096, 3)
     print(f"float32 GEMM peak (XLA dot, 2048 x 4096 x 4096): {peak:.0f} GFLOP/s, {peak_cpu:.0f} per CPU second")
     print(f"{'N x K':>11} {'rows':>5} {'exact GOP/s':>12} {'int8 GOP/s':>11} {'int/exact':>10} {'exact /cpu-s':>13} "
-          f"{'int8 /cpu-s':>12} {'int8 % f32 peak':>16}" + (" f32-tables GOP/s  int/f32-tables" if args.float_tables
-                                                             else ""))
+          f"{'int8 /cpu-s':>12} {'int8 % f32 peak':>16}" + (f" {args.against:>12} GOP/s  int/{args.against}"
+                                                             if args.against else ""))
     run = jax.jit(functools.partial(dense, kernel=True))
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         (exact,) = weights_in(args.format, [(n, k)])
         modes: dict[str, Any] = {"exact": exact, "int8": pack_int8_panels(exact)}
-        if args.float_tables:
-            if not (isinstance(exact, GgufBlocks) and exact.two_level):
-                raise SystemExit(f"--float-tables compares two-level scales; {args.format} has none")
-            modes["float tables"] = pack_int8_panels(jax.device_get(exact).with_float_tables())
+        if args.against:
+            applies, older = OLDER_LAYOUTS[args.against]
+            if not (isinstance(exact, GgufBlocks) and applies(exact)):
+                raise SystemExit(f"--against {args.against}: {args.format} is not in a layout it changes")
+            modes[args.against] = pack_int8_panels(older(jax.device_get(exact)))
         for rows in (int(r) for r in args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
             for w in modes.values():

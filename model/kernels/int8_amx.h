@@ -12,7 +12,8 @@
 // columns takes them, block by block, in registers.
 //
 // Decode rows stay on VNNI (a tile is 16 rows; 4-bit blocks take AMX from 32); Q6_K / Q3_K / Q2_K
-// (kSixBits: sums per half block times int8 sub-scales) also do. The tile registers need the
+// (kSixBits: sums per half block times int8 sub-scales) and codebook codes (kCodes: IQ4, MXFP4;
+// their unpacking would need the codebook lookup too, not written yet) also do. The tile registers need the
 // kernel's permission on Linux (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), asked once; where
 // it is refused, or the CPU has no AMX, the family is not offered.
 #ifndef RAYLM_INT8_AMX_H_
@@ -242,17 +243,19 @@ struct AmxFamily {
 // Whether the AMX family takes this call: prompt chunks of a format with one integer sum per block,
 // 4-bit ones from two tiles of rows (below, unpacking the panel costs what the tiles save; measured).
 inline bool AmxTakes(const Int8Panels& w, int64_t M) {
-  return M >= (w.format == Format::kNibbles ? 2 : 1) * kAmxRows && w.format != Format::kSixBits;
+  return M >= (w.format == Format::kNibbles ? 2 : 1) * kAmxRows && w.format != Format::kSixBits &&
+         w.format != Format::kCodes;
 }
 
-// AmxFamily::Columns for w's format (not kSixBits: AmxTakes).
+// AmxFamily::Columns for w's format (not kSixBits or kCodes: AmxTakes).
 void AmxColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
   switch (w.format) {
     case Format::kNibbles: return AmxFamily::Columns<Format::kNibbles>(a, w, y, M, n_begin, n_end);
     case Format::kBlockBytes: return AmxFamily::Columns<Format::kBlockBytes>(a, w, y, M, n_begin, n_end);
     case Format::kOffsetBytes: return AmxFamily::Columns<Format::kOffsetBytes>(a, w, y, M, n_begin, n_end);
     case Format::kRowBytes: return AmxFamily::Columns<Format::kRowBytes>(a, w, y, M, n_begin, n_end);
-    case Format::kSixBits: break;
+    case Format::kSixBits:
+    case Format::kCodes: break;
   }
 }
 

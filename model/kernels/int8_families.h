@@ -110,6 +110,12 @@ struct VnniFamily {
   template <int R, int G, Format F>
   static void Tile(const Int8Rows& a, int64_t m, const Int8Panels& w, float* y, int64_t n, int64_t valid) {
     const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    // kCodes: the codebook's values + 128 (unsigned, as vpdpbusd takes the weights; the sums start
+    // at -128 S as 8-bit weights' do) in each 128-bit lane, which the byte shuffle indexes alone.
+    const __m512i book = F == Format::kCodes ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(
+                                                                    reinterpret_cast<const __m128i*>(w.codebook))),
+                                                                flip)
+                                             : _mm512_setzero_si512();
     __m512 acc[R][G];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -120,13 +126,17 @@ struct VnniFamily {
             F == Format::kNibbles ? _mm512_setzero_si512() : _mm512_set1_epi32(-a.sum128[a.At(m + r, b)]);
         for (int g = 0; g < G; ++g) sums[r][g] = start;
       }
-      if constexpr (F == Format::kNibbles) {
+      if constexpr (F == Format::kNibbles || F == Format::kCodes) {
         for (int t = 0; t < 4; ++t) {
           __m512i low[G], high[G];
           for (int g = 0; g < G; ++g) {
             const __m512i bytes = _mm512_loadu_si512(w.Vector(n + g * kCols, b, t));
             low[g] = _mm512_and_si512(bytes, nibble);
             high[g] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+            if constexpr (F == Format::kCodes) {  // the codes' values + 128, as 8-bit weights are read
+              low[g] = _mm512_shuffle_epi8(book, low[g]);
+              high[g] = _mm512_shuffle_epi8(book, high[g]);
+            }
           }
           for (int r = 0; r < R; ++r) {
             const __m512i x_low = _mm512_set1_epi32(a.Four(m + r, b, 4 * t));
@@ -313,6 +323,10 @@ struct Avx2Family {
   template <int R, int G, Format F>
   static void Tile(const Int8Rows& a, int64_t m, const Int8Panels& w, float* y, int64_t n, int64_t valid) {
     const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+    // kCodes: the codebook in both 128-bit halves, as the byte shuffle indexes each half alone.
+    const __m256i book = F == Format::kCodes ? _mm256_broadcastsi128_si256(
+                                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codebook)))
+                                             : _mm256_setzero_si256();
     __m256 acc[R][G];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
@@ -326,20 +340,26 @@ struct Avx2Family {
       __m256i sums[R][G];
       for (int r = 0; r < R; ++r)
         for (int g = 0; g < G; ++g) sums[r][g] = _mm256_setzero_si256();
-      if constexpr (F == Format::kNibbles) {
+      if constexpr (F == Format::kNibbles || F == Format::kCodes) {
         for (int t = 0; t < 4; ++t) {
-          __m256i low[G], high[G];
+          __m256i low[G], high[G], low_size[G], high_size[G];
           for (int g = 0; g < G; ++g) {
             const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Vector(n + g * kCols, b, t)));
             low[g] = _mm256_and_si256(bytes, nibble);
             high[g] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+            if constexpr (F == Format::kCodes) {  // the codes' signed values, and their magnitudes
+              low[g] = _mm256_shuffle_epi8(book, low[g]);
+              high[g] = _mm256_shuffle_epi8(book, high[g]);
+            }
+            low_size[g] = F == Format::kCodes ? _mm256_abs_epi8(low[g]) : low[g];
+            high_size[g] = F == Format::kCodes ? _mm256_abs_epi8(high[g]) : high[g];
           }
           for (int r = 0; r < R; ++r) {
             const __m256i x_low = _mm256_set1_epi32(a.Four(m + r, b, 4 * t));
             const __m256i x_high = _mm256_set1_epi32(a.Four(m + r, b, 16 + 4 * t));
             for (int g = 0; g < G; ++g) {
-              add(sums[r][g], low[g], low[g], x_low);
-              add(sums[r][g], high[g], high[g], x_high);
+              add(sums[r][g], low[g], low_size[g], x_low);
+              add(sums[r][g], high[g], high_size[g], x_high);
             }
           }
         }

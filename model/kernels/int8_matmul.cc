@@ -9,16 +9,18 @@
 // says what is measured).
 //
 // Operands: x [M, K] f32 and the weights as model/quantization/int8_panels.py repacked them at load: GGUF
-// blocks with a scale per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, IQ4; int8_g32, held
-// as Q8_0 blocks), signed bytes with an int8 scale per 16 under a super-block's d (Q6_K, Q3_K), or int8
-// with a scale per output row, N output columns in groups of 16. A mixture of experts' stacked experts
+// blocks with a scale per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0; IQ4_NL, IQ4_XS and
+// MXFP4's 4-bit codes with their codebook; int8_g32, held as Q8_0 blocks), signed bytes with an int8
+// scale per 16 under a super-block's d (Q6_K, Q3_K), or int8 with a scale per output row, N output
+// columns in groups of 16. A mixture of experts' stacked experts
 // take the same operands with a leading expert dim, and group_sizes: GroupedInt8PanelMatmul below.
 //
 // The arithmetic, the same in every family below and for every M, per row r and output column n:
 //   activations, per block b of 32 (the last one zero-padded): a = max |x|, d_x = a / 127,
 //     q_x = nearest-even(x * (127 / a)) (0 when a = 0), S = sum of the block's q_x;
 //   i_b = sum over the block of q_x * v, v the stored weight integer: the nibble 0..15 of a 4-bit
-//     block, the signed byte of an 8-bit one (exact in int32); with int8 sub-scales per 16
+//     block, the codebook's int8 value of a 4-bit code (IQ4, MXFP4), the signed byte of an 8-bit
+//     one (exact in int32); with int8 sub-scales per 16
 //     (Q6_K, Q3_K) i_b = sc_0 * (sum over weights 0..15) + sc_1 * (sum over 16..31), also in
 //     int32 (exact: at most 2 * 16 * 128 * 127 * 128 < 2^31), and d_w the super-block's d, as
 //     llama.cpp's q6_K x q8_K dot product forms it; with int8 offsets per 16 too (Q2_K, a fused
@@ -182,6 +184,7 @@ template <typename Family>
 void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, int64_t n_begin, int64_t n_end) {
   switch (w.format) {
     case Format::kNibbles: return VectorColumns<Family, Format::kNibbles>(a, w, y, M, n_begin, n_end);
+    case Format::kCodes: return VectorColumns<Family, Format::kCodes>(a, w, y, M, n_begin, n_end);
     case Format::kBlockBytes: return VectorColumns<Family, Format::kBlockBytes>(a, w, y, M, n_begin, n_end);
     case Format::kOffsetBytes: return VectorColumns<Family, Format::kOffsetBytes>(a, w, y, M, n_begin, n_end);
     case Format::kRowBytes: return VectorColumns<Family, Format::kRowBytes>(a, w, y, M, n_begin, n_end);
@@ -244,7 +247,7 @@ void RunInt8Matmul(const float* x, const Int8Panels& w, float* y, int64_t M, ffi
 // The packed operands of one matrix, or (`lead` 1) of a stack of experts: each buffer with a
 // leading expert dim, each expert's panels one contiguous slice of it.
 struct PackedBuffers {
-  const ffi::AnyBuffer &q, &d, &m, &row_scale, &sub_scale;
+  const ffi::AnyBuffer &q, &d, &m, &row_scale, &sub_scale, &codebook;
   size_t lead = 0;
 
   // `b`'s dims past the leading expert dim (rank checked by RankError first).
@@ -256,19 +259,20 @@ struct PackedBuffers {
 // The operands' ranks, element types of the tables and expert counts (`experts`: the stack's,
 // -1 for one matrix); an empty message when they agree.
 std::string RankError(const PackedBuffers& p, int64_t experts) {
-  const ffi::AnyBuffer* buffers[] = {&p.q, &p.d, &p.m, &p.row_scale, &p.sub_scale};
-  const size_t ranks[] = {5, 3, 3, 1, 4};
-  bool ok = p.row_scale.element_type() == ffi::DataType::F32 && p.sub_scale.element_type() == ffi::DataType::S8;
-  for (int i = 0; i < 5; ++i)
+  const ffi::AnyBuffer* buffers[] = {&p.q, &p.d, &p.m, &p.row_scale, &p.sub_scale, &p.codebook};
+  const size_t ranks[] = {5, 3, 3, 1, 4, 1};
+  bool ok = p.row_scale.element_type() == ffi::DataType::F32 && p.sub_scale.element_type() == ffi::DataType::S8 &&
+            p.codebook.element_type() == ffi::DataType::S8;
+  for (int i = 0; i < 6; ++i)
     ok = ok && buffers[i]->dimensions().size() == ranks[i] + p.lead &&
          (p.lead == 0 || buffers[i]->dimensions()[0] == experts);
   if (ok) return "";
   std::string got;
-  for (int i = 0; i < 5; ++i) got += std::string(i ? ", " : "") + raylm::Shape(buffers[i]->dimensions());
-  return std::string(p.lead ? "packed experts: q, d, m, row_scale, sub_scale with a leading dim of " +
+  for (int i = 0; i < 6; ++i) got += std::string(i ? ", " : "") + raylm::Shape(buffers[i]->dimensions());
+  return std::string(p.lead ? "packed experts: q, d, m, row_scale, sub_scale, codebook with a leading dim of " +
                                   std::to_string(experts) + " experts (group_sizes') before "
-                            : "packed matrix: ") +
-         "ranks 5, 3, 3, 1 (float32) and 4 (int8); got " + got;
+                            : "packed matrix: q, d, m, row_scale, sub_scale, codebook of ") +
+         "ranks 5, 3, 3, 1 (float32), 4 (int8) and 1 (int8); got " + got;
 }
 
 // Checks the packed operands (one expert's, past `lead`) against x [M, K] and y [M, N]; an empty
@@ -276,7 +280,7 @@ std::string RankError(const PackedBuffers& p, int64_t experts) {
 std::string PanelError(const Matrix& x, const PackedBuffers& p, const Matrix& y, Format* format, bool* half) {
   const auto qd = PackedBuffers::Inner(p.q, p.lead), dd = PackedBuffers::Inner(p.d, p.lead),
              md = PackedBuffers::Inner(p.m, p.lead), rd = PackedBuffers::Inner(p.row_scale, p.lead),
-             sd = PackedBuffers::Inner(p.sub_scale, p.lead);
+             sd = PackedBuffers::Inner(p.sub_scale, p.lead), cd = PackedBuffers::Inner(p.codebook, p.lead);
   const int64_t K = x.dimensions()[1], N = y.dimensions()[1];
   const int64_t groups = (N + kGroupCols - 1) / kGroupCols, blocks = (K + kGgufBlock - 1) / kGgufBlock;
   const bool unsigned_q = p.q.element_type() == ffi::DataType::U8;
@@ -287,41 +291,50 @@ std::string PanelError(const Matrix& x, const PackedBuffers& p, const Matrix& y,
   const bool has_d = dd[2] == kGroupCols, has_m = md[2] == kGroupCols;
   const bool has_row_scale = rd[0] == N && N > 0;
   const bool six_bits = unsigned_q && qd[2] == 6;
+  const bool has_codebook = cd[0] == 16;
   // Two-level scales: sub_scale's rows per block (kSixBits: 2, or 4 with m; else 1, or 2 with m),
   // and d and m per super-block of 256.
   const int64_t sub_rows = six_bits ? (has_m ? 4 : 2) : (has_m ? 2 : 1);
   const bool has_sub_scale = sd[0] == groups && sd[1] == blocks && sd[2] == sub_rows && sd[3] == kGroupCols;
   const bool no_sub_scale = sd[0] == 0 && sd[1] == 0 && sd[2] == 0 && sd[3] == 0;
   const int64_t table_blocks = has_sub_scale ? (blocks + 7) / 8 : blocks;
-  *format = unsigned_q ? (six_bits ? Format::kSixBits : Format::kNibbles)
+  *format = unsigned_q ? (six_bits ? Format::kSixBits : has_codebook ? Format::kCodes : Format::kNibbles)
             : has_m    ? Format::kOffsetBytes
             : has_d    ? Format::kBlockBytes
                        : Format::kRowBytes;
-  const int vectors = *format == Format::kNibbles ? 4 : *format == Format::kSixBits ? 6 : 8;
+  const int vectors = *format == Format::kSixBits                                  ? 6
+                      : *format == Format::kNibbles || *format == Format::kCodes ? 4
+                                                                                 : 8;
   const bool q_ok = qd[0] == groups && qd[1] == blocks && qd[2] == vectors && qd[3] == kGroupCols && qd[4] == 4;
   const bool tables_ok = (dd[2] == 0 || has_d) && (md[2] == 0 || has_m) &&
                          (!has_d || (dd[0] == groups && dd[1] == table_blocks)) &&
                          (!has_m || (md[0] == groups && md[1] == table_blocks)) && (rd[0] == 0 || has_row_scale) &&
-                         (has_sub_scale || no_sub_scale) && (no_sub_scale || K % raylm::kGgufSuper == 0);
+                         (has_sub_scale || no_sub_scale) && (no_sub_scale || K % raylm::kGgufSuper == 0) &&
+                         (has_codebook || cd[0] == 0);
   bool format_ok = false;
   switch (*format) {
     case Format::kNibbles: format_ok = has_d && has_m && !has_row_scale; break;
+    case Format::kCodes: format_ok = has_d && !has_m && !has_row_scale; break;
     case Format::kSixBits: format_ok = has_d && has_sub_scale && !has_row_scale; break;
     case Format::kOffsetBytes: format_ok = has_d && !has_row_scale; break;
     case Format::kBlockBytes: format_ok = !has_row_scale; break;
     case Format::kRowBytes: format_ok = has_row_scale && no_sub_scale; break;
   }
   const bool blocks_ok = *format == Format::kRowBytes || K % kGgufBlock == 0;
-  if (q_ok && tables_ok && format_ok && blocks_ok && y.dimensions()[0] == x.dimensions()[0]) return "";
+  const bool codebook_ok = has_codebook == (*format == Format::kCodes);
+  if (q_ok && tables_ok && format_ok && blocks_ok && codebook_ok && y.dimensions()[0] == x.dimensions()[0])
+    return "";
   return "x " + raylm::Shape(x.dimensions()) + " against packed q " + raylm::Shape(qd) + " (" +
          (unsigned_q ? "uint8" : "int8") + "), d " + raylm::Shape(dd) + ", m " + raylm::Shape(md) + ", row_scale " +
-         raylm::Shape(rd) + ", sub_scale " + raylm::Shape(sd) + (p.lead ? " per expert" : "") + " and y " +
+         raylm::Shape(rd) + ", sub_scale " + raylm::Shape(sd) + ", codebook " + raylm::Shape(cd) +
+         (p.lead ? " per expert" : "") + " and y " +
          raylm::Shape(y.dimensions()) + ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) +
          ", 4 (4-bit) or 6 (6-bit) or 8 (int8), 16, 4], d and m [" + std::to_string(groups) + ", " +
          std::to_string(blocks) + " (or " + std::to_string((blocks + 7) / 8) +
          " super-blocks with sub_scale), 16 or 0] (4-bit: both; 6-bit: d (and m); 8-bit: d (and m) or row_scale [N]; "
          "float32 or float16), sub_scale int8 [" + std::to_string(groups) + ", " + std::to_string(blocks) +
          ", rows, 16] (6-bit: 2, or 4 with m; else 1, or 2 with m) or [0, 0, 0, 0] (needed by 6-bit), " +
+         "codebook int8 [16] (4-bit codes: d, no m) or [0], " +
          "K whole blocks unless per-row int8 (whole super-blocks of 256 with sub_scale)";
 }
 
@@ -334,6 +347,7 @@ Int8Panels PanelsOf(const PackedBuffers& p, int64_t N, int64_t K, Format format,
                     has_m ? p.m.untyped_data() : nullptr,
                     format == Format::kRowBytes ? static_cast<const float*>(p.row_scale.untyped_data()) : nullptr,
                     sub_rows ? static_cast<const int8_t*>(p.sub_scale.untyped_data()) : nullptr,
+                    format == Format::kCodes ? static_cast<const int8_t*>(p.codebook.untyped_data()) : nullptr,
                     N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half, sub_rows, sub_rows ? 3 : 0};
 }
 
@@ -348,13 +362,14 @@ Int8Panels ExpertPanels(const Int8Panels& w, int64_t g) {
   if (e.m) e.m = static_cast<const char*>(w.m) + g * table_bytes;
   if (e.row_scale) e.row_scale += g * w.N;
   if (e.sub_scale) e.sub_scale += g * groups * w.blocks * w.sub_rows * kGroupCols;
+  if (e.codebook) e.codebook += g * 16;
   return e;
 }
 
 ffi::Error Int8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, ffi::AnyBuffer d,
                            ffi::AnyBuffer m, ffi::AnyBuffer row_scale, ffi::AnyBuffer sub_scale,
-                           ffi::Result<Matrix> y) {
-  const PackedBuffers p{q, d, m, row_scale, sub_scale};
+                           ffi::AnyBuffer codebook, ffi::Result<Matrix> y) {
+  const PackedBuffers p{q, d, m, row_scale, sub_scale, codebook};
   Format format = Format::kNibbles;
   bool half = false;
   std::string error = RankError(p, -1);
@@ -373,9 +388,9 @@ ffi::Error Int8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer
 // token gets the bits int8_panel_matmul gives it alone against its expert's panels.
 ffi::Error GroupedInt8PanelMatmul(ffi::ThreadPool thread_pool, Matrix x, ffi::AnyBuffer q, ffi::AnyBuffer d,
                                   ffi::AnyBuffer m, ffi::AnyBuffer row_scale, ffi::AnyBuffer sub_scale,
-                                  GroupSizes group_sizes, ffi::Result<Matrix> y) {
+                                  ffi::AnyBuffer codebook, GroupSizes group_sizes, ffi::Result<Matrix> y) {
   const int64_t E = group_sizes.dimensions()[0];
-  const PackedBuffers p{q, d, m, row_scale, sub_scale, 1};
+  const PackedBuffers p{q, d, m, row_scale, sub_scale, codebook, 1};
   Format format = Format::kNibbles;
   bool half = false;
   std::string error = RankError(p, E);
@@ -412,12 +427,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmInt8PanelMatmul, Int8PanelMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaylmGroupedInt8PanelMatmul, GroupedInt8PanelMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

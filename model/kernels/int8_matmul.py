@@ -71,8 +71,9 @@ def use_family(name: str) -> str:
 def takes_int8_activations(w: object) -> bool:
     """Whether the integer kernel can read ``w`` (once packed by model/quantization/int8_panels.py): GGUF
     blocks with a scale (and offset) per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0,
-    IQ4_NL, IQ4_XS, int8_g32), 8-bit blocks with two-level int8 scales (and offsets) per 16 (Q6_K,
-    Q3_K, Q2_K, a fused Q4_K / Q6_K matrix), or int8 with a scale per output row (not fp8 values,
+    int8_g32; IQ4_NL, IQ4_XS and MXFP4, whose 4-bit codes it looks up in their codebook), 8-bit
+    blocks with two-level int8 scales (and offsets) per 16 (Q6_K, Q3_K, Q2_K, a fused Q4_K / Q6_K
+    matrix), or int8 with a scale per output row (not fp8 values,
     per row or in blocks; not float). Mixed layouts brought to float32 tables per 16 (a K-quant
     fused with a Q8_0 matrix) stay in the exact kernels."""
     if isinstance(w, GgufBlocks):
@@ -87,7 +88,7 @@ def int8_matmul(x: jax.Array, w: Int8Panels) -> jax.Array:
     if w.experts or x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"int8_matmul takes float32 x [M, {k}] for weights {w.shape}, got {x.dtype} {x.shape}")
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(_KERNEL.target, out)(x, w.q, w.scale, w.offset, w.row_scale, w.sub_scale)
+    return jax.ffi.ffi_call(_KERNEL.target, out)(x, *w.arrays())
 
 
 def int8_grouped_matmul(x: jax.Array, w: Int8Panels, group_sizes: jax.Array) -> jax.Array:
@@ -102,7 +103,7 @@ def int8_grouped_matmul(x: jax.Array, w: Int8Panels, group_sizes: jax.Array) -> 
                          f"{w.shape}, got x {x.shape} and group_sizes {group_sizes.shape}")
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     y = jax.ffi.ffi_call(_GROUPED_KERNEL.target, out)(
-        x.astype(jnp.float32), w.q, w.scale, w.offset, w.row_scale, w.sub_scale, group_sizes.astype(jnp.int32))
+        x.astype(jnp.float32), *w.arrays(), group_sizes.astype(jnp.int32))
     return y.reshape(x.shape[0], *w.output_shape).astype(x.dtype)
 
 

@@ -86,9 +86,10 @@ void QuantizeRows(const float* x, int64_t r_begin, int64_t r_end, int64_t K, Int
     }
 }
 
-// The five weight formats; each is its own instantiation of the tiles.
+// The six weight formats; each is its own instantiation of the tiles.
 enum class Format {
   kNibbles,          // 4-bit GGUF blocks: d_w and m per block
+  kCodes,            // 4-bit codes into a codebook of 16 int8 values (IQ4_NL, IQ4_XS, MXFP4): d_w per block
   kBlockBytes,       // Q8_0 blocks and int8_g32: signed bytes, d_w per block
   kOffsetBytes,      // Q5_K, Q5_1: bytes 0..31, d_w and m per block
   kRowBytes,         // per-row int8: signed bytes, d_w = 1, a scale per output column at the end
@@ -107,6 +108,9 @@ enum class Format {
 // - the other formats (scales per 32): row 0 the block's scale, row 1 (where m is given) its
 //   offset, so d_w = d * scale and m = -dmin * offset: the float32 products are exact (a float16
 //   times a 6-bit integer), the very values a table of them would hold, at a third of the bytes.
+// kCodes's q holds 4-bit codes as kNibbles's does, each standing for `codebook`'s int8 value at
+// its index (IQ4's table; MXFP4's e2m1 values doubled, with d_w halved): the families look the
+// codes up with one byte shuffle, so a weight stays 4 bits in memory.
 // kSixBits's q holds
 // u = v + 32 (0..63) of each weight v in T = 6 vectors: 0..3 its low four bits as 4-bit blocks
 // hold nibbles, 4 + h the top two bits of half h's weights, byte i of a lane holding those of
@@ -117,6 +121,7 @@ struct Int8Panels {
   const void* m;
   const float* row_scale;
   const int8_t* sub_scale;
+  const int8_t* codebook;  // kCodes: the 16 values the codes stand for; else null
   int64_t N, K, blocks;
   Format format = Format::kNibbles;
   bool half = false;
@@ -124,7 +129,8 @@ struct Int8Panels {
   int super_shift = 0;    // d and m entries cover 1 << super_shift blocks: 0 (one), or 3 (two levels)
   int64_t table_group = 0;  // the group d and m start at (a panel's own tables: WithFormedTables)
 
-  int Vectors() const { return format == Format::kNibbles ? 4 : format == Format::kSixBits ? 6 : 8; }
+  bool FourBits() const { return format == Format::kNibbles || format == Format::kCodes; }
+  int Vectors() const { return FourBits() ? 4 : format == Format::kSixBits ? 6 : 8; }
   bool HasOffsets() const { return format == Format::kNibbles || format == Format::kOffsetBytes; }
   // Whether d_w and m are the super-block's d and -dmin times the block's int8 scale and offset.
   bool ScaledTables() const { return sub_scale != nullptr && format != Format::kSixBits; }
@@ -165,12 +171,13 @@ struct Int8Panels {
   // Weight k of column n as the integer the sums use.
   int32_t Value(int64_t n, int64_t k) const {
     const int64_t b = k / kGgufBlock, i = k % kGgufBlock, c = n - n % kGroupCols, lane = (n % kGroupCols) * 4;
-    const bool nibbles = format == Format::kNibbles || format == Format::kSixBits;
+    const bool nibbles = FourBits() || format == Format::kSixBits;
     const int64_t byte = nibbles ? i % 16 : i;
     const uint8_t stored = Vector(c, b, static_cast<int>(byte / 4))[lane + byte % 4];
     if (!nibbles) return static_cast<int8_t>(stored);
     const int32_t low = i < 16 ? stored & 0x0F : stored >> 4;
     if (format == Format::kNibbles) return low;
+    if (format == Format::kCodes) return codebook[low];
     const uint8_t top = Vector(c, b, 4 + static_cast<int>(i / 16))[lane + byte % 4];
     return (low | ((top >> (2 * (byte / 4))) & 3) << 4) - 32;
   }

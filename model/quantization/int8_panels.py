@@ -22,6 +22,12 @@ Layout of a matrix ``[N..., K...]`` (outputs and inputs each flattened, ``N`` an
   third of a 4-bit weight's bytes (0.25 of 0.75 per weight; float16: 0.125 of 0.625). The
   kernel widens them exactly, so the results do not change.
 - ``row_scale [N]``: per-row int8's scale per output column, else ``[0]``.
+- ``codebook [16]`` (int8): for 4-bit codes (IQ4_NL, IQ4_XS, MXFP4), the values the codes stand
+  for (IQ4's table; MXFP4's e2m1 values doubled, its scale halved), else ``[0]``. ``q`` holds the
+  codes as 4-bit blocks hold nibbles, and the kernel looks them up with one byte shuffle per
+  vector: a weight stays 4 bits (IQ4_XS 4.3125 bits a weight, MXFP4 5 with its float32 scales),
+  where bytes of the values took 8 more. The sums are those of the values, so the results are
+  the bits the bytes gave.
 - Two-level scales (the K-quants and IQ4_XS: an int8 scale, and offset, per group under a
   float16 ``d``, and ``dmin``, per super-block of 256) keep their two levels, as their files do:
   ``scale`` and ``offset`` hold ``d`` and ``-dmin`` once per super-block, ``[G, K/256, 16]``, and
@@ -78,6 +84,7 @@ class Int8Panels(StoredBytes):
     offset: Any
     row_scale: Any
     sub_scale: Any
+    codebook: Any
     output_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     input_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     experts: int = dataclasses.field(default=0, metadata={"static": True})  # 0: one matrix
@@ -90,8 +97,11 @@ class Int8Panels(StoredBytes):
         """Expert ``e``'s matrix of a stack (its arrays' slices: what the grouped kernel reads for it)."""
         if not self.experts:
             raise ValueError(f"expert({e}) of one packed matrix {self.shape}, not a stack of experts")
-        return Int8Panels(*(a[e] for a in (self.q, self.scale, self.offset, self.row_scale, self.sub_scale)),
-                          self.output_shape, self.input_shape)
+        return Int8Panels(*(a[e] for a in self.arrays()), self.output_shape, self.input_shape)
+
+    def arrays(self) -> tuple[Any, ...]:
+        """The kernel's operands in its order: ``q, scale, offset, row_scale, sub_scale, codebook``."""
+        return self.q, self.scale, self.offset, self.row_scale, self.sub_scale, self.codebook
 
     def rows(self, index: jax.Array, dtype: jnp.dtype) -> jax.Array:
         """Output entries ``index`` (flat ids, e.g. token ids into ``[V, D]``; for a stack, into
@@ -129,6 +139,10 @@ class Int8Panels(StoredBytes):
             else:  # per 32
                 offset = offset * sub[..., 1] if offset.shape[-1] else offset
                 scale = scale * sub[..., 0]
+        if self.codebook.shape[-1]:  # 4-bit codes as bytes of their values (every expert has the type's codebook)
+            nibbles = stored.reshape(*lead, -1, BLOCK // 2)
+            codes = jnp.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(*lead, -1)
+            stored = self.codebook.reshape(-1, 16)[0][codes]
         blocks = GgufBlocks(stored, scale, offset, self.input_shape)
         return blocks.dequantize(dtype)
 
@@ -202,14 +216,16 @@ def pack_int8_panels(w: GgufBlocks | QuantArray) -> Int8Panels:
     first = _packed_arrays(slices[0])
     if len(slices) == 1:
         return Int8Panels(*(jnp.asarray(a) for a in first), output_shape, input_shape)
+    codebook = first[-1]
     q = np.empty((-(-n // GROUP), *first[0].shape[1:]), first[0].dtype)
     q[: len(first[0])] = first[0]
-    parts = [first[1:]] + [_packed_arrays(part, into=q[i * PACK_ROWS // GROUP:][: -(-part.shape[0] // GROUP)])[1:]
-                           for i, part in enumerate(slices[1:], 1)]
+    parts = [first[1:-1]] + [
+        _packed_arrays(part, into=q[i * PACK_ROWS // GROUP:][: -(-part.shape[0] // GROUP)])[1:-1]
+        for i, part in enumerate(slices[1:], 1)]
     scale, offset, row_scale, sub_scale = _one_table_dtype(parts)
     sub = np.concatenate(sub_scale) if sub_scale[0].size else sub_scale[0]
     return Int8Panels(jnp.asarray(q), *(jnp.asarray(np.concatenate(kind)) for kind in (scale, offset, row_scale)),
-                      jnp.asarray(sub), output_shape, input_shape)
+                      jnp.asarray(sub), jnp.asarray(codebook), output_shape, input_shape)
 
 
 def _shapes(w: GgufBlocks | QuantArray) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -221,7 +237,7 @@ def _shapes(w: GgufBlocks | QuantArray) -> tuple[tuple[int, ...], tuple[int, ...
 
 def _one_table_dtype(parts: list[tuple[np.ndarray, ...]]) -> list[list[np.ndarray]]:
     """The tables of a matrix's parts (row slices or experts), each ``(scale, offset, row_scale,
-    sub_scale)``, per kind: scale and offset tables float16 only where every part's are (float32
+    sub_scale[, codebook])``, per kind: scale and offset tables float16 only where every part's are (float32
     if any part needs it), so the parts share the one layout the kernel reads."""
     kinds = [list(kind) for kind in zip(*parts)]
     float_tables = np.result_type(*(a.dtype for a in (*kinds[0], *kinds[1])))
@@ -268,15 +284,25 @@ def pack_int8_experts(w: GgufBlocks | QuantArray) -> Int8Panels:
 
 
 def _packed_arrays(w: GgufBlocks | QuantArray, into: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """``pack_int8_panels``'s arrays (``q, scale, offset, row_scale, sub_scale``: module docstring) in
-    host memory; ``q`` written ``into`` that array where one is given (an expert's or a row slice's
-    part of the whole). Codebook nibbles (IQ4, MXFP4) are packed as bytes of their values: the
-    integer kernel reads the weights themselves."""
-    sub = None
+    """``pack_int8_panels``'s arrays (``q, scale, offset, row_scale, sub_scale, codebook``: module
+    docstring) in host memory; ``q`` written ``into`` that array where one is given (an expert's or a
+    row slice's part of the whole). Codebook nibbles (IQ4, MXFP4) stay codes, with their codebook."""
+    sub, codebook = None, np.zeros((0,), np.int8)
     _, input_shape = _shapes(w)
     if isinstance(w, GgufBlocks):
-        w = jax.device_get(w).widened()
-    if isinstance(w, GgufBlocks) and sub_scaled(w):
+        w = jax.device_get(w)
+        if w.codebook and w.nibbles and w.group == BLOCK:
+            codebook = np.asarray(w.codebook, np.int8)
+        else:
+            w = w.widened()
+    if codebook.size:
+        flat = w.flat()
+        q, row_scale, offset = np.asarray(flat.q), None, None
+        if flat.two_level:  # IQ4_XS: int8 scales per 32 under a float16 d per 256
+            scale, _, sub = _super_block_tables(flat)
+        else:
+            scale = np.asarray(flat.with_float_tables().scale)
+    elif isinstance(w, GgufBlocks) and sub_scaled(w):
         flat = w.flat()
         q, row_scale = _six_bits(np.asarray(flat.q)), None
         scale, offset, sub = _super_block_tables(flat)
@@ -329,4 +355,4 @@ def _packed_arrays(w: GgufBlocks | QuantArray, into: np.ndarray | None = None) -
     else:  # [N, B, rows] -> [G, B, rows, 16]
         sub_scale = np.ascontiguousarray(sub[repeat].reshape(groups, GROUP, blocks, -1).transpose(0, 2, 3, 1))
     return (into, per_group(scale), per_group(offset),
-            row_scale if row_scale is not None else np.zeros((0,), np.float32), sub_scale)
+            row_scale if row_scale is not None else np.zeros((0,), np.float32), sub_scale, codebook)

@@ -158,7 +158,8 @@ def _named_by_rules(config: ModelConfig, mesh: Mesh) -> Any:
                                        supers=None if leaf.supers is None else whole)
         if isinstance(leaf, Int8Panels):  # the integer mode runs unsharded (the engine checks)
             whole = NamedSharding(mesh, PartitionSpec())
-            return dataclasses.replace(leaf, q=whole, scale=whole, offset=whole, row_scale=whole, sub_scale=whole)
+            return dataclasses.replace(leaf, q=whole, scale=whole, offset=whole, row_scale=whole, sub_scale=whole,
+                                       codebook=whole)
         return None if leaf is None else NamedSharding(mesh, spec_for(axes, rules))
 
     return named

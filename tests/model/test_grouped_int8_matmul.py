@@ -67,6 +67,8 @@ def _packed(kind: str) -> Int8Panels:
 def test_a_stack_packs_each_expert_as_its_matrix(kind):
     w, packed = _experts(kind), _packed(kind)
     assert packed.experts == EXPERTS and packed.shape == w.shape
+    if kind == "MXFP4":  # its 4-bit codes stay codes, each expert with the codebook: q [E, G, B, 4, 16, 4]
+        assert packed.q.shape[3] == 4 and packed.codebook.shape == (EXPERTS, 16)
     for e in range(EXPERTS):
         alone = pack_int8_panels(_expert(w, e))
         for got, want in zip(jax.tree.leaves(packed.expert(e)), jax.tree.leaves(alone)):

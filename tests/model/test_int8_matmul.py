@@ -53,8 +53,8 @@ INT8_K = [45, 2100]  # per-row int8 takes any K
 # Types with a scale per 32 that the gguf package cannot quantize: random blocks (every bit
 # pattern), as tests/gguf_export.py writes them. The K-quants' rows are whole 256-weight blocks.
 # "Q4_K+Q6_K" is a Q4_K_M file's fused QKV: Q4_K rows above Q6_K ones (model/quantization/gguf_blocks.py map_rows).
-RANDOM_KINDS = {"Q4_K": 512, "IQ4_XS": 512, "IQ4_NL": 96, "Q5_0": 96, "Q6_K": 512, "Q3_K": 512, "Q5_K": 512,
-                "Q5_1": 96, "Q2_K": 512, "Q4_K+Q6_K": 512}
+RANDOM_KINDS = {"Q4_K": 512, "IQ4_XS": 512, "IQ4_NL": 96, "MXFP4": 96, "Q5_0": 96, "Q6_K": 512, "Q3_K": 512,
+                "Q5_K": 512, "Q5_1": 96, "Q2_K": 512, "Q4_K+Q6_K": 512}
 
 
 @functools.cache
@@ -238,7 +238,7 @@ def test_scales_per_16_pack_in_six_bits(kind):
 
 # Two-level kinds with a scale per 32, and their bits a weight packed: the value's (4 or 8), int8
 # scales (and offsets) per 32 (0.25 each), float16 d (and -dmin) per 256 (0.0625 each).
-TWO_LEVEL_BITS = {"Q4_K": 4 + 0.5 + 0.125, "Q5_K": 8 + 0.5 + 0.125, "IQ4_XS": 8 + 0.25 + 0.0625}
+TWO_LEVEL_BITS = {"Q4_K": 4 + 0.5 + 0.125, "Q5_K": 8 + 0.5 + 0.125, "IQ4_XS": 4 + 0.25 + 0.0625}
 
 
 @pytest.mark.parametrize("kind", list(TWO_LEVEL_BITS))
@@ -252,11 +252,37 @@ def test_two_level_scales_per_32_keep_their_levels(kind):
     assert packed.sub_scale.shape == (n // 16, k // BLOCK, 2 if w.has_offset else 1, 16)
     assert packed.scale.shape == (n // 16, k // 256, 16) and packed.scale.dtype == jnp.float16
     assert tables.sub_scale.size == 0 and tables.scale.dtype == jnp.float32
-    assert packed.nbytes * 8 == TWO_LEVEL_BITS[kind] * n * k < tables.nbytes * 8
+    codebook = packed.codebook.nbytes  # IQ4_XS's 16 values, once per matrix
+    assert (packed.nbytes - codebook) * 8 == TWO_LEVEL_BITS[kind] * n * k < (tables.nbytes - codebook) * 8
     for m in (1, 3, 65):
         x = jnp.asarray(_activations(m, k))
         np.testing.assert_array_equal(np.asarray(int8_matmul.int8_matmul(x, packed)),
                                       np.asarray(int8_matmul.int8_matmul(x, tables)))
+
+
+# 4-bit codes and their bits a weight packed: the code (4), then IQ4_NL's float16 d per 32 (0.5),
+# IQ4_XS's int8 scale per 32 and float16 d per 256 (0.25 + 0.0625), MXFP4's 2^(e - 128) per 32 (0.5:
+# the random scales, 2^-11 .. 2^-5, are float16 values, as trained weights' are; float32 where one
+# is not).
+CODE_BITS = {"IQ4_NL": 4 + 0.5, "IQ4_XS": 4 + 0.25 + 0.0625, "MXFP4": 4 + 0.5}
+
+
+@pytest.mark.parametrize("kind", list(CODE_BITS))
+def test_codebook_codes_stay_four_bits_and_sum_as_their_values(kind):
+    """IQ4 and MXFP4 keep their 4-bit codes and codebook (not bytes of the values: twice the bytes)
+    and the kernel gives the bits of the same matrix packed as those bytes, for decode rows and
+    prompt chunks, whichever family this CPU runs."""
+    n, k = 64, RANDOM_KINDS[kind]
+    w, _ = _weights(kind, n, k)
+    packed, as_bytes = pack_int8_panels(w), pack_int8_panels(jax.device_get(w).widened())
+    assert packed.q.dtype == jnp.uint8 and packed.q.shape[2] == 4 and packed.codebook.shape == (16,)
+    assert np.array_equal(np.asarray(packed.codebook), np.asarray(w.codebook))
+    assert as_bytes.q.shape[2] == 8 and as_bytes.codebook.size == 0
+    assert (packed.nbytes - packed.codebook.nbytes) * 8 == CODE_BITS[kind] * n * k
+    for m in (1, 3, 65):
+        x = jnp.asarray(_activations(m, k))
+        np.testing.assert_array_equal(np.asarray(int8_matmul.int8_matmul(x, packed)),
+                                      np.asarray(int8_matmul.int8_matmul(x, as_bytes)))
 
 
 def _float32_scale_in_a_late_row() -> GgufBlocks:
@@ -286,7 +312,7 @@ def test_a_matrix_packed_in_slices_of_rows_is_the_matrix_packed_whole(kind, monk
     monkeypatch.setattr(int8_panels, "PACK_ROWS", 32)
     sliced = pack_int8_panels(w)
     assert (sliced.output_shape, sliced.input_shape) == (whole.output_shape, whole.input_shape)
-    for field in ("q", "scale", "offset", "row_scale", "sub_scale"):
+    for field in ("q", "scale", "offset", "row_scale", "sub_scale", "codebook"):
         a, b = getattr(sliced, field), getattr(whole, field)
         assert (a.shape, a.dtype) == (b.shape, b.dtype), field
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -349,3 +375,20 @@ def test_lower_families(family, select):
     """The tests above with a lower family forced (what AVX2-only and older CPUs run; the scalar
     loops skip the large shapes, which only they find slow)."""
     rerun_in_child(__file__, select, {"RAYLM_INT8_MATMUL_FAMILY": family})
+
+
+@pytest.mark.parametrize("why", ["a codebook of 15 values", "a codebook beside offsets", "codes without one"])
+def test_kernel_itself_checks_the_codebook(why):
+    """The handler's own check (past ``int8_matmul``'s): 4-bit codes come with a codebook of 16 int8
+    values and no offsets, and other layouts with none; else an error naming every operand, never
+    a read past a buffer."""
+    codes, nibbles = _packed("IQ4_NL", 67, 96), _packed("Q4_1", 67, 96)
+    bad = {
+        "a codebook of 15 values": dataclasses.replace(codes, codebook=codes.codebook[:15]),
+        "a codebook beside offsets": dataclasses.replace(nibbles, codebook=codes.codebook),
+        "codes without one": dataclasses.replace(codes, codebook=nibbles.codebook),
+    }[why]
+    x = jnp.asarray(_activations(3, 96))
+    np.asarray(int8_matmul.int8_matmul(x, codes))  # the good call
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"codebook \[\d+\] .* codebook int8 \[16\]"):
+        np.asarray(int8_matmul.int8_matmul(x, bad))

@@ -54,6 +54,8 @@ def test_moe_greedy_equals_each_prompt_alone(variant, tmp_path):
     for layer in sparse:
         for stack in (layer.w_experts_gate_up, layer.w_experts_down):
             assert isinstance(stack, Int8Panels) and stack.experts == model.config.moe.num_experts
+            if variant == "gpt-oss":  # MXFP4 experts stay 4-bit codes with their codebook
+                assert stack.q.shape[3] == 4 and stack.codebook.shape == (stack.experts, 16)
     expected = [_tokens(alone, [p])[0] for p in prompts]
 
     llm = LLM(model, activation_quantization="int8", max_model_len=128, num_kv_blocks=16, max_num_seqs=4,
