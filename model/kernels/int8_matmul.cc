@@ -124,6 +124,17 @@ void TileRows(int64_t rows, const Int8Rows& a, int64_t m, const Int8Panels& w, f
   }
 }
 
+// w's layout once its two-level tables are formed (WithFormedTables): float32 d_w and m per block,
+// no sub-scales (the tables' pointers still w's).
+Int8Panels FormedLayout(const Int8Panels& w) {
+  Int8Panels formed = w;
+  formed.half = false;
+  formed.sub_scale = nullptr;
+  formed.sub_rows = 0;
+  formed.super_shift = 0;
+  return formed;
+}
+
 // Panels whose tables are two-level (Int8Panels::ScaledTables), for the columns [p, p_end) only:
 // their d_w and m per block formed once (the family's exact products) into `scratch` as float32
 // tables, for the row tiles that pass the panel. Formed in each tile instead, as a decode row's
@@ -136,13 +147,9 @@ Int8Panels WithFormedTables(const Int8Panels& w, int64_t p, int64_t p_end, std::
   float* d = scratch->data();
   float* m = w.m ? d + entries : nullptr;
   Family::FormTables(w, first, groups, d, m);
-  Int8Panels formed = w;
+  Int8Panels formed = FormedLayout(w);
   formed.d = d;
   formed.m = m;
-  formed.half = false;
-  formed.sub_scale = nullptr;
-  formed.sub_rows = 0;
-  formed.super_shift = 0;
   formed.table_group = first;
   return formed;
 }
@@ -155,8 +162,7 @@ void VectorColumns(const Int8Rows& a, const Int8Panels& w, float* y, int64_t M, 
   constexpr int C = Family::kCols;
   static thread_local std::vector<float> scratch;  // a panel's formed tables (WithFormedTables)
   const bool form_tables = w.ScaledTables() && M > kInt8Rows;
-  const int64_t formed_bytes = w.blocks * (w.m ? 2 : 1) * kGroupCols * 4;
-  const int64_t table_bytes = form_tables ? formed_bytes : w.GroupTableBytes();
+  const int64_t table_bytes = (form_tables ? FormedLayout(w) : w).GroupTableBytes();
   const int64_t group_bytes = w.blocks * w.Vectors() * kVectorBytes + table_bytes;
   const int64_t panel_cols = std::max<int64_t>(2, kInt8PanelBytes / group_bytes) * kGroupCols;
   const int64_t block_rows =
@@ -297,7 +303,7 @@ std::string PanelError(const Matrix& x, const PackedBuffers& p, const Matrix& y,
   const int64_t sub_rows = six_bits ? (has_m ? 4 : 2) : (has_m ? 2 : 1);
   const bool has_sub_scale = sd[0] == groups && sd[1] == blocks && sd[2] == sub_rows && sd[3] == kGroupCols;
   const bool no_sub_scale = sd[0] == 0 && sd[1] == 0 && sd[2] == 0 && sd[3] == 0;
-  const int64_t table_blocks = has_sub_scale ? (blocks + 7) / 8 : blocks;
+  const int64_t table_blocks = TableEntries(blocks, has_sub_scale ? kSuperShift : 0);
   *format = unsigned_q ? (six_bits ? Format::kSixBits : has_codebook ? Format::kCodes : Format::kNibbles)
             : has_m    ? Format::kOffsetBytes
             : has_d    ? Format::kBlockBytes
@@ -330,7 +336,7 @@ std::string PanelError(const Matrix& x, const PackedBuffers& p, const Matrix& y,
          (p.lead ? " per expert" : "") + " and y " +
          raylm::Shape(y.dimensions()) + ": expected q [" + std::to_string(groups) + ", " + std::to_string(blocks) +
          ", 4 (4-bit) or 6 (6-bit) or 8 (int8), 16, 4], d and m [" + std::to_string(groups) + ", " +
-         std::to_string(blocks) + " (or " + std::to_string((blocks + 7) / 8) +
+         std::to_string(blocks) + " (or " + std::to_string(TableEntries(blocks, kSuperShift)) +
          " super-blocks with sub_scale), 16 or 0] (4-bit: both; 6-bit: d (and m); 8-bit: d (and m) or row_scale [N]; "
          "float32 or float16), sub_scale int8 [" + std::to_string(groups) + ", " + std::to_string(blocks) +
          ", rows, 16] (6-bit: 2, or 4 with m; else 1, or 2 with m) or [0, 0, 0, 0] (needed by 6-bit), " +
@@ -348,7 +354,7 @@ Int8Panels PanelsOf(const PackedBuffers& p, int64_t N, int64_t K, Format format,
                     format == Format::kRowBytes ? static_cast<const float*>(p.row_scale.untyped_data()) : nullptr,
                     sub_rows ? static_cast<const int8_t*>(p.sub_scale.untyped_data()) : nullptr,
                     format == Format::kCodes ? static_cast<const int8_t*>(p.codebook.untyped_data()) : nullptr,
-                    N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half, sub_rows, sub_rows ? 3 : 0};
+                    N, K, (K + kGgufBlock - 1) / kGgufBlock, format, half, sub_rows, sub_rows ? kSuperShift : 0};
 }
 
 // Expert g's panels in a stack whose expert 0 is `w`: each array's g-th slice (the sizes of one

@@ -97,6 +97,13 @@ enum class Format {
                      // -dmin as m) per block
 };
 
+constexpr int kSuperShift = 3;  // blocks per super-block of 256: 1 << kSuperShift
+
+// Entries per group of a d or m table whose entries cover 1 << super_shift blocks each.
+constexpr int64_t TableEntries(int64_t blocks, int super_shift) {
+  return (blocks + (int64_t{1} << super_shift) - 1) >> super_shift;
+}
+
 // The packed weights (model/quantization/int8_panels.py): q [groups, blocks, T, 16, 4] bytes, d and m
 // [groups, blocks, 16] (absent: null) in float32, or in float16 (`half`) where the values are
 // float16's, as GGUF stores them (a sixth less to read per 4-bit weight: a decode row streams
@@ -126,7 +133,7 @@ struct Int8Panels {
   Format format = Format::kNibbles;
   bool half = false;
   int64_t sub_rows = 0;  // rows of sub_scale per block (0 without)
-  int super_shift = 0;    // d and m entries cover 1 << super_shift blocks: 0 (one), or 3 (two levels)
+  int super_shift = 0;    // d and m entries cover 1 << super_shift blocks: 0 (one), or kSuperShift (two levels)
   int64_t table_group = 0;  // the group d and m start at (a panel's own tables: WithFormedTables)
 
   bool FourBits() const { return format == Format::kNibbles || format == Format::kCodes; }
@@ -135,7 +142,7 @@ struct Int8Panels {
   // Whether d_w and m are the super-block's d and -dmin times the block's int8 scale and offset.
   bool ScaledTables() const { return sub_scale != nullptr && format != Format::kSixBits; }
   // Entries of d (and m) per group: one per block, or one per super-block.
-  int64_t TableBlocks() const { return (blocks + (int64_t{1} << super_shift) - 1) >> super_shift; }
+  int64_t TableBlocks() const { return TableEntries(blocks, super_shift); }
   // Bytes of one group's tables (d, m and sub-scales, every block's): panels are sized by them.
   int64_t GroupTableBytes() const {
     const int64_t tables = (d != nullptr) + (m != nullptr);
