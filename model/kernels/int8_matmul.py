@@ -73,8 +73,8 @@ def takes_int8_activations(w: object) -> bool:
     blocks with a scale (and offset) per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0,
     int8_g32; IQ4_NL, IQ4_XS and MXFP4, whose 4-bit codes it looks up in their codebook), 8-bit
     blocks with two-level int8 scales (and offsets) per 16 (Q6_K, Q3_K, Q2_K, a fused Q4_K / Q6_K
-    matrix), or int8 with a scale per output row (not fp8 values,
-    per row or in blocks; not float). Mixed layouts brought to float32 tables per 16 (a K-quant
+    matrix), or int8 with a scale per output row (not fp8 values, per row or in blocks; not
+    float). Mixed layouts brought to float32 tables per 16 (a K-quant
     fused with a Q8_0 matrix) stay in the exact kernels."""
     if isinstance(w, GgufBlocks):
         return not w.fp8 and (w.group == 32 or sub_scaled(w))

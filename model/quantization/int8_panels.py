@@ -25,9 +25,9 @@ Layout of a matrix ``[N..., K...]`` (outputs and inputs each flattened, ``N`` an
 - ``codebook [16]`` (int8): for 4-bit codes (IQ4_NL, IQ4_XS, MXFP4), the values the codes stand
   for (IQ4's table; MXFP4's e2m1 values doubled, its scale halved), else ``[0]``. ``q`` holds the
   codes as 4-bit blocks hold nibbles, and the kernel looks them up with one byte shuffle per
-  vector: a weight stays 4 bits (IQ4_XS 4.3125 bits a weight, MXFP4 5 with its float32 scales),
-  where bytes of the values took 8 more. The sums are those of the values, so the results are
-  the bits the bytes gave.
+  vector: a weight stays 4 bits (IQ4_NL and MXFP4 4.5 bits a weight with float16 scales, MXFP4 5
+  where a scale is no float16 value, IQ4_XS 4.3125), where bytes of the values took 4 more. The
+  sums are those of the values, so the results are the bits the bytes gave.
 - Two-level scales (the K-quants and IQ4_XS: an int8 scale, and offset, per group under a
   float16 ``d``, and ``dmin``, per super-block of 256) keep their two levels, as their files do:
   ``scale`` and ``offset`` hold ``d`` and ``-dmin`` once per super-block, ``[G, K/256, 16]``, and
@@ -139,7 +139,7 @@ class Int8Panels(StoredBytes):
             else:  # per 32
                 offset = offset * sub[..., 1] if offset.shape[-1] else offset
                 scale = scale * sub[..., 0]
-        if self.codebook.shape[-1]:  # 4-bit codes as bytes of their values (every expert has the type's codebook)
+        if self.codebook.shape[-1]:  # codes as bytes of their values (every expert has the type's codebook)
             nibbles = stored.reshape(*lead, -1, BLOCK // 2)
             codes = jnp.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(*lead, -1)
             stored = self.codebook.reshape(-1, 16)[0][codes]
@@ -237,8 +237,8 @@ def _shapes(w: GgufBlocks | QuantArray) -> tuple[tuple[int, ...], tuple[int, ...
 
 def _one_table_dtype(parts: list[tuple[np.ndarray, ...]]) -> list[list[np.ndarray]]:
     """The tables of a matrix's parts (row slices or experts), each ``(scale, offset, row_scale,
-    sub_scale[, codebook])``, per kind: scale and offset tables float16 only where every part's are (float32
-    if any part needs it), so the parts share the one layout the kernel reads."""
+    sub_scale[, codebook])``, per kind: scale and offset tables float16 only where every part's are
+    (float32 if any part needs it), so the parts share the one layout the kernel reads."""
     kinds = [list(kind) for kind in zip(*parts)]
     float_tables = np.result_type(*(a.dtype for a in (*kinds[0], *kinds[1])))
     kinds[:2] = [[a.astype(float_tables, copy=False) for a in kind] for kind in kinds[:2]]
