@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -322,6 +324,27 @@ def test_cached_tokens_count_the_first_admission_prompt_hit_after_preemption(tin
     # The readmission is no new lookup in the stats: only "high"'s 10 prompt tokens were.
     assert engine.stats().pool.prefix_queries == queries + 10
     assert finished["low"].outputs[0].token_ids == list(reference.generate(prompt, 40))
+
+
+def test_a_steps_seconds_and_first_scheduled_time_cover_its_compute(tiny, monkeypatch):
+    """The step counters' seconds (``raylm bench``'s GFLOP/s) and a request's first scheduled time
+    (the queue-time and prefill-time metrics) are taken before the runner computes the step: a
+    runner that takes 0.2 s a step shows 0.2 s a step, and the request was scheduled before it."""
+    engine = LLM(tiny, max_model_len=512, num_kv_blocks=64).engine
+    submit = engine.runner.submit
+
+    def slow_submit(plan):
+        time.sleep(0.2)
+        return submit(plan)
+
+    monkeypatch.setattr(engine.runner, "submit", slow_submit)
+    engine.add_request("r", list(range(40, 60)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    before = time.monotonic()
+    outputs = _step_until_finished(engine)
+    kinds = engine.stats().compute.kinds
+    steps = sum(k.steps for k in kinds.values())
+    assert steps >= 3 and sum(k.seconds for k in kinds.values()) >= 0.2 * steps
+    assert before <= outputs["r"].first_scheduled_time < before + 0.2
 
 
 def test_a_request_finishing_at_its_first_token_leaves_its_prompt_cached(tiny):

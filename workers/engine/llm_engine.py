@@ -311,7 +311,10 @@ class LLMEngine:
                 self.pool_blocks.write(plan.sliding_kv_writes, group=1)
             if plan.empty:
                 break
-            self.in_flight.append((plan, self.runner.submit(plan), time.monotonic()))
+            # Stamped before submit: a replica's runner computes the whole step inside it, and the
+            # step's seconds and its sequences' first scheduled time (queue time) must cover that.
+            started = time.monotonic()
+            self.in_flight.append((plan, self.runner.submit(plan), started))
         if not self.in_flight:
             if self.scheduler.num_loading:  # nothing to compute until a load ends: wait for one, not spin
                 self.kv_connector.wait(LOAD_WAIT_S)
