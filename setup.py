@@ -43,7 +43,8 @@ KERNEL_HEADERS = [f"model/kernels/{header}" for header in (
     "attention_kernel.h", "attention_lanes.h", "attention_math.h", "attention_problem.h", "attention_rows.h",
     "bfloat16.h", "column_items.h", "dense_columns.h", "dense_lanes.h", "dense_tiles.h", "ffi_helpers.h", "float16.h",
     "fp8_e4m3.h", "gguf_blocks.h", "gguf_columns.h", "gguf_operands.h", "group_rows.h", "int8_amx.h",
-    "int8_families.h", "int8_panels.h", "lane_loads.h", "lora_expand.h", "wide_lanes.h", "prompt_gemm.inc",
+    "int8_families.h", "int8_vnni.inc", "int8_avx2.inc", "int8_panels.h", "lane_loads.h", "lora_expand.h",
+    "wide_lanes.h", "prompt_gemm.inc",
 )]
 
 

@@ -53,7 +53,7 @@ inline bool AmxPermitted() {
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")
 #pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // offset[] of formats without offsets, as in int8_families.h
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // offset[] of formats without offsets, as in int8_vnni.inc
 
 struct AmxFamily {
   static constexpr int kChunk = 4;  // blocks whose sums wait in L1 for the float steps

@@ -311,8 +311,7 @@ class LLMEngine:
                 self.pool_blocks.write(plan.sliding_kv_writes, group=1)
             if plan.empty:
                 break
-            # Stamped before submit: a replica's runner computes the whole step inside it, and the
-            # step's seconds and its sequences' first scheduled time (queue time) must cover that.
+            # Before submit: a replica's runner computes the step in it (step seconds, queue time).
             started = time.monotonic()
             self.in_flight.append((plan, self.runner.submit(plan), started))
         if not self.in_flight:
