@@ -13,8 +13,8 @@
 //
 // Decode rows stay on VNNI (a tile is 16 rows; 4-bit blocks take AMX from 32); Q6_K / Q3_K / Q2_K
 // (kSixBits: sums per half block times int8 sub-scales) and codebook codes (kCodes: IQ4, MXFP4;
-// their unpacking would need the codebook lookup too, not written yet) also do. The tile registers need the
-// kernel's permission on Linux (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), asked once; where
+// their unpacking would need the codebook lookup too, not written yet) also do. The tile registers
+// need the kernel's permission on Linux (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), asked once; where
 // it is refused, or the CPU has no AMX, the family is not offered.
 #ifndef RAYLM_INT8_AMX_H_
 #define RAYLM_INT8_AMX_H_

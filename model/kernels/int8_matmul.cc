@@ -308,10 +308,8 @@ std::string PanelError(const Matrix& x, const PackedBuffers& p, const Matrix& y,
             : has_m    ? Format::kOffsetBytes
             : has_d    ? Format::kBlockBytes
                        : Format::kRowBytes;
-  const int vectors = *format == Format::kSixBits                                  ? 6
-                      : *format == Format::kNibbles || *format == Format::kCodes ? 4
-                                                                                 : 8;
-  const bool q_ok = qd[0] == groups && qd[1] == blocks && qd[2] == vectors && qd[3] == kGroupCols && qd[4] == 4;
+  const bool q_ok =
+      qd[0] == groups && qd[1] == blocks && qd[2] == VectorsOf(*format) && qd[3] == kGroupCols && qd[4] == 4;
   const bool tables_ok = (dd[2] == 0 || has_d) && (md[2] == 0 || has_m) &&
                          (!has_d || (dd[0] == groups && dd[1] == table_blocks)) &&
                          (!has_m || (md[0] == groups && md[1] == table_blocks)) && (rd[0] == 0 || has_row_scale) &&

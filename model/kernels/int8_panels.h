@@ -97,6 +97,11 @@ enum class Format {
                      // -dmin as m) per block
 };
 
+// 64-byte vectors per block of 16 columns: 4-bit nibbles and codes 4, 6-bit values 6, bytes 8.
+constexpr int VectorsOf(Format format) {
+  return format == Format::kNibbles || format == Format::kCodes ? 4 : format == Format::kSixBits ? 6 : 8;
+}
+
 constexpr int kSuperShift = 3;  // blocks per super-block of 256: 1 << kSuperShift
 
 // Entries per group of a d or m table whose entries cover 1 << super_shift blocks each.
@@ -136,8 +141,7 @@ struct Int8Panels {
   int super_shift = 0;    // d and m entries cover 1 << super_shift blocks: 0 (one), or kSuperShift (two levels)
   int64_t table_group = 0;  // the group d and m start at (a panel's own tables: WithFormedTables)
 
-  bool FourBits() const { return format == Format::kNibbles || format == Format::kCodes; }
-  int Vectors() const { return FourBits() ? 4 : format == Format::kSixBits ? 6 : 8; }
+  int Vectors() const { return VectorsOf(format); }
   bool HasOffsets() const { return format == Format::kNibbles || format == Format::kOffsetBytes; }
   // Whether d_w and m are the super-block's d and -dmin times the block's int8 scale and offset.
   bool ScaledTables() const { return sub_scale != nullptr && format != Format::kSixBits; }
@@ -178,7 +182,7 @@ struct Int8Panels {
   // Weight k of column n as the integer the sums use.
   int32_t Value(int64_t n, int64_t k) const {
     const int64_t b = k / kGgufBlock, i = k % kGgufBlock, c = n - n % kGroupCols, lane = (n % kGroupCols) * 4;
-    const bool nibbles = FourBits() || format == Format::kSixBits;
+    const bool nibbles = format == Format::kNibbles || format == Format::kCodes || format == Format::kSixBits;
     const int64_t byte = nibbles ? i % 16 : i;
     const uint8_t stored = Vector(c, b, static_cast<int>(byte / 4))[lane + byte % 4];
     if (!nibbles) return static_cast<int8_t>(stored);

@@ -291,18 +291,11 @@ def _packed_arrays(w: GgufBlocks | QuantArray, into: np.ndarray | None = None) -
     _, input_shape = _shapes(w)
     if isinstance(w, GgufBlocks):
         w = jax.device_get(w)
-        if w.codebook and w.nibbles and w.group == BLOCK:
+        if w.codebook and w.nibbles and w.group == BLOCK:  # packed below as 4-bit blocks are
             codebook = np.asarray(w.codebook, np.int8)
         else:
             w = w.widened()
-    if codebook.size:
-        flat = w.flat()
-        q, row_scale, offset = np.asarray(flat.q), None, None
-        if flat.two_level:  # IQ4_XS: int8 scales per 32 under a float16 d per 256
-            scale, _, sub = _super_block_tables(flat)
-        else:
-            scale = np.asarray(flat.with_float_tables().scale)
-    elif isinstance(w, GgufBlocks) and sub_scaled(w):
+    if isinstance(w, GgufBlocks) and sub_scaled(w):
         flat = w.flat()
         q, row_scale = _six_bits(np.asarray(flat.q)), None
         scale, offset, sub = _super_block_tables(flat)
