@@ -356,6 +356,40 @@ def test_every_family_is_the_integer_scheme(kind, family):
         int8_matmul.use_family("")
 
 
+def _at_extreme(w: GgufBlocks, largest: bool) -> GgufBlocks:
+    """``w`` with every stored integer at its type's largest (or smallest) value: 4-bit blocks'
+    nibbles 15 (0), codes the codebook's largest (smallest) value, bytes the largest (smallest)
+    value the random blocks hold (Q6_K's 31 and -32, Q8_0's 127 and -128)."""
+    q = np.asarray(w.q)
+    if w.nibbles:
+        book = np.asarray(w.codebook) if w.codebook else np.arange(16)
+        code = int(np.argmax(book) if largest else np.argmin(book))
+        return dataclasses.replace(w, q=jnp.full(q.shape, code | code << 4, q.dtype))
+    return dataclasses.replace(w, q=jnp.full(q.shape, q.max() if largest else q.min(), q.dtype))
+
+
+@pytest.mark.parametrize("family", int8_matmul.FAMILIES)
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "MXFP4"])
+def test_every_family_holds_the_largest_sums(kind, family):
+    """The families add some products in 16-bit lanes before widening them (AVX2: a block's
+    nibble products, two vectors of six-bit ones), on the bound that no such sum passes 32767.
+    Weights all at their type's largest or smallest integer against activations all at +-127 (the
+    largest products there are, all of one sign) give the reference's bits: a sum that wrapped
+    would be off by 65536 of them."""
+    k = RANDOM_KINDS.get(kind, 96)
+    x = np.concatenate([np.ones((2, k), np.float32), -np.ones((1, k), np.float32)])
+    x[1, k // 2:] = -1.0  # the second row's halves of opposite sign
+    try:
+        if int8_matmul.use_family(family) != family:
+            pytest.skip(f"this CPU has no {family} family (or Linux refused AMX)")
+        for largest in (True, False):
+            w = _at_extreme(_weights(kind, 67, k)[0], largest)
+            got = np.asarray(int8_matmul.int8_matmul(jnp.asarray(x), pack_int8_panels(w)))
+            np.testing.assert_array_equal(got, _reference(x, w), err_msg=f"{family}, largest {largest}")
+    finally:
+        int8_matmul.use_family("")
+
+
 def test_the_environment_names_the_family():
     """``RAYLM_INT8_MATMUL_FAMILY`` (set by test_lower_families in a child) picks the family, capped
     at the best this CPU has; unset, the best. Unknown names are errors."""
