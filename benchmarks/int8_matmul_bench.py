@@ -14,10 +14,12 @@ prompt_gemm_bench) is printed for scale. ``int/exact`` is the wall-clock speed r
 ``--against`` adds a third mode, the integer kernel on the same matrix in an older layout (the
 same bits), and prints the panels' speed against it: ``float-tables``, float32 tables of two-level
 scales' products (``d * sc`` per 32: Q4_K, Q5_K, IQ4_XS); ``code-bytes``, 4-bit codes widened to
-bytes of their values (IQ4_NL, IQ4_XS, MXFP4).
+bytes of their values (IQ4_NL, IQ4_XS, MXFP4). ``--copies 6`` cycles over six copies of each
+matrix, so that a matrix of tens of MB is not still in the last-level cache from the round
+before: a decode row's figure as a model's layers see it.
 
     python -m raylm.benchmarks.int8_matmul_bench [--shapes 2048x8192,8192x2048] [--format Q4_1|Q6_K|...]
-        [--rows 1,16,128,512] [--rounds 5] [--against float-tables|code-bytes]
+        [--rows 1,16,128,512] [--rounds 5] [--copies 6] [--against float-tables|code-bytes]
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ def main() -> None:
                         help="a GGUF type the integer kernel reads (Q4_1, Q6_K, ...) or int8")
     parser.add_argument("--rows", default="1,16,128,512")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--copies", type=int, default=1,
+                        help="calls cycle over this many copies of each matrix (6 or more: more bytes than the "
+                             "last-level cache, so every call streams its weights from memory, as a decode step's "
+                             "layers do)")
     parser.add_argument("--against", choices=list(OLDER_LAYOUTS),
                         help="also the integer kernel on the matrix in this older layout")
     args = parser.parse_args()
@@ -62,21 +68,21 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
-        (exact,) = weights_in(args.format, [(n, k)])
-        modes: dict[str, Any] = {"exact": exact, "int8": pack_int8_panels(exact)}
+        copies = weights_in(args.format, [(n, k)] * args.copies)
+        modes: dict[str, list[Any]] = {"exact": copies, "int8": [pack_int8_panels(w) for w in copies]}
         if args.against:
             applies, older = OLDER_LAYOUTS[args.against]
-            if not (isinstance(exact, GgufBlocks) and applies(exact)):
+            if not (isinstance(copies[0], GgufBlocks) and applies(copies[0])):
                 raise SystemExit(f"--against {args.against}: {args.format} is not in a layout it changes")
-            modes[args.against] = pack_int8_panels(older(jax.device_get(exact)))
+            modes[args.against] = [pack_int8_panels(older(jax.device_get(w))) for w in copies]
         for rows in (int(r) for r in args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
-            for w in modes.values():
-                seconds(run, x, w)  # compile
+            for ws in modes.values():
+                seconds(run, x, ws[0])  # compile
             times: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
-            for _ in range(args.rounds):
-                for mode, w in modes.items():
-                    times[mode].append(seconds(run, x, w))
+            for round_ in range(args.rounds):
+                for mode, ws in modes.items():
+                    times[mode].append(seconds(run, x, ws[round_ % len(ws)]))
             ops = 2 * rows * n * k
             (e, e_cpu), (i, i_cpu), *tables = (gflops(ops, times[mode]) for mode in modes)
             also = f" {tables[0][0]:>16.0f} {i / tables[0][0]:>15.2f}x" if tables else ""
