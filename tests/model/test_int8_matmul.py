@@ -22,9 +22,11 @@ families forced by the environment (all families give the same bits).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+from collections.abc import Iterator
 
 import gguf.quants
 import jax
@@ -331,6 +333,18 @@ def test_a_packed_matrix_keeps_its_output_and_input_dims():
     np.testing.assert_array_equal(np.asarray(got).reshape(5, 64), _reference(x, w))
 
 
+@contextlib.contextmanager
+def _family(family: str) -> Iterator[None]:
+    """Runs the block with ``family`` chosen in this process (skipped where the CPU lacks it), then
+    gives the choice back to the environment."""
+    try:
+        if int8_matmul.use_family(family) != family:
+            pytest.skip(f"this CPU has no {family} family (or Linux refused AMX)")
+        yield
+    finally:
+        int8_matmul.use_family("")
+
+
 @functools.cache
 def _reference_of(kind: str, m: int, n: int, k: int) -> np.ndarray:
     return _reference(_activations(m, k), _weights(kind, n, k)[0])
@@ -346,20 +360,16 @@ def test_every_family_is_the_integer_scheme(kind, family):
     k = INT8_K[0] if kind == "int8" else RANDOM_KINDS.get(kind, 96)
     cases = [(m, 67, k) for m in (1, 16, 17, 64, 130)]
     cases += [SHAPES[-1]] if family != "portable" and kind in KINDS else []
-    try:
-        if int8_matmul.use_family(family) != family:
-            pytest.skip(f"this CPU has no {family} family (or Linux refused AMX)")
+    with _family(family):
         for m, n, k in cases:
             got = _matmul(_activations(m, k), kind, n, k)
             np.testing.assert_array_equal(got, _reference_of(kind, m, n, k), err_msg=f"{family} {m} x {n} x {k}")
-    finally:
-        int8_matmul.use_family("")
 
 
 def _at_extreme(w: GgufBlocks, largest: bool) -> GgufBlocks:
     """``w`` with every stored integer at its type's largest (or smallest) value: 4-bit blocks'
     nibbles 15 (0), codes the codebook's largest (smallest) value, bytes the largest (smallest)
-    value the random blocks hold (Q6_K's 31 and -32, Q8_0's 127 and -128)."""
+    value the matrix holds (Q6_K's random blocks 31 and -32, Q5_K's 31 and 0, Q8_0's 127 and -127)."""
     q = np.asarray(w.q)
     if w.nibbles:
         book = np.asarray(w.codebook) if w.codebook else np.arange(16)
@@ -379,15 +389,11 @@ def test_every_family_holds_the_largest_sums(kind, family):
     k = RANDOM_KINDS.get(kind, 96)
     x = np.concatenate([np.ones((2, k), np.float32), -np.ones((1, k), np.float32)])
     x[1, k // 2:] = -1.0  # the second row's halves of opposite sign
-    try:
-        if int8_matmul.use_family(family) != family:
-            pytest.skip(f"this CPU has no {family} family (or Linux refused AMX)")
+    with _family(family):
         for largest in (True, False):
             w = _at_extreme(_weights(kind, 67, k)[0], largest)
             got = np.asarray(int8_matmul.int8_matmul(jnp.asarray(x), pack_int8_panels(w)))
             np.testing.assert_array_equal(got, _reference(x, w), err_msg=f"{family}, largest {largest}")
-    finally:
-        int8_matmul.use_family("")
 
 
 def test_the_environment_names_the_family():
