@@ -1,5 +1,5 @@
 // Paged decode attention's vector loops (paged_decode_attention.cc): a block's scores summed by
-// lane trees, the value accumulators held in registers, and the online softmax's block update,
+// lane trees, the value accumulators held in registers, and the online softmax's unit update,
 // written once for vectors of 8 (AVX2) or 16 (AVX-512) floats.
 #ifndef RAYLM_ATTENTION_LANES_H_
 #define RAYLM_ATTENTION_LANES_H_
@@ -126,27 +126,42 @@ __attribute__((always_inline)) inline void BlockScores(const float* __restrict q
   }
 }
 
-// For G query heads g of one kv head: acc[g * DH, (g + 1) * DH) += sum over the block's n keys
-// of p[g * p_stride + t] * v_t, a slice of each accumulator held in registers across the block.
-// The heads share each value vector loaded (one load and widening, G multiply-adds); each
-// head's sums are the same, in the same order, as one head at a time. T as in BlockScores.
+// Rows of a unit's keys or values that lie together: n rows of type T, `stride` elements apart
+// (one block's rows in the pool, or a unit's rows widened into the scratch).
+template <typename T>
+struct RowRun {
+  const T* rows;
+  int64_t n, stride;
+};
+
+// For G query heads g of one kv head: acc[g * DH, (g + 1) * DH) += sum over the unit's keys t
+// (the runs' rows in order) of p[g * p_stride + t] * v_t, a slice of each accumulator held in
+// registers across the unit. The heads share each value vector loaded (one load and widening,
+// G multiply-adds); each head's sums are the same, in the same order, as one head at a time.
+// T as in BlockScores.
 template <typename V, int DH, int G, typename T>
 __attribute__((always_inline)) inline void AccumulateValues(const float* __restrict p, int64_t p_stride,
-                                                            const T* __restrict v, int64_t stride, int64_t n,
+                                                            const RowRun<T>* runs, int64_t num_runs,
                                                             float* __restrict acc) {
   constexpr int W = kLanesOf<V>, S = kSliceDims<DH>, C = S / W;
   for (int d0 = 0; d0 < DH; d0 += S) {
     V a[G][C];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < C; ++c) a[g][c] = LaneLoad<V>::From(acc + g * DH + d0 + c * W);
-    for (int64_t t = 0; t < n; ++t) {
-      V pt[G];
-      for (int g = 0; g < G; ++g) pt[g] = V{} + p[g * p_stride + t];
-      const T* vt = v + t * stride + d0;
-      for (int c = 0; c < C; ++c) {
-        const V vc = LaneLoad<V>::From(vt + c * W);
-        for (int g = 0; g < G; ++g) a[g][c] += pt[g] * vc;
+    const float* pr = p;
+    for (int64_t i = 0; i < num_runs; ++i) {
+      const T* __restrict v = runs[i].rows;
+      const int64_t n = runs[i].n, stride = runs[i].stride;
+      for (int64_t t = 0; t < n; ++t) {
+        V pt[G];
+        for (int g = 0; g < G; ++g) pt[g] = V{} + pr[g * p_stride + t];
+        const T* vt = v + t * stride + d0;
+        for (int c = 0; c < C; ++c) {
+          const V vc = LaneLoad<V>::From(vt + c * W);
+          for (int g = 0; g < G; ++g) a[g][c] += pt[g] * vc;
+        }
       }
+      pr += n;
     }
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < C; ++c) StoreLanes(acc + g * DH + d0 + c * W, a[g][c]);
@@ -164,12 +179,12 @@ constexpr int kValueHeads = kLanesOf<V> == 16 ? (kSliceDims<DH> / 16 <= 4 ? 4 : 
 // AccumulateValues for `count` (< kValueHeads) heads.
 template <typename V, int DH, typename T>
 __attribute__((always_inline)) inline void AccumulateValuesRest(int64_t count, const float* __restrict p,
-                                                                int64_t p_stride, const T* __restrict v,
-                                                                int64_t stride, int64_t n, float* __restrict acc) {
+                                                                int64_t p_stride, const RowRun<T>* runs,
+                                                                int64_t num_runs, float* __restrict acc) {
   switch (count) {
-    case 3: return AccumulateValues<V, DH, 3, T>(p, p_stride, v, stride, n, acc);
-    case 2: return AccumulateValues<V, DH, 2, T>(p, p_stride, v, stride, n, acc);
-    case 1: return AccumulateValues<V, DH, 1, T>(p, p_stride, v, stride, n, acc);
+    case 3: return AccumulateValues<V, DH, 3, T>(p, p_stride, runs, num_runs, acc);
+    case 2: return AccumulateValues<V, DH, 2, T>(p, p_stride, runs, num_runs, acc);
+    case 1: return AccumulateValues<V, DH, 1, T>(p, p_stride, runs, num_runs, acc);
   }
 }
 
@@ -230,7 +245,7 @@ __attribute__((always_inline)) inline V ExpNonPositiveLanes(V x) {
 }
 
 // Online-softmax update of `group` query heads with the scores `sc` ([group, stride], first
-// n valid; stride a multiple of the lanes, at least n rounded up to them) of one block:
+// n valid; stride a multiple of the lanes, at least n rounded up to them) of one unit:
 // rescales what was accumulated, turns scores into weights. The weights are summed W lanes
 // at a time, then the lanes in order, the same order for every row and batch.
 template <typename V>
@@ -243,8 +258,7 @@ __attribute__((always_inline)) inline void SoftmaxUpdate(float* __restrict sc, i
   for (int i = 0; i < W; ++i) lane[i] = i;
   for (int64_t h = 0; h < group; ++h) {
     float* __restrict sh = sc + h * stride;
-    const float block_max = BlockMax<V>(sh, n);
-    const float new_max = std::max(max[h], block_max);
+    const float new_max = std::max(max[h], BlockMax<V>(sh, n));
     const float correction = ExpNonPositive(max[h] - new_max);
     V sums = V{};
     for (int64_t t = 0; t < n; t += W) {

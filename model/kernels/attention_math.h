@@ -73,7 +73,7 @@ inline void SoftCap(float* __restrict sc, int64_t stride, int64_t n, int64_t gro
 }
 
 // Rows `n` of `dh` elements, `stride` apart, widened into `out` ([n, dh], contiguous), for the
-// pools AttendBlockOf does not widen in registers (fp8; bfloat16 and int8 in the eight-lane family
+// pools AttendUnitOf does not widen in registers (fp8; bfloat16 and int8 in the eight-lane family
 // or at a head dim without a vectorised instance). Every query head of the GQA group reads them:
 // widening once instead of per head took 16 rows at 550 keys (30 layers, 2-core AVX-512) from
 // 32.7 to 11.7 ms with an fp8 pool (float32: 10.3), int8 from 14.4 to 9.3 and bfloat16 from 13.5

@@ -136,15 +136,18 @@ def test_padding_row_is_zero():
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size",
     [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16), (6, 2, 80, 4), (8, 2, 64, 4), (9, 3, 64, 32),
-     (9, 3, 64, 64), (4, 1, 128, 8)],
+     (9, 3, 64, 64), (4, 1, 128, 8), (9, 3, 64, 128), (4, 2, 64, 1)],
     ids=["smollm-gqa", "mha", "mqa-dh128", "odd-dh-small-blocks", "dh64-blocks-of-4", "dh64-blocks-of-32",
-         "dh64-blocks-of-64", "dh128-blocks-of-8"],
+         "dh64-blocks-of-64", "dh128-blocks-of-8", "dh64-blocks-of-128", "dh64-blocks-of-1"],
 )
 def test_head_layouts(heads, kv_heads, head_dim, block_size):
     """Head dims 64 and 128 take the lane-tree path, whose key groups (8 or 16 keys) may be
-    larger than a block, fill it, or split it in two; other head dims the scalar path."""
-    lens = (1, block_size - 1, block_size, 3 * block_size + 1, 8 * block_size)
-    case = make_case(2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, lens=lens)
+    larger than a block, fill it, or split it in two; other head dims the scalar path. One
+    softmax step covers 64 keys (several blocks, or one block of 64 or more), so the longer
+    rows span several steps, their last one partial."""
+    lens = (1, max(block_size - 1, 1), block_size, 3 * block_size + 1, 8 * block_size, 150)
+    case = make_case(2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, lens=lens,
+                     width=max(8, -(-150 // block_size)))
     np.testing.assert_allclose(kernel(case, 1), jnp_reference(case, 1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(kernel(case, 1), naive_reference(case, 1), rtol=1e-5, atol=1e-6)
 
