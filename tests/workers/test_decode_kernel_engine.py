@@ -103,5 +103,24 @@ def test_packed_prefill_groups_fill_calls_within_the_budget(tiny):
     assert plan(20, 20, unavailable=frozenset({16, 64})) == [([20], 32), ([20], 32)]
 
 
+def test_packed_prefill_calls_mostly_padding_are_split(tiny):
+    """Every padding token is a row of every matmul: a call whose bucket would be mostly padding
+    becomes the chunks a half-size bucket holds and the rest, where that saves more than a
+    call costs (``CALL_COST_TOKENS``); order and budget as above."""
+    runner = LLM(tiny, max_model_len=512, num_kv_blocks=96, max_num_seqs=16, max_num_batched_tokens=512).engine.runner
+
+    def plan(*sizes: int, unavailable: frozenset[int] = frozenset()) -> list[tuple[list[int], int]]:
+        chunks = [SimpleNamespace(num_tokens=n) for n in sizes]
+        return [([c.num_tokens for c in group], n) for group, n in runner.buckets.packed_groups(chunks, unavailable)]
+
+    assert plan(*[19] * 16) == [([19] * 13, 256), ([19] * 3, 64)]  # 304 tokens: 320 rows, not 512
+    assert plan(100, 100, 100) == [([100, 100], 256), ([100], 128)]
+    assert plan(200, 200) == [([200, 200], 512)]  # 256 + 256 and a call cost more than 512
+    assert plan(300) == [([300], 512)]  # a chunk is never split
+    assert plan(20, 20, 5) == [([20, 20, 5], 64)]
+    # The halves skip buckets still compiling, as one call does.
+    assert plan(*[19] * 16, unavailable=frozenset({256})) == [([19] * 16, 512)]
+
+
 def _value(entry) -> float:
     return float(getattr(entry, "logprob", entry))
