@@ -229,15 +229,8 @@ __attribute__((always_inline)) inline V ExpNonPositiveLanes(V x) {
   using I = typename IntLanesOf<V>::Type;
   const V floor = V{} - 87.0f;
   x = x < floor ? floor : x;  // std::max(x, -87.0f) lane by lane: -inf becomes a tiny value
-  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  V n;
+  const V p = ExpOfRemainder(x, n);
   const I bits = (__builtin_convertvector(n, I) + 127) << 23;
   V scale;
   std::memcpy(&scale, &bits, sizeof scale);

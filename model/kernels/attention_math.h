@@ -19,19 +19,27 @@ using raylm::Bf16;
 using raylm::Fp8E4m3;
 using raylm::ToFloat;
 
-// exp(x) for x <= 0 (scores minus their running max), as plain arithmetic so the loop
-// around it vectorises. Cephes' expf: 2^n * P(r) with r = x - n ln2, |rel err| < 2e-7.
-inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);  // below this exp underflows; also turns -inf into a tiny value
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// Cephes' expf up to its last step, on a float or on every lane of a float vector T: x =
+// n ln2 + r with n whole (returned in `n`), and P(r) ~ e^r returned, so e^x = 2^n * P(r).
+template <typename T>
+__attribute__((always_inline)) inline T ExpOfRemainder(T x, T& n) {
+  n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const T r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  T p = T{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+// exp(x) for x <= 0 (scores minus their running max) as plain arithmetic, |rel err| < 2e-7
+// (ExpNonPositiveLanes, attention_lanes.h, is the same on every lane of a vector).
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);  // below this exp underflows; also turns -inf into a tiny value
+  float n;
+  const float p = ExpOfRemainder(x, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
