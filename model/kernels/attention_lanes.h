@@ -237,6 +237,59 @@ __attribute__((always_inline)) inline V ExpNonPositiveLanes(V x) {
   return p * scale;
 }
 
+// std::fabs and std::copysign on every lane, by the sign bits.
+template <typename V>
+__attribute__((always_inline)) inline V AbsLanes(V x) {
+  using I = typename IntLanesOf<V>::Type;
+  I bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits &= 0x7fffffff;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+template <typename V>
+__attribute__((always_inline)) inline V CopySignLanes(V magnitude, V sign) {
+  using I = typename IntLanesOf<V>::Type;
+  I m, s;
+  std::memcpy(&m, &magnitude, sizeof m);
+  std::memcpy(&s, &sign, sizeof s);
+  m = (m & 0x7fffffff) | (s & static_cast<int32_t>(0x80000000u));
+  std::memcpy(&magnitude, &m, sizeof m);
+  return magnitude;
+}
+
+// tanh on every lane as plain arithmetic (std::tanh is a library call per score), vector code
+// for the reason ExpNonPositiveLanes is: the scalar form's branches left the soft-cap loop
+// scalar in most inlined instances. Cephes' tanhf: an odd polynomial below |x| = 0.625, else
+// 1 - 2 / (e^2|x| + 1) with e^-2|x| from ExpNonPositiveLanes; relative error a few ulps.
+template <typename V>
+__attribute__((always_inline)) inline V TanhLanes(V x) {
+  const V a = AbsLanes(x), z = x * x;
+  V small = V{} - 5.70498872745e-3f;
+  small = small * z + 2.06390887954e-2f;
+  small = small * z - 5.37397155531e-2f;
+  small = small * z + 1.33314422036e-1f;
+  small = small * z - 3.33332819422e-1f;
+  small = small * z * x + x;
+  const V e = ExpNonPositiveLanes(-2.0f * a);
+  const V large = CopySignLanes((1.0f - e) / (1.0f + e), x);
+  return a < 0.625f ? small : large;
+}
+
+// Scores of `group` heads ([group, stride], first n valid; stride as in SoftmaxUpdate)
+// soft-capped in place, W lanes at a time (the lanes past n are padding).
+template <typename V>
+__attribute__((always_inline)) inline void SoftCap(float* __restrict sc, int64_t stride, int64_t n, int64_t group,
+                                                   float cap) {
+  constexpr int W = kLanesOf<V>;
+  const float inv = 1.0f / cap;
+  for (int64_t h = 0; h < group; ++h) {
+    float* __restrict sh = sc + h * stride;
+    for (int64_t t = 0; t < n; t += W) StoreLanes(sh + t, cap * TanhLanes(LaneLoad<V>::From(sh + t) * inv));
+  }
+}
+
 // Online-softmax update of `group` query heads with the scores `sc` ([group, stride], first
 // n valid; stride a multiple of the lanes, at least n rounded up to them) of one unit:
 // rescales what was accumulated, turns scores into weights. The weights are summed W lanes

@@ -1,6 +1,6 @@
 // Paged decode attention's scalar arithmetic (paged_decode_attention.cc): rows of the pools'
-// elements widened to float32, exp and tanh as plain arithmetic (so the loops around them vectorise),
-// the soft cap, and a dot product for head dims without a vectorised instance.
+// elements widened to float32, exp as plain arithmetic (on a float, or on a vector's lanes by
+// attention_lanes.h), and a dot product for head dims without a vectorised instance.
 #ifndef RAYLM_ATTENTION_MATH_H_
 #define RAYLM_ATTENTION_MATH_H_
 
@@ -52,32 +52,6 @@ inline float Dot(const float* __restrict q, const KV* __restrict k, int64_t n) {
 #pragma omp simd reduction(+ : s)
   for (int64_t d = 0; d < n; ++d) s += q[d] * ToFloat(k[d]);
   return s;
-}
-
-// tanh(x) as plain arithmetic, so the soft-cap loop vectorises (std::tanh is a library call
-// per score). Cephes' tanhf: an odd polynomial below |x| = 0.625, else 1 - 2 / (e^2|x| + 1)
-// with e^-2|x| from ExpNonPositive; relative error a few float32 ulps.
-inline float Tanh(float x) {
-  const float a = std::fabs(x), z = x * x;
-  float small = -5.70498872745e-3f;
-  small = small * z + 2.06390887954e-2f;
-  small = small * z - 5.37397155531e-2f;
-  small = small * z + 1.33314422036e-1f;
-  small = small * z - 3.33332819422e-1f;
-  small = small * z * x + x;
-  const float e = ExpNonPositive(-2.0f * a);
-  const float large = std::copysign((1.0f - e) / (1.0f + e), x);
-  return a < 0.625f ? small : large;
-}
-
-// Scores of `group` heads ([group, stride], first n valid) soft-capped in place.
-inline void SoftCap(float* __restrict sc, int64_t stride, int64_t n, int64_t group, float cap) {
-  const float inv = 1.0f / cap;
-  for (int64_t h = 0; h < group; ++h) {
-    float* __restrict sh = sc + h * stride;
-#pragma omp simd
-    for (int64_t t = 0; t < n; ++t) sh[t] = cap * Tanh(sh[t] * inv);
-  }
 }
 
 // Rows `n` of `dh` elements, `stride` apart, widened into `out` ([n, dh], contiguous), for the

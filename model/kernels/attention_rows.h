@@ -178,7 +178,7 @@ __attribute__((always_inline)) inline void AttendUnitOf(const Problem& pr, int64
       }
     }
     if (pr.k_scale_layer) ScaleScores(pr.k_scale_layer, seg, segments, kvh, L.num_kv_heads, scores, ss, group);
-    if (pr.softcap > 0.0f) SoftCap(scores, ss, n, group, pr.softcap);
+    if (pr.softcap > 0.0f) SoftCap<V>(scores, ss, n, group, pr.softcap);
     SoftmaxUpdate<V>(scores, ss, n, group, dh, st.max + h0, st.denom + h0, acc);
     // a value row's weight: its probability times its scale
     if (pr.v_scale_layer) ScaleScores(pr.v_scale_layer, seg, segments, kvh, L.num_kv_heads, scores, ss, group);
