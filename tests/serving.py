@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import socket
 from typing import Any
 
@@ -47,9 +48,23 @@ TEST_DEPLOY: dict[str, Any] = {
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the ephemeral range: the OS hands ephemeral ports to every bind(0)
+    and outgoing connection (Ray starts dozens of processes), and one of them took a port picked
+    there before the server under test bound it ("Failed to bind to address"). SystemRandom:
+    pytest workers with the same seeded random state would pick the same ports."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first_ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    for port in random.SystemRandom().sample(range(20000, max(first_ephemeral, 20100)), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @dataclasses.dataclass
