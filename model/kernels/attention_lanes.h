@@ -148,20 +148,20 @@ __attribute__((always_inline)) inline void AccumulateValues(const float* __restr
     V a[G][C];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < C; ++c) a[g][c] = LaneLoad<V>::From(acc + g * DH + d0 + c * W);
-    const float* pr = p;
+    const float* weights = p;  // the current run's first weight of head 0
     for (int64_t i = 0; i < num_runs; ++i) {
       const T* __restrict v = runs[i].rows;
       const int64_t n = runs[i].n, stride = runs[i].stride;
       for (int64_t t = 0; t < n; ++t) {
         V pt[G];
-        for (int g = 0; g < G; ++g) pt[g] = V{} + pr[g * p_stride + t];
+        for (int g = 0; g < G; ++g) pt[g] = V{} + weights[g * p_stride + t];
         const T* vt = v + t * stride + d0;
         for (int c = 0; c < C; ++c) {
           const V vc = LaneLoad<V>::From(vt + c * W);
           for (int g = 0; g < G; ++g) a[g][c] += pt[g] * vc;
         }
       }
-      pr += n;
+      weights += n;
     }
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < C; ++c) StoreLanes(acc + g * DH + d0 + c * W, a[g][c]);
@@ -310,7 +310,7 @@ __attribute__((always_inline)) inline void SoftmaxUpdate(float* __restrict sc, i
     for (int64_t t = 0; t < n; t += W) {
       V e = ExpNonPositiveLanes(LaneLoad<V>::From(sh + t) - new_max);
       e = lane < static_cast<int32_t>(n - t) ? e : V{};  // the padding past n weighs nothing
-      std::memcpy(sh + t, &e, sizeof e);
+      StoreLanes(sh + t, e);
       sums += e;
     }
     float sum = sums[0];
