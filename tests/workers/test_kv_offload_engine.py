@@ -380,3 +380,25 @@ def test_prompts_sharing_a_prefix_load_it_once(tiny):
     assert llm.engine.stats().kv_offload[0].hits - hits_before == 10
     assert llm.engine.scheduler.loads.num_loaded_tokens == 160
     _assert_no_leak(llm)
+
+
+def test_a_load_the_pool_had_too_few_blocks_for_resumes_instead_of_computing(tiny):
+    """A 330-token prompt whose 20 loadable blocks only the tier holds arrives beside a
+    150-token one that takes 10 of the pool's 25 blocks: its load stops at the 15 free ones. When
+    the other request ends, the rest of its blocks are loaded too, not computed; its cached
+    tokens count each block once."""
+    rng = np.random.RandomState(4)
+    long, short = rng.randint(3, 320, size=330).tolist(), rng.randint(3, 320, size=150).tolist()
+    reference = SingleSequenceGenerator(tiny.config, tiny.params)
+    llm = LLM(tiny, kv_offload=HOST, num_kv_blocks=26)  # 25 and the reserved null block
+    assert _run(llm, [long]) == [list(reference.generate(long, NEW_TOKENS))]
+    llm.engine.pool.reset_prefix_cache()
+    before = llm.engine.stats()
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": short}, {"prompt_token_ids": long}], [one, GREEDY])
+    assert [o.outputs[0].token_ids for o in outputs] == [list(reference.generate(short, 1)),
+                                                         list(reference.generate(long, NEW_TOKENS))]
+    assert llm.engine.scheduler.loads.num_loaded_tokens == 20 * 16
+    assert llm.engine.stats().prompt_tokens - before.prompt_tokens == len(short) + len(long) - 20 * 16
+    assert outputs[1].num_cached_tokens == 20 * 16
+    _assert_no_leak(llm)

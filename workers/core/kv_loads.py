@@ -30,8 +30,9 @@ class KVLoads:
     def __init__(self, connector: KVConnector, blocks: BlockManager):
         self.connector = connector
         self.blocks = blocks
-        # ticket -> (sequence, its first loaded block, the sliding group's blocks leading the load's run)
-        self._loading: dict[int, tuple[Sequence, int, int]] = {}
+        # ticket -> (sequence, its first loaded block, the sliding group's blocks leading the load's run,
+        # whether the tier held more blocks than the pool had free blocks for)
+        self._loading: dict[int, tuple[Sequence, int, int, bool]] = {}
         self._in_flight: dict[int, int] = {}  # block hash -> the ticket loading it
         self.num_loaded_tokens = 0  # prompt tokens loaded instead of computed, lifetime
         self.num_queried_tokens = 0  # prompt tokens looked up in the tiers (beyond the pool's hits), lifetime
@@ -59,13 +60,13 @@ class KVLoads:
             seq.kv_queried = True
             self.num_queried_tokens += len(wanted) * self.blocks.block_size
         sliding_held = self.connector.held(wanted[:held], group=1) if held and self.blocks.sliding is not None else None
-        held = self.blocks.reserve_for_load(seq, held, sliding_held) if held else 0
-        if not held:
+        reserved = self.blocks.reserve_for_load(seq, held, sliding_held) if held else 0
+        if not reserved:
             return COMPUTE
-        sliding = self.blocks.sliding_to_load(first, first + held)
-        ticket = self.connector.start_load(wanted[:held], [seq.block_hashes[i] for i in sliding])
-        self._loading[ticket] = (seq, first, len(sliding))
-        self._in_flight.update(dict.fromkeys(wanted[:held], ticket))
+        sliding = self.blocks.sliding_to_load(first, first + reserved)
+        ticket = self.connector.start_load(wanted[:reserved], [seq.block_hashes[i] for i in sliding])
+        self._loading[ticket] = (seq, first, len(sliding), reserved < held)
+        self._in_flight.update(dict.fromkeys(wanted[:reserved], ticket))
         seq.status = SequenceStatus.LOADING
         return LOADING
 
@@ -80,23 +81,30 @@ class KVLoads:
             entry = self._loading.pop(ticket, None)
             if entry is None:
                 continue
-            seq, first, num_sliding = entry
+            seq, first, num_sliding, capped = entry
             self._forget(ticket)
             reserved = len(seq.block_ids) - first
             sliding_from = self.blocks.sliding_to_load(first, len(seq.block_ids)).start
             arrived = payloads[num_sliding:]
             num_loaded = self.blocks.adopt_loaded(seq, first, len(arrived), len(payloads[:num_sliding]))
             seq.kv_load_fell_short = num_loaded < reserved
+            seq.kv_load_capped = capped and not seq.kv_load_fell_short
             writes += zip(seq.block_ids[first:first + num_loaded], arrived)
             sliding_writes += [(seq.sliding_block_ids[i], payloads[i - sliding_from])
                                for i in self.blocks.sliding_to_load(first, first + num_loaded)]
-            loaded = num_loaded * self.blocks.block_size
-            self.num_loaded_tokens += loaded
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens += loaded
+            self.num_loaded_tokens += num_loaded * self.blocks.block_size
             seq.status = SequenceStatus.WAITING
             ready.append(seq)
         return ready, writes, sliding_writes
+
+    def resumed_lookup(self, seq: Sequence) -> PrefixLookup | None:
+        """The lookup that resumes the load of a sequence back from one the pool's free blocks
+        cut short (it holds the blocks loaded so far): its next admission loads the tier's further
+        blocks too, instead of computing them. None for any other sequence."""
+        if not (seq.kv_load_capped and seq.block_ids):
+            return None
+        seq.kv_load_capped = False
+        return PrefixLookup((seq.num_tokens - 1) // self.blocks.block_size, len(seq.block_ids))
 
     def cancel(self, seq: Sequence) -> None:
         """Forget ``seq``'s load (it ended); the caller frees its blocks."""

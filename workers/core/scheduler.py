@@ -183,7 +183,8 @@ class Scheduler:
         count) and as its ``num_cached_tokens``, which then counts prompt tokens only (the
         lookup covered the prompt minus its last token). The pool counts tokens, as vLLM's
         prefix-cache counters do: every prompt token is looked up, so a prompt shorter than a
-        block counts too. (A sequence loading from an offload tier is counted as its load starts.)"""
+        block counts too. (A sequence loading from an offload tier is counted as its load starts; its
+        ``num_cached_tokens`` becomes what it holds at admission: pool hits and loaded blocks.)"""
         if seq.prefix_counted:
             return
         seq.prefix_counted = True
@@ -274,6 +275,8 @@ class Scheduler:
             if not self._acquire_lora(seq):
                 continue  # waits for a slot for its adapter; others go ahead
             lookup = self.blocks.reuse_cached_prefix(seq) if reuses_cached_prefix(seq) else None
+            if lookup is None and self.loads is not None:
+                lookup = self.loads.resumed_lookup(seq)
             load = self.loads.start(seq, lookup) if lookup is not None and self.loads is not None else COMPUTE
             if load != COMPUTE:  # waits for its blocks (or for another's load of them); others go ahead
                 self._wait_for_load(seq, lookup, started=load == LOADING)
@@ -287,6 +290,8 @@ class Scheduler:
             self.blocks.grow(seq, want)
             if lookup is not None and seq.num_preemptions == 0:
                 self._count_first_admission(seq, lookup)
+            if seq.kv_queried and seq.num_preemptions == 0:  # it holds pool hits and loaded blocks, uncomputed
+                seq.num_cached_tokens = seq.num_computed_tokens
             admitted.append(seq)
             self.chunk_capped |= capped
             budget -= want

@@ -64,9 +64,10 @@ class Sequence:
     block_hashes: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_committed_blocks: int = 0  # leading full blocks already registered in the prefix cache
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
+    num_cached_tokens: int = 0  # prompt tokens it did not compute at its first admission: cached or loaded
     kv_load_fell_short: bool = False  # an offload tier failed to bring blocks it listed: compute, never reload
     kv_queried: bool = False  # its prompt's lookup in the offload tiers was counted
+    kv_load_capped: bool = False  # its last load stopped where the pool ran out of free blocks: the tier holds more
     prefix_counted: bool = False  # its first admission's prefix-cache lookup was counted
     finish_reason: str | None = None
     stop_reason: int | str | None = None
