@@ -402,3 +402,26 @@ def test_a_load_the_pool_had_too_few_blocks_for_resumes_instead_of_computing(tin
     assert llm.engine.stats().prompt_tokens - before.prompt_tokens == len(short) + len(long) - 20 * 16
     assert outputs[1].num_cached_tokens == 20 * 16
     _assert_no_leak(llm)
+
+
+def test_a_two_group_load_the_pool_had_too_few_blocks_for_resumes(two_groups):
+    """The same with two KV groups (blocks of 8): a 200-token prompt's 24 loadable blocks, of
+    which the pool has 20 free beside an 80-token prompt's 10; the resumed load brings the rest
+    and the sliding blocks its new end's window reads."""
+    model, _, _ = two_groups
+    rng = np.random.RandomState(5)
+    long, short = rng.randint(3, 320, size=200).tolist(), rng.randint(3, 320, size=80).tolist()
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    plain = LLM(model, **TWO_GROUPS)
+    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": short},
+                                                                {"prompt_token_ids": long}], [one, GREEDY])]
+    llm = LLM(model, kv_offload=HOST, num_kv_blocks=31, **TWO_GROUPS)
+    assert _run(llm, [long]) == expected[1:]
+    _empty_pools(llm)
+    before = llm.engine.stats()
+    outputs = llm.generate([{"prompt_token_ids": short}, {"prompt_token_ids": long}], [one, GREEDY])
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.engine.scheduler.loads.num_loaded_tokens == 24 * 8
+    assert llm.engine.stats().prompt_tokens - before.prompt_tokens == len(short) + len(long) - 24 * 8
+    assert outputs[1].num_cached_tokens == 24 * 8
+    _assert_no_leak_in_either_group(llm)
