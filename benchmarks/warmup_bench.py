@@ -9,10 +9,12 @@ another (``--concurrency`` clients doing so) until the warm-up is done, then ``-
 each. Each request is a fresh token-id prompt of ``--prompt-tokens`` (no prefix cache hits) and
 ``--output-tokens`` out. It prints the
 engine's construction time, when the warm-up finished, and per phase the median and largest
-time to first token and gap between two tokens of one stream: a compile on the engine thread
-shows as a gap of its length. Run it twice to measure with a warm cache.
+time to first token and gap between two tokens of one stream (a compile on the engine thread shows as a gap
+of its length), and a stream's output tokens/s: the first minutes' rate against the warm one.
+``--empty-cache`` builds it with an empty compilation cache (a temporary directory), as a
+machine's first start does; without it, run it twice to measure with a warm cache.
 
-    python -m raylm.benchmarks.warmup_bench [--config deploy/default.yaml]
+    python -m raylm.benchmarks.warmup_bench [--config deploy/default.yaml] [--empty-cache]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import dataclasses
 import itertools
 import statistics
+import tempfile
 import time
 
 import numpy as np
@@ -32,11 +35,13 @@ from raylm.deploy.config import load_deploy_config
 @dataclasses.dataclass
 class Served:
     """One request: when it started (seconds after the engine was built), its time to first
-    token and its largest gap between two tokens."""
+    token, its largest gap between two tokens, its output tokens and its seconds in all."""
 
     started_s: float
     ttft_s: float
     max_gap_s: float
+    tokens: int
+    seconds: float
 
 
 async def _one(engine, prompt: list[int], params, request_id: str, origin: float) -> Served:
@@ -45,7 +50,8 @@ async def _one(engine, prompt: list[int], params, request_id: str, origin: float
     async for _ in engine.generate(prompt, params, request_id):
         times.append(time.monotonic())
     gaps = np.diff(times[1:])
-    return Served(started - origin, times[1] - started, float(gaps.max()) if len(gaps) else 0.0)
+    return Served(started - origin, times[1] - started, float(gaps.max()) if len(gaps) else 0.0,
+                  len(times) - 1, times[-1] - started)
 
 
 async def _measure(engine, args: argparse.Namespace, origin: float) -> tuple[int, list[Served], list[Served], float]:
@@ -77,11 +83,25 @@ async def _measure(engine, args: argparse.Namespace, origin: float) -> tuple[int
     return left, during, after, warm[0]
 
 
+def stream_rate(served: list[Served]) -> float:
+    """A stream's output tokens/s over a phase: its requests' tokens over their seconds (a client
+    sends the next request as one ends, so this is its rate through the phase)."""
+    return sum(s.tokens for s in served) / sum(s.seconds for s in served)
+
+
 def _line(name: str, served: list[Served]) -> str:
     ttft = [s.ttft_s * 1e3 for s in served]
     gaps = [s.max_gap_s * 1e3 for s in served]
     return (f"{name}: {len(served)} requests; TTFT median {statistics.median(ttft):.0f} ms, max {max(ttft):.0f} ms; "
-            f"largest gap between tokens median {statistics.median(gaps):.0f} ms, max {max(gaps):.0f} ms")
+            f"largest gap between tokens median {statistics.median(gaps):.0f} ms, max {max(gaps):.0f} ms; "
+            f"{stream_rate(served):.1f} output tokens/s a stream")
+
+
+def comparison(during: list[Served], after: list[Served]) -> str:
+    """The warm-up's figures over the warm engine's: TTFT median and a stream's output rate."""
+    ttft = statistics.median(s.ttft_s for s in during) / statistics.median(s.ttft_s for s in after)
+    return (f"during the warm-up / after it: TTFT median {ttft:.2f}x, output tokens/s a stream "
+            f"{stream_rate(during) / stream_rate(after):.2f}x")
 
 
 def main() -> None:
@@ -91,22 +111,30 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=1, help="clients, each one request at a time")
     parser.add_argument("--after", type=int, default=8, help="requests per client once the warm-up is done")
+    parser.add_argument("--empty-cache", action="store_true",
+                        help="an empty compilation cache (a temporary directory) instead of the deploy file's")
     args = parser.parse_args()
 
     from raylm.workers.engine.async_engine import AsyncEngine
 
     config = load_deploy_config(args.config)
-    started = time.monotonic()
-    engine = AsyncEngine.from_model(config.model.name, **dataclasses.asdict(config.engine_args()))
-    built = time.monotonic()
-    try:
-        left, during, after, warm_s = asyncio.run(_measure(engine, args, built))
-    finally:
-        engine.shutdown()
-    print(f"engine built in {built - started:.1f} s with {left} programs left to warm up; warm-up done "
-          f"{warm_s:.1f} s later")
+    engine_args = dataclasses.asdict(config.engine_args())
+    with tempfile.TemporaryDirectory(prefix="raylm-empty-cache-") as empty:
+        if args.empty_cache:
+            engine_args["compilation_cache_dir"] = empty
+        started = time.monotonic()
+        engine = AsyncEngine.from_model(config.model.name, **engine_args)
+        built = time.monotonic()
+        try:
+            left, during, after, warm_s = asyncio.run(_measure(engine, args, built))
+        finally:
+            engine.shutdown()
+    cache = "an empty" if args.empty_cache else "the deploy file's"
+    print(f"engine built in {built - started:.1f} s ({cache} compilation cache) with {left} programs left to "
+          f"warm up; warm-up done {warm_s:.1f} s later")
     print(_line("during the warm-up", during))
     print(_line("after it", after))
+    print(comparison(during, after))
 
 
 if __name__ == "__main__":
