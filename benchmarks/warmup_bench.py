@@ -47,11 +47,13 @@ class Served:
 async def _one(engine, prompt: list[int], params, request_id: str, origin: float) -> Served:
     started = time.monotonic()
     times = [started]
-    async for _ in engine.generate(prompt, params, request_id):
+    tokens = 0
+    async for output in engine.generate(prompt, params, request_id):  # (a multi-step decode streams several)
         times.append(time.monotonic())
+        tokens = len(output.outputs[0].token_ids)
     gaps = np.diff(times[1:])
     return Served(started - origin, times[1] - started, float(gaps.max()) if len(gaps) else 0.0,
-                  len(times) - 1, times[-1] - started)
+                  tokens, times[-1] - started)
 
 
 async def _measure(engine, args: argparse.Namespace, origin: float) -> tuple[int, list[Served], list[Served], float]:
@@ -76,10 +78,15 @@ async def _measure(engine, args: argparse.Namespace, origin: float) -> tuple[int
                     return
             else:
                 during.append(served)
-                if not warm and (await engine.stats()).warmup_programs_left == 0:
-                    warm.append(time.monotonic() - origin)
 
-    await asyncio.gather(*(client(i) for i in range(args.concurrency)))
+    async def watch() -> None:
+        """Note when the warm-up ends. Not in the clients' loop: a stats call waits while the
+        engine thread compiles, and a client waiting on it sends no request."""
+        while (await engine.stats()).warmup_programs_left:
+            await asyncio.sleep(0.2)
+        warm.append(time.monotonic() - origin)
+
+    await asyncio.gather(watch(), *(client(i) for i in range(args.concurrency)))
     return left, during, after, warm[0]
 
 
