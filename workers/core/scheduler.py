@@ -177,7 +177,7 @@ class Scheduler:
             self.config.enable_chunked_prefill or num_tokens == seq.num_uncomputed_tokens or seq.num_preemptions > 0
         )
 
-    def _count_first_admission(self, seq: Sequence, lookup: PrefixLookup) -> None:
+    def _count_first_admission(self, seq: Sequence, lookup: PrefixLookup | None) -> None:
         """Record the prefix hit of a sequence's first admission, once: in the pool's hit stats
         (failed admission attempts before it and re-admissions after a preemption do not
         count) and as its ``num_cached_tokens``, which then counts prompt tokens only (the
@@ -185,11 +185,12 @@ class Scheduler:
         prefix-cache counters do: every prompt token is looked up, so a prompt shorter than a
         block counts too. (A sequence loading from an offload tier is counted as its load starts; its
         ``num_cached_tokens`` becomes what it holds at admission: pool hits and loaded blocks.)"""
-        if seq.prefix_counted:
-            return
-        seq.prefix_counted = True
-        seq.num_cached_tokens = lookup.hit_blocks * self.blocks.block_size
-        self.blocks.pool.record_prefix_lookup(seq.num_tokens, seq.num_cached_tokens)
+        if lookup is not None and not seq.prefix_counted:
+            seq.prefix_counted = True
+            seq.num_cached_tokens = lookup.hit_blocks * self.blocks.block_size
+            self.blocks.pool.record_prefix_lookup(seq.num_tokens, seq.num_cached_tokens)
+        if seq.kv_queried:  # what it holds uncomputed, each block once however often it was loaded
+            seq.num_cached_tokens = seq.num_computed_tokens
 
     def schedule(self, in_flight: Collection[int] = (), max_rows: int | None = None) -> SchedulerOutput:
         """Plan a step. A pipeline keeps several plans in flight (workers/pipeline/micro_batches.py):
@@ -288,10 +289,8 @@ class Scheduler:
                 self._release_lora(seq)
                 break
             self.blocks.grow(seq, want)
-            if lookup is not None and seq.num_preemptions == 0:
+            if seq.num_preemptions == 0:
                 self._count_first_admission(seq, lookup)
-            if seq.kv_queried and seq.num_preemptions == 0:  # it holds pool hits and loaded blocks, uncomputed
-                seq.num_cached_tokens = seq.num_computed_tokens
             admitted.append(seq)
             self.chunk_capped |= capped
             budget -= want
