@@ -13,8 +13,11 @@ time to first token and gap between two tokens of one stream (a compile on the e
 of its length), and a stream's output tokens/s: the first minutes' rate against the warm one.
 ``--empty-cache`` builds it with an empty compilation cache (a temporary directory), as a
 machine's first start does; without it, run it twice to measure with a warm cache.
+``--on-engine-thread`` compiles the warm-up on the engine thread between steps, as a runner that
+cannot compile beside its steps does (a multi-host leader, a pipeline): the baseline of the
+compile thread.
 
-    python -m raylm.benchmarks.warmup_bench [--config deploy/default.yaml] [--empty-cache]
+    python -m raylm.benchmarks.warmup_bench [--config deploy/default.yaml] [--empty-cache] [--on-engine-thread]
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ async def _measure(engine, args: argparse.Namespace, origin: float) -> tuple[int
 
     async def watch() -> None:
         """Note when the warm-up ends. Not in the clients' loop: a stats call waits while the
-        engine thread compiles, and a client waiting on it sends no request."""
+        engine thread compiles (``--on-engine-thread``), and a client waiting on it sends no request."""
         while (await engine.stats()).warmup_programs_left:
             await asyncio.sleep(0.2)
         warm.append(time.monotonic() - origin)
@@ -120,9 +123,14 @@ def main() -> None:
     parser.add_argument("--after", type=int, default=8, help="requests per client once the warm-up is done")
     parser.add_argument("--empty-cache", action="store_true",
                         help="an empty compilation cache (a temporary directory) instead of the deploy file's")
+    parser.add_argument("--on-engine-thread", action="store_true",
+                        help="compile the warm-up on the engine thread between steps, not on a thread of its own")
     args = parser.parse_args()
 
     from raylm.workers.engine.async_engine import AsyncEngine
+    from raylm.workers.runner.model_runner import ModelRunner
+
+    ModelRunner.compiles_off_thread = not args.on_engine_thread
 
     config = load_deploy_config(args.config)
     engine_args = dataclasses.asdict(config.engine_args())
@@ -137,8 +145,9 @@ def main() -> None:
         finally:
             engine.shutdown()
     cache = "an empty" if args.empty_cache else "the deploy file's"
+    where = "the engine thread" if args.on_engine_thread else "a compile thread"
     print(f"engine built in {built - started:.1f} s ({cache} compilation cache) with {left} programs left to "
-          f"warm up; warm-up done {warm_s:.1f} s later")
+          f"warm up on {where}; warm-up done {warm_s:.1f} s later")
     print(_line("during the warm-up", during))
     print(_line("after it", after))
     print(comparison(during, after))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
+import jax
 import numpy as np
 import pytest
 
@@ -143,11 +145,13 @@ def test_a_warming_engine_runs_long_prompts_in_the_chunks_it_has_compiled(tiny_g
     assert tokens == list(alone.outputs[0].token_ids)
 
 
-def test_a_served_engine_compiles_the_chunk_a_running_prompt_waits_for(tiny_gqa_model):
-    """Under steady load the background warm-up never finds the engine idle: a step that held a
+def test_an_engine_thread_that_warms_up_compiles_the_chunk_a_running_prompt_waits_for(tiny_gqa_model):
+    """A runner that cannot compile beside its steps (a multi-host leader, a pipeline) warms up on
+    the engine thread. Under steady load that never finds the engine idle: a step that held a
     prompt to the compiled chunks is followed by the next program's compile, requests running."""
     args = dict(max_model_len=512, num_kv_blocks=120, max_num_seqs=8, max_num_batched_tokens=256)
     llm_engine = LLMEngine(tiny_gqa_model, EngineArgs(warmup=True, **args), background_warmup=True)
+    llm_engine.runner.compiles_off_thread = False
     compiled = []  # what compiled while a request ran
     warm_up_next = llm_engine.warm_up_next
 
@@ -169,3 +173,90 @@ def test_a_served_engine_compiles_the_chunk_a_running_prompt_waits_for(tiny_gqa_
     outputs = asyncio.run(main())
     assert len(outputs[-1].outputs[0].token_ids) == 4
     assert compiled == [("packed", (128,)), ("packed", (256,))]  # after the 64- and the 128-token chunk
+
+
+@pytest.fixture
+def compiling_threads():
+    """The thread each program was compiled (or read back from the compilation cache) on."""
+    threads: list[str] = []
+
+    def listener(name: str, *_args, **_kwargs) -> None:
+        if name in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec"):
+            threads.append(threading.current_thread().name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield threads
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _serve_while_warming(llm_engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
+    """Each prompt's tokens, served one after another by an AsyncEngine over ``llm_engine`` from
+    the moment it is built, then once more after its warm-up is done; and the programs it had left."""
+
+    async def generate(engine, indices):
+        return [[o async for o in engine.generate(prompts[i], params, f"r{i}-{n}")][-1].outputs[0].token_ids
+                for n, i in enumerate(indices)]
+
+    async def main():
+        left = len(llm_engine.warmup_pending)
+        engine = AsyncEngine(llm_engine)
+        try:
+            during = await generate(engine, range(len(prompts)))
+            for _ in range(6000):  # up to 5 minutes on a loaded machine
+                if (await engine.stats()).warmup_programs_left == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return left, during, await generate(engine, range(len(prompts)))
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_a_served_engine_compiles_its_warm_up_on_a_thread_beside_the_steps(tiny_gqa_model, compiling_threads):
+    """The engine thread steps requests while another thread compiles what the warm-up left: it
+    compiles nothing itself (each program the compile thread made is the one its launch meets),
+    long prompts run in the chunks compiled so far, and the tokens are an unwarmed engine's."""
+    args = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    rng = np.random.RandomState(4)
+    prompts = [rng.randint(3, 320, size=n).tolist() for n in (200, 7, 130, 64, 1)]
+    expected = [o.outputs[0].token_ids for o in LLM(tiny_gqa_model, num_kv_blocks=120, **args).generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy)]
+
+    # A pool of its own size: programs no other engine in this process compiled.
+    llm_engine = LLMEngine(tiny_gqa_model, EngineArgs(warmup=True, num_kv_blocks=117, **args), background_warmup=True)
+    compiling_threads.clear()
+    left, during, after = _serve_while_warming(llm_engine, prompts, greedy)
+    assert left > 0 and llm_engine.warmup_pending == []
+    assert during == expected and after == expected
+    assert len(compiling_threads) >= left and set(compiling_threads) == {"raylm-compile"}
+
+
+def test_a_failed_background_compile_ends_the_warm_up_and_the_engine_serves_on(tiny_gqa_model, monkeypatch,
+                                                                               caplog):
+    """A compile that fails on the compile thread is logged and ends the warm-up: prompt chunks
+    are no longer held to the compiled buckets, what was left compiles on first use, and requests
+    get an unwarmed engine's tokens."""
+    args = dict(max_model_len=512, num_kv_blocks=120, max_num_seqs=8, max_num_batched_tokens=256)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [np.random.RandomState(5).randint(3, 320, size=200).tolist()]
+    expected = [o.outputs[0].token_ids for o in LLM(tiny_gqa_model, **args).generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy)]
+    llm_engine = LLMEngine(tiny_gqa_model, EngineArgs(warmup=True, **args), background_warmup=True)
+    compile_one = llm_engine.runner.compile
+    failing = llm_engine.warmup_pending[1]
+
+    def compile_or_fail(num_scheduler_steps, shape):
+        if shape == failing:
+            raise RuntimeError("out of memory while compiling")
+        compile_one(num_scheduler_steps, shape)
+
+    monkeypatch.setattr(llm_engine.runner, "compile", compile_or_fail)
+    _, during, after = _serve_while_warming(llm_engine, prompts, greedy)
+    assert llm_engine.warmup_pending == [] and llm_engine.scheduler.chunk_cap is None
+    assert llm_engine.runner.packed_unavailable == frozenset()
+    assert during == expected and after == expected
+    assert any("background warm-up failed" in r.getMessage() and r.exc_info for r in caplog.records)

@@ -5,6 +5,7 @@ finished hidden-state capture, which it asks for once (``ModelRunner.read_hidden
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
@@ -33,3 +34,6 @@ class RunnerOutput:
     # Known tokens before the last one whose K/V the draft model has not computed, per sequence
     # it ran for (workers/runner/speculative_step.py).
     draft_lags: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+Collect = Callable[[RunnerOutput], None]  # fetches a launched program's results into the step's output

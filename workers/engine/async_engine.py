@@ -7,10 +7,12 @@ the engine is shut down, the thread dies) every caller's future is resolved and 
 stream ends: nobody waits forever on an engine that will never answer.
 
 A served engine warms up in the background (``LLMEngine(background_warmup=True)``): it compiles
-the programs a request alone takes before it is constructed, and the rest one at a time while
-it has nothing to step, so a new or replacement replica serves seconds sooner. Until its
-larger prompt programs are compiled, prompts run in the chunks compiled so far; a step that held
-a prompt to them is followed by the next one's compile, so steady load cannot keep them small.
+the programs a request alone takes before it is constructed, and a compile thread the rest while
+it steps (``workers/engine/background_compile.py``), so a new or replacement replica serves
+seconds sooner and at full speed. Until its larger prompt programs are compiled, prompts run in
+the chunks compiled so far. A runner that cannot compile beside its steps (a multi-host leader, a
+pipeline) compiles them on the engine thread, one whenever it has nothing to step, and after a
+step that held a prompt to the compiled chunks, so steady load cannot keep them small.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from raylm.workers.core.grammar import GrammarError
 from raylm.workers.core.lora_adapters import LoRARequest
 from raylm.workers.core.request_output import CompletionOutput, RequestOutput
 from raylm.workers.core.sampling_params import BeamSearchParams, SamplingParams
+from raylm.workers.engine.background_compile import BackgroundCompile
 from raylm.workers.engine.beam_search import BeamSearch
 from raylm.workers.engine.engine_commands import (
     Abort,
     AbortAll,
     Add,
     Command,
+    Compiled,
     Reply,
     RunInEngine,
     Shutdown,
@@ -52,6 +56,7 @@ T = TypeVar("T")
 logger = logging.getLogger("ray.serve")
 
 IDLE_WAIT_S = 1.0  # an idle engine thread re-checks that it should keep running this often
+COMPILE_STOP_WAIT_S = 30.0  # a shut-down engine waits this long for a background compile under way
 
 
 class EngineShutdownError(RuntimeError):
@@ -81,6 +86,9 @@ class AsyncEngine:
         self.step_started: float | None = None
         self.error: BaseException | None = None
         self.step_observer: Callable[[int, float], None] | None = None  # (tokens, seconds) per step
+        self._compiler = None if not (llm_engine.warmup_pending and llm_engine.runner.compiles_off_thread) else \
+            BackgroundCompile(llm_engine.runner, llm_engine.args.num_scheduler_steps, llm_engine.warmup_pending,
+                              self._submit)
         self._thread = threading.Thread(target=self._loop, name="raylm-engine", daemon=True)
         self._thread.start()
 
@@ -98,9 +106,9 @@ class AsyncEngine:
                 self._run_commands()
                 if self._running and self.llm_engine.has_unfinished_requests():
                     self._step()
-                    if self._running and self.llm_engine.chunks_wait_for_compile:
+                    if self._running and self._compiler is None and self.llm_engine.chunks_wait_for_compile:
                         self._warm_up_next()  # the larger prompt program a running prompt waits for
-                elif self._running and self.llm_engine.warmup_pending:
+                elif self._running and self._warms_up_here:
                     self._warm_up_next()
         except BaseException as err:  # a bug in the loop itself: say so, and fail every caller below
             logger.exception("the engine thread died")
@@ -108,12 +116,14 @@ class AsyncEngine:
             reason = f"the engine thread died: {err!r}"
         finally:
             self._close(reason)
+            if self._compiler is not None:
+                self._compiler.stop(COMPILE_STOP_WAIT_S)
             self.llm_engine.close()  # on this thread: no step is using the offload tiers now
 
     def _run_commands(self) -> None:
         """Run the queued commands; with nothing to step, wait for one first."""
         try:
-            if not (self.llm_engine.has_unfinished_requests() or self.llm_engine.warmup_pending):
+            if not (self.llm_engine.has_unfinished_requests() or self._warms_up_here):
                 self._dispatch(self._commands.get(timeout=IDLE_WAIT_S))
             while self._running:
                 self._dispatch(self._commands.get_nowait())
@@ -153,11 +163,21 @@ class AsyncEngine:
                 return len(request_ids)
             case RunInEngine(fn):
                 return fn(self.llm_engine)
+            case Compiled(shape, None):
+                self.llm_engine.compiled(shape)
+            case Compiled(shape, error):
+                logger.error("background warm-up failed at %s; %d program(s) left to compile on first use", shape,
+                             len(self.llm_engine.warmup_pending), exc_info=error)
+                self.llm_engine.end_warmup()
             case Shutdown():
                 self._running = False
                 for request_id in list(self.llm_engine.requests):
                     self.llm_engine.abort(request_id)
         return None
+
+    @property
+    def _warms_up_here(self) -> bool:  # the engine thread compiles what the warm-up left (no compile thread)
+        return self._compiler is None and bool(self.llm_engine.warmup_pending)
 
     def _warm_up_next(self) -> None:
         """Compile one program the background warm-up left; a failure is logged and ends it

@@ -96,10 +96,20 @@ class RunInEngine:
 
 
 @dataclasses.dataclass
+class Compiled:
+    """The compile thread (``workers/engine/background_compile.py``) compiled ``shape``'s program,
+    or failed to (``error``: the warm-up ends there, and what it left compiles on first use)."""
+
+    shape: tuple[str, tuple[int, ...]]
+    error: Exception | None = None
+    reply: None = None
+
+
+@dataclasses.dataclass
 class Shutdown:
     """Free every request's blocks and stop the thread; always the last command queued."""
 
     reply: None = None
 
 
-Command = Add | Abort | AbortAll | RunInEngine | Shutdown
+Command = Add | Abort | AbortAll | RunInEngine | Compiled | Shutdown

@@ -81,10 +81,9 @@ class LLMEngine:
                                         activation_quantization="int8")
         self.model = model
         self.args = args
-        self.config = model.config
         self.tokenizer = model.tokenizer
-        self.max_model_len = args.resolve_max_model_len(self.config.max_position_embeddings)
-        self.config = self.config.served_at(self.max_model_len)
+        self.max_model_len = args.resolve_max_model_len(model.config.max_position_embeddings)
+        self.config = model.config.served_at(self.max_model_len)
         self.eos_ids = frozenset(self.config.eos_token_ids)
         if args.compilation_cache_dir:
             enable_compilation_cache(args.compilation_cache_dir)
@@ -116,9 +115,8 @@ class LLMEngine:
         self.draft_model = draft
         self.runner = build_runner(model, self.config, args, self.max_model_len, self.eos_ids,
                                    (num_blocks, sliding_blocks), kv_dtype, draft, self.runner_type)
-        # Warm-up: every bucket now, or with ``background_warmup`` the ones a request alone takes
-        # now and the rest by ``warm_up_next`` while the engine idles (a server that starts
-        # serving sooner; AsyncEngine does this).
+        # Warm-up: every bucket now, or with ``background_warmup`` the ones a request alone takes now
+        # and the rest later (a server that serves sooner: AsyncEngine compiles them beside the steps).
         self.warmup_pending: list[tuple[str, tuple[int, ...]]] = []
         if args.warmup:
             shapes = self.runner.warmup_shapes(args.num_scheduler_steps)
@@ -254,8 +252,12 @@ class LLMEngine:
 
     def warm_up_next(self) -> None:
         """Compile the next program ``background_warmup`` left (a fraction of a second)."""
-        shape = self.warmup_pending.pop(0)
-        self.runner.warmup(self.args.num_scheduler_steps, [shape])
+        self.runner.warmup(self.args.num_scheduler_steps, self.warmup_pending[:1])
+        self.compiled(self.warmup_pending[0])
+
+    def compiled(self, shape: tuple[str, tuple[int, ...]]) -> None:
+        """``shape``'s program is compiled (here, or by ``AsyncEngine``'s compile thread): steps may launch it."""
+        self.warmup_pending = [pending for pending in self.warmup_pending if pending != shape]
         self._limit_chunks_to_compiled()
 
     def end_warmup(self) -> None:
@@ -413,10 +415,8 @@ class LLMEngine:
         if load is None:
             return None
         self.routed_tokens += load
-        config, args = self.config, self.args
-        return MoeStats(args.expert_parallel_size, args.tensor_parallel_size, config.moe.num_experts,
-                        config.moe_layers,
-                        tuple(tuple(int(n) for n in layer) for layer in self.routed_tokens))
+        return MoeStats(self.args.expert_parallel_size, self.args.tensor_parallel_size, self.config.moe.num_experts,
+                        self.config.moe_layers, tuple(tuple(int(n) for n in layer) for layer in self.routed_tokens))
 
     def _lora_stats(self) -> LoraStats | None:
         slots = self.scheduler.lora_slots

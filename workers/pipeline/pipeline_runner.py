@@ -112,6 +112,8 @@ class InFlight:
 class PipelineRunner:
     """Stages before the last (``stages``) and the last (``last``, this process's)."""
 
+    compiles_off_thread = False  # (the stages warm up by launching: ``warmup``)
+
     def __init__(self, stages: list[StageHandle], last: LastStageRunner, last_span: StageSpan):
         self.stages, self.last, self.last_span = stages, last, last_span
         self.buckets, self.cpu_kernels, self.block_size = last.buckets, last.cpu_kernels, last.block_size

@@ -30,9 +30,9 @@ import numpy as np
 
 from raylm.workers.core.sampling_params import SamplingParams
 from raylm.workers.core.step_plan import ScheduledChunk, ScheduledDecode, ScheduledRow, SchedulerOutput
-from raylm.workers.core.step_result import RunnerOutput
+from raylm.workers.core.step_result import Collect, RunnerOutput
 from raylm.workers.runner.batch_inputs import decode_inputs, lora_slots, packed_prefill_inputs, prefill_inputs
-from raylm.workers.runner.model_runner import Collect, ModelRunner
+from raylm.workers.runner.model_runner import ModelRunner
 from raylm.workers.runner.programs import stage_program
 
 _NO_SAMPLING = SamplingParams()

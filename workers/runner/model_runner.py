@@ -7,7 +7,8 @@ compiled program is launched.
 site. Steps launch the buckets their rows take (``workers/runner/batch_inputs.py`` pads them);
 ``warmup`` launches every bucket with no rows, which compiles exactly the programs steps run
 (padding writes only to the null block), and the persistent compilation cache keeps them
-across restarts.
+across restarts. ``compile`` compiles one such launch's program without running it, from
+another thread while steps run (a served engine's background warm-up).
 
 A step's programs (prefill groups, then the decode) are all dispatched before any result is
 fetched: JAX runs them back to back on the device while the host waits once, so running
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 from typing import Any, Callable, Iterable
 
 import jax
@@ -41,7 +43,7 @@ from raylm.model.runtime.sharding import shard_params
 from raylm.workers.core.hidden_states import HiddenStateCapture
 from raylm.workers.core.speculation import SpeculativeConfig
 from raylm.workers.core.step_plan import ScheduledChunk, ScheduledDecode, ScheduledRow, SchedulerOutput
-from raylm.workers.core.step_result import PooledChunk, RunnerOutput
+from raylm.workers.core.step_result import Collect, PooledChunk, RunnerOutput
 from raylm.workers.runner.batch_inputs import (
     ShapeBuckets,
     block_table,
@@ -55,7 +57,6 @@ from raylm.workers.runner.batch_inputs import (
     sampling_inputs,
 )
 from raylm.workers.runner.expert_load import ExpertLoad
-from raylm.workers.runner.grammar_masks import position_bitmasks
 from raylm.workers.runner.logits_processing import Processing, processing
 from raylm.workers.runner.lora_slots import LoraSlots
 from raylm.workers.runner.platform_kernels import cpu_kernels_run, gpu_kernels_run
@@ -67,23 +68,19 @@ from raylm.workers.runner.programs import (
     read_hidden,
 )
 from raylm.workers.runner.sampler import SampleResult, result_row
-from raylm.workers.runner.speculative_step import (
-    DraftModel,
-    assert_room_for_guesses,
-    check_draft_guesses,
-    draft_program,
-    ngram_proposals,
-    spec_decode_program,
-    window_inputs,
-)
+from raylm.workers.runner.speculative_launch import SpeculativeLaunch
+from raylm.workers.runner.speculative_step import DraftModel
 from raylm.workers.runner.warmup_order import compiled_first, first_packed_bucket, warmup_order
 
 logger = logging.getLogger(__name__)
 
-Collect = Callable[[RunnerOutput], None]  # fetches a launched program's results into the step's output
+
+class _Compiled(Exception):
+    """Ends a launch inside ``ModelRunner.compile`` once its program is compiled: nothing after
+    the program's call (the pools it would return) may touch the runner from that thread."""
 
 
-class ModelRunner:
+class ModelRunner(SpeculativeLaunch):
     """Owns the weights and the device KV pools of one replica and executes scheduler output."""
 
     def __init__(
@@ -130,6 +127,7 @@ class ModelRunner:
         # Packed prompt buckets a step must not launch (their programs wait in a served engine's
         # background warm-up): set by the engine.
         self.packed_unavailable: frozenset[int] = frozenset()
+        self._compiling = threading.local()  # ``active`` on a thread inside ``compile``
 
     # -- the programs -----------------------------------------------------------------------------
     def _program_kinds(self, num_scheduler_steps: int) -> dict[str, tuple[list[tuple[int, ...]], Callable]]:
@@ -183,6 +181,30 @@ class ModelRunner:
         if lora_slots and self.lora is not None:
             self.lora.load(1, None)
 
+    compiles_off_thread = True  # ``compile`` may run beside steps (a multi-host leader's launches must not)
+
+    def compile(self, num_scheduler_steps: int, shape: tuple[str, tuple[int, ...]]) -> None:
+        """Compile the program ``warmup`` would launch for ``shape`` without running it: safe on
+        another thread while this one steps (it only reads the pools' shapes, even donated ones),
+        and JAX keeps the program for the launch that meets the same arguments."""
+        kind, dims = shape
+        self._compiling.active = True
+        try:
+            self._program_kinds(num_scheduler_steps)[kind][1]([], *dims)
+        except _Compiled:
+            return
+        finally:
+            self._compiling.active = False
+        raise AssertionError(f"launching {shape} called no program")
+
+    def _run(self, program: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Where a launch calls its program; inside ``compile``, compile it for these arguments and
+        end the launch (``_Compiled``)."""
+        if getattr(self._compiling, "active", False):
+            program.lower(*args, **kwargs).compile()
+            raise _Compiled
+        return program(*args, **kwargs)
+
     # -- a step -----------------------------------------------------------------------------------
     max_in_flight = 1  # plans the engine may start before it finishes one (a pipeline's: one per stage)
 
@@ -221,19 +243,19 @@ class ModelRunner:
 
     def _launch_copy(self, copies: list[tuple[int, int]], n: int, group: int = 0) -> None:
         """Copy blocks (copy-on-write) of KV group ``group`` in its pool, and in a draft model's
-        (which reads the full-attention group's table), padded to ``n`` with null-block self
-        copies so the program count stays logarithmic."""
+        (which reads the full-attention group's table) in the same program, padded to ``n`` with
+        null-block self copies so the program count stays logarithmic."""
         src, dst = np.zeros(n, np.int32), np.zeros(n, np.int32)
         if copies:
             src[: len(copies)], dst[: len(copies)] = zip(*copies)
-        if isinstance(self.kv, GroupedKV):
-            name = self.kv._fields[group]
-            copied = copy_blocks_program(getattr(self.kv, name), src, dst, cpu_kernels=self.cpu_kernels)
-            self.kv = self.kv._replace(**{name: copied})
-        else:
-            self.kv = copy_blocks_program(self.kv, src, dst, cpu_kernels=self.cpu_kernels)
+        name = self.kv._fields[group] if isinstance(self.kv, GroupedKV) else None
+        pools = (self.kv if name is None else getattr(self.kv, name),)
         if self.draft is not None and group == 0:
-            self.draft.kv = copy_blocks_program(self.draft.kv, src, dst, cpu_kernels=self.cpu_kernels)
+            pools += (self.draft.kv,)
+        copied = self._run(copy_blocks_program, pools, src, dst, cpu_kernels=self.cpu_kernels)
+        self.kv = copied[0] if name is None else self.kv._replace(**{name: copied[0]})
+        if len(copied) > 1:
+            self.draft.kv = copied[1]
 
     def _lora(self, slots: np.ndarray) -> dict[str, Any]:
         """A program's ``lora`` argument (slots, each row's slot); none when LoRA is off (None: another signature)."""
@@ -245,8 +267,8 @@ class ModelRunner:
         tokens, positions, token_rows, last_tokens = packed_prefill_inputs(chunks, num_tokens, rows)
         sbatch, flags = self._sampling(seqs, rows)
         token_seqs = [seqs[r] if p >= 0 else None for r, p in zip(token_rows, positions)]
-        result, self.kv, draft_kv, pooled, hidden, logits, load = packed_prefill_program(
-            self.params, self.kv, *self._draft_args, tokens, positions, token_rows,
+        result, self.kv, draft_kv, pooled, hidden, logits, load = self._run(
+            packed_prefill_program, self.params, self.kv, *self._draft_args, tokens, positions, token_rows,
             self._tables(seqs, rows, self.buckets.max_width), last_tokens, sbatch, config=self.config,
             draft_config=self._draft_config, **flags, **pooling_args(chunks, rows, token_rows),
             **self._hidden_sink(token_seqs, positions[:, None]), **logits_flag(seqs),
@@ -260,9 +282,10 @@ class ModelRunner:
         seqs = [c.row for c in chunks]
         tokens, positions, context = prefill_inputs(chunks, rows, length)
         sbatch, flags = self._sampling(seqs, rows)
-        result, self.kv, draft_kv, pooled, hidden, logits, load = prefill_program(
-            self.params, self.kv, *self._draft_args, tokens, positions, self._tables(seqs, rows, width), context,
-            sbatch, config=self.config, draft_config=self._draft_config, gpu_kernels=self.gpu_kernels, **flags,
+        result, self.kv, draft_kv, pooled, hidden, logits, load = self._run(
+            prefill_program, self.params, self.kv, *self._draft_args, tokens, positions,
+            self._tables(seqs, rows, width), context, sbatch, config=self.config, draft_config=self._draft_config,
+            gpu_kernels=self.gpu_kernels, **flags,
             **pooling_args(chunks, rows, np.arange(rows)[:, None].repeat(length, 1)),
             **self._hidden_sink(seqs, positions), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
             **self._expert_load(), **self._stage_input((rows, length)),
@@ -292,32 +315,15 @@ class ModelRunner:
 
         return collect
 
-    def _launch_decode_step(self, decodes: list[ScheduledDecode], num_steps: int) -> Collect:
-        """A plain decode, or a speculative one: a draft model's pool must see every token the
-        target computes, so with one every decode goes through the speculative program (zero
-        guesses when the scheduler allowed none); n-gram rows without a match decode plainly."""
-        rows, width = self.buckets.rows(len(decodes)), self.buckets.width([d.row for d in decodes])
-        if self.speculative is None:
-            return self._launch_decode(decodes, rows, width, num_steps)
-        for decode in decodes:
-            assert_room_for_guesses(decode, self.block_size)
-        num_guesses, proposals = [d.guesses for d in decodes], None
-        if self.draft is None:
-            proposals = ngram_proposals(decodes, self.speculative)
-            if not any(proposals):
-                return self._launch_decode(decodes, rows, width, 1)
-            num_guesses = [min(k, len(p)) for k, p in zip(num_guesses, proposals)]
-        K = self.speculative.num_speculative_tokens if any(num_guesses) else 0
-        return self._launch_spec(decodes, rows, width, K, num_guesses, proposals)
-
     def _launch_decode(self, decodes: list[ScheduledDecode], rows: int, width: int, num_steps: int) -> Collect:
         """``num_steps`` tokens for each row (fewer where its blocks end)."""
         seqs = [d.row for d in decodes]
         tokens, positions, limits = decode_inputs(decodes, rows, num_steps, self.block_size)
         sbatch, flags = self._sampling(seqs, rows)
-        results, self.kv, hidden, logits, load = decode_program(
-            self.params, self.kv, tokens, positions, self._tables(seqs, rows, width), limits, sbatch,
-            config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels, gpu_kernels=self.gpu_kernels, **flags,
+        results, self.kv, hidden, logits, load = self._run(
+            decode_program, self.params, self.kv, tokens, positions, self._tables(seqs, rows, width), limits,
+            sbatch, config=self.config, num_steps=num_steps, cpu_kernels=self.cpu_kernels,
+            gpu_kernels=self.gpu_kernels, **flags,
             **self._hidden_sink(seqs, positions[:, None]), **logits_flag(seqs), **self._lora(lora_slots(seqs, rows)),
             **self._expert_load(), **self._stage_input((rows, 1)),
         )
@@ -331,57 +337,6 @@ class ModelRunner:
             for r, seq in enumerate(seqs):
                 if seq.seq_id not in out.processor_failures:
                     out.samples[seq.seq_id] = [result_row(fetched, (i, r)) for i in range(int(limits[r] - positions[r]))]
-
-        return collect
-
-    def _launch_spec(self, decodes: list[ScheduledDecode], rows: int, width: int, num_speculative: int,
-                     num_guesses: list[int] = (), proposals: list[list[int]] | None = None) -> Collect:
-        """A speculative step (``workers/runner/speculative_step.py``): row ``r`` carries ``num_guesses[r]``
-        guesses, ``proposals[r]`` from the host, else the draft model's."""
-        K = num_speculative
-        seqs = [d.row for d in decodes]
-        window_tokens, window_positions = window_inputs(decodes, rows, self.draft is not None)
-        guesses = np.zeros((rows, K), np.int32)
-        num_drafts = np.zeros(rows, np.int32)
-        num_drafts[: len(num_guesses)] = num_guesses
-        for r, proposal in enumerate(proposals or ()):
-            guesses[r, : num_drafts[r]] = proposal[: num_drafts[r]]
-        table = self._tables(seqs, rows, width)
-        drafted = num_drafts.copy()  # what the draft model computes (its lag depends on it)
-        draft_args, draft_config = self._draft_args, self._draft_config
-        constrained = K > 0 and any(s.matcher is not None for s in seqs)
-        if constrained and self.draft is not None:
-            # Structured output rows: the draft proposes alone, the host checks its guesses
-            # against the grammars, and the target verifies what they accept.
-            proposed, self.draft.kv = draft_program(
-                self.draft.params, self.draft.kv, window_tokens, window_positions, num_drafts, table,
-                draft_config=self.draft.config, num_speculative=K, cpu_kernels=self.cpu_kernels,
-            )
-            guesses = np.array(jax.device_get(proposed))
-            check_draft_guesses(seqs, guesses, num_drafts)
-            draft_args, draft_config = (None, None), None
-        bitmasks = position_bitmasks(seqs, rows, self.config.vocab_size, guesses, num_drafts) if constrained else None
-        sbatch, flags = self._sampling(seqs, rows, None if bitmasks is None else bitmasks[0])
-        # Passed only when there are some: an argument given as None is another signature to
-        # jit than one left out, and the warmed-up programs leave it out.
-        masks = {} if bitmasks is None else {"position_bitmasks": bitmasks}
-        samples, accepted, self.kv, draft_kv, load = spec_decode_program(
-            self.params, self.kv, *draft_args, window_tokens, window_positions, guesses, num_drafts, table, sbatch,
-            config=self.config, draft_config=draft_config, num_speculative=K, cpu_kernels=self.cpu_kernels,
-            gpu_kernels=self.gpu_kernels, **masks, **flags, **self._lora(lora_slots(seqs, rows)),
-            **self._expert_load(),
-        )
-        self._keep(draft_kv, None, load)  # (no draft pool back when the draft proposed alone)
-
-        def collect(out: RunnerOutput) -> None:
-            fetched, accepted_host = jax.device_get((samples, accepted))
-            for r, seq in enumerate(seqs):
-                a = int(accepted_host[r])
-                out.accepted[seq.seq_id] = (int(num_drafts[r]), a)
-                # The draft computed the window and its guesses but the last: after a fully
-                # accepted run it is one token behind the target.
-                out.draft_lags[seq.seq_id] = int(self.draft is not None and 0 < drafted[r] == a)
-                out.samples[seq.seq_id] = [result_row(fetched, (j, r)) for j in range(a + 1)]
 
         return collect
 

@@ -90,6 +90,8 @@ def _lean(row: ScheduledRow) -> ScheduledRow:
 class LeaderRunner(ModelRunner):
     """The leader's runner: tells the followers what it launches, then launches it."""
 
+    compiles_off_thread = False  # the followers launch its warm-up in the order of its steps
+
     def __init__(self, relay: Relay, *args, **kwargs):
         self.relay = relay
         super().__init__(*args, **kwargs)

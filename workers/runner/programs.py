@@ -167,7 +167,10 @@ def read_hidden(buffers: jax.Array, slot: jax.Array, layers: jax.Array) -> jax.A
     return buffers[slot][layers]
 
 
-@functools.partial(jax.jit, static_argnames=("cpu_kernels",), donate_argnames=("kv",))
-def copy_blocks_program(kv: KVCache, src: jax.Array, dst: jax.Array, *, cpu_kernels: bool) -> KVCache:
-    """Copy blocks ``src`` to ``dst`` in every layer of one pool (``model.decoder.attention.copy_blocks``)."""
-    return KVCache(copy_blocks(kv.k, src, dst, cpu_kernels), copy_blocks(kv.v, src, dst, cpu_kernels))
+@functools.partial(jax.jit, static_argnames=("cpu_kernels",), donate_argnames=("pools",))
+def copy_blocks_program(pools: tuple[KVCache, ...], src: jax.Array, dst: jax.Array, *,
+                        cpu_kernels: bool) -> tuple[KVCache, ...]:
+    """Copy blocks ``src`` to ``dst`` in every layer of each pool (a model's, and its draft
+    model's: one program; ``model.decoder.attention.copy_blocks``)."""
+    return tuple(KVCache(copy_blocks(kv.k, src, dst, cpu_kernels), copy_blocks(kv.v, src, dst, cpu_kernels))
+                 for kv in pools)
