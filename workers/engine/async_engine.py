@@ -9,7 +9,7 @@ stream ends: nobody waits forever on an engine that will never answer.
 A served engine warms up in the background (``LLMEngine(background_warmup=True)``): it compiles
 the programs a request alone takes before it is constructed, and a compile thread the rest while
 it steps (``workers/engine/background_compile.py``), so a new or replacement replica serves
-seconds sooner and at full speed. Until its larger prompt programs are compiled, prompts run in
+seconds sooner and no request waits for a whole compile. Until its larger prompt programs are compiled, prompts run in
 the chunks compiled so far. A runner that cannot compile beside its steps (a multi-host leader, a
 pipeline) compiles them on the engine thread, one whenever it has nothing to step, and after a
 step that held a prompt to the compiled chunks, so steady load cannot keep them small.

@@ -4,11 +4,11 @@
 built; this thread compiles the rest, in the engine's order (``workers/runner/warmup_order.py``),
 while the engine thread keeps stepping. On the engine thread each of them cost the steps behind
 it the whole compile, about a second even from a warm persistent cache (JAX traces and lowers a
-program to find its cache key), and a single stream made 0.38-0.56x its warm rate in a replica's
-first minute. Here the engine thread only learns what is compiled, through its command queue
-(``Compiled``), and stops holding prompt chunks to the buckets compiled so far. A step that needs
-a program the thread has not reached compiles it itself, as an engine without warm-up does;
-the thread then finds it in JAX's caches.
+program to find its cache key), and a request that came then waited seconds; here the compile
+shares the CPU with the steps instead (docs/performance.md, "Start-up"). The engine thread only
+learns what is compiled, through its command queue (``Compiled``), and stops holding prompt
+chunks to the buckets compiled so far. A step that needs a program the thread has not reached
+compiles it itself, as an engine without warm-up does; the thread then finds it in JAX's caches.
 """
 
 from __future__ import annotations
